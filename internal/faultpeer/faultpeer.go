@@ -1,0 +1,203 @@
+// Package faultpeer provides real upstream peers for tests: servers on
+// loopback that misbehave in the ways the incidents need (never read, read
+// slowly, answer nothing, reset), switchable between connections.
+package faultpeer
+
+import (
+	"context"
+	"crypto/sha256"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Behavior is what the peer does with a connection it accepts. A
+// connection keeps the behaviour current when it was accepted.
+type Behavior int
+
+const (
+	// Echo writes back every byte it reads; on EOF it half-closes.
+	Echo Behavior = iota
+	// NeverRead accepts and never reads: with small buffers the sender's
+	// window closes after a few KiB while the socket stays ESTABLISHED.
+	NeverRead
+	// HashOnEOF reads everything (slowly, if ReadDelay is set) and on EOF
+	// answers the SHA-256 of what it read, then closes.
+	HashOnEOF
+	// ReadNoAnswer reads and discards everything and never writes.
+	ReadNoAnswer
+	// Reset resets the connection (SO_LINGER 0) as soon as it is accepted.
+	Reset
+	// CloseAtOnce closes the connection cleanly (FIN) as soon as it is accepted.
+	CloseAtOnce
+	// HoldAfterEOF reads until EOF and then keeps its side open, silent.
+	HoldAfterEOF
+)
+
+// Server is a fault peer listening on loopback.
+type Server struct {
+	ln        net.Listener
+	behavior  atomic.Int32
+	readDelay atomic.Int64 // pause between reads for HashOnEOF, nanoseconds
+	startHold atomic.Int64 // pause before the first read for HashOnEOF
+	accepted  atomic.Int64
+
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	wg    sync.WaitGroup
+	stop  chan struct{}
+	once  sync.Once
+}
+
+// Options for New.
+type Options struct {
+	// Buffer, when positive, sets SO_RCVBUF and SO_SNDBUF on the listener
+	// (accepted sockets inherit them; the kernel doubles the value).
+	Buffer int
+}
+
+// New starts a peer with the given initial behaviour; it is closed when the
+// test ends.
+func New(t testing.TB, b Behavior, o Options) *Server {
+	t.Helper()
+	lc := net.ListenConfig{}
+	if o.Buffer > 0 {
+		lc.Control = func(_, _ string, c syscall.RawConn) error {
+			var serr error
+			err := c.Control(func(fd uintptr) {
+				if serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, o.Buffer); serr == nil {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF, o.Buffer)
+				}
+			})
+			if err != nil {
+				return err
+			}
+			return serr
+		}
+	}
+	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("faultpeer: listen: %v", err)
+	}
+	s := &Server{ln: ln, conns: make(map[net.Conn]struct{}), stop: make(chan struct{})}
+	s.behavior.Store(int32(b))
+	s.wg.Add(1)
+	go s.acceptLoop()
+	t.Cleanup(s.Close)
+	return s
+}
+
+// Addr is the peer's address.
+func (s *Server) Addr() string { return s.ln.Addr().String() }
+
+// Set changes the behaviour for connections accepted from now on.
+func (s *Server) Set(b Behavior) { s.behavior.Store(int32(b)) }
+
+// SetReadDelay makes HashOnEOF connections pause before the first read
+// (hold) and between reads (each).
+func (s *Server) SetReadDelay(hold, each time.Duration) {
+	s.startHold.Store(int64(hold))
+	s.readDelay.Store(int64(each))
+}
+
+// Accepted is the number of connections accepted so far.
+func (s *Server) Accepted() int64 { return s.accepted.Load() }
+
+// Close stops the peer and closes every connection.
+func (s *Server) Close() {
+	s.once.Do(func() {
+		close(s.stop)
+		_ = s.ln.Close()
+		s.mu.Lock()
+		for c := range s.conns {
+			_ = c.Close()
+		}
+		s.mu.Unlock()
+		s.wg.Wait()
+	})
+}
+
+func (s *Server) acceptLoop() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			return
+		}
+		s.accepted.Add(1)
+		s.mu.Lock()
+		select {
+		case <-s.stop:
+			s.mu.Unlock()
+			_ = c.Close()
+			return
+		default:
+		}
+		s.conns[c] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go s.serveConn(c.(*net.TCPConn), Behavior(s.behavior.Load()))
+	}
+}
+
+func (s *Server) serveConn(c *net.TCPConn, b Behavior) {
+	defer s.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		_ = c.Close()
+	}()
+	switch b {
+	case Echo:
+		if _, err := io.Copy(c, c); err == nil {
+			_ = c.CloseWrite()
+		}
+		_, _ = io.Copy(io.Discard, c)
+	case NeverRead:
+		<-s.stop
+	case HashOnEOF:
+		s.sleep(time.Duration(s.startHold.Load()))
+		h := sha256.New()
+		buf := make([]byte, 8<<10)
+		for {
+			n, err := c.Read(buf)
+			h.Write(buf[:n])
+			if err == io.EOF {
+				_, _ = c.Write(h.Sum(nil))
+				return
+			}
+			if err != nil {
+				return
+			}
+			s.sleep(time.Duration(s.readDelay.Load()))
+		}
+	case ReadNoAnswer:
+		_, _ = io.Copy(io.Discard, c)
+		<-s.stop
+	case Reset:
+		_ = c.SetLinger(0)
+	case CloseAtOnce:
+	case HoldAfterEOF:
+		_, _ = io.Copy(io.Discard, c)
+		<-s.stop
+	}
+}
+
+func (s *Server) sleep(d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-s.stop:
+	}
+}

@@ -1,0 +1,697 @@
+package policy
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+)
+
+// doc joins lines into a YAML document, so that line numbers in the expected
+// messages can be read off the test case.
+func doc(lines ...string) string { return strings.Join(lines, "\n") + "\n" }
+
+// okListener is a valid listener, used where a case needs one to be valid
+// apart from what it tests.
+const okListener = "  - {name: ok, listen: 127.0.0.1:1, upstream: up:1}"
+
+func TestParseErrors(t *testing.T) {
+	cases := []struct {
+		name string
+		yaml string
+		want string // the whole error, one problem per line
+	}{
+		{
+			name: "unknown top-level key",
+			yaml: doc(
+				"listeners:",
+				okListener,
+				"bogus: 1",
+			),
+			want: "bogus: unknown key (line 3)",
+		},
+		{
+			name: "unknown key in a listener",
+			yaml: doc(
+				"listeners:",
+				okListener,
+				"  - name: b",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    write_bufer: {high_water_mark: 1MiB}",
+			),
+			want: "listeners[1].write_bufer: unknown key (line 6)",
+		},
+		{
+			name: "unknown key nested under a listener's setting",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    keepalive:",
+				"      idel: 5s",
+			),
+			want: "listeners[0].keepalive.idel: unknown key (line 6)",
+		},
+		{
+			name: "low water mark above high in a listener",
+			yaml: doc(
+				"listeners:",
+				okListener,
+				"  - name: c",
+				"    listen: 127.0.0.1:3",
+				"    upstream: up:3",
+				"    write_buffer: {high_water_mark: 16MiB, low_water_mark: 32MiB}",
+			),
+			want: "listeners[1].write_buffer.low_water_mark: 32MiB must be below high_water_mark (16MiB) (line 6)",
+		},
+		{
+			name: "low water mark equal to high under defaults",
+			yaml: doc(
+				"defaults:",
+				"  write_buffer:",
+				"    high_water_mark: 8MiB",
+				"listeners:",
+				okListener,
+			),
+			want: "defaults.write_buffer.low_water_mark: 8MiB must be below high_water_mark (8MiB) (line 2)",
+		},
+		{
+			name: "listener lowers high water mark below the inherited low",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    write_buffer: {high_water_mark: 4MiB}",
+			),
+			want: "listeners[0].write_buffer.high_water_mark: 4MiB must be above low_water_mark (8MiB, from defaults) (line 5)",
+		},
+		{
+			name: "bad duration",
+			yaml: doc(
+				"defaults:",
+				"  write_timeout: 10 seconds",
+				"listeners:",
+				okListener,
+			),
+			want: `defaults.write_timeout: invalid duration "10 seconds" (use a Go duration such as 10s or 500ms) (line 2)`,
+		},
+		{
+			name: "duration without a unit",
+			yaml: doc(
+				"drain_timeout: 10",
+				"listeners:",
+				okListener,
+			),
+			want: `drain_timeout: invalid duration "10" (use a Go duration such as 10s or 500ms) (line 1)`,
+		},
+		{
+			name: "bad size",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    write_buffer: {high_water_mark: 1.5MiB}",
+			),
+			want: `listeners[0].write_buffer.high_water_mark: invalid size "1.5MiB" (use an integer with B, KiB, MiB or GiB, such as 16MiB) (line 5)`,
+		},
+		{
+			name: "bad integer",
+			yaml: doc(
+				"defaults:",
+				"  keepalive: {count: three}",
+				"listeners:",
+				okListener,
+			),
+			want: `defaults.keepalive.count: invalid integer "three" (line 2)`,
+		},
+		{
+			name: "missing upstream",
+			yaml: doc(
+				"listeners:",
+				okListener,
+				"  - name: b",
+				"    listen: 127.0.0.1:2",
+			),
+			want: "listeners[1].upstream: required (line 3)",
+		},
+		{
+			name: "upstream with port 0",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: db:0}",
+			),
+			want: `listeners[0].upstream: "db:0" is not a host:port address: port 0 is not a port to dial (line 2)`,
+		},
+		{
+			name: "upstream without port",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: db}",
+			),
+			want: `listeners[0].upstream: "db" is not a host:port address: missing port in address (line 2)`,
+		},
+		{
+			name: "missing name and listen",
+			yaml: doc(
+				"listeners:",
+				"  - upstream: up:2",
+			),
+			want: "listeners[0].name: required (line 2)\n" +
+				"listeners[0].listen: required (line 2)",
+		},
+		{
+			name: "bad listener name",
+			yaml: doc(
+				"listeners:",
+				"  - {name: pinot server, listen: 127.0.0.1:2, upstream: up:2}",
+			),
+			want: `listeners[0].name: "pinot server" may contain only letters, digits, '_', '.' and '-' (line 2)`,
+		},
+		{
+			name: "duplicate listener name",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1}",
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2}",
+				"  - {name: a, listen: 127.0.0.1:3, upstream: up:3}",
+			),
+			want: `listeners[2].name: duplicate listener name "a" (also listeners[0]) (line 4)`,
+		},
+		{
+			name: "duplicate listen address after normalising",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: '[::1]:80', upstream: up:1}",
+				"  - {name: b, listen: '[::1]:080', upstream: up:2}",
+				"  - {name: c, listen: ':0', upstream: up:3}",
+				"  - {name: d, listen: ':0', upstream: up:4}",
+			),
+			want: `listeners[1].listen: duplicate listen address "[::1]:080" (also listeners[0]) (line 3)`,
+		},
+		{
+			name: "bad listen port",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: '127.0.0.1:http', upstream: up:1}",
+			),
+			want: `listeners[0].listen: "127.0.0.1:http" is not a host:port address: port "http" is not a number from 0 to 65535 (line 2)`,
+		},
+		{
+			name: "bad admin address",
+			yaml: doc(
+				"admin:",
+				"  listen: localhost",
+				"listeners:",
+				okListener,
+			),
+			want: `admin.listen: "localhost" is not a host:port address: missing port in address (leave it empty to disable the admin server) (line 2)`,
+		},
+		{
+			name: "admin port out of range",
+			yaml: doc(
+				"admin: {listen: '127.0.0.1:65536'}",
+				"listeners:",
+				okListener,
+			),
+			want: `admin.listen: "127.0.0.1:65536" is not a host:port address: port "65536" is not a number from 0 to 65535 (leave it empty to disable the admin server) (line 1)`,
+		},
+		{
+			name: "bad log level and format",
+			yaml: doc(
+				"log: {level: verbose, format: text}",
+				"listeners:",
+				okListener,
+			),
+			want: `log.level: "verbose" is not one of debug, info, warn, error (line 1)` + "\n" +
+				`log.format: "text" is not one of json, console (line 1)`,
+		},
+		{
+			name: "bad on_overflow",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    write_buffer:",
+				"      on_overflow: drop",
+			),
+			want: `listeners[0].write_buffer.on_overflow: "drop" is not one of reject, backpressure (line 6)`,
+		},
+		{
+			name: "keepalive interval and count",
+			yaml: doc(
+				"defaults:",
+				"  keepalive: {interval: 0s, count: 0}",
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    keepalive: {count: -1}",
+			),
+			want: "defaults.keepalive.interval: 0s must be positive when idle (10s) is positive (line 2)\n" +
+				"defaults.keepalive.count: 0 must be positive when idle (10s) is positive (line 2)\n" +
+				"listeners[0].keepalive.count: -1 must not be negative (line 7)",
+		},
+		{
+			name: "listener turns keepalive on without an interval",
+			yaml: doc(
+				"defaults:",
+				"  keepalive: {idle: 0s, interval: 0s}",
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    keepalive: {idle: 5s}",
+			),
+			want: "listeners[0].keepalive.idle: 5s needs a positive interval (0s, from defaults) (line 7)",
+		},
+		{
+			name: "inherited bad defaults are reported once",
+			yaml: doc(
+				"defaults:",
+				"  write_buffer: {low_water_mark: 32MiB, on_overflow: drop}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1}",
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2, write_timeout: 1s}",
+				"  - {name: c, listen: 127.0.0.1:3, upstream: up:3, write_buffer: {on_overflow: drop}}",
+			),
+			want: "defaults.write_buffer.on_overflow: \"drop\" is not one of reject, backpressure (line 2)\n" +
+				"defaults.write_buffer.low_water_mark: 32MiB must be below high_water_mark (16MiB) (line 2)\n" +
+				"listeners[2].write_buffer.on_overflow: \"drop\" is not one of reject, backpressure (line 6)",
+		},
+		{
+			name: "scalar where a mapping is expected",
+			yaml: doc(
+				"admin: 127.0.0.1:9901",
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    keepalive: 5s",
+			),
+			want: "admin: expected a mapping, got \"127.0.0.1:9901\" (line 1)\n" +
+				"listeners[0].keepalive: expected a mapping, got \"5s\" (line 6)",
+		},
+		{
+			name: "mapping where a list or scalar is expected",
+			yaml: doc(
+				"log:",
+				"  level: [debug]",
+				"listeners:",
+				"  name: a",
+			),
+			want: "log.level: expected a string, got a list (line 2)\n" +
+				"listeners: expected a list of listeners, got a mapping (line 4)",
+		},
+		{
+			name: "listener that is not a mapping",
+			yaml: doc(
+				"listeners:",
+				"  - 127.0.0.1:1",
+			),
+			want: `listeners[0]: expected a mapping, got "127.0.0.1:1" (line 2)`,
+		},
+		{
+			name: "key without a value",
+			yaml: doc(
+				"defaults:",
+				"  write_timeout:",
+				"listeners:",
+				okListener,
+			),
+			want: "defaults.write_timeout: missing value (expected a duration; leave the key out to use the default) (line 2)",
+		},
+		{
+			name: "duplicate key",
+			yaml: doc(
+				"log:",
+				"  level: debug",
+				"  level: info",
+				"listeners:",
+				okListener,
+			),
+			want: "log.level: duplicate key (first at line 2) (line 3)",
+		},
+		{
+			name: "merge key",
+			yaml: doc(
+				"listeners:",
+				"  - <<: {write_timeout: 1s}",
+				"    name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+			),
+			want: "listeners[0].<<: merge keys (<<) are not supported; listeners inherit defaults instead (line 2)",
+		},
+		{
+			name: "document that is not a mapping",
+			yaml: "- a\n- b\n",
+			want: "the configuration must be a mapping, got a list (line 1)",
+		},
+		{
+			name: "two documents",
+			yaml: doc("listeners:", okListener, "---", "log: {level: debug}"),
+			want: "a second YAML document; the configuration is one document (line 4)",
+		},
+		{
+			name: "YAML syntax error",
+			yaml: doc("listeners: [", "log: {"),
+			want: "invalid YAML: did not find expected node content (line 2)",
+		},
+		{
+			name: "several errors at once, in source order",
+			yaml: doc(
+				"admin: {listen: nope}",
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:1",
+				"    upstream: up:1",
+				"    write_timeout: soon",
+				"    write_buffer: {high_water_mark: 1MiB, low_water_mark: 2MiB}",
+				"  - name: a",
+				"    listen: 127.0.0.1:1",
+				"    extra: true",
+				"defaults:",
+				"  connect_timeout: 1 second",
+				"  keepalive: {count: -2}",
+			),
+			want: "admin.listen: \"nope\" is not a host:port address: missing port in address (leave it empty to disable the admin server) (line 1)\n" +
+				"listeners[0].write_timeout: invalid duration \"soon\" (use a Go duration such as 10s or 500ms) (line 6)\n" +
+				"listeners[0].write_buffer.low_water_mark: 2MiB must be below high_water_mark (1MiB) (line 7)\n" +
+				"listeners[1].name: duplicate listener name \"a\" (also listeners[0]) (line 8)\n" +
+				"listeners[1].upstream: required (line 8)\n" +
+				"listeners[1].listen: duplicate listen address \"127.0.0.1:1\" (also listeners[0]) (line 9)\n" +
+				"listeners[1].extra: unknown key (line 10)\n" +
+				"defaults.connect_timeout: invalid duration \"1 second\" (use a Go duration such as 10s or 500ms) (line 12)\n" +
+				"defaults.keepalive.count: -2 must not be negative (line 13)",
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Parse([]byte(tc.yaml))
+			if err == nil {
+				t.Fatalf("Parse succeeded; want error:\n%s", tc.want)
+			}
+			if got := err.Error(); got != tc.want {
+				t.Fatalf("Parse error:\n%s\nwant:\n%s", got, tc.want)
+			}
+			var errs Errors
+			if !errors.As(err, &errs) || len(errs) != strings.Count(tc.want, "\n")+1 {
+				t.Fatalf("Parse error is %T with %d problems; want Errors with one per line", err, len(errs))
+			}
+			for _, e := range errs {
+				if _, ok := e.(*KeyError); !ok {
+					t.Errorf("problem %q is %T, want *KeyError", e, e)
+				}
+			}
+		})
+	}
+}
+
+func mustParse(t *testing.T, yaml string) Config {
+	t.Helper()
+	c, err := Parse([]byte(yaml))
+	if err != nil {
+		t.Fatalf("Parse:\n%v", err)
+	}
+	return c
+}
+
+func TestEmptyDocumentIsAllDefaults(t *testing.T) {
+	for _, in := range []string{"", "\n", "# nothing here\n", "~\n", "null\n", "---\n", "{}\n", "listeners:\n", "listeners: []\n"} {
+		c, err := Parse([]byte(in))
+		if !reflect.DeepEqual(c, DefaultConfig()) {
+			t.Errorf("Parse(%q) config = %+v, want DefaultConfig() %+v", in, c, DefaultConfig())
+		}
+		want := "listeners: at least one listener is required"
+		if strings.HasPrefix(in, "listeners") {
+			want += " (line 1)"
+		}
+		if err == nil || err.Error() != want {
+			t.Errorf("Parse(%q) error = %v, want %q", in, err, want)
+		}
+	}
+}
+
+func TestListenerInheritsDefaults(t *testing.T) {
+	c := mustParse(t, doc("listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+	if want := DefaultSettings(); c.Listeners[0].Settings != want || c.Defaults != want {
+		t.Fatalf("listener settings = %+v, defaults = %+v; want both %+v", c.Listeners[0].Settings, c.Defaults, want)
+	}
+
+	// Decoded defaults reach the listeners, wherever defaults appears.
+	c = mustParse(t, doc(
+		"listeners:",
+		"  - {name: a, listen: 127.0.0.1:1, upstream: up:1}",
+		"defaults:",
+		"  write_timeout: 2s",
+		"  write_buffer: {on_overflow: backpressure}",
+	))
+	want := DefaultSettings()
+	want.WriteTimeout = Duration(2 * time.Second)
+	want.WriteBuffer.OnOverflow = OverflowBackpressure
+	if c.Defaults != want || c.Listeners[0].Settings != want {
+		t.Fatalf("defaults = %+v, listener = %+v; want both %+v", c.Defaults, c.Listeners[0].Settings, want)
+	}
+}
+
+func TestNestedOverlay(t *testing.T) {
+	c := mustParse(t, doc(
+		"defaults:",
+		"  keepalive: {idle: 5s}",
+		"listeners:",
+		"  - {name: a, listen: 127.0.0.1:1, upstream: up:1, keepalive: {count: 7}}",
+	))
+	want := Keepalive{Idle: Duration(5 * time.Second), Interval: DefaultSettings().Keepalive.Interval, Count: DefaultSettings().Keepalive.Count}
+	if c.Defaults.Keepalive != want {
+		t.Errorf("defaults.keepalive = %+v, want %+v", c.Defaults.Keepalive, want)
+	}
+	want.Count = 7
+	if c.Listeners[0].Keepalive != want {
+		t.Errorf("listeners[0].keepalive = %+v, want %+v", c.Listeners[0].Keepalive, want)
+	}
+	// An empty nested mapping changes nothing.
+	c = mustParse(t, doc("defaults: {keepalive: {}, write_buffer: }", "listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+	if c.Defaults != DefaultSettings() {
+		t.Errorf("defaults = %+v, want %+v", c.Defaults, DefaultSettings())
+	}
+}
+
+func TestListenerOverrideDoesNotLeak(t *testing.T) {
+	c := mustParse(t, doc(
+		"defaults:",
+		"  connect_timeout: 3s",
+		"listeners:",
+		"  - name: a",
+		"    listen: 127.0.0.1:1",
+		"    upstream: up:1",
+		"    write_timeout: 1s",
+		"    keepalive: {count: 9}",
+		"    write_buffer: {high_water_mark: 64KiB, low_water_mark: 0}",
+		"  - {name: b, listen: 127.0.0.1:2, upstream: up:2}",
+	))
+	defaults := DefaultSettings()
+	defaults.ConnectTimeout = Duration(3 * time.Second)
+	a := defaults
+	a.WriteTimeout = Duration(time.Second)
+	a.Keepalive.Count = 9
+	a.WriteBuffer.HighWaterMark, a.WriteBuffer.LowWaterMark = 64*KiB, 0
+	if c.Listeners[0].Settings != a {
+		t.Errorf("listeners[0] = %+v, want %+v", c.Listeners[0].Settings, a)
+	}
+	if c.Listeners[1].Settings != defaults {
+		t.Errorf("listeners[1] = %+v, want the defaults %+v", c.Listeners[1].Settings, defaults)
+	}
+	if c.Defaults != defaults {
+		t.Errorf("defaults = %+v, want %+v", c.Defaults, defaults)
+	}
+}
+
+func TestSizes(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want Size
+	}{
+		{"16MiB", 16 << 20}, {"64KiB", 64 << 10}, {"1GiB", 1 << 30}, {"512B", 512},
+		{"1024", 1024}, {"0", 0}, {"-1", -1}, {"'8MiB'", 8 << 20},
+	} {
+		c := mustParse(t, doc("defaults: {write_buffer: {high_water_mark: "+tc.in+", low_water_mark: 0}}",
+			"listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+		if got := c.Defaults.WriteBuffer.HighWaterMark; got != tc.want {
+			t.Errorf("high_water_mark: %s decoded to %d, want %d", tc.in, got, tc.want)
+		}
+	}
+	for _, in := range []string{"1.5MiB", "16MB", "16 mib", "MiB", "ten", "true", "9999999999GiB"} {
+		if s, err := ParseSize(in); err == nil {
+			t.Errorf("ParseSize(%q) = %v, want an error", in, s)
+		}
+		_, err := Parse([]byte(doc("defaults: {write_buffer: {high_water_mark: " + in + "}}")))
+		if err == nil || !strings.Contains(err.Error(), "defaults.write_buffer.high_water_mark: invalid size") {
+			t.Errorf("high_water_mark: %s: error %v, want an invalid size", in, err)
+		}
+	}
+}
+
+func TestDurations(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want time.Duration
+	}{
+		{"10s", 10 * time.Second}, {"500ms", 500 * time.Millisecond}, {"1m30s", 90 * time.Second},
+		{"0", 0}, {"'0'", 0}, {"-1", -1}, {"-5", -5}, {"-1s", -time.Second},
+	} {
+		c := mustParse(t, doc("drain_timeout: "+tc.in, "listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+		if got := c.DrainTimeout.D(); got != tc.want {
+			t.Errorf("drain_timeout: %s decoded to %v, want %v", tc.in, got, tc.want)
+		}
+	}
+	for _, in := range []string{"10", "1.5", "10 seconds", "'10'", "true", "1d"} {
+		_, err := Parse([]byte(doc("drain_timeout: "+in, "listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}")))
+		if err == nil || !strings.HasPrefix(err.Error(), "drain_timeout: invalid duration") {
+			t.Errorf("drain_timeout: %s: error %v, want an invalid duration", in, err)
+		}
+	}
+}
+
+// designExample is the ConfigMap example of DESIGN.md, restricted to the keys
+// config.go defines.
+const designExample = `
+admin:
+  listen: 127.0.0.1:9901          # /metrics /healthz /readyz /v1/endpoints
+log: {level: info, format: json}  # json | console
+defaults:                         # any key here may be overridden per listener
+  connect_timeout: 1s
+  write_timeout: 10s
+  tcp_user_timeout: 10s
+  keepalive: {idle: 10s, interval: 5s, count: 3}
+  write_buffer: {high_water_mark: 16MiB, low_water_mark: 8MiB, on_overflow: reject}  # or backpressure
+  half_close_timeout: 30s
+listeners:
+  - name: pinot-server-0          # explicit: one listener, one upstream
+    listen: 127.0.0.1:18098
+    upstream: pinot-server-0.pinot-server-headless:8098
+  - name: kafka
+    listen: 127.0.0.1:19092
+    upstream: kafka-headless.data.svc:9092
+    write_buffer: {on_overflow: backpressure}
+`
+
+func TestDesignExample(t *testing.T) {
+	c := mustParse(t, designExample)
+	want := DefaultConfig()
+	want.Listeners = []Listener{
+		{Name: "pinot-server-0", Listen: "127.0.0.1:18098", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: DefaultSettings()},
+		{Name: "kafka", Listen: "127.0.0.1:19092", Upstream: "kafka-headless.data.svc:9092", Settings: DefaultSettings()},
+	}
+	want.Listeners[1].WriteBuffer.OnOverflow = OverflowBackpressure
+	if !reflect.DeepEqual(c, want) {
+		t.Fatalf("config:\n%+v\nwant:\n%+v", c, want)
+	}
+}
+
+func TestLoad(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(path, []byte(designExample), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, err := Load(path)
+	if err != nil || len(c.Listeners) != 2 {
+		t.Fatalf("Load = %d listeners, %v; want 2, nil", len(c.Listeners), err)
+	}
+	if err := os.WriteFile(path, []byte("listeners: []\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Load(path); err == nil || err.Error() != "listeners: at least one listener is required (line 1)" {
+		t.Fatalf("Load of a config without listeners: %v", err)
+	}
+	if _, err := Load(filepath.Join(dir, "missing.yaml")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("Load of a missing file: %v, want os.ErrNotExist", err)
+	}
+}
+
+// TestValidateBuiltConfig covers Validate on a Config built in code, where no
+// source lines are known and a listener owns the settings that differ from
+// the defaults.
+func TestValidateBuiltConfig(t *testing.T) {
+	c := DefaultConfig()
+	c.Listeners = []Listener{{Name: "a", Listen: "127.0.0.1:1", Upstream: "up:1", Settings: c.Defaults}}
+	if err := c.Validate(); err != nil {
+		t.Fatalf("Validate of a valid config: %v", err)
+	}
+
+	c.Defaults.WriteBuffer.LowWaterMark = 32 * MiB
+	c.Listeners[0].Settings = c.Defaults // inherits the bad default
+	c.Listeners = append(c.Listeners, Listener{Name: "b", Listen: "127.0.0.1:2", Upstream: "up:2", Settings: c.Defaults})
+	c.Listeners[1].WriteBuffer.HighWaterMark = 24 * MiB // sets one key of the bad pair
+	c.Listeners = append(c.Listeners, Listener{Name: "c", Listen: "127.0.0.1:3", Upstream: "up:3", Settings: c.Defaults})
+	c.Listeners[2].WriteBuffer.HighWaterMark = 64 * MiB // fixes it
+	want := "defaults.write_buffer.low_water_mark: 32MiB must be below high_water_mark (16MiB)\n" +
+		"listeners[1].write_buffer.high_water_mark: 24MiB must be above low_water_mark (32MiB, from defaults)"
+	if err := c.Validate(); err == nil || err.Error() != want {
+		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
+	}
+
+	// A listener built without settings has none of the defaults' values:
+	// its empty on_overflow is reported, once, under the listener.
+	c = DefaultConfig()
+	c.Admin.Listen = "" // empty disables the admin server
+	c.Listeners = []Listener{{Name: "a", Listen: "127.0.0.1:1", Upstream: "up:1"}}
+	want = `listeners[0].write_buffer.on_overflow: "" is not one of reject, backpressure`
+	if err := c.Validate(); err == nil || err.Error() != want {
+		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
+	}
+}
+
+func TestKeyErrorFormat(t *testing.T) {
+	for _, tc := range []struct {
+		err  KeyError
+		want string
+	}{
+		{KeyError{Path: "a.b", Line: 3, Msg: "bad"}, "a.b: bad (line 3)"},
+		{KeyError{Path: "a.b", Msg: "bad"}, "a.b: bad"},
+		{KeyError{Msg: "bad"}, "bad"},
+	} {
+		if got := tc.err.Error(); got != tc.want {
+			t.Errorf("%#v.Error() = %q, want %q", tc.err, got, tc.want)
+		}
+	}
+	err := error(Errors{&KeyError{Path: "x", Msg: "one"}, &KeyError{Path: "y", Line: 2, Msg: "two"}})
+	if got, want := err.Error(), "x: one\ny: two (line 2)"; got != want {
+		t.Errorf("Errors.Error() = %q, want %q", got, want)
+	}
+	var ke *KeyError
+	if !errors.As(err, &ke) || ke.Path != "x" {
+		t.Errorf("errors.As(Errors, *KeyError) = %v", ke)
+	}
+}
+
+// TestDecoderSupportsEveryField fails when a field is added to Config whose
+// type the decoder cannot decode (it would panic on that key).
+func TestDecoderSupportsEveryField(t *testing.T) {
+	var check func(t reflect.Type, path string)
+	check = func(typ reflect.Type, path string) {
+		switch {
+		case typ == durationType || typ == sizeType:
+		case typ.Kind() == reflect.Struct:
+			for key, index := range fieldsOf(typ) {
+				check(typ.FieldByIndex(index).Type, join(path, key))
+			}
+		case typ.Kind() == reflect.Slice:
+			check(typ.Elem(), path+"[]")
+		case !supported(typ):
+			t.Errorf("%s: decode.go cannot decode %s", path, typ)
+		}
+	}
+	check(reflect.TypeFor[Config](), "")
+	if !supported(reflect.TypeFor[Config]()) {
+		t.Error("supported(Config) = false")
+	}
+}

@@ -1,0 +1,478 @@
+package policy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"reflect"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// KeyError is one problem in a configuration, named by the key path the
+// user typed: admin.listen, listeners[1].write_buffer.low_water_mark.
+type KeyError struct {
+	// Path is the key path; empty for a problem with the file as a whole.
+	Path string
+	// Line is the 1-based line in the YAML source; 0 when unknown (a Config
+	// built in code, or a key that is absent).
+	Line int
+	// Msg says what is wrong, including the offending value.
+	Msg string
+}
+
+// Error returns "path: msg (line N)", leaving out the parts that are empty.
+func (e *KeyError) Error() string {
+	s := e.Msg
+	if e.Path != "" {
+		s = e.Path + ": " + s
+	}
+	if e.Line > 0 {
+		s += " (line " + strconv.Itoa(e.Line) + ")"
+	}
+	return s
+}
+
+// Errors is every problem found in a configuration, in source order.
+// Each element is a *KeyError.
+type Errors []error
+
+// Error returns one problem per line.
+func (es Errors) Error() string {
+	lines := make([]string, len(es))
+	for i, e := range es {
+		lines[i] = e.Error()
+	}
+	return strings.Join(lines, "\n")
+}
+
+// Unwrap lets errors.As find the individual *KeyError values.
+func (es Errors) Unwrap() []error { return es }
+
+// Load reads the configuration file at path and parses it with Parse.
+// A file that cannot be read yields the *os.PathError; a file that can
+// yields what Parse returns.
+func Load(path string) (Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, err
+	}
+	return Parse(data)
+}
+
+// Parse decodes a YAML configuration strictly and validates it.
+//
+// Decoding starts from DefaultConfig. The top-level defaults mapping
+// overlays DefaultSettings key by key (a nested mapping such as
+// keepalive: {idle: 5s} changes only idle), and every listener starts from
+// a copy of the decoded defaults and overlays its own keys the same way.
+// An empty or null document is all defaults (and so fails validation: a
+// config needs at least one listener).
+//
+// Unknown keys, duplicate keys, values of the wrong kind and unparsable
+// durations or sizes are errors; so is everything Validate rejects. Every
+// problem is collected: the error is an Errors holding one *KeyError per
+// problem, in source order. With an error, the returned Config holds
+// whatever decoded, for diagnostics only.
+func Parse(data []byte) (Config, error) {
+	d := &decoder{lines: map[string]int{}}
+	c := d.document(data)
+	if len(d.errs) > 0 {
+		// A bad value stays at its default; validating it would report a
+		// second, misleading problem. Validate the rest.
+		bad := d.errs
+		v := &validator{lines: d.lines}
+		v.config(&c)
+		for _, e := range v.errs {
+			if !underAny(e.(*KeyError).Path, bad) {
+				d.errs = append(d.errs, e)
+			}
+		}
+		sortByLine(d.errs)
+		return c, d.errs
+	}
+	v := &validator{lines: d.lines}
+	v.config(&c)
+	if len(v.errs) > 0 {
+		sortByLine(v.errs)
+		return c, v.errs
+	}
+	return c, nil
+}
+
+// underAny reports whether path is, or lies under, the path of one of errs.
+func underAny(path string, errs Errors) bool {
+	for _, e := range errs {
+		p := e.(*KeyError).Path
+		if p == "" || path == p ||
+			(strings.HasPrefix(path, p) && (path[len(p)] == '.' || path[len(p)] == '[')) {
+			return true
+		}
+	}
+	return false
+}
+
+// sortByLine orders errs by source line, stably; problems without a line
+// go last.
+func sortByLine(errs Errors) {
+	key := func(e error) int {
+		if n := e.(*KeyError).Line; n > 0 {
+			return n
+		}
+		return int(^uint(0) >> 1)
+	}
+	slices.SortStableFunc(errs, func(a, b error) int { return key(a) - key(b) })
+}
+
+// decoder walks a yaml.Node tree into Go values by reflection, so that every
+// error can name the key path.
+type decoder struct {
+	errs Errors
+	// lines maps the path of every key (and list element) present in the
+	// source to its line. Validate uses it to tell a listener's own
+	// settings from inherited ones, and to put lines on its errors.
+	lines map[string]int
+}
+
+func (d *decoder) fail(path string, n *yaml.Node, format string, args ...any) {
+	line := 0
+	if n != nil {
+		line = n.Line
+	}
+	d.errs = append(d.errs, &KeyError{Path: path, Line: line, Msg: fmt.Sprintf(format, args...)})
+}
+
+var yamlErrLine = regexp.MustCompile(`^yaml: line (\d+): (.*)$`)
+
+func (d *decoder) document(data []byte) Config {
+	c := DefaultConfig()
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if !errors.Is(err, io.EOF) {
+			d.syntax(err)
+		}
+		return c
+	}
+	for {
+		var extra yaml.Node
+		err := dec.Decode(&extra)
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			d.syntax(err)
+			return c
+		}
+		if root := resolve(&extra); root != nil && !isNull(root) {
+			d.fail("", root, "a second YAML document; the configuration is one document")
+			return c
+		}
+	}
+	root := resolve(&doc)
+	if root == nil || isNull(root) {
+		return c
+	}
+	if root.Kind != yaml.MappingNode {
+		d.fail("", root, "the configuration must be a mapping, got %s", describe(root))
+		return c
+	}
+	// defaults must be decoded before the listeners that start from it,
+	// wherever the two keys appear in the file.
+	var listeners *yaml.Node
+	d.mapping(root, reflect.ValueOf(&c).Elem(), "", func(key string, val *yaml.Node) bool {
+		if key != "listeners" {
+			return false
+		}
+		listeners = val
+		return true
+	})
+	if listeners != nil {
+		c.Listeners = d.listeners(listeners, c.Defaults)
+	}
+	return c
+}
+
+func (d *decoder) syntax(err error) {
+	if m := yamlErrLine.FindStringSubmatch(err.Error()); m != nil {
+		line, _ := strconv.Atoi(m[1])
+		d.errs = append(d.errs, &KeyError{Line: line, Msg: "invalid YAML: " + m[2]})
+		return
+	}
+	d.errs = append(d.errs, &KeyError{Msg: "invalid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")})
+}
+
+// listeners decodes the listeners sequence; each element starts from defaults.
+func (d *decoder) listeners(n *yaml.Node, defaults Settings) []Listener {
+	const path = "listeners"
+	n = resolve(n)
+	if isNull(n) || (n.Kind == yaml.SequenceNode && len(n.Content) == 0) {
+		return nil
+	}
+	if n.Kind != yaml.SequenceNode {
+		d.fail(path, n, "expected a list of listeners, got %s", describe(n))
+		return nil
+	}
+	out := make([]Listener, len(n.Content))
+	for i, item := range n.Content {
+		p := path + "[" + strconv.Itoa(i) + "]"
+		d.lines[p] = item.Line
+		out[i] = Listener{Settings: defaults}
+		d.value(item, reflect.ValueOf(&out[i]).Elem(), p)
+	}
+	return out
+}
+
+// mapping overlays the keys of mapping node n onto struct v. Keys absent from
+// n leave their field unchanged. hook, if not nil, may claim a known key
+// (after the duplicate check) by returning true.
+func (d *decoder) mapping(n *yaml.Node, v reflect.Value, path string, hook func(key string, val *yaml.Node) bool) {
+	fields := fieldsOf(v.Type())
+	seen := make(map[string]int, len(n.Content)/2)
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, val := n.Content[i], n.Content[i+1]
+		if k.Kind == yaml.AliasNode {
+			k = resolve(k)
+		}
+		if k.Kind != yaml.ScalarNode {
+			d.fail(path, k, "a key must be a plain name, got %s", describe(k))
+			continue
+		}
+		p := join(path, k.Value)
+		if k.ShortTag() == "!!merge" {
+			d.fail(p, k, "merge keys (<<) are not supported; listeners inherit defaults instead")
+			continue
+		}
+		if first, dup := seen[k.Value]; dup {
+			d.fail(p, k, "duplicate key (first at line %d)", first)
+			continue
+		}
+		seen[k.Value] = k.Line
+		index, ok := fields[k.Value]
+		if !ok {
+			d.fail(p, k, "unknown key")
+			continue
+		}
+		d.lines[p] = k.Line
+		if hook != nil && hook(k.Value, val) {
+			continue
+		}
+		d.value(val, v.FieldByIndex(index), p)
+	}
+}
+
+var (
+	durationType = reflect.TypeFor[Duration]()
+	sizeType     = reflect.TypeFor[Size]()
+)
+
+// value decodes n into v, which holds the value to overlay (a default).
+func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
+	n = resolve(n)
+	t := v.Type()
+	switch {
+	case t.Kind() == reflect.Struct:
+		switch {
+		case isNull(n): // "keepalive:" with nothing under it changes nothing.
+		case n.Kind == yaml.MappingNode:
+			d.mapping(n, v, path, nil)
+		default:
+			d.fail(path, n, "expected a mapping, got %s", describe(n))
+		}
+		return
+	case t.Kind() == reflect.Slice:
+		switch {
+		case isNull(n):
+			v.SetZero()
+		case n.Kind == yaml.SequenceNode:
+			// A list replaces the default list; it is never merged with it.
+			s := reflect.MakeSlice(t, len(n.Content), len(n.Content))
+			for i, item := range n.Content {
+				p := path + "[" + strconv.Itoa(i) + "]"
+				d.lines[p] = item.Line
+				d.value(item, s.Index(i), p)
+			}
+			v.Set(s)
+		default:
+			d.fail(path, n, "expected a list, got %s", describe(n))
+		}
+		return
+	}
+
+	// Everything else is a scalar.
+	want := kindName(t)
+	if n.Kind != yaml.ScalarNode {
+		d.fail(path, n, "expected %s, got %s", want, describe(n))
+		return
+	}
+	if isNull(n) {
+		d.fail(path, n, "missing value (expected %s; leave the key out to use the default)", want)
+		return
+	}
+	tag := n.ShortTag()
+	switch {
+	case t == durationType:
+		if tag == "!!int" {
+			// A bare 0 or negative integer disables; a positive one has no unit.
+			var i int64
+			if err := n.Decode(&i); err == nil && i <= 0 {
+				v.SetInt(i)
+				return
+			}
+		}
+		dur, err := ParseDuration(n.Value)
+		if err != nil {
+			d.fail(path, n, "%v", err)
+			return
+		}
+		v.SetInt(int64(dur))
+	case t == sizeType:
+		size, err := ParseSize(n.Value)
+		if err != nil {
+			d.fail(path, n, "%v", err)
+			return
+		}
+		v.SetInt(int64(size))
+	case t.Kind() == reflect.String:
+		v.SetString(n.Value)
+	case t.Kind() == reflect.Bool:
+		var b bool
+		if tag != "!!bool" || n.Decode(&b) != nil {
+			d.fail(path, n, "invalid boolean %q (use true or false)", n.Value)
+			return
+		}
+		v.SetBool(b)
+	case isInt(t.Kind()):
+		var i int64
+		if tag != "!!int" || n.Decode(&i) != nil || v.OverflowInt(i) {
+			d.fail(path, n, "invalid integer %q", n.Value)
+			return
+		}
+		v.SetInt(i)
+	default:
+		// TestDecoderSupportsEveryField keeps this unreachable.
+		panic("policy: no decoder for " + t.String() + " at " + path)
+	}
+}
+
+// supported reports whether value can decode into type t.
+func supported(t reflect.Type) bool {
+	switch {
+	case t == durationType || t == sizeType:
+		return true
+	case t.Kind() == reflect.Struct:
+		for _, index := range fieldsOf(t) {
+			if !supported(t.FieldByIndex(index).Type) {
+				return false
+			}
+		}
+		return true
+	case t.Kind() == reflect.Slice:
+		return supported(t.Elem())
+	}
+	return t.Kind() == reflect.String || t.Kind() == reflect.Bool || isInt(t.Kind())
+}
+
+func isInt(k reflect.Kind) bool {
+	return k >= reflect.Int && k <= reflect.Int64
+}
+
+func kindName(t reflect.Type) string {
+	switch {
+	case t == durationType:
+		return "a duration"
+	case t == sizeType:
+		return "a size"
+	case t.Kind() == reflect.Bool:
+		return "true or false"
+	case isInt(t.Kind()):
+		return "an integer"
+	}
+	return "a string"
+}
+
+// fieldsOf maps the YAML key of every field of struct type t to its index,
+// with the fields of ",inline" structs at t's own level.
+func fieldsOf(t reflect.Type) map[string][]int {
+	out := map[string][]int{}
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if !f.IsExported() {
+			continue
+		}
+		name, opts, _ := strings.Cut(f.Tag.Get("yaml"), ",")
+		if name == "-" {
+			continue
+		}
+		if slices.Contains(strings.Split(opts, ","), "inline") {
+			for k, index := range fieldsOf(f.Type) {
+				out[k] = append([]int{i}, index...)
+			}
+			continue
+		}
+		if name == "" {
+			name = strings.ToLower(f.Name)
+		}
+		out[name] = []int{i}
+	}
+	return out
+}
+
+// fieldByPath returns the field of struct v named by a dotted key path
+// relative to it, such as "keepalive.idle".
+func fieldByPath(v reflect.Value, path string) reflect.Value {
+	for key := range strings.SplitSeq(path, ".") {
+		v = v.FieldByIndex(fieldsOf(v.Type())[key])
+	}
+	return v
+}
+
+// resolve follows aliases and unwraps a document node; nil stays nil.
+func resolve(n *yaml.Node) *yaml.Node {
+	for n != nil {
+		switch {
+		case n.Kind == yaml.AliasNode:
+			n = n.Alias
+		case n.Kind == yaml.DocumentNode && len(n.Content) == 1:
+			n = n.Content[0]
+		case n.Kind == yaml.DocumentNode || n.Kind == 0:
+			return nil
+		default:
+			return n
+		}
+	}
+	return nil
+}
+
+func isNull(n *yaml.Node) bool {
+	return n == nil || (n.Kind == yaml.ScalarNode && n.ShortTag() == "!!null")
+}
+
+// describe names what a node is, for "expected X, got Y" messages.
+func describe(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.MappingNode:
+		return "a mapping"
+	case yaml.SequenceNode:
+		return "a list"
+	case yaml.ScalarNode:
+		if isNull(n) {
+			return "nothing"
+		}
+		return strconv.Quote(n.Value)
+	}
+	return "an unexpected YAML node"
+}
+
+func join(path, key string) string {
+	if path == "" {
+		return key
+	}
+	return path + "." + key
+}

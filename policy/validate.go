@@ -1,0 +1,216 @@
+package policy
+
+import (
+	"fmt"
+	"net"
+	"reflect"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Validate checks every field and how fields relate, and returns Errors
+// (one *KeyError per problem, named by key path) or nil.
+//
+// Settings are checked under defaults and under each listener. A listener
+// that merely inherits a bad default is not reported again: a listener's
+// settings problem is reported only when the listener set one of the keys
+// involved. Parse knows which keys a listener set; for a Config built in
+// code, a listener is taken to have set the keys whose values differ from
+// Defaults. Lines are known only to Parse.
+func (c *Config) Validate() error {
+	v := &validator{}
+	v.config(c)
+	if len(v.errs) == 0 {
+		return nil
+	}
+	return v.errs
+}
+
+type validator struct {
+	errs Errors
+	// lines is the decoder's key path → line map; nil outside Parse.
+	lines map[string]int
+}
+
+// add reports a problem at path. The line is that of path, or of the closest
+// enclosing key present in the source (a missing listeners[1].upstream gets
+// the line of listeners[1]).
+func (v *validator) add(path, format string, args ...any) {
+	line := 0
+	for p := path; v.lines != nil; {
+		if n, ok := v.lines[p]; ok {
+			line = n
+			break
+		}
+		i := strings.LastIndexAny(p, ".[")
+		if i < 0 {
+			break
+		}
+		p = p[:i]
+	}
+	v.errs = append(v.errs, &KeyError{Path: path, Line: line, Msg: fmt.Sprintf(format, args...)})
+}
+
+var (
+	logLevels   = []string{"debug", "info", "warn", "error"}
+	logFormats  = []string{"json", "console"}
+	overflows   = []string{OverflowReject, OverflowBackpressure}
+	listenerRE  = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
+	oneOfFormat = "%q is not one of %s"
+)
+
+func (v *validator) config(c *Config) {
+	if c.Admin.Listen != "" {
+		if _, why := hostPort(c.Admin.Listen, false); why != "" {
+			v.add("admin.listen", "%q is not a host:port address: %s (leave it empty to disable the admin server)", c.Admin.Listen, why)
+		}
+	}
+	if !slices.Contains(logLevels, c.Log.Level) {
+		v.add("log.level", oneOfFormat, c.Log.Level, strings.Join(logLevels, ", "))
+	}
+	if !slices.Contains(logFormats, c.Log.Format) {
+		v.add("log.format", oneOfFormat, c.Log.Format, strings.Join(logFormats, ", "))
+	}
+
+	v.settings("defaults.", &c.Defaults, func(string) bool { return true })
+
+	if len(c.Listeners) == 0 {
+		v.add("listeners", "at least one listener is required")
+	}
+	names := map[string]int{}
+	listens := map[string]int{}
+	for i := range c.Listeners {
+		l := &c.Listeners[i]
+		p := "listeners[" + strconv.Itoa(i) + "]."
+		switch {
+		case l.Name == "":
+			v.add(p+"name", "required")
+		case !listenerRE.MatchString(l.Name):
+			v.add(p+"name", "%q may contain only letters, digits, '_', '.' and '-'", l.Name)
+		default:
+			if j, dup := names[l.Name]; dup {
+				v.add(p+"name", "duplicate listener name %q (also listeners[%d])", l.Name, j)
+			} else {
+				names[l.Name] = i
+			}
+		}
+
+		if l.Listen == "" {
+			v.add(p+"listen", "required")
+		} else if norm, why := hostPort(l.Listen, false); why != "" {
+			v.add(p+"listen", "%q is not a host:port address: %s", l.Listen, why)
+		} else if !strings.HasSuffix(norm, ":0") { // port 0 picks a free port: never a clash
+			if j, dup := listens[norm]; dup {
+				v.add(p+"listen", "duplicate listen address %q (also listeners[%d])", l.Listen, j)
+			} else {
+				listens[norm] = i
+			}
+		}
+
+		if l.Upstream == "" {
+			v.add(p+"upstream", "required")
+		} else if _, why := hostPort(l.Upstream, true); why != "" {
+			v.add(p+"upstream", "%q is not a host:port address: %s", l.Upstream, why)
+		}
+
+		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
+	}
+}
+
+// ownership returns a function telling whether the listener at prefix set a
+// settings key (such as "keepalive.idle") itself rather than inheriting it:
+// from the keys Parse saw, or else by comparing the value with defaults.
+func (v *validator) ownership(prefix string, s, defaults *Settings) func(key string) bool {
+	if v.lines != nil {
+		return func(key string) bool {
+			_, set := v.lines[prefix+key]
+			return set
+		}
+	}
+	sv, dv := reflect.ValueOf(s).Elem(), reflect.ValueOf(defaults).Elem()
+	return func(key string) bool {
+		return !fieldByPath(sv, key).Equal(fieldByPath(dv, key))
+	}
+}
+
+// settings checks one Settings value; prefix is "defaults." or
+// "listeners[i].". own(key) tells whether the key was set at this level
+// (every key is, under defaults) rather than inherited from defaults; a
+// problem is reported only if own holds for one of the keys involved, and
+// under the path of such a key.
+func (v *validator) settings(prefix string, s *Settings, own func(key string) bool) {
+	// show formats a value, marking one inherited from defaults.
+	show := func(key string, val any) string {
+		if !own(key) {
+			return fmt.Sprintf("%v, from defaults", val)
+		}
+		return fmt.Sprint(val)
+	}
+
+	const (
+		onOverflow = "write_buffer.on_overflow"
+		high       = "write_buffer.high_water_mark"
+		low        = "write_buffer.low_water_mark"
+		idle       = "keepalive.idle"
+		interval   = "keepalive.interval"
+		count      = "keepalive.count"
+	)
+	wb := s.WriteBuffer
+	if !slices.Contains(overflows, wb.OnOverflow) && own(onOverflow) {
+		v.add(prefix+onOverflow, oneOfFormat, wb.OnOverflow, strings.Join(overflows, ", "))
+	}
+	if wb.HighWaterMark > 0 && wb.LowWaterMark > 0 && wb.LowWaterMark >= wb.HighWaterMark {
+		switch {
+		case own(low):
+			v.add(prefix+low, "%v must be below high_water_mark (%s)", wb.LowWaterMark, show(high, wb.HighWaterMark))
+		case own(high):
+			v.add(prefix+high, "%v must be above low_water_mark (%s)", wb.HighWaterMark, show(low, wb.LowWaterMark))
+		}
+	}
+
+	ka := s.Keepalive
+	if ka.Count < 0 && own(count) {
+		v.add(prefix+count, "%d must not be negative", ka.Count)
+	}
+	if ka.Idle > 0 {
+		if ka.Interval <= 0 {
+			switch {
+			case own(interval):
+				v.add(prefix+interval, "%v must be positive when idle (%s) is positive", ka.Interval, show(idle, ka.Idle))
+			case own(idle):
+				v.add(prefix+idle, "%v needs a positive interval (%s)", ka.Idle, show(interval, ka.Interval))
+			}
+		}
+		if ka.Count == 0 || (ka.Count < 0 && !own(count)) {
+			switch {
+			case own(count):
+				v.add(prefix+count, "%d must be positive when idle (%s) is positive", ka.Count, show(idle, ka.Idle))
+			case own(idle):
+				v.add(prefix+idle, "%v needs a positive count (%s)", ka.Idle, show(count, ka.Count))
+			}
+		}
+	}
+}
+
+// hostPort checks a host:port address with a numeric port and returns it
+// normalised (net.JoinHostPort of the host and the port number), or why it
+// is not valid. nonZero rejects port 0.
+func hostPort(addr string, nonZero bool) (norm, why string) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		if ae, ok := err.(*net.AddrError); ok {
+			return "", ae.Err // "missing port in address", without repeating addr
+		}
+		return "", err.Error()
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		return "", fmt.Sprintf("port %q is not a number from 0 to 65535", port)
+	}
+	if nonZero && n == 0 {
+		return "", "port 0 is not a port to dial"
+	}
+	return net.JoinHostPort(host, strconv.FormatUint(n, 10)), ""
+}

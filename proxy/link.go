@@ -1,0 +1,422 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// LinkStats describes a link that ended. It is what the debug log line
+// carries and what Options.OnLinkEnd receives.
+type LinkStats struct {
+	Listener  string
+	Client    string
+	Upstream  string
+	Reason    string
+	Err       error // the error that ended the link, if any
+	BytesUp   int64 // client to upstream
+	BytesDown int64 // upstream to client
+	MaxQueued int64 // the most bytes ever queued toward the upstream
+	Opened    time.Time
+	Duration  time.Duration
+}
+
+// link is one client connection paired with one upstream connection.
+//
+// Goroutines: run (the caller's) dials and then becomes the request pump;
+// it starts writeUpstream and pumpResponses and waits for both. Every
+// goroutine ends once both connections are closed, which abort guarantees.
+type link struct {
+	l        *listener
+	set      policy.Settings
+	client   *net.TCPConn
+	upstream *net.TCPConn
+	upRaw    syscall.RawConn
+	opened   time.Time
+
+	// connMu orders the dial's assignment of upstream against closeBoth
+	// called from another goroutine (eviction, shutdown) during the dial.
+	connMu sync.Mutex
+	closed bool
+
+	q queue
+
+	bytesUp   atomic.Int64
+	bytesDown atomic.Int64
+
+	reason    atomic.Pointer[string] // first reason that ended the link
+	endErr    atomic.Pointer[error]
+	closeOnce sync.Once
+
+	finMu     sync.Mutex
+	fins      int    // directions whose FIN has been passed on
+	firstFin  string // reason if the link ends cleanly
+	halfTimer *time.Timer
+}
+
+func newLink(l *listener, client *net.TCPConn) *link {
+	k := &link{l: l, set: l.cfg.Settings, client: client, opened: time.Now()}
+	k.q.init()
+	return k
+}
+
+// run dials the upstream and proxies until the link ends.
+func (k *link) run() LinkStats {
+	if !k.dial() {
+		return k.stats()
+	}
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); k.writeUpstream() }()
+	go func() { defer wg.Done(); k.pumpResponses() }()
+	k.pumpRequests()
+	wg.Wait()
+
+	k.closeBoth()
+	k.q.mu.Lock()
+	k.q.releaseLocked()
+	k.q.mu.Unlock()
+	k.finMu.Lock()
+	if k.halfTimer != nil {
+		k.halfTimer.Stop()
+	}
+	k.finMu.Unlock()
+	return k.stats()
+}
+
+func (k *link) dial() bool {
+	start := time.Now()
+	c, err := k.l.dialer.DialContext(k.l.ctx, "tcp", k.l.cfg.Upstream)
+	if err != nil {
+		k.l.m.DialErrors.Inc()
+		k.setReason(metrics.ReasonDialError, err)
+		// Reset rather than close: to a client whose own failure detector
+		// treats a completed close as a live server, a reset looks like the
+		// refused connection it stands for.
+		_ = k.client.SetLinger(0)
+		_ = k.client.Close()
+		return false
+	}
+	k.l.m.DialDuration.Observe(time.Since(start).Seconds())
+	up := c.(*net.TCPConn)
+	raw, err := up.SyscallConn()
+	if err != nil {
+		_ = up.Close()
+		k.abort(metrics.ReasonUpstreamError, err)
+		return false
+	}
+	k.connMu.Lock()
+	k.upstream, k.upRaw = up, raw
+	closed := k.closed
+	k.connMu.Unlock()
+	if closed {
+		// Aborted while dialling: the reason is already set.
+		_ = up.SetLinger(0)
+		_ = up.Close()
+		return false
+	}
+	return true
+}
+
+// pumpRequests reads the client for as long as the link lives and hands
+// the bytes to the upstream: directly when nothing is queued and the
+// kernel takes them at once, through the queue otherwise.
+func (k *link) pumpRequests() {
+	bp := getChunk()
+	defer putChunk(bp)
+	buf := *bp
+	high := int64(k.set.WriteBuffer.HighWaterMark)
+	backpressure := high > 0 && k.set.WriteBuffer.OnOverflow == policy.OverflowBackpressure
+	for {
+		limit := len(buf)
+		if backpressure {
+			room, ok := k.waitForRoom(high)
+			if !ok {
+				return
+			}
+			if room < int64(limit) {
+				limit = int(room)
+			}
+		}
+		n, err := k.client.Read(buf[:limit])
+		if n > 0 {
+			k.bytesUp.Add(int64(n))
+			if !k.send(buf[:n], high) {
+				return
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				k.q.mu.Lock()
+				k.q.eof = true
+				k.q.dataReady.Signal()
+				k.q.mu.Unlock()
+			} else {
+				k.abort(metrics.ReasonClientError, err)
+			}
+			return
+		}
+	}
+}
+
+// waitForRoom blocks while the queue is at the high watermark and until it
+// drains to the low one, and returns how many bytes may be read now.
+func (k *link) waitForRoom(high int64) (int64, bool) {
+	low := int64(k.set.WriteBuffer.LowWaterMark)
+	k.q.mu.Lock()
+	defer k.q.mu.Unlock()
+	if k.q.queued >= high {
+		for k.q.queued > low && k.q.queued > 0 && !k.q.closed {
+			k.q.drained.Wait()
+		}
+	}
+	return high - k.q.queued, !k.q.closed
+}
+
+// send hands p to the upstream. It reports false when the link has ended.
+func (k *link) send(p []byte, high int64) bool {
+	q := &k.q
+	q.mu.Lock()
+	if q.closed {
+		q.mu.Unlock()
+		return false
+	}
+	if q.queued == 0 {
+		// Nothing queued and nothing being written: try the kernel directly
+		// and queue only what it does not take. This keeps the common case
+		// free of a goroutine hand-off.
+		q.mu.Unlock()
+		n, err := k.tryWrite(p)
+		if err != nil {
+			k.abort(classifyUpstream(err), err)
+			return false
+		}
+		if n == len(p) {
+			return true
+		}
+		p = p[n:]
+		q.mu.Lock()
+		if q.closed {
+			q.mu.Unlock()
+			return false
+		}
+	}
+	if high > 0 && q.queued+int64(len(p)) > high {
+		// Only reachable with on_overflow: reject; backpressure never reads
+		// more than the room left.
+		q.mu.Unlock()
+		k.l.m.WatermarkRejections.Inc()
+		k.abort(metrics.ReasonWatermark, nil)
+		return false
+	}
+	q.appendLocked(p)
+	q.dataReady.Signal()
+	q.mu.Unlock()
+	return true
+}
+
+// tryWrite writes p to the upstream without waiting: it returns what the
+// kernel accepted at once (possibly 0).
+func (k *link) tryWrite(p []byte) (int, error) {
+	var n int
+	var err error
+	if werr := k.upRaw.Write(func(fd uintptr) bool {
+		n, err = syscall.Write(int(fd), p)
+		return true
+	}); werr != nil {
+		return 0, werr
+	}
+	if err == syscall.EAGAIN || err == syscall.EINTR {
+		return 0, nil
+	}
+	if n < 0 {
+		n = 0
+	}
+	return n, err
+}
+
+// writeUpstream drains the queue into the upstream with a write deadline.
+func (k *link) writeUpstream() {
+	q := &k.q
+	wt := k.set.WriteTimeout.D()
+	low := int64(k.set.WriteBuffer.LowWaterMark)
+	var bufs net.Buffers
+	for {
+		q.mu.Lock()
+		for q.queued == 0 && !q.eof && !q.closed {
+			q.dataReady.Wait()
+		}
+		if q.closed {
+			q.mu.Unlock()
+			return
+		}
+		if q.queued == 0 && q.eof {
+			q.mu.Unlock()
+			if err := k.upstream.CloseWrite(); err != nil {
+				k.abort(classifyUpstream(err), err)
+				return
+			}
+			k.passedFin(metrics.ReasonClientClosed)
+			return
+		}
+		bufs = q.batchLocked(bufs[:0])
+		q.mu.Unlock()
+
+		handed := 0
+		for _, b := range bufs {
+			handed += len(b)
+		}
+		if wt > 0 {
+			_ = k.upstream.SetWriteDeadline(time.Now().Add(wt))
+		}
+		toWrite := bufs
+		n, err := toWrite.WriteTo(k.upstream)
+
+		q.mu.Lock()
+		q.consumeLocked(int(n), handed)
+		if q.queued <= low || q.queued == 0 {
+			q.drained.Signal()
+		}
+		q.mu.Unlock()
+		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				if k.abort(metrics.ReasonWriteTimeout, err) {
+					k.l.m.WriteTimeouts.Inc()
+				}
+			} else {
+				k.abort(classifyUpstream(err), err)
+			}
+			return
+		}
+	}
+}
+
+// pumpResponses copies the upstream to the client.
+func (k *link) pumpResponses() {
+	bp := getChunk()
+	defer putChunk(bp)
+	buf := *bp
+	for {
+		n, err := k.upstream.Read(buf)
+		if n > 0 {
+			k.bytesDown.Add(int64(n))
+			if _, werr := k.client.Write(buf[:n]); werr != nil {
+				k.abort(metrics.ReasonClientError, werr)
+				return
+			}
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				if cerr := k.client.CloseWrite(); cerr != nil {
+					k.abort(metrics.ReasonClientError, cerr)
+					return
+				}
+				k.passedFin(metrics.ReasonUpstreamClosed)
+				return
+			}
+			k.abort(classifyUpstream(err), err)
+			return
+		}
+	}
+}
+
+// passedFin records that one direction finished cleanly. The first FIN
+// arms half_close_timeout on the other direction.
+func (k *link) passedFin(reason string) {
+	k.finMu.Lock()
+	defer k.finMu.Unlock()
+	k.fins++
+	if k.fins == 1 {
+		k.firstFin = reason
+		if hc := k.set.HalfCloseTimeout.D(); hc > 0 {
+			k.halfTimer = time.AfterFunc(hc, func() {
+				k.abort(metrics.ReasonHalfCloseTimeout, nil)
+			})
+		}
+		return
+	}
+	// Both directions done: the pumps are ending on their own.
+	k.setReason(k.firstFin, nil)
+}
+
+// abort ends the link with reason, closing both sides at once. It reports
+// whether this call was the one that decided the reason.
+func (k *link) abort(reason string, err error) bool {
+	first := k.setReason(reason, err)
+	k.connMu.Lock()
+	if k.upstream != nil && !k.closed {
+		// Reset, not FIN: the upstream's kernel drops what it still holds
+		// for this connection instead of retransmitting it for minutes.
+		_ = k.upstream.SetLinger(0)
+	}
+	k.connMu.Unlock()
+	k.closeBoth()
+	return first
+}
+
+func (k *link) setReason(reason string, err error) bool {
+	if !k.reason.CompareAndSwap(nil, &reason) {
+		return false
+	}
+	if err != nil {
+		k.endErr.Store(&err)
+	}
+	return true
+}
+
+// closeBoth closes both connections and wakes every goroutine of the link.
+func (k *link) closeBoth() {
+	k.closeOnce.Do(func() {
+		k.q.mu.Lock()
+		k.q.closed = true
+		k.q.dataReady.Broadcast()
+		k.q.drained.Broadcast()
+		k.q.mu.Unlock()
+		_ = k.client.Close()
+		k.connMu.Lock()
+		k.closed = true
+		up := k.upstream
+		k.connMu.Unlock()
+		if up != nil {
+			_ = up.Close()
+		}
+	})
+}
+
+func (k *link) stats() LinkStats {
+	s := LinkStats{
+		Listener:  k.l.cfg.Name,
+		Client:    k.client.RemoteAddr().String(),
+		Upstream:  k.l.cfg.Upstream,
+		BytesUp:   k.bytesUp.Load(),
+		BytesDown: k.bytesDown.Load(),
+		Opened:    k.opened,
+		Duration:  time.Since(k.opened),
+	}
+	k.q.mu.Lock()
+	s.MaxQueued = k.q.maxQueued
+	k.q.mu.Unlock()
+	if r := k.reason.Load(); r != nil {
+		s.Reason = *r
+	}
+	if e := k.endErr.Load(); e != nil {
+		s.Err = *e
+	}
+	return s
+}
+
+// classifyUpstream maps an upstream socket error to a close reason.
+func classifyUpstream(err error) string {
+	if errors.Is(err, syscall.ETIMEDOUT) {
+		return metrics.ReasonUpstreamTimeout
+	}
+	return metrics.ReasonUpstreamError
+}

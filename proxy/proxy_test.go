@@ -1,0 +1,548 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// harness is one proxy with one listener in front of upstream.
+type harness struct {
+	t     *testing.T
+	p     *Proxy
+	m     *metrics.Metrics
+	ended chan LinkStats
+	addr  string
+}
+
+func start(t *testing.T, upstream string, tune func(*policy.Settings)) *harness {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	if tune != nil {
+		tune(&s)
+	}
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
+	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 16)}
+	h.p = New(cfg, Options{Metrics: h.m, OnLinkEnd: func(s LinkStats) { h.ended <- s }})
+	if err := h.p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = h.p.Close() })
+	h.addr = h.p.Addr("test").String()
+	return h
+}
+
+func (h *harness) dial() *net.TCPConn {
+	h.t.Helper()
+	c, err := net.Dial("tcp", h.addr)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(func() { _ = c.Close() })
+	return c.(*net.TCPConn)
+}
+
+// linkEnd waits for the next link to end.
+func (h *harness) linkEnd(within time.Duration) LinkStats {
+	h.t.Helper()
+	select {
+	case s := <-h.ended:
+		return s
+	case <-time.After(within):
+		h.t.Fatalf("no link ended within %v", within)
+		return LinkStats{}
+	}
+}
+
+
+// waitClosed reads from c until it fails and returns the error and when.
+func waitClosed(t *testing.T, c net.Conn, within time.Duration) (error, time.Time) {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(within))
+	buf := make([]byte, 64<<10)
+	for {
+		_, err := c.Read(buf)
+		if err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("client side still open after %v", within)
+			}
+			return err, time.Now()
+		}
+	}
+}
+
+func isCloseSignal(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// writeAsync writes n bytes in chunks until done or an error, in its own goroutine.
+func writeAsync(c net.Conn, n, chunk int) <-chan int {
+	done := make(chan int, 1)
+	go func() {
+		buf := make([]byte, chunk)
+		sent := 0
+		for sent < n {
+			w, err := c.Write(buf)
+			sent += w
+			if err != nil {
+				break
+			}
+		}
+		done <- sent
+	}()
+	return done
+}
+
+// A peer that accepts and never reads, 4 KiB buffers: the first write the
+// upstream kernel does not take within write_timeout closes the link,
+// client side included; the next client gets a fresh upstream.
+func TestWriteTimeoutClosesStalledLink(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout = policy.Duration(500 * time.Millisecond)
+		s.TCPUserTimeout = 0
+	})
+	c := h.dial()
+	begin := time.Now()
+	sent := writeAsync(c, 4<<20, 64<<10)
+	err, at := waitClosed(t, c, 5*time.Second)
+	elapsed := at.Sub(begin)
+	if !isCloseSignal(err) {
+		t.Fatalf("client saw %v, want EOF or reset", err)
+	}
+	if elapsed < 500*time.Millisecond || elapsed > 1500*time.Millisecond {
+		t.Fatalf("link closed after %v, want write_timeout (500ms) plus a small slack", elapsed)
+	}
+	s := h.linkEnd(time.Second)
+	if s.Reason != metrics.ReasonWriteTimeout {
+		t.Fatalf("reason %q, want %q (err %v)", s.Reason, metrics.ReasonWriteTimeout, s.Err)
+	}
+	<-sent
+	if got := testutil.ToFloat64(h.m.ForListener("test").WriteTimeouts); got != 1 {
+		t.Fatalf("write_timeouts_total = %v, want 1", got)
+	}
+	t.Logf("4 MiB into a non-reading peer: client saw %v after %v", err, elapsed)
+
+	peer.Set(faultpeer.Echo)
+	c2 := h.dial()
+	roundTrip(t, c2, []byte("after the stall"))
+	if peer.Accepted() != 2 {
+		t.Fatalf("peer accepted %d connections, want 2 (a fresh upstream per link)", peer.Accepted())
+	}
+}
+
+func roundTrip(t *testing.T, c net.Conn, msg []byte) {
+	t.Helper()
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(msg))
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	if !bytes.Equal(got, msg) {
+		t.Fatalf("echo %q, want %q", got, msg)
+	}
+}
+
+// With a 64 KiB high watermark, reject and no write timeout, a stalled
+// peer makes the link fail at once, and the queue never held more than the
+// watermark.
+func TestWatermarkRejectBoundsQueue(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	const high = 64 << 10
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout = 0
+		s.TCPUserTimeout = 0
+		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: high, LowWaterMark: 32 << 10, OnOverflow: policy.OverflowReject}
+	})
+	c := h.dial()
+	begin := time.Now()
+	// The kernel buffers of the client and of the proxy's upstream socket
+	// absorb several hundred KiB before the proxy's own queue grows.
+	sent := writeAsync(c, 16<<20, 16<<10)
+	err, at := waitClosed(t, c, 5*time.Second)
+	if !isCloseSignal(err) {
+		t.Fatalf("client saw %v, want EOF or reset", err)
+	}
+	s := h.linkEnd(time.Second)
+	if s.Reason != metrics.ReasonWatermark {
+		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonWatermark)
+	}
+	if s.MaxQueued > high {
+		t.Fatalf("queue reached %d bytes, above the %d high watermark", s.MaxQueued, high)
+	}
+	if s.MaxQueued < high/2 {
+		t.Fatalf("queue peaked at %d bytes: the stall never filled it, the test proves nothing", s.MaxQueued)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").WatermarkRejections); got != 1 {
+		t.Fatalf("watermark_rejections_total = %v, want 1", got)
+	}
+	n := <-sent
+	t.Logf("rejected %v after start; client wrote %d bytes; proxy read %d, queue peak %d", at.Sub(begin), n, s.BytesUp, s.MaxQueued)
+	if at.Sub(begin) > time.Second {
+		t.Fatalf("rejection took %v, want at once", at.Sub(begin))
+	}
+}
+
+// backpressure stops reading the client above the high watermark and
+// resumes below the low one; nothing is lost or reordered.
+func TestBackpressureLosesNothing(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.HashOnEOF, faultpeer.Options{Buffer: 4096})
+	peer.SetReadDelay(time.Second, 100*time.Microsecond)
+	const high, low = 64 << 10, 32 << 10
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout = policy.Duration(5 * time.Second)
+		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: high, LowWaterMark: low, OnOverflow: policy.OverflowBackpressure}
+	})
+	c := h.dial()
+	data := make([]byte, 12<<20)
+	_, _ = rand.Read(data)
+	want := sha256.Sum256(data)
+	if _, err := c.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want[:]) {
+		t.Fatalf("upstream hashed something else: bytes lost or reordered")
+	}
+	s := h.linkEnd(5 * time.Second)
+	if s.Reason != metrics.ReasonClientClosed && s.Reason != metrics.ReasonUpstreamClosed {
+		t.Fatalf("reason %q, want a clean close", s.Reason)
+	}
+	if s.MaxQueued > high {
+		t.Fatalf("queue reached %d, above high watermark %d", s.MaxQueued, high)
+	}
+	if s.MaxQueued <= low {
+		t.Fatalf("queue peaked at %d, never above the low watermark: backpressure was not exercised", s.MaxQueued)
+	}
+	if s.BytesUp != int64(len(data)) {
+		t.Fatalf("proxied %d bytes up, want %d", s.BytesUp, len(data))
+	}
+}
+
+// A request followed by CloseWrite still gets its full response.
+func TestHalfCloseCarriesResponse(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.HashOnEOF, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	req := bytes.Repeat([]byte("request "), 10000)
+	want := sha256.Sum256(req)
+	if _, err := c.Write(req); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want[:]) {
+		t.Fatalf("response %x, want %x", got, want)
+	}
+	if s := h.linkEnd(2 * time.Second); s.Reason != metrics.ReasonClientClosed {
+		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonClientClosed)
+	}
+}
+
+// After a FIN, the other direction has half_close_timeout to finish.
+func TestHalfCloseTimeout(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.HoldAfterEOF, faultpeer.Options{})
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.HalfCloseTimeout = policy.Duration(300 * time.Millisecond)
+	})
+	c := h.dial()
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	begin := time.Now()
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_, at := waitClosed(t, c, 3*time.Second)
+	if d := at.Sub(begin); d < 250*time.Millisecond || d > 1500*time.Millisecond {
+		t.Fatalf("closed after %v, want about the 300ms half_close_timeout", d)
+	}
+	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonHalfCloseTimeout {
+		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonHalfCloseTimeout)
+	}
+}
+
+// An upstream reset or FIN reaches the client promptly, with the right reason.
+func TestUpstreamEndReachesClient(t *testing.T) {
+	for _, tc := range []struct {
+		b      faultpeer.Behavior
+		reason string
+	}{
+		{faultpeer.Reset, metrics.ReasonUpstreamError},
+		{faultpeer.CloseAtOnce, metrics.ReasonUpstreamClosed},
+	} {
+		t.Run(tc.reason, func(t *testing.T) {
+			peer := faultpeer.New(t, tc.b, faultpeer.Options{})
+			h := start(t, peer.Addr(), func(s *policy.Settings) { s.HalfCloseTimeout = policy.Duration(200 * time.Millisecond) })
+			c := h.dial()
+			begin := time.Now()
+			err, at := waitClosed(t, c, 3*time.Second)
+			if !isCloseSignal(err) {
+				t.Fatalf("client saw %v", err)
+			}
+			if d := at.Sub(begin); d > 500*time.Millisecond {
+				t.Fatalf("client saw the upstream end after %v", d)
+			}
+			_ = c.Close()
+			s := h.linkEnd(2 * time.Second)
+			if s.Reason != tc.reason {
+				t.Fatalf("reason %q, want %q (err %v)", s.Reason, tc.reason, s.Err)
+			}
+		})
+	}
+}
+
+// A refused dial resets the client and counts a dial error.
+func TestDialErrorResetsClient(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	_ = ln.Close()
+	h := start(t, dead, nil)
+	// The reset may already be there when connect returns.
+	c, err := net.Dial("tcp", h.addr)
+	if err == nil {
+		defer c.Close()
+		err, _ = waitClosed(t, c, 3*time.Second)
+	}
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("client saw %v, want a reset", err)
+	}
+	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonDialError {
+		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonDialError)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 1 {
+		t.Fatalf("dial_errors_total = %v, want 1", got)
+	}
+}
+
+// blackholeListener returns a loopback address whose SYNs are dropped: a
+// listening socket with backlog 0 whose one queue slot is taken.
+func blackholeListener(t *testing.T) string {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Close(fd) })
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, _ := unix.Getsockname(fd)
+	addr := net.JoinHostPort("127.0.0.1", strconv.Itoa(sa.(*unix.SockaddrInet4).Port))
+	// Fill the accept queue; later SYNs are dropped.
+	for range 2 {
+		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
+		if err == nil {
+			t.Cleanup(func() { _ = c.Close() })
+		}
+	}
+	return addr
+}
+
+// Dials happen in the link's goroutine: two clients of a black-holed
+// upstream time out together after connect_timeout, not one after the other.
+func TestBlackholedDialDoesNotStallAccept(t *testing.T) {
+	addr := blackholeListener(t)
+	h := start(t, addr, func(s *policy.Settings) { s.ConnectTimeout = policy.Duration(700 * time.Millisecond) })
+	begin := time.Now()
+	c1, c2 := h.dial(), h.dial()
+	_, at1 := waitClosed(t, c1, 3*time.Second)
+	_, at2 := waitClosed(t, c2, 3*time.Second)
+	for _, at := range []time.Time{at1, at2} {
+		if d := at.Sub(begin); d < 600*time.Millisecond || d > 1300*time.Millisecond {
+			t.Fatalf("client reset after %v, want about connect_timeout (700ms) for both", d)
+		}
+	}
+	for range 2 {
+		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonDialError {
+			t.Fatalf("reason %q, want dial_error", s.Reason)
+		}
+	}
+}
+
+// Socket options read back from the upstream socket match the config;
+// disabled values leave the kernel's defaults.
+func TestUpstreamSocketOptions(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	kernelIdle := readSysctl(t, "/proc/sys/net/ipv4/tcp_keepalive_time")
+	for _, tc := range []struct {
+		name string
+		tune func(*policy.Settings)
+		want map[string]int
+	}{
+		{"configured", func(s *policy.Settings) {
+			s.TCPUserTimeout = policy.Duration(2500 * time.Millisecond)
+			s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(3 * time.Second), Count: 4}
+		}, map[string]int{"user_timeout": 2500, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}},
+		{"disabled", func(s *policy.Settings) {
+			s.TCPUserTimeout = 0
+			s.Keepalive = policy.Keepalive{Idle: -1}
+		}, map[string]int{"user_timeout": 0, "keepalive": 0, "idle": kernelIdle, "nodelay": 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := start(t, peer.Addr(), tc.tune)
+			c := h.dial()
+			roundTrip(t, c, []byte("hello"))
+			got := upstreamOptions(t, h.p)
+			for k, v := range tc.want {
+				if got[k] != v {
+					t.Errorf("%s = %d, want %d", k, got[k], v)
+				}
+			}
+		})
+	}
+}
+
+func readSysctl(t *testing.T, path string) int {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
+	t.Helper()
+	l := p.listeners[0]
+	l.mu.Lock()
+	var k *link
+	for k = range l.links {
+	}
+	l.mu.Unlock()
+	if k == nil {
+		t.Fatal("no live link")
+	}
+	out := map[string]int{}
+	raw, err := k.upstream.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = raw.Control(func(fd uintptr) {
+		for name, o := range map[string][2]int{
+			"user_timeout": {unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT},
+			"keepalive":    {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
+			"idle":         {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
+			"interval":     {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
+			"count":        {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
+			"nodelay":      {unix.IPPROTO_TCP, unix.TCP_NODELAY},
+		} {
+			v, err := unix.GetsockoptInt(int(fd), o[0], o[1])
+			if err != nil {
+				t.Errorf("getsockopt %s: %v", name, err)
+			}
+			out[name] = v
+		}
+	})
+	return out
+}
+
+// Shutdown stops accepting, lets a link finish within the drain timeout,
+// and cuts those still open when it runs out.
+func TestShutdownDrainsThenCuts(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	roundTrip(t, c, []byte("open"))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	begin := time.Now()
+	done := make(chan error, 1)
+	go func() { done <- h.p.Shutdown(ctx) }()
+
+	// New connections are refused once shutdown has begun.
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		nc, err := net.DialTimeout("tcp", h.addr, 200*time.Millisecond)
+		if err != nil {
+			break
+		}
+		_ = nc.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("listener still accepting during shutdown")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// The open link still works during the drain.
+	roundTrip(t, c, []byte("draining"))
+	if err := <-done; !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Shutdown = %v, want deadline exceeded (a link was cut)", err)
+	}
+	if d := time.Since(begin); d < 250*time.Millisecond {
+		t.Fatalf("shutdown returned after %v, before the drain timeout", d)
+	}
+	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonShutdown {
+		t.Fatalf("reason %q, want shutdown", s.Reason)
+	}
+}
+
+// bytes_total counts live links at scrape time and keeps ended links' bytes.
+func TestBytesTotal(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	msg := bytes.Repeat([]byte("b"), 1000)
+	roundTrip(t, c, msg)
+	want := "\nlivenessproxy_bytes_total{direction=\"request\",listener=\"test\"} 1000\n" +
+		"livenessproxy_bytes_total{direction=\"response\",listener=\"test\"} 1000\n"
+	if err := testutil.GatherAndCompare(h.m.Registry, strings.NewReader(
+		"# HELP livenessproxy_bytes_total Bytes proxied: request is client to upstream, response is upstream to client.\n"+
+			"# TYPE livenessproxy_bytes_total counter"+want), "livenessproxy_bytes_total"); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.Close()
+	h.linkEnd(2 * time.Second)
+	if err := testutil.GatherAndCompare(h.m.Registry, strings.NewReader(
+		"# HELP livenessproxy_bytes_total Bytes proxied: request is client to upstream, response is upstream to client.\n"+
+			"# TYPE livenessproxy_bytes_total counter"+want), "livenessproxy_bytes_total"); err != nil {
+		t.Fatal(err)
+	}
+}
