@@ -1,0 +1,171 @@
+// Package e2e holds end-to-end tests of the proxy against real network
+// faults, in network namespaces the tests create themselves (no root
+// needed: each test re-executes itself into a new user and network
+// namespace, see internal/netns).
+package e2e
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// echoIn serves an echo server inside ns until the test ends.
+func echoIn(t *testing.T, ns *netns.NS, addr string) string {
+	t.Helper()
+	ln, err := ns.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Add(1)
+			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	return ln.Addr().String()
+}
+
+// blackholeSetup builds: proxy and client in this namespace, an echo server
+// in a peer namespace over a veth pair, one link established through the
+// proxy, and then a drop of the server's port in the peer's namespace (a
+// remote blackhole: the proxy's kernel retransmits into silence).
+func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan proxy.LinkStats) {
+	testutil.RequireCommand(t, "ip")
+	testutil.RequireCommand(t, "nft")
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.7.1/24", "10.231.7.2/24")
+	srv := echoIn(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	tune(&s)
+	cfg.Listeners = []policy.Listener{{Name: "bh", Listen: "127.0.0.1:0", Upstream: srv, Settings: s}}
+	ended := make(chan proxy.LinkStats, 4)
+	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+
+	c, err := net.Dial("tcp", p.Addr("bh").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	msg := []byte("before the blackhole")
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	if _, err := io.ReadFull(c, make([]byte, len(msg))); err != nil {
+		t.Fatalf("round trip before the fault: %v", err)
+	}
+	if err := peer.NFT(`table inet lpfault {
+	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
+	chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
+}
+`); err != nil {
+		t.Fatalf("installing the drop in the peer namespace: %v", err)
+	}
+	return c, ended
+}
+
+// With tcp_user_timeout: 2s, a link whose upstream path is black-holed
+// after establishment closes within about 3 s of the next write; the
+// kernel default would retransmit for ~15 minutes.
+func TestBlackholedUpstreamClosesWithinUserTimeout(t *testing.T) {
+	if !netns.Reexec(t) {
+		return
+	}
+	c, ended := blackholeSetup(t, func(s *policy.Settings) {
+		s.TCPUserTimeout = policy.Duration(2 * time.Second)
+		s.WriteTimeout = policy.Duration(10 * time.Second)
+	})
+	begin := time.Now()
+	if _, err := c.Write([]byte("into the blackhole")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err := c.Read(make([]byte, 64))
+	elapsed := time.Since(begin)
+	if errors.Is(err, os.ErrDeadlineExceeded) || err == nil {
+		t.Fatalf("client link still open %v after the write (err %v)", elapsed, err)
+	}
+	t.Logf("client saw %v %v after writing into the blackhole", err, elapsed.Round(time.Millisecond))
+	if elapsed < 2*time.Second || elapsed > 3500*time.Millisecond {
+		t.Fatalf("link closed after %v, want about tcp_user_timeout (2s) plus RTO slack", elapsed)
+	}
+	select {
+	case s := <-ended:
+		if s.Reason != metrics.ReasonUpstreamTimeout {
+			t.Fatalf("reason %q (%v), want %q", s.Reason, s.Err, metrics.ReasonUpstreamTimeout)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("link did not end")
+	}
+}
+
+// The control: with tcp_user_timeout and write_timeout disabled, the same
+// blackhole leaves the link open (the kernel keeps retransmitting), so the
+// test above measures the option, not the fault.
+func TestBlackholedUpstreamStaysOpenWithoutUserTimeout(t *testing.T) {
+	if !netns.Reexec(t) {
+		return
+	}
+	c, ended := blackholeSetup(t, func(s *policy.Settings) {
+		s.TCPUserTimeout = 0
+		s.WriteTimeout = 0
+		s.Keepalive = policy.Keepalive{}
+	})
+	if _, err := c.Write([]byte("into the blackhole")); err != nil {
+		t.Fatal(err)
+	}
+	const watch = 4 * time.Second
+	_ = c.SetReadDeadline(time.Now().Add(watch))
+	_, err := c.Read(make([]byte, 64))
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("without tcp_user_timeout the link ended anyway: %v", err)
+	}
+	select {
+	case s := <-ended:
+		t.Fatal(fmt.Sprintf("link ended without tcp_user_timeout: %+v", s))
+	default:
+	}
+}
