@@ -75,7 +75,6 @@ func (h *harness) linkEnd(within time.Duration) LinkStats {
 	}
 }
 
-
 // waitClosed reads from c until it fails and returns the error and when.
 func waitClosed(t *testing.T, c net.Conn, within time.Duration) (error, time.Time) {
 	t.Helper()
