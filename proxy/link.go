@@ -48,6 +48,17 @@ type link struct {
 	closed bool
 
 	q queue
+	// wg counts pumpResponses and, once started, writeUpstream. The writer
+	// starts on the first byte the kernel does not take at once: most
+	// request/response links never need it.
+	wg sync.WaitGroup
+
+	// rawP, rawN, rawErr and rawWriteFn carry tryWrite's arguments so the
+	// per-write callback is allocated once per link, not once per write.
+	rawP       []byte
+	rawN       int
+	rawErr     error
+	rawWriteFn func(fd uintptr) bool
 
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
@@ -65,6 +76,10 @@ type link struct {
 func newLink(l *listener, client *net.TCPConn) *link {
 	k := &link{l: l, set: l.cfg.Settings, client: client, opened: time.Now()}
 	k.q.init()
+	k.rawWriteFn = func(fd uintptr) bool {
+		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
+		return true
+	}
 	return k
 }
 
@@ -73,12 +88,10 @@ func (k *link) run() LinkStats {
 	if !k.dial() {
 		return k.stats()
 	}
-	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() { defer wg.Done(); k.writeUpstream() }()
-	go func() { defer wg.Done(); k.pumpResponses() }()
+	k.wg.Add(1)
+	go k.pumpResponsesOwned()
 	k.pumpRequests()
-	wg.Wait()
+	k.wg.Wait()
 
 	k.closeBoth()
 	k.q.mu.Lock()
@@ -156,9 +169,20 @@ func (k *link) pumpRequests() {
 		if err != nil {
 			if errors.Is(err, io.EOF) {
 				k.q.mu.Lock()
-				k.q.eof = true
-				k.q.dataReady.Signal()
+				if k.q.writer {
+					// The writer passes the FIN on after the queued bytes.
+					k.q.eof = true
+					k.q.dataReady.Signal()
+					k.q.mu.Unlock()
+					return
+				}
 				k.q.mu.Unlock()
+				// No writer means nothing was ever queued: pass it on now.
+				if cerr := k.upstream.CloseWrite(); cerr != nil {
+					k.abort(classifyUpstream(cerr), cerr)
+					return
+				}
+				k.passedFin(metrics.ReasonClientClosed)
 			} else {
 				k.abort(metrics.ReasonClientError, err)
 			}
@@ -218,20 +242,35 @@ func (k *link) send(p []byte, high int64) bool {
 		return false
 	}
 	q.appendLocked(p)
-	q.dataReady.Signal()
+	if !q.writer {
+		q.writer = true
+		k.wg.Add(1)
+		go k.writeUpstreamOwned()
+	} else {
+		q.dataReady.Signal()
+	}
 	q.mu.Unlock()
 	return true
+}
+
+func (k *link) writeUpstreamOwned() {
+	defer k.wg.Done()
+	k.writeUpstream()
+}
+
+func (k *link) pumpResponsesOwned() {
+	defer k.wg.Done()
+	k.pumpResponses()
 }
 
 // tryWrite writes p to the upstream without waiting: it returns what the
 // kernel accepted at once (possibly 0).
 func (k *link) tryWrite(p []byte) (int, error) {
-	var n int
-	var err error
-	if werr := k.upRaw.Write(func(fd uintptr) bool {
-		n, err = syscall.Write(int(fd), p)
-		return true
-	}); werr != nil {
+	k.rawP = p
+	werr := k.upRaw.Write(k.rawWriteFn)
+	n, err := k.rawN, k.rawErr
+	k.rawP, k.rawErr = nil, nil
+	if werr != nil {
 		return 0, werr
 	}
 	if err == syscall.EAGAIN || err == syscall.EINTR {

@@ -36,6 +36,7 @@ type queue struct {
 	inFlight  int   // bytes handed to the writer and not yet consumed
 	queued    int64 // bytes appended and not yet written
 	maxQueued int64 // the largest queued ever reached
+	writer    bool  // writeUpstream has been started
 	eof       bool  // the client sent FIN: flush, then CloseWrite
 	closed    bool  // the link is ending: nothing more is written
 }

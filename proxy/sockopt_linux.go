@@ -11,13 +11,11 @@ import (
 )
 
 // setUpstreamOptions applies the liveness socket options to an upstream
-// socket before it connects. A disabled (non-positive) setting leaves the
+// socket before it connects (TCP_NODELAY is Go's default for every TCP
+// connection). A disabled (non-positive) setting leaves the
 // kernel's default untouched. Keepalive times have one-second granularity
 // in the kernel; shorter values round up to one second.
 func setUpstreamOptions(fd int, s policy.Settings) error {
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
-		return err
-	}
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
 			return err

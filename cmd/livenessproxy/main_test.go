@@ -1,0 +1,200 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+)
+
+// The test binary doubles as the livenessproxy binary when LP_BE_MAIN=1,
+// so the end-to-end tests run the real main with real signals.
+func TestMain(m *testing.M) {
+	if os.Getenv("LP_BE_MAIN") == "1" {
+		os.Exit(realMain(os.Args[1:], os.Stdout, os.Stderr))
+	}
+	goleak.VerifyTestMain(m)
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().String()
+}
+
+func writeConfig(t *testing.T, body string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestCheck(t *testing.T) {
+	good := writeConfig(t, "listeners:\n  - {name: a, listen: 127.0.0.1:18098, upstream: pinot:8098}\n")
+	var out, errb bytes.Buffer
+	if code := realMain([]string{"check", "--config", good}, &out, &errb); code != 0 {
+		t.Fatalf("check good config: exit %d, stderr %q", code, errb.String())
+	}
+	bad := writeConfig(t, `defaults:
+  write_buffer: {high_water_mark: 1MiB, low_water_mark: 2MiB}
+listeners:
+  - {name: a, listen: 127.0.0.1:18098, upstream: pinot:8098, write_timeot: 1s}
+`)
+	out.Reset()
+	errb.Reset()
+	if code := realMain([]string{"check", "--config", bad}, &out, &errb); code != 1 {
+		t.Fatalf("check bad config: exit %d, want 1", code)
+	}
+	lines := strings.Split(strings.TrimSpace(errb.String()), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("want one line per problem (2), got %q", errb.String())
+	}
+	for _, want := range []string{"listeners[0].write_timeot: unknown key", "defaults.write_buffer.low_water_mark"} {
+		if !strings.Contains(errb.String(), want) {
+			t.Errorf("check output %q does not name %q", errb.String(), want)
+		}
+	}
+}
+
+func TestVersionAndUsage(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := realMain([]string{"version"}, &out, &errb); code != 0 || !strings.HasPrefix(out.String(), "livenessproxy ") {
+		t.Fatalf("version: exit %d, %q", code, out.String())
+	}
+	if code := realMain([]string{"frobnicate"}, &out, &errb); code != 2 {
+		t.Fatalf("unknown verb: exit %d, want 2", code)
+	}
+	if code := realMain([]string{"run"}, &out, &errb); code != 2 || !strings.Contains(errb.String(), "--config") {
+		t.Fatalf("run without --config: exit %d, %q", code, errb.String())
+	}
+}
+
+// The real binary: listeners and admin come up, /readyz turns ready,
+// /metrics carries the listener's series, a link works, and SIGTERM drains
+// and exits 0.
+func TestRunServesAndDrainsOnSIGTERM(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	adminAddr, listenAddr := freePort(t), freePort(t)
+	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q}
+log: {level: debug}
+drain_timeout: 300ms
+listeners:
+  - {name: echo, listen: %q, upstream: %q}
+`, adminAddr, listenAddr, peer.Addr()))
+	cmd := exec.Command(os.Args[0], "run", "--config", cfg, "--log-level", "info")
+	cmd.Env = append(os.Environ(), "LP_BE_MAIN=1")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	defer func() {
+		_ = cmd.Process.Kill()
+		<-exited
+	}()
+
+	base := "http://" + adminAddr
+	waitFor(t, 5*time.Second, func() bool { return httpStatus(base+"/readyz") == 200 })
+	if s := httpStatus(base + "/healthz"); s != 200 {
+		t.Fatalf("/healthz = %d", s)
+	}
+
+	c, err := net.Dial("tcp", listenAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	msg := []byte("through the binary")
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(msg))
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
+		t.Fatalf("echo through proxy: %q, %v", got, err)
+	}
+
+	resp, err := httpc.Get(base + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{
+		`livenessproxy_links_total{listener="echo"} 1`,
+		`livenessproxy_links_active{listener="echo"} 1`,
+		`livenessproxy_bytes_total{direction="request",listener="echo"} 18`,
+		`livenessproxy_link_closes_total{listener="echo",reason="write_timeout"} 0`,
+	} {
+		if !bytes.Contains(body, []byte(want)) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+
+	begin := time.Now()
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-exited:
+		exited <- err
+		if err != nil {
+			t.Fatalf("exit after SIGTERM: %v\n%s", err, stderr.String())
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatalf("still running 5s after SIGTERM\n%s", stderr.String())
+	}
+	// The open link was given the 300ms drain, then cut.
+	if d := time.Since(begin); d < 250*time.Millisecond {
+		t.Fatalf("exited after %v, before the drain timeout with a link open", d)
+	}
+	if _, err := c.Read(got); err == nil {
+		t.Fatal("link still open after exit")
+	}
+	if !strings.Contains(stderr.String(), `"message":"draining"`) {
+		t.Errorf("no drain log line in:\n%s", stderr.String())
+	}
+}
+
+// httpc keeps no idle connections, so no transport goroutine outlives a test.
+var httpc = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 2 * time.Second}
+
+func httpStatus(url string) int {
+	resp, err := httpc.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func waitFor(t *testing.T, within time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("condition not met within %v", within)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

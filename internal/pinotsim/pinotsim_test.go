@@ -1,0 +1,458 @@
+package pinotsim
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"io"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func unhex(t *testing.T, s string) []byte {
+	t.Helper()
+	s = strings.NewReplacer(" ", "", "\n", "", "\t", "", "|", "").Replace(s)
+	b, err := hex.DecodeString(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestFrameRoundTrip(t *testing.T) {
+	var buf bytes.Buffer
+	for _, p := range [][]byte{{}, []byte("x"), bytes.Repeat([]byte{7}, 70000)} {
+		if err := WriteFrame(&buf, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, want := range []int{0, 1, 70000} {
+		p, err := ReadFrame(&buf, 0)
+		if err != nil || len(p) != want {
+			t.Fatalf("ReadFrame = %d bytes, %v; want %d", len(p), err, want)
+		}
+	}
+	if _, err := ReadFrame(&buf, 0); err != io.EOF {
+		t.Fatalf("at end: %v, want io.EOF", err)
+	}
+	if got := AppendFrame(nil, []byte{1, 2}); !bytes.Equal(got, []byte{0, 0, 0, 2, 1, 2}) {
+		t.Fatalf("AppendFrame = %x", got)
+	}
+}
+
+func TestReadFrameRejects(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		in   []byte
+		max  int
+		want error
+	}{
+		{"negative", []byte{0x80, 0, 0, 0}, 0, ErrFrameLength},
+		{"minus one", []byte{0xff, 0xff, 0xff, 0xff}, 0, ErrFrameLength},
+		{"oversized", []byte{0, 0, 1, 1}, 256, ErrFrameLength},
+		{"truncated payload", []byte{0, 0, 0, 5, 1, 2}, 0, io.ErrUnexpectedEOF},
+		{"truncated header", []byte{0, 0}, 0, io.ErrUnexpectedEOF},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ReadFrame(bytes.NewReader(tc.in), tc.max)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("err = %v, want %v", err, tc.want)
+			}
+		})
+	}
+	// At exactly max the frame is accepted.
+	if _, err := ReadFrame(bytes.NewReader(AppendFrame(nil, make([]byte, 256))), 256); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The 56-byte InstanceRequest of PINOT.md §3, encoded there with apache/thrift.
+const pinotRequestHex = `16 82d0ede88ebd88a222 1c 2c 18 09 745f4f46464c494e45 00 fc 00 00
+	19 28 02 7330 02 7331 12 18 0d 42726f6b65725f685f38303939 28 02 6331 00`
+
+func TestRequestMatchesPinot(t *testing.T) {
+	want := unhex(t, pinotRequestHex)
+	if len(want) != 56 {
+		t.Fatalf("example is %d bytes, want 56", len(want))
+	}
+	r := Request{ID: 1234567890000000001, Table: "t_OFFLINE", Segments: []string{"s0", "s1"},
+		BrokerID: "Broker_h_8099", CID: "c1"}
+	got := AppendRequest(nil, &r)
+	if !bytes.Equal(got, want) {
+		t.Fatalf("payload\n got %x\nwant %x", got, want)
+	}
+	if f := AppendFrame(nil, got); !bytes.Equal(f[:4], []byte{0, 0, 0, 0x38}) {
+		t.Fatalf("frame prefix %x, want 00000038", f[:4])
+	}
+	id, err := RequestID(want)
+	if err != nil || id != 1234567890000000001 {
+		t.Fatalf("RequestID = %d, %v", id, err)
+	}
+	back, err := ParseRequest(want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if back.ID != r.ID || back.Table != r.Table || back.BrokerID != r.BrokerID || back.CID != r.CID ||
+		len(back.Segments) != 2 || back.Segments[1] != "s1" || back.Trace || !back.SentAt.IsZero() {
+		t.Fatalf("ParseRequest = %+v", back)
+	}
+}
+
+func TestRequestRoundTrip(t *testing.T) {
+	now := time.Now()
+	segs := SegmentsFor("t_REALTIME", 32<<10)
+	for _, id := range []int64{0, 1, -1, 1<<63 - 1, -1 << 63, 1840000000123} {
+		r := Request{ID: id, Table: "t_REALTIME", Segments: segs, Trace: true, BrokerID: "b",
+			SentAt: now, Deadline: now.Add(time.Second)}
+		p := AppendRequest(nil, &r)
+		if p[0] != 0x16 {
+			t.Fatalf("payload starts with %#x", p[0])
+		}
+		if len(p) < 32<<10 || len(p) > 33<<10 {
+			t.Fatalf("payload %d bytes, want about 32 KiB", len(p))
+		}
+		if got, err := RequestID(p); err != nil || got != id {
+			t.Fatalf("RequestID = %d, %v; want %d", got, err, id)
+		}
+		back, err := ParseRequest(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if back.ID != id || !back.Trace || len(back.Segments) != len(segs) ||
+			!back.SentAt.Equal(now) || !back.Deadline.Equal(now.Add(time.Second)) {
+			t.Fatalf("round trip %d: %+v", id, back)
+		}
+	}
+}
+
+func TestParseRequestSkipsUnknownFields(t *testing.T) {
+	w := compactWriter{}
+	w.field(ctI64, 1)
+	w.i64(42)
+	w.field(ctStruct, 2)
+	w.push()
+	w.field(ctStruct, 2)
+	w.push()
+	w.field(ctBinary, 1)
+	w.str("tbl")
+	w.pop()
+	w.field(ctStruct, 17) // a PinotQuery with content to skip
+	w.push()
+	w.field(ctI32, 3)
+	w.i64(7)
+	w.field(ctDouble, 4)
+	w.b = append(w.b, make([]byte, 8)...)
+	w.field(ctMap, 5)
+	w.b = append(w.b, 1, 0x88, 1, 'k', 1, 'v') // map<string,string>{k:v}
+	w.field(ctList, 6)
+	w.listHeader(ctStruct, 1)
+	w.b = append(w.b, 0x11, 0) // {f1 true}
+	w.pop()
+	w.pop()
+	w.field(ctList, 8) // tableSegmentsInfoList, unknown to the parser
+	w.listHeader(ctBool(), 2)
+	w.b = append(w.b, 1, 2)
+	w.field(ctI64, 100) // long-form field id
+	w.i64(5)
+	w.stop()
+	r, err := ParseRequest(w.b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.ID != 42 || r.Table != "tbl" {
+		t.Fatalf("got %+v", r)
+	}
+	// Every truncation is an error, never a panic.
+	for i := range len(w.b) - 1 {
+		if _, err := ParseRequest(w.b[:i]); err == nil {
+			t.Fatalf("truncated at %d: no error", i)
+		}
+	}
+	if _, err := RequestID([]byte{0x18, 1}); !errors.Is(err, ErrNotRequest) {
+		t.Fatalf("RequestID of a non-request: %v", err)
+	}
+}
+
+func ctBool() byte { return ctBoolTrue }
+
+// The 80-byte framed minimal DataTable of PINOT.md §4.
+const pinotResponseHex = `0000004c 00000004 00000000 00000000 00000034 00000004 00000038 00000000 00000038 00000000
+	00000038 00000000 00000038 00000000 | 00000000 | 00000010
+	00000001 0000000e 112210f4768db401`
+
+func TestResponseMatchesPinot(t *testing.T) {
+	want := unhex(t, pinotResponseHex)
+	if len(want) != 80 {
+		t.Fatalf("example is %d bytes, want 80", len(want))
+	}
+	got := AppendFrame(nil, AppendResponse(nil, 1234567890000000001))
+	if !bytes.Equal(got, want) {
+		t.Fatalf("frame\n got %x\nwant %x", got, want)
+	}
+	p, err := ReadFrame(bytes.NewReader(want), 0)
+	if err != nil || len(p) != MinimalResponseLen {
+		t.Fatalf("ReadFrame: %d bytes, %v", len(p), err)
+	}
+	id, err := ResponseID(p)
+	if err != nil || id != 1234567890000000001 {
+		t.Fatalf("ResponseID = %d, %v", id, err)
+	}
+}
+
+func TestResponseIDSkipsOtherKeys(t *testing.T) {
+	p, err := AppendDataTable(nil, []Metadata{
+		{Key: 41, Value: "cid-1"},   // STRING queryId
+		{Key: 5, Value: "12"},       // INT
+		{Key: 38, Value: "true"},    // BOOLEAN
+		{Key: 2, Value: "99"},       // LONG
+		{Key: 40, Value: "primary"}, // STRING workloadName
+		{Key: KeyRequestID, Value: "-7"},
+		{Key: 0, Value: "after"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if id, err := ResponseID(p); err != nil || id != -7 {
+		t.Fatalf("ResponseID = %d, %v", id, err)
+	}
+	for i := range len(p) {
+		if _, err := ResponseID(p[:i]); err == nil {
+			// The id is found once its 8 bytes are there; before, an error.
+			if i < len(p)-(4+4+5) {
+				t.Fatalf("truncated at %d: no error", i)
+			}
+		}
+	}
+	// An unknown key cannot be skipped: stop with ErrNoRequestID.
+	unknown := []byte{}
+	unknown, _ = AppendDataTable(unknown, []Metadata{{Key: 0, Value: "x"}})
+	binary.BigEndian.PutUint32(unknown[len(unknown)-9:], 45) // rewrite key 0 as 45
+	if _, err := ResponseID(unknown); !errors.Is(err, ErrNoRequestID) {
+		t.Fatalf("unknown key: %v", err)
+	}
+	if _, err := ResponseID(make([]byte, 76)); !errors.Is(err, ErrNotDataTable) {
+		t.Fatalf("version 0: %v", err)
+	}
+	if _, err := AppendDataTable(nil, []Metadata{{Key: 45, Value: "x"}}); err == nil {
+		t.Fatal("AppendDataTable accepted an unknown key")
+	}
+}
+
+// queryAll runs n queries concurrently and returns their results.
+func queryAll(ctx context.Context, b *Broker, addr string, n int) []Result {
+	res := make([]Result, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() { defer wg.Done(); res[i] = b.Query(ctx, addr) }()
+	}
+	wg.Wait()
+	return res
+}
+
+func count(rs []Result, o Outcome) int {
+	n := 0
+	for _, r := range rs {
+		if r.Outcome == o {
+			n++
+		}
+	}
+	return n
+}
+
+func newServer(t *testing.T, cfg ServerConfig) *Server {
+	t.Helper()
+	s, err := NewServer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+func newBroker(t *testing.T, cfg BrokerConfig) *Broker {
+	t.Helper()
+	b := NewBroker(cfg)
+	t.Cleanup(func() { _ = b.Close() })
+	return b
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	s := newServer(t, ServerConfig{Delay: time.Millisecond})
+	b := newBroker(t, BrokerConfig{Timeout: 2 * time.Second, ID: "rt", RequestSize: 2048})
+	ctx := context.Background()
+
+	rs := queryAll(ctx, b, s.Addr(), 50)
+	if n := count(rs, OK); n != 50 {
+		t.Fatalf("%d of 50 ok: %+v", n, rs)
+	}
+	waitFor(t, "the server to count its answers", func() bool { return s.Stats().Answered == 50 })
+	st, bs := s.Stats(), b.Stats()
+	if st.Executed != 50 || st.Answered != 50 || st.Stale != 0 || st.ByBroker["rt"].Executed != 50 {
+		t.Fatalf("server stats %+v", st)
+	}
+	if bs.Sent != 50 || bs.OK != 50 || bs.Connects != 1 || bs.QueueBytes != 0 || bs.PeakQueueBytes <= 0 {
+		t.Fatalf("broker stats %+v", bs)
+	}
+
+	// Responses go out in completion order: a slow query started first
+	// finishes after a fast one started later, on the same connection.
+	s.SetDelay(time.Second)
+	slow := make(chan Result, 1)
+	go func() { slow <- b.Query(ctx, s.Addr()) }()
+	waitFor(t, "the slow query to reach the server", func() bool { return s.Stats().Executed == 51 })
+	s.SetDelay(0)
+	fast := b.Query(ctx, s.Addr())
+	select {
+	case r := <-slow:
+		t.Fatalf("slow query finished before the fast one: %+v", r)
+	default:
+	}
+	if fast.Outcome != OK {
+		t.Fatalf("fast query: %+v", fast)
+	}
+	if r := <-slow; r.Outcome != OK || r.Latency < time.Second {
+		t.Fatalf("slow query: %+v", r)
+	}
+	if c := b.Stats().Connects; c != 1 {
+		t.Fatalf("%d connects, want 1", c)
+	}
+}
+
+func TestStalledServerTimesOutAndKeepsConnection(t *testing.T) {
+	s := newServer(t, ServerConfig{RecvBuffer: 16 << 10})
+	b := newBroker(t, BrokerConfig{Timeout: 300 * time.Millisecond, ID: "stall", RequestSize: 32 << 10})
+	ctx := context.Background()
+	if r := b.Query(ctx, s.Addr()); r.Outcome != OK {
+		t.Fatalf("warm-up: %+v", r)
+	}
+
+	s.Stall()
+	// 16 MiB of requests: more than the kernel buffers on both sides hold.
+	var rs []Result
+	for range 4 {
+		rs = append(rs, queryAll(ctx, b, s.Addr(), 128)...)
+	}
+	if n := count(rs, TimedOut); n != len(rs) {
+		t.Fatalf("%d of %d timed out, want all: ok %d failed %d", n, len(rs), count(rs, OK), count(rs, FailedFast))
+	}
+	bs := b.Stats()
+	if !b.Connected(s.Addr()) || bs.Closes != 0 || bs.Connects != 1 {
+		t.Fatalf("connection not kept: connected %v, %+v", b.Connected(s.Addr()), bs)
+	}
+	if bs.QueueBytes <= 0 || bs.PeakQueueBytes < bs.QueueBytes {
+		t.Fatalf("outbound queue did not grow: %+v", bs)
+	}
+	executedDuringStall := s.Stats().Executed
+
+	// On resume the server reads the backlog and executes it, all stale.
+	s.Resume()
+	waitFor(t, "the backlog to drain", func() bool {
+		return s.Stats().Executed == 1+int64(len(rs)) && b.Stats().QueueBytes == 0
+	})
+	st := s.Stats()
+	if st.Stale < int64(len(rs))-executedDuringStall || st.ByBroker["stall"].Stale != st.Stale {
+		t.Fatalf("stale %d, want at least %d: %+v", st.Stale, int64(len(rs))-executedDuringStall, st)
+	}
+	if r := b.Query(ctx, s.Addr()); r.Outcome != OK {
+		t.Fatalf("after resume: %+v", r)
+	}
+	waitFor(t, "late responses", func() bool { return b.Stats().Late == int64(len(rs)) })
+	if c := b.Stats().Connects; c != 1 {
+		t.Fatalf("%d connects, want 1", c)
+	}
+}
+
+func TestFailedFastOnServerClose(t *testing.T) {
+	s, err := NewServer(ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := s.Addr()
+	var closes []ConnClose
+	var mu sync.Mutex
+	b := newBroker(t, BrokerConfig{Timeout: 5 * time.Second, OnClose: func(c ConnClose) {
+		mu.Lock()
+		closes = append(closes, c)
+		mu.Unlock()
+	}})
+	s.SetSilent(true)
+	ctx := context.Background()
+
+	done := make(chan []Result, 1)
+	go func() { done <- queryAll(ctx, b, addr, 20) }()
+	waitFor(t, "20 requests at the server", func() bool { return s.Stats().Executed == 20 })
+	start := time.Now()
+	_ = s.Close()
+	rs := <-done
+	if n := count(rs, FailedFast); n != 20 {
+		t.Fatalf("%d of 20 failed fast", n)
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Fatalf("failing took %v, want well under the 5s timeout", d)
+	}
+	mu.Lock()
+	if len(closes) != 1 || closes[0].FailedFast != 20 || closes[0].Addr != addr {
+		t.Fatalf("OnClose: %+v", closes)
+	}
+	mu.Unlock()
+	if b.Connected(addr) {
+		t.Fatal("still connected after the server closed")
+	}
+	// The next query reconnects, is refused, and fails fast too.
+	r := b.Query(ctx, addr)
+	if r.Outcome != FailedFast || r.Latency > time.Second {
+		t.Fatalf("after close: %+v", r)
+	}
+	if bs := b.Stats(); bs.DialErrors != 1 || bs.FailedFast != 21 || bs.Closes != 1 {
+		t.Fatalf("broker stats %+v", bs)
+	}
+}
+
+func TestQueryCanceledAndBrokerClose(t *testing.T) {
+	s := newServer(t, ServerConfig{})
+	s.SetSilent(true)
+	b := NewBroker(BrokerConfig{Timeout: 5 * time.Second})
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { time.Sleep(50 * time.Millisecond); cancel() }()
+	if r := b.Query(ctx, s.Addr()); r.Outcome != Canceled {
+		t.Fatalf("canceled query: %+v", r)
+	}
+	dctx, dcancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer dcancel()
+	if r := b.Query(dctx, s.Addr()); r.Outcome != TimedOut {
+		t.Fatalf("context deadline: %+v", r)
+	}
+	// Whether Close finds the query in flight, connecting or not yet
+	// started, it fails fast with ErrBrokerClosed.
+	res := make(chan Result, 1)
+	go func() { res <- b.Query(context.Background(), s.Addr()) }()
+	waitFor(t, "the third query", func() bool { return b.Stats().Sent == 3 })
+	time.Sleep(20 * time.Millisecond)
+	_ = b.Close()
+	if r := <-res; r.Outcome != FailedFast || !errors.Is(r.Err, ErrBrokerClosed) {
+		t.Fatalf("query on close: %+v", r)
+	}
+	if r := b.Query(context.Background(), s.Addr()); r.Outcome != FailedFast {
+		t.Fatalf("query after close: %+v", r)
+	}
+}

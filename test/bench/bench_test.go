@@ -1,0 +1,131 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+)
+
+// TestScenariosDirect runs every scenario briefly against an in-process
+// server and checks that work was done, nothing failed, and every goroutine
+// ended (the bench itself runs the server as a child process).
+func TestScenariosDirect(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go acceptLoopInto(ln, served)
+	defer func() {
+		_ = ln.Close()
+		if err := <-served; !errors.Is(err, net.ErrClosed) {
+			t.Errorf("accept loop: %v", err)
+		}
+	}()
+
+	for _, sc := range scenarios(2) {
+		t.Run(sc.name, func(t *testing.T) {
+			meter := newCPUMeter(map[string]int{"client": os.Getpid()})
+			lr, win, err := runLoad(context.Background(), ln.Addr().String(), sc, 50*time.Millisecond, 200*time.Millisecond, 1_000_000, meter)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if lr.errs != 0 || lr.ops == 0 {
+				t.Fatalf("ops %d errs %d first %v", lr.ops, lr.errs, lr.firstErr)
+			}
+			r := newRunResult(sc, pathDirect, 1, lr, win, meter)
+			if r.Throughput <= 0 || (!sc.bulk && (r.P50us <= 0 || r.P99us < r.P50us)) {
+				t.Fatalf("bad result %+v", r)
+			}
+		})
+	}
+}
+
+// TestMaxOpsBoundsRun checks that the operation bound ends a run early.
+func TestMaxOpsBoundsRun(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go acceptLoopInto(ln, served)
+	defer func() { _ = ln.Close(); <-served }()
+
+	sc := scenarios(1)[0] // rr1
+	meter := newCPUMeter(map[string]int{})
+	start := time.Now()
+	lr, _, err := runLoad(context.Background(), ln.Addr().String(), sc, 0, 2*time.Second, 10, meter)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The workers stop after 10 operations; runLoad still waits for the
+	// window to close, but no more than that.
+	if lr.ops != 10 {
+		t.Fatalf("ops = %d, want 10", lr.ops)
+	}
+	if d := time.Since(start); d > 4*time.Second {
+		t.Fatalf("run took %v", d)
+	}
+}
+
+func acceptLoopInto(ln net.Listener, out chan<- error) { out <- acceptLoop(ln) }
+
+func TestSummarizeRatiosPerRound(t *testing.T) {
+	runs := []runResult{
+		{Scenario: "rr1", Path: pathDirect, Round: 1, Throughput: 100, P50us: 10, Unit: "ops/s"},
+		{Scenario: "rr1", Path: pathHA, Round: 1, Throughput: 50, P50us: 20, Unit: "ops/s"},
+		{Scenario: "rr1", Path: pathDirect, Round: 2, Throughput: 200, P50us: 5, Unit: "ops/s"},
+		{Scenario: "rr1", Path: pathHA, Round: 2, Throughput: 100, P50us: 10, Unit: "ops/s"},
+		{Scenario: "rr1", Path: pathDirect, Round: 3, Throughput: 300, P50us: 4, Unit: "ops/s"},
+		{Scenario: "rr1", Path: pathHA, Round: 3, Throughput: 150, P50us: 8, Unit: "ops/s"},
+	}
+	s := summarize(runs)
+	if len(s) != 2 || s[1].Path != pathHA {
+		t.Fatalf("summary %+v", s)
+	}
+	if s[1].Throughput != 100 || s[1].VsDirect.Throughput != 0.5 || s[1].VsDirect.P50 != 2 {
+		t.Fatalf("haproxy summary %+v", s[1])
+	}
+}
+
+func TestPercentile(t *testing.T) {
+	xs := make([]int64, 100)
+	for i := range xs {
+		xs[i] = int64(i + 1)
+	}
+	if p := percentile(xs, 0.5); p != 50 {
+		t.Errorf("p50 = %v", p)
+	}
+	if p := percentile(xs, 0.99); p != 99 {
+		t.Errorf("p99 = %v", p)
+	}
+	if p := percentile(nil, 0.5); p != 0 {
+		t.Errorf("empty p50 = %v", p)
+	}
+}
+
+func TestParsePinning(t *testing.T) {
+	p, err := parsePinning("none")
+	if err != nil || len(p.sets) != 0 || p.setFor("server") != nil {
+		t.Fatalf("none: %+v %v", p, err)
+	}
+	p, err = parsePinning("client=0,proxy=0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.CPUs["client"] != "0" || p.setFor("server") == nil || p.setFor("server").Count() < 1 {
+		t.Fatalf("custom: %+v", p)
+	}
+	for _, bad := range []string{"client=9999", "bogus=0", "client", "client=1-0"} {
+		if _, err := parsePinning(bad); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+}

@@ -1,0 +1,232 @@
+// Command bench measures, on loopback, what a proxy hop costs: the same
+// workloads go client -> server directly, through livenessproxy, and through
+// HAProxy (when installed), interleaved per scenario. See README.md.
+//
+//	go run ./test/bench [-duration 3s] [-rounds N] [-pin proxy-core] [-json]
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+type options struct {
+	duration   time.Duration
+	warmup     time.Duration
+	rounds     int
+	jsonOut    bool
+	pin        string
+	proxyBin   string
+	haproxyBin string
+	paths      string
+	scenarios  string
+	cpsWorkers int
+	maxOps     int64
+	lpFraming  string
+}
+
+func main() {
+	if os.Getenv(serverEnv) == "1" {
+		os.Exit(serverMain())
+	}
+	var o options
+	flag.DurationVar(&o.duration, "duration", 3*time.Second, "measured time per scenario and path")
+	flag.DurationVar(&o.warmup, "warmup", 500*time.Millisecond, "warm-up before each measured run (same workload, not counted)")
+	flag.IntVar(&o.rounds, "rounds", 1, "repeat every scenario on every path N times (interleaved) and report medians")
+	flag.BoolVar(&o.jsonOut, "json", false, "print a JSON document instead of the table")
+	flag.StringVar(&o.pin, "pin", "none", "CPU affinity: "+pinPresetNames())
+	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
+	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
+	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure (direct is always measured: ratios need it)")
+	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
+	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
+	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
+	flag.StringVar(&o.lpFraming, "lp-framing", "none", "livenessproxy listener framing: none | length_field (4-byte big-endian, like the bench protocol)")
+	flag.Parse()
+	if err := o.validate(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, o); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+func (o options) validate() error {
+	switch {
+	case o.duration <= 0 || o.duration > 10*time.Minute:
+		return errors.New("-duration must be in (0, 10m]")
+	case o.warmup < 0 || o.warmup > time.Minute:
+		return errors.New("-warmup must be in [0, 1m]")
+	case o.rounds < 1 || o.rounds > 100:
+		return errors.New("-rounds must be in [1, 100]")
+	case o.cpsWorkers < 1 || o.cpsWorkers > 256:
+		return errors.New("-cps-workers must be in [1, 256]")
+	case o.maxOps < 1:
+		return errors.New("-max-ops must be positive")
+	case o.lpFraming != "none" && o.lpFraming != "length_field":
+		return errors.New("-lp-framing must be none or length_field")
+	}
+	for p := range strings.SplitSeq(o.paths, ",") {
+		if p != pathDirect && p != pathLP && p != pathHA {
+			return fmt.Errorf("-paths: unknown path %q", p)
+		}
+	}
+	_, err := o.selectedScenarios()
+	return err
+}
+
+func (o options) selectedScenarios() ([]scenario, error) {
+	all := scenarios(o.cpsWorkers)
+	var out []scenario
+	for name := range strings.SplitSeq(o.scenarios, ",") {
+		i := slices.IndexFunc(all, func(s scenario) bool { return s.name == name })
+		if i < 0 {
+			return nil, fmt.Errorf("-scenarios: unknown scenario %q", name)
+		}
+		out = append(out, all[i])
+	}
+	return out, nil
+}
+
+func (o options) wants(p string) bool {
+	return slices.Contains(strings.Split(o.paths, ","), p)
+}
+
+func run(ctx context.Context, o options) error {
+	scs, _ := o.selectedScenarios()
+	pin, err := parsePinning(o.pin)
+	if err != nil {
+		return err
+	}
+	tmp, err := os.MkdirTemp("", "lpbench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(tmp)
+
+	doc := document{Started: time.Now().UTC(), Pinning: pin}
+	doc.Host = hostInfo{CPUs: runtime.NumCPU(), GoVersion: runtime.Version(), Kernel: kernelRelease()}
+	doc.Settings = settings{Duration: o.duration.String(), Warmup: o.warmup.String(), Rounds: o.rounds,
+		CPSWorkers: o.cpsWorkers, MaxOps: o.maxOps, LPFraming: o.lpFraming}
+	for _, sc := range scs {
+		doc.Scenarios = append(doc.Scenarios, scenInfo{Name: sc.name, About: sc.about})
+	}
+
+	server, serverAddr, err := startServer(ctx, tmp, pin.setFor("server"))
+	if err != nil {
+		return err
+	}
+	defer server.stop()
+	logf("server pid %d on %s, CPUs %s", server.pid, serverAddr, affinityOf(server.pid))
+
+	paths := []path{{Name: pathDirect, Addr: serverAddr}}
+	if o.wants(pathLP) {
+		logf("setting up livenessproxy ...")
+		paths = append(paths, setupLivenessproxy(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
+	}
+	if o.wants(pathHA) {
+		logf("setting up haproxy ...")
+		paths = append(paths, setupHAProxy(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
+	}
+	for _, p := range paths {
+		if p.proc != nil {
+			defer p.proc.stop()
+			logf("%s pid %d on %s, CPUs %s", p.Name, p.proc.pid, p.Addr, p.Affinity)
+		}
+		if p.Skipped != "" {
+			logf("%s SKIPPED: %s", p.Name, p.Skipped)
+		}
+	}
+	// Pin the client last: starting pinned children briefly changes the
+	// mask of one of our threads, and a thread spawned meanwhile would
+	// inherit it.
+	if err := pin.pinSelf(); err != nil {
+		return fmt.Errorf("pin client: %w", err)
+	}
+	doc.Host.ClientProc = runtime.GOMAXPROCS(0)
+	doc.Paths = paths
+
+	for round := 1; round <= o.rounds; round++ {
+		for _, sc := range scs {
+			for _, p := range paths {
+				if p.Skipped != "" {
+					continue
+				}
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				r := measure(ctx, o, sc, p, round, server.pid)
+				logf("round %d %-9s %-13s %s", round, sc.name, p.Name, oneLine(r))
+				doc.Runs = append(doc.Runs, r)
+				// Let the previous run's sockets and goroutines settle.
+				sleepUntil(ctx, time.Now().Add(200*time.Millisecond))
+			}
+		}
+	}
+	doc.Summary = summarize(doc.Runs)
+	if o.jsonOut {
+		return writeJSON(os.Stdout, doc)
+	}
+	writeTable(os.Stdout, doc)
+	return nil
+}
+
+// measure runs one scenario on one path and turns it into a runResult.
+func measure(ctx context.Context, o options, sc scenario, p path, round, serverPID int) runResult {
+	pids := map[string]int{"client": os.Getpid(), "server": serverPID}
+	if p.proc != nil {
+		if p.proc.exited() {
+			return runResult{Scenario: sc.name, Path: p.Name, Round: round,
+				Skipped: fmt.Sprintf("%s exited: %v (%s)", p.Name, p.proc.waitErr, p.proc.logTail())}
+		}
+		pids["proxy"] = p.proc.pid
+	}
+	meter := newCPUMeter(pids)
+	lr, win, err := runLoad(ctx, p.Addr, sc, o.warmup, o.duration, o.maxOps, meter)
+	if err != nil {
+		return runResult{Scenario: sc.name, Path: p.Name, Round: round, Skipped: err.Error()}
+	}
+	return newRunResult(sc, p.Name, round, lr, win, meter)
+}
+
+func oneLine(r runResult) string {
+	if r.Skipped != "" {
+		return "FAILED: " + r.Skipped
+	}
+	s := fmt.Sprintf("%s %s p50 %s p99 %s", groupThousands(r.Throughput), r.Unit, fmtUs(r.P50us), fmtUs(r.P99us))
+	if r.ProxyCPUus != 0 {
+		s += fmt.Sprintf(" proxyCPU %s/op", fmtUs(r.ProxyCPUus))
+	}
+	if r.Errors != 0 {
+		s += fmt.Sprintf(" errors %d (first: %s)", r.Errors, r.FirstError)
+	}
+	return s
+}
+
+func logf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "bench: "+format+"\n", args...)
+}
+
+func kernelRelease() string {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return ""
+	}
+	return unix.ByteSliceToString(u.Release[:])
+}

@@ -1,0 +1,380 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"time"
+)
+
+// cpuMeter reads utime+stime of the client, server and proxy processes at
+// the edges of the measured window.
+type cpuMeter struct {
+	pids           map[string]int // role -> pid
+	atStart, atEnd map[string]time.Duration
+	failed         map[string]bool
+}
+
+func newCPUMeter(pids map[string]int) *cpuMeter {
+	return &cpuMeter{pids: pids, atStart: map[string]time.Duration{}, atEnd: map[string]time.Duration{}, failed: map[string]bool{}}
+}
+
+func (m *cpuMeter) snap(into map[string]time.Duration) {
+	for role, pid := range m.pids {
+		t, err := cpuTime(pid)
+		if err != nil {
+			m.failed[role] = true
+			continue
+		}
+		into[role] = t
+	}
+}
+
+func (m *cpuMeter) begin() { m.snap(m.atStart) }
+func (m *cpuMeter) end()   { m.snap(m.atEnd) }
+
+// used returns the CPU time role spent in the window.
+func (m *cpuMeter) used(role string) (time.Duration, bool) {
+	if _, ok := m.pids[role]; !ok || m.failed[role] {
+		return 0, false
+	}
+	return m.atEnd[role] - m.atStart[role], true
+}
+
+// runResult is one scenario on one path in one round. Zero means "not
+// measured" for every metric (omitted from JSON, "-" in the table).
+type runResult struct {
+	Scenario   string  `json:"scenario"`
+	Path       string  `json:"path"`
+	Round      int     `json:"round"`
+	Seconds    float64 `json:"seconds"`
+	Ops        int64   `json:"ops"`
+	Errors     int64   `json:"errors,omitempty"`
+	FirstError string  `json:"first_error,omitempty"`
+	Throughput float64 `json:"throughput"` // in Unit
+	Unit       string  `json:"unit"`
+	P50us      float64 `json:"p50_us,omitempty"`
+	P99us      float64 `json:"p99_us,omitempty"`
+	// CPU per operation, µs (bulk: per 1 MiB frame, i.e. per MiB).
+	ProxyCPUus  float64 `json:"proxy_cpu_us_per_op,omitempty"`
+	ServerCPUus float64 `json:"server_cpu_us_per_op,omitempty"`
+	ClientCPUus float64 `json:"client_cpu_us_per_op,omitempty"`
+	TotalCPUus  float64 `json:"total_cpu_us_per_op,omitempty"`
+	// ProxyCores is the proxy's CPU time over wall time (1.0 = one core busy).
+	ProxyCores float64 `json:"proxy_cores,omitempty"`
+	Skipped    string  `json:"skipped,omitempty"`
+}
+
+func newRunResult(sc scenario, p string, round int, lr loadResult, win window, m *cpuMeter) runResult {
+	secs := win.end.Sub(win.start).Seconds()
+	r := runResult{Scenario: sc.name, Path: p, Round: round, Seconds: secs, Ops: lr.ops, Errors: lr.errs, Unit: "ops/s"}
+	if lr.firstErr != nil {
+		r.FirstError = lr.firstErr.Error()
+	}
+	if secs <= 0 || lr.ops == 0 {
+		return r
+	}
+	r.Throughput = float64(lr.ops) / secs
+	if sc.bulk {
+		r.Unit = "MiB/s"
+		r.Throughput *= float64(sc.reqLen) / (1 << 20)
+	} else {
+		r.P50us = percentile(lr.lat, 0.50) / 1e3
+		r.P99us = percentile(lr.lat, 0.99) / 1e3
+	}
+	perOp := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(lr.ops) }
+	total, complete := 0.0, true
+	for _, role := range roles {
+		d, ok := m.used(role)
+		if !ok {
+			if _, present := m.pids[role]; present {
+				complete = false
+			}
+			continue
+		}
+		total += perOp(d)
+		switch role {
+		case "proxy":
+			r.ProxyCPUus = perOp(d)
+			r.ProxyCores = d.Seconds() / secs
+		case "server":
+			r.ServerCPUus = perOp(d)
+		case "client":
+			r.ClientCPUus = perOp(d)
+		}
+	}
+	if complete {
+		r.TotalCPUus = total
+	}
+	return r
+}
+
+// percentile of sorted ns samples, nearest rank.
+func percentile(sorted []int64, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(p*float64(len(sorted)))) - 1
+	return float64(sorted[min(max(i, 0), len(sorted)-1)])
+}
+
+// ratios of a path to direct, per round; the summary takes their median.
+type ratios struct {
+	Throughput float64 `json:"throughput,omitempty"`
+	P50        float64 `json:"p50,omitempty"`
+	P99        float64 `json:"p99,omitempty"`
+	TotalCPU   float64 `json:"total_cpu_per_op,omitempty"`
+}
+
+// summary is the median over rounds of one scenario on one path.
+type summary struct {
+	Scenario    string  `json:"scenario"`
+	Path        string  `json:"path"`
+	Rounds      int     `json:"rounds"`
+	Throughput  float64 `json:"throughput"`
+	Unit        string  `json:"unit"`
+	P50us       float64 `json:"p50_us,omitempty"`
+	P99us       float64 `json:"p99_us,omitempty"`
+	ProxyCPUus  float64 `json:"proxy_cpu_us_per_op,omitempty"`
+	ProxyCores  float64 `json:"proxy_cores,omitempty"`
+	ServerCPUus float64 `json:"server_cpu_us_per_op,omitempty"`
+	ClientCPUus float64 `json:"client_cpu_us_per_op,omitempty"`
+	TotalCPUus  float64 `json:"total_cpu_us_per_op,omitempty"`
+	Errors      int64   `json:"errors,omitempty"`
+	FirstError  string  `json:"first_error,omitempty"`
+	VsDirect    ratios  `json:"vs_direct"`
+}
+
+// median of the non-zero values (zero means not measured).
+func median(xs []float64) float64 {
+	var v []float64
+	for _, x := range xs {
+		if x != 0 && !math.IsNaN(x) && !math.IsInf(x, 0) {
+			v = append(v, x)
+		}
+	}
+	if len(v) == 0 {
+		return 0
+	}
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}
+
+func ratio(a, b float64) float64 {
+	if a == 0 || b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+// summarize groups runs by scenario and path (in first-seen order) and
+// takes medians. A ratio is computed inside each round, against that
+// round's direct run, and the median of those ratios is reported: paired
+// ratios cancel drift that affects one round as a whole.
+func summarize(runs []runResult) []summary {
+	type key struct{ sc, path string }
+	var order []key
+	groups := map[key][]runResult{}
+	direct := map[string]map[int]runResult{} // scenario -> round -> run
+	for _, r := range runs {
+		k := key{r.Scenario, r.Path}
+		if _, ok := groups[k]; !ok {
+			order = append(order, k)
+		}
+		groups[k] = append(groups[k], r)
+		if r.Path == pathDirect {
+			if direct[r.Scenario] == nil {
+				direct[r.Scenario] = map[int]runResult{}
+			}
+			direct[r.Scenario][r.Round] = r
+		}
+	}
+	var out []summary
+	for _, k := range order {
+		g := groups[k]
+		s := summary{Scenario: k.sc, Path: k.path, Rounds: len(g), Unit: g[0].Unit}
+		col := func(f func(runResult) float64) float64 {
+			xs := make([]float64, len(g))
+			for i, r := range g {
+				xs[i] = f(r)
+			}
+			return median(xs)
+		}
+		s.Throughput = col(func(r runResult) float64 { return r.Throughput })
+		s.P50us = col(func(r runResult) float64 { return r.P50us })
+		s.P99us = col(func(r runResult) float64 { return r.P99us })
+		s.ProxyCPUus = col(func(r runResult) float64 { return r.ProxyCPUus })
+		s.ProxyCores = col(func(r runResult) float64 { return r.ProxyCores })
+		s.ServerCPUus = col(func(r runResult) float64 { return r.ServerCPUus })
+		s.ClientCPUus = col(func(r runResult) float64 { return r.ClientCPUus })
+		s.TotalCPUus = col(func(r runResult) float64 { return r.TotalCPUus })
+		rel := func(f func(runResult) float64) float64 {
+			var xs []float64
+			for _, r := range g {
+				if d, ok := direct[k.sc][r.Round]; ok {
+					xs = append(xs, ratio(f(r), f(d)))
+				}
+			}
+			return median(xs)
+		}
+		s.VsDirect = ratios{
+			Throughput: rel(func(r runResult) float64 { return r.Throughput }),
+			P50:        rel(func(r runResult) float64 { return r.P50us }),
+			P99:        rel(func(r runResult) float64 { return r.P99us }),
+			TotalCPU:   rel(func(r runResult) float64 { return r.TotalCPUus }),
+		}
+		for _, r := range g {
+			s.Errors += r.Errors
+			if s.FirstError == "" {
+				s.FirstError = r.FirstError
+				if s.FirstError == "" && r.Skipped != "" {
+					s.FirstError = "skipped: " + r.Skipped
+				}
+			}
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// document is what -json prints.
+type document struct {
+	Started   time.Time   `json:"started"`
+	Host      hostInfo    `json:"host"`
+	Settings  settings    `json:"settings"`
+	Pinning   pinning     `json:"pinning"`
+	Paths     []path      `json:"paths"`
+	Scenarios []scenInfo  `json:"scenarios"`
+	Summary   []summary   `json:"summary"`
+	Runs      []runResult `json:"runs"`
+}
+
+type hostInfo struct {
+	CPUs       int    `json:"cpus"`
+	GoVersion  string `json:"go_version"`
+	Kernel     string `json:"kernel,omitempty"`
+	ClientProc int    `json:"client_gomaxprocs"`
+}
+
+type settings struct {
+	Duration   string `json:"duration"`
+	Warmup     string `json:"warmup"`
+	Rounds     int    `json:"rounds"`
+	CPSWorkers int    `json:"cps_workers"`
+	MaxOps     int64  `json:"max_ops_per_run"`
+	LPFraming  string `json:"livenessproxy_framing"`
+}
+
+type scenInfo struct {
+	Name  string `json:"name"`
+	About string `json:"about"`
+}
+
+func writeJSON(w io.Writer, d document) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	return enc.Encode(d)
+}
+
+// writeTable prints the header, the paths and one block per scenario.
+func writeTable(w io.Writer, d document) {
+	fmt.Fprintf(w, "livenessproxy bench: %d CPUs, %s, kernel %s\n", d.Host.CPUs, d.Host.GoVersion, d.Host.Kernel)
+	fmt.Fprintf(w, "duration %s per run after %s warm-up, %d round(s)", d.Settings.Duration, d.Settings.Warmup, d.Settings.Rounds)
+	if d.Settings.Rounds > 1 {
+		fmt.Fprint(w, " (medians; ratios are medians of per-round ratios)")
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "pinning: %s\n", d.Pinning.describe())
+	for _, p := range d.Paths {
+		switch {
+		case p.Skipped != "":
+			fmt.Fprintf(w, "path %-13s SKIPPED: %s\n", p.Name, p.Skipped)
+		case p.Name == pathDirect:
+			fmt.Fprintf(w, "path %-13s client -> server %s\n", p.Name, p.Addr)
+		default:
+			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
+		}
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
+		"scenario", "path", "throughput", "p50", "p99", "proxyCPU", "proxy", "totalCPU", "errs",
+		"thr", "p50", "p99", "CPU")
+	fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %s\n",
+		"", "", "", "", "", "/op", "cores", "/op", "", "ratio to direct")
+	prev := ""
+	for _, s := range d.Summary {
+		name := s.Scenario
+		if name == prev {
+			name = ""
+		} else if prev != "" {
+			fmt.Fprintln(w)
+		}
+		prev = s.Scenario
+		fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
+			name, s.Path, fmtThroughput(s.Throughput, s.Unit), fmtUs(s.P50us), fmtUs(s.P99us),
+			fmtUs(s.ProxyCPUus), fmtF(s.ProxyCores, 2), fmtUs(s.TotalCPUus), fmtErrs(s.Errors),
+			fmtF(s.VsDirect.Throughput, 2), fmtF(s.VsDirect.P50, 2), fmtF(s.VsDirect.P99, 2), fmtF(s.VsDirect.TotalCPU, 2))
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "CPU/op: utime+stime from /proc/PID/stat (10 ms ticks) over the window, per operation")
+	fmt.Fprintln(w, "(bulk: per 1 MiB frame); totalCPU = client + server + proxy. Ratios: path / direct;")
+	fmt.Fprintln(w, "thr below 1 and p50/p99/CPU above 1 are the cost of the hop.")
+	for _, s := range d.Summary {
+		if s.FirstError != "" {
+			fmt.Fprintf(w, "note: %s/%s: %d error(s), first: %s\n", s.Scenario, s.Path, s.Errors, s.FirstError)
+		}
+	}
+}
+
+func fmtThroughput(v float64, unit string) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%s %s", groupThousands(v), unit)
+}
+
+func groupThousands(v float64) string {
+	s := fmt.Sprintf("%.0f", v)
+	var b strings.Builder
+	for i, c := range s {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			b.WriteByte(',')
+		}
+		b.WriteRune(c)
+	}
+	return b.String()
+}
+
+func fmtUs(us float64) string {
+	switch {
+	case us == 0:
+		return "-"
+	case us < 10:
+		return fmt.Sprintf("%.2fµs", us)
+	case us < 1000:
+		return fmt.Sprintf("%.1fµs", us)
+	default:
+		return fmt.Sprintf("%.2fms", us/1000)
+	}
+}
+
+func fmtF(v float64, prec int) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.*f", prec, v)
+}
+
+func fmtErrs(n int64) string {
+	if n == 0 {
+		return "0"
+	}
+	return fmt.Sprint(n)
+}
