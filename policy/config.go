@@ -23,6 +23,19 @@ type Config struct {
 	Defaults Settings `yaml:"defaults"`
 	// Listeners are the explicit listeners, one upstream each.
 	Listeners []Listener `yaml:"listeners"`
+	// Endpoints holds operator decisions about individual upstream endpoints.
+	Endpoints Endpoints `yaml:"endpoints"`
+}
+
+// Endpoints holds operator decisions about individual upstream endpoints,
+// whichever listener reaches them.
+type Endpoints struct {
+	// Disabled lists host:port endpoints the operator has taken out of
+	// service: no link is ever routed to one, not even by fail-open when
+	// every other endpoint is excluded. Each entry is a host:port with a
+	// numeric, non-zero port; an entry may appear once. Empty disables none.
+	// The admin API can disable and enable endpoints at run time as well.
+	Disabled []string `yaml:"disabled"`
 }
 
 // Admin configures the admin HTTP server.
@@ -73,6 +86,19 @@ type Settings struct {
 	// HalfCloseTimeout bounds how long the other direction may keep flowing
 	// after one side sent FIN. Non-positive: unbounded.
 	HalfCloseTimeout Duration `yaml:"half_close_timeout"`
+	// Framing tells where one message ends and the next begins, so that
+	// requests and responses can be counted.
+	Framing Framing `yaml:"framing"`
+	// Unanswered tracks request frames that see no response from the
+	// upstream, and reports the endpoint when too many go unanswered.
+	Unanswered Unanswered `yaml:"unanswered"`
+	// Detector probes an excluded endpoint until it may be readmitted.
+	Detector Detector `yaml:"detector"`
+	// OnExcluded is what happens to a new link whose endpoint is excluded:
+	// refuse (the client's connection is refused or reset before any byte
+	// is read, so the client's own failure detector sees the endpoint down)
+	// or allow (the link is dialled as usual).
+	OnExcluded string `yaml:"on_excluded"`
 }
 
 // Keepalive is TCP keepalive on upstream sockets.
@@ -106,6 +132,120 @@ type WriteBuffer struct {
 	OnOverflow string `yaml:"on_overflow"`
 }
 
+// Framing types for Framing.Type.
+const (
+	FramingNone        = "none"
+	FramingLengthField = "length_field"
+)
+
+// Byte orders for Framing.ByteOrder.
+const (
+	ByteOrderBig    = "big"
+	ByteOrderLittle = "little"
+)
+
+// Framing describes the wire format of the proxied protocol. The length_field
+// parameters are those of Netty's LengthFieldBasedFrameDecoder; the defaults
+// are Pinot's and Kafka's transport: a 4-byte big-endian length prefix that
+// counts the bytes after it.
+type Framing struct {
+	// Type is none (opaque bytes: there are no frames, so no requests to
+	// count) or length_field (each frame carries its length in a header).
+	Type string `yaml:"type"`
+	// LengthFieldOffset is the number of bytes from the start of a frame to
+	// its length field. Negative is invalid.
+	LengthFieldOffset int `yaml:"length_field_offset"`
+	// LengthFieldLength is the size of the length field in bytes: 1, 2, 3,
+	// 4 or 8. Zero and negative are invalid.
+	LengthFieldLength int `yaml:"length_field_length"`
+	// LengthAdjustment is added to the length field's value to give the
+	// number of bytes that follow the length field. Zero when the field
+	// counts exactly those bytes; negative when it also counts the header
+	// (-4 for a 4-byte length that includes itself).
+	LengthAdjustment int `yaml:"length_adjustment"`
+	// InitialBytesToStrip is the number of bytes Netty's decoder drops from
+	// the start of each frame before handing it on. Zero keeps the whole
+	// frame; negative is invalid.
+	InitialBytesToStrip int `yaml:"initial_bytes_to_strip"`
+	// ByteOrder is the length field's byte order: big (network order) or
+	// little.
+	ByteOrder string `yaml:"byte_order"`
+	// MaxFrameLength is the largest frame accepted, header included; a
+	// longer one is a protocol error. It must be positive when Type is
+	// length_field (and is unused otherwise).
+	MaxFrameLength Size `yaml:"max_frame_length"`
+}
+
+// Unanswered configures tracking of request frames that see no response.
+// A response from the upstream, any response, resets the count: a slow
+// upstream that still answers never trips it; a dead one answers nothing.
+type Unanswered struct {
+	// RequestTimeout is how long a request frame may wait for a response
+	// from its upstream before it counts as unanswered. Non-positive
+	// disables tracking.
+	RequestTimeout Duration `yaml:"request_timeout"`
+	// ConsecutiveTimeoutsThreshold is how many unanswered requests in a row
+	// mark the link suspect and report its endpoint. Non-positive disables
+	// tracking.
+	ConsecutiveTimeoutsThreshold int `yaml:"consecutive_timeouts_threshold"`
+}
+
+// Enabled reports whether unanswered tracking is on: both the timeout and
+// the threshold are positive.
+func (u Unanswered) Enabled() bool {
+	return u.RequestTimeout > 0 && u.ConsecutiveTimeoutsThreshold > 0
+}
+
+// Probe kinds for Detector.Probe.
+const (
+	ProbeKindConnect = "connect"
+	ProbeKindHTTP    = "http"
+)
+
+// Detector configures how an excluded endpoint is probed. A probe always
+// uses a fresh connection, never a cached one; an endpoint is readmitted
+// only after a successful probe. After a failed probe the delay before the
+// next is multiplied by BackoffFactor, up to MaxDelay.
+type Detector struct {
+	// Probe is connect (a fresh TCP connection to the endpoint is
+	// established) or http (an HTTP GET of HTTP.Path over a fresh
+	// connection answers with a 2xx status).
+	Probe string `yaml:"probe"`
+	// ProbeTimeout bounds one probe, connection included. Must be positive.
+	ProbeTimeout Duration `yaml:"probe_timeout"`
+	// InitialDelay is the wait between an endpoint's exclusion and its
+	// first probe, and the first backoff step. Must be positive.
+	InitialDelay Duration `yaml:"initial_delay"`
+	// BackoffFactor multiplies the delay after each failed probe. 1 probes
+	// at a fixed interval of InitialDelay; below 1 is invalid.
+	BackoffFactor float64 `yaml:"backoff_factor"`
+	// MaxDelay caps the delay between probes. It must be at least
+	// InitialDelay (so non-positive is invalid).
+	MaxDelay Duration `yaml:"max_delay"`
+	// Jitter spreads each delay uniformly over ±Jitter of itself (0.2: from
+	// 80% to 120%), so that endpoints excluded together are not probed in
+	// lockstep. Zero disables jitter; it must be at least 0 and below 1.
+	Jitter float64 `yaml:"jitter"`
+	// HTTP configures the http probe; unused by the connect probe.
+	HTTP ProbeHTTP `yaml:"http"`
+}
+
+// ProbeHTTP configures the http probe.
+type ProbeHTTP struct {
+	// Port is the port the probe connects to, on the endpoint's host. Zero
+	// uses the endpoint's own port; it must be from 0 to 65535.
+	Port int `yaml:"port"`
+	// Path is the request path; it must start with "/" when the probe is
+	// http.
+	Path string `yaml:"path"`
+}
+
+// OnExcluded policies for Settings.OnExcluded.
+const (
+	OnExcludedRefuse = "refuse"
+	OnExcludedAllow  = "allow"
+)
+
 // DefaultSettings returns the link settings used where a config says nothing.
 // The numbers come from the incidents in the project's seeds.
 func DefaultSettings() Settings {
@@ -116,6 +256,23 @@ func DefaultSettings() Settings {
 		Keepalive:        Keepalive{Idle: Duration(10 * time.Second), Interval: Duration(5 * time.Second), Count: 3},
 		WriteBuffer:      WriteBuffer{HighWaterMark: 16 * MiB, LowWaterMark: 8 * MiB, OnOverflow: OverflowReject},
 		HalfCloseTimeout: Duration(30 * time.Second),
+		Framing: Framing{
+			Type:              FramingNone,
+			LengthFieldLength: 4,
+			ByteOrder:         ByteOrderBig,
+			MaxFrameLength:    256 * MiB,
+		},
+		Unanswered: Unanswered{RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5},
+		Detector: Detector{
+			Probe:         ProbeKindConnect,
+			ProbeTimeout:  Duration(time.Second),
+			InitialDelay:  Duration(time.Second),
+			BackoffFactor: 2,
+			MaxDelay:      Duration(60 * time.Second),
+			Jitter:        0.2,
+			HTTP:          ProbeHTTP{Port: 0, Path: "/health"},
+		},
+		OnExcluded: OnExcludedRefuse,
 	}
 }
 

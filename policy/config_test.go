@@ -287,6 +287,240 @@ func TestParseErrors(t *testing.T) {
 				"listeners[2].write_buffer.on_overflow: \"drop\" is not one of reject, backpressure (line 6)",
 		},
 		{
+			name: "bad framing type",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    framing: {type: netty}",
+			),
+			want: `listeners[0].framing.type: "netty" is not one of none, length_field (line 5)`,
+		},
+		{
+			name: "bad length field parameters",
+			yaml: doc(
+				"defaults:",
+				"  framing:",
+				"    type: length_field",
+				"    length_field_offset: -1",
+				"    length_field_length: 5",
+				"    length_adjustment: -4",
+				"    initial_bytes_to_strip: -2",
+				"    byte_order: middle",
+				"listeners:",
+				okListener,
+			),
+			want: "defaults.framing.length_field_offset: -1 must not be negative (line 4)\n" +
+				"defaults.framing.length_field_length: 5 is not one of 1, 2, 3, 4, 8 (line 5)\n" +
+				"defaults.framing.initial_bytes_to_strip: -2 must not be negative (line 7)\n" +
+				`defaults.framing.byte_order: "middle" is not one of big, little (line 8)`,
+		},
+		{
+			name: "length field parameters are checked even without framing",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: up:2, framing: {length_field_length: 0}}",
+			),
+			want: "listeners[0].framing.length_field_length: 0 is not one of 1, 2, 3, 4, 8 (line 2)",
+		},
+		{
+			name: "max frame length with length_field framing",
+			yaml: doc(
+				"defaults:",
+				"  framing: {max_frame_length: 0}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1, framing: {type: length_field}}",
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2}",
+				"  - name: c",
+				"    listen: 127.0.0.1:3",
+				"    upstream: up:3",
+				"    framing: {type: length_field, max_frame_length: -1}",
+			),
+			want: "listeners[0].framing.type: \"length_field\" needs a positive max_frame_length (0B, from defaults) (line 4)\n" +
+				"listeners[2].framing.max_frame_length: -1B must be positive when type is length_field (line 9)",
+		},
+		{
+			name: "listener zeroes max frame length under length_field defaults",
+			yaml: doc(
+				"defaults:",
+				"  framing: {type: length_field}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1, framing: {max_frame_length: 0}}",
+			),
+			want: "listeners[0].framing.max_frame_length: 0B must be positive when type is length_field, from defaults (line 4)",
+		},
+		{
+			name: "bad detector values",
+			yaml: doc(
+				"defaults:",
+				"  detector:",
+				"    probe: ping",
+				"    probe_timeout: 0",
+				"    initial_delay: -1s",
+				"    backoff_factor: 0.5",
+				"    jitter: 1",
+				"    http: {port: 65536}",
+				"listeners:",
+				okListener,
+			),
+			want: `defaults.detector.probe: "ping" is not one of connect, http (line 3)` + "\n" +
+				"defaults.detector.probe_timeout: 0s must be positive (line 4)\n" +
+				"defaults.detector.initial_delay: -1s must be positive (line 5)\n" +
+				"defaults.detector.backoff_factor: 0.5 must be at least 1 (1 probes at a fixed interval) (line 6)\n" +
+				"defaults.detector.jitter: 1 must be at least 0 and below 1 (line 7)\n" +
+				"defaults.detector.http.port: 65536 is not a port number from 0 to 65535 (0 probes the endpoint's own port) (line 8)",
+		},
+		{
+			name: "negative jitter and port in a listener",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    detector: {jitter: -0.1, http: {port: -1}}",
+			),
+			want: "listeners[0].detector.jitter: -0.1 must be at least 0 and below 1 (line 5)\n" +
+				"listeners[0].detector.http.port: -1 is not a port number from 0 to 65535 (0 probes the endpoint's own port) (line 5)",
+		},
+		{
+			name: "max delay below initial delay",
+			yaml: doc(
+				"defaults:",
+				"  detector: {max_delay: 500ms}",
+				"listeners:",
+				okListener,
+			),
+			want: "defaults.detector.max_delay: 500ms must not be below initial_delay (1s) (line 2)",
+		},
+		{
+			name: "listener raises initial delay above the inherited max delay",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    detector: {initial_delay: 2m}",
+				"  - name: b",
+				"    listen: 127.0.0.1:3",
+				"    upstream: up:3",
+				"    detector: {max_delay: 0}",
+			),
+			want: "listeners[0].detector.initial_delay: 2m0s must not be above max_delay (1m0s, from defaults) (line 5)\n" +
+				"listeners[1].detector.max_delay: 0s must not be below initial_delay (1s, from defaults) (line 9)",
+		},
+		{
+			name: "http probe path",
+			yaml: doc(
+				"defaults:",
+				"  detector: {probe: http, http: {path: health}}",
+				"listeners:",
+				okListener,
+			),
+			want: `defaults.detector.http.path: "health" must start with "/" when probe is http (line 2)`,
+		},
+		{
+			name: "listener turns on the http probe with a bad inherited path",
+			yaml: doc(
+				"defaults:",
+				"  detector: {http: {path: ''}}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1, detector: {probe: http}}",
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2, detector: {http: {path: x}}}",
+				"  - {name: c, listen: 127.0.0.1:3, upstream: up:3, detector: {probe: http, http: {path: /ok}}}",
+			),
+			want: `listeners[0].detector.probe: "http" needs an http.path starting with "/" ("", from defaults) (line 4)`,
+		},
+		{
+			name: "bad on_excluded",
+			yaml: doc(
+				"defaults:",
+				"  on_excluded: drop",
+				"listeners:",
+				okListener,
+			),
+			want: `defaults.on_excluded: "drop" is not one of refuse, allow (line 2)`,
+		},
+		{
+			name: "bad numbers",
+			yaml: doc(
+				"defaults:",
+				"  detector:",
+				"    backoff_factor: fast",
+				"    jitter: .nan",
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: up:2",
+				"    detector: {backoff_factor: '2', jitter: .inf}",
+				"  - name: b",
+				"    listen: 127.0.0.1:3",
+				"    upstream: up:3",
+				"    detector: {backoff_factor: 1e400, jitter: [0.1]}",
+			),
+			want: `defaults.detector.backoff_factor: invalid number "fast" (use a finite number such as 0.2) (line 3)` + "\n" +
+				`defaults.detector.jitter: invalid number ".nan" (use a finite number such as 0.2) (line 4)` + "\n" +
+				`listeners[0].detector.backoff_factor: invalid number "2" (use a finite number such as 0.2) (line 9)` + "\n" +
+				`listeners[0].detector.jitter: invalid number ".inf" (use a finite number such as 0.2) (line 9)` + "\n" +
+				`listeners[1].detector.backoff_factor: invalid number "1e400" (use a finite number such as 0.2) (line 13)` + "\n" +
+				"listeners[1].detector.jitter: expected a number, got a list (line 13)",
+		},
+		{
+			name: "bad disabled endpoints",
+			yaml: doc(
+				"listeners:",
+				okListener,
+				"endpoints:",
+				"  disabled:",
+				"    - 10.1.2.3:8098",
+				"    - 10.1.2.3",
+				"    - 10.1.2.3:0",
+				"    - 10.1.2.3:08098",
+				"    - ':8098'",
+				"    - 'db:http'",
+				"    - '[::1]:8098'",
+				"    - '[::1]:8098'",
+			),
+			want: `endpoints.disabled[1]: "10.1.2.3" is not a host:port address: missing port in address (line 6)` + "\n" +
+				`endpoints.disabled[2]: "10.1.2.3:0" is not a host:port address: port 0 is not a port to dial (line 7)` + "\n" +
+				`endpoints.disabled[3]: duplicate endpoint "10.1.2.3:08098" (also endpoints.disabled[0]) (line 8)` + "\n" +
+				`endpoints.disabled[4]: ":8098" is not a host:port address: missing host (line 9)` + "\n" +
+				`endpoints.disabled[5]: "db:http" is not a host:port address: port "http" is not a number from 0 to 65535 (line 10)` + "\n" +
+				`endpoints.disabled[7]: duplicate endpoint "[::1]:8098" (also endpoints.disabled[6]) (line 12)`,
+		},
+		{
+			name: "disabled endpoints that are not a list",
+			yaml: doc(
+				"listeners:",
+				okListener,
+				"endpoints: {disabled: 10.1.2.3:8098}",
+			),
+			want: `endpoints.disabled: expected a list, got "10.1.2.3:8098" (line 3)`,
+		},
+		{
+			name: "new keys: inherited bad defaults are reported once",
+			yaml: doc(
+				"defaults:",
+				"  framing: {type: length_field, max_frame_length: 0}",
+				"  detector: {probe: http, http: {path: x}, jitter: 1}",
+				"  on_excluded: drop",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1}",
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2, on_excluded: drop, detector: {probe_timeout: 2s}}",
+				"  - name: c",
+				"    listen: 127.0.0.1:3",
+				"    upstream: up:3",
+				"    framing: {max_frame_length: 1MiB}",
+				"    detector: {http: {path: /ok}, jitter: 0}",
+				"    on_excluded: allow",
+			),
+			want: "defaults.framing.max_frame_length: 0B must be positive when type is length_field (line 2)\n" +
+				"defaults.detector.jitter: 1 must be at least 0 and below 1 (line 3)\n" +
+				`defaults.detector.http.path: "x" must start with "/" when probe is http (line 3)` + "\n" +
+				`defaults.on_excluded: "drop" is not one of refuse, allow (line 4)` + "\n" +
+				`listeners[1].on_excluded: "drop" is not one of refuse, allow (line 7)`,
+		},
+		{
 			name: "scalar where a mapping is expected",
 			yaml: doc(
 				"admin: 127.0.0.1:9901",
@@ -514,6 +748,120 @@ func TestListenerOverrideDoesNotLeak(t *testing.T) {
 	}
 }
 
+func TestNewKeyDefaults(t *testing.T) {
+	c := mustParse(t, doc("listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+	for _, s := range []Settings{c.Defaults, c.Listeners[0].Settings} {
+		wantFraming := Framing{Type: "none", LengthFieldOffset: 0, LengthFieldLength: 4, LengthAdjustment: 0,
+			InitialBytesToStrip: 0, ByteOrder: "big", MaxFrameLength: 256 << 20}
+		if s.Framing != wantFraming {
+			t.Errorf("framing = %+v, want %+v", s.Framing, wantFraming)
+		}
+		wantUnanswered := Unanswered{RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5}
+		if s.Unanswered != wantUnanswered || !s.Unanswered.Enabled() {
+			t.Errorf("unanswered = %+v (enabled %v), want %+v, enabled", s.Unanswered, s.Unanswered.Enabled(), wantUnanswered)
+		}
+		wantDetector := Detector{Probe: "connect", ProbeTimeout: Duration(time.Second), InitialDelay: Duration(time.Second),
+			BackoffFactor: 2, MaxDelay: Duration(time.Minute), Jitter: 0.2, HTTP: ProbeHTTP{Port: 0, Path: "/health"}}
+		if s.Detector != wantDetector {
+			t.Errorf("detector = %+v, want %+v", s.Detector, wantDetector)
+		}
+		if s.OnExcluded != "refuse" {
+			t.Errorf("on_excluded = %q, want refuse", s.OnExcluded)
+		}
+	}
+	if c.Endpoints.Disabled != nil {
+		t.Errorf("endpoints.disabled = %q, want none", c.Endpoints.Disabled)
+	}
+
+	// length_field with only the type set is Pinot's and Kafka's transport:
+	// a 4-byte big-endian length prefix counting the bytes after it.
+	c = mustParse(t, doc("defaults: {framing: {type: length_field}}", "listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+	want := Framing{Type: FramingLengthField, LengthFieldLength: 4, ByteOrder: ByteOrderBig, MaxFrameLength: 256 * MiB}
+	if c.Defaults.Framing != want || c.Listeners[0].Framing != want {
+		t.Errorf("framing = %+v, listener %+v; want both %+v", c.Defaults.Framing, c.Listeners[0].Framing, want)
+	}
+}
+
+func TestNewKeysOverlayPerListener(t *testing.T) {
+	c := mustParse(t, doc(
+		"defaults:",
+		"  framing: {type: length_field, max_frame_length: 64MiB}",
+		"  detector: {probe: http, max_delay: 30s, http: {path: /ready}}",
+		"  unanswered: {request_timeout: 0}",
+		"listeners:",
+		"  - name: a",
+		"    listen: 127.0.0.1:1",
+		"    upstream: up:1",
+		"    framing: {length_field_offset: 2, length_field_length: 2, length_adjustment: -4, initial_bytes_to_strip: 4, byte_order: little}",
+		"    detector: {backoff_factor: 1.5, jitter: 0, initial_delay: 500ms, http: {port: 8080}}",
+		"    unanswered: {consecutive_timeouts_threshold: -1}",
+		"    on_excluded: allow",
+		"  - {name: b, listen: 127.0.0.1:2, upstream: up:2, framing: {type: none}, detector: {backoff_factor: 1}}",
+		"endpoints:",
+		"  disabled: ['10.1.2.3:8098', '[fd00::1]:8098', 'pinot-server-1.pinot-server-headless:8098']",
+	))
+	defaults := DefaultSettings()
+	defaults.Framing.Type = FramingLengthField
+	defaults.Framing.MaxFrameLength = 64 * MiB
+	defaults.Detector.Probe = ProbeKindHTTP
+	defaults.Detector.MaxDelay = Duration(30 * time.Second)
+	defaults.Detector.HTTP.Path = "/ready"
+	defaults.Unanswered.RequestTimeout = 0
+	if c.Defaults != defaults {
+		t.Errorf("defaults = %+v, want %+v", c.Defaults, defaults)
+	}
+	if c.Defaults.Unanswered.Enabled() {
+		t.Error("defaults.unanswered with request_timeout 0 is enabled")
+	}
+
+	a := defaults
+	a.Framing = Framing{Type: FramingLengthField, LengthFieldOffset: 2, LengthFieldLength: 2, LengthAdjustment: -4,
+		InitialBytesToStrip: 4, ByteOrder: ByteOrderLittle, MaxFrameLength: 64 * MiB}
+	a.Detector.BackoffFactor = 1.5
+	a.Detector.Jitter = 0
+	a.Detector.InitialDelay = Duration(500 * time.Millisecond)
+	a.Detector.HTTP = ProbeHTTP{Port: 8080, Path: "/ready"}
+	a.Unanswered.ConsecutiveTimeoutsThreshold = -1
+	a.OnExcluded = OnExcludedAllow
+	if c.Listeners[0].Settings != a {
+		t.Errorf("listeners[0] = %+v, want %+v", c.Listeners[0].Settings, a)
+	}
+
+	b := defaults
+	b.Framing.Type = FramingNone
+	b.Detector.BackoffFactor = 1
+	if c.Listeners[1].Settings != b {
+		t.Errorf("listeners[1] = %+v, want %+v", c.Listeners[1].Settings, b)
+	}
+
+	wantDisabled := []string{"10.1.2.3:8098", "[fd00::1]:8098", "pinot-server-1.pinot-server-headless:8098"}
+	if !reflect.DeepEqual(c.Endpoints.Disabled, wantDisabled) {
+		t.Errorf("endpoints.disabled = %q, want %q", c.Endpoints.Disabled, wantDisabled)
+	}
+}
+
+func TestNumbers(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want float64
+	}{
+		{"2", 2}, {"1.5", 1.5}, {"1e1", 10}, {"1.0", 1}, {"0x2", 2},
+	} {
+		c := mustParse(t, doc("defaults: {detector: {backoff_factor: "+tc.in+"}}",
+			"listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
+		if got := c.Defaults.Detector.BackoffFactor; got != tc.want {
+			t.Errorf("backoff_factor: %s decoded to %v, want %v", tc.in, got, tc.want)
+		}
+	}
+	for _, in := range []string{"two", "'2'", "true", ".nan", "-.inf", "1e999", "2s"} {
+		_, err := Parse([]byte(doc("defaults: {detector: {backoff_factor: "+in+"}}",
+			"listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}")))
+		if err == nil || !strings.HasPrefix(err.Error(), "defaults.detector.backoff_factor: invalid number") {
+			t.Errorf("backoff_factor: %s: error %v, want an invalid number", in, err)
+		}
+	}
+}
+
 func TestSizes(t *testing.T) {
 	for _, tc := range []struct {
 		in   string
@@ -561,7 +909,7 @@ func TestDurations(t *testing.T) {
 }
 
 // designExample is the ConfigMap example of DESIGN.md, restricted to the keys
-// config.go defines.
+// config.go defines (no pool or transparent listeners yet).
 const designExample = `
 admin:
   listen: 127.0.0.1:9901          # /metrics /healthz /readyz /v1/endpoints
@@ -573,14 +921,23 @@ defaults:                         # any key here may be overridden per listener
   keepalive: {idle: 10s, interval: 5s, count: 3}
   write_buffer: {high_water_mark: 16MiB, low_water_mark: 8MiB, on_overflow: reject}  # or backpressure
   half_close_timeout: 30s
+  framing: {type: none}           # or length_field: see below
+  unanswered: {request_timeout: 3s, consecutive_timeouts_threshold: 5}
+  detector: {probe: connect, probe_timeout: 1s, initial_delay: 1s, backoff_factor: 2, max_delay: 60s}
+  on_excluded: refuse             # refuse new links to an excluded endpoint | allow
 listeners:
   - name: pinot-server-0          # explicit: one listener, one upstream
     listen: 127.0.0.1:18098
     upstream: pinot-server-0.pinot-server-headless:8098
+    framing: {type: length_field, length_field_offset: 0, length_field_length: 4,
+              length_adjustment: 0, initial_bytes_to_strip: 0, byte_order: big,
+              max_frame_length: 256MiB}
   - name: kafka
     listen: 127.0.0.1:19092
     upstream: kafka-headless.data.svc:9092
     write_buffer: {on_overflow: backpressure}
+endpoints:
+  disabled: [10.1.2.3:8098]       # operator-disabled: never routed to, not even fail-open
 `
 
 func TestDesignExample(t *testing.T) {
@@ -590,7 +947,9 @@ func TestDesignExample(t *testing.T) {
 		{Name: "pinot-server-0", Listen: "127.0.0.1:18098", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: DefaultSettings()},
 		{Name: "kafka", Listen: "127.0.0.1:19092", Upstream: "kafka-headless.data.svc:9092", Settings: DefaultSettings()},
 	}
+	want.Listeners[0].Framing.Type = FramingLengthField
 	want.Listeners[1].WriteBuffer.OnOverflow = OverflowBackpressure
+	want.Endpoints.Disabled = []string{"10.1.2.3:8098"}
 	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("config:\n%+v\nwant:\n%+v", c, want)
 	}
@@ -640,11 +999,43 @@ func TestValidateBuiltConfig(t *testing.T) {
 	}
 
 	// A listener built without settings has none of the defaults' values:
-	// its empty on_overflow is reported, once, under the listener.
+	// each zero value that is not valid is reported, once, under the listener.
 	c = DefaultConfig()
 	c.Admin.Listen = "" // empty disables the admin server
 	c.Listeners = []Listener{{Name: "a", Listen: "127.0.0.1:1", Upstream: "up:1"}}
-	want = `listeners[0].write_buffer.on_overflow: "" is not one of reject, backpressure`
+	want = `listeners[0].write_buffer.on_overflow: "" is not one of reject, backpressure` + "\n" +
+		`listeners[0].framing.type: "" is not one of none, length_field` + "\n" +
+		"listeners[0].framing.length_field_length: 0 is not one of 1, 2, 3, 4, 8\n" +
+		`listeners[0].framing.byte_order: "" is not one of big, little` + "\n" +
+		`listeners[0].detector.probe: "" is not one of connect, http` + "\n" +
+		"listeners[0].detector.probe_timeout: 0s must be positive\n" +
+		"listeners[0].detector.initial_delay: 0s must be positive\n" +
+		"listeners[0].detector.backoff_factor: 0 must be at least 1 (1 probes at a fixed interval)\n" +
+		`listeners[0].on_excluded: "" is not one of refuse, allow`
+	if err := c.Validate(); err == nil || err.Error() != want {
+		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
+	}
+
+	// The new keys follow the same rule: inherited problems are reported
+	// under defaults only; a listener that sets one key of a bad pair is
+	// reported under that key.
+	c = DefaultConfig()
+	c.Defaults.Framing.Type = FramingLengthField
+	c.Defaults.Framing.MaxFrameLength = 0
+	c.Defaults.Detector.Jitter = 1.5
+	c.Defaults.OnExcluded = "drop"
+	c.Endpoints.Disabled = []string{"10.1.2.3:8098", "10.1.2.3:8098"}
+	c.Listeners = []Listener{{Name: "a", Listen: "127.0.0.1:1", Upstream: "up:1", Settings: c.Defaults}}
+	c.Listeners = append(c.Listeners, Listener{Name: "b", Listen: "127.0.0.1:2", Upstream: "up:2", Settings: c.Defaults})
+	c.Listeners[1].Detector.InitialDelay = Duration(2 * time.Minute)
+	c.Listeners[1].Detector.Probe = ProbeKindHTTP
+	c.Listeners[1].Detector.HTTP.Path = "health"
+	want = "defaults.framing.max_frame_length: 0B must be positive when type is length_field\n" +
+		"defaults.detector.jitter: 1.5 must be at least 0 and below 1\n" +
+		`defaults.on_excluded: "drop" is not one of refuse, allow` + "\n" +
+		"listeners[1].detector.initial_delay: 2m0s must not be above max_delay (1m0s, from defaults)\n" +
+		`listeners[1].detector.http.path: "health" must start with "/" when probe is http` + "\n" +
+		`endpoints.disabled[1]: duplicate endpoint "10.1.2.3:8098" (also endpoints.disabled[0])`
 	if err := c.Validate(); err == nil || err.Error() != want {
 		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
 	}

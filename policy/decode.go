@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"reflect"
 	"regexp"
@@ -355,6 +356,15 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 			return
 		}
 		v.SetInt(i)
+	case isFloat(t.Kind()):
+		// An integer is a number too: backoff_factor: 2.
+		var f float64
+		if (tag != "!!int" && tag != "!!float") || n.Decode(&f) != nil ||
+			math.IsNaN(f) || math.IsInf(f, 0) || v.OverflowFloat(f) {
+			d.fail(path, n, "invalid number %q (use a finite number such as 0.2)", n.Value)
+			return
+		}
+		v.SetFloat(f)
 	default:
 		// TestDecoderSupportsEveryField keeps this unreachable.
 		panic("policy: no decoder for " + t.String() + " at " + path)
@@ -376,11 +386,15 @@ func supported(t reflect.Type) bool {
 	case t.Kind() == reflect.Slice:
 		return supported(t.Elem())
 	}
-	return t.Kind() == reflect.String || t.Kind() == reflect.Bool || isInt(t.Kind())
+	return t.Kind() == reflect.String || t.Kind() == reflect.Bool || isInt(t.Kind()) || isFloat(t.Kind())
 }
 
 func isInt(k reflect.Kind) bool {
 	return k >= reflect.Int && k <= reflect.Int64
+}
+
+func isFloat(k reflect.Kind) bool {
+	return k == reflect.Float32 || k == reflect.Float64
 }
 
 func kindName(t reflect.Type) string {
@@ -393,6 +407,8 @@ func kindName(t reflect.Type) string {
 		return "true or false"
 	case isInt(t.Kind()):
 		return "an integer"
+	case isFloat(t.Kind()):
+		return "a number"
 	}
 	return "a string"
 }

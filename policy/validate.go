@@ -57,9 +57,17 @@ var (
 	logLevels   = []string{"debug", "info", "warn", "error"}
 	logFormats  = []string{"json", "console"}
 	overflows   = []string{OverflowReject, OverflowBackpressure}
+	framings    = []string{FramingNone, FramingLengthField}
+	byteOrders  = []string{ByteOrderBig, ByteOrderLittle}
+	probeKinds  = []string{ProbeKindConnect, ProbeKindHTTP}
+	onExcluded  = []string{OnExcludedRefuse, OnExcludedAllow}
 	listenerRE  = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
 	oneOfFormat = "%q is not one of %s"
 )
+
+// fieldLengths are the length field sizes, in bytes, that Netty's decoder
+// supports.
+var fieldLengths = []int{1, 2, 3, 4, 8}
 
 func (v *validator) config(c *Config) {
 	if c.Admin.Listen != "" {
@@ -116,6 +124,24 @@ func (v *validator) config(c *Config) {
 		}
 
 		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
+	}
+
+	disabled := map[string]int{}
+	for i, ep := range c.Endpoints.Disabled {
+		p := "endpoints.disabled[" + strconv.Itoa(i) + "]"
+		norm, why := hostPort(ep, true)
+		if why == "" && strings.HasPrefix(norm, ":") {
+			why = "missing host"
+		}
+		if why != "" {
+			v.add(p, "%q is not a host:port address: %s", ep, why)
+			continue
+		}
+		if j, dup := disabled[norm]; dup {
+			v.add(p, "duplicate endpoint %q (also endpoints.disabled[%d])", ep, j)
+		} else {
+			disabled[norm] = i
+		}
 	}
 }
 
@@ -190,6 +216,100 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 			case own(idle):
 				v.add(prefix+idle, "%v needs a positive count (%s)", ka.Idle, show(count, ka.Count))
 			}
+		}
+	}
+
+	v.framing(prefix, &s.Framing, own, show)
+	v.detector(prefix, &s.Detector, own, show)
+
+	// Unanswered: every value is valid; non-positive disables tracking.
+
+	if !slices.Contains(onExcluded, s.OnExcluded) && own("on_excluded") {
+		v.add(prefix+"on_excluded", oneOfFormat, s.OnExcluded, strings.Join(onExcluded, ", "))
+	}
+}
+
+// framing checks Settings.Framing; see settings for prefix, own and show.
+func (v *validator) framing(prefix string, f *Framing, own func(string) bool, show func(string, any) string) {
+	const (
+		typ    = "framing.type"
+		offset = "framing.length_field_offset"
+		length = "framing.length_field_length"
+		strip  = "framing.initial_bytes_to_strip"
+		order  = "framing.byte_order"
+		maxLen = "framing.max_frame_length"
+	)
+	// The length_field keys are checked whatever the type: a bad value
+	// there is a mistake even while framing is off.
+	if !slices.Contains(framings, f.Type) && own(typ) {
+		v.add(prefix+typ, oneOfFormat, f.Type, strings.Join(framings, ", "))
+	}
+	if f.LengthFieldOffset < 0 && own(offset) {
+		v.add(prefix+offset, "%d must not be negative", f.LengthFieldOffset)
+	}
+	if !slices.Contains(fieldLengths, f.LengthFieldLength) && own(length) {
+		v.add(prefix+length, "%d is not one of 1, 2, 3, 4, 8", f.LengthFieldLength)
+	}
+	if f.InitialBytesToStrip < 0 && own(strip) {
+		v.add(prefix+strip, "%d must not be negative", f.InitialBytesToStrip)
+	}
+	if !slices.Contains(byteOrders, f.ByteOrder) && own(order) {
+		v.add(prefix+order, oneOfFormat, f.ByteOrder, strings.Join(byteOrders, ", "))
+	}
+	if f.Type == FramingLengthField && f.MaxFrameLength <= 0 {
+		switch {
+		case own(maxLen):
+			v.add(prefix+maxLen, "%v must be positive when type is %s", f.MaxFrameLength, show(typ, f.Type))
+		case own(typ):
+			v.add(prefix+typ, "%q needs a positive max_frame_length (%s)", f.Type, show(maxLen, f.MaxFrameLength))
+		}
+	}
+}
+
+// detector checks Settings.Detector; see settings for prefix, own and show.
+func (v *validator) detector(prefix string, d *Detector, own func(string) bool, show func(string, any) string) {
+	const (
+		probe    = "detector.probe"
+		timeout  = "detector.probe_timeout"
+		initial  = "detector.initial_delay"
+		factor   = "detector.backoff_factor"
+		maxDelay = "detector.max_delay"
+		jitter   = "detector.jitter"
+		port     = "detector.http.port"
+		path     = "detector.http.path"
+	)
+	if !slices.Contains(probeKinds, d.Probe) && own(probe) {
+		v.add(prefix+probe, oneOfFormat, d.Probe, strings.Join(probeKinds, ", "))
+	}
+	if d.ProbeTimeout <= 0 && own(timeout) {
+		v.add(prefix+timeout, "%v must be positive", d.ProbeTimeout)
+	}
+	if d.InitialDelay <= 0 && own(initial) {
+		v.add(prefix+initial, "%v must be positive", d.InitialDelay)
+	}
+	if !(d.BackoffFactor >= 1) && own(factor) {
+		v.add(prefix+factor, "%v must be at least 1 (1 probes at a fixed interval)", d.BackoffFactor)
+	}
+	if d.InitialDelay > 0 && d.MaxDelay < d.InitialDelay {
+		switch {
+		case own(maxDelay):
+			v.add(prefix+maxDelay, "%v must not be below initial_delay (%s)", d.MaxDelay, show(initial, d.InitialDelay))
+		case own(initial):
+			v.add(prefix+initial, "%v must not be above max_delay (%s)", d.InitialDelay, show(maxDelay, d.MaxDelay))
+		}
+	}
+	if !(d.Jitter >= 0 && d.Jitter < 1) && own(jitter) {
+		v.add(prefix+jitter, "%v must be at least 0 and below 1", d.Jitter)
+	}
+	if (d.HTTP.Port < 0 || d.HTTP.Port > 65535) && own(port) {
+		v.add(prefix+port, "%d is not a port number from 0 to 65535 (0 probes the endpoint's own port)", d.HTTP.Port)
+	}
+	if d.Probe == ProbeKindHTTP && !strings.HasPrefix(d.HTTP.Path, "/") {
+		switch {
+		case own(path):
+			v.add(prefix+path, "%q must start with \"/\" when probe is %s", d.HTTP.Path, show(probe, d.Probe))
+		case own(probe):
+			v.add(prefix+probe, "%q needs an http.path starting with \"/\" (%s)", d.Probe, show(path, strconv.Quote(d.HTTP.Path)))
 		}
 	}
 }

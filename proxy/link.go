@@ -36,6 +36,7 @@ type LinkStats struct {
 // goroutine ends once both connections are closed, which abort guarantees.
 type link struct {
 	l        *listener
+	ep       *endpoint
 	set      policy.Settings
 	client   *net.TCPConn
 	upstream *net.TCPConn
@@ -63,6 +64,12 @@ type link struct {
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
 
+	// Framed mode: frame boundaries in each direction. nil: opaque.
+	reqScan, respScan *frameScanner
+	// trk follows requests and answers; nil when request_timeout is off
+	// (or, in opaque mode, when the threshold is).
+	trk *tracker
+
 	reason    atomic.Pointer[string] // first reason that ended the link
 	endErr    atomic.Pointer[error]
 	closeOnce sync.Once
@@ -74,8 +81,14 @@ type link struct {
 }
 
 func newLink(l *listener, client *net.TCPConn) *link {
-	k := &link{l: l, set: l.cfg.Settings, client: client, opened: time.Now()}
+	k := &link{l: l, ep: l.ep, set: l.cfg.Settings, client: client, opened: time.Now()}
 	k.q.init()
+	if l.frames != nil {
+		k.reqScan, k.respScan = newFrameScanner(l.frames), newFrameScanner(l.frames)
+	}
+	if u := k.set.Unanswered; u.RequestTimeout > 0 && (k.reqScan != nil || u.ConsecutiveTimeoutsThreshold > 0) {
+		k.trk = newTracker(u.RequestTimeout.D(), k.reqScan == nil, k.onExpired)
+	}
 	k.rawWriteFn = func(fd uintptr) bool {
 		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
 		return true
@@ -94,6 +107,9 @@ func (k *link) run() LinkStats {
 	k.wg.Wait()
 
 	k.closeBoth()
+	if k.trk != nil {
+		k.trk.stop()
+	}
 	k.q.mu.Lock()
 	k.q.releaseLocked()
 	k.q.mu.Unlock()
@@ -161,13 +177,30 @@ func (k *link) pumpRequests() {
 		}
 		n, err := k.client.Read(buf[:limit])
 		if n > 0 {
-			k.bytesUp.Add(int64(n))
+			ends := 1
+			if k.reqScan != nil {
+				var ferr error
+				if _, ends, ferr = k.reqScan.scan(buf[:n]); ferr != nil {
+					k.badFrame("request", ferr)
+					return
+				}
+			}
+			end := k.bytesUp.Add(int64(n))
+			if k.trk != nil && ends > 0 {
+				// Recorded before the bytes go out, so that no answer can
+				// arrive before its request is known.
+				k.trk.sent(ends, mono(), end)
+			}
 			if !k.send(buf[:n], high) {
 				return
 			}
 		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {
+				if k.reqScan != nil && k.reqScan.midFrame() {
+					k.badFrame("request", errTruncated)
+					return
+				}
 				k.q.mu.Lock()
 				if k.q.writer {
 					// The writer passes the FIN on after the queued bytes.
@@ -347,6 +380,20 @@ func (k *link) pumpResponses() {
 		n, err := k.upstream.Read(buf)
 		if n > 0 {
 			k.bytesDown.Add(int64(n))
+			ends := 1
+			if k.respScan != nil {
+				var ferr error
+				if _, ends, ferr = k.respScan.scan(buf[:n]); ferr != nil {
+					k.badFrame("response", ferr)
+					return
+				}
+			}
+			if k.trk != nil && ends > 0 {
+				k.trk.answered(mono())
+				if k.ep.consecutive.Load() != 0 {
+					k.ep.consecutive.Store(0)
+				}
+			}
 			if _, werr := k.client.Write(buf[:n]); werr != nil {
 				k.abort(metrics.ReasonClientError, werr)
 				return
@@ -354,6 +401,10 @@ func (k *link) pumpResponses() {
 		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {
+				if k.respScan != nil && k.respScan.midFrame() {
+					k.badFrame("response", errTruncated)
+					return
+				}
 				if cerr := k.client.CloseWrite(); cerr != nil {
 					k.abort(metrics.ReasonClientError, cerr)
 					return
@@ -365,6 +416,55 @@ func (k *link) pumpResponses() {
 			return
 		}
 	}
+}
+
+// badFrame ends the link on a frame the proxy cannot follow. It is not a
+// server failure: the detector hears nothing of it.
+func (k *link) badFrame(direction string, err error) {
+	if k.abort(metrics.ReasonBadFrame, err) {
+		k.l.log.Warn().Err(err).Str("direction", direction).Str("endpoint", k.ep.addr).
+			Str("client", k.client.RemoteAddr().String()).Msg("bad frame: link closed")
+	}
+}
+
+// onExpired is the tracker's verdict on requests whose request_timeout
+// passed. Unanswered ones count toward the endpoint's consecutive
+// threshold. In framed mode, an expired request whose bytes the upstream
+// has not even acknowledged yet (still in the queue or the kernel's send
+// buffer) is stale: the link is reset so that those bytes are dropped
+// rather than delivered to a server that recovers later.
+func (k *link) onExpired(unanswered int, last pendingRequest, pendingLeft int) {
+	if unanswered > 0 {
+		k.l.m.UnansweredTimeouts.Add(float64(unanswered))
+		if thr := int64(k.set.Unanswered.ConsecutiveTimeoutsThreshold); thr > 0 {
+			if c := k.ep.consecutive.Add(int64(unanswered)); c >= thr && c-int64(unanswered) < thr {
+				k.l.p.suspect(k)
+			}
+		}
+	}
+	if k.reqScan == nil {
+		return
+	}
+	if undelivered := k.undelivered(); undelivered > 0 && last.end > k.bytesUp.Load()-undelivered {
+		if k.abort(metrics.ReasonStale, nil) {
+			k.l.m.StaleFramesDropped.Add(float64(1 + pendingLeft))
+		}
+	}
+}
+
+// undelivered is how many bytes handed on have not been acknowledged by
+// the upstream: those queued here plus those in the kernel's send queue.
+func (k *link) undelivered() int64 {
+	k.q.mu.Lock()
+	n := k.q.queued
+	k.q.mu.Unlock()
+	k.connMu.Lock()
+	raw := k.upRaw
+	k.connMu.Unlock()
+	if raw != nil {
+		n += int64(sendQueueBytes(raw))
+	}
+	return n
 }
 
 // passedFin records that one direction finished cleanly. The first FIN

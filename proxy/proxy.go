@@ -15,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -39,8 +40,12 @@ type Proxy struct {
 	ctx    context.Context // cancelled by Close: aborts dials in progress
 	cancel context.CancelFunc
 
+	det *health.Detector
+
 	mu        sync.Mutex
 	listeners []*listener
+	endpoints map[string]*endpoint // by normalized host:port
+	disabled  []string             // endpoints.disabled from the config
 	started   bool
 	ready     atomic.Bool
 	stopOnce  sync.Once
@@ -57,11 +62,20 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		m = metrics.New()
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, ctx: ctx, cancel: cancel}
+	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, ctx: ctx, cancel: cancel,
+		endpoints: make(map[string]*endpoint), disabled: cfg.Endpoints.Disabled}
+	p.det = health.New(health.Options{
+		Logger:  log.With().Str("component", "detector").Logger(),
+		OnEvent: p.onHealthEvent,
+		OnProbe: p.onProbe,
+	})
+	p.mu.Lock()
 	for _, lc := range cfg.Listeners {
-		p.listeners = append(p.listeners, p.newListener(lc))
+		p.listeners = append(p.listeners, p.newListenerLocked(lc))
 	}
+	p.mu.Unlock()
 	m.Register(&bytesCollector{p: p})
+	m.Register(&stateCollector{p: p})
 	return p
 }
 
@@ -69,28 +83,43 @@ func New(cfg policy.Config, opts Options) *Proxy {
 // those already bound are closed and the error names the listener.
 func (p *Proxy) Start() error {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.started {
+		p.mu.Unlock()
 		return errors.New("proxy already started")
 	}
 	lc := net.ListenConfig{KeepAlive: -1}
-	for i, l := range p.listeners {
+	lns := make([]net.Listener, 0, len(p.listeners))
+	for _, l := range p.listeners {
 		ln, err := lc.Listen(p.ctx, "tcp", l.cfg.Listen)
 		if err != nil {
-			for _, b := range p.listeners[:i] {
-				_ = b.ln.Close()
+			p.mu.Unlock()
+			for _, b := range lns {
+				_ = b.Close()
 			}
 			return fmt.Errorf("listener %q: %w", l.cfg.Name, err)
 		}
-		l.ln = ln
+		lns = append(lns, ln)
 	}
 	p.started = true
-	for _, l := range p.listeners {
+	for i, l := range p.listeners {
+		l.mu.Lock()
+		l.ln, l.addr = lns[i], lns[i].Addr().String()
+		l.mu.Unlock()
 		l.acceptWG.Add(1)
 		go l.serve()
-		l.log.Info().Str("listen", l.ln.Addr().String()).Str("upstream", l.cfg.Upstream).Msg("listening")
+		l.log.Info().Str("listen", l.addr).Str("upstream", l.cfg.Upstream).Msg("listening")
 	}
+	disabled := p.disabled
 	p.ready.Store(true)
+	p.mu.Unlock()
+
+	for _, addr := range disabled {
+		if ep, err := p.lookup(addr); err == nil {
+			p.det.Disable(ep.addr, "config")
+		} else {
+			p.log.Warn().Str("endpoint", addr).Msg("endpoints.disabled names an endpoint no listener routes to")
+		}
+	}
 	return nil
 }
 
@@ -102,8 +131,9 @@ func (p *Proxy) Addr(name string) net.Addr {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, l := range p.listeners {
-		if l.cfg.Name == name && l.ln != nil {
-			return l.ln.Addr()
+		if l.cfg.Name == name && l.addr != "" {
+			a, _ := net.ResolveTCPAddr("tcp", l.addr)
+			return a
 		}
 	}
 	return nil
@@ -154,6 +184,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 			<-done
 		}
 		p.cancel()
+		p.det.Close()
 	})
 	return cut
 }
@@ -171,35 +202,85 @@ type listener struct {
 	p      *Proxy
 	cfg    policy.Listener
 	ctx    context.Context
-	ln     net.Listener
+	ep     *endpoint
+	frames *frameSpec // nil: opaque
 	m      *metrics.Listener
 	log    zerolog.Logger
 	dialer net.Dialer
+	addr   string // bound address, kept to bind again after a pause
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine
 
-	mu        sync.Mutex
-	links     map[*link]struct{}
-	closedUp  int64 // bytes of links that ended, for bytes_total
-	closedDn  int64
-	stopping  bool
-	closeOnce sync.Once
+	mu       sync.Mutex
+	ln       net.Listener // nil while paused or stopped
+	links    map[*link]struct{}
+	closedUp int64 // bytes of links that ended, for bytes_total
+	closedDn int64
+	stopping bool
+	paused   bool          // refusing: the endpoint is excluded or disabled
+	changed  chan struct{} // signalled when paused or stopping changes
 }
 
-func (p *Proxy) newListener(cfg policy.Listener) *listener {
-	return &listener{
-		p:     p,
-		cfg:   cfg,
-		ctx:   p.ctx,
-		m:     p.metrics.ForListener(cfg.Name),
-		log:   p.log.With().Str("listener", cfg.Name).Logger(),
-		links: make(map[*link]struct{}),
+func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
+	l := &listener{
+		p:       p,
+		cfg:     cfg,
+		ctx:     p.ctx,
+		frames:  newFrameSpec(cfg.Framing),
+		m:       p.metrics.ForListener(cfg.Name),
+		log:     p.log.With().Str("listener", cfg.Name).Logger(),
+		links:   make(map[*link]struct{}),
+		changed: make(chan struct{}, 1),
 		dialer: net.Dialer{
 			Timeout:   cfg.ConnectTimeout.D(), // non-positive: no timeout of ours
 			KeepAlive: -1,                     // ours are set in Control, or left to the kernel
 			Control:   upstreamControl(cfg.Settings),
 		},
+	}
+	l.ep = p.endpointForLocked(cfg.Upstream, cfg.Settings)
+	l.ep.mu.Lock()
+	l.ep.listeners = append(l.ep.listeners, l)
+	l.ep.mu.Unlock()
+	return l
+}
+
+func (l *listener) signal() {
+	select {
+	case l.changed <- struct{}{}:
+	default:
+	}
+}
+
+// pause stops listening: while an endpoint is excluded (on_excluded:
+// refuse) or disabled, a client's connect is refused the way a down
+// server's is, instead of succeeding and then closing, which a client's
+// failure detector would take for a live server.
+func (l *listener) pause() {
+	l.mu.Lock()
+	if l.paused || l.stopping {
+		l.mu.Unlock()
+		return
+	}
+	l.paused = true
+	ln := l.ln
+	l.ln = nil
+	l.mu.Unlock()
+	if ln != nil {
+		_ = ln.Close()
+	}
+	l.signal()
+	l.log.Info().Str("listen", l.addr).Msg("not listening while the endpoint is out of routing")
+}
+
+// resume listens again (the accept loop binds the same address).
+func (l *listener) resume() {
+	l.mu.Lock()
+	was := l.paused
+	l.paused = false
+	l.mu.Unlock()
+	if was {
+		l.signal()
 	}
 }
 
@@ -207,9 +288,67 @@ func (p *Proxy) newListener(cfg policy.Listener) *listener {
 // link's goroutine, so one black-holed upstream never stalls other clients.
 func (l *listener) serve() {
 	defer l.acceptWG.Done()
+	for {
+		l.mu.Lock()
+		ln := l.ln
+		l.mu.Unlock()
+		if ln != nil {
+			l.acceptLoop(ln)
+		}
+		if !l.waitToListen() {
+			return
+		}
+	}
+}
+
+// waitToListen waits while the listener is paused and binds its address
+// again when it is resumed. It returns false once the listener is stopping.
+func (l *listener) waitToListen() bool {
+	retry := 50 * time.Millisecond
+	for {
+		l.mu.Lock()
+		stopping, paused := l.stopping, l.paused
+		l.mu.Unlock()
+		if stopping {
+			return false
+		}
+		if !paused {
+			ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(l.ctx, "tcp", l.addr)
+			if err == nil {
+				l.mu.Lock()
+				if l.stopping || l.paused {
+					l.mu.Unlock()
+					_ = ln.Close()
+					continue
+				}
+				l.ln = ln
+				l.mu.Unlock()
+				l.log.Info().Str("listen", l.addr).Msg("listening again")
+				return true
+			}
+			l.log.Error().Err(err).Str("listen", l.addr).Dur("retry_in", retry).Msg("cannot listen again")
+			select {
+			case <-time.After(retry):
+			case <-l.changed:
+			case <-l.ctx.Done():
+				return false
+			}
+			retry = min(retry*2, 2*time.Second)
+			continue
+		}
+		select {
+		case <-l.changed:
+		case <-l.ctx.Done():
+			return false
+		}
+	}
+}
+
+// acceptLoop accepts until ln is closed (pause or stop).
+func (l *listener) acceptLoop(ln net.Listener) {
 	var backoff time.Duration
 	for {
-		c, err := l.ln.Accept()
+		c, err := ln.Accept()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
@@ -230,7 +369,16 @@ func (l *listener) serve() {
 		}
 		backoff = 0
 		l.m.LinksTotal.Inc()
-		k := newLink(l, c.(*net.TCPConn))
+		tc := c.(*net.TCPConn)
+		if l.p.refusing(l) {
+			// Accepted in the moment before the pause took effect: reset
+			// it before reading a byte.
+			_ = tc.SetLinger(0)
+			_ = tc.Close()
+			l.m.Closed(metrics.ReasonRefused)
+			continue
+		}
+		k := newLink(l, tc)
 		if !l.track(k) {
 			_ = c.Close()
 			continue
@@ -249,6 +397,7 @@ func (l *listener) track(k *link) bool {
 	l.links[k] = struct{}{}
 	l.linkWG.Add(1)
 	l.m.LinksActive.Inc()
+	l.ep.add(k)
 	return true
 }
 
@@ -256,6 +405,7 @@ func (l *listener) serveLink(k *link) {
 	defer l.linkWG.Done()
 	s := k.run()
 
+	l.ep.remove(k)
 	l.mu.Lock()
 	delete(l.links, k)
 	l.closedUp += s.BytesUp
@@ -263,6 +413,9 @@ func (l *listener) serveLink(k *link) {
 	l.mu.Unlock()
 	l.m.LinksActive.Dec()
 	l.m.Closed(s.Reason)
+	if reportable(s.Reason) {
+		l.p.report(l.ep, s.Reason)
+	}
 
 	if e := l.log.Debug(); e.Enabled() {
 		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", s.Reason).
@@ -277,12 +430,13 @@ func (l *listener) serveLink(k *link) {
 func (l *listener) stopAccepting() {
 	l.mu.Lock()
 	l.stopping = true
+	ln := l.ln
+	l.ln = nil
 	l.mu.Unlock()
-	l.closeOnce.Do(func() {
-		if l.ln != nil {
-			_ = l.ln.Close()
-		}
-	})
+	if ln != nil {
+		_ = ln.Close()
+	}
+	l.signal()
 	l.acceptWG.Wait()
 }
 

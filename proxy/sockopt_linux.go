@@ -53,3 +53,15 @@ func upstreamControl(s policy.Settings) func(network, address string, c syscall.
 		return serr
 	}
 }
+
+// sendQueueBytes is SIOCOUTQ: bytes in the socket's send queue, sent but
+// unacknowledged plus not yet sent.
+func sendQueueBytes(raw syscall.RawConn) int {
+	n := 0
+	_ = raw.Control(func(fd uintptr) {
+		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ); err == nil {
+			n = v
+		}
+	})
+	return n
+}

@@ -159,7 +159,7 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger) error {
 	var adm *admin.Server
 	if cfg.Admin.Listen != "" {
 		var err error
-		adm, err = admin.Start(cfg.Admin.Listen, admin.Handler(m.Registry, p.Ready), log)
+		adm, err = admin.Start(cfg.Admin.Listen, admin.Handler(m.Registry, p.Ready, p), log)
 		if err != nil {
 			return fmt.Errorf("admin.listen %s: %w", cfg.Admin.Listen, err)
 		}

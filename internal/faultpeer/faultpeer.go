@@ -6,6 +6,7 @@ package faultpeer
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/binary"
 	"io"
 	"net"
 	"sync"
@@ -38,7 +39,16 @@ const (
 	CloseAtOnce
 	// HoldAfterEOF reads until EOF and then keeps its side open, silent.
 	HoldAfterEOF
+	// Framed reads 4-byte big-endian length-prefixed frames and answers
+	// each with the same frame, after the delay SetAnswer's policy gives
+	// it (or not at all), in completion order.
+	Framed
 )
+
+// AnswerPolicy decides, for the n-th request frame the server reads
+// (counting from 1 across connections), whether and after how long it is
+// answered.
+type AnswerPolicy func(n int64) (delay time.Duration, answer bool)
 
 // Server is a fault peer listening on loopback.
 type Server struct {
@@ -47,6 +57,9 @@ type Server struct {
 	readDelay atomic.Int64 // pause between reads for HashOnEOF, nanoseconds
 	startHold atomic.Int64 // pause before the first read for HashOnEOF
 	accepted  atomic.Int64
+	requests  atomic.Int64
+	answers   atomic.Int64
+	policy    atomic.Pointer[AnswerPolicy]
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
@@ -60,6 +73,8 @@ type Options struct {
 	// Buffer, when positive, sets SO_RCVBUF and SO_SNDBUF on the listener
 	// (accepted sockets inherit them; the kernel doubles the value).
 	Buffer int
+	// Addr is the address to listen on; empty: 127.0.0.1:0.
+	Addr string
 }
 
 // New starts a peer with the given initial behaviour; it is closed when the
@@ -81,7 +96,11 @@ func New(t testing.TB, b Behavior, o Options) *Server {
 			return serr
 		}
 	}
-	ln, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	addr := o.Addr
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	ln, err := lc.Listen(context.Background(), "tcp", addr)
 	if err != nil {
 		t.Fatalf("faultpeer: listen: %v", err)
 	}
@@ -105,6 +124,16 @@ func (s *Server) SetReadDelay(hold, each time.Duration) {
 	s.startHold.Store(int64(hold))
 	s.readDelay.Store(int64(each))
 }
+
+// SetAnswer sets the answer policy of Framed connections (default:
+// answer every request at once).
+func (s *Server) SetAnswer(p AnswerPolicy) { s.policy.Store(&p) }
+
+// Requests is the number of request frames Framed connections have read.
+func (s *Server) Requests() int64 { return s.requests.Load() }
+
+// Answers is the number of answers Framed connections have written.
+func (s *Server) Answers() int64 { return s.answers.Load() }
 
 // Accepted is the number of connections accepted so far.
 func (s *Server) Accepted() int64 { return s.accepted.Load() }
@@ -187,6 +216,45 @@ func (s *Server) serveConn(c *net.TCPConn, b Behavior) {
 	case HoldAfterEOF:
 		_, _ = io.Copy(io.Discard, c)
 		<-s.stop
+	case Framed:
+		s.serveFramed(c)
+	}
+}
+
+func (s *Server) serveFramed(c *net.TCPConn) {
+	var wmu sync.Mutex
+	var hdr [4]byte
+	for {
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			return
+		}
+		n := binary.BigEndian.Uint32(hdr[:])
+		if n > 16<<20 {
+			return
+		}
+		frame := make([]byte, 4+n)
+		copy(frame, hdr[:])
+		if _, err := io.ReadFull(c, frame[4:]); err != nil {
+			return
+		}
+		seq := s.requests.Add(1)
+		delay, answer := time.Duration(0), true
+		if p := s.policy.Load(); p != nil {
+			delay, answer = (*p)(seq)
+		}
+		if !answer {
+			continue
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.sleep(delay)
+			wmu.Lock()
+			defer wmu.Unlock()
+			if _, err := c.Write(frame); err == nil {
+				s.answers.Add(1)
+			}
+		}()
 	}
 }
 

@@ -23,13 +23,30 @@ const (
 	ReasonHalfCloseTimeout = "half_close_timeout" // other direction still open half_close_timeout after a FIN
 	ReasonDialError        = "dial_error"         // upstream dial failed (refused, unreachable, timeout)
 	ReasonShutdown         = "shutdown"           // still open when the drain timeout ran out
+	ReasonBadFrame         = "bad_frame"          // a frame longer than max_frame_length or with a negative length
+	ReasonUnanswered       = "unanswered"         // the endpoint reached consecutive_timeouts_threshold
+	ReasonStale            = "stale"              // a request older than request_timeout was still unsent or unacknowledged
+	ReasonEvicted          = "evicted"            // closed by the registry: endpoint excluded, disabled, readmitted, or an operator evict
+	ReasonRefused          = "refused"            // accepted while the endpoint was excluded or disabled: reset at once
 )
+
+// Eviction reasons for evictions_total{reason}.
+const (
+	EvictExcluded   = "excluded"   // the endpoint was excluded by the detector
+	EvictDisabled   = "disabled"   // an operator disabled the endpoint
+	EvictReadmitted = "readmitted" // links opened before the endpoint was readmitted
+	EvictOperator   = "operator"   // POST /v1/endpoints/{endpoint}/evict
+)
+
+// EvictReasons lists every eviction reason, for pre-creating series.
+var EvictReasons = []string{EvictExcluded, EvictDisabled, EvictReadmitted, EvictOperator}
 
 // Reasons lists every close reason, for pre-creating series.
 var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
-	ReasonDialError, ReasonShutdown,
+	ReasonDialError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
+	ReasonEvicted, ReasonRefused,
 }
 
 // Metrics owns the registry and every collector.
@@ -43,6 +60,11 @@ type Metrics struct {
 	dialDuration        *prometheus.HistogramVec
 	writeTimeouts       *prometheus.CounterVec
 	watermarkRejections *prometheus.CounterVec
+	unansweredTimeouts  *prometheus.CounterVec
+	endpointSuspect     *prometheus.CounterVec
+	evictions           *prometheus.CounterVec
+	probes              *prometheus.CounterVec
+	staleFramesDropped  *prometheus.CounterVec
 }
 
 // New builds the collectors and registers them, with the Go runtime and
@@ -79,12 +101,33 @@ func New() *Metrics {
 			Namespace: namespace, Name: "watermark_rejections_total",
 			Help: "Links closed because their upstream queue would pass high_water_mark (on_overflow: reject).",
 		}, []string{"listener"}),
+		unansweredTimeouts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "unanswered_timeouts_total",
+			Help: "Requests that saw no answer from their upstream within request_timeout.",
+		}, []string{"listener"}),
+		endpointSuspect: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "endpoint_suspect_total",
+			Help: "Times an endpoint reached consecutive_timeouts_threshold and was marked suspect.",
+		}, []string{"listener"}),
+		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "evictions_total",
+			Help: "Links closed by the registry, by why the endpoint's links were evicted.",
+		}, []string{"listener", "reason"}),
+		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "probes_total",
+			Help: "Probes of excluded endpoints over fresh connections, by result (ok, fail).",
+		}, []string{"listener", "result"}),
+		staleFramesDropped: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "stale_frames_dropped_total",
+			Help: "Request frames older than request_timeout that were dropped instead of being delivered.",
+		}, []string{"listener"}),
 	}
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
+		m.evictions, m.probes, m.staleFramesDropped,
 	)
 	return m
 }
@@ -98,7 +141,13 @@ type Listener struct {
 	DialDuration        prometheus.Observer
 	WriteTimeouts       prometheus.Counter
 	WatermarkRejections prometheus.Counter
+	UnansweredTimeouts  prometheus.Counter
+	EndpointSuspect     prometheus.Counter
+	ProbesOK            prometheus.Counter
+	ProbesFailed        prometheus.Counter
+	StaleFramesDropped  prometheus.Counter
 	closes              map[string]prometheus.Counter
+	evictions           map[string]prometheus.Counter
 }
 
 // ForListener resolves (and so pre-creates at zero) every series of one listener.
@@ -110,12 +159,28 @@ func (m *Metrics) ForListener(name string) *Listener {
 		DialDuration:        m.dialDuration.WithLabelValues(name),
 		WriteTimeouts:       m.writeTimeouts.WithLabelValues(name),
 		WatermarkRejections: m.watermarkRejections.WithLabelValues(name),
+		UnansweredTimeouts:  m.unansweredTimeouts.WithLabelValues(name),
+		EndpointSuspect:     m.endpointSuspect.WithLabelValues(name),
+		ProbesOK:            m.probes.WithLabelValues(name, "ok"),
+		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
+		StaleFramesDropped:  m.staleFramesDropped.WithLabelValues(name),
 		closes:              make(map[string]prometheus.Counter, len(Reasons)),
+		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 	}
 	for _, r := range Reasons {
 		l.closes[r] = m.linkCloses.WithLabelValues(name, r)
 	}
+	for _, r := range EvictReasons {
+		l.evictions[r] = m.evictions.WithLabelValues(name, r)
+	}
 	return l
+}
+
+// Evicted counts n links evicted for reason.
+func (l *Listener) Evicted(reason string, n int) {
+	if c, ok := l.evictions[reason]; ok && n > 0 {
+		c.Add(float64(n))
+	}
 }
 
 // Closed counts one link end with its reason.
@@ -129,7 +194,8 @@ func (l *Listener) Closed(reason string) {
 func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
+		m.evictions, m.probes, m.staleFramesDropped,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}

@@ -62,6 +62,24 @@ func echoIn(t *testing.T, ns *netns.NS, addr string) string {
 	return ln.Addr().String()
 }
 
+// waitReachable dials addr until it answers: a fresh veth may take a
+// moment before it carries traffic.
+func waitReachable(t *testing.T, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, err := net.DialTimeout("tcp", addr, 500*time.Millisecond)
+		if err == nil {
+			_ = c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not reachable over the veth: %v", addr, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // blackholeSetup builds: proxy and client in this namespace, an echo server
 // in a peer namespace over a veth pair, one link established through the
 // proxy, and then a drop of the server's port in the peer's namespace (a
@@ -72,6 +90,7 @@ func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan p
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, "10.231.7.1/24", "10.231.7.2/24")
 	srv := echoIn(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	waitReachable(t, srv)
 
 	cfg := policy.DefaultConfig()
 	s := cfg.Defaults

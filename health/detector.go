@@ -1,0 +1,413 @@
+package health
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+)
+
+// Options configure a Detector. Every field may be left zero.
+type Options struct {
+	// Logger receives one Info line per state transition and Debug lines
+	// per failed probe. The zero Logger logs nothing.
+	Logger zerolog.Logger
+	// OnEvent is called for every real transition, in the order the
+	// transitions happened (per endpoint and overall), never while the
+	// detector's lock is held. It runs on the goroutine that caused the
+	// transition (a Report/Disable/Enable caller or a probe goroutine), or
+	// on whichever goroutine is already delivering events, so a caller's
+	// event may be delivered just after its call returns. OnEvent may call
+	// any Detector method except Close; a panic in it is logged and
+	// swallowed. It should not block for long: it delays the probe
+	// goroutines, and Close waits for it.
+	OnEvent func(Event)
+	// OnProbe is called after every probe that reached a verdict (for
+	// probes_total{result}), once Statuses reflects it. Probes interrupted by Close,
+	// Disable, Enable or Unregister reach none and are not reported. It runs
+	// on the probe goroutine, without the lock; a panic in it is logged and
+	// swallowed.
+	OnProbe func(endpoint string, ok bool)
+	// Dial opens the probes' fresh connections (connect probes and the
+	// HTTP probe's transport). Nil means a plain net.Dialer. The context
+	// carries the probe timeout and shutdown.
+	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+}
+
+// Detector is the per-endpoint failure detector. Its methods are safe for
+// concurrent use. Create it with New and stop it with Close.
+type Detector struct {
+	log     zerolog.Logger
+	onEvent func(Event)
+	onProbe func(string, bool)
+	dial    func(ctx context.Context, network, addr string) (net.Conn, error)
+	http    *http.Client
+
+	ctx       context.Context // parent of every probe goroutine's context; cancelled by Close
+	stop      context.CancelFunc
+	probers   sync.WaitGroup
+	closeOnce sync.Once
+
+	mu         sync.Mutex
+	closed     bool
+	eps        map[string]*epState
+	pending    []Event // transitions not yet handed to OnEvent, in order
+	delivering bool    // a goroutine is draining pending
+}
+
+// epState is the state of one registered endpoint; guarded by Detector.mu.
+type epState struct {
+	name      string
+	pc        ProbeConfig // normalized
+	state     State
+	reason    string
+	since     time.Time
+	nextProbe time.Time
+	probes    int // failed probes of the most recent exclusion
+	lastErr   string
+
+	// gen identifies the current probe goroutine; it changes whenever one is
+	// started or stopped, so a stopped one recognizes it lost its claim even
+	// if its context cancellation races with a result.
+	gen    uint64
+	cancel context.CancelFunc // of the current probe goroutine; nil if none
+	done   chan struct{}      // closed when the latest probe goroutine returned
+}
+
+// New returns a Detector with no endpoints. It starts no goroutine until an
+// endpoint is excluded.
+func New(opts Options) *Detector {
+	dial := opts.Dial
+	if dial == nil {
+		dial = (&net.Dialer{}).DialContext
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	return &Detector{
+		log:     opts.Logger,
+		onEvent: opts.OnEvent,
+		onProbe: opts.OnProbe,
+		dial:    dial,
+		http:    newHTTPClient(dial),
+		ctx:     ctx,
+		stop:    stop,
+		eps:     make(map[string]*epState),
+	}
+}
+
+// Register adds endpoint (host:port) in state Healthy, or, if it is already
+// registered, replaces its probe configuration (used from the next probe on)
+// and keeps its state. It does nothing after Close.
+func (d *Detector) Register(endpoint string, pc ProbeConfig) {
+	pc = pc.normalized()
+	if pc.Kind != ProbeConnect && pc.Kind != ProbeHTTP {
+		d.log.Warn().Str("endpoint", endpoint).Str("kind", pc.Kind).
+			Msg("unknown probe kind: every probe of this endpoint will fail")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return
+	}
+	if e, ok := d.eps[endpoint]; ok {
+		e.pc = pc
+		return
+	}
+	d.eps[endpoint] = &epState{
+		name:   endpoint,
+		pc:     pc,
+		state:  Healthy,
+		reason: ReasonRegistered,
+		since:  time.Now(),
+	}
+}
+
+// Unregister stops probing endpoint and forgets it. It emits no event. A
+// later Register starts it afresh, Healthy.
+func (d *Detector) Unregister(endpoint string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if e, ok := d.eps[endpoint]; ok {
+		d.stopProberLocked(e)
+		delete(d.eps, endpoint)
+	}
+}
+
+// Report records a data-plane failure of endpoint. A Healthy endpoint becomes
+// Excluded and probing starts; Report returns true only then. On an Excluded
+// or Disabled endpoint, an unregistered one, or after Close it changes
+// nothing and returns false. An empty reason is recorded as "reported".
+func (d *Detector) Report(endpoint, reason string) bool {
+	if reason == "" {
+		reason = "reported"
+	}
+	d.mu.Lock()
+	e, ok := d.eps[endpoint]
+	if d.closed || !ok || e.state != Healthy {
+		closed := d.closed
+		d.mu.Unlock()
+		if !ok && !closed {
+			d.log.Warn().Str("endpoint", endpoint).Str("reason", reason).
+				Msg("report for an unregistered endpoint ignored")
+		}
+		return false
+	}
+	d.transitionLocked(e, Excluded, reason)
+	e.probes, e.lastErr = 0, ""
+	d.startProberLocked(e)
+	d.mu.Unlock()
+	d.deliver()
+	return true
+}
+
+// Disable takes endpoint out on the operator's behalf: any state becomes
+// Disabled and probing stops. It returns true if the state changed (false if
+// already Disabled, unregistered, or after Close). An empty reason is
+// recorded as "operator_disable".
+func (d *Detector) Disable(endpoint, reason string) bool {
+	if reason == "" {
+		reason = ReasonOperatorDisable
+	}
+	return d.operator(endpoint, Disabled, reason)
+}
+
+// Enable readmits endpoint on the operator's behalf: Disabled becomes
+// Healthy, and so does Excluded (an operator override: probing stops, no
+// probe is required). It returns true if the state changed (false if already
+// Healthy, unregistered, or after Close). An empty reason is recorded as
+// "operator_enable".
+func (d *Detector) Enable(endpoint, reason string) bool {
+	if reason == "" {
+		reason = ReasonOperatorEnable
+	}
+	return d.operator(endpoint, Healthy, reason)
+}
+
+func (d *Detector) operator(endpoint string, to State, reason string) bool {
+	d.mu.Lock()
+	e, ok := d.eps[endpoint]
+	if d.closed || !ok || e.state == to {
+		d.mu.Unlock()
+		return false
+	}
+	d.transitionLocked(e, to, reason)
+	d.mu.Unlock()
+	d.deliver()
+	return true
+}
+
+// State returns endpoint's state, and false if it is not registered.
+func (d *Detector) State(endpoint string) (State, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	e, ok := d.eps[endpoint]
+	if !ok {
+		return Healthy, false
+	}
+	return e.state, true
+}
+
+// Statuses returns a snapshot of every registered endpoint, sorted by
+// endpoint string.
+func (d *Detector) Statuses() []Status {
+	d.mu.Lock()
+	out := make([]Status, 0, len(d.eps))
+	for _, e := range d.eps {
+		out = append(out, Status{
+			Endpoint:       e.name,
+			State:          e.state,
+			Reason:         e.reason,
+			Since:          e.since,
+			NextProbe:      e.nextProbe,
+			Probes:         e.probes,
+			LastProbeError: e.lastErr,
+		})
+	}
+	d.mu.Unlock()
+	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Endpoint, b.Endpoint) })
+	return out
+}
+
+// Close stops every probe goroutine and waits for them (including any
+// OnEvent or OnProbe call they are making). Shutting down is not a failure:
+// in-flight probes are abandoned without a verdict and no event is emitted.
+// Endpoints keep their last state; later mutating calls do nothing. Close is
+// idempotent, and a concurrent second call waits like the first.
+func (d *Detector) Close() {
+	d.closeOnce.Do(func() {
+		d.mu.Lock()
+		d.closed = true
+		for _, e := range d.eps {
+			d.stopProberLocked(e)
+		}
+		d.mu.Unlock()
+		d.stop()
+		d.probers.Wait()
+		d.http.CloseIdleConnections()
+	})
+}
+
+// transitionLocked moves e to state to (which differs from e.state), stops
+// its probing unless it is now Excluded, and queues the event. The caller
+// calls deliver after unlocking.
+func (d *Detector) transitionLocked(e *epState, to State, reason string) {
+	now := time.Now()
+	d.pending = append(d.pending, Event{Endpoint: e.name, From: e.state, To: to, Reason: reason, At: now})
+	e.state, e.reason, e.since = to, reason, now
+	if to != Excluded {
+		d.stopProberLocked(e)
+	}
+}
+
+// stopProberLocked cancels e's probe goroutine, if any, and revokes its
+// claim on e.
+func (d *Detector) stopProberLocked(e *epState) {
+	if e.cancel != nil {
+		e.cancel()
+		e.cancel = nil
+	}
+	e.gen++
+	e.nextProbe = time.Time{}
+}
+
+// startProberLocked starts e's probe goroutine. Any previous one has been
+// stopped (e left Excluded since); the new one waits for it to return, so
+// there is never more than one probe of an endpoint at a time.
+func (d *Detector) startProberLocked(e *epState) {
+	d.stopProberLocked(e)
+	ctx, cancel := context.WithCancel(d.ctx)
+	prev, done := e.done, make(chan struct{})
+	e.cancel, e.done = cancel, done
+	d.probers.Add(1)
+	go d.probeLoop(ctx, e, e.gen, prev, done)
+}
+
+// claimedLocked reports whether the probe goroutine of generation gen still
+// owns e: e is registered, Excluded, and no one stopped the goroutine.
+func (d *Detector) claimedLocked(e *epState, gen uint64) bool {
+	return !d.closed && e.gen == gen && e.state == Excluded && d.eps[e.name] == e
+}
+
+// probeLoop probes the excluded endpoint e with backoff until a probe
+// succeeds (readmission) or it is stopped (Disable, Enable, Unregister,
+// Close). Every iteration waits at least half of InitialDelay.
+func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <-chan struct{}, done chan<- struct{}) {
+	defer d.probers.Done()
+	defer close(done)
+	if prev != nil {
+		select {
+		case <-prev:
+		case <-ctx.Done():
+			return
+		}
+	}
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		d.mu.Lock()
+		if !d.claimedLocked(e, gen) {
+			d.mu.Unlock()
+			return
+		}
+		delay := probeDelay(e.pc, e.probes)
+		e.nextProbe = time.Now().Add(delay)
+		d.mu.Unlock()
+
+		timer.Reset(delay)
+		select {
+		case <-ctx.Done():
+			return
+		case <-timer.C:
+		}
+
+		d.mu.Lock()
+		if !d.claimedLocked(e, gen) {
+			d.mu.Unlock()
+			return
+		}
+		e.nextProbe = time.Time{}
+		pc := e.pc // Register may have changed it while we slept
+		d.mu.Unlock()
+
+		err := d.probe(ctx, e.name, pc)
+		if ctx.Err() != nil {
+			return // stopped mid-probe: no verdict, not a failure
+		}
+
+		// Record the verdict first, so that OnProbe and OnEvent observers
+		// see a Status that already reflects it.
+		d.mu.Lock()
+		if !d.claimedLocked(e, gen) {
+			d.mu.Unlock()
+			return // stopped as the probe ended: the verdict is stale
+		}
+		if err == nil {
+			d.transitionLocked(e, Healthy, ReasonProbeOK)
+			d.mu.Unlock()
+			d.reportProbe(e.name, true)
+			d.deliver()
+			return
+		}
+		e.probes++
+		e.lastErr = err.Error()
+		failed := e.probes
+		d.mu.Unlock()
+		d.reportProbe(e.name, false)
+		d.log.Debug().Err(err).Str("endpoint", e.name).Int("failed_probes", failed).Msg("probe failed")
+	}
+}
+
+// deliver hands queued events to OnEvent in order. Only one goroutine
+// delivers at a time; a goroutine that finds another delivering leaves its
+// events to it (so OnEvent may call back into the Detector without deadlock).
+func (d *Detector) deliver() {
+	d.mu.Lock()
+	if d.delivering {
+		d.mu.Unlock()
+		return
+	}
+	d.delivering = true
+	for len(d.pending) > 0 {
+		evs := d.pending
+		d.pending = nil
+		d.mu.Unlock()
+		for _, ev := range evs {
+			d.emit(ev)
+		}
+		d.mu.Lock()
+	}
+	d.delivering = false
+	d.mu.Unlock()
+}
+
+// emit logs one transition and passes it to OnEvent.
+func (d *Detector) emit(ev Event) {
+	d.log.Info().Str("endpoint", ev.Endpoint).Stringer("from", ev.From).Stringer("to", ev.To).
+		Str("reason", ev.Reason).Msg("endpoint state changed")
+	if d.onEvent == nil {
+		return
+	}
+	defer d.recoverCallback("OnEvent", ev.Endpoint)
+	d.onEvent(ev)
+}
+
+// reportProbe passes one probe verdict to OnProbe.
+func (d *Detector) reportProbe(endpoint string, ok bool) {
+	if d.onProbe == nil {
+		return
+	}
+	defer d.recoverCallback("OnProbe", endpoint)
+	d.onProbe(endpoint, ok)
+}
+
+// recoverCallback keeps a panicking subscriber from taking down the process
+// (or wedging event delivery).
+func (d *Detector) recoverCallback(name, endpoint string) {
+	if r := recover(); r != nil {
+		d.log.Error().Str("endpoint", endpoint).Interface("panic", r).Msg(name + " panicked")
+	}
+}

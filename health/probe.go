@@ -1,0 +1,198 @@
+package health
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// Probe kinds.
+const (
+	ProbeConnect = "connect" // a TCP connect that completes within Timeout
+	ProbeHTTP    = "http"    // GET http://<host>:<HTTPPort><HTTPPath> answered 2xx within Timeout
+)
+
+// Defaults applied by Register to non-positive (or empty) ProbeConfig
+// fields. They match the detector defaults in DESIGN.md.
+const (
+	DefaultProbeTimeout = 1 * time.Second
+	DefaultInitialDelay = 1 * time.Second
+	DefaultFactor       = 2.0
+	DefaultMaxDelay     = 60 * time.Second
+	// MaxJitter bounds ProbeConfig.Jitter, so that a jittered delay is
+	// never zero. policy validates jitter to [0, 1), so a validated
+	// configuration is passed through unchanged.
+	MaxJitter = 0.99
+)
+
+// ProbeConfig says how an excluded endpoint is probed. The proxy maps its
+// configuration (defaults.detector) onto it. Register normalizes it: see the
+// field comments for what zero and out-of-range values mean.
+type ProbeConfig struct {
+	// Kind is ProbeConnect (also when empty) or ProbeHTTP. Any other value
+	// makes every probe fail, so a typo keeps the endpoint out rather than
+	// readmitting it unchecked; policy validation should reject it first.
+	Kind string
+	// Timeout bounds one probe: the connect, or the whole HTTP exchange.
+	// Non-positive means DefaultProbeTimeout.
+	Timeout time.Duration
+	// InitialDelay is the wait between the exclusion and the first probe.
+	// Non-positive means DefaultInitialDelay.
+	InitialDelay time.Duration
+	// Factor multiplies the delay after every failed probe. Non-positive
+	// means DefaultFactor; a value in (0, 1) is raised to 1 (a constant
+	// delay), so the schedule never speeds up.
+	Factor float64
+	// MaxDelay caps the delay before jitter. Non-positive means
+	// DefaultMaxDelay; a value below InitialDelay is raised to it.
+	MaxDelay time.Duration
+	// Jitter spreads each delay uniformly over ±Jitter of it (0.2 = ±20%)
+	// after the MaxDelay cap, so endpoints excluded together are not probed
+	// in lockstep. 0 or negative means none; values above MaxJitter
+	// (1 and more) are lowered to it.
+	Jitter float64
+	// HTTPPort is the port of the HTTP probe (ProbeHTTP only). 0 means the
+	// endpoint's own port.
+	HTTPPort int
+	// HTTPPath is the request path of the HTTP probe (ProbeHTTP only), e.g.
+	// "/health". Empty means "/"; a missing leading slash is added.
+	HTTPPath string
+}
+
+// normalized returns pc with every default and bound applied.
+func (pc ProbeConfig) normalized() ProbeConfig {
+	if pc.Kind == "" {
+		pc.Kind = ProbeConnect
+	}
+	if pc.Timeout <= 0 {
+		pc.Timeout = DefaultProbeTimeout
+	}
+	if pc.InitialDelay <= 0 {
+		pc.InitialDelay = DefaultInitialDelay
+	}
+	switch {
+	case pc.Factor <= 0 || math.IsNaN(pc.Factor) || math.IsInf(pc.Factor, 0):
+		pc.Factor = DefaultFactor
+	case pc.Factor < 1:
+		pc.Factor = 1
+	}
+	if pc.MaxDelay <= 0 {
+		pc.MaxDelay = DefaultMaxDelay
+	}
+	if pc.MaxDelay < pc.InitialDelay {
+		pc.MaxDelay = pc.InitialDelay
+	}
+	switch {
+	case !(pc.Jitter > 0): // also NaN
+		pc.Jitter = 0
+	case pc.Jitter > MaxJitter:
+		pc.Jitter = MaxJitter
+	}
+	if pc.HTTPPath == "" || pc.HTTPPath[0] != '/' {
+		pc.HTTPPath = "/" + pc.HTTPPath
+	}
+	return pc
+}
+
+// baseDelay is the delay before the next probe after failed failed probes,
+// before jitter: InitialDelay * Factor^failed, capped at MaxDelay. pc must be
+// normalized.
+func baseDelay(pc ProbeConfig, failed int) time.Duration {
+	d := float64(pc.InitialDelay) * math.Pow(pc.Factor, float64(failed))
+	if d >= float64(pc.MaxDelay) || math.IsInf(d, 0) || math.IsNaN(d) {
+		return pc.MaxDelay
+	}
+	return time.Duration(d)
+}
+
+// jittered spreads d uniformly over [d*(1-j), d*(1+j)]; r is in [0, 1).
+func jittered(d time.Duration, j, r float64) time.Duration {
+	if j <= 0 {
+		return d
+	}
+	return time.Duration(float64(d) * (1 + j*(2*r-1)))
+}
+
+// probeDelay is the jittered delay before the next probe.
+func probeDelay(pc ProbeConfig, failed int) time.Duration {
+	return jittered(baseDelay(pc, failed), pc.Jitter, rand.Float64())
+}
+
+// errUnknownKind fails every probe of a ProbeConfig with an unknown Kind.
+var errUnknownKind = errors.New("unknown probe kind")
+
+// probe runs one probe of endpoint over a fresh connection and returns nil
+// only if it proves the endpoint healthy. ctx carries shutdown; the probe's
+// own Timeout is applied here.
+func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) error {
+	ctx, cancel := context.WithTimeout(ctx, pc.Timeout)
+	defer cancel()
+	switch pc.Kind {
+	case ProbeConnect:
+		return d.probeConnect(ctx, endpoint)
+	case ProbeHTTP:
+		return d.probeHTTP(ctx, endpoint, pc)
+	}
+	return fmt.Errorf("%w %q", errUnknownKind, pc.Kind)
+}
+
+// probeConnect succeeds when a new TCP connection to endpoint is established.
+func (d *Detector) probeConnect(ctx context.Context, endpoint string) error {
+	conn, err := d.dial(ctx, "tcp", endpoint)
+	if err != nil {
+		return err
+	}
+	return conn.Close()
+}
+
+// probeHTTP succeeds when GET http://host:port/path answers 2xx. The client
+// never keeps a connection (DisableKeepAlives), so every probe dials afresh
+// and no transport goroutine outlives the probe; redirects are not followed
+// (a 3xx is a failure).
+func (d *Detector) probeHTTP(ctx context.Context, endpoint string, pc ProbeConfig) error {
+	host, port, err := net.SplitHostPort(endpoint)
+	if err != nil {
+		return err
+	}
+	if pc.HTTPPort > 0 {
+		port = strconv.Itoa(pc.HTTPPort)
+	}
+	url := "http://" + net.JoinHostPort(host, port) + pc.HTTPPath
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := d.http.Do(req)
+	if err != nil {
+		return err
+	}
+	// Drain a little so the server sees a complete exchange; the connection
+	// is closed either way.
+	_, _ = io.CopyN(io.Discard, resp.Body, 4<<10)
+	_ = resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("http probe %s: status %d", url, resp.StatusCode)
+	}
+	return nil
+}
+
+// newHTTPClient returns the client of the HTTP probes: no keep-alives, no
+// environment proxy, no redirects, dialing through dial.
+func newHTTPClient(dial func(ctx context.Context, network, addr string) (net.Conn, error)) *http.Client {
+	return &http.Client{
+		Transport: &http.Transport{
+			Proxy:              nil, // never HTTP_PROXY: the probe must reach the endpoint itself
+			DialContext:        dial,
+			DisableKeepAlives:  true,
+			DisableCompression: true,
+		},
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+	}
+}

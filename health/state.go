@@ -1,0 +1,102 @@
+// Package health is livenessproxy's per-endpoint failure detector.
+//
+// It knows nothing about the proxy's links. The data plane reports failures
+// (Report), the operator disables and enables endpoints (Disable, Enable), and
+// subscribers learn about every state change through Options.OnEvent.
+//
+// Each endpoint is in one of three states:
+//
+//	Healthy  --Report-->          Excluded  (probing starts)
+//	Excluded --probe succeeds-->  Healthy   (reason "probe_ok")
+//	any      --Disable-->         Disabled  (probing stops)
+//	Disabled --Enable-->          Healthy
+//	Excluded --Enable-->          Healthy   (operator override; probing stops)
+//
+// An excluded endpoint is probed over a fresh connection, never an existing
+// one, with exponential backoff: ProbeConfig.InitialDelay after the exclusion,
+// then that delay multiplied by ProbeConfig.Factor for every failed probe, up
+// to ProbeConfig.MaxDelay, each delay jittered by ProbeConfig.Jitter. Every
+// probe gives a verdict: an error of any kind is a failure, and there is no
+// path on which "nothing to check" counts as healthy. Only a successful probe
+// or the operator readmits an endpoint. A Disabled endpoint is never probed.
+//
+// Transitions are edge-triggered: each mutating call is a compare-and-swap
+// that says whether anything changed, and only a change produces an Event and
+// an Info log line. Reports against an endpoint that is already excluded
+// change nothing. Backoff state is per endpoint; nothing in the package flips
+// a process-wide mode.
+package health
+
+import (
+	"strconv"
+	"time"
+)
+
+// State is the health state of one endpoint.
+type State int
+
+const (
+	// Healthy endpoints are routed to. A newly registered endpoint starts
+	// Healthy: the detector has no evidence against it yet, and the data
+	// plane finds out within seconds when that is wrong.
+	Healthy State = iota
+	// Excluded endpoints failed on the data plane and are probed with
+	// backoff until a probe succeeds.
+	Excluded
+	// Disabled endpoints were taken out by the operator: never probed,
+	// never readmitted except by Enable.
+	Disabled
+)
+
+// String returns "healthy", "excluded" or "disabled".
+func (s State) String() string {
+	switch s {
+	case Healthy:
+		return "healthy"
+	case Excluded:
+		return "excluded"
+	case Disabled:
+		return "disabled"
+	}
+	return "State(" + strconv.Itoa(int(s)) + ")"
+}
+
+// MarshalText renders the state as its String form, so that JSON (for
+// GET /v1/endpoints) carries "excluded" rather than 1.
+func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
+
+// Reasons the detector itself uses. Report and Disable take the caller's
+// reason verbatim; these are the ones that originate here or are suggested
+// for the operator calls.
+const (
+	ReasonRegistered      = "registered"       // Status.Reason of an endpoint that never changed state
+	ReasonProbeOK         = "probe_ok"         // Excluded -> Healthy after a successful probe
+	ReasonOperatorDisable = "operator_disable" // suggested reason for Disable
+	ReasonOperatorEnable  = "operator_enable"  // suggested reason for Enable
+)
+
+// Event is one real state transition of one endpoint.
+type Event struct {
+	Endpoint string    // host:port
+	From, To State     // From != To, always
+	Reason   string    // why: "dial_error", "write_timeout", "unanswered", "probe_ok", "operator_disable", ...
+	At       time.Time // when the transition happened
+}
+
+// Status is a snapshot of one endpoint, for GET /v1/endpoints.
+type Status struct {
+	Endpoint string    `json:"endpoint"`
+	State    State     `json:"state"`
+	Reason   string    `json:"reason"` // reason of the last transition ("registered" if none)
+	Since    time.Time `json:"since"`  // time of the last transition (or of registration)
+	// NextProbe is when the next probe is due; zero unless Excluded (and
+	// zero while a probe is running).
+	NextProbe time.Time `json:"next_probe,omitzero"`
+	// Probes counts the failed probes of the most recent exclusion. It is
+	// reset when the endpoint is excluded again and kept after readmission,
+	// so a Healthy endpoint shows how many probes its last recovery took.
+	Probes int `json:"probes"`
+	// LastProbeError is the error of the most recent failed probe of the
+	// most recent exclusion ("" if none), with the same lifetime as Probes.
+	LastProbeError string `json:"last_probe_error,omitempty"`
+}

@@ -1,0 +1,328 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// framed tunes a listener for Pinot's framing with unanswered tracking.
+func framed(timeout time.Duration, threshold int, more func(*policy.Settings)) func(*policy.Settings) {
+	return func(s *policy.Settings) {
+		s.Framing = policy.Framing{Type: policy.FramingLengthField, LengthFieldLength: 4,
+			ByteOrder: policy.ByteOrderBig, MaxFrameLength: 1 << 20}
+		s.Unanswered = policy.Unanswered{RequestTimeout: policy.Duration(timeout), ConsecutiveTimeoutsThreshold: threshold}
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second) // tests that readmit set their own
+		s.Detector.Jitter = 0
+		if more != nil {
+			more(s)
+		}
+	}
+}
+
+func sendFrame(t *testing.T, c net.Conn, payload string) {
+	t.Helper()
+	b := binary.BigEndian.AppendUint32(nil, uint32(len(payload)))
+	if _, err := c.Write(append(b, payload...)); err != nil {
+		t.Fatalf("send frame: %v", err)
+	}
+}
+
+func readFrame(t *testing.T, c net.Conn, within time.Duration) string {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(within))
+	defer func() { _ = c.SetReadDeadline(time.Time{}) }()
+	var hdr [4]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		t.Fatalf("read frame: %v", err)
+	}
+	p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+	if _, err := io.ReadFull(c, p); err != nil {
+		t.Fatalf("read frame body: %v", err)
+	}
+	return string(p)
+}
+
+func (h *harness) endpoint() EndpointStatus {
+	h.t.Helper()
+	eps := h.p.Endpoints()
+	if len(eps) != 1 {
+		h.t.Fatalf("%d endpoints, want 1", len(eps))
+	}
+	return eps[0]
+}
+
+func (h *harness) waitState(state string, within time.Duration) EndpointStatus {
+	h.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		ep := h.endpoint()
+		if ep.State == state {
+			return ep
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("endpoint %s still %s (%s) after %v, want %s", ep.Endpoint, ep.State, ep.Reason, within, state)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func expectRefused(t *testing.T, addr string) {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err == nil {
+		_ = c.Close()
+		t.Fatal("connect succeeded, want it refused while the endpoint is out of routing")
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("connect: %v, want ECONNREFUSED", err)
+	}
+}
+
+// A framed server that answers nothing (threshold 3, request timeout
+// 300ms): two unanswered requests change nothing, the third marks the
+// endpoint suspect, its links close, new connections are refused.
+func TestUnansweredThresholdExcludesEndpoint(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 3, nil))
+	c, other := h.dial(), h.dial()
+
+	sendFrame(t, c, "q1")
+	sendFrame(t, c, "q2")
+	time.Sleep(500 * time.Millisecond) // both judged: 300ms + 30ms slack
+	if ep := h.endpoint(); ep.State != "healthy" || ep.ConsecutiveUnanswered != 2 {
+		t.Fatalf("after 2 unanswered: %+v, want healthy with 2 consecutive", ep)
+	}
+	begin := time.Now()
+	sendFrame(t, c, "q3")
+	err, at := waitClosed(t, c, 2*time.Second)
+	if !isCloseSignal(err) {
+		t.Fatalf("client saw %v, want EOF or reset", err)
+	}
+	if d := at.Sub(begin); d < 300*time.Millisecond || d > 800*time.Millisecond {
+		t.Fatalf("link closed %v after the third request, want request_timeout (300ms) plus slack", d)
+	}
+	// Every link to the endpoint closes, not just the one that tripped.
+	if err, _ := waitClosed(t, other, time.Second); !isCloseSignal(err) {
+		t.Fatalf("second link saw %v", err)
+	}
+	for range 2 {
+		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonUnanswered {
+			t.Fatalf("reason %q, want unanswered", s.Reason)
+		}
+	}
+	ep := h.waitState("excluded", time.Second)
+	if ep.Reason != metrics.ReasonUnanswered {
+		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
+	}
+	expectRefused(t, h.addr)
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 3 {
+		t.Errorf("unanswered_timeouts_total = %v, want 3", got)
+	}
+	if got := testutil.ToFloat64(m.EndpointSuspect); got != 1 {
+		t.Errorf("endpoint_suspect_total = %v, want 1", got)
+	}
+}
+
+// A late answer to a request that already timed out resets the count:
+// the next timeouts start over.
+func TestLateAnswerResetsCount(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(n int64) (time.Duration, bool) {
+		if n == 1 {
+			return 400 * time.Millisecond, true // late: after its 200ms timeout
+		}
+		return 0, false
+	})
+	h := start(t, peer.Addr(), framed(200*time.Millisecond, 3, nil))
+	c := h.dial()
+	sendFrame(t, c, "late")
+	time.Sleep(300 * time.Millisecond)
+	if got := h.endpoint().ConsecutiveUnanswered; got != 1 {
+		t.Fatalf("consecutive = %d after the first timeout, want 1", got)
+	}
+	if got := readFrame(t, c, time.Second); got != "late" {
+		t.Fatalf("late answer %q", got)
+	}
+	if got := h.endpoint().ConsecutiveUnanswered; got != 0 {
+		t.Fatalf("consecutive = %d after the late answer, want 0", got)
+	}
+	sendFrame(t, c, "q2")
+	sendFrame(t, c, "q3")
+	time.Sleep(400 * time.Millisecond)
+	// Without the reset this would be 3 and the endpoint excluded.
+	if ep := h.endpoint(); ep.State != "healthy" || ep.ConsecutiveUnanswered != 2 {
+		t.Fatalf("after the reset and 2 more timeouts: %+v, want healthy with 2", ep)
+	}
+	sendFrame(t, c, "q4")
+	h.waitState("excluded", time.Second)
+}
+
+// A slow server that still answers (each answer 350ms after its request,
+// past the 200ms timeout) never reaches the threshold.
+func TestSlowServerThatAnswersNeverTrips(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 350 * time.Millisecond, true })
+	h := start(t, peer.Addr(), framed(200*time.Millisecond, 3, nil))
+	c := h.dial()
+	const n = 20
+	go func() {
+		for i := range n {
+			b := binary.BigEndian.AppendUint32(nil, 1)
+			if _, err := c.Write(append(b, byte('a'+i))); err != nil {
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	for range n {
+		readFrame(t, c, 2*time.Second)
+	}
+	ep := h.endpoint()
+	if ep.State != "healthy" {
+		t.Fatalf("slow but answering server was %s (%s)", ep.State, ep.Reason)
+	}
+	timeouts := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts)
+	t.Logf("%d answers, %v requests counted unanswered before the first answer, endpoint %s", n, timeouts, ep.State)
+	if timeouts < 1 || timeouts > 2 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 1 or 2 (only those judged before any answer arrived)", timeouts)
+	}
+}
+
+// The server comes back: a probe over a fresh connection readmits it,
+// links opened before the readmission are evicted, a new link works.
+func TestProbeReadmitsAndEvictsOldLinks(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	addr := peer.Addr()
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := start(t, addr, framed(200*time.Millisecond, 2, func(s *policy.Settings) {
+		s.Detector.InitialDelay = policy.Duration(300 * time.Millisecond)
+		s.Detector.BackoffFactor = 1
+		s.OnExcluded = policy.OnExcludedAllow // so a link can be opened while excluded
+	}))
+	c := h.dial()
+	sendFrame(t, c, "q1")
+	sendFrame(t, c, "q2")
+	// The server dies: probes are refused until it is back.
+	peer.Close()
+	h.waitState("excluded", 2*time.Second)
+	waitClosed(t, c, time.Second)
+	h.linkEnd(time.Second)
+
+	// on_excluded: allow lets this link through while excluded; it dials
+	// the dead server and fails.
+	old := h.dial()
+	time.Sleep(700 * time.Millisecond) // at least two refused probes
+	if ep := h.endpoint(); ep.State != "excluded" || ep.FailedProbes < 1 {
+		t.Fatalf("dead server: %+v, want excluded with failed probes", ep)
+	}
+	_ = old
+
+	// The server is back on the same address; the next probe readmits it.
+	back := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{Addr: addr})
+	during := h.dial() // opened while still excluded: evicted at readmission
+	roundTripFrame(t, during, "while excluded")
+	ep := h.waitState("healthy", 2*time.Second)
+	t.Logf("readmitted after %d failed probes", ep.FailedProbes)
+	if err, _ := waitClosed(t, during, time.Second); !isCloseSignal(err) {
+		t.Fatalf("link opened before readmission saw %v, want it evicted", err)
+	}
+	fresh := h.dial()
+	roundTripFrame(t, fresh, "after readmission")
+	if got := testutil.ToFloat64(h.m.ForListener("test").ProbesOK); got != 1 {
+		t.Errorf("probes_total{result=ok} = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").ProbesFailed); got < 1 {
+		t.Errorf("probes_total{result=fail} = %v, want at least 1", got)
+	}
+	_ = back
+}
+
+func roundTripFrame(t *testing.T, c net.Conn, msg string) {
+	t.Helper()
+	sendFrame(t, c, msg)
+	if got := readFrame(t, c, 2*time.Second); got != msg {
+		t.Fatalf("answer %q, want %q", got, msg)
+	}
+}
+
+// Bad frames close only their own link, with reason bad_frame, and are
+// not held against the server.
+func TestBadFramesCloseOnlyTheirLink(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		bytes []byte
+		eof   bool
+	}{
+		{"oversized", []byte{0, 0x20, 0, 0, 'x'}, false},    // 2 MiB > max_frame_length 1 MiB
+		{"negative", []byte{0xff, 0xff, 0xff, 0xff}, false}, // -1 as Pinot's (Java) int
+		{"truncated then EOF", []byte{0, 0, 0, 100, 'p', 'a', 'r', 't'}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+			h := start(t, peer.Addr(), framed(time.Second, 3, nil))
+			good, bad := h.dial(), h.dial()
+			roundTripFrame(t, good, "before")
+			if _, err := bad.Write(tc.bytes); err != nil {
+				t.Fatal(err)
+			}
+			if tc.eof {
+				_ = bad.CloseWrite()
+			}
+			if err, _ := waitClosed(t, bad, 2*time.Second); !isCloseSignal(err) {
+				t.Fatalf("bad link saw %v", err)
+			}
+			if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonBadFrame {
+				t.Fatalf("reason %q (%v), want bad_frame", s.Reason, s.Err)
+			}
+			roundTripFrame(t, good, "after")
+			if ep := h.endpoint(); ep.State != "healthy" {
+				t.Fatalf("endpoint %s after a client's bad frame, want healthy", ep.State)
+			}
+		})
+	}
+}
+
+// Operator disable refuses new links and evicts old ones; enable is a
+// readmission.
+func TestOperatorDisableEnableEvict(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	roundTrip(t, c, []byte("x"))
+	if _, err := h.p.Disable("127.0.0.1:1"); !errors.Is(err, ErrUnknownEndpoint) {
+		t.Fatalf("disable of an unknown endpoint: %v", err)
+	}
+	changed, err := h.p.Disable(peer.Addr())
+	if err != nil || !changed {
+		t.Fatalf("disable: %v, %v", changed, err)
+	}
+	if err, _ := waitClosed(t, c, time.Second); !isCloseSignal(err) {
+		t.Fatalf("link to a disabled endpoint saw %v", err)
+	}
+	h.waitState("disabled", time.Second)
+	expectRefused(t, h.addr)
+	if changed, _ := h.p.Enable(peer.Addr()); !changed {
+		t.Fatal("enable changed nothing")
+	}
+	c2 := h.dialWhenReadmitted(2 * time.Second)
+	roundTrip(t, c2, []byte("y"))
+	if n, err := h.p.Evict(peer.Addr()); err != nil || n != 1 {
+		t.Fatalf("evict: %d, %v; want 1 link closed", n, err)
+	}
+	if err, _ := waitClosed(t, c2, time.Second); !isCloseSignal(err) {
+		t.Fatalf("evicted link saw %v", err)
+	}
+}

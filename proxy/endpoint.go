@@ -1,0 +1,324 @@
+package proxy
+
+import (
+	"errors"
+	"net"
+	"sort"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// endpoint is the data plane's view of one upstream host:port: the links
+// to it (the registry, so that eviction is one call) and the consecutive
+// unanswered count across all of them (a dead server answers none).
+type endpoint struct {
+	addr        string
+	consecutive atomic.Int64
+
+	mu        sync.Mutex
+	links     map[*link]struct{}
+	listeners []*listener // listeners whose upstream this is
+}
+
+// ErrUnknownEndpoint is returned by the operator API for an endpoint no
+// listener routes to.
+var ErrUnknownEndpoint = errors.New("unknown endpoint")
+
+// normalizeEndpoint returns host:port with the port as a plain number, so
+// that an operator's spelling matches the listener's.
+func normalizeEndpoint(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	if n, err := strconv.Atoi(port); err == nil {
+		port = strconv.Itoa(n)
+	}
+	return net.JoinHostPort(host, port)
+}
+
+// endpointFor returns the endpoint for addr, creating and registering it
+// with the detector on first use. p.mu is held.
+func (p *Proxy) endpointForLocked(addr string, s policy.Settings) *endpoint {
+	addr = normalizeEndpoint(addr)
+	ep, ok := p.endpoints[addr]
+	if !ok {
+		ep = &endpoint{addr: addr, links: make(map[*link]struct{})}
+		p.endpoints[addr] = ep
+		p.det.Register(addr, probeConfig(s.Detector))
+	}
+	return ep
+}
+
+func probeConfig(d policy.Detector) health.ProbeConfig {
+	return health.ProbeConfig{
+		Kind:         d.Probe,
+		Timeout:      d.ProbeTimeout.D(),
+		InitialDelay: d.InitialDelay.D(),
+		Factor:       d.BackoffFactor,
+		MaxDelay:     d.MaxDelay.D(),
+		Jitter:       d.Jitter,
+		HTTPPort:     d.HTTP.Port,
+		HTTPPath:     d.HTTP.Path,
+	}
+}
+
+func (ep *endpoint) add(k *link) {
+	ep.mu.Lock()
+	ep.links[k] = struct{}{}
+	ep.mu.Unlock()
+}
+
+func (ep *endpoint) remove(k *link) {
+	ep.mu.Lock()
+	delete(ep.links, k)
+	ep.mu.Unlock()
+}
+
+// evict closes every link to the endpoint opened before `before` (all of
+// them when before is zero) with the given close reason, and counts them
+// per listener as evictions for evictReason.
+func (ep *endpoint) evict(before time.Time, closeReason, evictReason string) int {
+	ep.mu.Lock()
+	var ks []*link
+	for k := range ep.links {
+		if before.IsZero() || k.opened.Before(before) {
+			ks = append(ks, k)
+		}
+	}
+	ep.mu.Unlock()
+	n := 0
+	for _, k := range ks {
+		if k.abort(closeReason, nil) {
+			k.l.m.Evicted(evictReason, 1)
+			n++
+		}
+	}
+	return n
+}
+
+func (ep *endpoint) liveLinks() int {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return len(ep.links)
+}
+
+// refusing reports whether new links to the endpoint must be refused by l.
+func (p *Proxy) refusing(l *listener) bool {
+	st, _ := p.det.State(l.ep.addr)
+	switch st {
+	case health.Disabled:
+		return true
+	case health.Excluded:
+		return l.cfg.OnExcluded == policy.OnExcludedRefuse
+	}
+	return false
+}
+
+// onHealthEvent applies a detector transition to the data plane. It runs
+// outside the detector's lock, in order per endpoint.
+func (p *Proxy) onHealthEvent(ev health.Event) {
+	p.mu.Lock()
+	ep := p.endpoints[ev.Endpoint]
+	p.mu.Unlock()
+	if ep == nil {
+		return
+	}
+	log := p.log.With().Str("endpoint", ev.Endpoint).Str("from", ev.From.String()).
+		Str("to", ev.To.String()).Str("reason", ev.Reason).Logger()
+	switch ev.To {
+	case health.Excluded:
+		closeReason := metrics.ReasonEvicted
+		if ev.Reason == metrics.ReasonUnanswered {
+			closeReason = metrics.ReasonUnanswered
+		}
+		n := ep.evict(time.Time{}, closeReason, metrics.EvictExcluded)
+		log.Warn().Int("links_closed", n).Msg("endpoint excluded")
+	case health.Disabled:
+		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictDisabled)
+		log.Warn().Int("links_closed", n).Msg("endpoint disabled")
+	case health.Healthy:
+		ep.consecutive.Store(0)
+		// No client keeps a connection opened before the readmission.
+		n := ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)
+		log.Info().Int("links_closed", n).Msg("endpoint readmitted")
+	}
+	ep.mu.Lock()
+	ls := append([]*listener(nil), ep.listeners...)
+	ep.mu.Unlock()
+	for _, l := range ls {
+		if p.refusing(l) {
+			l.pause()
+		} else {
+			l.resume()
+		}
+	}
+}
+
+func (p *Proxy) onProbe(addr string, ok bool) {
+	p.mu.Lock()
+	ep := p.endpoints[addr]
+	p.mu.Unlock()
+	if ep == nil {
+		return
+	}
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	for _, l := range ep.listeners {
+		if ok {
+			l.m.ProbesOK.Inc()
+		} else {
+			l.m.ProbesFailed.Inc()
+		}
+	}
+}
+
+// report passes a data-plane failure to the detector.
+func (p *Proxy) report(ep *endpoint, reason string) {
+	p.det.Report(ep.addr, reason)
+}
+
+// suspect handles an endpoint that reached the unanswered threshold: it is
+// excluded and every link to it closed, client sides included.
+func (p *Proxy) suspect(k *link) {
+	k.l.m.EndpointSuspect.Inc()
+	k.ep.consecutive.Store(0)
+	p.log.Warn().Str("endpoint", k.ep.addr).Str("listener", k.l.cfg.Name).
+		Int("threshold", k.set.Unanswered.ConsecutiveTimeoutsThreshold).Msg("endpoint suspect: consecutive unanswered requests")
+	if !p.det.Report(k.ep.addr, metrics.ReasonUnanswered) {
+		// Already excluded (on_excluded: allow) or disabled: still close.
+		k.ep.evict(time.Time{}, metrics.ReasonUnanswered, metrics.EvictExcluded)
+	}
+}
+
+// reportable maps a link's close reason to a detector report, or "".
+// Which events exclude an endpoint, and why, is in the README.
+func reportable(reason string) bool {
+	switch reason {
+	case metrics.ReasonDialError, metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark:
+		return true
+	}
+	return false
+}
+
+// EndpointStatus is one endpoint as GET /v1/endpoints shows it.
+type EndpointStatus struct {
+	Endpoint              string    `json:"endpoint"`
+	Listeners             []string  `json:"listeners"`
+	State                 string    `json:"state"`
+	Reason                string    `json:"reason,omitempty"`
+	Since                 time.Time `json:"since"`
+	NextProbe             time.Time `json:"next_probe,omitzero"`
+	FailedProbes          int       `json:"failed_probes"`
+	LastProbeError        string    `json:"last_probe_error,omitempty"`
+	LiveLinks             int       `json:"live_links"`
+	ConsecutiveUnanswered int64     `json:"consecutive_unanswered"`
+}
+
+// Endpoints returns every endpoint's status, sorted by address.
+func (p *Proxy) Endpoints() []EndpointStatus {
+	statuses := p.det.Statuses()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]EndpointStatus, 0, len(statuses))
+	for _, st := range statuses {
+		ep := p.endpoints[st.Endpoint]
+		if ep == nil {
+			continue
+		}
+		es := EndpointStatus{
+			Endpoint:              st.Endpoint,
+			State:                 st.State.String(),
+			Reason:                st.Reason,
+			Since:                 st.Since,
+			NextProbe:             st.NextProbe,
+			FailedProbes:          st.Probes,
+			LastProbeError:        st.LastProbeError,
+			LiveLinks:             ep.liveLinks(),
+			ConsecutiveUnanswered: ep.consecutive.Load(),
+		}
+		ep.mu.Lock()
+		for _, l := range ep.listeners {
+			es.Listeners = append(es.Listeners, l.cfg.Name)
+		}
+		ep.mu.Unlock()
+		sort.Strings(es.Listeners)
+		out = append(out, es)
+	}
+	return out
+}
+
+func (p *Proxy) lookup(addr string) (*endpoint, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	ep := p.endpoints[normalizeEndpoint(addr)]
+	if ep == nil {
+		return nil, ErrUnknownEndpoint
+	}
+	return ep, nil
+}
+
+// Disable is the operator's disable: no new links to the endpoint, not
+// even fail-open; existing links are evicted. It reports whether the state
+// changed.
+func (p *Proxy) Disable(addr string) (bool, error) {
+	ep, err := p.lookup(addr)
+	if err != nil {
+		return false, err
+	}
+	return p.det.Disable(ep.addr, "operator_disable"), nil
+}
+
+// Enable is the operator's enable: a readmission, so links opened before
+// it are evicted. It reports whether the state changed.
+func (p *Proxy) Enable(addr string) (bool, error) {
+	ep, err := p.lookup(addr)
+	if err != nil {
+		return false, err
+	}
+	return p.det.Enable(ep.addr, "operator_enable"), nil
+}
+
+// Evict closes every link to the endpoint now and returns how many.
+func (p *Proxy) Evict(addr string) (int, error) {
+	ep, err := p.lookup(addr)
+	if err != nil {
+		return 0, err
+	}
+	return ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictOperator), nil
+}
+
+// stateCollector exports endpoint_state{listener,endpoint,state}: 1 for
+// the endpoint's current state, 0 for the others. Endpoint labels are
+// bounded by the configured upstreams.
+type stateCollector struct{ p *Proxy }
+
+var stateDesc = prometheus.NewDesc("livenessproxy_endpoint_state",
+	"Endpoint state: 1 for the current one of healthy, excluded, disabled.",
+	[]string{"listener", "endpoint", "state"}, nil)
+
+var allStates = []health.State{health.Healthy, health.Excluded, health.Disabled}
+
+func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) { ch <- stateDesc }
+
+func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, st := range c.p.Endpoints() {
+		for _, l := range st.Listeners {
+			for _, s := range allStates {
+				v := 0.0
+				if s.String() == st.State {
+					v = 1
+				}
+				ch <- prometheus.MustNewConstMetric(stateDesc, prometheus.GaugeValue, v, l, st.Endpoint, s.String())
+			}
+		}
+	}
+}

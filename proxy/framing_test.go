@@ -1,0 +1,139 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"errors"
+	"testing"
+)
+
+// refFrames decodes a whole stream at once, the obvious way, and returns
+// the end offset of every complete frame and whether a bad frame was met.
+func refFrames(spec *frameSpec, data []byte) (ends []int, bad bool) {
+	pos := 0
+	for pos+spec.headerLen() <= len(data) {
+		total, err := spec.frameLength(data[pos : pos+spec.headerLen()])
+		if err != nil {
+			return ends, true
+		}
+		if int64(len(data)-pos) < total {
+			return ends, false
+		}
+		pos += int(total)
+		ends = append(ends, pos)
+	}
+	return ends, false
+}
+
+// scanSplit feeds data to a scanner in pieces cut at the given sizes.
+func scanSplit(spec *frameSpec, data []byte, cuts []byte) (ends int, err error) {
+	s := newFrameScanner(spec)
+	i := 0
+	for len(data) > 0 {
+		n := len(data)
+		if i < len(cuts) {
+			n = int(cuts[i])%len(data) + 1
+			i++
+		}
+		_, e, err := s.scan(data[:n])
+		ends += e
+		if err != nil {
+			return ends, err
+		}
+		data = data[n:]
+	}
+	return ends, nil
+}
+
+func pinotSpec() *frameSpec {
+	return &frameSpec{offset: 0, length: 4, bigEndian: true, max: 256 << 20}
+}
+
+func frame(payload []byte) []byte {
+	b := binary.BigEndian.AppendUint32(nil, uint32(len(payload)))
+	return append(b, payload...)
+}
+
+func TestFrameScannerCountsAcrossReads(t *testing.T) {
+	var stream []byte
+	for i := range 50 {
+		stream = append(stream, frame(make([]byte, i*37))...)
+	}
+	for _, chunk := range []int{1, 3, 4, 5, 64, 1 << 20} {
+		s := newFrameScanner(pinotSpec())
+		starts, ends := 0, 0
+		for p := stream; len(p) > 0; {
+			n := min(chunk, len(p))
+			st, e, err := s.scan(p[:n])
+			if err != nil {
+				t.Fatal(err)
+			}
+			starts, ends = starts+st, ends+e
+			p = p[n:]
+		}
+		if starts != 50 || ends != 50 || s.midFrame() {
+			t.Fatalf("chunk %d: %d starts, %d ends, mid=%v; want 50, 50, false", chunk, starts, ends, s.midFrame())
+		}
+	}
+}
+
+func TestFrameScannerRejectsBadFrames(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		spec frameSpec
+		hdr  []byte
+	}{
+		{"oversized", frameSpec{length: 4, bigEndian: true, max: 1024}, []byte{0, 0, 4, 1}},
+		{"unsigned 4-byte above max", frameSpec{length: 4, bigEndian: true, max: 256 << 20}, []byte{0xff, 0xff, 0xff, 0xff}},
+		{"negative 8-byte", frameSpec{length: 8, bigEndian: true, max: 1 << 30}, []byte{0x80, 0, 0, 0, 0, 0, 0, 1}},
+		{"negative after adjustment", frameSpec{length: 2, bigEndian: true, adjust: -10, max: 1 << 20}, []byte{0, 3}},
+		{"shorter than strip", frameSpec{length: 1, strip: 8, max: 1 << 20}, []byte{2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newFrameScanner(&tc.spec)
+			_, _, err := s.scan(tc.hdr)
+			if !errors.Is(err, errBadFrame) {
+				t.Fatalf("scan = %v, want a bad frame", err)
+			}
+		})
+	}
+}
+
+func TestFrameScannerOffsetLittleEndianAdjustment(t *testing.T) {
+	// 2 bytes of magic, a 2-byte little-endian length that counts the
+	// whole frame (Netty: adjustment -4 with the field ending at 4).
+	spec := &frameSpec{offset: 2, length: 2, adjust: -4, max: 1 << 16}
+	f := []byte{0xCA, 0xFE, 10, 0, 1, 2, 3, 4, 5, 6}
+	stream := append(append([]byte{}, f...), f...)
+	ends, err := scanSplit(spec, stream, []byte{2, 5, 1})
+	if err != nil || ends != 2 {
+		t.Fatalf("ends %d, err %v; want 2, nil", ends, err)
+	}
+}
+
+// FuzzFrameScanner checks the streaming scanner against the whole-stream
+// reference for any spec, stream and way of cutting it into reads, and
+// that it never panics or allocates what a header announces.
+func FuzzFrameScanner(f *testing.F) {
+	f.Add(uint8(0), uint8(4), int16(0), true, frame([]byte("hello")), []byte{1, 2, 3})
+	f.Add(uint8(2), uint8(2), int16(-4), false, []byte{0xCA, 0xFE, 10, 0, 1, 2, 3, 4, 5, 6}, []byte{0})
+	f.Add(uint8(0), uint8(8), int16(0), true, []byte{0x80, 0, 0, 0, 0, 0, 0, 1}, []byte{})
+	f.Add(uint8(1), uint8(3), int16(5), true, []byte{9, 0, 0, 2, 7, 7, 7, 7, 7, 7, 7}, []byte{4})
+	f.Fuzz(func(t *testing.T, offset, length uint8, adjust int16, big bool, data, cuts []byte) {
+		lengths := []int{1, 2, 3, 4, 8}
+		spec := &frameSpec{
+			offset:    int(offset % 16),
+			length:    lengths[int(length)%len(lengths)],
+			adjust:    int64(adjust),
+			bigEndian: big,
+			max:       4096,
+		}
+		want, bad := refFrames(spec, data)
+		got, err := scanSplit(spec, data, cuts)
+		if bad != (err != nil) {
+			t.Fatalf("reference bad=%v, scanner err=%v", bad, err)
+		}
+		if got != len(want) {
+			t.Fatalf("scanner found %d frame ends, reference %d", got, len(want))
+		}
+	})
+}
