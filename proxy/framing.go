@@ -87,8 +87,8 @@ func (f *frameSpec) frameLength(hdr []byte) (int64, error) {
 type frameScanner struct {
 	spec      *frameSpec
 	hdr       []byte // headerLen bytes
-	hdrN      int      // header bytes collected for the current frame
-	remaining int64    // body bytes left in the current frame once its length is known
+	hdrN      int    // header bytes collected for the current frame
+	remaining int64  // body bytes left in the current frame once its length is known
 	inBody    bool
 }
 
