@@ -69,6 +69,13 @@ type epState struct {
 	since     time.Time
 	nextProbe time.Time
 	probes    int // failed probes of the most recent exclusion
+	// flaps counts exclusions that came soon (within MaxDelay) after a
+	// probe readmitted the endpoint; each one starts the backoff one step
+	// further, so a probe that passes while the server cannot serve (a
+	// stopped process whose kernel still completes handshakes) does not
+	// readmit it at the initial delay forever.
+	flaps        int
+	readmittedAt time.Time
 	lastErr   string
 
 	// gen identifies the current probe goroutine; it changes whenever one is
@@ -156,6 +163,11 @@ func (d *Detector) Report(endpoint, reason string) bool {
 		}
 		return false
 	}
+	if !e.readmittedAt.IsZero() && time.Since(e.readmittedAt) < e.pc.MaxDelay {
+		e.flaps++
+	} else {
+		e.flaps = 0
+	}
 	d.transitionLocked(e, Excluded, reason)
 	e.probes, e.lastErr = 0, ""
 	d.startProberLocked(e)
@@ -195,6 +207,7 @@ func (d *Detector) operator(endpoint string, to State, reason string) bool {
 		return false
 	}
 	d.transitionLocked(e, to, reason)
+	e.flaps, e.readmittedAt = 0, time.Time{} // the operator's word resets the history
 	d.mu.Unlock()
 	d.deliver()
 	return true
@@ -313,7 +326,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			d.mu.Unlock()
 			return
 		}
-		delay := probeDelay(e.pc, e.probes)
+		delay := probeDelay(e.pc, e.probes+e.flaps)
 		e.nextProbe = time.Now().Add(delay)
 		d.mu.Unlock()
 
@@ -346,6 +359,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return // stopped as the probe ended: the verdict is stale
 		}
 		if err == nil {
+			e.readmittedAt = time.Now()
 			d.transitionLocked(e, Healthy, ReasonProbeOK)
 			d.mu.Unlock()
 			d.reportProbe(e.name, true)

@@ -626,7 +626,8 @@ func TestEnableOverridesExclusion(t *testing.T) {
 }
 
 // After readmission a later Report excludes again, with a fresh schedule
-// (unlike a computeIfAbsent that can flag a server only once).
+// once the endpoint stayed healthy for MaxDelay (unlike a computeIfAbsent
+// that can flag a server only once).
 func TestReportAfterReadmissionExcludesAgain(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		rec := newRecorder()
@@ -653,6 +654,9 @@ func TestReportAfterReadmissionExcludesAgain(t *testing.T) {
 			if s, _ := d.State(ep); s != Healthy {
 				t.Fatalf("round %d: state %v after a successful probe", round, s)
 			}
+			// Healthy for longer than MaxDelay: the next exclusion is not a
+			// flap and starts the schedule over.
+			time.Sleep(time.Minute)
 		}
 		events, _ := rec.snapshot()
 		if len(events) != 6 {
@@ -975,5 +979,55 @@ func TestOnEventPanicContained(t *testing.T) {
 	d.Disable("a:1", "")
 	if calls.Load() != 2 || logs.count("OnEvent panicked") != 2 {
 		t.Fatalf("calls %d, logs:\n%s", calls.Load(), logs.buf.String())
+	}
+}
+
+// A probe that passes while the server cannot serve (a stopped process
+// whose kernel still completes handshakes) readmits it; each re-exclusion
+// soon after starts the backoff one step further instead of over.
+func TestFlappingEndpointBacksOff(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ep := ln.Addr().String()
+	readmitted := make(chan time.Time, 8)
+	d := New(Options{OnEvent: func(ev Event) {
+		if ev.To == Healthy {
+			readmitted <- ev.At
+		}
+	}})
+	defer d.Close()
+	d.Register(ep, ProbeConfig{Kind: ProbeConnect, Timeout: time.Second, InitialDelay: 50 * time.Millisecond,
+		Factor: 2, MaxDelay: 5 * time.Second})
+	var waits []time.Duration
+	for range 3 {
+		excluded := time.Now()
+		if !d.Report(ep, "unanswered") {
+			t.Fatal("report did not exclude")
+		}
+		select {
+		case at := <-readmitted:
+			waits = append(waits, at.Sub(excluded))
+		case <-time.After(3 * time.Second):
+			t.Fatal("not readmitted")
+		}
+	}
+	t.Logf("exclusion lengths: %v", waits)
+	// 50ms, then 100ms, then 200ms: each at least the doubled delay.
+	for i, want := range []time.Duration{50, 100, 200} {
+		if waits[i] < want*time.Millisecond {
+			t.Fatalf("exclusion %d lasted %v, want at least %v", i, waits[i], want*time.Millisecond)
+		}
+	}
+	// The operator's enable resets the history.
+	d.Disable(ep, "")
+	d.Enable(ep, "")
+	<-readmitted
+	excluded := time.Now()
+	d.Report(ep, "unanswered")
+	if w := (<-readmitted).Sub(excluded); w > 150*time.Millisecond {
+		t.Fatalf("after an operator enable the first exclusion lasted %v, want the initial delay", w)
 	}
 }

@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"bytes"
+	"context"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -221,14 +224,10 @@ func TestProbeReadmitsAndEvictsOldLinks(t *testing.T) {
 	waitClosed(t, c, time.Second)
 	h.linkEnd(time.Second)
 
-	// on_excluded: allow lets this link through while excluded; it dials
-	// the dead server and fails.
-	old := h.dial()
 	time.Sleep(700 * time.Millisecond) // at least two refused probes
 	if ep := h.endpoint(); ep.State != "excluded" || ep.FailedProbes < 1 {
 		t.Fatalf("dead server: %+v, want excluded with failed probes", ep)
 	}
-	_ = old
 
 	// The server is back on the same address; the next probe readmits it.
 	back := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{Addr: addr})
@@ -324,5 +323,99 @@ func TestOperatorDisableEnableEvict(t *testing.T) {
 	}
 	if err, _ := waitClosed(t, c2, time.Second); !isCloseSignal(err) {
 		t.Fatalf("evicted link saw %v", err)
+	}
+}
+
+// Clients that close a link on their own (shorter) timeout must not hide
+// a dead server: requests of links that ended are still judged.
+func TestUnansweredCountsAfterClientCloses(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 3, nil))
+	for i := range 3 {
+		c := h.dial()
+		sendFrame(t, c, "q")
+		time.Sleep(100 * time.Millisecond) // the client gives up first
+		_ = c.Close()
+		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonClientClosed && s.Reason != metrics.ReasonClientError {
+			t.Fatalf("link %d ended with %q", i, s.Reason)
+		}
+	}
+	ep := h.waitState("excluded", time.Second)
+	if ep.Reason != metrics.ReasonUnanswered {
+		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
+	}
+}
+
+// An endpoint in endpoints.disabled is refused from the first connect.
+func TestDisabledEndpointRefusedFromStart(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	cfg := policy.DefaultConfig()
+	cfg.Endpoints.Disabled = []string{peer.Addr()}
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: cfg.Defaults}}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	addr := p.Addr("test").String()
+	expectRefused(t, addr)
+	if peer.Accepted() != 0 {
+		t.Fatalf("the disabled upstream was dialled %d times", peer.Accepted())
+	}
+	if changed, _ := p.Enable(peer.Addr()); !changed {
+		t.Fatal("enable changed nothing")
+	}
+	h := &harness{t: t, p: p, addr: addr}
+	roundTrip(t, h.dialWhenReadmitted(2*time.Second), []byte("enabled"))
+}
+
+// Dials cut short by shutdown are not held against a healthy upstream.
+func TestShutdownDuringDialsDoesNotExclude(t *testing.T) {
+	addr := blackholeListener(t)
+	h := start(t, addr, func(s *policy.Settings) { s.ConnectTimeout = policy.Duration(5 * time.Second) })
+	for range 20 {
+		h.dial()
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for h.p.ActiveLinks() < 20 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	_ = h.p.Shutdown(ctx)
+	for range 20 {
+		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonShutdown {
+			t.Fatalf("reason %q, want shutdown", s.Reason)
+		}
+	}
+	if st, _ := h.p.det.State(h.p.listeners[0].ep.addr); st.String() != "healthy" {
+		t.Fatalf("endpoint %s after shutdown, want healthy", st)
+	}
+}
+
+// write_timeout is about progress: a peer that reads slowly but steadily
+// is not a stalled one.
+func TestSlowReaderIsNotAWriteTimeout(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.HashOnEOF, faultpeer.Options{Buffer: 4096})
+	peer.SetReadDelay(0, 20*time.Millisecond) // about 400 KB/s
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout = policy.Duration(300 * time.Millisecond)
+		s.TCPUserTimeout = 0
+	})
+	c := h.dial()
+	data := bytes.Repeat([]byte("slow"), 128<<10) // 512 KiB: over 1 s to drain
+	want := sha256.Sum256(data)
+	if _, err := c.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.CloseWrite()
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	got, err := io.ReadAll(c)
+	if err != nil || !bytes.Equal(got, want[:]) {
+		t.Fatalf("slow reader got a cut stream: %x, %v", got, err)
+	}
+	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonClientClosed {
+		t.Fatalf("reason %q, want client_closed", s.Reason)
 	}
 }

@@ -22,6 +22,11 @@ import (
 type endpoint struct {
 	addr        string
 	consecutive atomic.Int64
+	lastAnswer  atomic.Int64 // mono time of the last answer on any link
+	threshold   int64        // consecutive_timeouts_threshold (first listener's)
+	// orphans judges unanswered requests whose link ended first (a client
+	// that closes on its own timeout must not hide a dead server).
+	orphans *tracker
 
 	mu        sync.Mutex
 	links     map[*link]struct{}
@@ -51,7 +56,14 @@ func (p *Proxy) endpointForLocked(addr string, s policy.Settings) *endpoint {
 	addr = normalizeEndpoint(addr)
 	ep, ok := p.endpoints[addr]
 	if !ok {
-		ep = &endpoint{addr: addr, links: make(map[*link]struct{})}
+		ep = &endpoint{addr: addr, links: make(map[*link]struct{}),
+			threshold: int64(s.Unanswered.ConsecutiveTimeoutsThreshold)}
+		ep.lastAnswer.Store(-1)
+		if rt := s.Unanswered.RequestTimeout.D(); rt > 0 {
+			ep.orphans = newTracker(rt, false, &ep.lastAnswer, func(v verdict) {
+				p.countUnanswered(ep, nil, v.unanswered)
+			})
+		}
 		p.endpoints[addr] = ep
 		p.det.Register(addr, probeConfig(s.Detector))
 	}
@@ -186,16 +198,47 @@ func (p *Proxy) report(ep *endpoint, reason string) {
 	p.det.Report(ep.addr, reason)
 }
 
+// countUnanswered adds n unanswered timeouts to the endpoint's consecutive
+// count; crossing the threshold marks it suspect. from is the listener
+// whose link judged them, nil for a link that had already ended (then
+// every listener routing to the endpoint counts them).
+func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n int) {
+	if n <= 0 {
+		return
+	}
+	ls := ep.listenersOr(from)
+	for _, l := range ls {
+		l.m.UnansweredTimeouts.Add(float64(n))
+	}
+	if ep.threshold <= 0 {
+		return
+	}
+	if c := ep.consecutive.Add(int64(n)); c >= ep.threshold && c-int64(n) < ep.threshold {
+		p.suspect(ep, ls)
+	}
+}
+
+func (ep *endpoint) listenersOr(l *listener) []*listener {
+	if l != nil {
+		return []*listener{l}
+	}
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return append([]*listener(nil), ep.listeners...)
+}
+
 // suspect handles an endpoint that reached the unanswered threshold: it is
 // excluded and every link to it closed, client sides included.
-func (p *Proxy) suspect(k *link) {
-	k.l.m.EndpointSuspect.Inc()
-	k.ep.consecutive.Store(0)
-	p.log.Warn().Str("endpoint", k.ep.addr).Str("listener", k.l.cfg.Name).
-		Int("threshold", k.set.Unanswered.ConsecutiveTimeoutsThreshold).Msg("endpoint suspect: consecutive unanswered requests")
-	if !p.det.Report(k.ep.addr, metrics.ReasonUnanswered) {
+func (p *Proxy) suspect(ep *endpoint, ls []*listener) {
+	for _, l := range ls {
+		l.m.EndpointSuspect.Inc()
+	}
+	ep.consecutive.Store(0)
+	p.log.Warn().Str("endpoint", ep.addr).Int64("threshold", ep.threshold).
+		Msg("endpoint suspect: consecutive unanswered requests")
+	if !p.det.Report(ep.addr, metrics.ReasonUnanswered) {
 		// Already excluded (on_excluded: allow) or disabled: still close.
-		k.ep.evict(time.Time{}, metrics.ReasonUnanswered, metrics.EvictExcluded)
+		ep.evict(time.Time{}, metrics.ReasonUnanswered, metrics.EvictExcluded)
 	}
 }
 

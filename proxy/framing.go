@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -65,8 +66,9 @@ func (f *frameSpec) frameLength(hdr []byte) (int64, error) {
 	if f.length == 8 && value < 0 {
 		return 0, fmt.Errorf("%w: negative length field %d", errBadFrame, value)
 	}
-	// Guard the sum against overflow before adding.
-	if value > f.max {
+	// Guard the sum against overflow; the limit proper is checked on the
+	// adjusted total, as Netty does.
+	if value > math.MaxInt64/2 {
 		return 0, fmt.Errorf("%w: length field %d exceeds max_frame_length %d", errBadFrame, value, f.max)
 	}
 	total := value + f.adjust + int64(f.headerLen())

@@ -42,6 +42,10 @@ type link struct {
 	upstream *net.TCPConn
 	upRaw    syscall.RawConn
 	opened   time.Time
+	// openedMono is when the client connection was accepted: the first
+	// bytes read after the dial may have waited in the client socket all
+	// through it, so they are as old as the link for staleness.
+	openedMono int64
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -49,6 +53,9 @@ type link struct {
 	closed bool
 
 	q queue
+	// batch and toWrite are the writer's views of queued bytes, kept here
+	// so that a batch costs no allocation.
+	batch, toWrite net.Buffers
 	// wg counts pumpResponses and, once started, writeUpstream. The writer
 	// starts on the first byte the kernel does not take at once: most
 	// request/response links never need it.
@@ -81,13 +88,13 @@ type link struct {
 }
 
 func newLink(l *listener, client *net.TCPConn) *link {
-	k := &link{l: l, ep: l.ep, set: l.cfg.Settings, client: client, opened: time.Now()}
+	k := &link{l: l, ep: l.ep, set: l.cfg.Settings, client: client, opened: time.Now(), openedMono: mono()}
 	k.q.init()
 	if l.frames != nil {
 		k.reqScan, k.respScan = newFrameScanner(l.frames), newFrameScanner(l.frames)
 	}
 	if u := k.set.Unanswered; u.RequestTimeout > 0 && (k.reqScan != nil || u.ConsecutiveTimeoutsThreshold > 0) {
-		k.trk = newTracker(u.RequestTimeout.D(), k.reqScan == nil, k.onExpired)
+		k.trk = newTracker(u.RequestTimeout.D(), k.reqScan == nil, nil, k.judge)
 	}
 	k.rawWriteFn = func(fd uintptr) bool {
 		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
@@ -108,7 +115,9 @@ func (k *link) run() LinkStats {
 
 	k.closeBoth()
 	if k.trk != nil {
-		k.trk.stop()
+		if orphans := k.trk.stop(); len(orphans) > 0 && k.ep.orphans != nil {
+			k.ep.orphans.adopt(orphans)
+		}
 	}
 	k.q.mu.Lock()
 	k.q.releaseLocked()
@@ -124,6 +133,13 @@ func (k *link) run() LinkStats {
 func (k *link) dial() bool {
 	start := time.Now()
 	c, err := k.l.dialer.DialContext(k.l.ctx, "tcp", k.l.cfg.Upstream)
+	if err != nil && k.l.ctx.Err() != nil {
+		// The proxy is shutting down: not the upstream's fault.
+		k.setReason(metrics.ReasonShutdown, err)
+		_ = k.client.SetLinger(0)
+		_ = k.client.Close()
+		return false
+	}
 	if err != nil {
 		k.l.m.DialErrors.Inc()
 		k.setReason(metrics.ReasonDialError, err)
@@ -164,6 +180,7 @@ func (k *link) pumpRequests() {
 	buf := *bp
 	high := int64(k.set.WriteBuffer.HighWaterMark)
 	backpressure := high > 0 && k.set.WriteBuffer.OnOverflow == policy.OverflowBackpressure
+	first := true
 	for {
 		limit := len(buf)
 		if backpressure {
@@ -189,8 +206,13 @@ func (k *link) pumpRequests() {
 			if k.trk != nil && ends > 0 {
 				// Recorded before the bytes go out, so that no answer can
 				// arrive before its request is known.
-				k.trk.sent(ends, mono(), end)
+				at := mono()
+				if first {
+					at = k.openedMono
+				}
+				k.trk.sent(ends, at, end)
 			}
+			first = false
 			if !k.send(buf[:n], high) {
 				return
 			}
@@ -320,7 +342,6 @@ func (k *link) writeUpstream() {
 	q := &k.q
 	wt := k.set.WriteTimeout.D()
 	low := int64(k.set.WriteBuffer.LowWaterMark)
-	var bufs net.Buffers
 	for {
 		q.mu.Lock()
 		for q.queued == 0 && !q.eof && !q.closed {
@@ -339,18 +360,30 @@ func (k *link) writeUpstream() {
 			k.passedFin(metrics.ReasonClientClosed)
 			return
 		}
-		bufs = q.batchLocked(bufs[:0])
+		head := k.bytesUp.Load() - q.queued // stream offset of the oldest queued byte
+		q.mu.Unlock()
+		if k.trk != nil && k.reqScan != nil {
+			// A request past its deadline is never written, even in the
+			// moment before the tracker's timer judges it.
+			if overdue := k.trk.overdueEnd(mono()); overdue > head {
+				k.dropStale(1)
+				return
+			}
+		}
+		q.mu.Lock()
+		k.batch = q.batchLocked(k.batch[:0])
 		q.mu.Unlock()
 
 		handed := 0
-		for _, b := range bufs {
+		for _, b := range k.batch {
 			handed += len(b)
 		}
 		if wt > 0 {
 			_ = k.upstream.SetWriteDeadline(time.Now().Add(wt))
 		}
-		toWrite := bufs
-		n, err := toWrite.WriteTo(k.upstream)
+		k.toWrite = k.batch
+		n, err := k.toWrite.WriteTo(k.upstream)
+		k.toWrite = nil
 
 		q.mu.Lock()
 		q.consumeLocked(int(n), handed)
@@ -360,6 +393,11 @@ func (k *link) writeUpstream() {
 		q.mu.Unlock()
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
+				if n > 0 {
+					// Progress within write_timeout: a slow reader, not a
+					// stall. The next batch gets a fresh deadline.
+					continue
+				}
 				if k.abort(metrics.ReasonWriteTimeout, err) {
 					k.l.m.WriteTimeouts.Inc()
 				}
@@ -389,7 +427,9 @@ func (k *link) pumpResponses() {
 				}
 			}
 			if k.trk != nil && ends > 0 {
-				k.trk.answered(mono())
+				now := mono()
+				k.trk.answered(now)
+				k.ep.lastAnswer.Store(now)
 				if k.ep.consecutive.Load() != 0 {
 					k.ep.consecutive.Store(0)
 				}
@@ -427,44 +467,37 @@ func (k *link) badFrame(direction string, err error) {
 	}
 }
 
-// onExpired is the tracker's verdict on requests whose request_timeout
+// judge applies the tracker's verdict on requests whose request_timeout
 // passed. Unanswered ones count toward the endpoint's consecutive
-// threshold. In framed mode, an expired request whose bytes the upstream
-// has not even acknowledged yet (still in the queue or the kernel's send
-// buffer) is stale: the link is reset so that those bytes are dropped
-// rather than delivered to a server that recovers later.
-func (k *link) onExpired(unanswered int, last pendingRequest, pendingLeft int) {
-	if unanswered > 0 {
-		k.l.m.UnansweredTimeouts.Add(float64(unanswered))
-		if thr := int64(k.set.Unanswered.ConsecutiveTimeoutsThreshold); thr > 0 {
-			if c := k.ep.consecutive.Add(int64(unanswered)); c >= thr && c-int64(unanswered) < thr {
-				k.l.p.suspect(k)
-			}
-		}
-	}
+// threshold. In framed mode, a request whose bytes the upstream has not
+// even acknowledged yet (still in the queue or the kernel's send queue)
+// is stale: the link is reset so that those bytes are dropped rather than
+// delivered to a server that recovers later.
+func (k *link) judge(v verdict) {
+	k.l.p.countUnanswered(k.ep, k.l, v.unanswered)
 	if k.reqScan == nil {
 		return
 	}
-	if undelivered := k.undelivered(); undelivered > 0 && last.end > k.bytesUp.Load()-undelivered {
-		if k.abort(metrics.ReasonStale, nil) {
-			k.l.m.StaleFramesDropped.Add(float64(1 + pendingLeft))
-		}
+	if acked, ok := k.ackedBytes(); ok && v.last.end > acked {
+		k.dropStale(v.last.n + v.left)
 	}
 }
 
-// undelivered is how many bytes handed on have not been acknowledged by
-// the upstream: those queued here plus those in the kernel's send queue.
-func (k *link) undelivered() int64 {
-	k.q.mu.Lock()
-	n := k.q.queued
-	k.q.mu.Unlock()
+func (k *link) dropStale(frames int) {
+	if k.abort(metrics.ReasonStale, nil) {
+		k.l.m.StaleFramesDropped.Add(float64(frames))
+	}
+}
+
+// ackedBytes is how many bytes of the stream the upstream has acknowledged.
+func (k *link) ackedBytes() (int64, bool) {
 	k.connMu.Lock()
 	raw := k.upRaw
 	k.connMu.Unlock()
-	if raw != nil {
-		n += int64(sendQueueBytes(raw))
+	if raw == nil {
+		return 0, false
 	}
-	return n
+	return bytesAcked(raw)
 }
 
 // passedFin records that one direction finished cleanly. The first FIN

@@ -45,7 +45,6 @@ type Proxy struct {
 	mu        sync.Mutex
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
-	disabled  []string             // endpoints.disabled from the config
 	started   bool
 	ready     atomic.Bool
 	stopOnce  sync.Once
@@ -63,7 +62,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, ctx: ctx, cancel: cancel,
-		endpoints: make(map[string]*endpoint), disabled: cfg.Endpoints.Disabled}
+		endpoints: make(map[string]*endpoint)}
 	p.det = health.New(health.Options{
 		Logger:  log.With().Str("component", "detector").Logger(),
 		OnEvent: p.onHealthEvent,
@@ -74,6 +73,14 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		p.listeners = append(p.listeners, p.newListenerLocked(lc))
 	}
 	p.mu.Unlock()
+	// Operator-disabled endpoints are out of routing before anything binds.
+	for _, addr := range cfg.Endpoints.Disabled {
+		if ep, err := p.lookup(addr); err == nil {
+			p.det.Disable(ep.addr, "config")
+		} else {
+			p.log.Warn().Str("endpoint", addr).Msg("endpoints.disabled names an endpoint no listener routes to")
+		}
+	}
 	m.Register(&bytesCollector{p: p})
 	m.Register(&stateCollector{p: p})
 	return p
@@ -102,24 +109,25 @@ func (p *Proxy) Start() error {
 	}
 	p.started = true
 	for i, l := range p.listeners {
+		addr := lns[i].Addr().String()
 		l.mu.Lock()
-		l.ln, l.addr = lns[i], lns[i].Addr().String()
+		l.addr = addr
+		paused := l.paused
+		if !paused {
+			l.ln = lns[i]
+		}
 		l.mu.Unlock()
+		if paused {
+			// Bound once to reserve the address (and learn a :0 port);
+			// the accept loop binds it again when the endpoint is back.
+			_ = lns[i].Close()
+		}
 		l.acceptWG.Add(1)
 		go l.serve()
-		l.log.Info().Str("listen", l.addr).Str("upstream", l.cfg.Upstream).Msg("listening")
+		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
 	}
-	disabled := p.disabled
 	p.ready.Store(true)
 	p.mu.Unlock()
-
-	for _, addr := range disabled {
-		if ep, err := p.lookup(addr); err == nil {
-			p.det.Disable(ep.addr, "config")
-		} else {
-			p.log.Warn().Str("endpoint", addr).Msg("endpoints.disabled names an endpoint no listener routes to")
-		}
-	}
 	return nil
 }
 
@@ -177,10 +185,12 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		case <-done:
 		case <-ctx.Done():
 			cut = ctx.Err()
-			p.cancel() // dials in progress give up
+			// Links first, so that a dial cut short reads as shutdown and
+			// is never reported against a healthy upstream.
 			for _, l := range ls {
 				l.abortAll(metrics.ReasonShutdown)
 			}
+			p.cancel() // dials in progress give up
 			<-done
 		}
 		p.cancel()
@@ -263,14 +273,14 @@ func (l *listener) pause() {
 		return
 	}
 	l.paused = true
-	ln := l.ln
+	ln, addr := l.ln, l.addr
 	l.ln = nil
 	l.mu.Unlock()
 	if ln != nil {
 		_ = ln.Close()
 	}
 	l.signal()
-	l.log.Info().Str("listen", l.addr).Msg("not listening while the endpoint is out of routing")
+	l.log.Info().Str("listen", addr).Msg("not listening while the endpoint is out of routing")
 }
 
 // resume listens again (the accept loop binds the same address).
@@ -403,7 +413,17 @@ func (l *listener) track(k *link) bool {
 
 func (l *listener) serveLink(k *link) {
 	defer l.linkWG.Done()
-	s := k.run()
+	var s LinkStats
+	if l.p.refusing(l) {
+		// The endpoint left routing between accept and registration; the
+		// eviction may have missed this link, so refuse it here.
+		_ = k.client.SetLinger(0)
+		k.setReason(metrics.ReasonRefused, nil)
+		k.closeBoth()
+		s = k.stats()
+	} else {
+		s = k.run()
+	}
 
 	l.ep.remove(k)
 	l.mu.Lock()

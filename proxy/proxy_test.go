@@ -43,7 +43,7 @@ func start(t *testing.T, upstream string, tune func(*policy.Settings)) *harness 
 		tune(&s)
 	}
 	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
-	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 16)}
+	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 256)}
 	h.p = New(cfg, Options{Metrics: h.m, OnLinkEnd: func(s LinkStats) { h.ended <- s }})
 	if err := h.p.Start(); err != nil {
 		t.Fatal(err)
@@ -428,86 +428,6 @@ func TestBlackholedDialDoesNotStallAccept(t *testing.T) {
 			t.Fatalf("reason %q, want dial_error or evicted", s.Reason)
 		}
 	}
-}
-
-// Socket options read back from the upstream socket match the config;
-// disabled values leave the kernel's defaults.
-func TestUpstreamSocketOptions(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	kernelIdle := readSysctl(t, "/proc/sys/net/ipv4/tcp_keepalive_time")
-	for _, tc := range []struct {
-		name string
-		tune func(*policy.Settings)
-		want map[string]int
-	}{
-		{"configured", func(s *policy.Settings) {
-			s.TCPUserTimeout = policy.Duration(2500 * time.Millisecond)
-			s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(3 * time.Second), Count: 4}
-		}, map[string]int{"user_timeout": 2500, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}},
-		{"disabled", func(s *policy.Settings) {
-			s.TCPUserTimeout = 0
-			s.Keepalive = policy.Keepalive{Idle: -1}
-		}, map[string]int{"user_timeout": 0, "keepalive": 0, "idle": kernelIdle, "nodelay": 1}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			h := start(t, peer.Addr(), tc.tune)
-			c := h.dial()
-			roundTrip(t, c, []byte("hello"))
-			got := upstreamOptions(t, h.p)
-			for k, v := range tc.want {
-				if got[k] != v {
-					t.Errorf("%s = %d, want %d", k, got[k], v)
-				}
-			}
-		})
-	}
-}
-
-func readSysctl(t *testing.T, path string) int {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
-	t.Helper()
-	l := p.listeners[0]
-	l.mu.Lock()
-	var k *link
-	for k = range l.links {
-	}
-	l.mu.Unlock()
-	if k == nil {
-		t.Fatal("no live link")
-	}
-	out := map[string]int{}
-	raw, err := k.upstream.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = raw.Control(func(fd uintptr) {
-		for name, o := range map[string][2]int{
-			"user_timeout": {unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT},
-			"keepalive":    {unix.SOL_SOCKET, unix.SO_KEEPALIVE},
-			"idle":         {unix.IPPROTO_TCP, unix.TCP_KEEPIDLE},
-			"interval":     {unix.IPPROTO_TCP, unix.TCP_KEEPINTVL},
-			"count":        {unix.IPPROTO_TCP, unix.TCP_KEEPCNT},
-			"nodelay":      {unix.IPPROTO_TCP, unix.TCP_NODELAY},
-		} {
-			v, err := unix.GetsockoptInt(int(fd), o[0], o[1])
-			if err != nil {
-				t.Errorf("getsockopt %s: %v", name, err)
-			}
-			out[name] = v
-		}
-	})
-	return out
 }
 
 // Shutdown stops accepting, lets a link finish within the drain timeout,

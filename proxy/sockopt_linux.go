@@ -54,14 +54,15 @@ func upstreamControl(s policy.Settings) func(network, address string, c syscall.
 	}
 }
 
-// sendQueueBytes is SIOCOUTQ: bytes in the socket's send queue, sent but
-// unacknowledged plus not yet sent.
-func sendQueueBytes(raw syscall.RawConn) int {
-	n := 0
+// bytesAcked is TCP_INFO's tcpi_bytes_acked: the stream offset the peer
+// has acknowledged.
+func bytesAcked(raw syscall.RawConn) (int64, bool) {
+	var n int64
+	ok := false
 	_ = raw.Control(func(fd uintptr) {
-		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ); err == nil {
-			n = v
+		if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			n, ok = int64(ti.Bytes_acked), true
 		}
 	})
-	return n
+	return n, ok
 }

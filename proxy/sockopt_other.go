@@ -15,6 +15,6 @@ func upstreamControl(policy.Settings) func(network, address string, c syscall.Ra
 	return nil
 }
 
-// sendQueueBytes is unknown outside Linux: only the proxy's own queue
-// counts toward staleness there.
-func sendQueueBytes(syscall.RawConn) int { return 0 }
+// bytesAcked is unknown outside Linux: the kernel-side staleness check is
+// skipped there (the writer still never sends an overdue request).
+func bytesAcked(syscall.RawConn) (int64, bool) { return 0, false }

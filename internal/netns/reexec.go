@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package netns lets Go tests inject real network faults (blackholes, resets,
 // loss) without root.
 //

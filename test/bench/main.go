@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command bench measures, on loopback, what a proxy hop costs: the same
 // workloads go client -> server directly, through livenessproxy, and through
 // HAProxy (when installed), interleaved per scenario. See README.md.

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package e2e holds end-to-end tests of the proxy against real network
 // faults, in network namespaces the tests create themselves (no root
 // needed: each test re-executes itself into a new user and network

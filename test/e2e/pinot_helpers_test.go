@@ -1,0 +1,384 @@
+//go:build linux
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
+)
+
+// Helpers shared by the Pinot-shaped end-to-end tests (sigstop, node flap,
+// stale backlog): a framed proxy in front of one pinotsim server, a steady
+// query load from a pinotsim broker, and recorders for link ends and
+// endpoint state changes.
+
+// pinotSettings returns link settings for Pinot's transport (4-byte
+// big-endian length prefix) with unanswered tracking and a fast, unjittered
+// detector, so that the timings the tests assert are deterministic.
+func pinotSettings(requestTimeout time.Duration, threshold int, initialDelay time.Duration) policy.Settings {
+	s := policy.DefaultSettings()
+	s.Framing = policy.Framing{
+		Type:              policy.FramingLengthField,
+		LengthFieldLength: 4,
+		ByteOrder:         policy.ByteOrderBig,
+		MaxFrameLength:    16 * policy.MiB,
+	}
+	s.Unanswered = policy.Unanswered{
+		RequestTimeout:               policy.Duration(requestTimeout),
+		ConsecutiveTimeoutsThreshold: threshold,
+	}
+	s.Detector.Probe = policy.ProbeKindConnect
+	s.Detector.InitialDelay = policy.Duration(initialDelay)
+	s.Detector.ProbeTimeout = policy.Duration(300 * time.Millisecond)
+	s.Detector.BackoffFactor = 2
+	s.Detector.MaxDelay = policy.Duration(2 * time.Second)
+	s.Detector.Jitter = 0
+	return s
+}
+
+// pinotProxy is a started proxy with one explicit listener ("pinot") in
+// front of one upstream, recording every link that ends.
+type pinotProxy struct {
+	p        *proxy.Proxy
+	m        *metrics.Metrics
+	addr     string // the listener's address: what the broker dials
+	upstream string
+
+	mu    sync.Mutex
+	ended []proxy.LinkStats
+	endAt []time.Time
+}
+
+// startPinotProxy validates the configuration, starts the proxy and closes
+// it in t.Cleanup.
+func startPinotProxy(t *testing.T, upstream string, s policy.Settings) *pinotProxy {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	cfg.Admin.Listen = ""
+	cfg.Defaults = s
+	cfg.Listeners = []policy.Listener{{Name: "pinot", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("test configuration is invalid: %v", err)
+	}
+	pp := &pinotProxy{m: metrics.New(), upstream: upstream}
+	pp.p = proxy.New(cfg, proxy.Options{Metrics: pp.m, OnLinkEnd: func(ls proxy.LinkStats) {
+		pp.mu.Lock()
+		pp.ended = append(pp.ended, ls)
+		pp.endAt = append(pp.endAt, time.Now())
+		pp.mu.Unlock()
+	}})
+	if err := pp.p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pp.p.Close() })
+	pp.addr = pp.p.Addr("pinot").String()
+	return pp
+}
+
+// linkEnd is one ended link with the time its end was reported.
+type linkEnd struct {
+	proxy.LinkStats
+	At time.Time
+}
+
+// ends returns the links that ended so far.
+func (pp *pinotProxy) ends() []linkEnd {
+	pp.mu.Lock()
+	defer pp.mu.Unlock()
+	out := make([]linkEnd, len(pp.ended))
+	for i := range pp.ended {
+		out[i] = linkEnd{pp.ended[i], pp.endAt[i]}
+	}
+	return out
+}
+
+// state returns the upstream endpoint's status.
+func (pp *pinotProxy) state() proxy.EndpointStatus {
+	for _, st := range pp.p.Endpoints() {
+		if st.Endpoint == pp.upstream {
+			return st
+		}
+	}
+	return proxy.EndpointStatus{}
+}
+
+// counter returns the sum of a counter family's series (prefix
+// livenessproxy_ added), optionally restricted to one label value.
+func (pp *pinotProxy) counter(t *testing.T, name, label, value string) float64 {
+	t.Helper()
+	mfs, err := pp.m.Registry.Gather()
+	if err != nil {
+		t.Fatalf("gathering metrics: %v", err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != "livenessproxy_"+name {
+			continue
+		}
+	metric:
+		for _, m := range mf.GetMetric() {
+			if label != "" {
+				for _, lp := range m.GetLabel() {
+					if lp.GetName() == label && lp.GetValue() != value {
+						continue metric
+					}
+				}
+			}
+			if c := m.GetCounter(); c != nil {
+				sum += c.GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+// stateChange is one observed endpoint state.
+type stateChange struct {
+	At     time.Time
+	State  string
+	Reason string
+}
+
+// watchEndpoint polls the endpoint's state every 5 ms until stop is called
+// and records every change (a change of Since counts, so an exclusion and
+// readmission between two polls is not missed entirely).
+type stateWatcher struct {
+	pp      *pinotProxy
+	quit    chan struct{}
+	done    chan struct{}
+	mu      sync.Mutex
+	changes []stateChange
+	once    sync.Once
+}
+
+func watchEndpoint(t *testing.T, pp *pinotProxy, maxDuration time.Duration) *stateWatcher {
+	w := &stateWatcher{pp: pp, quit: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		var since time.Time
+		deadline := time.Now().Add(maxDuration)
+		for i := 0; i < int(maxDuration/(5*time.Millisecond))+1 && time.Now().Before(deadline); i++ {
+			st := pp.state()
+			if !st.Since.Equal(since) {
+				since = st.Since
+				w.mu.Lock()
+				w.changes = append(w.changes, stateChange{At: st.Since, State: st.State, Reason: st.Reason})
+				w.mu.Unlock()
+			}
+			select {
+			case <-w.quit:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	t.Cleanup(w.stop)
+	return w
+}
+
+func (w *stateWatcher) stop() {
+	w.once.Do(func() { close(w.quit) })
+	<-w.done
+}
+
+func (w *stateWatcher) snapshot() []stateChange {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]stateChange(nil), w.changes...)
+}
+
+// firstAfter returns the first recorded change to state at or after t0,
+// waiting up to 200 ms for the poller to catch up.
+func (w *stateWatcher) firstAfter(t0 time.Time, state string) (stateChange, bool) {
+	for range 40 {
+		for _, c := range w.snapshot() {
+			if !c.At.Before(t0) && c.State == state {
+				return c, true
+			}
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return stateChange{}, false
+}
+
+// waitState waits up to timeout for the endpoint to be in state.
+func (pp *pinotProxy) waitState(state string, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for i := 0; i < 10000; i++ {
+		if pp.state().State == state {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return false
+}
+
+// queryRecord is one query of a load: when it was sent and how it ended.
+type queryRecord struct {
+	Sent time.Time
+	Done time.Time
+	pinotsim.Result
+}
+
+// queryLoad sends one query every interval (each in its own goroutine, as
+// a broker serving concurrent users pipelines them) until stopped or until
+// max queries were sent.
+type queryLoad struct {
+	b    *pinotsim.Broker
+	addr string
+
+	ctx      context.Context // cuts queries still waiting when the test stops
+	cancel   context.CancelFunc
+	stopSend chan struct{}
+	loopWG   sync.WaitGroup
+	qWG      sync.WaitGroup
+	sendOnce sync.Once
+	once     sync.Once
+
+	mu      sync.Mutex
+	records []queryRecord
+}
+
+func startLoad(t *testing.T, b *pinotsim.Broker, addr string, interval time.Duration, max int) *queryLoad {
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &queryLoad{b: b, addr: addr, ctx: ctx, cancel: cancel, stopSend: make(chan struct{})}
+	l.loopWG.Add(1)
+	go func() {
+		defer l.loopWG.Done()
+		tick := time.NewTicker(interval)
+		defer tick.Stop()
+		for range max {
+			l.qWG.Add(1)
+			go func() {
+				defer l.qWG.Done()
+				sent := time.Now()
+				// The broker's own timeout ends every query.
+				res := b.Query(ctx, addr)
+				l.mu.Lock()
+				l.records = append(l.records, queryRecord{Sent: sent, Done: time.Now(), Result: res})
+				l.mu.Unlock()
+			}()
+			select {
+			case <-l.stopSend:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	t.Cleanup(l.stop)
+	return l
+}
+
+// stop stops sending, cuts the queries in flight and waits for every
+// query goroutine.
+func (l *queryLoad) stop() { l.finish(0) }
+
+// finish stops sending and lets the queries in flight end on their own
+// (at the latest at the broker's timeout), cutting those still waiting
+// after wait.
+func (l *queryLoad) finish(wait time.Duration) {
+	l.once.Do(func() {
+		l.sendOnce.Do(func() { close(l.stopSend) })
+		l.loopWG.Wait()
+		done := make(chan struct{})
+		go func() {
+			l.qWG.Wait()
+			close(done)
+		}()
+		t := time.NewTimer(wait)
+		select {
+		case <-done:
+		case <-t.C:
+		}
+		t.Stop()
+		l.cancel()
+		<-done
+	})
+}
+
+func (l *queryLoad) snapshot() []queryRecord {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := append([]queryRecord(nil), l.records...)
+	sort.Slice(out, func(i, j int) bool { return out[i].Sent.Before(out[j].Sent) })
+	return out
+}
+
+// outcomes counts the outcomes of queries sent in [from, to).
+func outcomes(rs []queryRecord, from, to time.Time) map[pinotsim.Outcome]int {
+	m := make(map[pinotsim.Outcome]int)
+	for _, r := range rs {
+		if !r.Sent.Before(from) && r.Sent.Before(to) {
+			m[r.Outcome]++
+		}
+	}
+	return m
+}
+
+func fmtOutcomes(m map[pinotsim.Outcome]int) string {
+	var parts []string
+	for _, o := range []pinotsim.Outcome{pinotsim.OK, pinotsim.FailedFast, pinotsim.TimedOut, pinotsim.Canceled} {
+		parts = append(parts, fmt.Sprintf("%s=%d", o, m[o]))
+	}
+	return strings.Join(parts, " ")
+}
+
+// firstOKAfter returns the first query sent at or after t0 that succeeded.
+func firstOKAfter(rs []queryRecord, t0 time.Time) (queryRecord, bool) {
+	for _, r := range rs {
+		if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
+			return r, true
+		}
+	}
+	return queryRecord{}, false
+}
+
+// waitOK waits up to timeout for n queries sent at or after t0 to succeed.
+func (l *queryLoad) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for i := 0; i < 10000; i++ {
+		ok := 0
+		for _, r := range l.snapshot() {
+			if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
+				ok++
+			}
+		}
+		if ok >= n {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return false
+}
+
+// splitHostPortNum returns the port of a host:port.
+func splitPort(t *testing.T, addr string) string {
+	t.Helper()
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return port
+}
+
+// ms rounds a duration for logs.
+func ms(d time.Duration) time.Duration { return d.Round(time.Millisecond) }
