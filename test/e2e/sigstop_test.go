@@ -199,10 +199,12 @@ func (sp *serverProcess) kill() {
 //     premise directly). The detector readmits the stopped server after
 //     every initial_delay, the listener listens again, the broker
 //     reconnects, the new link's requests go unanswered and the endpoint is
-//     excluded again: it flaps for as long as the server is stopped, and the
-//     probe backoff never grows (every exclusion starts from initial_delay,
-//     since no probe ever fails). The subtest pins this: at least one
-//     readmission while stopped, each undone within the exclusion bound. If
+//     excluded again: it flaps for as long as the server is stopped. Each
+//     exclusion that follows a readmission within max_delay continues the
+//     backoff (200ms, 400ms, 800ms, ...), so the flapping slows down
+//     instead of repeating every initial_delay. The subtest pins this: at
+//     least one readmission while stopped, each undone within the exclusion
+//     bound. If
 //     a probe that needs the process replaces it, that count must become 0:
 //     change the assertion.
 //   - http_probe: the right probe for a stopped server is one that needs
