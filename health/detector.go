@@ -76,7 +76,7 @@ type epState struct {
 	// readmit it at the initial delay forever.
 	flaps        int
 	readmittedAt time.Time
-	lastErr   string
+	lastErr      string
 
 	// gen identifies the current probe goroutine; it changes whenever one is
 	// started or stopped, so a stopped one recognizes it lost its claim even
