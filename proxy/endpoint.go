@@ -23,7 +23,7 @@ type endpoint struct {
 	addr        string
 	consecutive atomic.Int64
 	lastAnswer  atomic.Int64 // mono time of the last answer on any link
-	threshold   int64        // consecutive_timeouts_threshold (first listener's)
+	threshold   atomic.Int64 // consecutive_timeouts_threshold (the latest listener settings)
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
 	orphans *tracker
@@ -56,8 +56,7 @@ func (p *Proxy) endpointForLocked(addr string, s policy.Settings) *endpoint {
 	addr = normalizeEndpoint(addr)
 	ep, ok := p.endpoints[addr]
 	if !ok {
-		ep = &endpoint{addr: addr, links: make(map[*link]struct{}),
-			threshold: int64(s.Unanswered.ConsecutiveTimeoutsThreshold)}
+		ep = &endpoint{addr: addr, links: make(map[*link]struct{})}
 		ep.lastAnswer.Store(-1)
 		if rt := s.Unanswered.RequestTimeout.D(); rt > 0 {
 			ep.orphans = newTracker(rt, false, &ep.lastAnswer, func(v verdict) {
@@ -65,8 +64,10 @@ func (p *Proxy) endpointForLocked(addr string, s policy.Settings) *endpoint {
 			})
 		}
 		p.endpoints[addr] = ep
-		p.det.Register(addr, probeConfig(s.Detector))
 	}
+	// The latest settings win: a reload re-registers the probe config.
+	ep.threshold.Store(int64(s.Unanswered.ConsecutiveTimeoutsThreshold))
+	p.det.Register(addr, probeConfig(s.Detector))
 	return ep
 }
 
@@ -130,7 +131,7 @@ func (p *Proxy) refusing(l *listener) bool {
 	case health.Disabled:
 		return true
 	case health.Excluded:
-		return l.cfg.OnExcluded == policy.OnExcludedRefuse
+		return l.tuning().set.OnExcluded == policy.OnExcludedRefuse
 	}
 	return false
 }
@@ -210,10 +211,11 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n int) {
 	for _, l := range ls {
 		l.m.UnansweredTimeouts.Add(float64(n))
 	}
-	if ep.threshold <= 0 {
+	thr := ep.threshold.Load()
+	if thr <= 0 {
 		return
 	}
-	if c := ep.consecutive.Add(int64(n)); c >= ep.threshold && c-int64(n) < ep.threshold {
+	if c := ep.consecutive.Add(int64(n)); c >= thr && c-int64(n) < thr {
 		p.suspect(ep, ls)
 	}
 }
@@ -234,7 +236,7 @@ func (p *Proxy) suspect(ep *endpoint, ls []*listener) {
 		l.m.EndpointSuspect.Inc()
 	}
 	ep.consecutive.Store(0)
-	p.log.Warn().Str("endpoint", ep.addr).Int64("threshold", ep.threshold).
+	p.log.Warn().Str("endpoint", ep.addr).Int64("threshold", ep.threshold.Load()).
 		Msg("endpoint suspect: consecutive unanswered requests")
 	if !p.det.Report(ep.addr, metrics.ReasonUnanswered) {
 		// Already excluded (on_excluded: allow) or disabled: still close.

@@ -37,7 +37,8 @@ type LinkStats struct {
 type link struct {
 	l        *listener
 	ep       *endpoint
-	set      policy.Settings
+	set      policy.Settings // the listener's settings when the link opened
+	dialer   *net.Dialer
 	client   *net.TCPConn
 	upstream *net.TCPConn
 	upRaw    syscall.RawConn
@@ -88,10 +89,11 @@ type link struct {
 }
 
 func newLink(l *listener, client *net.TCPConn) *link {
-	k := &link{l: l, ep: l.ep, set: l.cfg.Settings, client: client, opened: time.Now(), openedMono: mono()}
+	t := l.tuning()
+	k := &link{l: l, ep: l.ep, set: t.set, dialer: t.dialer, client: client, opened: time.Now(), openedMono: mono()}
 	k.q.init()
-	if l.frames != nil {
-		k.reqScan, k.respScan = newFrameScanner(l.frames), newFrameScanner(l.frames)
+	if t.frames != nil {
+		k.reqScan, k.respScan = newFrameScanner(t.frames), newFrameScanner(t.frames)
 	}
 	if u := k.set.Unanswered; u.RequestTimeout > 0 && (k.reqScan != nil || u.ConsecutiveTimeoutsThreshold > 0) {
 		k.trk = newTracker(u.RequestTimeout.D(), k.reqScan == nil, nil, k.judge)
@@ -132,7 +134,7 @@ func (k *link) run() LinkStats {
 
 func (k *link) dial() bool {
 	start := time.Now()
-	c, err := k.l.dialer.DialContext(k.l.ctx, "tcp", k.l.cfg.Upstream)
+	c, err := k.dialer.DialContext(k.l.ctx, "tcp", k.l.cfg.Upstream)
 	if err != nil && k.l.ctx.Err() != nil {
 		// The proxy is shutting down: not the upstream's fault.
 		k.setReason(metrics.ReasonShutdown, err)

@@ -42,9 +42,13 @@ type Proxy struct {
 
 	det *health.Detector
 
+	reloadMu sync.Mutex     // one Reload at a time
+	bg       sync.WaitGroup // drains of listeners a reload removed
+
 	mu        sync.Mutex
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
+	disabled  map[string]bool      // endpoints.disabled of the running config
 	started   bool
 	ready     atomic.Bool
 	stopOnce  sync.Once
@@ -74,7 +78,9 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	}
 	p.mu.Unlock()
 	// Operator-disabled endpoints are out of routing before anything binds.
+	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
 	for _, addr := range cfg.Endpoints.Disabled {
+		p.disabled[normalizeEndpoint(addr)] = true
 		if ep, err := p.lookup(addr); err == nil {
 			p.det.Disable(ep.addr, "config")
 		} else {
@@ -194,7 +200,13 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 			<-done
 		}
 		p.cancel()
+		p.bg.Wait() // drains of removed listeners end on cancel
 		p.det.Close()
+		for _, l := range ls {
+			if l.ep.orphans != nil {
+				l.ep.orphans.stop()
+			}
+		}
 	})
 	return cut
 }
@@ -209,15 +221,16 @@ func (p *Proxy) Close() error {
 
 // listener accepts client connections and owns the links they become.
 type listener struct {
-	p      *Proxy
-	cfg    policy.Listener
-	ctx    context.Context
-	ep     *endpoint
-	frames *frameSpec // nil: opaque
-	m      *metrics.Listener
-	log    zerolog.Logger
-	dialer net.Dialer
-	addr   string // bound address, kept to bind again after a pause
+	p   *Proxy
+	cfg policy.Listener // name, listen and upstream; settings live in tune
+	ctx context.Context
+	ep  *endpoint
+	m   *metrics.Listener
+	log zerolog.Logger
+	// tune holds the settings new links take; a reload swaps it, links
+	// keep the settings they started with.
+	tune atomic.Pointer[tuning]
+	addr string // bound address, kept to bind again after a pause
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine
@@ -232,22 +245,38 @@ type listener struct {
 	changed  chan struct{} // signalled when paused or stopping changes
 }
 
+// tuning is what a new link takes from its listener's settings.
+type tuning struct {
+	set    policy.Settings
+	frames *frameSpec // nil: opaque
+	dialer *net.Dialer
+}
+
+func newTuning(s policy.Settings) *tuning {
+	return &tuning{
+		set:    s,
+		frames: newFrameSpec(s.Framing),
+		dialer: &net.Dialer{
+			Timeout:   s.ConnectTimeout.D(), // non-positive: no timeout of ours
+			KeepAlive: -1,                   // ours are set in Control, or left to the kernel
+			Control:   upstreamControl(s),
+		},
+	}
+}
+
+func (l *listener) tuning() *tuning { return l.tune.Load() }
+
 func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 	l := &listener{
 		p:       p,
 		cfg:     cfg,
 		ctx:     p.ctx,
-		frames:  newFrameSpec(cfg.Framing),
 		m:       p.metrics.ForListener(cfg.Name),
 		log:     p.log.With().Str("listener", cfg.Name).Logger(),
 		links:   make(map[*link]struct{}),
 		changed: make(chan struct{}, 1),
-		dialer: net.Dialer{
-			Timeout:   cfg.ConnectTimeout.D(), // non-positive: no timeout of ours
-			KeepAlive: -1,                     // ours are set in Control, or left to the kernel
-			Control:   upstreamControl(cfg.Settings),
-		},
 	}
+	l.tune.Store(newTuning(cfg.Settings))
 	l.ep = p.endpointForLocked(cfg.Upstream, cfg.Settings)
 	l.ep.mu.Lock()
 	l.ep.listeners = append(l.ep.listeners, l)
@@ -461,13 +490,7 @@ func (l *listener) stopAccepting() {
 }
 
 func (l *listener) abortAll(reason string) {
-	l.mu.Lock()
-	ks := make([]*link, 0, len(l.links))
-	for k := range l.links {
-		ks = append(ks, k)
-	}
-	l.mu.Unlock()
-	for _, k := range ks {
+	for _, k := range l.snapshotLinks() {
 		k.abort(reason, nil)
 	}
 }

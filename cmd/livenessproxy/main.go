@@ -132,7 +132,12 @@ func cmdRun(args []string, stderr io.Writer) int {
 		fmt.Fprintln(stderr, err)
 		return 2
 	}
-	cfg, err := policy.Load(f.config)
+	data, err := os.ReadFile(f.config)
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	cfg, err := policy.Parse(data)
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
@@ -144,7 +149,9 @@ func cmdRun(args []string, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if err := serve(ctx, cfg, log); err != nil {
+	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Metrics) {
+		watchConfig(ctx, f.config, data, p, m, log)
+	}); err != nil {
 		log.Error().Err(err).Msg("livenessproxy stopped")
 		return 1
 	}
@@ -153,7 +160,7 @@ func cmdRun(args []string, stderr io.Writer) int {
 
 // serve runs the proxy and the admin server until ctx is cancelled, then
 // drains: stop accepting, let links finish up to drain_timeout, close the rest.
-func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger) error {
+func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Metrics)) error {
 	m := metrics.New()
 	p := proxy.New(cfg, proxy.Options{Logger: &log, Metrics: m})
 	var adm *admin.Server
@@ -172,7 +179,15 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger) error {
 	}
 	log.Info().Str("version", versionString()).Int("listeners", len(cfg.Listeners)).Msg("livenessproxy started")
 
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		if watch != nil {
+			watch(p, m)
+		}
+	}()
 	<-ctx.Done()
+	<-watched
 	log.Info().Dur("drain_timeout", cfg.DrainTimeout.D()).Int("links", p.ActiveLinks()).Msg("draining")
 	dctx, cancel := context.WithTimeout(context.Background(), max(cfg.DrainTimeout.D(), 0))
 	defer cancel()

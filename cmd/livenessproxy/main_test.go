@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -197,4 +198,107 @@ func waitFor(t *testing.T, within time.Duration, cond func() bool) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// A ConfigMap-style update (the file is a symlink into a directory that is
+// swapped) adds a listener; a broken update is rejected and the last good
+// config keeps serving; SIGHUP reloads on demand.
+func TestReloadFromConfigMapSwap(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	adminAddr, aAddr, bAddr := freePort(t), freePort(t), freePort(t)
+	dir := t.TempDir()
+	write := func(gen, body string) {
+		t.Helper()
+		d := filepath.Join(dir, gen)
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(d, "config.yaml"), []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		tmp := filepath.Join(dir, "..data_tmp")
+		if err := os.Symlink(gen, tmp); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(tmp, filepath.Join(dir, "..data")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	one := fmt.Sprintf("admin: {listen: %q}\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, aAddr, peer.Addr())
+	write("gen1", one)
+	cfgPath := filepath.Join(dir, "config.yaml")
+	if err := os.Symlink(filepath.Join("..data", "config.yaml"), cfgPath); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(os.Args[0], "run", "--config", cfgPath)
+	cmd.Env = append(os.Environ(), "LP_BE_MAIN=1")
+	var stderr syncBuffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	}()
+	base := "http://" + adminAddr
+	waitFor(t, 5*time.Second, func() bool { return httpStatus(base+"/readyz") == 200 })
+
+	write("gen2", one+fmt.Sprintf("  - {name: b, listen: %q, upstream: %q}\n", bAddr, peer.Addr()))
+	waitFor(t, 5*time.Second, func() bool { return echoes(bAddr) })
+
+	write("gen3", one+"  - {name: c, listen: 127.0.0.1:1, upstream: x:1, write_timout: 1s}\n")
+	waitFor(t, 5*time.Second, func() bool {
+		return strings.Contains(stderr.String(), "listeners[1].write_timout: unknown key")
+	})
+	if !echoes(aAddr) || !echoes(bAddr) {
+		t.Fatal("the last good config stopped serving after a broken update")
+	}
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, func() bool {
+		resp, err := httpc.Get(base + "/metrics")
+		if err != nil {
+			return false
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="error"} 2`)) &&
+			bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="ok"} 1`))
+	})
+}
+
+// echoes reports whether a round trip through addr works.
+func echoes(addr string) bool {
+	c, err := net.DialTimeout("tcp", addr, time.Second)
+	if err != nil {
+		return false
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(2 * time.Second))
+	if _, err := c.Write([]byte("ping")); err != nil {
+		return false
+	}
+	got := make([]byte, 4)
+	_, err = io.ReadFull(c, got)
+	return err == nil && string(got) == "ping"
+}
+
+// syncBuffer is a bytes.Buffer safe for the child's writes and our reads.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

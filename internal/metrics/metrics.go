@@ -65,6 +65,7 @@ type Metrics struct {
 	evictions           *prometheus.CounterVec
 	probes              *prometheus.CounterVec
 	staleFramesDropped  *prometheus.CounterVec
+	configReloads       *prometheus.CounterVec
 }
 
 // New builds the collectors and registers them, with the Go runtime and
@@ -121,13 +122,19 @@ func New() *Metrics {
 			Namespace: namespace, Name: "stale_frames_dropped_total",
 			Help: "Request frames older than request_timeout that were dropped instead of being delivered.",
 		}, []string{"listener"}),
+		configReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "config_reloads_total",
+			Help: "Configuration reloads (file change or SIGHUP): ok, or error (the last good config keeps serving).",
+		}, []string{"result"}),
 	}
+	m.configReloads.WithLabelValues("ok")
+	m.configReloads.WithLabelValues("error")
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped,
+		m.evictions, m.probes, m.staleFramesDropped, m.configReloads,
 	)
 	return m
 }
@@ -200,6 +207,9 @@ func (m *Metrics) Forget(name string) {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}
 }
+
+// ConfigReload counts one reload with its result ("ok" or "error").
+func (m *Metrics) ConfigReload(result string) { m.configReloads.WithLabelValues(result).Inc() }
 
 // Register adds a collector the data plane owns (such as bytes_total,
 // which is computed from live links at scrape time).

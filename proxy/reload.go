@@ -1,0 +1,175 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// Reload applies a new, validated configuration without dropping links
+// it does not affect:
+//   - a listener with the same name, listen address and upstream keeps its
+//     socket and its links; its new settings apply to links opened from
+//     now on;
+//   - a listener that is new, or whose listen address or upstream changed,
+//     is bound (a failure to bind is returned and the rest still applies);
+//   - a listener that is gone stops accepting at once; its links get
+//     drain_timeout to finish and are then closed;
+//   - endpoints.disabled is diffed: newly listed endpoints are disabled,
+//     endpoints no longer listed are enabled (a readmission: links opened
+//     before it are evicted). Endpoints disabled through the admin API
+//     stay as they are.
+//
+// Admin and log settings are not reloaded (they need a restart).
+func (p *Proxy) Reload(cfg policy.Config) error {
+	p.reloadMu.Lock()
+	defer p.reloadMu.Unlock()
+
+	p.mu.Lock()
+	if !p.started || p.ctx.Err() != nil {
+		p.mu.Unlock()
+		return errors.New("reload: proxy not running")
+	}
+	old := make(map[string]*listener, len(p.listeners))
+	for _, l := range p.listeners {
+		old[l.cfg.Name] = l
+	}
+	var keep, added []*listener
+	for _, lc := range cfg.Listeners {
+		l, ok := old[lc.Name]
+		if ok && l.cfg.Listen == lc.Listen && normalizeEndpoint(l.cfg.Upstream) == normalizeEndpoint(lc.Upstream) {
+			delete(old, lc.Name)
+			l.tune.Store(newTuning(lc.Settings))
+			p.endpointForLocked(lc.Upstream, lc.Settings) // refresh threshold and probe config
+			keep = append(keep, l)
+			continue
+		}
+		added = append(added, p.newListenerLocked(lc))
+	}
+	p.mu.Unlock()
+
+	p.mu.Lock()
+	prev := p.disabled
+	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
+	for _, a := range cfg.Endpoints.Disabled {
+		p.disabled[normalizeEndpoint(a)] = true
+	}
+	now := p.disabled
+	p.mu.Unlock()
+	// Newly disabled endpoints leave routing before any listener binds.
+	for addr := range now {
+		if !prev[addr] {
+			if ep, err := p.lookup(addr); err == nil {
+				p.det.Disable(ep.addr, "config")
+			}
+		}
+	}
+
+	// Removed (or moved) listeners first: a listener that moved to a new
+	// upstream under the same address needs the address free.
+	for _, l := range old {
+		p.retire(l, cfg.DrainTimeout.D())
+	}
+	var errs []error
+	lc := net.ListenConfig{KeepAlive: -1}
+	for _, l := range added {
+		ln, err := lc.Listen(p.ctx, "tcp", l.cfg.Listen)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("listener %q: %w", l.cfg.Name, err))
+			p.detach(l)
+			continue
+		}
+		l.mu.Lock()
+		l.addr = ln.Addr().String()
+		paused := l.paused || p.refusing(l)
+		l.paused = paused
+		if paused {
+			_ = ln.Close()
+		} else {
+			l.ln = ln
+		}
+		l.mu.Unlock()
+		l.acceptWG.Add(1)
+		go l.serve()
+		l.log.Info().Str("listen", l.addr).Str("upstream", l.cfg.Upstream).Msg("listener added by reload")
+		keep = append(keep, l)
+	}
+	p.mu.Lock()
+	p.listeners = keep
+	p.mu.Unlock()
+
+	for addr := range prev {
+		if !now[addr] {
+			if ep, err := p.lookup(addr); err == nil {
+				p.det.Enable(ep.addr, "config")
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// retire stops a listener that a reload removed: no more accepts, its
+// links get drain to finish, then they are closed. The drain runs in a
+// goroutine the proxy owns (Shutdown waits for it).
+func (p *Proxy) retire(l *listener, drain time.Duration) {
+	l.stopAccepting()
+	l.log.Info().Int("links", len(l.snapshotLinks())).Dur("drain_timeout", drain).Msg("listener removed by reload")
+	p.bg.Add(1)
+	go func() {
+		defer p.bg.Done()
+		done := make(chan struct{})
+		go func() { l.linkWG.Wait(); close(done) }()
+		t := time.NewTimer(max(drain, 0))
+		defer t.Stop()
+		select {
+		case <-done:
+		case <-t.C:
+		case <-p.ctx.Done():
+		}
+		l.abortAll(metrics.ReasonShutdown)
+		<-done
+		p.detach(l)
+		p.metrics.Forget(l.cfg.Name)
+	}()
+}
+
+// detach removes a listener from its endpoint; an endpoint no listener
+// routes to any more is forgotten by the detector.
+func (p *Proxy) detach(l *listener) {
+	ep := l.ep
+	ep.mu.Lock()
+	for i, x := range ep.listeners {
+		if x == l {
+			ep.listeners = append(ep.listeners[:i], ep.listeners[i+1:]...)
+			break
+		}
+	}
+	orphan := len(ep.listeners) == 0
+	ep.mu.Unlock()
+	if !orphan {
+		return
+	}
+	p.mu.Lock()
+	if p.endpoints[ep.addr] == ep {
+		delete(p.endpoints, ep.addr)
+	}
+	p.mu.Unlock()
+	p.det.Unregister(ep.addr)
+	if ep.orphans != nil {
+		ep.orphans.stop()
+	}
+}
+
+func (l *listener) snapshotLinks() []*link {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ks := make([]*link, 0, len(l.links))
+	for k := range l.links {
+		ks = append(ks, k)
+	}
+	return ks
+}
