@@ -61,9 +61,33 @@ type Listener struct {
 	// Listen is the host:port the listener binds.
 	Listen string `yaml:"listen"`
 	// Upstream is the host:port every link of this listener dials.
+	// Exclusive with Transparent.
 	Upstream string `yaml:"upstream"`
+	// Transparent makes this a transparent listener: it proxies each
+	// connection an nftables REDIRECT sent to it to the connection's
+	// original destination (SO_ORIGINAL_DST), but only destinations its
+	// match list covers. Exclusive with Upstream.
+	Transparent Transparent `yaml:"transparent"`
 	// Settings override the defaults for this listener's links.
 	Settings `yaml:",inline"`
+}
+
+// IsTransparent reports whether the listener proxies original destinations.
+func (l Listener) IsTransparent() bool { return len(l.Transparent.Match) > 0 }
+
+// Transparent configures a transparent listener.
+type Transparent struct {
+	// Match lists the destinations that may be proxied; anything else is
+	// refused (never an open relay).
+	Match []Match `yaml:"match"`
+}
+
+// Match is one destination range of a transparent listener.
+type Match struct {
+	// CIDR is the destination address range, IPv4 or IPv6.
+	CIDR string `yaml:"cidr"`
+	// Ports are the destination ports; empty means any port.
+	Ports []int `yaml:"ports"`
 }
 
 // Settings are the per-link liveness settings, set under defaults and
@@ -86,6 +110,10 @@ type Settings struct {
 	// HalfCloseTimeout bounds how long the other direction may keep flowing
 	// after one side sent FIN. Non-positive: unbounded.
 	HalfCloseTimeout Duration `yaml:"half_close_timeout"`
+	// UpstreamMark sets SO_MARK on upstream sockets so that interception
+	// rules can exempt the proxy's own traffic (needs NET_ADMIN). 0: no
+	// mark (exempt the proxy by its uid instead).
+	UpstreamMark int `yaml:"upstream_mark"`
 	// Framing tells where one message ends and the next begins, so that
 	// requests and responses can be counted.
 	Framing Framing `yaml:"framing"`

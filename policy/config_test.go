@@ -139,7 +139,33 @@ func TestParseErrors(t *testing.T) {
 				"  - name: b",
 				"    listen: 127.0.0.1:2",
 			),
-			want: "listeners[1].upstream: required (line 3)",
+			want: "listeners[1].upstream: required (or transparent.match for a transparent listener) (line 3)",
+		},
+		{
+			name: "upstream and transparent together",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: db:1, transparent: {match: [{cidr: 10.0.0.0/8}]}}",
+			),
+			want: "listeners[0].upstream: a listener has either upstream or transparent, not both (line 2)",
+		},
+		{
+			name: "bad transparent match",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, transparent: {match: [{cidr: 10.0.0.0/33, ports: [8098, 70000]}]}}",
+			),
+			want: `listeners[0].transparent.match[0].cidr: "10.0.0.0/33" is not a CIDR such as 10.0.0.0/8 or fd00::/8 (line 2)` + "\n" +
+				"listeners[0].transparent.match[0].ports[1]: 70000 is not a port (1-65535) (line 2)",
+		},
+		{
+			name: "negative upstream mark",
+			yaml: doc(
+				"defaults: {upstream_mark: -1}",
+				"listeners:",
+				okListener,
+			),
+			want: "defaults.upstream_mark: -1 must not be negative (0: no mark) (line 1)",
 		},
 		{
 			name: "upstream with port 0",
@@ -620,7 +646,7 @@ func TestParseErrors(t *testing.T) {
 				"listeners[0].write_timeout: invalid duration \"soon\" (use a Go duration such as 10s or 500ms) (line 6)\n" +
 				"listeners[0].write_buffer.low_water_mark: 2MiB must be below high_water_mark (1MiB) (line 7)\n" +
 				"listeners[1].name: duplicate listener name \"a\" (also listeners[0]) (line 8)\n" +
-				"listeners[1].upstream: required (line 8)\n" +
+				"listeners[1].upstream: required (or transparent.match for a transparent listener) (line 8)\n" +
 				"listeners[1].listen: duplicate listen address \"127.0.0.1:1\" (also listeners[0]) (line 9)\n" +
 				"listeners[1].extra: unknown key (line 10)\n" +
 				"defaults.connect_timeout: invalid duration \"1 second\" (use a Go duration such as 10s or 500ms) (line 12)\n" +

@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"net"
+	"net/netip"
 	"reflect"
 	"regexp"
 	"slices"
@@ -117,10 +118,17 @@ func (v *validator) config(c *Config) {
 			}
 		}
 
-		if l.Upstream == "" {
-			v.add(p+"upstream", "required")
-		} else if _, why := hostPort(l.Upstream, true); why != "" {
-			v.add(p+"upstream", "%q is not a host:port address: %s", l.Upstream, why)
+		switch {
+		case l.IsTransparent() && l.Upstream != "":
+			v.add(p+"upstream", "a listener has either upstream or transparent, not both")
+		case l.IsTransparent():
+			v.transparent(p+"transparent.", l.Transparent)
+		case l.Upstream == "":
+			v.add(p+"upstream", "required (or transparent.match for a transparent listener)")
+		default:
+			if _, why := hostPort(l.Upstream, true); why != "" {
+				v.add(p+"upstream", "%q is not a host:port address: %s", l.Upstream, why)
+			}
 		}
 
 		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
@@ -173,6 +181,9 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 			return fmt.Sprintf("%v, from defaults", val)
 		}
 		return fmt.Sprint(val)
+	}
+	if s.UpstreamMark < 0 && own("upstream_mark") {
+		v.add(prefix+"upstream_mark", "%d must not be negative (0: no mark)", s.UpstreamMark)
 	}
 
 	const (
@@ -333,4 +344,18 @@ func hostPort(addr string, nonZero bool) (norm, why string) {
 		return "", "port 0 is not a port to dial"
 	}
 	return net.JoinHostPort(host, strconv.FormatUint(n, 10)), ""
+}
+
+func (v *validator) transparent(p string, t Transparent) {
+	for i, m := range t.Match {
+		mp := p + "match[" + strconv.Itoa(i) + "]."
+		if _, err := netip.ParsePrefix(m.CIDR); err != nil {
+			v.add(mp+"cidr", "%q is not a CIDR such as 10.0.0.0/8 or fd00::/8", m.CIDR)
+		}
+		for j, port := range m.Ports {
+			if port < 1 || port > 65535 {
+				v.add(mp+"ports["+strconv.Itoa(j)+"]", "%d is not a port (1-65535)", port)
+			}
+		}
+	}
 }

@@ -20,7 +20,8 @@ import (
 // to it (the registry, so that eviction is one call) and the consecutive
 // unanswered count across all of them (a dead server answers none).
 type endpoint struct {
-	addr        string
+	addr        string // normalized host:port: the detector's and the API's key
+	dial        string // what links dial (the configured spelling)
 	consecutive atomic.Int64
 	lastAnswer  atomic.Int64 // mono time of the last answer on any link
 	threshold   atomic.Int64 // consecutive_timeouts_threshold (the latest listener settings)
@@ -52,11 +53,11 @@ func normalizeEndpoint(addr string) string {
 
 // endpointFor returns the endpoint for addr, creating and registering it
 // with the detector on first use. p.mu is held.
-func (p *Proxy) endpointForLocked(addr string, s policy.Settings) *endpoint {
-	addr = normalizeEndpoint(addr)
+func (p *Proxy) endpointForLocked(dial string, s policy.Settings) *endpoint {
+	addr := normalizeEndpoint(dial)
 	ep, ok := p.endpoints[addr]
 	if !ok {
-		ep = &endpoint{addr: addr, links: make(map[*link]struct{})}
+		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{})}
 		ep.lastAnswer.Store(-1)
 		if rt := s.Unanswered.RequestTimeout.D(); rt > 0 {
 			ep.orphans = newTracker(rt, false, &ep.lastAnswer, func(v verdict) {
@@ -124,9 +125,9 @@ func (ep *endpoint) liveLinks() int {
 	return len(ep.links)
 }
 
-// refusing reports whether new links to the endpoint must be refused by l.
-func (p *Proxy) refusing(l *listener) bool {
-	st, _ := p.det.State(l.ep.addr)
+// refusing reports whether l must refuse a new link to ep.
+func (p *Proxy) refusing(l *listener, ep *endpoint) bool {
+	st, _ := p.det.State(ep.addr)
 	switch st {
 	case health.Disabled:
 		return true
@@ -168,7 +169,10 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	ls := append([]*listener(nil), ep.listeners...)
 	ep.mu.Unlock()
 	for _, l := range ls {
-		if p.refusing(l) {
+		if l.matches != nil {
+			continue // transparent: refused per connection, never paused
+		}
+		if p.refusing(l, ep) {
 			l.pause()
 		} else {
 			l.resume()

@@ -88,9 +88,9 @@ type link struct {
 	halfTimer *time.Timer
 }
 
-func newLink(l *listener, client *net.TCPConn) *link {
+func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
 	t := l.tuning()
-	k := &link{l: l, ep: l.ep, set: t.set, dialer: t.dialer, client: client, opened: time.Now(), openedMono: mono()}
+	k := &link{l: l, ep: ep, set: t.set, dialer: t.dialer, client: client, opened: time.Now(), openedMono: mono()}
 	k.q.init()
 	if t.frames != nil {
 		k.reqScan, k.respScan = newFrameScanner(t.frames), newFrameScanner(t.frames)
@@ -116,6 +116,9 @@ func (k *link) run() LinkStats {
 	k.wg.Wait()
 
 	k.closeBoth()
+	if k.l.p.transparent.Load() {
+		k.l.p.ownUp.Delete(k.upstream.LocalAddr().String())
+	}
 	if k.trk != nil {
 		if orphans := k.trk.stop(); len(orphans) > 0 && k.ep.orphans != nil {
 			k.ep.orphans.adopt(orphans)
@@ -134,7 +137,7 @@ func (k *link) run() LinkStats {
 
 func (k *link) dial() bool {
 	start := time.Now()
-	c, err := k.dialer.DialContext(k.l.ctx, "tcp", k.l.cfg.Upstream)
+	c, err := k.dialer.DialContext(k.l.ctx, "tcp", k.ep.dial)
 	if err != nil && k.l.ctx.Err() != nil {
 		// The proxy is shutting down: not the upstream's fault.
 		k.setReason(metrics.ReasonShutdown, err)
@@ -159,6 +162,9 @@ func (k *link) dial() bool {
 		_ = up.Close()
 		k.abort(metrics.ReasonUpstreamError, err)
 		return false
+	}
+	if k.l.p.transparent.Load() {
+		k.l.p.ownUp.Store(up.LocalAddr().String(), struct{}{})
 	}
 	k.connMu.Lock()
 	k.upstream, k.upRaw = up, raw
@@ -569,7 +575,7 @@ func (k *link) stats() LinkStats {
 	s := LinkStats{
 		Listener:  k.l.cfg.Name,
 		Client:    k.client.RemoteAddr().String(),
-		Upstream:  k.l.cfg.Upstream,
+		Upstream:  k.ep.dial,
 		BytesUp:   k.bytesUp.Load(),
 		BytesDown: k.bytesDown.Load(),
 		Opened:    k.opened,

@@ -42,6 +42,9 @@ type Proxy struct {
 
 	det *health.Detector
 
+	transparent atomic.Bool // some listener is transparent: track own upstream addresses
+	ownUp       sync.Map    // local addresses of upstream sockets, for the loop guard
+
 	reloadMu sync.Mutex     // one Reload at a time
 	bg       sync.WaitGroup // drains of listeners a reload removed
 
@@ -202,11 +205,13 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		p.cancel()
 		p.bg.Wait() // drains of removed listeners end on cancel
 		p.det.Close()
-		for _, l := range ls {
-			if l.ep.orphans != nil {
-				l.ep.orphans.stop()
+		p.mu.Lock()
+		for _, ep := range p.endpoints {
+			if ep.orphans != nil {
+				defer ep.orphans.stop()
 			}
 		}
+		p.mu.Unlock()
 	})
 	return cut
 }
@@ -231,6 +236,9 @@ type listener struct {
 	// keep the settings they started with.
 	tune atomic.Pointer[tuning]
 	addr string // bound address, kept to bind again after a pause
+	// matches is the transparent match list; nil for an explicit listener
+	// (which has ep instead).
+	matches []matcher
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine
@@ -277,6 +285,11 @@ func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 		changed: make(chan struct{}, 1),
 	}
 	l.tune.Store(newTuning(cfg.Settings))
+	if cfg.IsTransparent() {
+		l.matches = newMatchers(cfg.Transparent)
+		p.transparent.Store(true)
+		return l
+	}
 	l.ep = p.endpointForLocked(cfg.Upstream, cfg.Settings)
 	l.ep.mu.Lock()
 	l.ep.listeners = append(l.ep.listeners, l)
@@ -409,15 +422,23 @@ func (l *listener) acceptLoop(ln net.Listener) {
 		backoff = 0
 		l.m.LinksTotal.Inc()
 		tc := c.(*net.TCPConn)
-		if l.p.refusing(l) {
-			// Accepted in the moment before the pause took effect: reset
-			// it before reading a byte.
-			_ = tc.SetLinger(0)
-			_ = tc.Close()
+		ep := l.ep
+		if l.matches != nil {
+			var why string
+			if ep, why = l.resolve(tc); ep == nil {
+				resetConn(tc)
+				l.m.Closed(why)
+				continue
+			}
+		}
+		if l.p.refusing(l, ep) {
+			// The endpoint is out of routing (an explicit listener: in the
+			// moment before its pause took effect): reset before reading.
+			resetConn(tc)
 			l.m.Closed(metrics.ReasonRefused)
 			continue
 		}
-		k := newLink(l, tc)
+		k := newLink(l, ep, tc)
 		if !l.track(k) {
 			_ = c.Close()
 			continue
@@ -436,14 +457,19 @@ func (l *listener) track(k *link) bool {
 	l.links[k] = struct{}{}
 	l.linkWG.Add(1)
 	l.m.LinksActive.Inc()
-	l.ep.add(k)
+	k.ep.add(k)
 	return true
+}
+
+func resetConn(c *net.TCPConn) {
+	_ = c.SetLinger(0)
+	_ = c.Close()
 }
 
 func (l *listener) serveLink(k *link) {
 	defer l.linkWG.Done()
 	var s LinkStats
-	if l.p.refusing(l) {
+	if l.p.refusing(l, k.ep) {
 		// The endpoint left routing between accept and registration; the
 		// eviction may have missed this link, so refuse it here.
 		_ = k.client.SetLinger(0)
@@ -454,7 +480,7 @@ func (l *listener) serveLink(k *link) {
 		s = k.run()
 	}
 
-	l.ep.remove(k)
+	k.ep.remove(k)
 	l.mu.Lock()
 	delete(l.links, k)
 	l.closedUp += s.BytesUp
@@ -463,7 +489,7 @@ func (l *listener) serveLink(k *link) {
 	l.m.LinksActive.Dec()
 	l.m.Closed(s.Reason)
 	if reportable(s.Reason) {
-		l.p.report(l.ep, s.Reason)
+		l.p.report(k.ep, s.Reason)
 	}
 
 	if e := l.log.Debug(); e.Enabled() {

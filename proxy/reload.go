@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"reflect"
+	"slices"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -41,10 +43,13 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	var keep, added []*listener
 	for _, lc := range cfg.Listeners {
 		l, ok := old[lc.Name]
-		if ok && l.cfg.Listen == lc.Listen && normalizeEndpoint(l.cfg.Upstream) == normalizeEndpoint(lc.Upstream) {
+		if ok && l.cfg.Listen == lc.Listen && normalizeEndpoint(l.cfg.Upstream) == normalizeEndpoint(lc.Upstream) &&
+			reflect.DeepEqual(l.cfg.Transparent, lc.Transparent) {
 			delete(old, lc.Name)
 			l.tune.Store(newTuning(lc.Settings))
-			p.endpointForLocked(lc.Upstream, lc.Settings) // refresh threshold and probe config
+			if l.ep != nil {
+				p.endpointForLocked(lc.Upstream, lc.Settings) // refresh threshold and probe config
+			}
 			keep = append(keep, l)
 			continue
 		}
@@ -85,7 +90,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 		}
 		l.mu.Lock()
 		l.addr = ln.Addr().String()
-		paused := l.paused || p.refusing(l)
+		paused := l.paused || (l.ep != nil && p.refusing(l, l.ep))
 		l.paused = paused
 		if paused {
 			_ = ln.Close()
@@ -140,8 +145,27 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 // detach removes a listener from its endpoint; an endpoint no listener
 // routes to any more is forgotten by the detector.
 func (p *Proxy) detach(l *listener) {
-	ep := l.ep
+	if l.ep != nil {
+		p.detachFrom(l, l.ep)
+		return
+	}
+	p.mu.Lock()
+	eps := make([]*endpoint, 0, len(p.endpoints))
+	for _, ep := range p.endpoints {
+		eps = append(eps, ep)
+	}
+	p.mu.Unlock()
+	for _, ep := range eps {
+		p.detachFrom(l, ep)
+	}
+}
+
+func (p *Proxy) detachFrom(l *listener, ep *endpoint) {
 	ep.mu.Lock()
+	if !slices.Contains(ep.listeners, l) {
+		ep.mu.Unlock()
+		return
+	}
 	for i, x := range ep.listeners {
 		if x == l {
 			ep.listeners = append(ep.listeners[:i], ep.listeners[i+1:]...)

@@ -3,7 +3,13 @@
 package proxy
 
 import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -16,6 +22,12 @@ import (
 // kernel's default untouched. Keepalive times have one-second granularity
 // in the kernel; shorter values round up to one second.
 func setUpstreamOptions(fd int, s policy.Settings) error {
+	if s.UpstreamMark > 0 {
+		// Lets interception rules exempt the proxy's own connections.
+		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, s.UpstreamMark); err != nil {
+			return fmt.Errorf("SO_MARK %d (needs NET_ADMIN): %w", s.UpstreamMark, err)
+		}
+	}
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
 			return err
@@ -65,4 +77,53 @@ func bytesAcked(raw syscall.RawConn) (int64, bool) {
 		}
 	})
 	return n, ok
+}
+
+// ip6tSOOriginalDst is IP6T_SO_ORIGINAL_DST, which x/sys does not name.
+const ip6tSOOriginalDst = 80
+
+// originalDst reads the destination a connection had before an nftables
+// REDIRECT sent it to the proxy (SO_ORIGINAL_DST; IP6T_SO_ORIGINAL_DST for
+// IPv6). Reading it needs no privilege.
+func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	v6 := false
+	if la, ok := c.LocalAddr().(*net.TCPAddr); ok && la.IP.To4() == nil {
+		v6 = true
+	}
+	var dst netip.AddrPort
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		if v6 {
+			mi, err := unix.GetsockoptIPv6MTUInfo(int(fd), unix.SOL_IPV6, ip6tSOOriginalDst)
+			if err != nil {
+				serr = err
+				return
+			}
+			// The port is in network byte order in memory.
+			port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&mi.Addr.Port))[:])
+			dst = netip.AddrPortFrom(netip.AddrFrom16(mi.Addr.Addr).Unmap(), port)
+			return
+		}
+		m, err := unix.GetsockoptIPv6Mreq(int(fd), unix.SOL_IP, unix.SO_ORIGINAL_DST)
+		if err != nil {
+			serr = err
+			return
+		}
+		// m.Multiaddr holds a sockaddr_in: family(2) port(2, network order) addr(4).
+		b := m.Multiaddr
+		dst = netip.AddrPortFrom(netip.AddrFrom4([4]byte{b[4], b[5], b[6], b[7]}), binary.BigEndian.Uint16(b[2:4]))
+	}); err != nil {
+		return netip.AddrPort{}, err
+	}
+	if serr != nil {
+		return netip.AddrPort{}, fmt.Errorf("original destination: %w", serr)
+	}
+	if !dst.IsValid() {
+		return netip.AddrPort{}, errors.New("original destination: none")
+	}
+	return dst, nil
 }

@@ -3,6 +3,9 @@
 package proxy
 
 import (
+	"errors"
+	"net"
+	"net/netip"
 	"syscall"
 
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -18,3 +21,9 @@ func upstreamControl(policy.Settings) func(network, address string, c syscall.Ra
 // bytesAcked is unknown outside Linux: the kernel-side staleness check is
 // skipped there (the writer still never sends an overdue request).
 func bytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
+
+// originalDst needs Linux's SO_ORIGINAL_DST: transparent listeners work
+// only there.
+func originalDst(*net.TCPConn) (netip.AddrPort, error) {
+	return netip.AddrPort{}, errors.New("transparent mode needs Linux (SO_ORIGINAL_DST)")
+}

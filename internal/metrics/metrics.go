@@ -28,6 +28,8 @@ const (
 	ReasonStale            = "stale"              // a request older than request_timeout was still unsent or unacknowledged
 	ReasonEvicted          = "evicted"            // closed by the registry: endpoint excluded, disabled, readmitted, or an operator evict
 	ReasonRefused          = "refused"            // accepted while the endpoint was excluded or disabled: reset at once
+	ReasonNoMatch          = "no_match"           // transparent: the original destination is not in the match list
+	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
 )
 
 // Eviction reasons for evictions_total{reason}.
@@ -46,7 +48,7 @@ var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
 	ReasonDialError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
-	ReasonEvicted, ReasonRefused,
+	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop,
 }
 
 // Metrics owns the registry and every collector.
@@ -182,6 +184,10 @@ func (m *Metrics) ForListener(name string) *Listener {
 	}
 	return l
 }
+
+// Closes returns the link_closes_total counter of one reason (nil if the
+// reason is not one of Reasons).
+func (l *Listener) Closes(reason string) prometheus.Counter { return l.closes[reason] }
 
 // Evicted counts n links evicted for reason.
 func (l *Listener) Evicted(reason string, n int) {

@@ -1,0 +1,108 @@
+package proxy
+
+import (
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// matcher is one entry of a transparent listener's match list.
+type matcher struct {
+	prefix netip.Prefix
+	ports  []uint16 // empty: any port
+}
+
+func newMatchers(t policy.Transparent) []matcher {
+	ms := make([]matcher, 0, len(t.Match))
+	for _, m := range t.Match {
+		pfx, err := netip.ParsePrefix(m.CIDR)
+		if err != nil {
+			continue // validated by policy
+		}
+		mt := matcher{prefix: pfx.Masked()}
+		for _, p := range m.Ports {
+			mt.ports = append(mt.ports, uint16(p))
+		}
+		ms = append(ms, mt)
+	}
+	return ms
+}
+
+func (l *listener) matchesDst(dst netip.AddrPort) bool {
+	for _, m := range l.matches {
+		if m.prefix.Contains(dst.Addr()) && (len(m.ports) == 0 || slices.Contains(m.ports, dst.Port())) {
+			return true
+		}
+	}
+	return false
+}
+
+// resolve finds the endpoint of a connection a transparent listener
+// accepted: its original destination, if the match list covers it. It
+// returns nil and the close reason otherwise: the proxy is never an open
+// relay, and never proxies to itself.
+func (l *listener) resolve(c *net.TCPConn) (*endpoint, string) {
+	dst, err := originalDst(c)
+	if err != nil {
+		l.log.Debug().Err(err).Str("client", c.RemoteAddr().String()).Msg("no original destination: refused")
+		return nil, metrics.ReasonNoMatch
+	}
+	if l.p.isOwn(dst, c.RemoteAddr()) {
+		l.log.Error().Str("destination", dst.String()).Str("client", c.RemoteAddr().String()).
+			Msg("interception loop: the proxy's own connection came back; exempt its uid or upstream_mark in the rules")
+		return nil, metrics.ReasonLoop
+	}
+	if !l.matchesDst(dst) {
+		l.log.Debug().Str("destination", dst.String()).Msg("destination not in the match list: refused")
+		return nil, metrics.ReasonNoMatch
+	}
+	return l.p.transparentEndpoint(dst.String(), l), ""
+}
+
+// isOwn reports whether a connection is the proxy's own: its original
+// destination is one of the proxy's listeners, or it comes from one of the
+// proxy's upstream sockets (a redirect rule that does not exempt them).
+func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
+	if _, ok := p.ownUp.Load(from.String()); ok {
+		return true
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, l := range p.listeners {
+		ap, err := netip.ParseAddrPort(l.addr)
+		if err != nil || ap.Port() != dst.Port() {
+			continue
+		}
+		if ap.Addr() == dst.Addr().Unmap() || ap.Addr().IsUnspecified() || dst.Addr().IsLoopback() {
+			return true
+		}
+	}
+	return false
+}
+
+// transparentEndpoint returns the endpoint for an original destination,
+// registering it (and applying endpoints.disabled) on first use.
+func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
+	p.mu.Lock()
+	_, existed := p.endpoints[normalizeEndpoint(addr)]
+	var ep *endpoint
+	if existed {
+		ep = p.endpoints[normalizeEndpoint(addr)]
+	} else {
+		ep = p.endpointForLocked(addr, l.tuning().set)
+	}
+	disabled := !existed && p.disabled[ep.addr]
+	p.mu.Unlock()
+	ep.mu.Lock()
+	if !slices.Contains(ep.listeners, l) {
+		ep.listeners = append(ep.listeners, l)
+	}
+	ep.mu.Unlock()
+	if disabled {
+		p.det.Disable(ep.addr, "config")
+	}
+	return ep
+}

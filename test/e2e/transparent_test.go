@@ -1,0 +1,178 @@
+//go:build linux
+
+package e2e
+
+import (
+	"bytes"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	itestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
+)
+
+// echoTransfer sends n random bytes through c and checks that the same
+// bytes come back.
+func echoTransfer(t *testing.T, c net.Conn, n int) {
+	t.Helper()
+	data := make([]byte, n)
+	_, _ = rand.Read(data)
+	go func() { _, _ = c.Write(data) }()
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got := make([]byte, n)
+	_, err := io.ReadFull(c, got)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("echo through the transparent proxy: %d of %d bytes, equal=%v, err %v", len(got), n, bytes.Equal(got, data), err)
+	}
+}
+
+// The client connects to the server's own address; an nftables REDIRECT in
+// the client's namespace sends it to the transparent listener, which reads
+// the original destination and proxies it, for IPv4 and IPv6. The proxy's
+// own upstream sockets carry a mark the rules exempt; a destination outside
+// the match list is refused; a disabled destination is reset at connect
+// while others keep working; without the exemption the loop guard refuses
+// the proxy's own connection.
+func TestTransparentInterception(t *testing.T) {
+	if !netns.Reexec(t) {
+		return
+	}
+	itestutil.RequireCommand(t, "nft")
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.234.0.1/24", "10.234.0.2/24")
+	link.AddAddr(t, "fd34::1/64", "fd34::2/64")
+	srv4 := echoIn(t, peer, "10.234.0.2:9000")
+	srv6 := echoIn(t, peer, "[fd34::2]:9000")
+	other := echoIn(t, peer, "10.234.0.2:9001")
+	loopy := echoIn(t, peer, "10.234.0.2:9002")
+	waitReachable(t, srv4)
+	waitReachable(t, srv6)
+
+	const mark = 0x99
+	match := policy.Transparent{Match: []policy.Match{
+		{CIDR: "10.234.0.0/24", Ports: []int{9000}},
+		{CIDR: "fd34::/64", Ports: []int{9000}},
+	}}
+	cfg := policy.DefaultConfig()
+	cfg.Defaults.HalfCloseTimeout = policy.Duration(200 * time.Millisecond) // echoIn never closes its side
+	marked := cfg.Defaults
+	marked.UpstreamMark = mark
+	unmarked := cfg.Defaults
+	cfg.Listeners = []policy.Listener{
+		{Name: "out4", Listen: "127.0.0.1:15001", Transparent: match, Settings: marked},
+		{Name: "out6", Listen: "[::1]:15001", Transparent: match, Settings: marked},
+		// No mark: its upstream dial is redirected back to the proxy.
+		{Name: "loopy", Listen: "127.0.0.1:15002", Transparent: policy.Transparent{
+			Match: []policy.Match{{CIDR: "10.234.0.0/24", Ports: []int{9002}}}}, Settings: unmarked},
+	}
+	m := metrics.New()
+	ended := make(chan proxy.LinkStats, 32)
+	p := proxy.New(cfg, proxy.Options{Metrics: m, OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	if err := netns.LocalNFT(`table inet lptransparent {
+	chain out {
+		type nat hook output priority -100; policy accept;
+		meta mark 0x99 return comment "the proxy's own upstream sockets"
+		ip daddr 10.234.0.0/24 tcp dport { 9000, 9001 } redirect to :15001
+		ip daddr 10.234.0.0/24 tcp dport 9002 redirect to :15002
+		ip6 daddr fd34::/64 tcp dport 9000 redirect to :15001
+	}
+}
+`); err != nil {
+		t.Fatalf("installing the redirect: %v", err)
+	}
+
+	for _, dst := range []string{srv4, srv6} {
+		c, err := net.Dial("tcp", dst)
+		if err != nil {
+			t.Fatalf("dial %s: %v", dst, err)
+		}
+		if got := c.RemoteAddr().String(); got != dst {
+			t.Fatalf("client sees %s, want the server's own address %s", got, dst)
+		}
+		echoTransfer(t, c, 1<<20)
+		_ = c.Close()
+		s := <-ended
+		if s.Upstream != dst {
+			t.Fatalf("the proxy dialled %q, want the original destination %q", s.Upstream, dst)
+		}
+		t.Logf("%s: 1 MiB echoed through listener %s, link ended %s", dst, s.Listener, s.Reason)
+	}
+
+	// Outside the match list: redirected to the proxy, refused with a reset.
+	if err := expectReset(other); err != nil {
+		t.Fatalf("unmatched destination %s: %v", other, err)
+	}
+	if got := testutil.ToFloat64(m.ForListener("out4").DialErrors); got != 0 {
+		t.Fatalf("the proxy dialled something for an unmatched destination (%v dial errors)", got)
+	}
+
+	// A disabled destination is reset at connect; the other one still works.
+	if _, err := p.Disable(srv4); err != nil {
+		t.Fatal(err)
+	}
+	if err := expectReset(srv4); err != nil {
+		t.Fatalf("disabled destination %s: %v", srv4, err)
+	}
+	c6, err := net.Dial("tcp", srv6)
+	if err != nil {
+		t.Fatal(err)
+	}
+	echoTransfer(t, c6, 64<<10)
+	_ = c6.Close()
+	<-ended
+
+	// The loop guard: listener "loopy" has no mark, so its own dial to
+	// 10.234.0.2:9002 is redirected back to it and must be refused.
+	c, err := net.Dial("tcp", loopy)
+	if err == nil {
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		_ = c.Close()
+	}
+	if err == nil || errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("a looping connection was not cut: %v", err)
+	}
+	loops := m.ForListener("loopy").Closes(metrics.ReasonLoop)
+	deadline := time.Now().Add(2 * time.Second)
+	for testutil.ToFloat64(loops) == 0 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := testutil.ToFloat64(loops); got < 1 {
+		t.Fatalf("link_closes_total{reason=loop} = %v, want the loop refused", got)
+	}
+	t.Logf("loop guard: %v looping connection(s) refused; the client saw %v", testutil.ToFloat64(loops), err)
+}
+
+// expectReset dials addr and expects the connection to be reset at once,
+// before any byte: at connect, or on the first read.
+func expectReset(addr string) error {
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		if errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) {
+			return nil
+		}
+		return err
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
+	n, err := c.Read(make([]byte, 1))
+	if errors.Is(err, syscall.ECONNRESET) {
+		return nil
+	}
+	return fmt.Errorf("not reset: read %d bytes, err %v", n, err)
+}
