@@ -28,6 +28,8 @@ var version = ""
 
 const usage = `usage: livenessproxy [run] --config FILE [--log-level LEVEL]
        livenessproxy check --config FILE
+       livenessproxy redirect --proxy-port PORT --cidr CIDR[,CIDR...] [--ports P,...] [--exclude-ports P,...]
+                              [--proxy-uid UID | --proxy-mark MARK] [--excluded-set] [--dry-run] [--remove]
        livenessproxy demo
        livenessproxy version
 `
@@ -46,6 +48,8 @@ func realMain(args []string, stdout, stderr io.Writer) int {
 		return cmdRun(args, stderr)
 	case "check":
 		return cmdCheck(args, stdout, stderr)
+	case "redirect":
+		return cmdRedirect(args, stdout, stderr)
 	case "demo":
 		if err := demo.Run(context.Background(), stdout); err != nil {
 			fmt.Fprintln(stderr, "demo:", err)

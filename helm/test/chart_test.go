@@ -1,0 +1,619 @@
+// Package charttest tests the Helm chart in ../livenessproxy: helm lint and
+// helm template with several values files, every rendered document decoded
+// strictly into Kubernetes API types, and the rendered proxy config
+// validated by the real proxy (`livenessproxy check`).
+//
+// It is a separate Go module so that Kubernetes dependencies never enter the
+// proxy's own module. Run it with `go test ./...` in helm/test; install helm
+// first with ./install-helm.sh. Without helm the tests skip, unless
+// LIVENESSPROXY_REQUIRE_ALL=1 (CI), where they fail.
+package charttest
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"sigs.k8s.io/yaml"
+)
+
+const (
+	chartDir = "../livenessproxy"
+	repoRoot = "../.."
+	// proxyUID is the uid the proxy runs as and redirect exempts.
+	proxyUID = 1337
+)
+
+// valueSets are the values files every test renders: nil is the chart's
+// defaults.
+var valueSets = []struct {
+	name  string
+	files []string
+}{
+	{"default", nil},
+	{"full", []string{"testdata/values-full.yaml"}},
+	{"minimal", []string{"testdata/values-minimal.yaml"}},
+}
+
+func requireAll() bool { return os.Getenv("LIVENESSPROXY_REQUIRE_ALL") == "1" }
+
+// helmBin finds helm on PATH, in $(go env GOBIN) or in $(go env GOPATH)/bin.
+func helmBin(t *testing.T) string {
+	t.Helper()
+	if p, err := exec.LookPath("helm"); err == nil {
+		return p
+	}
+	var dirs []string
+	if out, err := exec.Command("go", "env", "GOBIN").Output(); err == nil && strings.TrimSpace(string(out)) != "" {
+		dirs = append(dirs, strings.TrimSpace(string(out)))
+	}
+	if out, err := exec.Command("go", "env", "GOPATH").Output(); err == nil {
+		for _, dir := range filepath.SplitList(strings.TrimSpace(string(out))) {
+			dirs = append(dirs, filepath.Join(dir, "bin"))
+		}
+	}
+	for _, dir := range dirs {
+		p := filepath.Join(dir, "helm")
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	msg := "helm not found on PATH, in $(go env GOBIN) or $(go env GOPATH)/bin: run helm/test/install-helm.sh"
+	if requireAll() {
+		t.Fatal(msg + " (LIVENESSPROXY_REQUIRE_ALL=1)")
+	}
+	t.Skip(msg)
+	return ""
+}
+
+func helm(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command(helmBin(t), args...)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	if err != nil {
+		return stdout.String(), fmt.Errorf("helm %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+func valuesArgs(files []string) []string {
+	var args []string
+	for _, f := range files {
+		args = append(args, "-f", f)
+	}
+	return args
+}
+
+var (
+	proxyOnce sync.Once
+	proxyPath string
+	proxyErr  error
+)
+
+// proxyBinary builds cmd/livenessproxy from the repository root once.
+func proxyBinary(t *testing.T) string {
+	t.Helper()
+	proxyOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "livenessproxy-chart-test")
+		if err != nil {
+			proxyErr = err
+			return
+		}
+		proxyPath = filepath.Join(dir, "livenessproxy")
+		cmd := exec.Command("go", "build", "-o", proxyPath, "./cmd/livenessproxy")
+		cmd.Dir = repoRoot
+		if out, err := cmd.CombinedOutput(); err != nil {
+			proxyErr = fmt.Errorf("go build ./cmd/livenessproxy: %v\n%s", err, out)
+		}
+	})
+	if proxyErr != nil {
+		t.Fatal(proxyErr)
+	}
+	return proxyPath
+}
+
+// checkConfig runs `livenessproxy check` on a config text.
+func checkConfig(t *testing.T, config string) {
+	t.Helper()
+	bin := proxyBinary(t)
+	f := filepath.Join(t.TempDir(), "config.yaml")
+	if err := os.WriteFile(f, []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(bin, "check", "--config", f).CombinedOutput()
+	if err != nil {
+		t.Errorf("livenessproxy check rejected the rendered config: %v\n%s\nconfig:\n%s", err, out, config)
+	}
+}
+
+// rendered is one helm template output, decoded.
+type rendered struct {
+	configMaps  map[string]*corev1.ConfigMap
+	deployments []*appsv1.Deployment
+}
+
+// decodeStrict decodes every document of a helm template output into its
+// Kubernetes API type; an unknown or misspelled field fails.
+func decodeStrict(t *testing.T, out string) rendered {
+	t.Helper()
+	r := rendered{configMaps: map[string]*corev1.ConfigMap{}}
+	for i, doc := range regexp.MustCompile(`(?m)^---\s*$`).Split(out, -1) {
+		if strings.TrimSpace(stripComments(doc)) == "" {
+			continue
+		}
+		var tm metav1.TypeMeta
+		if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
+			t.Fatalf("document %d: %v\n%s", i, err, doc)
+		}
+		var obj any
+		switch tm.APIVersion + "/" + tm.Kind {
+		case "v1/ConfigMap":
+			cm := &corev1.ConfigMap{}
+			obj = cm
+		case "apps/v1/Deployment":
+			obj = &appsv1.Deployment{}
+		default:
+			t.Errorf("document %d: unexpected kind %s %s", i, tm.APIVersion, tm.Kind)
+			continue
+		}
+		if err := yaml.UnmarshalStrict([]byte(doc), obj); err != nil {
+			t.Errorf("document %d (%s): strict decoding: %v\n%s", i, tm.Kind, err, doc)
+			continue
+		}
+		switch o := obj.(type) {
+		case *corev1.ConfigMap:
+			if _, dup := r.configMaps[o.Name]; dup {
+				t.Errorf("two ConfigMaps named %s", o.Name)
+			}
+			r.configMaps[o.Name] = o
+		case *appsv1.Deployment:
+			r.deployments = append(r.deployments, o)
+		}
+	}
+	return r
+}
+
+func stripComments(doc string) string {
+	var b strings.Builder
+	for _, l := range strings.Split(doc, "\n") {
+		if !strings.HasPrefix(strings.TrimSpace(l), "#") {
+			b.WriteString(l + "\n")
+		}
+	}
+	return b.String()
+}
+
+func TestLint(t *testing.T) {
+	for _, vs := range valueSets {
+		t.Run(vs.name, func(t *testing.T) {
+			args := append([]string{"lint", "--strict", chartDir}, valuesArgs(vs.files)...)
+			if out, err := helm(t, args...); err != nil {
+				t.Fatalf("%v\n%s", err, out)
+			}
+		})
+	}
+}
+
+func TestTemplate(t *testing.T) {
+	for _, vs := range valueSets {
+		t.Run(vs.name, func(t *testing.T) {
+			args := append([]string{"template", "rel", chartDir, "--namespace", "data"}, valuesArgs(vs.files)...)
+			out, err := helm(t, args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := decodeStrict(t, out)
+			var config string
+			for name, cm := range r.configMaps {
+				if c, ok := cm.Data["config.yaml"]; ok {
+					if config != "" {
+						t.Errorf("more than one config ConfigMap (%s)", name)
+					}
+					config = c
+				}
+			}
+			if config == "" {
+				t.Fatalf("no ConfigMap with config.yaml rendered:\n%s", out)
+			}
+			checkConfig(t, config)
+			for _, d := range r.deployments {
+				checkPod(t, d.Name, &d.Spec.Template, r.configMaps, config)
+			}
+			switch vs.name {
+			case "default", "full":
+				if len(r.deployments) != 1 {
+					t.Errorf("want the example Deployment, got %d Deployments", len(r.deployments))
+				}
+				if dashboards(r) != 1 {
+					t.Errorf("want one dashboard ConfigMap, got %d", dashboards(r))
+				}
+			case "minimal":
+				if len(r.deployments) != 0 || dashboards(r) != 0 {
+					t.Errorf("minimal values: want only the config ConfigMap, got %d Deployments, %d dashboards", len(r.deployments), dashboards(r))
+				}
+			}
+			if vs.name == "full" {
+				checkFull(t, r)
+			}
+		})
+	}
+}
+
+func dashboards(r rendered) int {
+	n := 0
+	for _, cm := range r.configMaps {
+		if _, ok := cm.Data["livenessproxy.json"]; ok {
+			n++
+		}
+	}
+	return n
+}
+
+// checkPod checks a pod template that carries the sidecar: security
+// contexts, probes, ports, annotations and the config volume.
+func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[string]*corev1.ConfigMap, config string) {
+	t.Helper()
+	spec := &pt.Spec
+	var sidecar *corev1.Container
+	names := map[string]bool{}
+	all := append(append([]corev1.Container{}, spec.InitContainers...), spec.Containers...)
+	for i := range all {
+		c := &all[i]
+		if names[c.Name] {
+			t.Errorf("%s: duplicate container name %s", owner, c.Name)
+		}
+		names[c.Name] = true
+		if c.Name == "livenessproxy" {
+			sidecar = c
+		}
+	}
+	if sidecar == nil {
+		t.Fatalf("%s: no livenessproxy container", owner)
+	}
+	if len(sidecar.Args) < 3 || sidecar.Args[0] != "run" || sidecar.Args[1] != "--config" || sidecar.Args[2] != "/etc/livenessproxy/config.yaml" {
+		t.Errorf("%s: sidecar args %q", owner, sidecar.Args)
+	}
+	sc := sidecar.SecurityContext
+	if sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot || sc.RunAsUser == nil || *sc.RunAsUser != proxyUID ||
+		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem ||
+		sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation ||
+		sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("%s: sidecar securityContext %+v", owner, sc)
+	}
+	if sc != nil && sc.Capabilities != nil {
+		for _, c := range sc.Capabilities.Add {
+			if c != "NET_ADMIN" {
+				t.Errorf("%s: sidecar adds capability %s", owner, c)
+			}
+		}
+	}
+	// The admin port, the probes on it, the scrape annotation pointing at it.
+	var adminPort int32
+	for _, p := range sidecar.Ports {
+		if p.Name == "admin" {
+			adminPort = p.ContainerPort
+		}
+	}
+	if adminPort == 0 {
+		t.Errorf("%s: sidecar has no admin port", owner)
+	} else {
+		for what, pr := range map[string]*corev1.Probe{"readiness": sidecar.ReadinessProbe, "liveness": sidecar.LivenessProbe} {
+			want := map[string]string{"readiness": "/readyz", "liveness": "/healthz"}[what]
+			if pr == nil || pr.HTTPGet == nil || pr.HTTPGet.Path != want || pr.HTTPGet.Port.String() != "admin" {
+				t.Errorf("%s: sidecar %s probe %+v, want GET %s on port admin", owner, what, pr, want)
+			}
+		}
+		if !strings.Contains(config, fmt.Sprintf(":%d\n", adminPort)) {
+			t.Errorf("%s: admin port %d is not the config's admin.listen:\n%s", owner, adminPort, config)
+		}
+		if a := pt.Annotations; a["prometheus.io/scrape"] != "true" || a["prometheus.io/port"] != fmt.Sprint(adminPort) || a["prometheus.io/path"] != "/metrics" {
+			t.Errorf("%s: scrape annotations %v", owner, a)
+		}
+	}
+	sum := sha256.Sum256([]byte(strings.TrimSuffix(config, "\n")))
+	if got := pt.Annotations["checksum/livenessproxy-config"]; got != hex.EncodeToString(sum[:]) {
+		t.Errorf("%s: config checksum annotation %q, want sha256 of the config %x", owner, got, sum)
+	}
+	if sidecar.Resources.Requests.Memory().IsZero() || sidecar.Resources.Limits.Memory().IsZero() {
+		t.Errorf("%s: sidecar resources %+v", owner, sidecar.Resources)
+	}
+	// Every volume mount names a volume; the config volume is a rendered ConfigMap.
+	vols := map[string]corev1.Volume{}
+	for _, v := range spec.Volumes {
+		vols[v.Name] = v
+	}
+	for _, c := range all {
+		for _, m := range c.VolumeMounts {
+			if _, ok := vols[m.Name]; !ok {
+				t.Errorf("%s: container %s mounts volume %s, which the pod does not have", owner, c.Name, m.Name)
+			}
+		}
+	}
+	if v, ok := vols["livenessproxy-config"]; !ok || v.ConfigMap == nil {
+		t.Errorf("%s: no livenessproxy-config ConfigMap volume", owner)
+	} else if cm := cms[v.ConfigMap.Name]; cm == nil || cm.Data["config.yaml"] == "" {
+		t.Errorf("%s: volume names ConfigMap %s, not rendered with config.yaml", owner, v.ConfigMap.Name)
+	}
+	// Only the redirect init container runs as root, with NET_ADMIN and NET_RAW only.
+	for _, c := range all {
+		if c.Name == "livenessproxy-redirect" {
+			sc := c.SecurityContext
+			if sc == nil || sc.RunAsUser == nil || *sc.RunAsUser != 0 || sc.Capabilities == nil ||
+				!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"NET_ADMIN", "NET_RAW"}) ||
+				!slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
+				sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+				t.Errorf("%s: redirect securityContext %+v", owner, sc)
+			}
+			continue
+		}
+		if c.SecurityContext != nil && c.SecurityContext.RunAsUser != nil && *c.SecurityContext.RunAsUser == 0 {
+			t.Errorf("%s: container %s runs as root", owner, c.Name)
+		}
+	}
+}
+
+// checkFull checks what only the non-default values turn on.
+func checkFull(t *testing.T, r rendered) {
+	t.Helper()
+	pod := r.deployments[0].Spec.Template.Spec
+	var redirect, sidecar *corev1.Container
+	for i := range pod.InitContainers {
+		switch c := &pod.InitContainers[i]; c.Name {
+		case "livenessproxy-redirect":
+			redirect = c
+		case "livenessproxy":
+			sidecar = c
+		}
+	}
+	if redirect == nil || sidecar == nil {
+		t.Fatalf("full values: want the redirect init container and the native sidecar in initContainers, got %+v", pod.InitContainers)
+	}
+	if pod.InitContainers[0].Name != "livenessproxy-redirect" {
+		t.Errorf("the redirect init container must run before the native sidecar")
+	}
+	if sidecar.RestartPolicy == nil || *sidecar.RestartPolicy != corev1.ContainerRestartPolicyAlways {
+		t.Errorf("native sidecar without restartPolicy: Always")
+	}
+	want := []string{"redirect", "--proxy-port", "15001", "--proxy-uid", "1337", "--cidr", "10.0.0.0/8", "--cidr", "fd00::/8",
+		"--ports", "8098,8097", "--exclude-ports", "22", "--excluded-set"}
+	if !slices.Equal(redirect.Args, want) {
+		t.Errorf("redirect args\n got %q\nwant %q", redirect.Args, want)
+	}
+	if sidecar.SecurityContext.Capabilities == nil || !slices.Equal(sidecar.SecurityContext.Capabilities.Add, []corev1.Capability{"NET_ADMIN"}) {
+		t.Errorf("excludedSet.enabled: the sidecar must add NET_ADMIN, got %+v", sidecar.SecurityContext.Capabilities)
+	}
+	if g := sidecar.SecurityContext.RunAsGroup; g == nil || *g != 2000 {
+		t.Errorf("sidecar.securityContext override not merged: runAsGroup %v", g)
+	}
+	if sidecar.Image != "registry.example.com/livenessproxy:0.1.0-rc1" {
+		t.Errorf("sidecar image %s", sidecar.Image)
+	}
+}
+
+// TestSchemaRejects: values.schema.json mirrors the proxy's strict keys, so
+// a typo fails at helm time instead of in a crash-looping pod.
+func TestSchemaRejects(t *testing.T) {
+	for _, set := range []string{
+		"config.defaults.write_timeot=5s",
+		"config.listeners[0].upstreem=x:1",
+		"config.defaults.write_timeout=5",                   // a bare number is not a duration
+		"config.defaults.framing.type=netty",                // not an enum value
+		"config.transparent.match=x",                        // not a config key (yet)
+		"sidcar.native=true",                                // not a chart value
+		"config.defaults.write_buffer.high_water_mark=16MB", // not a binary unit
+	} {
+		if out, err := helm(t, "template", "rel", chartDir, "--set", set); err == nil {
+			t.Errorf("--set %s: rendered, want a schema error\n%s", set, out)
+		}
+	}
+	// A loopback admin address cannot serve kubelet probes.
+	if _, err := helm(t, "template", "rel", chartDir, "--set", "config.admin.listen=127.0.0.1:9901"); err == nil || !strings.Contains(err.Error(), "loopback") {
+		t.Errorf("loopback admin.listen: err %v, want a loopback error", err)
+	}
+	if _, err := helm(t, "template", "rel", chartDir, "--set", "redirect.enabled=true"); err == nil || !strings.Contains(err.Error(), "redirect.cidrs") {
+		t.Errorf("redirect without cidrs: err %v, want an error naming redirect.cidrs", err)
+	}
+}
+
+// TestParentChartInclude renders the named templates from a parent chart
+// that has this chart as a dependency, the way users add the sidecar to
+// their own broker pod.
+func TestParentChartInclude(t *testing.T) {
+	helmBin(t)
+	dir := t.TempDir()
+	parent := filepath.Join(dir, "broker")
+	copyDir(t, chartDir, filepath.Join(parent, "charts", "livenessproxy"))
+	write := func(name, text string) {
+		p := filepath.Join(parent, name)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("Chart.yaml", "apiVersion: v2\nname: broker\nversion: 1.0.0\ndependencies:\n  - name: livenessproxy\n    version: 0.1.0\n")
+	write("values.yaml", "livenessproxy:\n  example:\n    enabled: false\n  dashboard:\n    enabled: false\n")
+	write("templates/broker.yaml", `{{- $lp := dict "Values" .Values.livenessproxy "Release" .Release -}}
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: broker
+spec:
+  serviceName: broker
+  selector:
+    matchLabels: {app: broker}
+  template:
+    metadata:
+      labels: {app: broker}
+      annotations:
+        {{- include "livenessproxy.podAnnotations" $lp | trim | nindent 8 }}
+    spec:
+      initContainers:
+        {{- include "livenessproxy.initContainer" $lp | nindent 8 }}
+      containers:
+        - name: broker
+          image: apachepinot/pinot:1.2.0
+        {{- include "livenessproxy.sidecar" $lp | nindent 8 }}
+      volumes:
+        {{- include "livenessproxy.volumes" $lp | nindent 8 }}
+`)
+	for _, extra := range [][]string{nil, {"--set", "livenessproxy.redirect.enabled=true", "--set", "livenessproxy.redirect.cidrs={10.0.0.0/8}"}} {
+		if out, err := helm(t, append([]string{"lint", "--strict", parent}, extra...)...); err != nil {
+			t.Fatalf("%v\n%s", err, out)
+		}
+		out, err := helm(t, append([]string{"template", "rel", parent}, extra...)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var config string
+		var sts *appsv1.StatefulSet
+		cms := map[string]*corev1.ConfigMap{}
+		for _, doc := range regexp.MustCompile(`(?m)^---\s*$`).Split(out, -1) {
+			if strings.TrimSpace(stripComments(doc)) == "" {
+				continue
+			}
+			var tm metav1.TypeMeta
+			if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
+				t.Fatal(err)
+			}
+			switch tm.Kind {
+			case "ConfigMap":
+				cm := &corev1.ConfigMap{}
+				if err := yaml.UnmarshalStrict([]byte(doc), cm); err != nil {
+					t.Fatalf("strict: %v\n%s", err, doc)
+				}
+				cms[cm.Name] = cm
+				config = cm.Data["config.yaml"]
+			case "StatefulSet":
+				sts = &appsv1.StatefulSet{}
+				if err := yaml.UnmarshalStrict([]byte(doc), sts); err != nil {
+					t.Fatalf("strict: %v\n%s", err, doc)
+				}
+			default:
+				t.Errorf("unexpected %s", tm.Kind)
+			}
+		}
+		if sts == nil || config == "" {
+			t.Fatalf("want the StatefulSet and the config ConfigMap:\n%s", out)
+		}
+		checkConfig(t, config)
+		checkPod(t, "parent chart "+sts.Name, &sts.Spec.Template, cms, config)
+		if extra != nil && (len(sts.Spec.Template.Spec.InitContainers) != 1 || sts.Spec.Template.Spec.InitContainers[0].Name != "livenessproxy-redirect") {
+			t.Errorf("redirect enabled: init containers %+v", sts.Spec.Template.Spec.InitContainers)
+		}
+	}
+}
+
+func copyDir(t *testing.T, src, dst string) {
+	t.Helper()
+	err := filepath.WalkDir(src, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		if d.IsDir() {
+			return os.MkdirAll(filepath.Join(dst, rel), 0o755)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(dst, rel), b, 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestDashboard: the dashboard is valid JSON, covers the metrics it must,
+// and queries only metrics the README's metrics reference lists.
+func TestDashboard(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(chartDir, "files", "dashboard.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		UID    string `json:"uid"`
+		Panels []struct {
+			Title   string `json:"title"`
+			Targets []struct {
+				Expr string `json:"expr"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(b, &d); err != nil {
+		t.Fatal(err)
+	}
+	readme, err := os.ReadFile(filepath.Join(repoRoot, "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, m := range regexp.MustCompile("(?m)^\\| `(livenessproxy_[a-z_]+)").FindAllStringSubmatch(string(readme), -1) {
+		documented[m[1]] = true
+	}
+	if len(documented) < 10 {
+		t.Fatalf("found only %d metrics in README.md's metrics reference", len(documented))
+	}
+	used := map[string]bool{}
+	metric := regexp.MustCompile(`livenessproxy_[a-z_]+`)
+	for _, p := range d.Panels {
+		if len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, tg := range p.Targets {
+			for _, m := range metric.FindAllString(tg.Expr, -1) {
+				used[m] = true
+				if !documented[m] {
+					t.Errorf("panel %q queries %s, which README.md's metrics reference does not list", p.Title, m)
+				}
+			}
+		}
+	}
+	for _, m := range []string{"links_active", "link_closes_total", "write_timeouts_total", "unanswered_timeouts_total",
+		"endpoint_state", "evictions_total", "probes_total", "bytes_total"} {
+		if !used["livenessproxy_"+m] {
+			t.Errorf("no panel on livenessproxy_%s", m)
+		}
+	}
+}
+
+// TestImageTag: values.yaml's image tag follows Chart.yaml's appVersion.
+func TestImageTag(t *testing.T) {
+	var chart struct {
+		AppVersion string `json:"appVersion"`
+	}
+	var values struct {
+		Image struct {
+			Tag string `json:"tag"`
+		} `json:"image"`
+	}
+	for f, v := range map[string]any{"Chart.yaml": &chart, "values.yaml": &values} {
+		b, err := os.ReadFile(filepath.Join(chartDir, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := yaml.Unmarshal(b, v); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+	}
+	if chart.AppVersion == "" || chart.AppVersion != values.Image.Tag {
+		t.Errorf("Chart.yaml appVersion %q, values.yaml image.tag %q: keep them equal", chart.AppVersion, values.Image.Tag)
+	}
+}
