@@ -23,8 +23,21 @@ type Config struct {
 	Defaults Settings `yaml:"defaults"`
 	// Listeners are the explicit listeners, one upstream each.
 	Listeners []Listener `yaml:"listeners"`
+	// Interception configures how the proxy cooperates with the nftables
+	// rules `livenessproxy redirect` installs.
+	Interception Interception `yaml:"interception"`
 	// Endpoints holds operator decisions about individual upstream endpoints.
 	Endpoints Endpoints `yaml:"endpoints"`
+}
+
+// Interception configures the proxy's side of transparent interception.
+type Interception struct {
+	// ExcludedSet makes the proxy add each excluded or disabled transparent
+	// destination to the nftables sets that `redirect --excluded-set`
+	// created, so that a client's connect to it is reset by the kernel
+	// before any proxy accepts it (needs NET_ADMIN). Off, or when the sets
+	// cannot be opened: the accepted connection is reset at once instead.
+	ExcludedSet bool `yaml:"excluded_set"`
 }
 
 // Endpoints holds operator decisions about individual upstream endpoints,

@@ -168,6 +168,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	ep.mu.Lock()
 	ls := append([]*listener(nil), ep.listeners...)
 	ep.mu.Unlock()
+	p.syncExcludedSet(ep, ls)
 	for _, l := range ls {
 		if l.matches != nil {
 			continue // transparent: refused per connection, never paused

@@ -16,6 +16,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/internal/intercept"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -43,6 +44,7 @@ type Proxy struct {
 	det *health.Detector
 
 	transparent atomic.Bool // some listener is transparent: track own upstream addresses
+	exset       *intercept.ExcludedSet // nil: excluded destinations are reset after accept
 	ownUp       sync.Map    // local addresses of upstream sockets, for the loop guard
 
 	reloadMu sync.Mutex     // one Reload at a time
@@ -70,10 +72,26 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, ctx: ctx, cancel: cancel,
 		endpoints: make(map[string]*endpoint)}
+	if cfg.Interception.ExcludedSet {
+		set, err := intercept.OpenSet()
+		if err != nil {
+			log.Warn().Err(err).Msg("interception.excluded_set: cannot open the nftables sets; excluded destinations are reset after accept instead")
+		} else {
+			p.exset = set
+		}
+	}
+	var probeDial func(ctx context.Context, network, addr string) (net.Conn, error)
+	if mark := cfg.Defaults.UpstreamMark; mark > 0 {
+		// Probes are the proxy's own traffic too: with mark-based
+		// exemption they must carry the mark, or the rules would intercept
+		// (or, for an excluded destination, reject) them.
+		probeDial = (&net.Dialer{Control: upstreamControl(policy.Settings{UpstreamMark: mark})}).DialContext
+	}
 	p.det = health.New(health.Options{
 		Logger:  log.With().Str("component", "detector").Logger(),
 		OnEvent: p.onHealthEvent,
 		OnProbe: p.onProbe,
+		Dial:    probeDial,
 	})
 	p.mu.Lock()
 	for _, lc := range cfg.Listeners {
@@ -205,6 +223,10 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		p.cancel()
 		p.bg.Wait() // drains of removed listeners end on cancel
 		p.det.Close()
+		if p.exset != nil {
+			p.clearExcludedSet()
+			_ = p.exset.Close()
+		}
 		p.mu.Lock()
 		for _, ep := range p.endpoints {
 			if ep.orphans != nil {

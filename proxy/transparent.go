@@ -106,3 +106,51 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	}
 	return ep
 }
+
+// syncExcludedSet puts a transparent destination into the kernel's
+// excluded set while transparent listeners must refuse it, and takes it
+// out when it is routable again, so that a client's connect is reset by
+// the rules instead of being accepted and then reset.
+func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
+	if p.exset == nil {
+		return
+	}
+	ap, err := netip.ParseAddrPort(ep.addr)
+	if err != nil {
+		return // a host name: only explicit listeners use those
+	}
+	refuse, transparent := false, false
+	for _, l := range ls {
+		if l.matches != nil {
+			transparent = true
+			refuse = refuse || p.refusing(l, ep)
+		}
+	}
+	if !transparent {
+		return
+	}
+	if refuse {
+		err = p.exset.AddExcluded(ap)
+	} else {
+		err = p.exset.RemoveExcluded(ap)
+	}
+	if err != nil {
+		p.log.Error().Err(err).Str("endpoint", ep.addr).Bool("excluded", refuse).Msg("updating the nftables excluded set")
+	}
+}
+
+// clearExcludedSet takes every destination out at shutdown: the rules
+// outlive the proxy, the exclusions must not.
+func (p *Proxy) clearExcludedSet() {
+	p.mu.Lock()
+	eps := make([]string, 0, len(p.endpoints))
+	for addr := range p.endpoints {
+		eps = append(eps, addr)
+	}
+	p.mu.Unlock()
+	for _, addr := range eps {
+		if ap, err := netip.ParseAddrPort(addr); err == nil {
+			_ = p.exset.RemoveExcluded(ap)
+		}
+	}
+}

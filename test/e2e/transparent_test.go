@@ -9,12 +9,14 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/netip"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/internal/intercept"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	itestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
@@ -76,6 +78,23 @@ func TestTransparentInterception(t *testing.T) {
 		{Name: "loopy", Listen: "127.0.0.1:15002", Transparent: policy.Transparent{
 			Match: []policy.Match{{CIDR: "10.234.0.0/24", Ports: []int{9002}}}}, Settings: unmarked},
 	}
+	cfg.Interception.ExcludedSet = true
+	// The rules, through the real redirect code path: exempt the proxy's
+	// mark, redirect the servers' ports, keep sets of excluded destinations.
+	rs, err := intercept.Build(intercept.Config{
+		ProxyPort:   15001,
+		CIDRs:       []netip.Prefix{netip.MustParsePrefix("10.234.0.0/24"), netip.MustParsePrefix("fd34::/64")},
+		Ports:       []uint16{9000, 9001},
+		ProxyUID:    intercept.NoUID,
+		ProxyMark:   mark,
+		ExcludedSet: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.Apply(); err != nil {
+		t.Fatalf("applying the interception rules: %v", err)
+	}
 	m := metrics.New()
 	ended := make(chan proxy.LinkStats, 32)
 	p := proxy.New(cfg, proxy.Options{Metrics: m, OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
@@ -83,17 +102,16 @@ func TestTransparentInterception(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = p.Close() })
-	if err := netns.LocalNFT(`table inet lptransparent {
+	// A second, hand-written rule for the loop-guard listener: it exempts
+	// nothing, so that listener's own dial comes back to it.
+	if err := netns.LocalNFT(`table inet lploop {
 	chain out {
 		type nat hook output priority -100; policy accept;
-		meta mark 0x99 return comment "the proxy's own upstream sockets"
-		ip daddr 10.234.0.0/24 tcp dport { 9000, 9001 } redirect to :15001
 		ip daddr 10.234.0.0/24 tcp dport 9002 redirect to :15002
-		ip6 daddr fd34::/64 tcp dport 9000 redirect to :15001
 	}
 }
 `); err != nil {
-		t.Fatalf("installing the redirect: %v", err)
+		t.Fatalf("installing the loop rule: %v", err)
 	}
 
 	for _, dst := range []string{srv4, srv6} {
@@ -121,13 +139,29 @@ func TestTransparentInterception(t *testing.T) {
 		t.Fatalf("the proxy dialled something for an unmatched destination (%v dial errors)", got)
 	}
 
-	// A disabled destination is reset at connect; the other one still works.
+	// A disabled destination is refused at connect by the kernel (the
+	// proxy put it in the excluded set): the proxy never accepts it. The
+	// other destination still works.
+	accepted := testutil.ToFloat64(m.ForListener("out4").LinksTotal)
 	if _, err := p.Disable(srv4); err != nil {
 		t.Fatal(err)
 	}
-	if err := expectReset(srv4); err != nil {
-		t.Fatalf("disabled destination %s: %v", srv4, err)
+	if _, err := net.Dial("tcp", srv4); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("connect to disabled %s: %v, want ECONNREFUSED from the excluded set", srv4, err)
 	}
+	if got := testutil.ToFloat64(m.ForListener("out4").LinksTotal); got != accepted {
+		t.Fatalf("the proxy accepted a connection to a disabled destination (%v -> %v)", accepted, got)
+	}
+	if _, err := p.Enable(srv4); err != nil {
+		t.Fatal(err)
+	}
+	c4, err := net.Dial("tcp", srv4)
+	if err != nil {
+		t.Fatalf("connect after enable: %v", err)
+	}
+	echoTransfer(t, c4, 1024)
+	_ = c4.Close()
+	<-ended
 	c6, err := net.Dial("tcp", srv6)
 	if err != nil {
 		t.Fatal(err)
