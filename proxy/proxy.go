@@ -43,9 +43,9 @@ type Proxy struct {
 
 	det *health.Detector
 
-	transparent atomic.Bool // some listener is transparent: track own upstream addresses
+	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
 	exset       *intercept.ExcludedSet // nil: excluded destinations are reset after accept
-	ownUp       sync.Map    // local addresses of upstream sockets, for the loop guard
+	ownUp       sync.Map               // local addresses of upstream sockets, for the loop guard
 
 	reloadMu sync.Mutex     // one Reload at a time
 	bg       sync.WaitGroup // drains of listeners a reload removed
