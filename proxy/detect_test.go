@@ -419,3 +419,33 @@ func TestSlowReaderIsNotAWriteTimeout(t *testing.T) {
 		t.Fatalf("reason %q, want client_closed", s.Reason)
 	}
 }
+
+// A readmission is a fresh start: requests sent to the previous
+// incarnation (on links that ended before their judgement) do not exclude
+// the endpoint again before the readmitted server could answer anything.
+func TestReadmissionIsAFreshStart(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 2, func(s *policy.Settings) {
+		s.Detector.InitialDelay = policy.Duration(100 * time.Millisecond)
+	}))
+	a := h.dial()
+	sendFrame(t, a, "a1")
+	sendFrame(t, a, "a2")
+	time.Sleep(150 * time.Millisecond)
+	b := h.dial()
+	sendFrame(t, b, "b1")
+	sendFrame(t, b, "b2")
+	time.Sleep(10 * time.Millisecond)
+	_ = b.Close() // b's requests are judged by the endpoint, after the link
+	h.waitState("excluded", time.Second)
+	h.waitState("healthy", time.Second) // the connect probe readmits
+	// b's requests fall due now; they belong to the previous incarnation.
+	deadline := time.Now().Add(500 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		if ep := h.endpoint(); ep.State != "healthy" {
+			t.Fatalf("re-excluded %s after readmission, for requests sent before it", ep.Reason)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

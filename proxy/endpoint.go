@@ -24,6 +24,7 @@ type endpoint struct {
 	dial        string // what links dial (the configured spelling)
 	consecutive atomic.Int64
 	lastAnswer  atomic.Int64 // mono time of the last answer on any link
+	readmitted  atomic.Int64 // mono time of the last readmission
 	threshold   atomic.Int64 // consecutive_timeouts_threshold (the latest listener settings)
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
@@ -160,6 +161,13 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictDisabled)
 		log.Warn().Int("links_closed", n).Msg("endpoint disabled")
 	case health.Healthy:
+		// A fresh start: requests sent before the readmission (on links
+		// about to be evicted, or already ended) are not judged against
+		// the server now admitted.
+		ep.readmitted.Store(mono())
+		if ep.orphans != nil {
+			ep.orphans.clear()
+		}
 		ep.consecutive.Store(0)
 		// No client keeps a connection opened before the readmission.
 		n := ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -121,6 +122,8 @@ func (k *link) run() LinkStats {
 	}
 	if k.trk != nil {
 		if orphans := k.trk.stop(); len(orphans) > 0 && k.ep.orphans != nil {
+			since := k.ep.readmitted.Load()
+			orphans = slices.DeleteFunc(orphans, func(r pendingRequest) bool { return r.at <= since })
 			k.ep.orphans.adopt(orphans)
 		}
 	}

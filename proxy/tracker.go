@@ -111,6 +111,15 @@ func (t *tracker) earliestLocked() int64 {
 	return earliest
 }
 
+// clear forgets every pending request (an endpoint readmitted starts
+// afresh: requests sent to the previous incarnation are not held against
+// the new one).
+func (t *tracker) clear() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.pending = t.pending[:0]
+}
+
 // answered records an answer from the upstream at time now.
 func (t *tracker) answered(now int64) { t.answer.Store(now) }
 
