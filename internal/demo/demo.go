@@ -1,13 +1,16 @@
-// Package demo is `livenessproxy demo`: the seeds' path-stall incident
-// replayed in-process on loopback, with and without the proxy, so the
-// difference can be seen in about fifteen seconds and without root.
+// Package demo is `livenessproxy demo`: replay 1 of the incident suite
+// (test/incidents), the node flap without FIN, in-process on loopback, with
+// and without the proxy, in about ten seconds and without root.
 //
-// A simulated Pinot server (package pinotsim) with a small receive buffer
-// is queried at the same steady rate by two simulated brokers that behave
-// like Pinot before the seeds' fixes: one connects directly, the other
-// through a livenessproxy. After a few seconds the server stalls: it stops
-// reading while its kernel keeps every socket open, which is what a wedged
-// server or a stalled path looks like to the broker. Everything printed is
+// Simulated Pinot brokers that behave like Pinot before the seeds' fixes
+// (package pinotsim) query a simulated server at a steady rate, some
+// straight, some through a livenessproxy, each on its own connection. The
+// network between them is an in-process relay. The flap: the relay stops
+// forwarding anything on the connections open at that moment, in both
+// directions, and closes nothing (it stands in for the drop rule that the
+// namespace replay installs at the server's node: no FIN or reset from the
+// dying server reaches anyone); the server is closed and a new one starts
+// on the same address. New connections reach it. Everything printed is
 // measured during the run.
 package demo
 
@@ -15,7 +18,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"sort"
 	"strings"
 	"sync"
 	"time"
@@ -25,69 +27,60 @@ import (
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
-// params shape a run. Run uses defaultParams; tests may shorten them.
+// params shape a run. Run uses defaultParams; tests may change them.
 type params struct {
-	warmup, stall, recovery time.Duration // the three phases
-	rate                    int           // queries per second per broker
-	requestSize             int           // bytes per request payload
-	queryTimeout            time.Duration
-	serverRcvbuf            int // SO_RCVBUF of the server's sockets
+	warmup, observe time.Duration // before and after the flap
+	conns           int           // connections (brokers) per path
+	queryEvery      time.Duration // per connection
+	queryTimeout    time.Duration // the broker's per-query timeout
 
-	writeTimeout   time.Duration
-	tcpUserTimeout time.Duration
-	highWaterMark  policy.Size
-	keepalive      policy.Keepalive
+	requestTimeout time.Duration
+	threshold      int
+	initialDelay   time.Duration
 }
 
 func defaultParams() params {
 	return params{
-		warmup:   3 * time.Second,
-		stall:    6 * time.Second,
-		recovery: 3 * time.Second,
-		// 250 × 32 KiB ≈ 8 MiB/s per connection, about the incident's 9 MB/s.
-		rate:         250,
-		requestSize:  32 << 10,
-		queryTimeout: time.Second,
-		serverRcvbuf: 32 << 10,
+		warmup:       2 * time.Second,
+		observe:      6 * time.Second,
+		conns:        2,
+		queryEvery:   200 * time.Millisecond,
+		queryTimeout: 2 * time.Second,
 
-		writeTimeout:   2 * time.Second,
-		tcpUserTimeout: 2 * time.Second,
-		highWaterMark:  4 * policy.MiB,
-		keepalive:      policy.Keepalive{Idle: policy.Duration(time.Second), Interval: policy.Duration(time.Second), Count: 2},
+		requestTimeout: 500 * time.Millisecond,
+		threshold:      3,
+		initialDelay:   300 * time.Millisecond,
 	}
 }
 
-// Broker ids, which the server uses to tell the two paths apart.
-const (
-	directID  = "Broker_direct"
-	proxiedID = "Broker_via_proxy"
-	listener  = "pinot-server-0"
-)
+const listener = "pinot-server-0"
 
-// pathResult is what was measured on one path.
+// pathResult is what was measured on one path, over the queries sent from
+// the flap to the end of the observation.
 type pathResult struct {
-	Broker   pinotsim.BrokerStats
-	Executed int64 // requests the server executed from this broker
-	Stale    int64 // of those, the ones that arrived after their deadline
-
-	// At the end of the stall, before Resume.
-	ConnectedAtStallEnd bool
-	TimedOutInStall     int64
-	FailedFastInStall   int64
-	QueueAtStallEnd     int64
+	Sent, OK, FailedFast, TimedOut, Canceled int
+	// Recovery is the time from the flap until every connection of the
+	// path had a query sent after it succeed; Recovered is false if one
+	// never did during the observation.
+	Recovery  time.Duration
+	Recovered bool
+	// OpenAtEnd counts the connections opened before the flap that the
+	// brokers still held at the end of the observation.
+	OpenAtEnd int
+	// OKAfterFlap counts queries sent at least 100 ms after the flap that
+	// succeeded.
+	OKAfterFlap int
 }
 
 // result is everything a run measured.
 type result struct {
 	Direct, Proxied pathResult
-	// LinkEnds are the proxy's links that ended before shutdown, with At
-	// relative to the start.
+	FlapAt          time.Duration // since the start
+	// LinkEnds are the proxy's links that ended after the flap, with At
+	// relative to the flap.
 	LinkEnds []linkEnd
-	// BrokerCloses are the connection closes the proxied broker saw.
-	BrokerCloses []brokerClose
-	StallAt      time.Duration // since the start
-	ResumeAt     time.Duration
-	HighWater    int64
+	// States are the endpoint's state changes after the flap.
+	States []stateChange
 }
 
 type linkEnd struct {
@@ -95,247 +88,341 @@ type linkEnd struct {
 	Stats proxy.LinkStats
 }
 
-type brokerClose struct {
-	At    time.Duration
-	Close pinotsim.ConnClose
+type stateChange struct {
+	At            time.Duration
+	State, Reason string
 }
 
-// Run replays the path stall with and without the proxy and writes a short
-// timeline and a summary table to w. It takes about fifteen seconds; it
+// Run replays the node flap with and without the proxy and writes a short
+// timeline and the two-row table to w. It takes about ten seconds; it
 // returns early with ctx.Err() when ctx ends.
 func Run(ctx context.Context, w io.Writer) error {
 	_, err := run(ctx, w, defaultParams())
 	return err
 }
 
-// events collects what the proxy and the proxied broker report from their
-// own goroutines.
-type events struct {
-	start time.Time
-	mu    sync.Mutex
-	links []linkEnd
-	conns []brokerClose
+// query is one query: when it was sent and how it ended.
+type query struct {
+	sent, done time.Time
+	res        pinotsim.Result
 }
 
-func (e *events) linkEnded(s proxy.LinkStats) {
-	e.mu.Lock()
-	e.links = append(e.links, linkEnd{At: time.Since(e.start), Stats: s})
-	e.mu.Unlock()
+// load sends n queries, one every interval, on one broker (stopping early
+// if ctx ends), and records each.
+type load struct {
+	b    *pinotsim.Broker
+	addr string
+	mu   sync.Mutex
+	qs   []query
 }
 
-func (e *events) connClosed(c pinotsim.ConnClose) {
-	e.mu.Lock()
-	e.conns = append(e.conns, brokerClose{At: c.At.Sub(e.start), Close: c})
-	e.mu.Unlock()
+func (l *load) run(ctx context.Context, interval time.Duration, n int, wg *sync.WaitGroup) {
+	defer wg.Done()
+	var qwg sync.WaitGroup
+	defer qwg.Wait()
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for range n {
+		qwg.Add(1)
+		go func() {
+			defer qwg.Done()
+			sent := time.Now()
+			res := l.b.Query(ctx, l.addr) // bounded by the broker's timeout
+			l.mu.Lock()
+			l.qs = append(l.qs, query{sent: sent, done: time.Now(), res: res})
+			l.mu.Unlock()
+		}()
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
 }
 
-func (e *events) snapshot() ([]linkEnd, []brokerClose) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return append([]linkEnd(nil), e.links...), append([]brokerClose(nil), e.conns...)
+func (l *load) snapshot() []query {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]query(nil), l.qs...)
+}
+
+// firstOK returns the first query sent at or after t0 that succeeded.
+func (l *load) firstOK(t0 time.Time) (query, bool) {
+	var best query
+	found := false
+	for _, q := range l.snapshot() {
+		if !q.sent.Before(t0) && q.res.Outcome == pinotsim.OK && (!found || q.sent.Before(best.sent)) {
+			best, found = q, true
+		}
+	}
+	return best, found
+}
+
+// measure sums a path's loads over the queries sent from flapAt on.
+func measure(ls []*load, flapAt time.Time) pathResult {
+	var r pathResult
+	r.Recovered = true
+	for _, l := range ls {
+		for _, q := range l.snapshot() {
+			if q.sent.Before(flapAt) {
+				continue
+			}
+			r.Sent++
+			switch q.res.Outcome {
+			case pinotsim.OK:
+				r.OK++
+				if q.sent.Sub(flapAt) >= 100*time.Millisecond {
+					r.OKAfterFlap++
+				}
+			case pinotsim.FailedFast:
+				r.FailedFast++
+			case pinotsim.TimedOut:
+				r.TimedOut++
+			case pinotsim.Canceled:
+				r.Canceled++
+			}
+		}
+		if f, ok := l.firstOK(flapAt); ok {
+			r.Recovery = max(r.Recovery, f.done.Sub(flapAt))
+		} else {
+			r.Recovered = false
+		}
+	}
+	return r
 }
 
 func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
-	ev := &events{start: time.Now()}
-	out := &printer{w: w}
+	start := time.Now()
+	out := &printer{w: w, start: start}
 
-	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{RecvBuffer: p.serverRcvbuf})
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{})
 	if err != nil {
 		return nil, fmt.Errorf("start server: %w", err)
 	}
-	defer srv.Close()
+	srvAddr := srv.Addr()
+	defer func() { _ = srv.Close() }() // the server running at the end
+	rl, err := newRelay(srvAddr)
+	if err != nil {
+		return nil, fmt.Errorf("start relay: %w", err)
+	}
+	defer rl.close()
 
 	cfg := policy.DefaultConfig()
 	cfg.Admin.Listen = ""
 	s := cfg.Defaults
-	s.WriteTimeout = policy.Duration(p.writeTimeout)
-	s.TCPUserTimeout = policy.Duration(p.tcpUserTimeout)
-	s.Keepalive = p.keepalive
-	s.WriteBuffer = policy.WriteBuffer{HighWaterMark: p.highWaterMark, LowWaterMark: p.highWaterMark / 2, OnOverflow: policy.OverflowReject}
+	s.Framing = policy.Framing{Type: policy.FramingLengthField, LengthFieldLength: 4, ByteOrder: policy.ByteOrderBig, MaxFrameLength: 16 * policy.MiB}
+	s.Unanswered = policy.Unanswered{RequestTimeout: policy.Duration(p.requestTimeout), ConsecutiveTimeoutsThreshold: p.threshold}
+	s.Detector.InitialDelay = policy.Duration(p.initialDelay)
+	s.Detector.ProbeTimeout = policy.Duration(300 * time.Millisecond)
+	s.Detector.MaxDelay = policy.Duration(2 * time.Second)
+	s.Detector.Jitter = 0
 	cfg.Defaults = s
-	cfg.Listeners = []policy.Listener{{Name: listener, Listen: "127.0.0.1:0", Upstream: srv.Addr(), Settings: s}}
+	cfg.Listeners = []policy.Listener{{Name: listener, Listen: "127.0.0.1:0", Upstream: rl.addr(), Settings: s}}
 	if err := cfg.Validate(); err != nil {
 		return nil, fmt.Errorf("demo proxy config: %w", err)
 	}
-	px := proxy.New(cfg, proxy.Options{OnLinkEnd: ev.linkEnded})
+	var endsMu sync.Mutex
+	var ends []proxy.LinkStats
+	var endAt []time.Time
+	px := proxy.New(cfg, proxy.Options{OnLinkEnd: func(ls proxy.LinkStats) {
+		endsMu.Lock()
+		ends = append(ends, ls)
+		endAt = append(endAt, time.Now())
+		endsMu.Unlock()
+	}})
 	if err := px.Start(); err != nil {
 		return nil, fmt.Errorf("start proxy: %w", err)
 	}
-	proxyClosed := false
-	defer func() {
-		if !proxyClosed {
-			_ = px.Close()
-		}
-	}()
+	defer px.Close()
 	proxyAddr := px.Addr(listener).String()
 
-	direct := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: directID, Timeout: p.queryTimeout, RequestSize: p.requestSize})
-	defer direct.Close()
-	proxied := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: proxiedID, Timeout: p.queryTimeout, RequestSize: p.requestSize,
-		OnClose: ev.connClosed})
-	defer proxied.Close()
+	var direct, proxied []*load
+	var brokers []*pinotsim.Broker
+	defer func() {
+		for _, b := range brokers {
+			_ = b.Close()
+		}
+	}()
+	for i := range p.conns {
+		db := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: fmt.Sprintf("Broker_direct_%d", i), Timeout: p.queryTimeout})
+		pb := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: fmt.Sprintf("Broker_proxied_%d", i), Timeout: p.queryTimeout})
+		brokers = append(brokers, db, pb)
+		direct = append(direct, &load{b: db, addr: rl.addr()})
+		proxied = append(proxied, &load{b: pb, addr: proxyAddr})
+	}
 
-	total := p.warmup + p.stall + p.recovery
-	out.raw("livenessproxy demo: a broker→server path stall replayed on loopback, with and without the proxy (~%s)", total.Round(time.Second))
-	out.raw("  load     %d queries/s per broker, %s requests (~%s/s), query timeout %s; server SO_RCVBUF %s",
-		p.rate, mib(int64(p.requestSize)), mib(int64(p.rate*p.requestSize)), p.queryTimeout, mib(int64(p.serverRcvbuf)))
-	out.raw("  direct   broker → server %s", srv.Addr())
-	out.raw("  proxied  broker → proxy %s → server (write_timeout %s, tcp_user_timeout %s, high_water_mark %s reject)",
-		proxyAddr, p.writeTimeout, p.tcpUserTimeout, p.highWaterMark)
+	out.raw("livenessproxy demo: a server node flaps without a FIN, replayed on loopback with and without the proxy (~%s)",
+		(p.warmup + p.observe + p.queryTimeout).Round(time.Second))
+	out.raw("  load     %d connections per path, a query every %s on each (Pinot-style broker, %s query timeout)", p.conns, p.queryEvery, p.queryTimeout)
+	out.raw("  direct   brokers → network → server")
+	out.raw("  proxied  brokers → livenessproxy → network → server (request_timeout %s, threshold %d, connect probe after %s)",
+		p.requestTimeout, p.threshold, p.initialDelay)
 
-	// Load: the same bounded rate on both paths, for the whole run.
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	var loadWG sync.WaitGroup
 	defer func() { stopLoad(); loadWG.Wait() }()
-	maxQueries := p.rate * int(total/time.Second+1)
-	for _, l := range []struct {
-		b    *pinotsim.Broker
-		addr string
-	}{{direct, srv.Addr()}, {proxied, proxyAddr}} {
+	perConn := int((p.warmup + p.observe) / p.queryEvery)
+	for _, l := range append(append([]*load(nil), direct...), proxied...) {
 		loadWG.Add(1)
-		go func() {
-			defer loadWG.Done()
-			driveLoad(loadCtx, l.b, l.addr, p.rate, maxQueries, total)
-		}()
+		go l.run(loadCtx, p.queryEvery, perConn, &loadWG)
 	}
-	out.line(time.Since(ev.start), "load starts on both paths")
+	out.line(time.Now(), "load starts on both paths")
+
+	// Watch the endpoint's state as the proxy reports it.
+	stateCtx, stopStates := context.WithCancel(ctx)
+	type seen struct {
+		at            time.Time
+		state, reason string
+	}
+	var states []seen
+	var statesMu sync.Mutex
+	var stateWG sync.WaitGroup
+	stateWG.Add(1)
+	go func() {
+		defer stateWG.Done()
+		var since time.Time
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			for _, st := range px.Endpoints() {
+				if !st.Since.Equal(since) {
+					since = st.Since
+					statesMu.Lock()
+					states = append(states, seen{st.Since, st.State, st.Reason})
+					statesMu.Unlock()
+				}
+			}
+			select {
+			case <-stateCtx.Done():
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	defer func() { stopStates(); stateWG.Wait() }()
 
 	if err := sleep(ctx, p.warmup); err != nil {
 		return nil, err
 	}
-	d0, x0 := direct.Stats(), proxied.Stats()
-	srv.Stall()
-	res = &result{StallAt: time.Since(ev.start), HighWater: int64(p.highWaterMark)}
-	out.line(res.StallAt, "server stalls: it stops reading, its kernel keeps every socket open")
 
-	// During the stall, report the first link the proxy closed and the
-	// first close the proxied broker saw, as they happen.
-	stallEnd := time.Now().Add(p.stall)
-	var sawLink, sawConn bool
-	for time.Now().Before(stallEnd) {
-		if err := sleep(ctx, min(50*time.Millisecond, time.Until(stallEnd))); err != nil {
-			return nil, err
-		}
-		links, conns := ev.snapshot()
-		if !sawLink && len(links) > 0 {
-			sawLink = true
-			l := links[0]
-			out.line(l.At, "proxy closed the link: %s after %s queued toward the server (%.1fs into the stall)",
-				l.Stats.Reason, mib(l.Stats.MaxQueued), (l.At - res.StallAt).Seconds())
-		}
-		if !sawConn && len(conns) > 0 {
-			sawConn = true
-			c := conns[0]
-			when := ""
-			if len(links) > 0 {
-				if d := c.At - links[0].At; d >= time.Millisecond {
-					when = fmt.Sprintf(" %dms after the proxy closed it", d.Milliseconds())
-				} else {
-					when = " at once"
-				}
-			}
-			out.line(c.At, "proxied broker saw the close%s: %d in-flight queries failed fast", when, c.Close.FailedFast)
-		}
+	// The flap.
+	flapAt := time.Now()
+	n := rl.stall()
+	_ = srv.Close()
+	restarted, err := pinotsim.NewServer(pinotsim.ServerConfig{Addr: srvAddr})
+	if err != nil {
+		return nil, fmt.Errorf("restart server on %s: %w", srvAddr, err)
 	}
-	d1, x1 := direct.Stats(), proxied.Stats()
-	res.Direct.ConnectedAtStallEnd = direct.Connected(srv.Addr())
-	res.Direct.TimedOutInStall = d1.TimedOut - d0.TimedOut
-	res.Direct.FailedFastInStall = d1.FailedFast - d0.FailedFast
-	res.Direct.QueueAtStallEnd = d1.QueueBytes
-	res.Proxied.ConnectedAtStallEnd = proxied.Connected(proxyAddr)
-	res.Proxied.TimedOutInStall = x1.TimedOut - x0.TimedOut
-	res.Proxied.FailedFastInStall = x1.FailedFast - x0.FailedFast
-	res.Proxied.QueueAtStallEnd = x1.QueueBytes
-	now := time.Since(ev.start)
-	links, _ := ev.snapshot()
-	if len(links) == 0 {
-		out.line(now, "proxy closed no link during the stall")
-	} else {
-		var maxQ int64
-		for _, l := range links {
-			maxQ = max(maxQ, l.Stats.MaxQueued)
-		}
-		out.line(now, "proxied: the proxy closed %d link(s) (%s; at most %s queued), the broker reconnected %d×: %d failed fast, %d timed out",
-			len(links), reasons(links), mib(maxQ), x1.Connects-x0.Connects, res.Proxied.FailedFastInStall, res.Proxied.TimedOutInStall)
-	}
-	state := "still open"
-	if !res.Direct.ConnectedAtStallEnd {
-		state = "closed"
-	}
-	out.line(now, "direct: connection %s (%d closes), %d timed out, %d failed fast, outbound queue %s",
-		state, d1.Closes, res.Direct.TimedOutInStall, res.Direct.FailedFastInStall, mib(d1.QueueBytes))
+	srv = restarted
+	out.line(flapAt, "flap: the network drops the %d open connections (no FIN, no reset); the server dies, a new one starts on %s", n, srvAddr)
 
-	srv.Resume()
-	res.ResumeAt = time.Since(ev.start)
-	out.line(res.ResumeAt, "server resumes: it reads what its kernel buffered meanwhile")
-	drained := false
-	recoveryEnd := time.Now().Add(p.recovery)
-	for time.Now().Before(recoveryEnd) {
-		if err := sleep(ctx, min(20*time.Millisecond, time.Until(recoveryEnd))); err != nil {
-			return nil, err
-		}
-		if !drained && direct.Stats().QueueBytes == 0 {
-			drained = true
-			st := srv.Stats()
-			out.line(time.Since(ev.start), "direct broker's queue drained into the server; stale requests executed so far: direct %d, proxied %d",
-				st.ByBroker[directID].Stale, st.ByBroker[proxiedID].Stale)
-		}
+	if err := sleep(ctx, time.Until(flapAt.Add(p.observe))); err != nil {
+		return nil, err
 	}
-
-	stopLoad()
+	obsEnd := time.Now()
+	res = &result{FlapAt: flapAt.Sub(start)}
+	// The loads stop sending now; let the queries in flight end (at the
+	// latest at the broker's timeout), then take the numbers.
 	loadWG.Wait()
-	out.line(time.Since(ev.start), "load stops")
+	openAtEnd := 0
+	for _, l := range direct {
+		if l.b.Connected(rl.addr()) {
+			openAtEnd++
+		}
+	}
+	stopStates()
+	stateWG.Wait()
+	res.Direct = measure(direct, flapAt)
+	res.Direct.OpenAtEnd = openAtEnd
+	res.Proxied = measure(proxied, flapAt)
 
-	// Let the last answers and executions land, then take the numbers.
-	_ = sleep(ctx, 200*time.Millisecond)
-	st := srv.Stats()
-	res.Direct.Broker, res.Proxied.Broker = direct.Stats(), proxied.Stats()
-	res.Direct.Executed, res.Direct.Stale = st.ByBroker[directID].Executed, st.ByBroker[directID].Stale
-	res.Proxied.Executed, res.Proxied.Stale = st.ByBroker[proxiedID].Executed, st.ByBroker[proxiedID].Stale
-	res.LinkEnds, res.BrokerCloses = ev.snapshot()
+	endsMu.Lock()
+	for i, e := range ends {
+		if endAt[i].After(flapAt) && endAt[i].Before(obsEnd) {
+			res.LinkEnds = append(res.LinkEnds, linkEnd{At: endAt[i].Sub(flapAt), Stats: e})
+		}
+	}
+	endsMu.Unlock()
+	statesMu.Lock()
+	for _, c := range states {
+		if c.at.After(flapAt) {
+			res.States = append(res.States, stateChange{At: c.at.Sub(flapAt), State: c.state, Reason: c.reason})
+		}
+	}
+	statesMu.Unlock()
+
+	// The timeline after the flap, in order.
+	var events []event
+	if len(res.LinkEnds) > 0 {
+		first := res.LinkEnds[0]
+		var preFlap []string
+		for _, e := range res.LinkEnds {
+			if e.Stats.Opened.Before(flapAt) {
+				preFlap = append(preFlap, e.Stats.Reason)
+			}
+		}
+		events = append(events, event{first.At, fmt.Sprintf("proxy closes the %d dead link(s) (%s): the brokers' in-flight queries fail at once",
+			len(preFlap), strings.Join(dedup(preFlap), ", "))})
+	}
+	for _, c := range res.States {
+		what := map[string]string{"excluded": "endpoint excluded: new connections refused", "healthy": "endpoint readmitted"}[c.State]
+		if what == "" {
+			what = "endpoint " + c.State
+		}
+		events = append(events, event{c.At, fmt.Sprintf("%s (%s)", what, c.Reason)})
+	}
+	if res.Proxied.Recovered {
+		events = append(events, event{res.Proxied.Recovery, "proxied: every connection answered again, by the new server"})
+	}
+	sortEvents(events)
+	for _, e := range events {
+		out.line(flapAt.Add(e.at), "%s", e.text)
+	}
+	state := fmt.Sprintf("%d of %d connections still open", res.Direct.OpenAtEnd, p.conns)
+	out.line(time.Now(), "direct: %d queries sent since the flap, %d answered, %d timed out; %s (the kernel retransmits for ~15 min)",
+		res.Direct.Sent, res.Direct.OK, res.Direct.TimedOut, state)
 
 	out.raw("")
 	out.table([][]string{
-		{"path", "sent", "ok", "failed fast", "timed out", "peak broker queue", "stale executed"},
-		row("direct", res.Direct),
-		row("via proxy", res.Proxied),
+		{"path", "sent", "succeeded", "failed fast", "timed out", "time to recovery"},
+		row("direct", res.Direct, p.observe),
+		row("via proxy", res.Proxied, p.observe),
 	})
+	out.raw("(queries sent in the %s after the flap; recovery: until every connection had a query answered again)", p.observe)
 
 	// Orderly teardown: brokers first, so the proxy's links end cleanly.
-	_ = direct.Close()
-	_ = proxied.Close()
+	for _, b := range brokers {
+		_ = b.Close()
+	}
 	sctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	_ = px.Shutdown(sctx)
 	cancel()
-	proxyClosed = true
 	return res, ctx.Err()
 }
 
-// driveLoad sends queries to addr at rate per second, each in its own
-// goroutine, until ctx ends, max queries were sent or d elapsed, and
-// returns once every query it started has finished (each is bounded by
-// the broker's timeout).
-func driveLoad(ctx context.Context, b *pinotsim.Broker, addr string, rate, max int, d time.Duration) {
-	var wg sync.WaitGroup
-	defer wg.Wait()
-	tick := time.NewTicker(time.Second / time.Duration(rate))
-	defer tick.Stop()
-	end := time.NewTimer(d)
-	defer end.Stop()
-	for range max {
-		select {
-		case <-ctx.Done():
-			return
-		case <-end.C:
-			return
-		case <-tick.C:
+type event struct {
+	at   time.Duration
+	text string
+}
+
+func sortEvents(es []event) {
+	for i := 1; i < len(es); i++ {
+		for j := i; j > 0 && es[j].at < es[j-1].at; j-- {
+			es[j], es[j-1] = es[j-1], es[j]
 		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			b.Query(ctx, addr)
-		}()
 	}
+}
+
+func dedup(ss []string) []string {
+	seen := map[string]bool{}
+	var out []string
+	for _, s := range ss {
+		if !seen[s] {
+			seen[s] = true
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 // sleep waits for d or until ctx ends.
@@ -353,44 +440,22 @@ func sleep(ctx context.Context, d time.Duration) error {
 	}
 }
 
-func reasons(links []linkEnd) string {
-	n := map[string]int{}
-	for _, l := range links {
-		n[l.Stats.Reason]++
+func row(name string, r pathResult, window time.Duration) []string {
+	rec := fmt.Sprintf("none in %.0fs", window.Seconds())
+	if r.Recovered {
+		rec = fmt.Sprintf("%.2fs", r.Recovery.Seconds())
 	}
-	keys := make([]string, 0, len(n))
-	for k := range n {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	parts := make([]string, 0, len(keys))
-	for _, k := range keys {
-		parts = append(parts, fmt.Sprintf("%s ×%d", k, n[k]))
-	}
-	return strings.Join(parts, ", ")
-}
-
-func row(name string, r pathResult) []string {
-	b := r.Broker
-	return []string{name, fmt.Sprint(b.Sent), fmt.Sprint(b.OK), fmt.Sprint(b.FailedFast), fmt.Sprint(b.TimedOut),
-		mib(b.PeakQueueBytes), fmt.Sprint(r.Stale)}
-}
-
-func mib(n int64) string {
-	switch {
-	case n >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
-	case n >= 1<<10:
-		return fmt.Sprintf("%.0f KiB", float64(n)/(1<<10))
-	}
-	return fmt.Sprintf("%d B", n)
+	return []string{name, fmt.Sprint(r.Sent), fmt.Sprint(r.OK), fmt.Sprint(r.FailedFast), fmt.Sprint(r.TimedOut), rec}
 }
 
 // printer writes timeline lines stamped relative to the start.
-type printer struct{ w io.Writer }
+type printer struct {
+	w     io.Writer
+	start time.Time
+}
 
-func (p *printer) line(at time.Duration, format string, args ...any) {
-	fmt.Fprintf(p.w, "%8s  %s\n", fmt.Sprintf("+%.2fs", at.Seconds()), fmt.Sprintf(format, args...))
+func (p *printer) line(at time.Time, format string, args ...any) {
+	fmt.Fprintf(p.w, "%8s  %s\n", fmt.Sprintf("+%.2fs", at.Sub(p.start).Seconds()), fmt.Sprintf(format, args...))
 }
 
 func (p *printer) raw(format string, args ...any) { fmt.Fprintf(p.w, format+"\n", args...) }

@@ -1,0 +1,439 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"net"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+)
+
+// queryRecord is one query: when it was sent, when it ended, how.
+type queryRecord struct {
+	Sent time.Time
+	Done time.Time
+	pinotsim.Result
+}
+
+// queryLoad sends one query every interval to addr through broker b, each
+// in its own goroutine (a broker serving concurrent users pipelines them on
+// its one connection), until stopped, until max queries were sent or until
+// maxDuration passed. Every query ends at the latest at the broker's
+// timeout.
+type queryLoad struct {
+	b    *pinotsim.Broker
+	addr string
+
+	ctx      context.Context
+	cancel   context.CancelFunc
+	stopSend chan struct{}
+	loopWG   sync.WaitGroup
+	qWG      sync.WaitGroup
+	sendOnce sync.Once
+	once     sync.Once
+
+	mu      sync.Mutex
+	records []queryRecord
+}
+
+func startLoad(r *rig, b *pinotsim.Broker, addr string, interval time.Duration, max int, maxDuration time.Duration) *queryLoad {
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &queryLoad{b: b, addr: addr, ctx: ctx, cancel: cancel, stopSend: make(chan struct{})}
+	l.loopWG.Add(1)
+	go func() {
+		defer l.loopWG.Done()
+		tick := time.NewTicker(interval)
+		defer tick.Stop()
+		end := time.NewTimer(maxDuration)
+		defer end.Stop()
+		for range max {
+			l.one()
+			select {
+			case <-l.stopSend:
+				return
+			case <-end.C:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	r.cleanup(l.stop)
+	return l
+}
+
+// one sends one query in its own goroutine.
+func (l *queryLoad) one() {
+	l.qWG.Add(1)
+	go func() {
+		defer l.qWG.Done()
+		sent := time.Now()
+		res := l.b.Query(l.ctx, l.addr)
+		l.mu.Lock()
+		l.records = append(l.records, queryRecord{Sent: sent, Done: time.Now(), Result: res})
+		l.mu.Unlock()
+	}()
+}
+
+// stop stops sending, cuts the queries in flight and waits for every
+// query goroutine.
+func (l *queryLoad) stop() { l.finish(0) }
+
+// pause stops the sending loop; queries in flight go on. Single queries
+// may still be sent with one.
+func (l *queryLoad) pause() {
+	l.sendOnce.Do(func() { close(l.stopSend) })
+	l.loopWG.Wait()
+}
+
+// finish stops sending and lets the queries in flight end on their own
+// (each at the latest at the broker's timeout), cutting those still
+// waiting after wait.
+func (l *queryLoad) finish(wait time.Duration) {
+	l.once.Do(func() {
+		l.pause()
+		done := make(chan struct{})
+		go func() {
+			l.qWG.Wait()
+			close(done)
+		}()
+		t := time.NewTimer(wait)
+		select {
+		case <-done:
+		case <-t.C:
+		}
+		t.Stop()
+		l.cancel()
+		<-done
+	})
+}
+
+func (l *queryLoad) snapshot() []queryRecord {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := append([]queryRecord(nil), l.records...)
+	sort.Slice(out, func(i, j int) bool { return out[i].Sent.Before(out[j].Sent) })
+	return out
+}
+
+// waitOK waits up to timeout for n queries sent at or after t0 to succeed.
+func (l *queryLoad) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for i := 0; i < 100000; i++ {
+		ok := 0
+		for _, r := range l.snapshot() {
+			if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
+				ok++
+			}
+		}
+		if ok >= n {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return false
+}
+
+// loads are the query loads of one path (one per connection).
+type loads []*queryLoad
+
+func (ls loads) records() []queryRecord {
+	var out []queryRecord
+	for _, l := range ls {
+		out = append(out, l.snapshot()...)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Sent.Before(out[j].Sent) })
+	return out
+}
+
+func (ls loads) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
+	deadline := time.Now().Add(timeout)
+	for _, l := range ls {
+		if !l.waitOK(t0, n, time.Until(deadline)) {
+			return false
+		}
+	}
+	return true
+}
+
+func (ls loads) finish(wait time.Duration) {
+	var wg sync.WaitGroup
+	for _, l := range ls {
+		wg.Add(1)
+		go func() { defer wg.Done(); l.finish(wait) }()
+	}
+	wg.Wait()
+}
+
+// tally counts outcomes.
+type tally struct {
+	Sent, OK, FailedFast, TimedOut, Canceled int
+}
+
+func (t tally) lost() int { return t.FailedFast + t.TimedOut }
+
+// count tallies the queries sent in [from, to).
+func count(rs []queryRecord, from, to time.Time) tally {
+	var t tally
+	for _, r := range rs {
+		if r.Sent.Before(from) || !r.Sent.Before(to) {
+			continue
+		}
+		t.Sent++
+		switch r.Outcome {
+		case pinotsim.OK:
+			t.OK++
+		case pinotsim.FailedFast:
+			t.FailedFast++
+		case pinotsim.TimedOut:
+			t.TimedOut++
+		case pinotsim.Canceled:
+			t.Canceled++
+		}
+	}
+	return t
+}
+
+// firstOK returns the first query sent at or after t0 that succeeded.
+func firstOK(rs []queryRecord, t0 time.Time) (queryRecord, bool) {
+	for _, r := range rs {
+		if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
+			return r, true
+		}
+	}
+	return queryRecord{}, false
+}
+
+// recovery is the time from t0 until every load had a query sent at or
+// after t0 succeed (its answer's arrival), or false if one never did.
+func recovery(ls []*queryLoad, t0 time.Time) (time.Duration, bool) {
+	var worst time.Duration
+	for _, l := range ls {
+		f, ok := firstOK(l.snapshot(), t0)
+		if !ok {
+			return 0, false
+		}
+		worst = max(worst, f.Done.Sub(t0))
+	}
+	return worst, true
+}
+
+// closeLog records the connection closes a broker reports.
+type closeLog struct {
+	mu     sync.Mutex
+	closes []pinotsim.ConnClose
+}
+
+func (c *closeLog) add(cc pinotsim.ConnClose) {
+	c.mu.Lock()
+	c.closes = append(c.closes, cc)
+	c.mu.Unlock()
+}
+
+func (c *closeLog) snapshot() []pinotsim.ConnClose {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]pinotsim.ConnClose(nil), c.closes...)
+}
+
+// newBroker returns an unmodified-Pinot-style broker, closed at the end.
+func newBroker(r *rig, id string, timeout time.Duration, requestSize int, closes *closeLog) *pinotsim.Broker {
+	cfg := pinotsim.BrokerConfig{ID: id, Timeout: timeout, RequestSize: requestSize}
+	if closes != nil {
+		cfg.OnClose = closes.add
+	}
+	b := pinotsim.NewBroker(cfg)
+	r.cleanup(func() { _ = b.Close() })
+	return b
+}
+
+// tap is a measuring relay in front of a target: each connection accepted
+// becomes one connection dialled to the target, and the request frames
+// (4-byte big-endian length prefix) forwarded on it are time-stamped. It
+// tells which connection each query went out on, which a broker does not
+// report. A failed dial resets the accepted connection, so a refused
+// target still looks refused; a close on either side closes both.
+type tap struct {
+	ln     net.Listener
+	target string
+	wg     sync.WaitGroup
+
+	mu     sync.Mutex
+	conns  []*tapConn
+	closed bool
+}
+
+// tapConn is one relayed connection: Dialed is when the connection to the
+// target was established, Frames when each request frame was forwarded.
+type tapConn struct {
+	Dialed time.Time
+	down   net.Conn
+	up     net.Conn
+
+	mu     sync.Mutex
+	frames []time.Time
+}
+
+func startTap(r *rig, target string) (*tap, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	t := &tap{ln: ln, target: target}
+	t.wg.Add(1)
+	go t.accept()
+	r.cleanup(t.close)
+	return t, nil
+}
+
+func (t *tap) addr() string { return t.ln.Addr().String() }
+
+func (t *tap) accept() {
+	defer t.wg.Done()
+	for {
+		c, err := t.ln.Accept()
+		if err != nil {
+			return
+		}
+		t.wg.Add(1)
+		go t.relay(c)
+	}
+}
+
+func (t *tap) relay(down net.Conn) {
+	defer t.wg.Done()
+	up, err := net.DialTimeout("tcp", t.target, 2*time.Second)
+	if err != nil {
+		if tc, ok := down.(*net.TCPConn); ok {
+			_ = tc.SetLinger(0)
+		}
+		_ = down.Close()
+		return
+	}
+	tc := &tapConn{Dialed: time.Now(), down: down, up: up}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		_ = up.Close()
+		_ = down.Close()
+		return
+	}
+	t.conns = append(t.conns, tc)
+	t.mu.Unlock()
+	done := make(chan struct{})
+	go func() { // responses: copied as they are
+		defer close(done)
+		buf := make([]byte, 32<<10)
+		for {
+			n, err := up.Read(buf)
+			if n > 0 {
+				if _, werr := down.Write(buf[:n]); werr != nil {
+					break
+				}
+			}
+			if err != nil {
+				break
+			}
+		}
+		_ = down.Close()
+		_ = up.Close()
+	}()
+	tc.forwardRequests()
+	_ = down.Close()
+	_ = up.Close()
+	<-done
+}
+
+// forwardRequests copies the request direction, stamping each frame when
+// the write that carries its first byte completed.
+func (tc *tapConn) forwardRequests() {
+	buf := make([]byte, 64<<10)
+	var hdr [4]byte
+	hdrN := 0      // header bytes of the current frame seen
+	var body int64 // body bytes of the current frame still to come
+	for {
+		n, err := tc.down.Read(buf)
+		if n > 0 {
+			starts := 0
+			for p := buf[:n]; len(p) > 0; {
+				if body > 0 {
+					k := min(int64(len(p)), body)
+					body -= k
+					p = p[k:]
+					continue
+				}
+				if hdrN == 0 {
+					starts++
+				}
+				k := copy(hdr[hdrN:], p)
+				hdrN += k
+				p = p[k:]
+				if hdrN == 4 {
+					body = int64(binary.BigEndian.Uint32(hdr[:]))
+					hdrN = 0
+				}
+			}
+			if _, werr := tc.up.Write(buf[:n]); werr != nil {
+				return
+			}
+			if starts > 0 {
+				now := time.Now()
+				tc.mu.Lock()
+				for range starts {
+					tc.frames = append(tc.frames, now)
+				}
+				tc.mu.Unlock()
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// framesOnOlder counts the request frames forwarded at or after t0 on
+// connections dialled before t0, and how many such connections carried
+// them.
+func (t *tap) framesOnOlder(t0 time.Time) (frames, conns int) {
+	t.mu.Lock()
+	cs := append([]*tapConn(nil), t.conns...)
+	t.mu.Unlock()
+	for _, c := range cs {
+		if !c.Dialed.Before(t0) {
+			continue
+		}
+		c.mu.Lock()
+		n := 0
+		for _, f := range c.frames {
+			if !f.Before(t0) {
+				n++
+			}
+		}
+		c.mu.Unlock()
+		frames += n
+		if n > 0 {
+			conns++
+		}
+	}
+	return frames, conns
+}
+
+func (t *tap) close() {
+	t.mu.Lock()
+	t.closed = true
+	cs := append([]*tapConn(nil), t.conns...)
+	t.mu.Unlock()
+	_ = t.ln.Close()
+	for _, c := range cs {
+		_ = c.down.Close()
+		_ = c.up.Close()
+	}
+	t.wg.Wait()
+}

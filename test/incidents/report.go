@@ -1,0 +1,219 @@
+//go:build linux
+
+package main
+
+import (
+	"fmt"
+	"io"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Report is what one replay measured.
+type Report struct {
+	N    int
+	Name string
+	// Rows: direct first, then through the proxy.
+	Rows []Row
+	// Checks are the issue's targets (through the proxy) and the controls
+	// (the direct path shows the failure, so the replay is known to be real).
+	Checks []Check
+	// Timeline is what happened, relative to the fault.
+	Timeline []Event
+	// Notes say what a column means in this replay.
+	Notes []string
+}
+
+// Row is one path of a replay.
+type Row struct {
+	Path       string // "direct" or "proxy"
+	Sent       int
+	OK         int
+	FailedFast int
+	TimedOut   int
+	// Recovery is the time until queries succeed again (see the replay's
+	// note for where it is measured from); Recovered false: not within the
+	// observation window Window.
+	Recovery  time.Duration
+	Recovered bool
+	Window    time.Duration
+	// PeakMem is the peak memory, already formatted with what it is.
+	PeakMem string
+	Stale   int64
+}
+
+// Check is one asserted target or control.
+type Check struct {
+	Name   string
+	OK     bool
+	Detail string
+	// Known, when the check failed, names a product issue whose signature
+	// the replay observed and that explains the failure. A known failure
+	// is reported, not counted as a failed check: the replay documents
+	// the issue until the product is fixed, and the check is strict again
+	// as soon as the signature is gone.
+	Known string
+}
+
+func (r *Report) check(ok bool, name, format string, args ...any) {
+	r.Checks = append(r.Checks, Check{Name: name, OK: ok, Detail: fmt.Sprintf(format, args...)})
+}
+
+// knownIssue marks the last check as explained by a known product issue,
+// if it failed and the issue's signature was observed.
+func (r *Report) knownIssue(observed bool, format string, args ...any) {
+	c := &r.Checks[len(r.Checks)-1]
+	if !c.OK && observed {
+		c.Known = fmt.Sprintf(format, args...)
+	}
+}
+
+// Event is one line of a replay's timeline.
+type Event struct {
+	At   time.Duration // since the fault
+	Text string
+}
+
+func (r *Report) event(t0, at time.Time, format string, args ...any) {
+	r.Timeline = append(r.Timeline, Event{At: at.Sub(t0), Text: fmt.Sprintf(format, args...)})
+}
+
+// Lines returns the timeline in time order, one formatted line per event.
+func (r *Report) Lines() []string {
+	ev := append([]Event(nil), r.Timeline...)
+	sort.SliceStable(ev, func(i, j int) bool { return ev[i].At < ev[j].At })
+	out := make([]string, len(ev))
+	for i, e := range ev {
+		out[i] = fmt.Sprintf("%+8.2fs  %s", e.At.Seconds(), e.Text)
+	}
+	return out
+}
+
+func (r *Report) note(format string, args ...any) {
+	r.Notes = append(r.Notes, fmt.Sprintf(format, args...))
+}
+
+// Failed returns the checks that did not pass, except known issues.
+func (r *Report) Failed() []Check {
+	var out []Check
+	for _, c := range r.Checks {
+		if !c.OK && c.Known == "" {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// KnownIssues returns the checks that failed for a known product issue.
+func (r *Report) KnownIssues() []Check {
+	var out []Check
+	for _, c := range r.Checks {
+		if !c.OK && c.Known != "" {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+func row(path string, t tally, rec time.Duration, recovered bool, window time.Duration, mem string, stale int64) Row {
+	return Row{Path: path, Sent: t.Sent, OK: t.OK, FailedFast: t.FailedFast, TimedOut: t.TimedOut,
+		Recovery: rec, Recovered: recovered, Window: window, PeakMem: mem, Stale: stale}
+}
+
+func (r Row) recoveryString() string {
+	if !r.Recovered {
+		return fmt.Sprintf("none in %.0fs", r.Window.Seconds())
+	}
+	return fmt.Sprintf("%.2fs", r.Recovery.Seconds())
+}
+
+// writeTable prints the reports side by side: a row per path.
+func writeTable(w io.Writer, reports []*Report) {
+	rows := [][]string{{"replay", "path", "sent", "succeeded", "failed fast", "timed out", "time to recovery", "peak memory", "stale executed"}}
+	for _, rep := range reports {
+		for i, r := range rep.Rows {
+			name := ""
+			if i == 0 {
+				name = fmt.Sprintf("%d. %s", rep.N, rep.Name)
+			}
+			rows = append(rows, []string{name, r.Path, fmt.Sprint(r.Sent), fmt.Sprint(r.OK), fmt.Sprint(r.FailedFast),
+				fmt.Sprint(r.TimedOut), r.recoveryString(), r.PeakMem, fmt.Sprint(r.Stale)})
+		}
+	}
+	widths := make([]int, len(rows[0]))
+	for _, r := range rows {
+		for i, c := range r {
+			widths[i] = max(widths[i], len([]rune(c)))
+		}
+	}
+	line := func(cells []string) {
+		var b strings.Builder
+		b.WriteString("|")
+		for i, c := range cells {
+			pad := widths[i] - len([]rune(c))
+			if i <= 1 || i == 7 {
+				fmt.Fprintf(&b, " %s%s |", c, strings.Repeat(" ", pad))
+			} else {
+				fmt.Fprintf(&b, " %s%s |", strings.Repeat(" ", pad), c)
+			}
+		}
+		fmt.Fprintln(w, b.String())
+	}
+	line(rows[0])
+	var sep strings.Builder
+	sep.WriteString("|")
+	for i, wd := range widths {
+		if i <= 1 || i == 7 {
+			sep.WriteString(" " + strings.Repeat("-", wd) + " |")
+		} else {
+			sep.WriteString(" " + strings.Repeat("-", wd-1) + ": |")
+		}
+	}
+	fmt.Fprintln(w, sep.String())
+	for _, r := range rows[1:] {
+		line(r)
+	}
+}
+
+// writeChecks prints each replay's notes and checks.
+func writeChecks(w io.Writer, reports []*Report, timelines bool) {
+	for _, rep := range reports {
+		fmt.Fprintf(w, "\n%d. %s\n", rep.N, rep.Name)
+		for _, n := range rep.Notes {
+			fmt.Fprintf(w, "   note: %s\n", n)
+		}
+		if timelines {
+			for _, e := range rep.Lines() {
+				fmt.Fprintf(w, "   %s\n", e)
+			}
+		}
+		for _, c := range rep.Checks {
+			mark := "ok   "
+			switch {
+			case !c.OK && c.Known != "":
+				mark = "KNOWN"
+			case !c.OK:
+				mark = "FAIL "
+			}
+			fmt.Fprintf(w, "   [%s] %s: %s\n", mark, c.Name, c.Detail)
+			if !c.OK && c.Known != "" {
+				fmt.Fprintf(w, "           known product issue: %s\n", c.Known)
+			}
+		}
+	}
+}
+
+// mib formats a byte count.
+func mib(n int64) string {
+	switch {
+	case n >= 1<<20 || n <= -1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10 || n <= -1<<10:
+		return fmt.Sprintf("%.0f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+// secs formats a duration in seconds.
+func secs(d time.Duration) string { return fmt.Sprintf("%.2fs", d.Seconds()) }
