@@ -234,6 +234,7 @@ func (k *link) pumpRequests() {
 					k.badFrame("request", errTruncated)
 					return
 				}
+				k.sawFin(metrics.ReasonClientClosed)
 				k.q.mu.Lock()
 				if k.q.writer {
 					// The writer passes the FIN on after the queued bytes.
@@ -248,7 +249,7 @@ func (k *link) pumpRequests() {
 					k.abort(classifyUpstream(cerr), cerr)
 					return
 				}
-				k.passedFin(metrics.ReasonClientClosed)
+				k.passedFin()
 			} else {
 				k.abort(metrics.ReasonClientError, err)
 			}
@@ -368,7 +369,7 @@ func (k *link) writeUpstream() {
 				k.abort(classifyUpstream(err), err)
 				return
 			}
-			k.passedFin(metrics.ReasonClientClosed)
+			k.passedFin()
 			return
 		}
 		head := k.bytesUp.Load() - q.queued // stream offset of the oldest queued byte
@@ -456,11 +457,12 @@ func (k *link) pumpResponses() {
 					k.badFrame("response", errTruncated)
 					return
 				}
+				k.sawFin(metrics.ReasonUpstreamClosed)
 				if cerr := k.client.CloseWrite(); cerr != nil {
 					k.abort(metrics.ReasonClientError, cerr)
 					return
 				}
-				k.passedFin(metrics.ReasonUpstreamClosed)
+				k.passedFin()
 				return
 			}
 			k.abort(classifyUpstream(err), err)
@@ -511,14 +513,23 @@ func (k *link) ackedBytes() (int64, bool) {
 	return bytesAcked(raw)
 }
 
+// sawFin records which side sent FIN first, when it is read: passing it
+// on lets the other side answer with its own FIN, which must not win.
+func (k *link) sawFin(reason string) {
+	k.finMu.Lock()
+	defer k.finMu.Unlock()
+	if k.firstFin == "" {
+		k.firstFin = reason
+	}
+}
+
 // passedFin records that one direction finished cleanly. The first FIN
 // arms half_close_timeout on the other direction.
-func (k *link) passedFin(reason string) {
+func (k *link) passedFin() {
 	k.finMu.Lock()
 	defer k.finMu.Unlock()
 	k.fins++
 	if k.fins == 1 {
-		k.firstFin = reason
 		if hc := k.set.HalfCloseTimeout.D(); hc > 0 {
 			k.halfTimer = time.AfterFunc(hc, func() {
 				k.abort(metrics.ReasonHalfCloseTimeout, nil)
