@@ -48,25 +48,10 @@ type Check struct {
 	Name   string
 	OK     bool
 	Detail string
-	// Known, when the check failed, names a product issue whose signature
-	// the replay observed and that explains the failure. A known failure
-	// is reported, not counted as a failed check: the replay documents
-	// the issue until the product is fixed, and the check is strict again
-	// as soon as the signature is gone.
-	Known string
 }
 
 func (r *Report) check(ok bool, name, format string, args ...any) {
 	r.Checks = append(r.Checks, Check{Name: name, OK: ok, Detail: fmt.Sprintf(format, args...)})
-}
-
-// knownIssue marks the last check as explained by a known product issue,
-// if it failed and the issue's signature was observed.
-func (r *Report) knownIssue(observed bool, format string, args ...any) {
-	c := &r.Checks[len(r.Checks)-1]
-	if !c.OK && observed {
-		c.Known = fmt.Sprintf(format, args...)
-	}
 }
 
 // Event is one line of a replay's timeline.
@@ -94,22 +79,11 @@ func (r *Report) note(format string, args ...any) {
 	r.Notes = append(r.Notes, fmt.Sprintf(format, args...))
 }
 
-// Failed returns the checks that did not pass, except known issues.
+// Failed returns the checks that did not pass.
 func (r *Report) Failed() []Check {
 	var out []Check
 	for _, c := range r.Checks {
-		if !c.OK && c.Known == "" {
-			out = append(out, c)
-		}
-	}
-	return out
-}
-
-// KnownIssues returns the checks that failed for a known product issue.
-func (r *Report) KnownIssues() []Check {
-	var out []Check
-	for _, c := range r.Checks {
-		if !c.OK && c.Known != "" {
+		if !c.OK {
 			out = append(out, c)
 		}
 	}
@@ -190,16 +164,10 @@ func writeChecks(w io.Writer, reports []*Report, timelines bool) {
 		}
 		for _, c := range rep.Checks {
 			mark := "ok   "
-			switch {
-			case !c.OK && c.Known != "":
-				mark = "KNOWN"
-			case !c.OK:
+			if !c.OK {
 				mark = "FAIL "
 			}
 			fmt.Fprintf(w, "   [%s] %s: %s\n", mark, c.Name, c.Detail)
-			if !c.OK && c.Known != "" {
-				fmt.Fprintf(w, "           known product issue: %s\n", c.Known)
-			}
 		}
 	}
 }
