@@ -175,6 +175,7 @@ func (k *link) dial() bool {
 	k.connMu.Unlock()
 	if closed {
 		// Aborted while dialling: the reason is already set.
+		k.l.p.ownUp.Delete(up.LocalAddr().String())
 		_ = up.SetLinger(0)
 		_ = up.Close()
 		return false

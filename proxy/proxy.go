@@ -47,7 +47,8 @@ type Proxy struct {
 	exset       *intercept.ExcludedSet // nil: excluded destinations are reset after accept
 	ownUp       sync.Map               // local addresses of upstream sockets, for the loop guard
 
-	reloadMu sync.Mutex     // one Reload at a time
+	reloadMu sync.Mutex     // one Reload at a time; Shutdown holds it to the end
+	closing  bool           // Shutdown began: no more reloads (under mu)
 	bg       sync.WaitGroup // drains of listeners a reload removed
 
 	mu        sync.Mutex
@@ -194,6 +195,12 @@ func (p *Proxy) ActiveLinks() int {
 func (p *Proxy) Shutdown(ctx context.Context) error {
 	var cut error
 	p.stopOnce.Do(func() {
+		// A reload in progress finishes first; none starts after this.
+		p.reloadMu.Lock()
+		defer p.reloadMu.Unlock()
+		p.mu.Lock()
+		p.closing = true
+		p.mu.Unlock()
 		p.ready.Store(false)
 		p.mu.Lock()
 		ls := append([]*listener(nil), p.listeners...)

@@ -21,10 +21,11 @@ import (
 //     is bound (a failure to bind is returned and the rest still applies);
 //   - a listener that is gone stops accepting at once; its links get
 //     drain_timeout to finish and are then closed;
-//   - endpoints.disabled is diffed: newly listed endpoints are disabled,
-//     endpoints no longer listed are enabled (a readmission: links opened
+//   - endpoints.disabled: every listed endpoint is disabled (including
+//     one a new listener routes to); endpoints the previous config listed
+//     and this one does not are enabled (a readmission: links opened
 //     before it are evicted). Endpoints disabled through the admin API
-//     stay as they are.
+//     and never listed stay as they are.
 //
 // Admin and log settings are not reloaded (they need a restart).
 func (p *Proxy) Reload(cfg policy.Config) error {
@@ -32,7 +33,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	defer p.reloadMu.Unlock()
 
 	p.mu.Lock()
-	if !p.started || p.ctx.Err() != nil {
+	if !p.started || p.closing {
 		p.mu.Unlock()
 		return errors.New("reload: proxy not running")
 	}
@@ -65,12 +66,12 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	}
 	now := p.disabled
 	p.mu.Unlock()
-	// Newly disabled endpoints leave routing before any listener binds.
+	// Every endpoint the new config lists as disabled leaves routing
+	// before any listener binds, including one this reload newly routes to
+	// (Disable of one already disabled changes nothing).
 	for addr := range now {
-		if !prev[addr] {
-			if ep, err := p.lookup(addr); err == nil {
-				p.det.Disable(ep.addr, "config")
-			}
+		if ep, err := p.lookup(addr); err == nil {
+			p.det.Disable(ep.addr, "config")
 		}
 	}
 
@@ -138,7 +139,15 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 		l.abortAll(metrics.ReasonShutdown)
 		<-done
 		p.detach(l)
-		p.metrics.Forget(l.cfg.Name)
+		p.mu.Lock()
+		reused := false
+		for _, x := range p.listeners {
+			reused = reused || x.cfg.Name == l.cfg.Name
+		}
+		p.mu.Unlock()
+		if !reused { // a listener that moved keeps its series
+			p.metrics.Forget(l.cfg.Name)
+		}
 	}()
 }
 
@@ -161,28 +170,27 @@ func (p *Proxy) detach(l *listener) {
 }
 
 func (p *Proxy) detachFrom(l *listener, ep *endpoint) {
+	// p.mu then ep.mu, as everywhere: a listener attaching to ep holds
+	// p.mu too, so an orphan seen here stays one until it is deleted.
+	p.mu.Lock()
 	ep.mu.Lock()
 	if !slices.Contains(ep.listeners, l) {
 		ep.mu.Unlock()
+		p.mu.Unlock()
 		return
 	}
-	for i, x := range ep.listeners {
-		if x == l {
-			ep.listeners = append(ep.listeners[:i], ep.listeners[i+1:]...)
-			break
-		}
-	}
+	ep.listeners = slices.DeleteFunc(ep.listeners, func(x *listener) bool { return x == l })
 	orphan := len(ep.listeners) == 0
 	ep.mu.Unlock()
-	if !orphan {
-		return
-	}
-	p.mu.Lock()
-	if p.endpoints[ep.addr] == ep {
+	if orphan && p.endpoints[ep.addr] == ep {
 		delete(p.endpoints, ep.addr)
 	}
 	p.mu.Unlock()
+	if !orphan {
+		return
+	}
 	p.det.Unregister(ep.addr)
+	p.unexclude(ep.addr)
 	if ep.orphans != nil {
 		ep.orphans.stop()
 	}

@@ -1,9 +1,12 @@
 package proxy
 
 import (
+	"context"
 	"net"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -118,4 +121,106 @@ func TestReloadDisabledEndpoints(t *testing.T) {
 		t.Fatalf("link to an endpoint disabled by reload saw %v", err)
 	}
 	expectRefused(t, addr)
+}
+
+// A listener whose upstream changes keeps its name's metric series after
+// the old incarnation's drain.
+func TestReloadMovedListenerKeepsItsMetrics(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	peer2 := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	m := metrics.New()
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
+	p := New(cfg, Options{Metrics: m})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	cfg2 := cfg
+	cfg2.DrainTimeout = 0
+	cfg2.Listeners = []policy.Listener{listenerCfg("a", peer2.Addr(), nil)}
+	if err := p.Reload(cfg2); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // the old incarnation's drain ends
+	c, err := net.Dial("tcp", p.Addr("a").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, c, []byte("x"))
+	c.Close()
+	time.Sleep(100 * time.Millisecond)
+	n, _ := testutil.GatherAndCount(m.Registry, "livenessproxy_links_total")
+	t.Logf("links_total series after a link on the moved listener: %d", n)
+	if n == 0 {
+		t.Fatal("the moved listener lost its links_total series")
+	}
+}
+
+// An endpoint listed in endpoints.disabled stays out of routing when a
+// reload adds a listener that routes to it.
+func TestReloadDisablesEndpointANewListenerRoutesTo(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	other := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{listenerCfg("a", other.Addr(), nil)}
+	cfg.Endpoints.Disabled = []string{peer.Addr()}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	cfg2 := cfg
+	cfg2.Listeners = []policy.Listener{cfg.Listeners[0], listenerCfg("b", peer.Addr(), nil)}
+	cfg2.Listeners[0].Listen = p.Addr("a").String()
+	if err := p.Reload(cfg2); err != nil {
+		t.Fatal(err)
+	}
+	st, _ := p.det.State(normalizeEndpoint(peer.Addr()))
+	t.Logf("state of %s listed in endpoints.disabled: %v", peer.Addr(), st)
+	c, err := net.Dial("tcp", p.Addr("b").String())
+	if err == nil {
+		roundTrip(t, c, []byte("served although disabled"))
+		c.Close()
+		t.Fatal("an endpoint in endpoints.disabled is served by the listener the reload added")
+	}
+}
+
+// A reload that comes during Shutdown's drain binds nothing.
+func TestReloadDuringShutdownIsRefused(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp", p.Addr("a").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, c, []byte("hold")) // a link keeps Shutdown draining
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	done := make(chan struct{})
+	go func() { _ = p.Shutdown(ctx); close(done) }()
+	time.Sleep(100 * time.Millisecond)
+	cfg2 := cfg
+	cfg2.Listeners = []policy.Listener{cfg.Listeners[0], listenerCfg("b", peer.Addr(), nil)}
+	cfg2.Listeners[0].Listen = p.Addr("a").String()
+	if err := p.Reload(cfg2); err == nil {
+		t.Error("Reload during Shutdown returned nil")
+	}
+	<-done
+	c.Close()
+	if a := p.Addr("b"); a != nil {
+		c2, err := net.Dial("tcp", a.String())
+		if err == nil {
+			c2.Close()
+			for _, l := range p.listeners { // let goleak judge this test alone
+				l.stopAccepting()
+			}
+			t.Fatal("a listener added by a reload during Shutdown still accepts after Shutdown returned")
+		}
+	}
 }

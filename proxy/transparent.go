@@ -76,7 +76,7 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 		if err != nil || ap.Port() != dst.Port() {
 			continue
 		}
-		if ap.Addr() == dst.Addr().Unmap() || ap.Addr().IsUnspecified() || dst.Addr().IsLoopback() {
+		if ap.Addr() == dst.Addr().Unmap() || dst.Addr().IsLoopback() {
 			return true
 		}
 	}
@@ -87,20 +87,17 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 // registering it (and applying endpoints.disabled) on first use.
 func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	p.mu.Lock()
-	_, existed := p.endpoints[normalizeEndpoint(addr)]
-	var ep *endpoint
-	if existed {
-		ep = p.endpoints[normalizeEndpoint(addr)]
-	} else {
+	ep, existed := p.endpoints[normalizeEndpoint(addr)]
+	if !existed {
 		ep = p.endpointForLocked(addr, l.tuning().set)
 	}
 	disabled := !existed && p.disabled[ep.addr]
-	p.mu.Unlock()
 	ep.mu.Lock()
 	if !slices.Contains(ep.listeners, l) {
 		ep.listeners = append(ep.listeners, l)
 	}
 	ep.mu.Unlock()
+	p.mu.Unlock()
 	if disabled {
 		p.det.Disable(ep.addr, "config")
 	}
@@ -127,7 +124,7 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 		}
 	}
 	if !transparent {
-		return
+		refuse = false // no transparent listener left: never keep it in the set
 	}
 	if refuse {
 		err = p.exset.AddExcluded(ap)
@@ -136,6 +133,17 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 	}
 	if err != nil {
 		p.log.Error().Err(err).Str("endpoint", ep.addr).Bool("excluded", refuse).Msg("updating the nftables excluded set")
+	}
+}
+
+// unexclude takes a destination out of the kernel's excluded set (when the
+// proxy stops routing to it at all).
+func (p *Proxy) unexclude(addr string) {
+	if p.exset == nil {
+		return
+	}
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		_ = p.exset.RemoveExcluded(ap)
 	}
 }
 

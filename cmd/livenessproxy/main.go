@@ -153,8 +153,13 @@ func cmdRun(args []string, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	// SIGHUP reloads; caught for the whole run (while starting and
+	// draining too), so that it never takes the default action: exit.
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
 	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Metrics) {
-		watchConfig(ctx, f.config, data, p, m, log)
+		watchConfig(ctx, f.config, data, hup, p, m, log)
 	}); err != nil {
 		log.Error().Err(err).Msg("livenessproxy stopped")
 		return 1

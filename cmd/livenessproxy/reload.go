@@ -5,9 +5,7 @@ import (
 	"context"
 	"errors"
 	"os"
-	"os/signal"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -25,10 +23,7 @@ const watchInterval = time.Second
 // watchConfig reloads the configuration when the file's content changes
 // or on SIGHUP, until ctx ends. A config that fails validation is logged
 // with every problem by key path and the last good one keeps serving.
-func watchConfig(ctx context.Context, path string, applied []byte, p *proxy.Proxy, m *metrics.Metrics, log zerolog.Logger) {
-	hup := make(chan os.Signal, 1)
-	signal.Notify(hup, syscall.SIGHUP)
-	defer signal.Stop(hup)
+func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Metrics, log zerolog.Logger) {
 	tick := time.NewTicker(watchInterval)
 	defer tick.Stop()
 	last := applied
