@@ -25,6 +25,7 @@ type endpoint struct {
 	consecutive atomic.Int64
 	lastAnswer  atomic.Int64 // mono time of the last answer on any link
 	readmitted  atomic.Int64 // mono time of the last readmission
+	lastUsed    atomic.Int64 // mono time a transparent connection last resolved to it
 	threshold   atomic.Int64 // consecutive_timeouts_threshold (the latest listener settings)
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).

@@ -155,6 +155,8 @@ func (p *Proxy) Start() error {
 		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
 	}
 	p.ready.Store(true)
+	p.bg.Add(1)
+	go p.sweepLoop()
 	p.mu.Unlock()
 	return nil
 }

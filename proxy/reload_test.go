@@ -224,3 +224,36 @@ func TestReloadDuringShutdownIsRefused(t *testing.T) {
 		}
 	}
 }
+
+// Transparent destinations that go idle are forgotten (map entry, detector
+// state, endpoint_state series); an excluded one is kept so that it stays
+// refused.
+func TestIdleTransparentDestinationsAreForgotten(t *testing.T) {
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{{Name: "out", Listen: "127.0.0.1:0", Settings: cfg.Defaults,
+		Transparent: policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}}}}}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	l := p.listeners[0]
+	p.transparentEndpoint("10.9.0.1:8098", l)
+	p.transparentEndpoint("10.9.0.2:8098", l)
+	p.det.Report("10.9.0.2:8098", metrics.ReasonDialError)
+	if n := len(p.Endpoints()); n != 2 {
+		t.Fatalf("%d endpoints, want 2", n)
+	}
+	if n := p.sweepIdle(); n != 0 {
+		t.Fatalf("swept %d endpoints used just now", n)
+	}
+	defer func(d time.Duration) { idleEndpoint = d }(idleEndpoint)
+	idleEndpoint = 0
+	if n := p.sweepIdle(); n != 1 {
+		t.Fatalf("swept %d, want the idle healthy one", n)
+	}
+	eps := p.Endpoints()
+	if len(eps) != 1 || eps[0].Endpoint != "10.9.0.2:8098" || eps[0].State != "excluded" {
+		t.Fatalf("after the sweep: %+v, want only the excluded destination", eps)
+	}
+}

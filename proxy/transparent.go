@@ -4,6 +4,9 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/health"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -92,6 +95,7 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 		ep = p.endpointForLocked(addr, l.tuning().set)
 	}
 	disabled := !existed && p.disabled[ep.addr]
+	ep.lastUsed.Store(mono())
 	ep.mu.Lock()
 	if !slices.Contains(ep.listeners, l) {
 		ep.listeners = append(ep.listeners, l)
@@ -159,6 +163,68 @@ func (p *Proxy) clearExcludedSet() {
 	for _, addr := range eps {
 		if ap, err := netip.ParseAddrPort(addr); err == nil {
 			_ = p.exset.RemoveExcluded(ap)
+		}
+	}
+}
+
+// idleEndpoint is how long a transparent destination may go without a
+// connection before it is forgotten; sweepEvery is how often that is
+// checked. A transparent listener's endpoints are otherwise bounded only by
+// the destinations its match list covers.
+var (
+	idleEndpoint = 10 * time.Minute
+	sweepEvery   = time.Minute
+)
+
+// sweepIdle forgets transparent-only destinations that are healthy, have
+// no links and saw no connection for idleEndpoint: their map entry, their
+// detector state and their endpoint_state series. An excluded or disabled
+// one is kept, so that it stays refused.
+func (p *Proxy) sweepIdle() int {
+	cutoff := mono() - int64(idleEndpoint)
+	var gone []*endpoint
+	p.mu.Lock()
+	for addr, ep := range p.endpoints {
+		if ep.lastUsed.Load() == 0 || ep.lastUsed.Load() > cutoff {
+			continue // explicit (never resolved transparently) or recently used
+		}
+		if st, _ := p.det.State(addr); st != health.Healthy {
+			continue
+		}
+		ep.mu.Lock()
+		idle := len(ep.links) == 0
+		for _, l := range ep.listeners {
+			idle = idle && l.matches != nil
+		}
+		ep.mu.Unlock()
+		if idle {
+			delete(p.endpoints, addr)
+			gone = append(gone, ep)
+		}
+	}
+	p.mu.Unlock()
+	for _, ep := range gone {
+		p.det.Unregister(ep.addr)
+		if ep.orphans != nil {
+			ep.orphans.stop()
+		}
+	}
+	return len(gone)
+}
+
+// sweepLoop runs sweepIdle until the proxy stops.
+func (p *Proxy) sweepLoop() {
+	defer p.bg.Done()
+	t := time.NewTicker(sweepEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.ctx.Done():
+			return
+		case <-t.C:
+			if n := p.sweepIdle(); n > 0 {
+				p.log.Debug().Int("endpoints", n).Msg("forgot idle transparent destinations")
+			}
 		}
 	}
 }
