@@ -456,3 +456,32 @@ func TestQueryCanceledAndBrokerClose(t *testing.T) {
 		t.Fatalf("query after close: %+v", r)
 	}
 }
+
+// A Load sends at most max queries, records each with its outcome, and
+// Stop cuts the ones still waiting on a silent server.
+func TestLoadRecordsAndStops(t *testing.T) {
+	s := newServer(t, ServerConfig{Addr: "127.0.0.1:0"})
+	b := newBroker(t, BrokerConfig{Timeout: 5 * time.Second})
+	l := StartLoad(b, s.Addr(), 5*time.Millisecond, 10, 10*time.Second)
+	if !l.WaitOK(time.Time{}, 10, 5*time.Second) {
+		t.Fatalf("10 queries did not succeed: %+v", l.Records())
+	}
+	l.Finish(time.Second)
+	if n := len(l.Records()); n != 10 {
+		t.Fatalf("%d records, want max (10)", n)
+	}
+
+	s.SetSilent(true)
+	silent := StartLoad(b, s.Addr(), 5*time.Millisecond, 3, 10*time.Second)
+	time.Sleep(50 * time.Millisecond)
+	begin := time.Now()
+	silent.Stop() // must not wait for the broker's 5s timeout
+	if d := time.Since(begin); d > time.Second {
+		t.Fatalf("Stop took %v", d)
+	}
+	for _, r := range silent.Records() {
+		if r.Outcome == OK {
+			t.Fatalf("a silent server answered: %+v", r)
+		}
+	}
+}

@@ -97,10 +97,10 @@ func TestNodeFlapWithoutFIN(t *testing.T) {
 	t.Cleanup(func() { _ = direct.Close() })
 	viaProxy := startLoad(t, proxied, pp.addr, queryEvery, 300)
 	viaDirect := startLoad(t, direct, srvAddr, queryEvery, 300)
-	if !viaProxy.waitOK(time.Time{}, 5, 5*time.Second) || !viaDirect.waitOK(time.Time{}, 5, 5*time.Second) {
+	if !viaProxy.WaitOK(time.Time{}, 5, 5*time.Second) || !viaDirect.WaitOK(time.Time{}, 5, 5*time.Second) {
 		t.Fatalf("no traffic before the flap: proxied %s; direct %s",
-			fmtOutcomes(outcomes(viaProxy.snapshot(), time.Time{}, time.Now())),
-			fmtOutcomes(outcomes(viaDirect.snapshot(), time.Time{}, time.Now())))
+			fmtOutcomes(outcomes(viaProxy.Records(), time.Time{}, time.Now())),
+			fmtOutcomes(outcomes(viaDirect.Records(), time.Time{}, time.Now())))
 	}
 
 	// The flap. Drop the established flows by client port: the proxy's
@@ -122,19 +122,19 @@ func TestNodeFlapWithoutFIN(t *testing.T) {
 	newSrv := startPinotIn(t, peer, pinotsim.ServerConfig{Addr: srvAddr})
 	restartedIn := time.Since(flapAt)
 
-	if !viaProxy.waitOK(flapAt, 3, recoverBound+time.Second) {
+	if !viaProxy.WaitOK(flapAt, 3, recoverBound+time.Second) {
 		t.Errorf("no 3 successful queries through the proxy within %v of the flap: %s; state %+v",
-			recoverBound+time.Second, fmtOutcomes(outcomes(viaProxy.snapshot(), flapAt, time.Now())), pp.state())
+			recoverBound+time.Second, fmtOutcomes(outcomes(viaProxy.Records(), flapAt, time.Now())), pp.state())
 	}
 	// Observe the control for as long as the bound, plus one broker
 	// timeout so that queries sent in the bound have all ended.
 	time.Sleep(time.Until(flapAt.Add(recoverBound + brokerTimeout)))
 	obsEnd := flapAt.Add(recoverBound)
 	directStillConnected := direct.Connected(srvAddr)
-	viaProxy.finish(brokerTimeout + time.Second)
-	viaDirect.finish(brokerTimeout + time.Second)
+	viaProxy.Finish(brokerTimeout + time.Second)
+	viaDirect.Finish(brokerTimeout + time.Second)
 
-	pr, dr := viaProxy.snapshot(), viaDirect.snapshot()
+	pr, dr := viaProxy.Records(), viaDirect.Records()
 	first, ok := firstOKAfter(pr, flapAt)
 	recovered := first.Done.Sub(flapAt)
 	t.Logf("new server listening %v after the flap; first query through the proxy to succeed was sent +%v and answered +%v after the flap",

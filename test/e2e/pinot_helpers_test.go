@@ -3,10 +3,8 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
 	"net"
-	"sort"
 	"strings"
 	"sync"
 	"testing"
@@ -229,95 +227,17 @@ func (pp *pinotProxy) waitState(state string, timeout time.Duration) bool {
 	return false
 }
 
-// queryRecord is one query of a load: when it was sent and how it ended.
-type queryRecord struct {
-	Sent time.Time
-	Done time.Time
-	pinotsim.Result
-}
+// queryRecord and queryLoad are pinotsim's load generator.
+type (
+	queryRecord = pinotsim.Record
+	queryLoad   = pinotsim.Load
+)
 
-// queryLoad sends one query every interval (each in its own goroutine, as
-// a broker serving concurrent users pipelines them) until stopped or until
-// max queries were sent.
-type queryLoad struct {
-	b    *pinotsim.Broker
-	addr string
-
-	ctx      context.Context // cuts queries still waiting when the test stops
-	cancel   context.CancelFunc
-	stopSend chan struct{}
-	loopWG   sync.WaitGroup
-	qWG      sync.WaitGroup
-	sendOnce sync.Once
-	once     sync.Once
-
-	mu      sync.Mutex
-	records []queryRecord
-}
-
+// startLoad starts a load (at most max queries) that stops with the test.
 func startLoad(t *testing.T, b *pinotsim.Broker, addr string, interval time.Duration, max int) *queryLoad {
-	ctx, cancel := context.WithCancel(context.Background())
-	l := &queryLoad{b: b, addr: addr, ctx: ctx, cancel: cancel, stopSend: make(chan struct{})}
-	l.loopWG.Add(1)
-	go func() {
-		defer l.loopWG.Done()
-		tick := time.NewTicker(interval)
-		defer tick.Stop()
-		for range max {
-			l.qWG.Add(1)
-			go func() {
-				defer l.qWG.Done()
-				sent := time.Now()
-				// The broker's own timeout ends every query.
-				res := b.Query(ctx, addr)
-				l.mu.Lock()
-				l.records = append(l.records, queryRecord{Sent: sent, Done: time.Now(), Result: res})
-				l.mu.Unlock()
-			}()
-			select {
-			case <-l.stopSend:
-				return
-			case <-tick.C:
-			}
-		}
-	}()
-	t.Cleanup(l.stop)
+	l := pinotsim.StartLoad(b, addr, interval, max, time.Duration(max+1)*interval)
+	t.Cleanup(l.Stop)
 	return l
-}
-
-// stop stops sending, cuts the queries in flight and waits for every
-// query goroutine.
-func (l *queryLoad) stop() { l.finish(0) }
-
-// finish stops sending and lets the queries in flight end on their own
-// (at the latest at the broker's timeout), cutting those still waiting
-// after wait.
-func (l *queryLoad) finish(wait time.Duration) {
-	l.once.Do(func() {
-		l.sendOnce.Do(func() { close(l.stopSend) })
-		l.loopWG.Wait()
-		done := make(chan struct{})
-		go func() {
-			l.qWG.Wait()
-			close(done)
-		}()
-		t := time.NewTimer(wait)
-		select {
-		case <-done:
-		case <-t.C:
-		}
-		t.Stop()
-		l.cancel()
-		<-done
-	})
-}
-
-func (l *queryLoad) snapshot() []queryRecord {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	out := append([]queryRecord(nil), l.records...)
-	sort.Slice(out, func(i, j int) bool { return out[i].Sent.Before(out[j].Sent) })
-	return out
 }
 
 // outcomes counts the outcomes of queries sent in [from, to).
@@ -347,27 +267,6 @@ func firstOKAfter(rs []queryRecord, t0 time.Time) (queryRecord, bool) {
 		}
 	}
 	return queryRecord{}, false
-}
-
-// waitOK waits up to timeout for n queries sent at or after t0 to succeed.
-func (l *queryLoad) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for i := 0; i < 10000; i++ {
-		ok := 0
-		for _, r := range l.snapshot() {
-			if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
-				ok++
-			}
-		}
-		if ok >= n {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return false
 }
 
 // splitHostPortNum returns the port of a host:port.

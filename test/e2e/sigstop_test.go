@@ -252,9 +252,9 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	b := pinotsim.NewBroker(pinotsim.BrokerConfig{Timeout: brokerTimeout, ID: "Broker_sigstop"})
 	t.Cleanup(func() { _ = b.Close() })
 	load := startLoad(t, b, pp.addr, queryEvery, 400) // 400 x 50ms = 20s at most
-	if !load.waitOK(time.Time{}, 5, 5*time.Second) {
+	if !load.WaitOK(time.Time{}, 5, 5*time.Second) {
 		t.Fatalf("no 5 successful queries through the proxy before the fault: %s",
-			fmtOutcomes(outcomes(load.snapshot(), time.Time{}, time.Now())))
+			fmtOutcomes(outcomes(load.Records(), time.Time{}, time.Now())))
 	}
 	w := watchEndpoint(t, pp, 20*time.Second)
 
@@ -301,17 +301,17 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	if !pp.waitState("healthy", readmitBound) {
 		t.Fatalf("endpoint not healthy %v after SIGCONT: %+v", readmitBound, pp.state())
 	}
-	if !load.waitOK(contAt, 5, readmitBound+time.Second) {
+	if !load.WaitOK(contAt, 5, readmitBound+time.Second) {
 		t.Fatalf("no 5 successful queries within %v of SIGCONT: %s; state %+v", readmitBound+time.Second,
-			fmtOutcomes(outcomes(load.snapshot(), contAt, time.Now())), pp.state())
+			fmtOutcomes(outcomes(load.Records(), contAt, time.Now())), pp.state())
 	}
-	first, _ := firstOKAfter(load.snapshot(), contAt)
+	first, _ := firstOKAfter(load.Records(), contAt)
 	// It stays healthy: nothing after SIGCONT excludes it again once the
 	// backlog of the stop has been answered.
 	settled := time.Now()
 	time.Sleep(time.Second)
 	endAt := time.Now()
-	load.finish(brokerTimeout + time.Second)
+	load.Finish(brokerTimeout + time.Second)
 	w.stop()
 
 	changes := w.snapshot()
@@ -361,7 +361,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 
 	// The broker's view: while stopped nothing succeeds, nothing waits for
 	// the broker's timeout; everything fails fast.
-	rs := load.snapshot()
+	rs := load.Records()
 	during := outcomes(rs, stopAt, contAt)
 	after := outcomes(rs, contAt, endAt)
 	t.Logf("queries sent while stopped: %s; after SIGCONT: %s", fmtOutcomes(during), fmtOutcomes(after))

@@ -61,10 +61,10 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 	t.Cleanup(func() { _ = direct.Close() })
 	viaProxy := startLoad(t, proxied, pp.addr, queryEvery, 500) // 500 x 20ms = 10s at most
 	viaDirect := startLoad(t, direct, srvAddr, queryEvery, 500)
-	if !viaProxy.waitOK(time.Time{}, 10, 5*time.Second) || !viaDirect.waitOK(time.Time{}, 10, 5*time.Second) {
+	if !viaProxy.WaitOK(time.Time{}, 10, 5*time.Second) || !viaDirect.WaitOK(time.Time{}, 10, 5*time.Second) {
 		t.Fatalf("no traffic before the stall: proxied %s; direct %s",
-			fmtOutcomes(outcomes(viaProxy.snapshot(), time.Time{}, time.Now())),
-			fmtOutcomes(outcomes(viaDirect.snapshot(), time.Time{}, time.Now())))
+			fmtOutcomes(outcomes(viaProxy.Records(), time.Time{}, time.Now())),
+			fmtOutcomes(outcomes(viaDirect.Records(), time.Time{}, time.Now())))
 	}
 	before := srv.Stats()
 
@@ -84,23 +84,23 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 
 	// Both paths recover: the proxy's through a readmission and fresh
 	// links, the direct one when the kernel retransmits (RTO backoff).
-	if !viaProxy.waitOK(healAt, 10, 4*time.Second) {
+	if !viaProxy.WaitOK(healAt, 10, 4*time.Second) {
 		t.Errorf("proxied queries did not recover within 4s of the heal: %s; state %+v",
-			fmtOutcomes(outcomes(viaProxy.snapshot(), healAt, time.Now())), pp.state())
+			fmtOutcomes(outcomes(viaProxy.Records(), healAt, time.Now())), pp.state())
 	}
-	if !viaDirect.waitOK(healAt, 10, 5*time.Second) {
+	if !viaDirect.WaitOK(healAt, 10, 5*time.Second) {
 		t.Errorf("direct queries did not recover within 5s of the heal: %s",
-			fmtOutcomes(outcomes(viaDirect.snapshot(), healAt, time.Now())))
+			fmtOutcomes(outcomes(viaDirect.Records(), healAt, time.Now())))
 	}
-	viaProxy.finish(brokerTimeout + time.Second)
-	viaDirect.finish(brokerTimeout + time.Second)
+	viaProxy.Finish(brokerTimeout + time.Second)
+	viaDirect.Finish(brokerTimeout + time.Second)
 	// Let the server finish reading what its kernel already holds.
 	time.Sleep(200 * time.Millisecond)
 	after := srv.Stats()
 
 	pb, db := after.ByBroker["Broker_proxied"], after.ByBroker["Broker_direct"]
 	pb0, db0 := before.ByBroker["Broker_proxied"], before.ByBroker["Broker_direct"]
-	pr, dr := viaProxy.snapshot(), viaDirect.snapshot()
+	pr, dr := viaProxy.Records(), viaDirect.Records()
 	t.Logf("stall %v; proxied queries sent during it: %s; direct: %s", stallFor,
 		fmtOutcomes(outcomes(pr, stallAt, healAt)), fmtOutcomes(outcomes(dr, stallAt, healAt)))
 	if f, ok := firstOKAfter(pr, healAt); ok {
@@ -185,7 +185,7 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 
 	viaProxy := startLoad(t, proxied, pp.addr, queryEvery, 500) // 500 x 10ms = 5s at most
 	viaDirect := startLoad(t, direct, srv.Addr(), queryEvery, 500)
-	if !viaProxy.waitOK(time.Time{}, 10, 5*time.Second) || !viaDirect.waitOK(time.Time{}, 10, 5*time.Second) {
+	if !viaProxy.WaitOK(time.Time{}, 10, 5*time.Second) || !viaDirect.WaitOK(time.Time{}, 10, 5*time.Second) {
 		t.Fatalf("no traffic before the stall")
 	}
 	before := srv.Stats()
@@ -195,11 +195,11 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 	mid := srv.Stats()
 	resumeAt := time.Now()
 	srv.Resume()
-	if !viaProxy.waitOK(resumeAt, 10, 3*time.Second) {
+	if !viaProxy.WaitOK(resumeAt, 10, 3*time.Second) {
 		t.Errorf("proxied queries did not recover within 3s of the resume")
 	}
-	viaProxy.finish(brokerTimeout + time.Second)
-	viaDirect.finish(brokerTimeout + time.Second)
+	viaProxy.Finish(brokerTimeout + time.Second)
+	viaDirect.Finish(brokerTimeout + time.Second)
 	time.Sleep(200 * time.Millisecond)
 	after := srv.Stats()
 
@@ -223,7 +223,7 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 	t.Logf("stale executed through the proxy: %d (bound %d); direct: %d of %d executed; stale_frames_dropped_total=%v",
 		proxiedStale, bound, directStale, db.Executed-db0.Executed, pp.counter(t, "stale_frames_dropped_total", "", ""))
 	t.Logf("proxied queries sent during the stall: %s; direct: %s",
-		fmtOutcomes(outcomes(viaProxy.snapshot(), stallAt, resumeAt)), fmtOutcomes(outcomes(viaDirect.snapshot(), stallAt, resumeAt)))
+		fmtOutcomes(outcomes(viaProxy.Records(), stallAt, resumeAt)), fmtOutcomes(outcomes(viaDirect.Records(), stallAt, resumeAt)))
 	if proxiedStale > int64(bound) {
 		t.Errorf("%d stale requests executed through the proxy, more than the server's receive buffers could hold (%d)", proxiedStale, bound)
 	}

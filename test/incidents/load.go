@@ -3,7 +3,6 @@
 package main
 
 import (
-	"context"
 	"encoding/binary"
 	"net"
 	"sort"
@@ -13,132 +12,17 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 )
 
-// queryRecord is one query: when it was sent, when it ended, how.
-type queryRecord struct {
-	Sent time.Time
-	Done time.Time
-	pinotsim.Result
-}
+// queryRecord and queryLoad are pinotsim's load generator.
+type (
+	queryRecord = pinotsim.Record
+	queryLoad   = pinotsim.Load
+)
 
-// queryLoad sends one query every interval to addr through broker b, each
-// in its own goroutine (a broker serving concurrent users pipelines them on
-// its one connection), until stopped, until max queries were sent or until
-// maxDuration passed. Every query ends at the latest at the broker's
-// timeout.
-type queryLoad struct {
-	b    *pinotsim.Broker
-	addr string
-
-	ctx      context.Context
-	cancel   context.CancelFunc
-	stopSend chan struct{}
-	loopWG   sync.WaitGroup
-	qWG      sync.WaitGroup
-	sendOnce sync.Once
-	once     sync.Once
-
-	mu      sync.Mutex
-	records []queryRecord
-}
-
+// startLoad starts a load that the rig stops at cleanup.
 func startLoad(r *rig, b *pinotsim.Broker, addr string, interval time.Duration, max int, maxDuration time.Duration) *queryLoad {
-	ctx, cancel := context.WithCancel(context.Background())
-	l := &queryLoad{b: b, addr: addr, ctx: ctx, cancel: cancel, stopSend: make(chan struct{})}
-	l.loopWG.Add(1)
-	go func() {
-		defer l.loopWG.Done()
-		tick := time.NewTicker(interval)
-		defer tick.Stop()
-		end := time.NewTimer(maxDuration)
-		defer end.Stop()
-		for range max {
-			l.one()
-			select {
-			case <-l.stopSend:
-				return
-			case <-end.C:
-				return
-			case <-tick.C:
-			}
-		}
-	}()
-	r.cleanup(l.stop)
+	l := pinotsim.StartLoad(b, addr, interval, max, maxDuration)
+	r.cleanup(l.Stop)
 	return l
-}
-
-// one sends one query in its own goroutine.
-func (l *queryLoad) one() {
-	l.qWG.Add(1)
-	go func() {
-		defer l.qWG.Done()
-		sent := time.Now()
-		res := l.b.Query(l.ctx, l.addr)
-		l.mu.Lock()
-		l.records = append(l.records, queryRecord{Sent: sent, Done: time.Now(), Result: res})
-		l.mu.Unlock()
-	}()
-}
-
-// stop stops sending, cuts the queries in flight and waits for every
-// query goroutine.
-func (l *queryLoad) stop() { l.finish(0) }
-
-// pause stops the sending loop; queries in flight go on. Single queries
-// may still be sent with one.
-func (l *queryLoad) pause() {
-	l.sendOnce.Do(func() { close(l.stopSend) })
-	l.loopWG.Wait()
-}
-
-// finish stops sending and lets the queries in flight end on their own
-// (each at the latest at the broker's timeout), cutting those still
-// waiting after wait.
-func (l *queryLoad) finish(wait time.Duration) {
-	l.once.Do(func() {
-		l.pause()
-		done := make(chan struct{})
-		go func() {
-			l.qWG.Wait()
-			close(done)
-		}()
-		t := time.NewTimer(wait)
-		select {
-		case <-done:
-		case <-t.C:
-		}
-		t.Stop()
-		l.cancel()
-		<-done
-	})
-}
-
-func (l *queryLoad) snapshot() []queryRecord {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	out := append([]queryRecord(nil), l.records...)
-	sort.Slice(out, func(i, j int) bool { return out[i].Sent.Before(out[j].Sent) })
-	return out
-}
-
-// waitOK waits up to timeout for n queries sent at or after t0 to succeed.
-func (l *queryLoad) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for i := 0; i < 100000; i++ {
-		ok := 0
-		for _, r := range l.snapshot() {
-			if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
-				ok++
-			}
-		}
-		if ok >= n {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return false
 }
 
 // loads are the query loads of one path (one per connection).
@@ -147,7 +31,7 @@ type loads []*queryLoad
 func (ls loads) records() []queryRecord {
 	var out []queryRecord
 	for _, l := range ls {
-		out = append(out, l.snapshot()...)
+		out = append(out, l.Records()...)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Sent.Before(out[j].Sent) })
 	return out
@@ -156,7 +40,7 @@ func (ls loads) records() []queryRecord {
 func (ls loads) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
 	for _, l := range ls {
-		if !l.waitOK(t0, n, time.Until(deadline)) {
+		if !l.WaitOK(t0, n, time.Until(deadline)) {
 			return false
 		}
 	}
@@ -167,7 +51,7 @@ func (ls loads) finish(wait time.Duration) {
 	var wg sync.WaitGroup
 	for _, l := range ls {
 		wg.Add(1)
-		go func() { defer wg.Done(); l.finish(wait) }()
+		go func() { defer wg.Done(); l.Finish(wait) }()
 	}
 	wg.Wait()
 }
@@ -216,7 +100,7 @@ func firstOK(rs []queryRecord, t0 time.Time) (queryRecord, bool) {
 func recovery(ls []*queryLoad, t0 time.Time) (time.Duration, bool) {
 	var worst time.Duration
 	for _, l := range ls {
-		f, ok := firstOK(l.snapshot(), t0)
+		f, ok := firstOK(l.Records(), t0)
 		if !ok {
 			return 0, false
 		}

@@ -127,7 +127,7 @@ func replayFlap(r *rig) (*Report, error) {
 		}
 	}
 	for i, l := range pl {
-		if f, ok := firstOK(l.snapshot(), flapAt); ok {
+		if f, ok := firstOK(l.Records(), flapAt); ok {
 			rep.event(flapAt, f.Done, "proxied broker %d: first query after the flap answered (sent %+.2fs)", i, f.Sent.Sub(flapAt).Seconds())
 		}
 	}

@@ -141,10 +141,10 @@ func replayStall(r *rig) (*Report, error) {
 		}
 	}
 	for i := range stalled {
-		if f, ok := firstOK(pl[i].snapshot(), stallAt); ok {
+		if f, ok := firstOK(pl[i].Records(), stallAt); ok {
 			rep.event(stallAt, f.Done, "proxied: first query to stalled server %d answered again", i)
 		}
-		if f, ok := firstOK(dl[i].snapshot(), stallAt.Add(100*time.Millisecond)); ok {
+		if f, ok := firstOK(dl[i].Records(), stallAt.Add(100*time.Millisecond)); ok {
 			rep.event(stallAt, f.Done, "direct: first query to stalled server %d answered again", i)
 		}
 	}
