@@ -29,6 +29,10 @@ type BrokerConfig struct {
 	RequestSize int
 	// MaxFrame bounds a response frame; non-positive: DefaultMaxFrame.
 	MaxFrame int
+	// OmitTimeoutOption leaves the query option timeoutMs out of requests.
+	// By default every request carries it, as a real broker's do: the
+	// query's remaining budget when the request is built, in milliseconds.
+	OmitTimeoutOption bool
 	// OnClose, if set, is called once for every cached connection that
 	// closes, after its in-flight queries were failed. It runs on the
 	// broker's own goroutines and must not block.
@@ -290,6 +294,9 @@ func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Ti
 		ID: id, Table: b.cfg.Table, Segments: b.segments, BrokerID: b.cfg.ID,
 		CID: fmt.Sprint(id), SentAt: start, Deadline: deadline,
 	}
+	if !b.cfg.OmitTimeoutOption {
+		req.TimeoutMs = remainingMs(deadline, time.Now())
+	}
 	frame := AppendRequest(make([]byte, HeaderLen, HeaderLen+b.cfg.RequestSize+256), &req)
 	binary.BigEndian.PutUint32(frame, uint32(len(frame)-HeaderLen))
 	ch, err := c.send(id, frame)
@@ -323,6 +330,15 @@ func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Ti
 		res.ID = id
 		return res
 	}
+}
+
+// remainingMs is the budget left at now, in whole milliseconds (truncated,
+// as Pinot's broker computes it from millisecond clocks), and at least 1:
+// 0 would mean "no option", and a broker never sends a query with nothing
+// left (Pinot fails it before the scatter; the simulator sends it anyway
+// and lets its timer end it).
+func remainingMs(deadline, now time.Time) int64 {
+	return max(deadline.Sub(now).Milliseconds(), 1)
 }
 
 func minTime(a, b time.Time) time.Time {

@@ -7,12 +7,15 @@ import (
 	"encoding/hex"
 	"errors"
 	"io"
+	"net"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -483,5 +486,150 @@ func TestLoadRecordsAndStops(t *testing.T) {
 		if r.Outcome == OK {
 			t.Fatalf("a silent server answered: %+v", r)
 		}
+	}
+}
+
+// TimeoutMs travels as PinotQuery's queryOptions {"timeoutMs": "<n>"} and
+// comes back through both the simulator's decoder and the proxy's reader.
+func TestRequestTimeoutOption(t *testing.T) {
+	base := unhex(t, pinotRequestHex)
+	r := Request{ID: 1234567890000000001, Table: "t_OFFLINE", TimeoutMs: 2500, Segments: []string{"s0", "s1"},
+		BrokerID: "Broker_h_8099", CID: "c1"}
+	p := AppendRequest(nil, &r)
+	// The empty PinotQuery "fc 00" becomes "fc bb 01 88 09 timeoutMs 04 2500 00".
+	opt := append([]byte{0xfc, 0xbb, 0x01, 0x88, 0x09}, "timeoutMs\x042500\x00"...)
+	want := append(append(bytes.Clone(base[:24]), opt...), base[26:]...)
+	if !bytes.Equal(p, want) {
+		t.Fatalf("payload\n got %x\nwant %x", p, want)
+	}
+	back, err := ParseRequest(p)
+	if err != nil || back.TimeoutMs != 2500 || back.ID != r.ID || back.Table != "t_OFFLINE" || back.CID != "c1" ||
+		len(back.Segments) != 2 {
+		t.Fatalf("ParseRequest = %+v, %v", back, err)
+	}
+	wr, need, err := pinotwire.ParseRequest(p, true)
+	if err != nil || need != 0 || wr != (pinotwire.Request{ID: r.ID, Timeout: 2500 * time.Millisecond, HasTimeout: true}) {
+		t.Fatalf("pinotwire.ParseRequest = %+v, %d, %v", wr, need, err)
+	}
+	// Without it, the payload is the one Pinot's example shows.
+	r.TimeoutMs = 0
+	if p := AppendRequest(nil, &r); !bytes.Equal(p, base) {
+		t.Fatalf("without TimeoutMs: %x", p)
+	}
+	if back, err := ParseRequest(base); err != nil || back.TimeoutMs != 0 {
+		t.Fatalf("ParseRequest without the option = %+v, %v", back, err)
+	}
+}
+
+// readRequests accepts one connection on ln and sends every request payload
+// it reads to out, until the connection closes.
+func readRequests(t *testing.T, ln net.Listener, out chan<- []byte) {
+	t.Helper()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		for {
+			p, err := ReadFrame(c, 0)
+			if err != nil {
+				close(out)
+				return
+			}
+			out <- p
+		}
+	}()
+}
+
+// The broker sends its remaining budget as timeoutMs unless told not to;
+// the budget shrinks with the time the query waited for the channel lock.
+func TestBrokerSendsTimeoutOption(t *testing.T) {
+	for _, omit := range []bool{false, true} {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		reqs := make(chan []byte, 4)
+		readRequests(t, ln, reqs)
+		b := NewBroker(BrokerConfig{Timeout: 2 * time.Second, OmitTimeoutOption: omit})
+		ctx, cancel := context.WithTimeout(context.Background(), 700*time.Millisecond)
+		res := make(chan Result, 1)
+		go func() { res <- b.Query(ctx, ln.Addr().String()) }() // the context is the tighter deadline
+		p := <-reqs
+		r, _, err := pinotwire.ParseRequest(p, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if omit {
+			if r.HasTimeout {
+				t.Fatalf("OmitTimeoutOption: request carries %v", r.Timeout)
+			}
+		} else if !r.HasTimeout || r.Timeout > 700*time.Millisecond || r.Timeout < 500*time.Millisecond {
+			t.Fatalf("request carries %+v, want the remaining budget, just under 700ms", r)
+		}
+		back, err := ParseRequest(p)
+		if err != nil || back.TimeoutMs != r.Timeout.Milliseconds() || back.Deadline.IsZero() {
+			t.Fatalf("ParseRequest = %+v, %v", back, err)
+		}
+		if got := <-res; got.Outcome != TimedOut {
+			t.Fatalf("query on a server that never answers: %+v", got)
+		}
+		cancel()
+		_ = b.Close()
+		_ = ln.Close()
+	}
+	if got := remainingMs(time.Unix(10, 0), time.Unix(11, 0)); got != 1 {
+		t.Fatalf("remainingMs past the deadline = %d, want 1", got)
+	}
+	if got := remainingMs(time.Unix(10, 999_999), time.Unix(9, 0)); got != 1000 {
+		t.Fatalf("remainingMs = %d, want 1000 (truncated)", got)
+	}
+}
+
+// A DataTable with every section: the header gives each section's start and
+// length back to back, the metadata comes last, and REQUEST_ID is found.
+func TestDataTableSections(t *testing.T) {
+	tbl := DataTable{
+		NumRows: 3, NumColumns: 2,
+		Exceptions: []Exception{{Code: 250, Message: "timed out"}},
+		Dictionary: []string{"a", "bc"},
+		Schema:     []byte{1, 2, 3},
+		Fixed:      make([]byte, 24),
+		Variable:   []byte{9},
+		Metadata:   []Metadata{{Key: 40, Value: "primary"}, {Key: KeyRequestID, Value: "77"}},
+	}
+	p, err := tbl.Append(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lens := []int{4 + 4 + 4 + 9, 4 + 5 + 6, 3, 24, 1}
+	off := 52
+	for i, l := range lens {
+		start, n := binary.BigEndian.Uint32(p[12+8*i:]), binary.BigEndian.Uint32(p[16+8*i:])
+		if int(start) != off || int(n) != l {
+			t.Fatalf("section %d: start %d length %d, want %d %d", i, start, n, off, l)
+		}
+		off += l
+	}
+	if v, rows := binary.BigEndian.Uint32(p), binary.BigEndian.Uint32(p[4:]); v != 4 || rows != 3 {
+		t.Fatalf("version %d rows %d", v, rows)
+	}
+	if got, err := pinotwire.MetadataOffset(p); err != nil || got != int64(off) {
+		t.Fatalf("MetadataOffset = %d, %v; want %d", got, err, off)
+	}
+	if id, err := ResponseID(p); err != nil || id != 77 {
+		t.Fatalf("ResponseID = %d, %v", id, err)
+	}
+	if _, err := (&DataTable{Metadata: []Metadata{{Key: 2, Value: "x"}}}).Append(nil); err == nil {
+		t.Fatal("a LONG key with a non-numeric value was accepted")
+	}
+	if _, err := ResponseID(p[:off+10]); !errors.Is(err, ErrNotDataTable) {
+		t.Fatalf("truncated metadata: %v", err)
+	}
+	// A header whose sections run past the payload.
+	short := bytes.Clone(p[:60])
+	if _, err := ResponseID(short); !errors.Is(err, ErrNotDataTable) {
+		t.Fatalf("sections past the end: %v", err)
 	}
 }

@@ -4,23 +4,26 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
 )
 
-// Compact protocol type ids (TCompactProtocol).
+// Compact protocol type ids: pinotwire's, under the writer's short names.
 const (
-	ctBoolTrue  = 1
-	ctBoolFalse = 2
-	ctByte      = 3
-	ctI16       = 4
-	ctI32       = 5
-	ctI64       = 6
-	ctDouble    = 7
-	ctBinary    = 8
-	ctList      = 9
-	ctSet       = 10
-	ctMap       = 11
-	ctStruct    = 12
+	ctBoolTrue  = pinotwire.CompactBoolTrue
+	ctBoolFalse = pinotwire.CompactBoolFalse
+	ctByte      = pinotwire.CompactByte
+	ctI16       = pinotwire.CompactI16
+	ctI32       = pinotwire.CompactI32
+	ctI64       = pinotwire.CompactI64
+	ctDouble    = pinotwire.CompactDouble
+	ctBinary    = pinotwire.CompactBinary
+	ctList      = pinotwire.CompactList
+	ctSet       = pinotwire.CompactSet
+	ctMap       = pinotwire.CompactMap
+	ctStruct    = pinotwire.CompactStruct
 )
 
 // InstanceRequest field ids. 1–8 are Pinot's (request.thrift); 9 and 10
@@ -37,12 +40,25 @@ const (
 	fieldDeadline       = 10 // i64 unix nanoseconds: when the broker gives up
 )
 
+// BrokerRequest and PinotQuery field ids (request.thrift, query.thrift).
+const (
+	brokerQuerySource = 2
+	brokerPinotQuery  = 17
+	querySourceTable  = 1
+	pinotQueryOptions = 11
+)
+
 // Request is the part of Pinot's InstanceRequest the simulators use.
 type Request struct {
 	// ID is field 1, the requestId the response must carry back.
 	ID int64
 	// Table is BrokerRequest.querySource.tableName (field 2.2.1).
 	Table string
+	// TimeoutMs is the query option timeoutMs, the broker's remaining
+	// budget in milliseconds, which a real broker writes in
+	// BrokerRequest.pinotQuery.queryOptions (field 2.17.11) as a decimal
+	// string. 0: omitted (the server then applies its own default).
+	TimeoutMs int64
 	// Segments is searchSegments (field 3); omitted when empty. It is also
 	// how a request is made large: real requests carry 40–70 B per segment.
 	Segments []string
@@ -52,17 +68,19 @@ type Request struct {
 	BrokerID string
 	CID      string
 	// SentAt (field 9) and Deadline (field 10) are simulator-only fields,
-	// omitted when zero. Real Pinot sends the remaining budget as the query
-	// option timeoutMs inside PinotQuery; an absolute deadline lets the
-	// simulated server tell stale work without parsing a query.
+	// omitted when zero. Real Pinot sends only the relative budget
+	// (TimeoutMs); an absolute deadline lets the simulated server tell
+	// stale work without trusting its own clock's view of send time.
 	SentAt   time.Time
 	Deadline time.Time
 }
 
 // AppendRequest appends the compact-Thrift encoding of r to dst. The
-// payload starts with 0x16 followed by the zigzag varint of r.ID (PINOT.md
-// §3); with SentAt and Deadline zero it is byte-identical to what
-// apache/thrift's TCompactProtocol writes for the same InstanceRequest.
+// payload starts with 0x16 followed by the zigzag varint of r.ID, as every
+// InstanceRequest a Pinot broker sends does; with SentAt and Deadline zero
+// it is byte-identical to what apache/thrift's TCompactProtocol writes for
+// the same InstanceRequest (PinotQuery holding nothing but the timeoutMs
+// option, when TimeoutMs is not 0).
 func AppendRequest(dst []byte, r *Request) []byte {
 	w := compactWriter{b: dst}
 	w.field(ctI64, fieldRequestID)
@@ -70,13 +88,21 @@ func AppendRequest(dst []byte, r *Request) []byte {
 
 	w.field(ctStruct, fieldQuery) // BrokerRequest
 	w.push()
-	w.field(ctStruct, 2) // QuerySource
+	w.field(ctStruct, brokerQuerySource) // QuerySource
 	w.push()
-	w.field(ctBinary, 1)
+	w.field(ctBinary, querySourceTable)
 	w.str(r.Table)
 	w.pop()
-	w.field(ctStruct, 17) // PinotQuery: empty here
+	w.field(ctStruct, brokerPinotQuery) // PinotQuery
 	w.push()
+	if r.TimeoutMs != 0 {
+		w.field(ctMap, pinotQueryOptions) // map<string,string>
+		w.b = binary.AppendUvarint(w.b, 1)
+		w.b = append(w.b, ctBinary<<4|ctBinary)
+		w.str(pinotwire.TimeoutOptionKey)
+		var digits [20]byte
+		w.bytes(strconv.AppendInt(digits[:0], r.TimeoutMs, 10))
+	}
 	w.pop()
 	w.pop()
 
@@ -112,58 +138,64 @@ func AppendRequest(dst []byte, r *Request) []byte {
 	return w.b
 }
 
-// ErrNotRequest reports a payload that is not an InstanceRequest.
-var ErrNotRequest = errors.New("pinotsim: not an InstanceRequest")
+// ErrNotRequest reports a payload that is not an InstanceRequest; it is
+// pinotwire.ErrNotRequest, so errors.Is matches either name.
+var ErrNotRequest = pinotwire.ErrNotRequest
 
-// RequestID extracts the requestId the way a proxy would (PINOT.md §3):
-// p[0] must be 0x16, then a uvarint u, id = int64(u>>1) ^ -int64(u&1).
+// RequestID extracts the requestId as the proxy does, with
+// pinotwire.ParseRequest: the payload must start with 0x16 and the zigzag
+// varint id, and be well-formed up to the end of its BrokerRequest.
 func RequestID(p []byte) (int64, error) {
-	if len(p) < 2 || p[0] != 0x16 {
-		return 0, ErrNotRequest
+	r, _, err := pinotwire.ParseRequest(p, true)
+	if err != nil && !errors.Is(err, pinotwire.ErrTooLong) {
+		return 0, err
 	}
-	u, n := binary.Uvarint(p[1:])
-	if n <= 0 {
-		return 0, fmt.Errorf("%w: bad requestId varint", ErrNotRequest)
-	}
-	return int64(u>>1) ^ -int64(u&1), nil
+	return r.ID, nil
 }
 
-// ParseRequest decodes an InstanceRequest payload. Fields it does not know
-// are skipped, as TCompactProtocol does; field 1 is required.
+// ParseRequest decodes an InstanceRequest payload. ID and TimeoutMs are
+// what pinotwire.ParseRequest (the proxy's reader) finds; the other fields
+// are read with pinotwire's compact reader. Fields it does not know are
+// skipped, as TCompactProtocol does; field 1 must come first and field 2
+// follow it, as Pinot's generated InstanceRequest.write() puts them.
 func ParseRequest(p []byte) (Request, error) { return parseRequest(p, true) }
 
 // parseRequest decodes p; without keepSegments the segment list is
 // skipped, which spares the simulated server an allocation per segment.
 func parseRequest(p []byte, keepSegments bool) (Request, error) {
 	var r Request
-	rd := compactReader{b: p}
-	haveID := false
+	wr, _, err := pinotwire.ParseRequest(p, true)
+	if err != nil && !errors.Is(err, pinotwire.ErrTooLong) {
+		return r, err
+	}
+	r.ID = wr.ID
+	if wr.HasTimeout {
+		r.TimeoutMs = wr.Timeout.Milliseconds()
+	}
+	rd := pinotwire.NewCompactReader(p)
 	var last int16
 	for {
-		typ, id, err := rd.fieldHeader(&last)
+		typ, id, err := rd.Field(&last)
 		if err != nil {
 			return r, err
 		}
 		if typ == 0 {
-			break
+			return r, nil
 		}
 		switch {
-		case id == fieldRequestID && typ == ctI64:
-			r.ID, err = rd.i64()
-			haveID = err == nil
 		case id == fieldQuery && typ == ctStruct:
-			r.Table, err = rd.brokerRequestTable()
+			r.Table, err = brokerRequestTable(&rd)
 		case id == fieldSearchSegments && typ == ctList && keepSegments:
-			r.Segments, err = rd.stringList()
+			r.Segments, err = stringList(&rd)
 		case id == fieldEnableTrace && (typ == ctBoolTrue || typ == ctBoolFalse):
 			r.Trace = typ == ctBoolTrue
 		case id == fieldBrokerID && typ == ctBinary:
-			r.BrokerID, err = rd.str()
+			r.BrokerID, err = str(&rd)
 		case id == fieldCID && typ == ctBinary:
-			r.CID, err = rd.str()
+			r.CID, err = str(&rd)
 		case (id == fieldSentAt || id == fieldDeadline) && typ == ctI64:
 			var ns int64
-			if ns, err = rd.i64(); err == nil {
+			if ns, err = rd.I64(); err == nil {
 				if id == fieldSentAt {
 					r.SentAt = time.Unix(0, ns)
 				} else {
@@ -171,16 +203,77 @@ func parseRequest(p []byte, keepSegments bool) (Request, error) {
 				}
 			}
 		default:
-			err = rd.skip(typ, 0)
+			err = rd.Skip(typ) // requestId too: pinotwire read it
 		}
 		if err != nil {
 			return r, err
 		}
 	}
-	if !haveID {
-		return r, fmt.Errorf("%w: no requestId", ErrNotRequest)
+}
+
+func str(rd *pinotwire.CompactReader) (string, error) {
+	b, err := rd.Binary()
+	return string(b), err
+}
+
+func stringList(rd *pinotwire.CompactReader) ([]string, error) {
+	elem, n, err := rd.List()
+	if err != nil {
+		return nil, err
 	}
-	return r, nil
+	if elem != ctBinary {
+		return nil, errSegmentsType
+	}
+	out := make([]string, 0, n)
+	for range n {
+		s, err := str(rd)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+var errSegmentsType = fmt.Errorf("%w: searchSegments is not a list<string>", ErrNotRequest)
+
+// brokerRequestTable reads a BrokerRequest struct and returns
+// querySource.tableName, skipping everything else.
+func brokerRequestTable(rd *pinotwire.CompactReader) (string, error) {
+	var table string
+	var last int16
+	for {
+		typ, id, err := rd.Field(&last)
+		if err != nil {
+			return "", err
+		}
+		if typ == 0 {
+			return table, nil
+		}
+		if id != brokerQuerySource || typ != ctStruct {
+			if err := rd.Skip(typ); err != nil {
+				return "", err
+			}
+			continue
+		}
+		var qlast int16
+		for {
+			qt, qid, err := rd.Field(&qlast)
+			if err != nil {
+				return "", err
+			}
+			if qt == 0 {
+				break
+			}
+			if qid == querySourceTable && qt == ctBinary {
+				if table, err = str(rd); err != nil {
+					return "", err
+				}
+			} else if err := rd.Skip(qt); err != nil {
+				return "", err
+			}
+		}
+	}
 }
 
 // compactWriter writes TCompactProtocol structs.
@@ -212,6 +305,9 @@ func (w *compactWriter) pop() {
 func (w *compactWriter) stop()        { w.b = append(w.b, 0) }
 func (w *compactWriter) i64(v int64)  { w.b = binary.AppendVarint(w.b, v) }
 func (w *compactWriter) str(s string) { w.b = append(binary.AppendUvarint(w.b, uint64(len(s))), s...) }
+func (w *compactWriter) bytes(p []byte) {
+	w.b = append(binary.AppendUvarint(w.b, uint64(len(p))), p...)
+}
 
 func (w *compactWriter) listHeader(elem byte, n int) {
 	if n < 15 {
@@ -220,236 +316,4 @@ func (w *compactWriter) listHeader(elem byte, n int) {
 	}
 	w.b = append(w.b, 0xf0|elem)
 	w.b = binary.AppendUvarint(w.b, uint64(n))
-}
-
-// compactReader reads TCompactProtocol structs, bounds-checked.
-type compactReader struct {
-	b   []byte
-	off int
-}
-
-var errShort = fmt.Errorf("%w: truncated", ErrNotRequest)
-
-// maxDepth bounds struct/list nesting when skipping.
-const maxDepth = 32
-
-func (r *compactReader) byte1() (byte, error) {
-	if r.off >= len(r.b) {
-		return 0, errShort
-	}
-	c := r.b[r.off]
-	r.off++
-	return c, nil
-}
-
-func (r *compactReader) uvarint() (uint64, error) {
-	u, n := binary.Uvarint(r.b[r.off:])
-	if n <= 0 {
-		return 0, errShort
-	}
-	r.off += n
-	return u, nil
-}
-
-func (r *compactReader) i64() (int64, error) {
-	v, n := binary.Varint(r.b[r.off:])
-	if n <= 0 {
-		return 0, errShort
-	}
-	r.off += n
-	return v, nil
-}
-
-func (r *compactReader) bytesN() ([]byte, error) {
-	n, err := r.uvarint()
-	if err != nil {
-		return nil, err
-	}
-	if n > uint64(len(r.b)-r.off) {
-		return nil, errShort
-	}
-	s := r.b[r.off : r.off+int(n)]
-	r.off += int(n)
-	return s, nil
-}
-
-func (r *compactReader) str() (string, error) {
-	b, err := r.bytesN()
-	return string(b), err
-}
-
-// fieldHeader returns the type and id of the next field; type 0 is STOP.
-func (r *compactReader) fieldHeader(last *int16) (byte, int16, error) {
-	c, err := r.byte1()
-	if err != nil {
-		return 0, 0, err
-	}
-	typ := c & 0x0f
-	if typ == 0 {
-		return 0, 0, nil
-	}
-	if d := c >> 4; d != 0 {
-		*last += int16(d)
-	} else {
-		v, err := r.i64()
-		if err != nil {
-			return 0, 0, err
-		}
-		*last = int16(v)
-	}
-	return typ, *last, nil
-}
-
-func (r *compactReader) listHeader() (byte, int, error) {
-	c, err := r.byte1()
-	if err != nil {
-		return 0, 0, err
-	}
-	n := int(c >> 4)
-	if n == 15 {
-		u, err := r.uvarint()
-		if err != nil {
-			return 0, 0, err
-		}
-		if u > uint64(len(r.b)) { // each element takes at least a byte
-			return 0, 0, errShort
-		}
-		n = int(u)
-	}
-	return c & 0x0f, n, nil
-}
-
-func (r *compactReader) stringList() ([]string, error) {
-	elem, n, err := r.listHeader()
-	if err != nil {
-		return nil, err
-	}
-	if elem != ctBinary {
-		return nil, fmt.Errorf("%w: searchSegments element type %d", ErrNotRequest, elem)
-	}
-	out := make([]string, 0, n)
-	for range n {
-		s, err := r.str()
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, s)
-	}
-	return out, nil
-}
-
-// brokerRequestTable reads a BrokerRequest struct and returns
-// querySource.tableName, skipping everything else.
-func (r *compactReader) brokerRequestTable() (string, error) {
-	var table string
-	var last int16
-	for {
-		typ, id, err := r.fieldHeader(&last)
-		if err != nil {
-			return "", err
-		}
-		if typ == 0 {
-			return table, nil
-		}
-		if id != 2 || typ != ctStruct {
-			if err := r.skip(typ, 1); err != nil {
-				return "", err
-			}
-			continue
-		}
-		var qlast int16
-		for {
-			qt, qid, err := r.fieldHeader(&qlast)
-			if err != nil {
-				return "", err
-			}
-			if qt == 0 {
-				break
-			}
-			if qid == 1 && qt == ctBinary {
-				if table, err = r.str(); err != nil {
-					return "", err
-				}
-			} else if err := r.skip(qt, 2); err != nil {
-				return "", err
-			}
-		}
-	}
-}
-
-// skip consumes one value of type typ (a field's value; a bool field has
-// none). Inside a list a bool is one byte: see skipElem.
-func (r *compactReader) skip(typ byte, depth int) error {
-	if typ == ctBoolTrue || typ == ctBoolFalse {
-		return nil
-	}
-	return r.skipElem(typ, depth)
-}
-
-func (r *compactReader) skipElem(typ byte, depth int) error {
-	if depth > maxDepth {
-		return fmt.Errorf("%w: nested too deep", ErrNotRequest)
-	}
-	var err error
-	switch typ {
-	case ctBoolTrue, ctBoolFalse, ctByte:
-		_, err = r.byte1()
-	case ctI16, ctI32, ctI64:
-		_, err = r.i64()
-	case ctDouble:
-		if len(r.b)-r.off < 8 {
-			return errShort
-		}
-		r.off += 8
-	case ctBinary:
-		_, err = r.bytesN()
-	case ctList, ctSet:
-		var elem byte
-		var n int
-		if elem, n, err = r.listHeader(); err != nil {
-			return err
-		}
-		for range n {
-			if err := r.skipElem(elem, depth+1); err != nil {
-				return err
-			}
-		}
-	case ctMap:
-		var n uint64
-		if n, err = r.uvarint(); err != nil || n == 0 {
-			return err
-		}
-		if n > uint64(len(r.b)) {
-			return errShort
-		}
-		kv, err := r.byte1()
-		if err != nil {
-			return err
-		}
-		for range n {
-			if err := r.skipElem(kv>>4, depth+1); err != nil {
-				return err
-			}
-			if err := r.skipElem(kv&0x0f, depth+1); err != nil {
-				return err
-			}
-		}
-	case ctStruct:
-		var last int16
-		for {
-			ft, _, err := r.fieldHeader(&last)
-			if err != nil {
-				return err
-			}
-			if ft == 0 {
-				return nil
-			}
-			if err := r.skip(ft, depth+1); err != nil {
-				return err
-			}
-		}
-	default:
-		return fmt.Errorf("%w: unknown compact type %d", ErrNotRequest, typ)
-	}
-	return err
 }

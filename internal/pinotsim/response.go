@@ -5,42 +5,19 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+
+	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
 )
 
-// DataTable V4 layout constants (PINOT.md §4).
+// DataTable V4 layout constants (DataTableImplV4).
 const (
-	dataTableVersion = 4
-	dataTableHeader  = 52 // 13 int32
+	dataTableVersion = pinotwire.DataTableVersion
+	dataTableHeader  = pinotwire.ResponseHeaderLen // 13 int32
 	// KeyRequestID is the metadata key id of REQUEST_ID (a LONG).
-	KeyRequestID = 14
+	KeyRequestID = pinotwire.KeyRequestID
 	// MinimalResponseLen is the payload length of AppendResponse's table.
 	MinimalResponseLen = 76
 )
-
-// Metadata value types, by key id (DataTable.MetadataKey, ids 0–44).
-const (
-	metaUnknown = iota
-	metaLong
-	metaInt
-	metaBool
-	metaString
-)
-
-func metaType(key int32) int {
-	switch {
-	case key == 2 || key == 3 || key == 4 || key == 9 || key == 10 || key == 12 || key == 14 ||
-		(key >= 16 && key <= 19) || key == 30 || key == 32 || key == 33 || key == 36 || key == 37:
-		return metaLong
-	case (key >= 5 && key <= 8) || key == 15 || (key >= 20 && key <= 29):
-		return metaInt
-	case key == 38:
-		return metaBool
-	case key == 0 || key == 1 || key == 11 || key == 13 || key == 31 || key == 34 || key == 35 ||
-		(key >= 39 && key <= 44):
-		return metaString
-	}
-	return metaUnknown
-}
 
 // Metadata is one DataTable metadata entry. As in Pinot's
 // Map<String,String>, the value is a string, serialized by the key's type:
@@ -52,7 +29,7 @@ type Metadata struct {
 
 // AppendResponse appends the minimal DataTable V4 payload (76 bytes: an
 // empty table with no exceptions and only REQUEST_ID in its metadata) for
-// requestID to dst; framed it is the 80-byte example of PINOT.md §4.
+// requestID to dst; framed, it is 80 bytes.
 func AppendResponse(dst []byte, requestID int64) []byte {
 	b, _ := AppendDataTable(dst, []Metadata{{Key: KeyRequestID, Value: strconv.FormatInt(requestID, 10)}})
 	return b
@@ -63,24 +40,51 @@ func AppendResponse(dst []byte, requestID int64) []byte {
 // parser must not assume one). An unknown key or a value that does not
 // parse as the key's type is an error.
 func AppendDataTable(dst []byte, meta []Metadata) ([]byte, error) {
+	return (&DataTable{Metadata: meta}).Append(dst)
+}
+
+// Exception is one entry of a DataTable's exceptions section.
+type Exception struct {
+	Code    int32 // a QueryErrorCode
+	Message string
+}
+
+// DataTable is the content of a DataTable V4 response. The simulator does
+// not interpret rows: Schema, Fixed and Variable are written as given, which
+// is enough to give a response the size and layout of a real one.
+type DataTable struct {
+	NumRows, NumColumns int32
+	Exceptions          []Exception
+	Dictionary          []string // the string dictionary section; nil: none
+	Schema              []byte   // DataSchema.toBytes output; nil: none
+	Fixed, Variable     []byte   // the fixed- and variable-size data sections
+	Metadata            []Metadata
+}
+
+// Append appends t serialized as DataTableImplV4.toBytes does: the 13-int32
+// header, the exceptions, dictionary, schema, fixed-size and variable-size
+// sections back to back, then the metadata length and the metadata. An
+// unknown metadata key or a value that does not parse as the key's type is
+// an error.
+func (t *DataTable) Append(dst []byte) ([]byte, error) {
 	var md []byte
-	md = binary.BigEndian.AppendUint32(md, uint32(len(meta)))
-	for _, m := range meta {
+	md = binary.BigEndian.AppendUint32(md, uint32(len(t.Metadata)))
+	for _, m := range t.Metadata {
 		md = binary.BigEndian.AppendUint32(md, uint32(m.Key))
-		switch metaType(m.Key) {
-		case metaLong:
+		switch pinotwire.MetadataKeyType(m.Key) {
+		case pinotwire.MetadataLong:
 			v, err := strconv.ParseInt(m.Value, 10, 64)
 			if err != nil {
 				return dst, fmt.Errorf("pinotsim: metadata key %d: %w", m.Key, err)
 			}
 			md = binary.BigEndian.AppendUint64(md, uint64(v))
-		case metaInt:
+		case pinotwire.MetadataInt:
 			v, err := strconv.ParseInt(m.Value, 10, 32)
 			if err != nil {
 				return dst, fmt.Errorf("pinotsim: metadata key %d: %w", m.Key, err)
 			}
 			md = binary.BigEndian.AppendUint32(md, uint32(v))
-		case metaBool:
+		case pinotwire.MetadataBoolean:
 			v, err := strconv.ParseBool(m.Value)
 			if err != nil {
 				return dst, fmt.Errorf("pinotsim: metadata key %d: %w", m.Key, err)
@@ -90,94 +94,76 @@ func AppendDataTable(dst []byte, meta []Metadata) ([]byte, error) {
 			} else {
 				md = append(md, 0)
 			}
-		case metaString:
-			md = binary.BigEndian.AppendUint32(md, uint32(len(m.Value)))
-			md = append(md, m.Value...)
+		case pinotwire.MetadataString:
+			md = appendString(md, m.Value)
 		default:
 			return dst, fmt.Errorf("pinotsim: unknown metadata key %d", m.Key)
 		}
 	}
-	const exceptionsLen = 4 // int32 count 0
-	end := uint32(dataTableHeader + exceptionsLen)
-	hdr := [13]uint32{
-		dataTableVersion, 0, 0, // version, numRows, numColumns
-		dataTableHeader, exceptionsLen, // exceptions
-		end, 0, // dictionary
-		end, 0, // schema
-		end, 0, // fixed-size data
-		end, 0, // variable-size data
+
+	// Exceptions are always written (a count, then code and message each);
+	// the dictionary only when there is one.
+	exc := binary.BigEndian.AppendUint32(nil, uint32(len(t.Exceptions)))
+	for _, e := range t.Exceptions {
+		exc = appendString(binary.BigEndian.AppendUint32(exc, uint32(e.Code)), e.Message)
 	}
-	for _, v := range hdr {
-		dst = binary.BigEndian.AppendUint32(dst, v)
+	var dict []byte
+	if t.Dictionary != nil {
+		dict = binary.BigEndian.AppendUint32(dict, uint32(len(t.Dictionary)))
+		for _, s := range t.Dictionary {
+			dict = appendString(dict, s)
+		}
 	}
-	dst = binary.BigEndian.AppendUint32(dst, 0) // exceptions: count 0
+	sections := [5][]byte{exc, dict, t.Schema, t.Fixed, t.Variable}
+	dst = binary.BigEndian.AppendUint32(dst, dataTableVersion)
+	dst = binary.BigEndian.AppendUint32(dst, uint32(t.NumRows))
+	dst = binary.BigEndian.AppendUint32(dst, uint32(t.NumColumns))
+	off := dataTableHeader
+	for _, s := range sections { // start and length of each
+		dst = binary.BigEndian.AppendUint32(dst, uint32(off))
+		dst = binary.BigEndian.AppendUint32(dst, uint32(len(s)))
+		off += len(s)
+	}
+	for _, s := range sections {
+		dst = append(dst, s...)
+	}
 	dst = binary.BigEndian.AppendUint32(dst, uint32(len(md)))
 	return append(dst, md...), nil
 }
 
-// Errors of ResponseID.
+// appendString appends s as DataTableUtils.decodeString reads it: an int32
+// length, then the UTF-8 bytes.
+func appendString(dst []byte, s string) []byte {
+	return append(binary.BigEndian.AppendUint32(dst, uint32(len(s))), s...)
+}
+
+// Errors of ResponseID. ErrNotDataTable is pinotwire.ErrNotDataTable, so
+// errors.Is matches either name.
 var (
-	ErrNotDataTable = errors.New("pinotsim: not a DataTable V4")
+	ErrNotDataTable = pinotwire.ErrNotDataTable
 	ErrNoRequestID  = errors.New("pinotsim: no REQUEST_ID in DataTable metadata")
 )
 
-// ResponseID extracts REQUEST_ID (metadata key 14) from a DataTable V4
-// payload as PINOT.md §9 describes: check the version, skip the five
-// sections whose lengths the header gives, then walk the metadata entries
-// by key type. An unknown key cannot be skipped, so the walk stops there.
+var errOverrun = fmt.Errorf("%w: sections overrun the payload", ErrNotDataTable)
+
+// ResponseID extracts REQUEST_ID (metadata key 14) from a whole DataTable V4
+// payload the way the proxy does: pinotwire.MetadataOffset on the header,
+// then pinotwire.ResponseID on the metadata section. An unknown key before
+// REQUEST_ID stops the walk (ErrNoRequestID), as it would Pinot's reader.
 func ResponseID(p []byte) (int64, error) {
-	be32 := func(off int) (uint32, bool) {
-		if off < 0 || off+4 > len(p) {
-			return 0, false
-		}
-		return binary.BigEndian.Uint32(p[off:]), true
+	off, err := pinotwire.MetadataOffset(p)
+	if err != nil {
+		return 0, err
 	}
-	if v, ok := be32(0); !ok || len(p) < dataTableHeader || v != dataTableVersion {
-		return 0, ErrNotDataTable
+	if off > int64(len(p)) {
+		return 0, errOverrun
 	}
-	off := int64(dataTableHeader)
-	for _, i := range []int{4, 6, 8, 10, 12} {
-		n, _ := be32(4 * i)
-		off += int64(n)
+	id, found, _, err := pinotwire.ResponseID(p[off:], true)
+	if err != nil {
+		return 0, err
 	}
-	if off+8 > int64(len(p)) {
-		return 0, fmt.Errorf("%w: sections overrun the payload", ErrNotDataTable)
+	if !found {
+		return 0, ErrNoRequestID
 	}
-	o := int(off) + 4 // skip metaLen
-	n, _ := be32(o)
-	o += 4
-	for range n {
-		k, ok := be32(o)
-		if !ok {
-			break
-		}
-		o += 4
-		key := int32(k)
-		switch metaType(key) {
-		case metaLong:
-			if o+8 > len(p) {
-				return 0, fmt.Errorf("%w: truncated metadata", ErrNotDataTable)
-			}
-			if key == KeyRequestID {
-				return int64(binary.BigEndian.Uint64(p[o:])), nil
-			}
-			o += 8
-		case metaInt:
-			o += 4
-		case metaBool:
-			o++
-		case metaString:
-			l, ok := be32(o)
-			if !ok {
-				return 0, fmt.Errorf("%w: truncated metadata", ErrNotDataTable)
-			}
-			o += 4 + int(l)
-		default:
-			return 0, fmt.Errorf("%w: unknown metadata key %d before it", ErrNoRequestID, key)
-		}
-		if o > len(p) {
-			return 0, fmt.Errorf("%w: truncated metadata", ErrNotDataTable)
-		}
-	}
-	return 0, ErrNoRequestID
+	return id, nil
 }
