@@ -111,7 +111,7 @@ func New(opts Options) *Detector {
 // and keeps its state. It does nothing after Close.
 func (d *Detector) Register(endpoint string, pc ProbeConfig) {
 	pc = pc.normalized()
-	if pc.Kind != ProbeConnect && pc.Kind != ProbeHTTP {
+	if pc.Kind != ProbeConnect && pc.Kind != ProbeHTTP && pc.Kind != ProbeKafka {
 		d.log.Warn().Str("endpoint", endpoint).Str("kind", pc.Kind).
 			Msg("unknown probe kind: every probe of this endpoint will fail")
 	}

@@ -2,6 +2,7 @@ package health
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 const (
 	ProbeConnect = "connect" // a TCP connect that completes within Timeout
 	ProbeHTTP    = "http"    // GET http://<host>:<HTTPPort><HTTPPath> answered 2xx within Timeout
+	ProbeKafka   = "kafka"   // a Kafka ApiVersions request answered within Timeout
 )
 
 // Defaults applied by Register to non-positive (or empty) ProbeConfig
@@ -36,7 +38,7 @@ const (
 // configuration (defaults.detector) onto it. Register normalizes it: see the
 // field comments for what zero and out-of-range values mean.
 type ProbeConfig struct {
-	// Kind is ProbeConnect (also when empty) or ProbeHTTP. Any other value
+	// Kind is ProbeConnect (also when empty), ProbeHTTP or ProbeKafka. Any other value
 	// makes every probe fail, so a typo keeps the endpoint out rather than
 	// readmitting it unchecked; policy validation should reject it first.
 	Kind string
@@ -139,6 +141,8 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) e
 		return d.probeConnect(ctx, endpoint)
 	case ProbeHTTP:
 		return d.probeHTTP(ctx, endpoint, pc)
+	case ProbeKafka:
+		return d.probeKafka(ctx, endpoint)
 	}
 	return fmt.Errorf("%w %q", errUnknownKind, pc.Kind)
 }
@@ -179,6 +183,57 @@ func (d *Detector) probeHTTP(ctx context.Context, endpoint string, pc ProbeConfi
 	_ = resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		return fmt.Errorf("http probe %s: status %d", url, resp.StatusCode)
+	}
+	return nil
+}
+
+// kafkaProbeCorrelation is the correlation id of the probe's request;
+// any value works, a distinctive one reads well in a capture.
+const kafkaProbeCorrelation = 0x4c505052 // "LPPR"
+
+// kafkaProbeRequest is a framed ApiVersions (api_key 18) version 0 request
+// with client_id "livenessproxy-probe". Version 0 is the one every broker
+// answers: a broker that does not support the version a client asks for
+// still answers ApiVersions with a version 0 body, so that the client can
+// learn what it supports (KIP-511).
+var kafkaProbeRequest = func() []byte {
+	const clientID = "livenessproxy-probe"
+	b := binary.BigEndian.AppendUint32(nil, uint32(2+2+4+2+len(clientID)))
+	b = binary.BigEndian.AppendUint16(b, 18) // api_key: ApiVersions
+	b = binary.BigEndian.AppendUint16(b, 0)  // api_version
+	b = binary.BigEndian.AppendUint32(b, kafkaProbeCorrelation)
+	b = binary.BigEndian.AppendUint16(b, uint16(len(clientID)))
+	return append(b, clientID...)
+}()
+
+// probeKafka succeeds when a broker answers an ApiVersions request over a
+// fresh connection: a response frame that carries the request's
+// correlation id. A stopped broker's kernel still completes the handshake,
+// but the process must read the request and write the answer. The
+// response's error code is not checked: any answer proves the process.
+func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
+	conn, err := d.dial(ctx, "tcp", endpoint)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		_ = conn.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	if _, err := conn.Write(kafkaProbeRequest); err != nil {
+		return fmt.Errorf("kafka probe: writing ApiVersions: %w", err)
+	}
+	var hdr [8]byte
+	if _, err := io.ReadFull(conn, hdr[:]); err != nil {
+		return fmt.Errorf("kafka probe: no ApiVersions response: %w", err)
+	}
+	if size := binary.BigEndian.Uint32(hdr[:4]); size < 4 || size > 1<<20 {
+		return fmt.Errorf("kafka probe: response frame of %d bytes is not an ApiVersions response", size)
+	}
+	if corr := binary.BigEndian.Uint32(hdr[4:]); corr != kafkaProbeCorrelation {
+		return fmt.Errorf("kafka probe: response correlation id %#x, want %#x", corr, kafkaProbeCorrelation)
 	}
 	return nil
 }

@@ -1,0 +1,143 @@
+package health
+
+import (
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// kafkaPeer is a loopback listener whose connections each read one Kafka
+// request frame and then do what answer says.
+type kafkaPeer struct {
+	ln   net.Listener
+	wg   sync.WaitGroup
+	mu   sync.Mutex
+	reqs [][]byte // request payloads received
+}
+
+// startKafkaPeer serves until the test ends. answer returns the bytes to
+// write back (nil: write nothing and hold the connection until the test
+// ends, like a stopped broker whose kernel completed the handshake).
+func startKafkaPeer(t *testing.T, answer func(req []byte) []byte) *kafkaPeer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	kp := &kafkaPeer{ln: ln}
+	done := make(chan struct{})
+	kp.wg.Add(1)
+	go func() {
+		defer kp.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			kp.wg.Add(1)
+			go func() {
+				defer kp.wg.Done()
+				defer c.Close()
+				var size [4]byte
+				if _, err := io.ReadFull(c, size[:]); err != nil {
+					return
+				}
+				req := make([]byte, binary.BigEndian.Uint32(size[:]))
+				if _, err := io.ReadFull(c, req); err != nil {
+					return
+				}
+				kp.mu.Lock()
+				kp.reqs = append(kp.reqs, req)
+				kp.mu.Unlock()
+				if resp := answer(req); resp != nil {
+					_, _ = c.Write(resp)
+					return
+				}
+				<-done
+			}()
+		}
+	}()
+	t.Cleanup(func() { close(done); ln.Close(); kp.wg.Wait() })
+	return kp
+}
+
+// echoCorrelation answers with a response frame carrying the request's
+// correlation id and an empty body.
+func echoCorrelation(req []byte) []byte {
+	resp := binary.BigEndian.AppendUint32(nil, 4+2)
+	resp = append(resp, req[4:8]...)
+	return append(resp, 0, 0) // error_code 0
+}
+
+func TestKafkaProbeSendsApiVersionsV0(t *testing.T) {
+	kp := startKafkaPeer(t, echoCorrelation)
+	d := New(Options{})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka}.normalized()
+	if err := d.probe(context.Background(), kp.ln.Addr().String(), pc); err != nil {
+		t.Fatalf("probe of a broker that answers: %v", err)
+	}
+	kp.mu.Lock()
+	defer kp.mu.Unlock()
+	if len(kp.reqs) != 1 {
+		t.Fatalf("%d requests, want 1", len(kp.reqs))
+	}
+	req := kp.reqs[0]
+	if key, ver := binary.BigEndian.Uint16(req), binary.BigEndian.Uint16(req[2:]); key != 18 || ver != 0 {
+		t.Fatalf("api_key %d version %d, want ApiVersions (18) version 0", key, ver)
+	}
+	if n := int(binary.BigEndian.Uint16(req[8:])); string(req[10:10+n]) != "livenessproxy-probe" {
+		t.Fatalf("client_id %q", req[10:10+n])
+	}
+}
+
+// A broker whose kernel accepts but whose process never answers (stopped)
+// fails the probe within its timeout; so does an answer that is not the
+// probe's.
+func TestKafkaProbeFailures(t *testing.T) {
+	silent := startKafkaPeer(t, func([]byte) []byte { return nil })
+	wrongID := startKafkaPeer(t, func([]byte) []byte { return []byte{0, 0, 0, 6, 0, 0, 0, 7, 0, 0} })
+	hugeFrame := startKafkaPeer(t, func([]byte) []byte { return []byte{0x16, 0x03, 0x01, 0x00, 0, 0, 0, 0} })
+	d := New(Options{})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka, Timeout: 300 * time.Millisecond}.normalized()
+	for _, c := range []struct {
+		name, addr, want string
+	}{
+		{"silent", silent.ln.Addr().String(), "no ApiVersions response"},
+		{"wrong correlation id", wrongID.ln.Addr().String(), "correlation id"},
+		{"not a Kafka frame", hugeFrame.ln.Addr().String(), "not an ApiVersions response"},
+		{"refused", closedAddr(t), "refused"},
+	} {
+		start := time.Now()
+		err := d.probe(context.Background(), c.addr, pc)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: probe error %v, want one containing %q", c.name, err, c.want)
+		}
+		if el := time.Since(start); el > 5*time.Second {
+			t.Errorf("%s: probe took %v with a %v timeout", c.name, el, pc.Timeout)
+		}
+	}
+}
+
+// A real broker implementation (franz-go's kfake) answers the probe.
+func TestKafkaProbeAgainstKfake(t *testing.T) {
+	c, err := kfake.NewCluster(kfake.NumBrokers(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	d := New(Options{})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka, Timeout: 5 * time.Second}.normalized()
+	if err := d.probe(context.Background(), c.ListenAddrs()[0], pc); err != nil {
+		t.Fatalf("probe of kfake: %v", err)
+	}
+}
