@@ -177,7 +177,24 @@ type WriteBuffer struct {
 const (
 	FramingNone        = "none"
 	FramingLengthField = "length_field"
+	// FramingKafka is Kafka's wire protocol: 4-byte big-endian length
+	// frames whose request headers the proxy reads to match responses by
+	// correlation id, to skip requests that get no response by protocol
+	// (Produce with acks=0) and to give each request the time it asks the
+	// broker to hold it (Fetch max_wait_ms, JoinGroup rebalance timeout,
+	// Produce timeout_ms).
+	FramingKafka = "kafka"
+	// FramingPinot is the Pinot broker-to-server query transport: 4-byte
+	// big-endian length frames carrying Thrift InstanceRequests and
+	// DataTable responses; each request's deadline is its own timeoutMs
+	// query option.
+	FramingPinot = "pinot"
 )
+
+// IsProfile reports whether t is a protocol profile (kafka, pinot): a
+// fixed 4-byte big-endian length framing plus what the protocol says about
+// answers.
+func IsProfile(t string) bool { return t == FramingKafka || t == FramingPinot }
 
 // Byte orders for Framing.ByteOrder.
 const (
@@ -191,7 +208,13 @@ const (
 // counts the bytes after it.
 type Framing struct {
 	// Type is none (opaque bytes: there are no frames, so no requests to
-	// count) or length_field (each frame carries its length in a header).
+	// count), length_field (each frame carries its length in a header; the
+	// proxy cannot tell which frames get an answer or how long one may take),
+	// or a protocol profile: kafka or pinot. The profiles use a 4-byte
+	// big-endian length that counts the bytes after it (the length_field
+	// keys below do not apply to them, max_frame_length does) and read just
+	// enough of each request and response to know which requests expect an
+	// answer, by when, and which answer is whose.
 	Type string `yaml:"type"`
 	// LengthFieldOffset is the number of bytes from the start of a frame to
 	// its length field. Negative is invalid.
@@ -211,46 +234,112 @@ type Framing struct {
 	// ByteOrder is the length field's byte order: big (network order) or
 	// little.
 	ByteOrder string `yaml:"byte_order"`
-	// MaxFrameLength is the largest frame accepted, header included; a
-	// longer one is a protocol error. It must be positive when Type is
-	// length_field (and is unused otherwise).
+	// MaxFrameLength is the largest frame the proxy follows, header
+	// included. A longer one means the stream is not what the framing
+	// says (a TLS handshake read as a length, say): the link is still
+	// forwarded, untouched, but no longer tracked. It must be positive when
+	// Type is not none (and is unused otherwise).
 	MaxFrameLength Size `yaml:"max_frame_length"`
 }
 
-// Unanswered configures tracking of request frames that see no response.
-// A response from the upstream, any response, resets the count: a slow
+// Values of Unanswered.Track.
+const (
+	TrackAuto = "auto"
+	TrackOn   = "on"
+	TrackOff  = "off"
+)
+
+// Unanswered configures tracking of requests that see no response. A
+// request counts only once its own deadline has passed and only if the
+// endpoint answered nothing at all, on any link, since it was sent: a slow
 // upstream that still answers never trips it; a dead one answers nothing.
 type Unanswered struct {
-	// RequestTimeout is how long a request frame may wait for a response
-	// from its upstream before it counts as unanswered. Non-positive
-	// disables tracking.
+	// Track turns tracking on or off: auto (on for the kafka and pinot
+	// profiles, whose requests say whether and by when they are answered;
+	// off for none and length_field, where a long poll, a subscription or a
+	// request with no response by design looks the same as a dead server),
+	// on, or off.
+	Track string `yaml:"track"`
+	// RequestTimeout is how long a request may wait for a response beyond
+	// the time it asks the server to hold it (a Kafka Fetch's max_wait_ms,
+	// say) before it counts as unanswered. With the pinot profile a request
+	// that carries its own timeoutMs uses that (plus one second) instead.
+	// Non-positive disables tracking.
 	RequestTimeout Duration `yaml:"request_timeout"`
 	// ConsecutiveTimeoutsThreshold is how many unanswered requests in a row
-	// mark the link suspect and report its endpoint. Non-positive disables
-	// tracking.
+	// (across all links to the endpoint, with no answer in between) mark the
+	// endpoint suspect; a request counts against the threshold of the
+	// listener that sent it. Non-positive: this listener's requests are
+	// never counted (in framed mode they are still never delivered stale).
 	ConsecutiveTimeoutsThreshold int `yaml:"consecutive_timeouts_threshold"`
 }
 
-// Enabled reports whether unanswered tracking is on: both the timeout and
-// the threshold are positive.
-func (u Unanswered) Enabled() bool {
-	return u.RequestTimeout > 0 && u.ConsecutiveTimeoutsThreshold > 0
+// Enabled reports whether requests are tracked for framing type framing:
+// Track allows it (auto: only for the protocol profiles), the timeout is
+// positive, and tracking has a use: in framed mode a request past its
+// deadline is never delivered stale, whatever the threshold; in opaque
+// mode tracking only counts, so it needs a positive threshold.
+func (u Unanswered) Enabled(framing string) bool {
+	switch u.Track {
+	case TrackOff:
+		return false
+	case TrackAuto, "":
+		if !IsProfile(framing) {
+			return false
+		}
+	}
+	return u.RequestTimeout > 0 && (framing != FramingNone || u.ConsecutiveTimeoutsThreshold > 0)
 }
 
 // Probe kinds for Detector.Probe.
 const (
+	// ProbeKindAuto picks the probe that proves the process for the
+	// framing: kafka for the kafka profile, http for the pinot profile
+	// (Pinot servers answer /health on their admin port), connect otherwise.
+	ProbeKindAuto    = "auto"
 	ProbeKindConnect = "connect"
 	ProbeKindHTTP    = "http"
+	// ProbeKindKafka sends a Kafka ApiVersions request over a fresh
+	// connection; the broker process must answer it.
+	ProbeKindKafka = "kafka"
 )
+
+// PinotAdminPort is the Pinot server's admin port (pinot.server.adminapi.port),
+// where GET /health answers: the http probe's port under the pinot profile
+// when detector.http.port is 0.
+const PinotAdminPort = 8097
+
+// Probe returns the probe kind and HTTP port that settings s use, with
+// auto resolved for s.Framing.Type.
+func (s Settings) Probe() (kind string, httpPort int) {
+	kind, httpPort = s.Detector.Probe, s.Detector.HTTP.Port
+	if kind == ProbeKindAuto || kind == "" {
+		switch s.Framing.Type {
+		case FramingKafka:
+			kind = ProbeKindKafka
+		case FramingPinot:
+			kind = ProbeKindHTTP
+		default:
+			kind = ProbeKindConnect
+		}
+	}
+	if kind == ProbeKindHTTP && httpPort == 0 && s.Framing.Type == FramingPinot {
+		httpPort = PinotAdminPort
+	}
+	return kind, httpPort
+}
 
 // Detector configures how an excluded endpoint is probed. A probe always
 // uses a fresh connection, never a cached one; an endpoint is readmitted
 // only after a successful probe. After a failed probe the delay before the
 // next is multiplied by BackoffFactor, up to MaxDelay.
 type Detector struct {
-	// Probe is connect (a fresh TCP connection to the endpoint is
-	// established) or http (an HTTP GET of HTTP.Path over a fresh
-	// connection answers with a 2xx status).
+	// Probe is auto (the default: kafka under the kafka profile, http
+	// under the pinot profile, connect otherwise), connect (a fresh TCP
+	// connection to the endpoint is established: proves the host's kernel,
+	// not the process), http (an HTTP GET of HTTP.Path over a fresh
+	// connection answers with a 2xx status) or kafka (a Kafka ApiVersions
+	// request over a fresh connection is answered).
 	Probe string `yaml:"probe"`
 	// ProbeTimeout bounds one probe, connection included. Must be positive.
 	ProbeTimeout Duration `yaml:"probe_timeout"`
@@ -274,7 +363,8 @@ type Detector struct {
 // ProbeHTTP configures the http probe.
 type ProbeHTTP struct {
 	// Port is the port the probe connects to, on the endpoint's host. Zero
-	// uses the endpoint's own port; it must be from 0 to 65535.
+	// uses the endpoint's own port, or under the pinot profile the Pinot
+	// server's admin port, 8097; it must be from 0 to 65535.
 	Port int `yaml:"port"`
 	// Path is the request path; it must start with "/" when the probe is
 	// http.
@@ -303,9 +393,9 @@ func DefaultSettings() Settings {
 			ByteOrder:         ByteOrderBig,
 			MaxFrameLength:    256 * MiB,
 		},
-		Unanswered: Unanswered{RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5},
+		Unanswered: Unanswered{Track: TrackAuto, RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5},
 		Detector: Detector{
-			Probe:         ProbeKindConnect,
+			Probe:         ProbeKindAuto,
 			ProbeTimeout:  Duration(time.Second),
 			InitialDelay:  Duration(time.Second),
 			BackoffFactor: 2,

@@ -321,7 +321,7 @@ func TestParseErrors(t *testing.T) {
 				"    upstream: up:2",
 				"    framing: {type: netty}",
 			),
-			want: `listeners[0].framing.type: "netty" is not one of none, length_field (line 5)`,
+			want: `listeners[0].framing.type: "netty" is not one of none, length_field, kafka, pinot (line 5)`,
 		},
 		{
 			name: "bad length field parameters",
@@ -390,7 +390,7 @@ func TestParseErrors(t *testing.T) {
 				"listeners:",
 				okListener,
 			),
-			want: `defaults.detector.probe: "ping" is not one of connect, http (line 3)` + "\n" +
+			want: `defaults.detector.probe: "ping" is not one of auto, connect, http, kafka (line 3)` + "\n" +
 				"defaults.detector.probe_timeout: 0s must be positive (line 4)\n" +
 				"defaults.detector.initial_delay: -1s must be positive (line 5)\n" +
 				"defaults.detector.backoff_factor: 0.5 must be at least 1 (1 probes at a fixed interval) (line 6)\n" +
@@ -782,11 +782,17 @@ func TestNewKeyDefaults(t *testing.T) {
 		if s.Framing != wantFraming {
 			t.Errorf("framing = %+v, want %+v", s.Framing, wantFraming)
 		}
-		wantUnanswered := Unanswered{RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5}
-		if s.Unanswered != wantUnanswered || !s.Unanswered.Enabled() {
-			t.Errorf("unanswered = %+v (enabled %v), want %+v, enabled", s.Unanswered, s.Unanswered.Enabled(), wantUnanswered)
+		wantUnanswered := Unanswered{Track: "auto", RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5}
+		if s.Unanswered != wantUnanswered {
+			t.Errorf("unanswered = %+v, want %+v", s.Unanswered, wantUnanswered)
 		}
-		wantDetector := Detector{Probe: "connect", ProbeTimeout: Duration(time.Second), InitialDelay: Duration(time.Second),
+		// auto: on for the protocol profiles only.
+		for framing, want := range map[string]bool{"none": false, "length_field": false, "kafka": true, "pinot": true} {
+			if got := s.Unanswered.Enabled(framing); got != want {
+				t.Errorf("unanswered enabled for framing %s = %v, want %v", framing, got, want)
+			}
+		}
+		wantDetector := Detector{Probe: "auto", ProbeTimeout: Duration(time.Second), InitialDelay: Duration(time.Second),
 			BackoffFactor: 2, MaxDelay: Duration(time.Minute), Jitter: 0.2, HTTP: ProbeHTTP{Port: 0, Path: "/health"}}
 		if s.Detector != wantDetector {
 			t.Errorf("detector = %+v, want %+v", s.Detector, wantDetector)
@@ -836,7 +842,7 @@ func TestNewKeysOverlayPerListener(t *testing.T) {
 	if c.Defaults != defaults {
 		t.Errorf("defaults = %+v, want %+v", c.Defaults, defaults)
 	}
-	if c.Defaults.Unanswered.Enabled() {
+	if c.Defaults.Unanswered.Enabled(FramingKafka) {
 		t.Error("defaults.unanswered with request_timeout 0 is enabled")
 	}
 
@@ -969,9 +975,10 @@ endpoints:
 func TestDesignExample(t *testing.T) {
 	c := mustParse(t, designExample)
 	want := DefaultConfig()
+	want.Defaults.Detector.Probe = ProbeKindConnect
 	want.Listeners = []Listener{
-		{Name: "pinot-server-0", Listen: "127.0.0.1:18098", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: DefaultSettings()},
-		{Name: "kafka", Listen: "127.0.0.1:19092", Upstream: "kafka-headless.data.svc:9092", Settings: DefaultSettings()},
+		{Name: "pinot-server-0", Listen: "127.0.0.1:18098", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: want.Defaults},
+		{Name: "kafka", Listen: "127.0.0.1:19092", Upstream: "kafka-headless.data.svc:9092", Settings: want.Defaults},
 	}
 	want.Listeners[0].Framing.Type = FramingLengthField
 	want.Listeners[1].WriteBuffer.OnOverflow = OverflowBackpressure
@@ -1030,13 +1037,14 @@ func TestValidateBuiltConfig(t *testing.T) {
 	c.Admin.Listen = "" // empty disables the admin server
 	c.Listeners = []Listener{{Name: "a", Listen: "127.0.0.1:1", Upstream: "up:1"}}
 	want = `listeners[0].write_buffer.on_overflow: "" is not one of reject, backpressure` + "\n" +
-		`listeners[0].framing.type: "" is not one of none, length_field` + "\n" +
+		`listeners[0].framing.type: "" is not one of none, length_field, kafka, pinot` + "\n" +
 		"listeners[0].framing.length_field_length: 0 is not one of 1, 2, 3, 4, 8\n" +
 		`listeners[0].framing.byte_order: "" is not one of big, little` + "\n" +
-		`listeners[0].detector.probe: "" is not one of connect, http` + "\n" +
+		`listeners[0].detector.probe: "" is not one of auto, connect, http, kafka` + "\n" +
 		"listeners[0].detector.probe_timeout: 0s must be positive\n" +
 		"listeners[0].detector.initial_delay: 0s must be positive\n" +
 		"listeners[0].detector.backoff_factor: 0 must be at least 1 (1 probes at a fixed interval)\n" +
+		`listeners[0].unanswered.track: "" is not one of auto, on, off` + "\n" +
 		`listeners[0].on_excluded: "" is not one of refuse, allow`
 	if err := c.Validate(); err == nil || err.Error() != want {
 		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)

@@ -58,9 +58,10 @@ var (
 	logLevels   = []string{"debug", "info", "warn", "error"}
 	logFormats  = []string{"json", "console"}
 	overflows   = []string{OverflowReject, OverflowBackpressure}
-	framings    = []string{FramingNone, FramingLengthField}
+	framings    = []string{FramingNone, FramingLengthField, FramingKafka, FramingPinot}
+	tracks      = []string{TrackAuto, TrackOn, TrackOff}
 	byteOrders  = []string{ByteOrderBig, ByteOrderLittle}
-	probeKinds  = []string{ProbeKindConnect, ProbeKindHTTP}
+	probeKinds  = []string{ProbeKindAuto, ProbeKindConnect, ProbeKindHTTP, ProbeKindKafka}
 	onExcluded  = []string{OnExcludedRefuse, OnExcludedAllow}
 	listenerRE  = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
 	oneOfFormat = "%q is not one of %s"
@@ -233,7 +234,11 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 	v.framing(prefix, &s.Framing, own, show)
 	v.detector(prefix, &s.Detector, own, show)
 
-	// Unanswered: every value is valid; non-positive disables tracking.
+	// Unanswered: every duration and count is valid; non-positive disables
+	// tracking.
+	if !slices.Contains(tracks, s.Unanswered.Track) && own("unanswered.track") {
+		v.add(prefix+"unanswered.track", oneOfFormat, s.Unanswered.Track, strings.Join(tracks, ", "))
+	}
 
 	if !slices.Contains(onExcluded, s.OnExcluded) && own("on_excluded") {
 		v.add(prefix+"on_excluded", oneOfFormat, s.OnExcluded, strings.Join(onExcluded, ", "))
@@ -267,7 +272,7 @@ func (v *validator) framing(prefix string, f *Framing, own func(string) bool, sh
 	if !slices.Contains(byteOrders, f.ByteOrder) && own(order) {
 		v.add(prefix+order, oneOfFormat, f.ByteOrder, strings.Join(byteOrders, ", "))
 	}
-	if f.Type == FramingLengthField && f.MaxFrameLength <= 0 {
+	if f.Type != FramingNone && slices.Contains(framings, f.Type) && f.MaxFrameLength <= 0 {
 		switch {
 		case own(maxLen):
 			v.add(prefix+maxLen, "%v must be positive when type is %s", f.MaxFrameLength, show(typ, f.Type))

@@ -24,7 +24,9 @@ func framed(timeout time.Duration, threshold int, more func(*policy.Settings)) f
 	return func(s *policy.Settings) {
 		s.Framing = policy.Framing{Type: policy.FramingLengthField, LengthFieldLength: 4,
 			ByteOrder: policy.ByteOrderBig, MaxFrameLength: 1 << 20}
-		s.Unanswered = policy.Unanswered{RequestTimeout: policy.Duration(timeout), ConsecutiveTimeoutsThreshold: threshold}
+		// length_field cannot know which frames get an answer: tracking is
+		// off unless asked for.
+		s.Unanswered = policy.Unanswered{Track: policy.TrackOn, RequestTimeout: policy.Duration(timeout), ConsecutiveTimeoutsThreshold: threshold}
 		s.Detector.InitialDelay = policy.Duration(10 * time.Second) // tests that readmit set their own
 		s.Detector.Jitter = 0
 		if more != nil {
@@ -257,40 +259,56 @@ func roundTripFrame(t *testing.T, c net.Conn, msg string) {
 	}
 }
 
-// Bad frames close only their own link, with reason bad_frame, and are
-// not held against the server.
-func TestBadFramesCloseOnlyTheirLink(t *testing.T) {
+// A frame the proxy cannot follow (longer than max_frame_length, or a
+// negative length) stops tracking that link, and only that link: its
+// bytes are still forwarded untouched, nothing is held against the
+// server, and untracked_links_total says why.
+func TestUnfollowableFramesAreForwardedUntracked(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		bytes []byte
-		eof   bool
 	}{
-		{"oversized", []byte{0, 0x20, 0, 0, 'x'}, false},    // 2 MiB > max_frame_length 1 MiB
-		{"negative", []byte{0xff, 0xff, 0xff, 0xff}, false}, // -1 as Pinot's (Java) int
-		{"truncated then EOF", []byte{0, 0, 0, 100, 'p', 'a', 'r', 't'}, true},
+		{"oversized", []byte{0, 0x20, 0, 0, 'x'}},    // 2 MiB > max_frame_length 1 MiB
+		{"negative", []byte{0xff, 0xff, 0xff, 0xff}}, // -1 as Pinot's (Java) int
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+			peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 			h := start(t, peer.Addr(), framed(time.Second, 3, nil))
-			good, bad := h.dial(), h.dial()
+			good, odd := h.dial(), h.dial()
 			roundTripFrame(t, good, "before")
-			if _, err := bad.Write(tc.bytes); err != nil {
-				t.Fatal(err)
-			}
-			if tc.eof {
-				_ = bad.CloseWrite()
-			}
-			if err, _ := waitClosed(t, bad, 2*time.Second); !isCloseSignal(err) {
-				t.Fatalf("bad link saw %v", err)
-			}
-			if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonBadFrame {
-				t.Fatalf("reason %q (%v), want bad_frame", s.Reason, s.Err)
+			roundTrip(t, odd, tc.bytes)
+			roundTrip(t, odd, []byte("and whatever follows"))
+			if got := testutil.ToFloat64(h.m.ForListener("test").Untracked(metrics.UntrackedLimit)); got != 1 {
+				t.Fatalf("untracked_links_total{reason=limit} = %v, want 1", got)
 			}
 			roundTripFrame(t, good, "after")
-			if ep := h.endpoint(); ep.State != "healthy" {
-				t.Fatalf("endpoint %s after a client's bad frame, want healthy", ep.State)
+			if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 2 {
+				t.Fatalf("endpoint %s with %d links after a client's odd frame, want healthy with both", ep.State, h.p.ActiveLinks())
 			}
 		})
+	}
+}
+
+// A client that ends its stream inside a frame closes only its own link,
+// with reason bad_frame, and is not held against the server.
+func TestTruncatedFrameClosesOnlyItsLink(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	h := start(t, peer.Addr(), framed(time.Second, 3, nil))
+	good, bad := h.dial(), h.dial()
+	roundTripFrame(t, good, "before")
+	if _, err := bad.Write([]byte{0, 0, 0, 100, 'p', 'a', 'r', 't'}); err != nil {
+		t.Fatal(err)
+	}
+	_ = bad.CloseWrite()
+	if err, _ := waitClosed(t, bad, 2*time.Second); !isCloseSignal(err) {
+		t.Fatalf("bad link saw %v", err)
+	}
+	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonBadFrame {
+		t.Fatalf("reason %q (%v), want bad_frame", s.Reason, s.Err)
+	}
+	roundTripFrame(t, good, "after")
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s after a client's bad frame, want healthy", ep.State)
 	}
 }
 

@@ -26,7 +26,6 @@ type endpoint struct {
 	lastAnswer  atomic.Int64 // mono time of the last answer on any link
 	readmitted  atomic.Int64 // mono time of the last readmission
 	lastUsed    atomic.Int64 // mono time a transparent connection last resolved to it
-	threshold   atomic.Int64 // consecutive_timeouts_threshold (the latest listener settings)
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
 	orphans *tracker
@@ -60,29 +59,33 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) *endpoint {
 	ep, ok := p.endpoints[addr]
 	if !ok {
 		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{})}
-		ep.lastAnswer.Store(-1)
-		if rt := s.Unanswered.RequestTimeout.D(); rt > 0 {
-			ep.orphans = newTracker(rt, false, &ep.lastAnswer, func(v verdict) {
-				p.countUnanswered(ep, nil, v.unanswered)
-			})
-		}
+		ep.lastAnswer.Store(noAnswer)
+		ep.orphans = newTracker(judgingSlack(time.Second), false, &ep.lastAnswer, func(judged []pendingRequest, _ int) {
+			// Each request keeps the threshold of the listener that sent it.
+			for _, r := range judged {
+				if !ep.orphans.covered(&r) {
+					p.countUnanswered(ep, nil, int(r.n), int(r.thr))
+				}
+			}
+		})
 		p.endpoints[addr] = ep
 	}
 	// The latest settings win: a reload re-registers the probe config.
-	ep.threshold.Store(int64(s.Unanswered.ConsecutiveTimeoutsThreshold))
-	p.det.Register(addr, probeConfig(s.Detector))
+	p.det.Register(addr, probeConfig(s))
 	return ep
 }
 
-func probeConfig(d policy.Detector) health.ProbeConfig {
+func probeConfig(s policy.Settings) health.ProbeConfig {
+	d := s.Detector
+	kind, port := s.Probe()
 	return health.ProbeConfig{
-		Kind:         d.Probe,
+		Kind:         kind,
 		Timeout:      d.ProbeTimeout.D(),
 		InitialDelay: d.InitialDelay.D(),
 		Factor:       d.BackoffFactor,
 		MaxDelay:     d.MaxDelay.D(),
 		Jitter:       d.Jitter,
-		HTTPPort:     d.HTTP.Port,
+		HTTPPort:     port,
 		HTTPPath:     d.HTTP.Path,
 	}
 }
@@ -166,9 +169,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		// about to be evicted, or already ended) are not judged against
 		// the server now admitted.
 		ep.readmitted.Store(mono())
-		if ep.orphans != nil {
-			ep.orphans.clear()
-		}
+		ep.orphans.clear()
 		ep.consecutive.Store(0)
 		// No client keeps a connection opened before the readmission.
 		n := ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)
@@ -213,11 +214,12 @@ func (p *Proxy) report(ep *endpoint, reason string) {
 	p.det.Report(ep.addr, reason)
 }
 
-// countUnanswered adds n unanswered timeouts to the endpoint's consecutive
-// count; crossing the threshold marks it suspect. from is the listener
-// whose link judged them, nil for a link that had already ended (then
-// every listener routing to the endpoint counts them).
-func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n int) {
+// countUnanswered adds n unanswered requests to the endpoint's consecutive
+// count; crossing thr, the threshold of the listener that sent them, marks
+// the endpoint suspect. from is the listener whose link judged them, nil
+// for a link that had already ended (then every listener routing to the
+// endpoint counts them).
+func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int) {
 	if n <= 0 {
 		return
 	}
@@ -225,12 +227,20 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n int) {
 	for _, l := range ls {
 		l.m.UnansweredTimeouts.Add(float64(n))
 	}
-	thr := ep.threshold.Load()
 	if thr <= 0 {
 		return
 	}
-	if c := ep.consecutive.Add(int64(n)); c >= thr && c-int64(n) < thr {
-		p.suspect(ep, ls)
+	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && c-int64(n) < int64(thr) {
+		p.suspect(ep, ls, thr)
+	}
+}
+
+// answered records an answer from the endpoint at mono time now: it is
+// alive, and its consecutive count starts over.
+func (ep *endpoint) answered(now int64) {
+	ep.lastAnswer.Store(now)
+	if ep.consecutive.Load() != 0 {
+		ep.consecutive.Store(0)
 	}
 }
 
@@ -245,12 +255,12 @@ func (ep *endpoint) listenersOr(l *listener) []*listener {
 
 // suspect handles an endpoint that reached the unanswered threshold: it is
 // excluded and every link to it closed, client sides included.
-func (p *Proxy) suspect(ep *endpoint, ls []*listener) {
+func (p *Proxy) suspect(ep *endpoint, ls []*listener, thr int) {
 	for _, l := range ls {
 		l.m.EndpointSuspect.Inc()
 	}
 	ep.consecutive.Store(0)
-	p.log.Warn().Str("endpoint", ep.addr).Int64("threshold", ep.threshold.Load()).
+	p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).
 		Msg("endpoint suspect: consecutive unanswered requests")
 	if !p.det.Report(ep.addr, metrics.ReasonUnanswered) {
 		// Already excluded (on_excluded: allow) or disabled: still close.

@@ -25,8 +25,12 @@ type frameSpec struct {
 }
 
 // newFrameSpec returns the spec for a validated framing config, or nil for
-// opaque mode.
+// opaque mode. The protocol profiles (kafka, pinot) use a 4-byte
+// big-endian length that counts the bytes after it.
 func newFrameSpec(f policy.Framing) *frameSpec {
+	if policy.IsProfile(f.Type) {
+		return &frameSpec{length: 4, bigEndian: true, max: int64(f.MaxFrameLength)}
+	}
 	if f.Type != policy.FramingLengthField {
 		return nil
 	}
@@ -83,15 +87,53 @@ func (f *frameSpec) frameLength(hdr []byte) (int64, error) {
 	return total, nil
 }
 
+// window asks a frameReader's caller for payload bytes [base, base+need)
+// of the current frame, where the payload is what follows the length
+// field. need 0: nothing more from this frame.
+type window struct {
+	base int64
+	need int
+}
+
+// frameReader reads what a protocol profile needs from the frames of one
+// direction. The scanner hands it windows of payload bytes: straight out
+// of the read buffer when a window lies within one read, copied into a
+// small buffer only when it straddles reads.
+type frameReader interface {
+	// begin starts a frame with n payload bytes and returns the first
+	// window it wants.
+	begin(n int64) window
+	// read is given payload bytes [w.base, w.base+len(b)) of the window it
+	// asked for, cut short only by the end of the frame, and returns the
+	// next window. A next window starts at or after the previous one's
+	// base; starting at the same base with a larger need re-reads the
+	// same bytes plus more. b is valid only during the call.
+	read(b []byte) window
+	// end is called when the frame's last byte has been scanned; off is
+	// the stream offset just past it.
+	end(off int64)
+}
+
+// maxWindow bounds the bytes a reader may ask for at once.
+const maxWindow = 128 << 10
+
 // frameScanner follows frame boundaries across reads. It never buffers
-// a body: only up to headerLen bytes of a header that straddles reads.
-// Its cost is per frame, not per byte.
+// a body: only up to headerLen bytes of a header that straddles reads,
+// and, for a reader, a window that straddles reads. Its cost is per frame,
+// not per byte.
 type frameScanner struct {
 	spec      *frameSpec
-	hdr       []byte // headerLen bytes
-	hdrN      int    // header bytes collected for the current frame
-	remaining int64  // body bytes left in the current frame once its length is known
+	rd        frameReader // nil: frames are only counted
+	hdr       []byte      // headerLen bytes
+	hdrN      int         // header bytes collected for the current frame
+	remaining int64       // body bytes left in the current frame once its length is known
 	inBody    bool
+	scanned   int64 // stream offset of the next byte to scan
+
+	payload int64  // payload length of the current frame
+	pos     int64  // payload offset of the next byte to scan
+	w       window // what rd wants next
+	wbuf    []byte // window bytes collected across reads: [w.base, w.base+len(wbuf))
 }
 
 func newFrameScanner(spec *frameSpec) *frameScanner {
@@ -99,18 +141,28 @@ func newFrameScanner(spec *frameSpec) *frameScanner {
 }
 
 // scan walks p. It returns the number of frames that start in p and the
-// number that end in p. A bad frame is an error; the link must close.
+// number that end in p. A bad frame is an error: the scanner cannot
+// follow the stream any further.
 func (s *frameScanner) scan(p []byte) (starts, ends int, err error) {
 	hl := s.spec.headerLen()
 	for len(p) > 0 {
 		if s.inBody {
-			if int64(len(p)) < s.remaining {
-				s.remaining -= int64(len(p))
-				return starts, ends, nil
+			n := int64(len(p))
+			if s.rd != nil && s.w.need > 0 {
+				n = s.feed(p)
+			}
+			if n < s.remaining {
+				s.remaining -= n
+				s.pos += n
+				s.scanned += n
+				p = p[n:]
+				continue
 			}
 			p = p[s.remaining:]
+			s.scanned += s.remaining
 			s.remaining, s.inBody = 0, false
 			ends++
+			s.endFrame()
 			continue
 		}
 		if s.hdrN == 0 {
@@ -118,6 +170,7 @@ func (s *frameScanner) scan(p []byte) (starts, ends int, err error) {
 		}
 		n := copy(s.hdr[s.hdrN:hl], p)
 		s.hdrN += n
+		s.scanned += int64(n)
 		p = p[n:]
 		if s.hdrN < hl {
 			return starts, ends, nil
@@ -128,13 +181,100 @@ func (s *frameScanner) scan(p []byte) (starts, ends int, err error) {
 		}
 		s.hdrN = 0
 		s.remaining = total - int64(hl)
+		s.beginFrame()
 		if s.remaining == 0 {
 			ends++
+			s.endFrame()
 			continue
 		}
 		s.inBody = true
 	}
 	return starts, ends, nil
+}
+
+func (s *frameScanner) beginFrame() {
+	if s.rd == nil {
+		return
+	}
+	s.payload, s.pos = s.remaining, 0
+	s.wbuf = s.wbuf[:0]
+	s.setWindow(s.rd.begin(s.payload))
+	if s.w.need > 0 && s.payload == 0 {
+		s.setWindow(s.rd.read(nil))
+	}
+}
+
+func (s *frameScanner) endFrame() {
+	if s.rd == nil {
+		return
+	}
+	s.rd.end(s.scanned)
+	s.w = window{}
+	if cap(s.wbuf) > 4<<10 {
+		s.wbuf = nil // a large window's buffer is not kept for later frames
+	}
+}
+
+// setWindow takes the reader's next window, clipped to the frame, and
+// keeps whatever collected bytes it still covers.
+func (s *frameScanner) setWindow(w window) {
+	if w.need > maxWindow {
+		w.need = maxWindow
+	}
+	if left := s.payload - w.base; w.need > 0 && int64(w.need) > left {
+		w.need = int(max(left, 0))
+	}
+	if len(s.wbuf) > 0 {
+		if drop := w.base - s.w.base; w.need > 0 && drop >= 0 && drop < int64(len(s.wbuf)) {
+			s.wbuf = s.wbuf[:copy(s.wbuf, s.wbuf[drop:])]
+		} else {
+			s.wbuf = s.wbuf[:0]
+		}
+	}
+	s.w = w
+}
+
+// feed serves the reader's windows out of p, whose first byte is at
+// payload offset s.pos, and returns how many bytes of p the scanner may
+// move past: every byte of the frame that is in p. Window bytes that lie
+// in p are handed over in place; a window that straddles reads is
+// collected in wbuf.
+func (s *frameScanner) feed(p []byte) int64 {
+	avail := min(int64(len(p)), s.remaining) // frame bytes in p
+	for s.w.need > 0 {
+		if len(s.wbuf) == 0 {
+			start := s.w.base - s.pos // the window's first byte, as an index into p
+			switch {
+			case start < 0:
+				// Bytes of an earlier read, which were not kept: a reader
+				// may only move forward. Stop reading this frame.
+				s.w = window{}
+				return avail
+			case start >= avail:
+				return avail // the window starts in a later read
+			case start+int64(s.w.need) <= avail:
+				s.setWindow(s.rd.read(p[start : start+int64(s.w.need)]))
+				continue
+			}
+			s.wbuf = append(s.wbuf, p[start:avail]...)
+			return avail
+		}
+		// Collecting: wbuf holds [w.base, w.base+len(wbuf)); the next byte
+		// needed is the one just after it.
+		if len(s.wbuf) < s.w.need {
+			idx := s.w.base + int64(len(s.wbuf)) - s.pos
+			if idx < 0 || idx >= avail {
+				return avail
+			}
+			take := min(int64(s.w.need-len(s.wbuf)), avail-idx)
+			s.wbuf = append(s.wbuf, p[idx:idx+take]...)
+			if len(s.wbuf) < s.w.need {
+				return avail
+			}
+		}
+		s.setWindow(s.rd.read(s.wbuf[:s.w.need]))
+	}
+	return avail
 }
 
 // midFrame reports whether the stream stopped inside a frame.

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"testing"
@@ -134,6 +135,156 @@ func FuzzFrameScanner(f *testing.F) {
 		}
 		if got != len(want) {
 			t.Fatalf("scanner found %d frame ends, reference %d", got, len(want))
+		}
+	})
+}
+
+// scriptReader asks each frame for a fixed script of windows (a first
+// one, a larger one at the same base, one further on) and records what it
+// was given, to check the scanner's windows against the payload itself.
+type scriptReader struct {
+	n     int64
+	step  int
+	got   [][]byte // every window's bytes, in order
+	bases []int64
+	ends  []int64
+}
+
+func (r *scriptReader) script(step int) window {
+	switch step {
+	case 0:
+		return window{base: 0, need: 3}
+	case 1:
+		return window{base: 0, need: 9}
+	case 2:
+		return window{base: 20, need: 7}
+	}
+	return window{}
+}
+
+// clip is what the scanner does to a window at the end of a payload.
+func clip(w window, n int64) window {
+	if w.need > 0 && int64(w.need) > n-w.base {
+		w.need = int(max(n-w.base, 0))
+	}
+	return w
+}
+
+func (r *scriptReader) begin(n int64) window {
+	r.n, r.step = n, 0
+	return r.script(0)
+}
+
+func (r *scriptReader) read(b []byte) window {
+	w := clip(r.script(r.step), r.n)
+	r.got = append(r.got, append([]byte(nil), b...))
+	r.bases = append(r.bases, w.base)
+	r.step++
+	return r.script(r.step)
+}
+
+func (r *scriptReader) end(off int64) { r.ends = append(r.ends, off) }
+
+// refWindows is what scriptReader must see on the whole stream.
+func refWindows(spec *frameSpec, data []byte) (got [][]byte, ends []int64) {
+	pos := 0
+	for pos+spec.headerLen() <= len(data) {
+		total, err := spec.frameLength(data[pos : pos+spec.headerLen()])
+		if err != nil {
+			return got, ends
+		}
+		// A frame cut short by the end of the stream still gets the
+		// windows whose bytes are all there.
+		payload := data[pos+spec.headerLen() : min(pos+int(total), len(data))]
+		var r scriptReader
+		r.n = total - int64(spec.headerLen())
+		for step := 0; ; step++ {
+			w := clip(r.script(step), r.n)
+			if w.need == 0 || w.base+int64(w.need) > int64(len(payload)) {
+				break
+			}
+			got = append(got, payload[w.base:w.base+int64(w.need)])
+		}
+		if int64(len(data)-pos) < total {
+			return got, ends
+		}
+		pos += int(total)
+		ends = append(ends, int64(pos))
+	}
+	return got, ends
+}
+
+func TestFrameScannerWindowsAcrossReads(t *testing.T) {
+	spec := pinotSpec()
+	var stream []byte
+	for i := range 40 {
+		p := make([]byte, i*3)
+		for j := range p {
+			p[j] = byte(i*7 + j)
+		}
+		stream = append(stream, frame(p)...)
+	}
+	wantGot, wantEnds := refWindows(spec, stream)
+	for _, chunk := range []int{1, 2, 5, 8, 13, 64, 1 << 20} {
+		s := newFrameScanner(spec)
+		r := &scriptReader{}
+		s.rd = r
+		for p := stream; len(p) > 0; {
+			n := min(chunk, len(p))
+			if _, _, err := s.scan(p[:n]); err != nil {
+				t.Fatal(err)
+			}
+			p = p[n:]
+		}
+		if len(r.got) != len(wantGot) || len(r.ends) != len(wantEnds) {
+			t.Fatalf("chunk %d: %d windows and %d ends, want %d and %d", chunk, len(r.got), len(r.ends), len(wantGot), len(wantEnds))
+		}
+		for i := range wantGot {
+			if !bytes.Equal(r.got[i], wantGot[i]) {
+				t.Fatalf("chunk %d: window %d = %x, want %x", chunk, i, r.got[i], wantGot[i])
+			}
+		}
+		for i := range wantEnds {
+			if r.ends[i] != wantEnds[i] {
+				t.Fatalf("chunk %d: frame %d ended at %d, want %d", chunk, i, r.ends[i], wantEnds[i])
+			}
+		}
+	}
+}
+
+// FuzzFrameScannerWindows checks the windows a reader is given against
+// the payloads themselves, for any stream and any way of cutting it.
+func FuzzFrameScannerWindows(f *testing.F) {
+	f.Add(append(frame(bytes.Repeat([]byte("ab"), 30)), frame([]byte("x"))...), []byte{1, 2, 3})
+	f.Add(frame(nil), []byte{0})
+	f.Fuzz(func(t *testing.T, data, cuts []byte) {
+		spec := &frameSpec{length: 4, bigEndian: true, max: 4096}
+		wantGot, wantEnds := refWindows(spec, data)
+		s := newFrameScanner(spec)
+		r := &scriptReader{}
+		s.rd = r
+		i := 0
+		for p := data; len(p) > 0; {
+			n := len(p)
+			if i < len(cuts) {
+				n = int(cuts[i])%len(p) + 1
+				i++
+			}
+			if _, _, err := s.scan(p[:n]); err != nil {
+				break
+			}
+			p = p[n:]
+		}
+		if len(r.ends) != len(wantEnds) {
+			t.Fatalf("%d frame ends, reference %d", len(r.ends), len(wantEnds))
+		}
+		if len(r.got) != len(wantGot) {
+			t.Fatalf("%d windows, reference %d", len(r.got), len(wantGot))
+		}
+		for i := range r.got {
+			if !bytes.Equal(r.got[i], wantGot[i]) {
+				t.Fatalf("window %d = %x, reference %x", i, r.got[i], wantGot[i])
+			}
 		}
 	})
 }

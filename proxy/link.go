@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -73,11 +74,15 @@ type link struct {
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
 
-	// Framed mode: frame boundaries in each direction. nil: opaque.
+	// Framed mode with tracking: frame boundaries in each direction (each
+	// pump owns its own; it drops it when the link stops being tracked).
+	// nil: opaque, or not tracked.
 	reqScan, respScan *frameScanner
-	// trk follows requests and answers; nil when request_timeout is off
-	// (or, in opaque mode, when the threshold is).
+	// trk follows requests and judges them; nil when tracking is off.
 	trk *tracker
+	// conv is what the pumps share about the protocol; nil unless reqScan
+	// was set.
+	conv *conv
 
 	reason    atomic.Pointer[string] // first reason that ended the link
 	endErr    atomic.Pointer[error]
@@ -93,11 +98,14 @@ func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
 	t := l.tuning()
 	k := &link{l: l, ep: ep, set: t.set, dialer: t.dialer, client: client, opened: time.Now(), openedMono: mono()}
 	k.q.init()
-	if t.frames != nil {
-		k.reqScan, k.respScan = newFrameScanner(t.frames), newFrameScanner(t.frames)
-	}
-	if u := k.set.Unanswered; u.RequestTimeout > 0 && (k.reqScan != nil || u.ConsecutiveTimeoutsThreshold > 0) {
-		k.trk = newTracker(u.RequestTimeout.D(), k.reqScan == nil, nil, k.judge)
+	if u := k.set.Unanswered; u.Enabled(k.set.Framing.Type) {
+		if t.frames != nil {
+			k.reqScan, k.respScan = newFrameScanner(t.frames), newFrameScanner(t.frames)
+		}
+		k.trk = newTracker(judgingSlack(u.RequestTimeout.D()), k.reqScan == nil, &ep.lastAnswer, k.judge)
+		if k.reqScan != nil {
+			k.conv = newConv(k)
+		}
 	}
 	k.rawWriteFn = func(fd uintptr) bool {
 		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
@@ -121,7 +129,7 @@ func (k *link) run() LinkStats {
 		k.l.p.ownUp.Delete(k.upstream.LocalAddr().String())
 	}
 	if k.trk != nil {
-		if orphans := k.trk.stop(); len(orphans) > 0 && k.ep.orphans != nil {
+		if orphans := k.trk.stop(); len(orphans) > 0 {
 			since := k.ep.readmitted.Load()
 			orphans = slices.DeleteFunc(orphans, func(r pendingRequest) bool { return r.at <= since })
 			k.ep.orphans.adopt(orphans)
@@ -206,23 +214,17 @@ func (k *link) pumpRequests() {
 		}
 		n, err := k.client.Read(buf[:limit])
 		if n > 0 {
-			ends := 1
-			if k.reqScan != nil {
-				var ferr error
-				if _, ends, ferr = k.reqScan.scan(buf[:n]); ferr != nil {
-					k.badFrame("request", ferr)
-					return
-				}
-			}
 			end := k.bytesUp.Add(int64(n))
-			if k.trk != nil && ends > 0 {
+			if k.trk != nil {
 				// Recorded before the bytes go out, so that no answer can
 				// arrive before its request is known.
 				at := mono()
 				if first {
+					// These bytes may have waited in the client socket all
+					// through the dial: as old as the link.
 					at = k.openedMono
 				}
-				k.trk.sent(ends, at, end)
+				k.recordRequests(buf[:n], at, end, first)
 			}
 			first = false
 			if !k.send(buf[:n], high) {
@@ -231,7 +233,7 @@ func (k *link) pumpRequests() {
 		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {
-				if k.reqScan != nil && k.reqScan.midFrame() {
+				if k.reqScan != nil && !k.conv.off.Load() && k.reqScan.midFrame() {
 					k.badFrame("request", errTruncated)
 					return
 				}
@@ -256,6 +258,40 @@ func (k *link) pumpRequests() {
 			}
 			return
 		}
+	}
+}
+
+// recordRequests scans p, the bytes of one read from the client ending at
+// stream offset end and handed on at mono time at, and records the
+// requests in them. The first read of a link is checked for a TLS
+// handshake record, which any length framing would misread as a length of
+// hundreds of megabytes (the check is the same whatever the protocol).
+func (k *link) recordRequests(p []byte, at, end int64, first bool) {
+	if k.reqScan == nil {
+		// Opaque: a request is a burst of bytes, due within request_timeout.
+		k.trk.sent(pendingRequest{at: at, due: at + int64(k.set.Unanswered.RequestTimeout), end: end, n: 1,
+			thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold)})
+		return
+	}
+	c := k.conv
+	if c.off.Load() {
+		k.reqScan = nil
+		return
+	}
+	if first && kafkawire.LooksLikeTLS(p) {
+		c.untrack(metrics.UntrackedTLS, nil)
+		k.reqScan = nil
+		return
+	}
+	c.sendAt = at
+	_, ends, err := k.reqScan.scan(p)
+	if err != nil {
+		c.untrack(metrics.UntrackedLimit, err)
+		k.reqScan = nil
+		return
+	}
+	if ends > 0 && k.reqScan.rd == nil {
+		c.frames(ends, end)
 	}
 }
 
@@ -375,7 +411,7 @@ func (k *link) writeUpstream() {
 		}
 		head := k.bytesUp.Load() - q.queued // stream offset of the oldest queued byte
 		q.mu.Unlock()
-		if k.trk != nil && k.reqScan != nil {
+		if k.conv != nil {
 			// A request past its deadline is never written, even in the
 			// moment before the tracker's timer judges it.
 			if overdue := k.trk.overdueEnd(mono()); overdue > head {
@@ -431,20 +467,17 @@ func (k *link) pumpResponses() {
 		n, err := k.upstream.Read(buf)
 		if n > 0 {
 			k.bytesDown.Add(int64(n))
-			ends := 1
-			if k.respScan != nil {
-				var ferr error
-				if _, ends, ferr = k.respScan.scan(buf[:n]); ferr != nil {
-					k.badFrame("response", ferr)
-					return
-				}
-			}
-			if k.trk != nil && ends > 0 {
-				now := mono()
-				k.trk.answered(now)
-				k.ep.lastAnswer.Store(now)
-				if k.ep.consecutive.Load() != 0 {
-					k.ep.consecutive.Store(0)
+			if k.trk != nil {
+				// Any byte from the upstream is an answer: the server is
+				// alive (see tracker).
+				k.ep.answered(mono())
+				if k.respScan != nil {
+					if k.conv.off.Load() {
+						k.respScan = nil
+					} else if _, _, ferr := k.respScan.scan(buf[:n]); ferr != nil {
+						k.conv.untrack(metrics.UntrackedLimit, ferr)
+						k.respScan = nil
+					}
 				}
 			}
 			if _, werr := k.client.Write(buf[:n]); werr != nil {
@@ -454,7 +487,7 @@ func (k *link) pumpResponses() {
 		}
 		if err != nil {
 			if errors.Is(err, io.EOF) {
-				if k.respScan != nil && k.respScan.midFrame() {
+				if k.respScan != nil && !k.conv.off.Load() && k.respScan.midFrame() {
 					k.badFrame("response", errTruncated)
 					return
 				}
@@ -481,19 +514,25 @@ func (k *link) badFrame(direction string, err error) {
 	}
 }
 
-// judge applies the tracker's verdict on requests whose request_timeout
-// passed. Unanswered ones count toward the endpoint's consecutive
-// threshold. In framed mode, a request whose bytes the upstream has not
-// even acknowledged yet (still in the queue or the kernel's send queue)
-// is stale: the link is reset so that those bytes are dropped rather than
+// judge applies the tracker's verdict on requests whose deadline passed.
+// Unanswered ones count toward the endpoint's consecutive threshold. In
+// framed mode, a request whose bytes the upstream has not even
+// acknowledged yet (still in the queue or the kernel's send queue) is
+// stale: the link is reset so that those bytes are dropped rather than
 // delivered to a server that recovers later.
-func (k *link) judge(v verdict) {
-	k.l.p.countUnanswered(k.ep, k.l, v.unanswered)
-	if k.reqScan == nil {
+func (k *link) judge(judged []pendingRequest, left int) {
+	k.l.p.countUnanswered(k.ep, k.l, k.trk.unanswered(judged), int(judged[0].thr))
+	if k.conv == nil {
 		return
 	}
-	if acked, ok := k.ackedBytes(); ok && v.last.end > acked {
-		k.dropStale(v.last.n + v.left)
+	var last int64
+	n := left
+	for _, r := range judged {
+		last = max(last, r.end)
+		n += int(r.n)
+	}
+	if acked, ok := k.ackedBytes(); ok && last > acked {
+		k.dropStale(n)
 	}
 }
 

@@ -238,9 +238,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		}
 		p.mu.Lock()
 		for _, ep := range p.endpoints {
-			if ep.orphans != nil {
-				defer ep.orphans.stop()
-			}
+			defer ep.orphans.stop()
 		}
 		p.mu.Unlock()
 	})
@@ -270,6 +268,8 @@ type listener struct {
 	// matches is the transparent match list; nil for an explicit listener
 	// (which has ep instead).
 	matches []matcher
+
+	untrackedSeen sync.Map // untrack reasons already logged at info
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine

@@ -49,7 +49,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 			delete(old, lc.Name)
 			l.tune.Store(newTuning(lc.Settings))
 			if l.ep != nil {
-				p.endpointForLocked(lc.Upstream, lc.Settings) // refresh threshold and probe config
+				p.endpointForLocked(lc.Upstream, lc.Settings) // refresh the probe config
 			}
 			keep = append(keep, l)
 			continue
@@ -191,9 +191,7 @@ func (p *Proxy) detachFrom(l *listener, ep *endpoint) {
 	}
 	p.det.Unregister(ep.addr)
 	p.unexclude(ep.addr)
-	if ep.orphans != nil {
-		ep.orphans.stop()
-	}
+	ep.orphans.stop()
 }
 
 func (l *listener) snapshotLinks() []*link {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -11,80 +12,106 @@ var clockBase = time.Now()
 
 func mono() int64 { return int64(time.Since(clockBase)) }
 
-// pendingRequest is a batch of requests handed on together (one read's
-// worth) and not yet judged.
+// never is the due time of a request that is never judged.
+const never = math.MaxInt64
+
+// noAnswer is the last answer time of an endpoint that never answered.
+const noAnswer = math.MinInt64
+
+// pendingRequest is one or more requests handed on close together and not
+// yet judged.
 type pendingRequest struct {
-	at  int64 // mono time they were handed on
+	at  int64 // mono time the first of them was handed on
+	due int64 // mono time by which an answer must have come: the latest of theirs
 	end int64 // stream offset just past the last byte of the last one
-	n   int   // how many requests
+	n   int32 // how many requests
+	thr int32 // consecutive_timeouts_threshold of the listener that sent them
 }
 
-// verdict is what one judgement found.
-type verdict struct {
-	unanswered int            // requests with no answer within the timeout
-	last       pendingRequest // the newest batch judged
-	left       int            // requests still pending after it
-}
+// maxPending bounds a tracker's list. Entries handed on within the
+// judging slack of each other share an entry anyway, so the list holds
+// about (longest deadline / slack) entries whatever the request rate;
+// past the bound, new requests join the newest entry.
+const maxPending = 1024
 
-// tracker follows requests and answers. A request that has seen no answer
-// from the upstream (any response byte in opaque mode, any complete
-// response frame in framed mode) within the request timeout is one
-// unanswered timeout; an answer, even a late one, means the server is alive
-// and resets the endpoint's consecutive count (the caller's job).
+// tracker holds requests until their deadline and then judges them.
 //
-// A link's tracker reads the link's own answers; when the link ends, its
-// unanswered requests are handed to the endpoint's tracker, which judges
-// them against answers on any link to the endpoint. The request pump adds,
-// the response pump answers, and a timer judges; each request is judged
-// once. Judgements are batched: the timer fires up to slack after a
-// deadline, so an answer arriving in that window still counts as on time.
+// The rule (the README's "What counts as a dead upstream"): a request
+// whose deadline passed counts as unanswered only if the endpoint answered
+// nothing at all, on any link, since the request was sent. An answer to
+// any request proves the server process alive and reading; whether this
+// particular request is still being worked on is the protocol's business,
+// judged by the deadline the request itself carries (a Kafka Fetch's
+// max_wait_ms, a Pinot query's timeoutMs).
+//
+// Requests handed on within slack of each other share an entry: the
+// earliest send time (so an answer after any of them covers them all) and
+// the latest deadline. That bounds the list by time, not by request rate,
+// and only ever errs toward not counting.
+//
+// A link's tracker judges the link's requests; when the link ends, its
+// unjudged requests are handed to the endpoint's tracker (adopt), so a
+// client that gives up and closes first does not hide a dead server.
 type tracker struct {
-	timeout int64 // request_timeout in nanoseconds
-	slack   int64
+	slack int64
 	// perBurst: opaque mode. A request is a burst of bytes sent since the
 	// last answer; it is recorded once.
 	perBurst bool
-	answer   *atomic.Int64 // mono time of the last answer; -1: none yet
-	// judge receives each verdict, from the timer's goroutine.
-	judge func(verdict)
+	answer   *atomic.Int64 // mono time of the endpoint's last answer; noAnswer: none
+	// judge receives every request whose deadline passed, from the timer's
+	// goroutine (two may overlap when the timer was reset while one ran).
+	// left is how many requests are still pending.
+	judge func(judged []pendingRequest, left int)
 
 	mu      sync.Mutex
 	pending []pendingRequest
 	timer   *time.Timer
-	armed   bool
+	armed   int64 // the due time the timer is set for; 0: not set
 	stopped bool
 	judging sync.WaitGroup // an expire in progress; stop waits for it
 }
 
-func newTracker(timeout time.Duration, perBurst bool, answer *atomic.Int64, judge func(verdict)) *tracker {
-	slack := min(timeout/10, 100*time.Millisecond)
-	if answer == nil {
-		answer = new(atomic.Int64)
-		answer.Store(-1)
-	}
-	return &tracker{timeout: int64(timeout), slack: int64(slack), perBurst: perBurst, answer: answer, judge: judge}
+func newTracker(slack time.Duration, perBurst bool, answer *atomic.Int64, judge func([]pendingRequest, int)) *tracker {
+	return &tracker{slack: int64(slack), perBurst: perBurst, answer: answer, judge: judge}
 }
 
-// sent records n requests handed on at time now, the last ending at
-// stream offset end.
-func (t *tracker) sent(n int, now, end int64) {
+// judgingSlack is how long after a deadline its judgement may come (one
+// timer for requests due close together); an answer in that window still
+// counts as on time.
+func judgingSlack(requestTimeout time.Duration) time.Duration {
+	return max(min(requestTimeout/10, 100*time.Millisecond), time.Millisecond)
+}
+
+// covered reports whether the endpoint answered anything after r was sent.
+func (t *tracker) covered(r *pendingRequest) bool { return t.answer.Load() > r.at }
+
+// sent records r (n requests handed on at r.at, due at r.due, ending at
+// stream offset r.end).
+func (t *tracker) sent(r pendingRequest) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.stopped {
 		return
 	}
-	if last := len(t.pending) - 1; t.perBurst && last >= 0 && t.pending[last].at > t.answer.Load() {
-		// Still the same burst: no answer since it began.
-		t.pending[last].end = end
-		return
+	if last := len(t.pending) - 1; last >= 0 {
+		l := &t.pending[last]
+		switch {
+		case t.perBurst && !t.covered(l):
+			// Still the same burst: no answer since it began.
+			l.end, l.due = r.end, max(l.due, r.due)
+			return
+		case !t.perBurst && l.thr == r.thr && (r.at-l.at < t.slack || last+1 >= maxPending):
+			l.n += r.n
+			l.end, l.due = r.end, max(l.due, r.due)
+			t.armLocked(l.due)
+			return
+		}
 	}
 	if t.perBurst {
-		n = 1
+		r.n = 1
 	}
-	t.pending = append(t.pending, pendingRequest{at: now, end: end, n: n})
-	if !t.armed {
-		t.arm(now)
-	}
+	t.pending = append(t.pending, r)
+	t.armLocked(r.due)
 }
 
 // adopt takes over requests whose link ended before they were judged.
@@ -98,44 +125,32 @@ func (t *tracker) adopt(rs []pendingRequest) {
 		return
 	}
 	t.pending = append(t.pending, rs...)
-	// Adopted batches arrive out of order with the ones already here: arm
-	// for the earliest deadline; expire judges by deadline, not by position.
-	t.armAt(t.earliestLocked(), mono())
-}
-
-func (t *tracker) earliestLocked() int64 {
-	earliest := t.pending[0].at
-	for _, r := range t.pending {
-		earliest = min(earliest, r.at)
+	for _, r := range rs {
+		t.armLocked(r.due)
 	}
-	return earliest
 }
 
 // clear forgets every pending request (an endpoint readmitted starts
 // afresh: requests sent to the previous incarnation are not held against
-// the new one).
+// the new one; a link no longer tracked forgets what it recorded).
 func (t *tracker) clear() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.pending = t.pending[:0]
 }
 
-// answered records an answer from the upstream at time now.
-func (t *tracker) answered(now int64) { t.answer.Store(now) }
-
-// arm sets the timer for the newest request just added, unless it is
-// already armed for an earlier one; t.mu is held.
-func (t *tracker) arm(now int64) { t.armAt(t.pending[len(t.pending)-1].at, now) }
-
-// armAt (re)arms the timer for a request handed on at `at`; t.mu is held.
-func (t *tracker) armAt(at, now int64) {
-	d := time.Duration(max(at+t.timeout-now, 0) + t.slack)
+// armLocked makes the timer fire by due (plus slack); t.mu is held.
+func (t *tracker) armLocked(due int64) {
+	if due == never || (t.armed != 0 && t.armed <= due) {
+		return
+	}
+	t.armed = due
+	d := time.Duration(max(due-mono(), 0) + t.slack)
 	if t.timer == nil {
 		t.timer = time.AfterFunc(d, t.expire)
 	} else {
 		t.timer.Reset(d)
 	}
-	t.armed = true
 }
 
 // overdueEnd returns the stream end of the newest request whose deadline
@@ -146,14 +161,14 @@ func (t *tracker) overdueEnd(now int64) int64 {
 	defer t.mu.Unlock()
 	var end int64
 	for _, r := range t.pending {
-		if r.at+t.timeout <= now {
+		if r.due <= now {
 			end = max(end, r.end)
 		}
 	}
 	return end
 }
 
-// expire judges every request whose timeout has passed.
+// expire judges every request whose deadline has passed.
 func (t *tracker) expire() {
 	t.mu.Lock()
 	if t.stopped {
@@ -163,35 +178,38 @@ func (t *tracker) expire() {
 	t.judging.Add(1)
 	defer t.judging.Done()
 	now := mono()
-	answer := t.answer.Load()
-	var v verdict
-	judged := false
+	var judged []pendingRequest
 	keep := t.pending[:0]
+	next := int64(never)
+	left := 0
 	for _, r := range t.pending {
-		if r.at+t.timeout > now {
+		if r.due > now {
 			keep = append(keep, r)
+			next = min(next, r.due)
+			left += int(r.n)
 			continue
 		}
-		if !judged || r.end > v.last.end {
-			v.last = r
-		}
-		judged = true
-		if answer < r.at {
-			v.unanswered += r.n
-		}
+		judged = append(judged, r)
 	}
 	t.pending = keep
-	for _, r := range keep {
-		v.left += r.n
-	}
-	t.armed = false
-	if len(t.pending) > 0 {
-		t.armAt(t.earliestLocked(), now)
-	}
+	t.armed = 0
+	t.armLocked(next)
 	t.mu.Unlock()
-	if judged {
-		t.judge(v)
+	if len(judged) > 0 {
+		t.judge(judged, left)
 	}
+}
+
+// unanswered returns how many of the judged requests count as unanswered,
+// per the rule above. It must be called from judge.
+func (t *tracker) unanswered(judged []pendingRequest) int {
+	n := 0
+	for i := range judged {
+		if !t.covered(&judged[i]) {
+			n += int(judged[i].n)
+		}
+	}
+	return n
 }
 
 // stop ends tracking and returns the requests not yet judged that have
@@ -203,11 +221,10 @@ func (t *tracker) stop() []pendingRequest {
 	if t.timer != nil {
 		t.timer.Stop()
 	}
-	answer := t.answer.Load()
 	var orphans []pendingRequest
-	for _, r := range t.pending {
-		if answer < r.at {
-			orphans = append(orphans, r)
+	for i := range t.pending {
+		if !t.covered(&t.pending[i]) {
+			orphans = append(orphans, t.pending[i])
 		}
 	}
 	t.pending = nil

@@ -205,9 +205,7 @@ func (p *Proxy) sweepIdle() int {
 	p.mu.Unlock()
 	for _, ep := range gone {
 		p.det.Unregister(ep.addr)
-		if ep.orphans != nil {
-			ep.orphans.stop()
-		}
+		ep.orphans.stop()
 	}
 	return len(gone)
 }

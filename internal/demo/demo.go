@@ -211,7 +211,7 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	cfg.Admin.Listen = ""
 	s := cfg.Defaults
 	s.Framing = policy.Framing{Type: policy.FramingLengthField, LengthFieldLength: 4, ByteOrder: policy.ByteOrderBig, MaxFrameLength: 16 * policy.MiB}
-	s.Unanswered = policy.Unanswered{RequestTimeout: policy.Duration(p.requestTimeout), ConsecutiveTimeoutsThreshold: p.threshold}
+	s.Unanswered = policy.Unanswered{Track: policy.TrackOn, RequestTimeout: policy.Duration(p.requestTimeout), ConsecutiveTimeoutsThreshold: p.threshold}
 	s.Detector.InitialDelay = policy.Duration(p.initialDelay)
 	s.Detector.ProbeTimeout = policy.Duration(300 * time.Millisecond)
 	s.Detector.MaxDelay = policy.Duration(2 * time.Second)

@@ -40,6 +40,21 @@ const (
 	EvictOperator   = "operator"   // POST /v1/endpoints/{endpoint}/evict
 )
 
+// Reasons a link stops being tracked, for untracked_links_total{reason}.
+// The link is still proxied byte for byte; only its requests are no longer
+// judged, and none of these is held against the upstream.
+const (
+	UntrackedTLS      = "tls"             // the connection starts with a TLS handshake
+	UntrackedSASL     = "sasl"            // Kafka SaslHandshake v0: raw SASL tokens follow
+	UntrackedProtocol = "not_protocol"    // a frame is not what the profile's protocol sends
+	UntrackedDesync   = "desync"          // a response matches no outstanding request
+	UntrackedVersion  = "unknown_version" // a request version whose layout is not known
+	UntrackedLimit    = "limit"           // a frame over max_frame_length, or too many requests outstanding
+)
+
+// UntrackedReasons lists every untracked reason, for pre-creating series.
+var UntrackedReasons = []string{UntrackedTLS, UntrackedSASL, UntrackedProtocol, UntrackedDesync, UntrackedVersion, UntrackedLimit}
+
 // EvictReasons lists every eviction reason, for pre-creating series.
 var EvictReasons = []string{EvictExcluded, EvictDisabled, EvictReadmitted, EvictOperator}
 
@@ -67,6 +82,7 @@ type Metrics struct {
 	evictions           *prometheus.CounterVec
 	probes              *prometheus.CounterVec
 	staleFramesDropped  *prometheus.CounterVec
+	untrackedLinks      *prometheus.CounterVec
 	configReloads       *prometheus.CounterVec
 }
 
@@ -124,6 +140,10 @@ func New() *Metrics {
 			Namespace: namespace, Name: "stale_frames_dropped_total",
 			Help: "Request frames older than request_timeout that were dropped instead of being delivered.",
 		}, []string{"listener"}),
+		untrackedLinks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "untracked_links_total",
+			Help: "Links whose requests stopped being tracked (still proxied), by why: tls, sasl, not_protocol, desync, unknown_version, limit.",
+		}, []string{"listener", "reason"}),
 		configReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "config_reloads_total",
 			Help: "Configuration reloads (file change or SIGHUP): ok, or error (the last good config keeps serving).",
@@ -136,7 +156,7 @@ func New() *Metrics {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped, m.configReloads,
+		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.configReloads,
 	)
 	return m
 }
@@ -157,6 +177,7 @@ type Listener struct {
 	StaleFramesDropped  prometheus.Counter
 	closes              map[string]prometheus.Counter
 	evictions           map[string]prometheus.Counter
+	untracked           map[string]prometheus.Counter
 }
 
 // ForListener resolves (and so pre-creates at zero) every series of one listener.
@@ -175,6 +196,10 @@ func (m *Metrics) ForListener(name string) *Listener {
 		StaleFramesDropped:  m.staleFramesDropped.WithLabelValues(name),
 		closes:              make(map[string]prometheus.Counter, len(Reasons)),
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
+		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
+	}
+	for _, r := range UntrackedReasons {
+		l.untracked[r] = m.untrackedLinks.WithLabelValues(name, r)
 	}
 	for _, r := range Reasons {
 		l.closes[r] = m.linkCloses.WithLabelValues(name, r)
@@ -196,6 +221,10 @@ func (l *Listener) Evicted(reason string, n int) {
 	}
 }
 
+// Untracked returns the untracked_links_total counter of one reason (nil
+// if the reason is not one of UntrackedReasons).
+func (l *Listener) Untracked(reason string) prometheus.Counter { return l.untracked[reason] }
+
 // Closed counts one link end with its reason.
 func (l *Listener) Closed(reason string) {
 	if c, ok := l.closes[reason]; ok {
@@ -208,7 +237,7 @@ func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped,
+		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}

@@ -33,6 +33,7 @@ func pinotSettings(requestTimeout time.Duration, threshold int, initialDelay tim
 		MaxFrameLength:    16 * policy.MiB,
 	}
 	s.Unanswered = policy.Unanswered{
+		Track:                        policy.TrackOn,
 		RequestTimeout:               policy.Duration(requestTimeout),
 		ConsecutiveTimeoutsThreshold: threshold,
 	}

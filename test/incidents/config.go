@@ -48,7 +48,7 @@ defaults:
   keepalive: {idle: %s, interval: %s, count: %d}
   write_buffer: {high_water_mark: %d, low_water_mark: %d, on_overflow: reject}
   framing: {type: length_field, length_field_length: 4, byte_order: big, max_frame_length: 16MiB}
-  unanswered: {request_timeout: %s, consecutive_timeouts_threshold: %d}
+  unanswered: {track: on, request_timeout: %s, consecutive_timeouts_threshold: %d}
   detector: {%s, probe_timeout: %s, initial_delay: %s, backoff_factor: 2, max_delay: %s, jitter: 0}
 listeners:
 `, writeTimeout, userTimeout, keepIdle, keepInterval, keepCount, highWaterMark, highWaterMark/2,

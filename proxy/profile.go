@@ -1,0 +1,310 @@
+package proxy
+
+import (
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// pinotTimeoutSlack is added to a Pinot request's own timeoutMs: the
+// server answers with a timeout error once the budget is spent, and the
+// answer still has to be serialized and sent.
+const pinotTimeoutSlack = time.Second
+
+// maxOutstanding bounds the Kafka requests a link remembers for matching;
+// past it the link is no longer tracked. Java clients keep at most 5 in
+// flight per connection by default.
+const maxOutstanding = 1024
+
+// kafkaFirstWindow is how much of a Kafka request the reader asks for
+// first: enough for the header and the body fields of a request with a
+// client id of a usual length.
+const kafkaFirstWindow = 128
+
+// pinotFirstWindow is the same for a Pinot InstanceRequest: the id, and
+// usually the query options.
+const pinotFirstWindow = 2 << 10
+
+// outstanding is a Kafka request that expects a response.
+type outstanding struct {
+	id  int32 // correlation id
+	due int64 // mono deadline; never: not judged
+}
+
+// conv is a link's protocol state under a profile: what the request pump
+// learned that the response pump needs, and whether the link is still
+// tracked. The pumps each own their scanner; conv is what they share.
+type conv struct {
+	k   *link
+	thr int32
+	rt  int64 // request_timeout in nanoseconds
+
+	// off: the link is no longer tracked; both pumps stop scanning.
+	off atomic.Bool
+
+	// sendAt is the mono time of the read being scanned by the request
+	// pump (only it reads and writes it).
+	sendAt int64
+
+	mu        sync.Mutex
+	queue     []outstanding // Kafka: requests awaiting a response, in order
+	head      int           // queue[head:] are outstanding
+	rebalance time.Duration // Kafka: the last JoinGroup's rebalance timeout on this link
+}
+
+// untrack stops tracking the link: it is still proxied, byte for byte,
+// and what it recorded is forgotten. Requests are recorded under c.mu
+// after checking off, so none is recorded after this returns.
+func (c *conv) untrack(reason string, err error) {
+	c.mu.Lock()
+	if c.off.Load() {
+		c.mu.Unlock()
+		return
+	}
+	c.off.Store(true)
+	c.queue, c.head = nil, 0
+	c.mu.Unlock()
+	c.k.trk.clear()
+	c.k.l.p.untracked(c.k, reason, err)
+}
+
+// untrackFor maps a reader's parse error to an untrack reason.
+func (c *conv) untrackFor(err error) {
+	switch {
+	case errors.Is(err, kafkawire.ErrUnknownVersion):
+		c.untrack(metrics.UntrackedVersion, err)
+	case errors.Is(err, kafkawire.ErrTooLong), errors.Is(err, pinotwire.ErrTooLong):
+		c.untrack(metrics.UntrackedLimit, err)
+	default:
+		c.untrack(metrics.UntrackedProtocol, err)
+	}
+}
+
+// track records one request that expects an answer by due; c.mu is held.
+func (c *conv) trackLocked(due, end int64, n int32) {
+	if due != never {
+		c.k.trk.sent(pendingRequest{at: c.sendAt, due: due, end: end, n: n, thr: c.thr})
+	}
+}
+
+// frames records n requests of unknown protocol (length_field framing),
+// the last ending at end: each expects an answer within request_timeout.
+func (c *conv) frames(n int, end int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.off.Load() {
+		c.trackLocked(c.sendAt+c.rt, end, int32(n))
+	}
+}
+
+// kafkaRequest records a parsed Kafka request whose last byte is at end.
+func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
+	if r.SASLRaw {
+		c.untrack(metrics.UntrackedSASL, nil)
+		return
+	}
+	if r.NoResponse {
+		return // Produce with acks=0: the broker sends nothing back
+	}
+	hold, known := r.Hold, !r.HoldUnknown
+	if r.APIKey == kafkaSyncGroup && c.rebalance > 0 {
+		// SyncGroup is parked until the group's rebalance completes: bound
+		// it as the member's JoinGroup was.
+		hold, known = c.rebalance+kafkawire.GroupLapse, true
+	}
+	if r.RebalanceTimeout > 0 {
+		c.rebalance = r.RebalanceTimeout
+	}
+	c.mu.Lock()
+	if c.off.Load() {
+		c.mu.Unlock()
+		return
+	}
+	if len(c.queue)-c.head >= maxOutstanding {
+		c.mu.Unlock()
+		c.untrack(metrics.UntrackedLimit, errors.New("too many requests outstanding"))
+		return
+	}
+	// The broker answers a connection's requests one at a time, in order:
+	// a request may wait for every request ahead of it to be answered.
+	due := int64(never)
+	if known {
+		start := c.sendAt
+		if c.head < len(c.queue) {
+			start = max(start, c.queue[len(c.queue)-1].due)
+		}
+		if start != never {
+			due = start + int64(hold) + c.rt
+		}
+	}
+	if c.head > 0 && 2*c.head >= len(c.queue) {
+		// Keep the queue's memory bounded by what is outstanding.
+		c.queue = c.queue[:copy(c.queue, c.queue[c.head:])]
+		c.head = 0
+	}
+	c.queue = append(c.queue, outstanding{id: r.CorrelationID, due: due})
+	c.trackLocked(due, end, 1)
+	c.mu.Unlock()
+}
+
+// kafkaResponse matches a response to the oldest outstanding request.
+func (c *conv) kafkaResponse(id int32) {
+	c.mu.Lock()
+	if c.head == len(c.queue) || c.queue[c.head].id != id {
+		c.mu.Unlock()
+		c.untrack(metrics.UntrackedDesync, nil)
+		return
+	}
+	c.head++
+	if c.head == len(c.queue) {
+		c.queue, c.head = c.queue[:0], 0
+	}
+	c.mu.Unlock()
+}
+
+// pinotRequest records a parsed Pinot InstanceRequest: due by its own
+// timeoutMs, or request_timeout when it carries none.
+func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
+	due := c.sendAt + c.rt
+	if r.HasTimeout {
+		due = c.sendAt + int64(r.Timeout+pinotTimeoutSlack)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.off.Load() {
+		c.trackLocked(due, end, 1)
+	}
+}
+
+const kafkaSyncGroup = 14
+
+// kafkaRequests reads Kafka request frames.
+type kafkaRequests struct {
+	c      *conv
+	n      int64
+	req    kafkawire.Request
+	parsed bool
+}
+
+func (r *kafkaRequests) begin(n int64) window {
+	r.n, r.parsed = n, false
+	return window{need: int(min(n, kafkaFirstWindow))}
+}
+
+func (r *kafkaRequests) read(b []byte) window {
+	req, need, err := kafkawire.ParseRequest(b, int64(len(b)) == r.n)
+	switch {
+	case err != nil:
+		r.c.untrackFor(err)
+	case need > 0:
+		return window{need: need}
+	default:
+		r.req, r.parsed = req, true
+	}
+	return window{}
+}
+
+func (r *kafkaRequests) end(off int64) {
+	if r.c.off.Load() {
+		return
+	}
+	if !r.parsed {
+		r.c.untrack(metrics.UntrackedProtocol, errors.New("a request frame too short for a Kafka header"))
+		return
+	}
+	r.c.kafkaRequest(&r.req, off)
+}
+
+// kafkaResponses reads Kafka response frames: their correlation id.
+type kafkaResponses struct{ c *conv }
+
+func (r *kafkaResponses) begin(n int64) window {
+	if n < 4 {
+		r.c.untrack(metrics.UntrackedProtocol, errors.New("a response frame too short for a correlation id"))
+		return window{}
+	}
+	return window{need: 4}
+}
+
+func (r *kafkaResponses) read(b []byte) window {
+	if id, ok := kafkawire.ResponseCorrelationID(b); ok {
+		r.c.kafkaResponse(id)
+	}
+	return window{}
+}
+
+func (r *kafkaResponses) end(int64) {}
+
+// pinotRequests reads Pinot InstanceRequest frames.
+type pinotRequests struct {
+	c      *conv
+	n      int64
+	req    pinotwire.Request
+	parsed bool
+}
+
+func (r *pinotRequests) begin(n int64) window {
+	r.n, r.parsed = n, false
+	return window{need: int(min(n, pinotFirstWindow))}
+}
+
+func (r *pinotRequests) read(b []byte) window {
+	req, need, err := pinotwire.ParseRequest(b, int64(len(b)) == r.n)
+	switch {
+	case err != nil:
+		r.c.untrackFor(err)
+	case need > 0:
+		return window{need: need}
+	default:
+		r.req, r.parsed = req, true
+	}
+	return window{}
+}
+
+func (r *pinotRequests) end(off int64) {
+	if r.c.off.Load() {
+		return
+	}
+	if !r.parsed {
+		r.c.untrack(metrics.UntrackedProtocol, errors.New("an empty request frame"))
+		return
+	}
+	r.c.pinotRequest(&r.req, off)
+}
+
+// newConv sets up request tracking for a framed link (its scanners are
+// set): under a profile, with the protocol's readers.
+func newConv(k *link) *conv {
+	c := &conv{k: k, thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(k.set.Unanswered.RequestTimeout.D())}
+	switch k.set.Framing.Type {
+	case policy.FramingKafka:
+		k.reqScan.rd = &kafkaRequests{c: c}
+		k.respScan.rd = &kafkaResponses{c: c}
+	case policy.FramingPinot:
+		k.reqScan.rd = &pinotRequests{c: c}
+	}
+	return c
+}
+
+// untracked counts a link that stopped being tracked and says so in the
+// log: once per listener and reason at info, every link at debug.
+func (p *Proxy) untracked(k *link, reason string, err error) {
+	l := k.l
+	if c := l.m.Untracked(reason); c != nil {
+		c.Inc()
+	}
+	if _, seen := l.untrackedSeen.LoadOrStore(reason, true); !seen {
+		l.log.Info().Str("reason", reason).AnErr("cause", err).Str("endpoint", k.ep.addr).
+			Str("client", k.client.RemoteAddr().String()).
+			Msg("link no longer tracked, still proxied (logged once per reason; untracked_links_total counts them)")
+		return
+	}
+	l.log.Debug().Str("reason", reason).AnErr("cause", err).Str("endpoint", k.ep.addr).
+		Str("client", k.client.RemoteAddr().String()).Msg("link no longer tracked, still proxied")
+}

@@ -1,0 +1,428 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// kafkaReq encodes a framed Kafka request the way a client does: size,
+// header v1 or v2 (client id "test"), body.
+func kafkaReq(r kmsg.Request, version int16, corr int32) []byte {
+	r.SetVersion(version)
+	b := binary.BigEndian.AppendUint32(nil, 0)
+	b = binary.BigEndian.AppendUint16(b, uint16(r.Key()))
+	b = binary.BigEndian.AppendUint16(b, uint16(version))
+	b = binary.BigEndian.AppendUint32(b, uint32(corr))
+	b = binary.BigEndian.AppendUint16(b, 4)
+	b = append(b, "test"...)
+	if r.IsFlexible() {
+		b = append(b, 0) // no tagged fields
+	}
+	b = r.AppendTo(b)
+	binary.BigEndian.PutUint32(b, uint32(len(b)-4))
+	return b
+}
+
+func fetchReq(maxWait time.Duration, corr int32) []byte {
+	r := kmsg.NewPtrFetchRequest()
+	r.MaxWaitMillis = int32(maxWait / time.Millisecond)
+	r.MinBytes = 1
+	return kafkaReq(r, 12, corr)
+}
+
+func produceReq(acks int16, corr int32) []byte {
+	r := kmsg.NewPtrProduceRequest()
+	r.Acks = acks
+	r.TimeoutMillis = 1000
+	return kafkaReq(r, 9, corr)
+}
+
+func metadataReq(corr int32) []byte { return kafkaReq(kmsg.NewPtrMetadataRequest(), 9, corr) }
+
+// kafkaBroker is a loopback peer that reads Kafka request frames and
+// answers each with a response frame carrying its correlation id, after
+// the delay policy gives (or never). Answers on a connection go out in
+// request order, as a broker's do.
+type kafkaBroker struct {
+	ln     net.Listener
+	policy func(key int16, corr int32) (time.Duration, bool)
+	wg     sync.WaitGroup
+	done   chan struct{}
+	mu     sync.Mutex
+	conns  []net.Conn
+	seen   int // requests read
+}
+
+func startKafkaBroker(t *testing.T, policy func(key int16, corr int32) (time.Duration, bool)) *kafkaBroker {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &kafkaBroker{ln: ln, policy: policy, done: make(chan struct{})}
+	b.wg.Add(1)
+	go b.accept()
+	t.Cleanup(func() {
+		close(b.done)
+		_ = ln.Close()
+		b.mu.Lock()
+		for _, c := range b.conns {
+			_ = c.Close()
+		}
+		b.mu.Unlock()
+		b.wg.Wait()
+	})
+	return b
+}
+
+func (b *kafkaBroker) accept() {
+	defer b.wg.Done()
+	for {
+		c, err := b.ln.Accept()
+		if err != nil {
+			return
+		}
+		b.mu.Lock()
+		b.conns = append(b.conns, c)
+		b.mu.Unlock()
+		b.wg.Add(1)
+		go b.serve(c)
+	}
+}
+
+func (b *kafkaBroker) serve(c net.Conn) {
+	defer b.wg.Done()
+	for {
+		var hdr [4]byte
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			return
+		}
+		p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+		if _, err := io.ReadFull(c, p); err != nil || len(p) < 8 {
+			return
+		}
+		b.mu.Lock()
+		b.seen++
+		b.mu.Unlock()
+		key, corr := int16(binary.BigEndian.Uint16(p)), int32(binary.BigEndian.Uint32(p[4:]))
+		delay, answer := b.policy(key, corr)
+		if !answer {
+			continue
+		}
+		select {
+		case <-time.After(delay):
+		case <-b.done:
+			return
+		}
+		resp := binary.BigEndian.AppendUint32(nil, 8)
+		resp = binary.BigEndian.AppendUint32(resp, uint32(corr))
+		resp = append(resp, 0, 0, 0, 0)
+		if _, err := c.Write(resp); err != nil {
+			return
+		}
+	}
+}
+
+func (b *kafkaBroker) requests() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.seen
+}
+
+// kafkaProfile is the kafka profile with defaults but a short
+// request_timeout and a quiet detector.
+func kafkaProfile(rt time.Duration, thr int) func(*policy.Settings) {
+	return func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingKafka
+		s.Unanswered.RequestTimeout = policy.Duration(rt)
+		s.Unanswered.ConsecutiveTimeoutsThreshold = thr
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+		s.Detector.MaxDelay = policy.Duration(10 * time.Second)
+	}
+}
+
+func readResponse(t *testing.T, c net.Conn, within time.Duration) int32 {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(within))
+	defer func() { _ = c.SetReadDeadline(time.Time{}) }()
+	var hdr [8]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		t.Fatalf("reading a response: %v", err)
+	}
+	rest := make([]byte, binary.BigEndian.Uint32(hdr[:])-4)
+	if _, err := io.ReadFull(c, rest); err != nil {
+		t.Fatalf("reading a response: %v", err)
+	}
+	return int32(binary.BigEndian.Uint32(hdr[4:]))
+}
+
+// The healthy twin: long polls held by the broker for their max_wait
+// (1.5s, five times request_timeout) and produce requests with acks=0
+// (never answered) are never counted, on a link with nothing else going on.
+func TestKafkaLongPollAndAcksZeroNotCounted(t *testing.T) {
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+		switch key {
+		case 0:
+			return 0, false // acks=0: no response by protocol
+		case 1:
+			return 1400 * time.Millisecond, true // an empty topic: held for max_wait
+		}
+		return 0, true
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 2))
+	c := h.dial()
+	for i := range 3 {
+		if _, err := c.Write(produceReq(0, int32(100+i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range 3 {
+		if _, err := c.Write(fetchReq(1500*time.Millisecond, int32(i))); err != nil {
+			t.Fatal(err)
+		}
+		if id := readResponse(t, c, 5*time.Second); id != int32(i) {
+			t.Fatalf("response %d, want %d", id, i)
+		}
+	}
+	time.Sleep(2 * time.Second) // past every deadline a 300ms rule would have used
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 1 {
+		t.Fatalf("endpoint %s, %d links; want healthy with the link open", ep.State, h.p.ActiveLinks())
+	}
+	for _, r := range metrics.UntrackedReasons {
+		if got := testutil.ToFloat64(m.Untracked(r)); got != 0 {
+			t.Fatalf("untracked{%s} = %v: the link should still be tracked", r, got)
+		}
+	}
+}
+
+// The detection twin: a broker that stops answering is caught by the
+// requests' own deadlines, the long poll's included.
+func TestKafkaSilentBrokerExcludedAfterOwnDeadlines(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, false })
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 2))
+	c := h.dial()
+	sent := time.Now()
+	if _, err := c.Write(fetchReq(time.Second, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(metadataReq(2)); err != nil {
+		t.Fatal(err)
+	}
+	ep := h.waitState("excluded", 10*time.Second)
+	// The Fetch is due at max_wait + request_timeout; the Metadata behind it
+	// waits for it (the broker answers in order), then request_timeout.
+	if d := ep.Since.Sub(sent); d < 1600*time.Millisecond {
+		t.Fatalf("excluded %v after the requests, before their own deadlines (1.6s)", d)
+	}
+	if ep.Reason != metrics.ReasonUnanswered {
+		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
+	}
+}
+
+// A response that matches no outstanding request means the proxy lost
+// the thread: it stops tracking that link and keeps forwarding.
+func TestKafkaDesyncStopsTrackingNotTheLink(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, true })
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	if _, err := c.Write(metadataReq(7)); err != nil {
+		t.Fatal(err)
+	}
+	readResponse(t, c, 2*time.Second)
+	// A response nobody asked for: the peer answers a Produce with acks=0,
+	// which by protocol gets no response, so the proxy expects none.
+	if _, err := c.Write(produceReq(0, 8)); err != nil {
+		t.Fatal(err)
+	}
+	if id := readResponse(t, c, 2*time.Second); id != 8 {
+		t.Fatalf("response %d, want 8", id)
+	}
+	m := h.m.ForListener("test")
+	deadline := time.Now().Add(2 * time.Second)
+	for testutil.ToFloat64(m.Untracked(metrics.UntrackedDesync)) != 1 {
+		if time.Now().After(deadline) {
+			t.Fatalf("untracked{desync} = %v, want 1", testutil.ToFloat64(m.Untracked(metrics.UntrackedDesync)))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// Untracked, still proxied, and nothing is held against the broker.
+	if _, err := c.Write(metadataReq(9)); err != nil {
+		t.Fatal(err)
+	}
+	if id := readResponse(t, c, 2*time.Second); id != 9 {
+		t.Fatalf("response %d, want 9", id)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s after a desync, want healthy", ep.State)
+	}
+}
+
+// A TLS client and a SASL v0 handshake are forwarded untouched and not
+// tracked: nothing the proxy cannot read is held against the broker.
+func TestKafkaUnreadableStreamsUntracked(t *testing.T) {
+	for _, tc := range []struct {
+		name, reason string
+		first        []byte
+	}{
+		{"tls", metrics.UntrackedTLS, []byte{0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03}},
+		{"sasl v0", metrics.UntrackedSASL, kafkaReq(&kmsg.SASLHandshakeRequest{Mechanism: "PLAIN"}, 0, 1)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, false })
+			h := start(t, broker.ln.Addr().String(), kafkaProfile(100*time.Millisecond, 1))
+			c := h.dial()
+			if _, err := c.Write(tc.first); err != nil {
+				t.Fatal(err)
+			}
+			// Raw tokens or records that read as nothing sensible follow.
+			for range 5 {
+				if _, err := c.Write([]byte{0, 0, 0, 4, 'r', 'a', 'w', '!'}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			m := h.m.ForListener("test")
+			deadline := time.Now().Add(2 * time.Second)
+			for testutil.ToFloat64(m.Untracked(tc.reason)) != 1 {
+				if time.Now().After(deadline) {
+					t.Fatalf("untracked{%s} = %v, want 1", tc.reason, testutil.ToFloat64(m.Untracked(tc.reason)))
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			time.Sleep(400 * time.Millisecond) // past any deadline
+			if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 1 {
+				t.Fatalf("endpoint %s, %d links; want healthy with the link open", ep.State, h.p.ActiveLinks())
+			}
+			if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+				t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+			}
+		})
+	}
+}
+
+// A listener that turned tracking off keeps it off for its own links,
+// whatever another listener to the same endpoint says (the last listener
+// configured used to win for all).
+func TestThresholdIsPerListener(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, false })
+	cfg := policy.DefaultConfig()
+	quiet, strict := cfg.Defaults, cfg.Defaults
+	kafkaProfile(100*time.Millisecond, 0)(&quiet)
+	kafkaProfile(100*time.Millisecond, 3)(&strict)
+	up := broker.ln.Addr().String()
+	cfg.Listeners = []policy.Listener{
+		{Name: "quiet", Listen: "127.0.0.1:0", Upstream: up, Settings: quiet},
+		{Name: "strict", Listen: "127.0.0.1:0", Upstream: up, Settings: strict},
+	}
+	m := metrics.New()
+	p := New(cfg, Options{Metrics: m})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	c, err := net.Dial("tcp", p.Addr("quiet").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for i := range 10 {
+		if _, err := c.Write(metadataReq(int32(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for broker.requests() < 10 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(500 * time.Millisecond) // every deadline passed
+	if st := p.Endpoints()[0]; st.State != "healthy" || st.ConsecutiveUnanswered != 0 {
+		t.Fatalf("endpoint %s with %d consecutive after the quiet listener's requests; want healthy, 0", st.State, st.ConsecutiveUnanswered)
+	}
+	// The strict listener's own requests still count.
+	s, err := net.Dial("tcp", p.Addr("strict").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for i := range 3 {
+		if _, err := s.Write(metadataReq(int32(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline = time.Now().Add(5 * time.Second)
+	for p.Endpoints()[0].State != "excluded" {
+		if time.Now().After(deadline) {
+			t.Fatalf("endpoint %s after 3 unanswered on the strict listener, want excluded", p.Endpoints()[0].State)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Pinot: queries answered within their own timeoutMs never count, even
+// when that is far beyond request_timeout; the same queries to a server
+// that answers nothing are counted at timeoutMs plus the slack.
+func TestPinotQueryTimeoutIsTheDeadline(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		silent  bool
+		wantEnd string
+	}{
+		{"answered within timeoutMs", false, "healthy"},
+		{"never answered", true, "excluded"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv, err := pinotsim.NewServer(pinotsim.ServerConfig{Delay: 1200 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer srv.Close()
+			srv.SetSilent(tc.silent)
+			h := start(t, srv.Addr(), func(s *policy.Settings) {
+				s.Framing.Type = policy.FramingPinot
+				s.Unanswered.RequestTimeout = policy.Duration(200 * time.Millisecond)
+				s.Unanswered.ConsecutiveTimeoutsThreshold = 3
+				s.Detector.Probe = policy.ProbeKindConnect
+				s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+			})
+			c := h.dial()
+			sent := time.Now()
+			for i := range 5 {
+				payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: int64(1000 + i), Table: "t_OFFLINE", TimeoutMs: 1500})
+				if _, err := c.Write(frame(payload)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !tc.silent {
+				for range 5 {
+					readFrame(t, c, 5*time.Second)
+				}
+				time.Sleep(1500 * time.Millisecond) // past timeoutMs + slack
+				if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+					t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+				}
+				if ep := h.endpoint(); ep.State != tc.wantEnd {
+					t.Fatalf("endpoint %s, want %s", ep.State, tc.wantEnd)
+				}
+				return
+			}
+			ep := h.waitState("excluded", 10*time.Second)
+			if d := ep.Since.Sub(sent); d < 2500*time.Millisecond {
+				t.Fatalf("excluded %v after the queries, before timeoutMs (1.5s) plus the 1s slack", d)
+			}
+		})
+	}
+}
