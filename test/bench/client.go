@@ -48,8 +48,8 @@ func scenarios(cpsWorkers int) []scenario {
 			about: "64 connections, one in flight each"},
 		{name: "pipe8x16", kind: kindPipe, conns: 8, depth: 16, reqLen: 200, respLen: 2048,
 			about: "8 connections, 16 pipelined requests in flight each"},
-		{name: "bulk", kind: kindPipe, conns: 1, depth: 4, reqLen: 1 << 20, respLen: 0, bulk: true,
-			about: "1 connection, 1 MiB frames client->server, server acks each frame with an empty frame, 4 frames in flight"},
+		{name: "bulk", kind: kindPipe, conns: 1, depth: 4, reqLen: 1 << 20, respLen: 4, bulk: true,
+			about: "1 connection, 1 MiB frames client->server, server acks each frame with a 4-byte frame, 4 frames in flight"},
 		{name: "cps", kind: kindCPS, conns: cpsWorkers, depth: 1, reqLen: 200, respLen: 2048,
 			about: fmt.Sprintf("%d workers: connect, 200 B request, 2 KiB response, close", cpsWorkers)},
 	}
@@ -137,7 +137,7 @@ func runLoad(ctx context.Context, addr string, sc scenario, warmup, dur time.Dur
 	defer cancel()
 	perWorker := max(maxOps/int64(sc.conns), 1)
 	stats := make([]workerStats, sc.conns)
-	req := makeRequest(sc.reqLen, sc.respLen)
+	req := makeRequest(sc.reqLen, sc.respLen, requestHead)
 	var wg sync.WaitGroup
 	var conns []net.Conn
 	if sc.kind != kindCPS {
@@ -335,5 +335,5 @@ func probe(ctx context.Context, addr string) error {
 	ctx, cancel := context.WithTimeout(ctx, dialTimeout)
 	defer cancel()
 	r := bufio.NewReaderSize(nil, 4<<10)
-	return oneShot(ctx, r, addr, makeRequest(200, 2048), 2048)
+	return oneShot(ctx, r, addr, makeRequest(200, 2048, requestHead), 2048)
 }

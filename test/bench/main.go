@@ -54,7 +54,7 @@ func main() {
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
-	flag.StringVar(&o.lpFraming, "lp-framing", "none", "livenessproxy listener framing: none | length_field (4-byte big-endian, like the bench protocol)")
+	flag.StringVar(&o.lpFraming, "lp-framing", "none", "livenessproxy listener framing: none | length_field (4-byte big-endian, like the bench protocol) | kafka | pinot (requests carry a Kafka or Pinot header that the profile reads)")
 	flag.Parse()
 	if err := o.validate(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -81,8 +81,8 @@ func (o options) validate() error {
 		return errors.New("-cps-workers must be in [1, 256]")
 	case o.maxOps < 1:
 		return errors.New("-max-ops must be positive")
-	case o.lpFraming != "none" && o.lpFraming != "length_field":
-		return errors.New("-lp-framing must be none or length_field")
+	case !slices.Contains([]string{"none", "length_field", "kafka", "pinot"}, o.lpFraming):
+		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
 	for p := range strings.SplitSeq(o.paths, ",") {
 		if p != pathDirect && p != pathLP && p != pathHA {
@@ -112,6 +112,7 @@ func (o options) wants(p string) bool {
 
 func run(ctx context.Context, o options) error {
 	scs, _ := o.selectedScenarios()
+	requestHead = o.lpFraming
 	pin, err := parsePinning(o.pin)
 	if err != nil {
 		return err

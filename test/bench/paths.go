@@ -50,8 +50,13 @@ func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, 
 		return p
 	}
 	framing := ""
-	if o.lpFraming == "length_field" {
-		framing = "    framing: {type: length_field, length_field_length: 4, byte_order: big, max_frame_length: 16MiB}\n"
+	switch o.lpFraming {
+	case "length_field":
+		// With tracking on, as a user of a framed protocol would run it.
+		framing = "    framing: {type: length_field, length_field_length: 4, byte_order: big, max_frame_length: 16MiB}\n" +
+			"    unanswered: {track: on}\n"
+	case "kafka", "pinot":
+		framing = "    framing: {type: " + o.lpFraming + ", max_frame_length: 16MiB}\n"
 	}
 	conf := fmt.Sprintf(`admin: {listen: 127.0.0.1:0}
 log: {level: warn}

@@ -78,24 +78,27 @@ func serveConn(c net.Conn) {
 	defer c.Close()
 	r := bufio.NewReaderSize(c, 64<<10)
 	w := bufio.NewWriterSize(c, 64<<10)
-	var hdr [8]byte
+	var hdr [hdrLen + minRequest]byte
 	for {
-		if _, err := io.ReadFull(r, hdr[:8]); err != nil {
+		if _, err := io.ReadFull(r, hdr[:]); err != nil {
 			return
 		}
 		n := int(binary.BigEndian.Uint32(hdr[0:4]))
-		respLen := int(binary.BigEndian.Uint32(hdr[4:8]))
-		if n < 4 || n > maxRequest || respLen > maxResponse {
+		respLen := int(binary.BigEndian.Uint32(hdr[hdrLen+headLen:]))
+		if n < minRequest || n > maxRequest || respLen > maxResponse {
 			return
 		}
-		if _, err := r.Discard(n - 4); err != nil {
+		if _, err := r.Discard(n - minRequest); err != nil {
 			return
 		}
+		// The response starts with bytes 4-8 of the request's head (a
+		// Kafka correlation id), then zeros.
 		binary.BigEndian.PutUint32(hdr[0:4], uint32(respLen))
-		if _, err := w.Write(hdr[0:4]); err != nil {
+		echo := min(respLen, 4)
+		if _, err := w.Write(hdr[0 : 4+echo]); err != nil {
 			return
 		}
-		if _, err := w.Write(zeros[:respLen]); err != nil {
+		if _, err := w.Write(zeros[:respLen-echo]); err != nil {
 			return
 		}
 		if !nextFrameBuffered(r) {
