@@ -28,10 +28,12 @@ type pendingRequest struct {
 	thr int32 // consecutive_timeouts_threshold of the listener that sent them
 }
 
-// maxPending bounds a tracker's list. Entries handed on within the
-// judging slack of each other share an entry anyway, so the list holds
-// about (longest deadline / slack) entries whatever the request rate;
-// past the bound, new requests join the newest entry.
+// maxPending bounds a tracker's list. Requests sent with no answer in
+// between share an entry (see tracker), so a dead server's requests fill
+// about (longest deadline / slack) entries whatever the request rate; a
+// live server's answered requests each keep an entry until their deadline
+// (for the staleness check), and past the bound new requests join the
+// newest entry.
 const maxPending = 1024
 
 // tracker holds requests until their deadline and then judges them.
@@ -44,10 +46,13 @@ const maxPending = 1024
 // judged by the deadline the request itself carries (a Kafka Fetch's
 // max_wait_ms, a Pinot query's timeoutMs).
 //
-// Requests handed on within slack of each other share an entry: the
-// earliest send time (so an answer after any of them covers them all) and
-// the latest deadline. That bounds the list by time, not by request rate,
-// and only ever errs toward not counting.
+// Requests handed on within slack of each other, with no answer from the
+// endpoint in between, share an entry: the earliest send time and the
+// latest deadline. Since no answer came between them, any answer covers
+// all of them or none, so sharing changes no verdict, only delays a
+// judgement by up to slack. Past maxPending entries, new requests join the
+// newest entry whatever came in between, which only ever errs toward not
+// counting.
 //
 // A link's tracker judges the link's requests; when the link ends, its
 // unjudged requests are handed to the endpoint's tracker (adopt), so a
@@ -100,7 +105,9 @@ func (t *tracker) sent(r pendingRequest) {
 			// Still the same burst: no answer since it began.
 			l.end, l.due = r.end, max(l.due, r.due)
 			return
-		case !t.perBurst && l.thr == r.thr && (r.at-l.at < t.slack || last+1 >= maxPending):
+		case !t.perBurst && l.thr == r.thr && (r.at-l.at < t.slack && !t.covered(l) || last+1 >= maxPending):
+			// No answer since l's first request: any later answer covers
+			// all of them or none, so sharing an entry changes no verdict.
 			l.n += r.n
 			l.end, l.due = r.end, max(l.due, r.due)
 			t.armLocked(l.due)

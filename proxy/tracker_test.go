@@ -219,3 +219,24 @@ func TestTrackerStopAndAdopt(t *testing.T) {
 		}
 	})
 }
+
+// An answer between two requests keeps them apart even within the slack:
+// the first is covered, the second is not, and sharing an entry would
+// wrongly cover the second (a server that stopped right after answering).
+func TestTrackerAnswerSplitsEntries(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(100*time.Millisecond, false)
+		defer r.t.stop()
+		r.send(time.Second, 10)
+		time.Sleep(10 * time.Millisecond)
+		r.answer.Store(mono())
+		time.Sleep(10 * time.Millisecond)
+		r.send(time.Second, 20) // within the slack, but after the answer
+		time.Sleep(2 * time.Second)
+		synctest.Wait()
+		v, _, counted := r.seen()
+		if len(v) != 1 || len(v[0]) != 2 || counted != 1 {
+			t.Fatalf("verdicts %v, %d unanswered; want two entries judged together, the second unanswered", v, counted)
+		}
+	})
+}
