@@ -313,6 +313,35 @@ func TestParseErrors(t *testing.T) {
 				"listeners[2].write_buffer.on_overflow: \"drop\" is not one of reject, backpressure (line 6)",
 		},
 		{
+			name: "values the kernel refuses",
+			yaml: doc(
+				"defaults:",
+				"  keepalive: {idle: 32768s, interval: 10h, count: 200}",
+				"  tcp_user_timeout: 600h",
+				"  upstream_mark: 4294967296",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1, keepalive: {count: 127, idle: 32767s, interval: 1s}}",
+			),
+			want: "defaults.keepalive.count: 200 is above the kernel's limit of 127 (TCP_KEEPCNT) (line 2)\n" +
+				"defaults.keepalive.idle: 9h6m8s is above the kernel's limit of 9h6m7s (TCP_KEEPIDLE) (line 2)\n" +
+				"defaults.keepalive.interval: 10h0m0s is above the kernel's limit of 9h6m7s (TCP_KEEPINTVL) (line 2)\n" +
+				"defaults.tcp_user_timeout: 600h0m0s is above the kernel's limit of 596h31m23.647s (a C int of milliseconds) (line 3)\n" +
+				"defaults.upstream_mark: 4294967296 does not fit in SO_MARK's 32 bits (line 4)",
+		},
+		{
+			name: "length field headers that cannot be",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, upstream: up:1, framing: {type: length_field, length_field_offset: 1000000000}}",
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2, framing: {type: length_field, length_field_offset: 10, max_frame_length: 12}}",
+				"  - {name: c, listen: 127.0.0.1:3, upstream: up:3, framing: {length_adjustment: 3000000000, initial_bytes_to_strip: 3000000000}}",
+			),
+			want: "listeners[0].framing.length_field_offset: 1000000000 is above 65528: the length field must lie within the first 65536 bytes of a frame (line 2)\n" +
+				"listeners[1].framing.length_field_offset: a frame's header (length_field_offset 10 + length_field_length 4) is longer than max_frame_length (12B) (line 3)\n" +
+				"listeners[2].framing.initial_bytes_to_strip: 3000000000 is above 2147483647 (line 4)\n" +
+				"listeners[2].framing.length_adjustment: 3000000000 is outside ±2147483647 (line 4)",
+		},
+		{
 			name: "bad framing type",
 			yaml: doc(
 				"listeners:",

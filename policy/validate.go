@@ -2,6 +2,7 @@ package policy
 
 import (
 	"fmt"
+	"math"
 	"net"
 	"net/netip"
 	"reflect"
@@ -9,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Validate checks every field and how fields relate, and returns Errors
@@ -70,6 +72,16 @@ var (
 // fieldLengths are the length field sizes, in bytes, that Netty's decoder
 // supports.
 var fieldLengths = []int{1, 2, 3, 4, 8}
+
+// Kernel limits on the upstream socket options (include/net/tcp.h): a
+// larger value makes setsockopt fail with EINVAL.
+const (
+	maxKeepCount = 127                 // MAX_TCP_KEEPCNT
+	maxKeepTime  = 32767 * time.Second // MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL
+	maxHeaderLen = 64 << 10            // the longest length-field header (offset + field) the proxy follows
+	maxAdjust    = math.MaxInt32       // |length_adjustment|, as in Netty (an int)
+	maxStrip     = math.MaxInt32       // initial_bytes_to_strip, as in Netty (an int)
+)
 
 func (v *validator) config(c *Config) {
 	if c.Admin.Listen != "" {
@@ -186,6 +198,14 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 	if s.UpstreamMark < 0 && own("upstream_mark") {
 		v.add(prefix+"upstream_mark", "%d must not be negative (0: no mark)", s.UpstreamMark)
 	}
+	if s.UpstreamMark > math.MaxUint32 && own("upstream_mark") {
+		v.add(prefix+"upstream_mark", "%d does not fit in SO_MARK's 32 bits", s.UpstreamMark)
+	}
+	// TCP_USER_TIMEOUT takes an int of milliseconds.
+	if ut := s.TCPUserTimeout.D(); ut.Milliseconds() > math.MaxInt32 && own("tcp_user_timeout") {
+		v.add(prefix+"tcp_user_timeout", "%v is above the kernel's limit of %v (a C int of milliseconds)",
+			s.TCPUserTimeout, time.Duration(math.MaxInt32)*time.Millisecond)
+	}
 
 	const (
 		onOverflow = "write_buffer.on_overflow"
@@ -211,6 +231,17 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 	ka := s.Keepalive
 	if ka.Count < 0 && own(count) {
 		v.add(prefix+count, "%d must not be negative", ka.Count)
+	}
+	// The kernel refuses larger values with EINVAL (MAX_TCP_KEEPCNT,
+	// MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL).
+	if ka.Count > maxKeepCount && own(count) {
+		v.add(prefix+count, "%d is above the kernel's limit of %d (TCP_KEEPCNT)", ka.Count, maxKeepCount)
+	}
+	if ka.Idle.D() > maxKeepTime && own(idle) {
+		v.add(prefix+idle, "%v is above the kernel's limit of %v (TCP_KEEPIDLE)", ka.Idle, maxKeepTime)
+	}
+	if ka.Interval.D() > maxKeepTime && own(interval) {
+		v.add(prefix+interval, "%v is above the kernel's limit of %v (TCP_KEEPINTVL)", ka.Interval, maxKeepTime)
 	}
 	if ka.Idle > 0 {
 		if ka.Interval <= 0 {
@@ -268,6 +299,29 @@ func (v *validator) framing(prefix string, f *Framing, own func(string) bool, sh
 	}
 	if f.InitialBytesToStrip < 0 && own(strip) {
 		v.add(prefix+strip, "%d must not be negative", f.InitialBytesToStrip)
+	}
+	if f.InitialBytesToStrip > maxStrip && own(strip) {
+		v.add(prefix+strip, "%d is above %d", f.InitialBytesToStrip, maxStrip)
+	}
+	if (f.LengthAdjustment > maxAdjust || f.LengthAdjustment < -maxAdjust) && own("framing.length_adjustment") {
+		v.add(prefix+"framing.length_adjustment", "%d is outside ±%d", f.LengthAdjustment, maxAdjust)
+	}
+	// The header (the bytes up to the end of the length field) is what the
+	// proxy collects before it knows a frame's length: it must be small,
+	// and a frame can be no shorter than its header.
+	if hl := f.LengthFieldOffset + f.LengthFieldLength; f.LengthFieldOffset >= 0 && slices.Contains(fieldLengths, f.LengthFieldLength) {
+		switch {
+		case f.LengthFieldOffset > maxHeaderLen-8 && own(offset):
+			v.add(prefix+offset, "%d is above %d: the length field must lie within the first %d bytes of a frame",
+				f.LengthFieldOffset, maxHeaderLen-8, maxHeaderLen)
+		case f.MaxFrameLength > 0 && int64(hl) > int64(f.MaxFrameLength) && (own(offset) || own(length) || own(maxLen)):
+			at := maxLen
+			if own(offset) {
+				at = offset
+			}
+			v.add(prefix+at, "a frame's header (length_field_offset %d + length_field_length %d) is longer than max_frame_length (%v)",
+				f.LengthFieldOffset, f.LengthFieldLength, f.MaxFrameLength)
+		}
 	}
 	if !slices.Contains(byteOrders, f.ByteOrder) && own(order) {
 		v.add(prefix+order, oneOfFormat, f.ByteOrder, strings.Join(byteOrders, ", "))
