@@ -94,16 +94,17 @@ func New(opts Options) *Detector {
 		dial = (&net.Dialer{}).DialContext
 	}
 	ctx, stop := context.WithCancel(context.Background())
-	return &Detector{
+	d := &Detector{
 		log:     opts.Logger,
 		onEvent: opts.OnEvent,
 		onProbe: opts.OnProbe,
 		dial:    dial,
-		http:    newHTTPClient(dial),
 		ctx:     ctx,
 		stop:    stop,
 		eps:     make(map[string]*epState),
 	}
+	d.http = newHTTPClient(d.dialContext)
+	return d
 }
 
 // Register adds endpoint (host:port) in state Healthy, or, if it is already

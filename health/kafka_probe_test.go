@@ -3,10 +3,15 @@ package health
 import (
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -139,5 +144,30 @@ func TestKafkaProbeAgainstKfake(t *testing.T) {
 	pc := ProbeConfig{Kind: ProbeKafka, Timeout: 5 * time.Second}.normalized()
 	if err := d.probe(context.Background(), c.ListenAddrs()[0], pc); err != nil {
 		t.Fatalf("probe of kfake: %v", err)
+	}
+}
+
+// A probe dials with its endpoint's own Dialer when it has one (the data
+// plane's socket options): a socket option the kernel refuses fails the
+// probe as it fails a link, whatever the kind, HTTP included.
+func TestProbeUsesItsDialer(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	defer srv.Close()
+	refuse := &net.Dialer{Control: func(string, string, syscall.RawConn) error { return syscall.EINVAL }}
+	var dials atomic.Int32
+	count := &net.Dialer{Control: func(string, string, syscall.RawConn) error { dials.Add(1); return nil }}
+	d := New(Options{})
+	defer d.Close()
+	for _, kind := range []string{ProbeConnect, ProbeHTTP, ProbeKafka} {
+		pc := ProbeConfig{Kind: kind, Timeout: time.Second, HTTPPath: "/"}.normalized()
+		pc.Dialer = refuse
+		if err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("%s probe with a refused socket option: %v, want EINVAL", kind, err)
+		}
+	}
+	pc := ProbeConfig{Kind: ProbeHTTP, Timeout: time.Second, HTTPPath: "/"}.normalized()
+	pc.Dialer = count
+	if err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); err != nil || dials.Load() != 1 {
+		t.Fatalf("http probe: %v after %d dials through its dialer, want nil after 1", err, dials.Load())
 	}
 }

@@ -66,6 +66,11 @@ type ProbeConfig struct {
 	// HTTPPath is the request path of the HTTP probe (ProbeHTTP only), e.g.
 	// "/health". Empty means "/"; a missing leading slash is added.
 	HTTPPath string
+	// Dialer, when set, opens this endpoint's probe connections instead of
+	// Options.Dial. The data plane passes one with the socket options of
+	// its own connections to the endpoint, so that a probe cannot pass
+	// where a connection would fail.
+	Dialer *net.Dialer
 }
 
 // normalized returns pc with every default and bound applied.
@@ -136,6 +141,9 @@ var errUnknownKind = errors.New("unknown probe kind")
 func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) error {
 	ctx, cancel := context.WithTimeout(ctx, pc.Timeout)
 	defer cancel()
+	if pc.Dialer != nil {
+		ctx = context.WithValue(ctx, dialerKey{}, pc.Dialer)
+	}
 	switch pc.Kind {
 	case ProbeConnect:
 		return d.probeConnect(ctx, endpoint)
@@ -149,7 +157,7 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) e
 
 // probeConnect succeeds when a new TCP connection to endpoint is established.
 func (d *Detector) probeConnect(ctx context.Context, endpoint string) error {
-	conn, err := d.dial(ctx, "tcp", endpoint)
+	conn, err := d.dialContext(ctx, "tcp", endpoint)
 	if err != nil {
 		return err
 	}
@@ -212,7 +220,7 @@ var kafkaProbeRequest = func() []byte {
 // but the process must read the request and write the answer. The
 // response's error code is not checked: any answer proves the process.
 func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
-	conn, err := d.dial(ctx, "tcp", endpoint)
+	conn, err := d.dialContext(ctx, "tcp", endpoint)
 	if err != nil {
 		return err
 	}
@@ -236,6 +244,19 @@ func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
 		return fmt.Errorf("kafka probe: response correlation id %#x, want %#x", corr, kafkaProbeCorrelation)
 	}
 	return nil
+}
+
+// dialerKey carries a probe's ProbeConfig.Dialer in its context, so that
+// the HTTP probe's shared transport dials with it too.
+type dialerKey struct{}
+
+// dialContext opens a probe connection: with the probe's own Dialer when
+// it has one, else with Options.Dial.
+func (d *Detector) dialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	if dl, ok := ctx.Value(dialerKey{}).(*net.Dialer); ok {
+		return dl.DialContext(ctx, network, addr)
+	}
+	return d.dial(ctx, network, addr)
 }
 
 // newHTTPClient returns the client of the HTTP probes: no keep-alives, no

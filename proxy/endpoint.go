@@ -75,10 +75,16 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) *endpoint {
 	return ep
 }
 
+// probeConfig is how the detector probes an endpoint of settings s. Probes
+// dial with the same socket options as links (the mark, keepalive, user
+// timeout): a probe that passes where a link would fail would readmit an
+// endpoint no link can use, and with mark-based exemption from the
+// interception rules a probe without the mark would be intercepted.
 func probeConfig(s policy.Settings) health.ProbeConfig {
 	d := s.Detector
 	kind, port := s.Probe()
 	return health.ProbeConfig{
+		Dialer:       &net.Dialer{KeepAlive: -1, Control: upstreamControl(s)},
 		Kind:         kind,
 		Timeout:      d.ProbeTimeout.D(),
 		InitialDelay: d.InitialDelay.D(),
@@ -268,12 +274,15 @@ func (p *Proxy) suspect(ep *endpoint, ls []*listener, thr int) {
 	}
 }
 
-// reportable maps a link's close reason to a detector report, or "".
-// Which events exclude an endpoint, and why, is in the README.
-func reportable(reason string) bool {
+// blamesUpstream reports whether the link's end is evidence against its
+// upstream, to be reported to the detector. Which events exclude an
+// endpoint, and why, is in the README ("What counts as a dead upstream").
+func (k *link) blamesUpstream(reason string) bool {
 	switch reason {
-	case metrics.ReasonDialError, metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark:
+	case metrics.ReasonDialError, metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
 		return true
+	case metrics.ReasonWatermark:
+		return k.overflowStalled.Load()
 	}
 	return false
 }

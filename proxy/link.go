@@ -74,6 +74,15 @@ type link struct {
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
 
+	// acked is the stream offset the upstream had acknowledged at the last
+	// sample, and ackedAt (mono) when a sample last saw it move: progress
+	// is what the upstream acknowledged, not what the kernel took.
+	acked   atomic.Int64
+	ackedAt atomic.Int64
+	// overflowStalled: the link overflowed its high watermark while the
+	// upstream acknowledged nothing for write_timeout.
+	overflowStalled atomic.Bool
+
 	// Framed mode with tracking: frame boundaries in each direction (each
 	// pump owns its own; it drops it when the link stops being tracked).
 	// nil: opaque, or not tracked.
@@ -157,8 +166,15 @@ func (k *link) dial() bool {
 		return false
 	}
 	if err != nil {
-		k.l.m.DialErrors.Inc()
-		k.setReason(metrics.ReasonDialError, err)
+		if upstreamFault(err) {
+			k.l.m.DialErrors.Inc()
+			k.setReason(metrics.ReasonDialError, err)
+		} else {
+			// Out of descriptors, a socket option refused: the proxy's own
+			// failure, never the upstream's.
+			k.setReason(metrics.ReasonLocalError, err)
+			k.l.localError(k, err)
+		}
 		// Reset rather than close: to a client whose own failure detector
 		// treats a completed close as a live server, a reset looks like the
 		// refused connection it stands for.
@@ -171,12 +187,13 @@ func (k *link) dial() bool {
 	raw, err := up.SyscallConn()
 	if err != nil {
 		_ = up.Close()
-		k.abort(metrics.ReasonUpstreamError, err)
+		k.fail(err)
 		return false
 	}
 	if k.l.p.transparent.Load() {
 		k.l.p.ownUp.Store(up.LocalAddr().String(), struct{}{})
 	}
+	k.ackedAt.Store(mono()) // progress is measured from the connect on
 	k.connMu.Lock()
 	k.upstream, k.upRaw = up, raw
 	closed := k.closed
@@ -249,7 +266,7 @@ func (k *link) pumpRequests() {
 				k.q.mu.Unlock()
 				// No writer means nothing was ever queued: pass it on now.
 				if cerr := k.upstream.CloseWrite(); cerr != nil {
-					k.abort(classifyUpstream(cerr), cerr)
+					k.fail(cerr)
 					return
 				}
 				k.passedFin()
@@ -324,7 +341,7 @@ func (k *link) send(p []byte, high int64) bool {
 		q.mu.Unlock()
 		n, err := k.tryWrite(p)
 		if err != nil {
-			k.abort(classifyUpstream(err), err)
+			k.fail(err)
 			return false
 		}
 		if n == len(p) {
@@ -339,9 +356,13 @@ func (k *link) send(p []byte, high int64) bool {
 	}
 	if high > 0 && q.queued+int64(len(p)) > high {
 		// Only reachable with on_overflow: reject; backpressure never reads
-		// more than the room left.
+		// more than the room left. The link is closed: it cannot keep its
+		// memory bound otherwise. The upstream is blamed only with evidence
+		// that it stopped: nothing acknowledged for write_timeout. A client
+		// that writes faster than a live server reads is not a dead server.
 		q.mu.Unlock()
 		k.l.m.WatermarkRejections.Inc()
+		k.overflowStalled.Store(k.stalled(k.set.WriteTimeout.D()))
 		k.abort(metrics.ReasonWatermark, nil)
 		return false
 	}
@@ -403,7 +424,7 @@ func (k *link) writeUpstream() {
 		if q.queued == 0 && q.eof {
 			q.mu.Unlock()
 			if err := k.upstream.CloseWrite(); err != nil {
-				k.abort(classifyUpstream(err), err)
+				k.fail(err)
 				return
 			}
 			k.passedFin()
@@ -428,6 +449,7 @@ func (k *link) writeUpstream() {
 			handed += len(b)
 		}
 		if wt > 0 {
+			k.progressed()
 			_ = k.upstream.SetWriteDeadline(time.Now().Add(wt))
 		}
 		k.toWrite = k.batch
@@ -442,16 +464,20 @@ func (k *link) writeUpstream() {
 		q.mu.Unlock()
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
-				if n > 0 {
-					// Progress within write_timeout: a slow reader, not a
-					// stall. The next batch gets a fresh deadline.
+				if p, known := k.progressed(); p || !known && n > 0 {
+					// The upstream acknowledged bytes within write_timeout:
+					// a slow reader, not a stall (the kernel wakes a writer
+					// only once a good part of its send buffer is free, so
+					// a write can wait longer than any one ACK). Without
+					// TCP_INFO, bytes the kernel took stand in. The next
+					// batch gets a fresh deadline.
 					continue
 				}
 				if k.abort(metrics.ReasonWriteTimeout, err) {
 					k.l.m.WriteTimeouts.Inc()
 				}
 			} else {
-				k.abort(classifyUpstream(err), err)
+				k.fail(err)
 			}
 			return
 		}
@@ -499,7 +525,7 @@ func (k *link) pumpResponses() {
 				k.passedFin()
 				return
 			}
-			k.abort(classifyUpstream(err), err)
+			k.fail(err)
 			return
 		}
 	}
@@ -542,6 +568,39 @@ func (k *link) dropStale(frames int) {
 	}
 }
 
+// progressed samples how much of the stream the upstream has acknowledged
+// and reports whether that moved since the previous sample (known: false
+// when the kernel does not say). The writer samples before each write and
+// when a write's deadline passes; the request pump when the queue would
+// overflow.
+func (k *link) progressed() (moved, known bool) {
+	acked, ok := k.ackedBytes()
+	if !ok {
+		return false, false
+	}
+	for {
+		prev := k.acked.Load()
+		if acked <= prev {
+			return false, true
+		}
+		if k.acked.CompareAndSwap(prev, acked) {
+			k.ackedAt.Store(mono())
+			return true, true
+		}
+	}
+}
+
+// stalled reports whether the upstream has acknowledged nothing of this
+// link's stream for at least d, as far as the samples tell: the evidence a
+// watermark overflow needs before it is held against the upstream.
+func (k *link) stalled(d time.Duration) bool {
+	if d <= 0 {
+		return false
+	}
+	moved, known := k.progressed()
+	return known && !moved && mono()-k.ackedAt.Load() >= int64(d)
+}
+
 // ackedBytes is how many bytes of the stream the upstream has acknowledged.
 func (k *link) ackedBytes() (int64, bool) {
 	k.connMu.Lock()
@@ -581,15 +640,23 @@ func (k *link) passedFin() {
 	k.setReason(k.firstFin, nil)
 }
 
-// abort ends the link with reason, closing both sides at once. It reports
-// whether this call was the one that decided the reason.
+// abort ends the link with reason, resetting both sides at once. It
+// reports whether this call was the one that decided the reason.
+//
+// Reset, not FIN, on both sides: the upstream's kernel drops what it still
+// holds for this connection instead of retransmitting it for minutes, and
+// the client sees a reset where a direct connection would have given one
+// (the upstream reset it, or timed out), or where the proxy cut it: a FIN
+// would tell the client that a cut-short response was complete. A clean
+// end (a FIN read on one side) is passed on as a FIN, not through here.
 func (k *link) abort(reason string, err error) bool {
 	first := k.setReason(reason, err)
 	k.connMu.Lock()
 	if k.upstream != nil && !k.closed {
-		// Reset, not FIN: the upstream's kernel drops what it still holds
-		// for this connection instead of retransmitting it for minutes.
 		_ = k.upstream.SetLinger(0)
+	}
+	if !k.closed {
+		_ = k.client.SetLinger(0)
 	}
 	k.connMu.Unlock()
 	k.closeBoth()
@@ -647,10 +714,11 @@ func (k *link) stats() LinkStats {
 	return s
 }
 
-// classifyUpstream maps an upstream socket error to a close reason.
-func classifyUpstream(err error) string {
-	if errors.Is(err, syscall.ETIMEDOUT) {
-		return metrics.ReasonUpstreamTimeout
+// fail ends the link on an error of its upstream socket, with the reason
+// closeReasonFor gives it; a local error is logged as the proxy's own.
+func (k *link) fail(err error) {
+	reason := closeReasonFor(err)
+	if k.abort(reason, err) && reason == metrics.ReasonLocalError {
+		k.l.localError(k, err)
 	}
-	return metrics.ReasonUpstreamError
 }

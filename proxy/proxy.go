@@ -81,18 +81,11 @@ func New(cfg policy.Config, opts Options) *Proxy {
 			p.exset = set
 		}
 	}
-	var probeDial func(ctx context.Context, network, addr string) (net.Conn, error)
-	if mark := cfg.Defaults.UpstreamMark; mark > 0 {
-		// Probes are the proxy's own traffic too: with mark-based
-		// exemption they must carry the mark, or the rules would intercept
-		// (or, for an excluded destination, reject) them.
-		probeDial = (&net.Dialer{Control: upstreamControl(policy.Settings{UpstreamMark: mark})}).DialContext
-	}
+	// Probes dial with each endpoint's own socket options (probeConfig).
 	p.det = health.New(health.Options{
 		Logger:  log.With().Str("component", "detector").Logger(),
 		OnEvent: p.onHealthEvent,
 		OnProbe: p.onProbe,
-		Dial:    probeDial,
 	})
 	p.mu.Lock()
 	for _, lc := range cfg.Listeners {
@@ -270,6 +263,10 @@ type listener struct {
 	matches []matcher
 
 	untrackedSeen sync.Map // untrack reasons already logged at info
+	// localErrors counts the proxy's own failures since the last log line
+	// about them, logged at most every localErrorLogEvery (mono time).
+	localErrors      atomic.Int64
+	localErrorLogged atomic.Int64
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine
@@ -519,7 +516,7 @@ func (l *listener) serveLink(k *link) {
 	l.mu.Unlock()
 	l.m.LinksActive.Dec()
 	l.m.Closed(s.Reason)
-	if reportable(s.Reason) {
+	if k.blamesUpstream(s.Reason) {
 		l.p.report(k.ep, s.Reason)
 	}
 

@@ -66,14 +66,17 @@ func upstreamControl(s policy.Settings) func(network, address string, c syscall.
 	}
 }
 
-// bytesAcked is TCP_INFO's tcpi_bytes_acked: the stream offset the peer
-// has acknowledged.
+// bytesAcked is the stream offset the peer has acknowledged: TCP_INFO's
+// tcpi_bytes_acked less the one the SYN takes (the kernel counts every
+// sequence number acknowledged, the SYN's included, so a connection that
+// has sent nothing reads 1). On a connection whose FIN was acknowledged it
+// is one too many, which no caller looks at.
 func bytesAcked(raw syscall.RawConn) (int64, bool) {
 	var n int64
 	ok := false
 	_ = raw.Control(func(fd uintptr) {
 		if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			n, ok = int64(ti.Bytes_acked), true
+			n, ok = max(int64(ti.Bytes_acked)-1, 0), true
 		}
 	})
 	return n, ok

@@ -22,6 +22,7 @@ const (
 	ReasonWatermark        = "watermark"          // queue above the high watermark with on_overflow: reject
 	ReasonHalfCloseTimeout = "half_close_timeout" // other direction still open half_close_timeout after a FIN
 	ReasonDialError        = "dial_error"         // upstream dial failed (refused, unreachable, timeout)
+	ReasonLocalError       = "local_error"        // the proxy's own failure: descriptors, memory, a refused socket option
 	ReasonShutdown         = "shutdown"           // still open when the drain timeout ran out
 	ReasonBadFrame         = "bad_frame"          // a frame longer than max_frame_length or with a negative length
 	ReasonUnanswered       = "unanswered"         // the endpoint reached consecutive_timeouts_threshold
@@ -62,7 +63,7 @@ var EvictReasons = []string{EvictExcluded, EvictDisabled, EvictReadmitted, Evict
 var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
-	ReasonDialError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
+	ReasonDialError, ReasonLocalError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
 	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop,
 }
 

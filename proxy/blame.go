@@ -1,0 +1,70 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"syscall"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+)
+
+// upstreamFault reports whether err, from a dial or an upstream socket,
+// is the upstream's failure (or its path's): the connection was refused,
+// the host or network is unreachable, the connect timed out, the
+// connection timed out or was reset or aborted by the peer. Everything
+// else is the proxy's own failure and must never be held against the
+// upstream: no descriptors (EMFILE, ENFILE), no buffers or memory
+// (ENOBUFS, ENOMEM), a socket option the kernel refused (EINVAL, EPERM),
+// no local port (EADDRNOTAVAIL), a name that did not resolve.
+func upstreamFault(err error) bool {
+	var dnsErr *net.DNSError
+	if errors.As(err, &dnsErr) {
+		return false
+	}
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		switch errno {
+		case syscall.ECONNREFUSED, syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.EHOSTDOWN,
+			syscall.ETIMEDOUT, syscall.ECONNRESET, syscall.ECONNABORTED, syscall.EPIPE:
+			return true
+		}
+		return false
+	}
+	// A connect that did not complete within connect_timeout.
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// closeReasonFor maps an error on an upstream socket to a close reason:
+// upstream_timeout (ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up),
+// upstream_error (any other failure of the upstream), or local_error.
+func closeReasonFor(err error) string {
+	switch {
+	case errors.Is(err, syscall.ETIMEDOUT):
+		return metrics.ReasonUpstreamTimeout
+	case upstreamFault(err):
+		return metrics.ReasonUpstreamError
+	}
+	return metrics.ReasonLocalError
+}
+
+// localErrorLogEvery bounds the log lines about the proxy's own failures:
+// when descriptors run out, every link fails the same way.
+const localErrorLogEvery = time.Second
+
+// localError says, at most once a second per listener, that the proxy
+// itself failed a link (the count of those not logged is in the next
+// line); link_closes_total{reason="local_error"} counts every one.
+func (l *listener) localError(k *link, err error) {
+	l.localErrors.Add(1)
+	now := mono()
+	last := l.localErrorLogged.Load()
+	if now-last < int64(localErrorLogEvery) || !l.localErrorLogged.CompareAndSwap(last, now) {
+		return
+	}
+	l.log.Error().Err(err).Str("endpoint", k.ep.addr).Int64("local_errors_since_last_line", l.localErrors.Swap(0)).
+		Msg("the proxy could not serve a link for want of its own resources (descriptors, memory, a socket option); the client was reset and the upstream is not blamed")
+}
