@@ -201,7 +201,7 @@ func TestKafkaLongPollAndAcksZeroNotCounted(t *testing.T) {
 		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
 	}
 	if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 1 {
-		t.Fatalf("endpoint %s, %d links; want healthy with the link open", ep.State, h.p.ActiveLinks())
+		t.Fatalf("endpoint %s (%s), %d links; want healthy with the link open", ep.State, ep.Reason, h.p.ActiveLinks())
 	}
 	for _, r := range metrics.UntrackedReasons {
 		if got := testutil.ToFloat64(m.Untracked(r)); got != 0 {
@@ -305,7 +305,7 @@ func TestKafkaUnreadableStreamsUntracked(t *testing.T) {
 			}
 			time.Sleep(400 * time.Millisecond) // past any deadline
 			if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 1 {
-				t.Fatalf("endpoint %s, %d links; want healthy with the link open", ep.State, h.p.ActiveLinks())
+				t.Fatalf("endpoint %s (%s), %d links; want healthy with the link open", ep.State, ep.Reason, h.p.ActiveLinks())
 			}
 			if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
 				t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
