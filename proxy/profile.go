@@ -184,21 +184,27 @@ func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
 
 const kafkaSyncGroup = 14
 
-// kafkaRequests reads Kafka request frames.
-type kafkaRequests struct {
+// requestReader reads one profile's request frames: it asks for the
+// first bytes of each, then for as many as the profile's parser needs, and
+// records the request when its frame ends.
+type requestReader[R any] struct {
 	c      *conv
-	n      int64
-	req    kafkawire.Request
+	first  int // the first window: enough for most requests
+	parse  func(b []byte, complete bool) (R, int, error)
+	record func(c *conv, r *R, end int64)
+
+	n      int64 // the frame's payload length
+	req    R
 	parsed bool
 }
 
-func (r *kafkaRequests) begin(n int64) window {
+func (r *requestReader[R]) begin(n int64) window {
 	r.n, r.parsed = n, false
-	return window{need: int(min(n, kafkaFirstWindow))}
+	return window{need: int(min(n, int64(r.first)))}
 }
 
-func (r *kafkaRequests) read(b []byte) window {
-	req, need, err := kafkawire.ParseRequest(b, int64(len(b)) == r.n)
+func (r *requestReader[R]) read(b []byte) window {
+	req, need, err := r.parse(b, int64(len(b)) == r.n)
 	switch {
 	case err != nil:
 		r.c.untrackFor(err)
@@ -210,15 +216,15 @@ func (r *kafkaRequests) read(b []byte) window {
 	return window{}
 }
 
-func (r *kafkaRequests) end(off int64) {
+func (r *requestReader[R]) end(off int64) {
 	if r.c.off.Load() {
 		return
 	}
 	if !r.parsed {
-		r.c.untrack(metrics.UntrackedProtocol, errors.New("a request frame too short for a Kafka header"))
+		r.c.untrack(metrics.UntrackedProtocol, errors.New("a request frame too short for the protocol's header"))
 		return
 	}
-	r.c.kafkaRequest(&r.req, off)
+	r.record(r.c, &r.req, off)
 }
 
 // kafkaResponses reads Kafka response frames: their correlation id.
@@ -241,53 +247,18 @@ func (r *kafkaResponses) read(b []byte) window {
 
 func (r *kafkaResponses) end(int64) {}
 
-// pinotRequests reads Pinot InstanceRequest frames.
-type pinotRequests struct {
-	c      *conv
-	n      int64
-	req    pinotwire.Request
-	parsed bool
-}
-
-func (r *pinotRequests) begin(n int64) window {
-	r.n, r.parsed = n, false
-	return window{need: int(min(n, pinotFirstWindow))}
-}
-
-func (r *pinotRequests) read(b []byte) window {
-	req, need, err := pinotwire.ParseRequest(b, int64(len(b)) == r.n)
-	switch {
-	case err != nil:
-		r.c.untrackFor(err)
-	case need > 0:
-		return window{need: need}
-	default:
-		r.req, r.parsed = req, true
-	}
-	return window{}
-}
-
-func (r *pinotRequests) end(off int64) {
-	if r.c.off.Load() {
-		return
-	}
-	if !r.parsed {
-		r.c.untrack(metrics.UntrackedProtocol, errors.New("an empty request frame"))
-		return
-	}
-	r.c.pinotRequest(&r.req, off)
-}
-
 // newConv sets up request tracking for a framed link (its scanners are
 // set): under a profile, with the protocol's readers.
 func newConv(k *link) *conv {
 	c := &conv{k: k, thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(k.set.Unanswered.RequestTimeout.D())}
 	switch k.set.Framing.Type {
 	case policy.FramingKafka:
-		k.reqScan.rd = &kafkaRequests{c: c}
+		k.reqScan.rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,
+			parse: kafkawire.ParseRequest, record: (*conv).kafkaRequest}
 		k.respScan.rd = &kafkaResponses{c: c}
 	case policy.FramingPinot:
-		k.reqScan.rd = &pinotRequests{c: c}
+		k.reqScan.rd = &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
+			parse: pinotwire.ParseRequest, record: (*conv).pinotRequest}
 	}
 	return c
 }
