@@ -284,15 +284,15 @@ func (k *link) pumpRequests() {
 // handshake record, which any length framing would misread as a length of
 // hundreds of megabytes (the check is the same whatever the protocol).
 func (k *link) recordRequests(p []byte, at, end int64, first bool) {
-	if k.reqScan == nil {
+	c := k.conv
+	if c == nil {
 		// Opaque: a request is a burst of bytes, due within request_timeout.
 		k.trk.sent(pendingRequest{at: at, due: at + int64(k.set.Unanswered.RequestTimeout), end: end, n: 1,
 			thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold)})
 		return
 	}
-	c := k.conv
-	if c.off.Load() {
-		k.reqScan = nil
+	if k.reqScan == nil || c.off.Load() {
+		k.reqScan = nil // no longer tracked: nothing more is recorded
 		return
 	}
 	if first && kafkawire.LooksLikeTLS(p) {

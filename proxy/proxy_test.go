@@ -219,8 +219,12 @@ func TestWatermarkRejectBoundsQueue(t *testing.T) {
 	if s.MaxQueued > high {
 		t.Fatalf("queue reached %d bytes, above the %d high watermark", s.MaxQueued, high)
 	}
-	if s.MaxQueued < high/2 {
-		t.Fatalf("queue peaked at %d bytes: the stall never filled it, the test proves nothing", s.MaxQueued)
+	// The rejection itself shows the queue was in use: a read is at most
+	// 64 KiB (the high watermark here), so it overflows only onto bytes
+	// already queued. How many depends on how the client's writes were cut
+	// into reads, which the test does not control.
+	if s.MaxQueued == 0 {
+		t.Fatalf("rejected with nothing queued: the stall never reached the queue, the test proves nothing")
 	}
 	if got := testutil.ToFloat64(h.m.ForListener("test").WatermarkRejections); got != 1 {
 		t.Fatalf("watermark_rejections_total = %v, want 1", got)
@@ -336,16 +340,21 @@ func TestUpstreamEndReachesClient(t *testing.T) {
 		t.Run(tc.reason, func(t *testing.T) {
 			peer := faultpeer.New(t, tc.b, faultpeer.Options{})
 			h := start(t, peer.Addr(), func(s *policy.Settings) { s.HalfCloseTimeout = policy.Duration(200 * time.Millisecond) })
-			c := h.dial()
 			begin := time.Now()
-			err, at := waitClosed(t, c, 3*time.Second)
+			// The upstream's reset travels to the client: it can arrive
+			// before the client's own connect completes.
+			c, err := net.Dial("tcp", h.addr)
+			at := time.Now()
+			if err == nil {
+				err, at = waitClosed(t, c, 3*time.Second)
+				_ = c.Close()
+			}
 			if !isCloseSignal(err) {
 				t.Fatalf("client saw %v", err)
 			}
 			if d := at.Sub(begin); d > 500*time.Millisecond {
 				t.Fatalf("client saw the upstream end after %v", d)
 			}
-			_ = c.Close()
 			s := h.linkEnd(2 * time.Second)
 			// A reset at accept can reach the proxy before its connect
 			// completes: then the dial itself failed with the reset.
