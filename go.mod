@@ -5,6 +5,7 @@ go 1.26.8
 require (
 	github.com/apache/thrift v0.25.0
 	github.com/google/nftables v0.3.0
+	github.com/miekg/dns v1.1.73
 	github.com/prometheus/client_golang v1.25.0
 	github.com/rs/zerolog v1.35.1
 	github.com/twmb/franz-go v1.22.3
