@@ -1,5 +1,6 @@
 // Package policy owns livenessproxy's configuration: the ConfigMap schema,
-// its defaults, strict decoding with key-path errors, and validation.
+// its defaults, strict decoding with key-path errors, and validation; and
+// the routing rule that picks a pool's endpoint for each new link (Select).
 //
 // Every key has a default and a ConfigMap may set any subset. Durations are
 // written as Go durations (10s, 500ms), sizes with binary units (16MiB).
@@ -21,7 +22,8 @@ type Config struct {
 	// Defaults are the link settings every listener starts from; a listener
 	// may override any of them.
 	Defaults Settings `yaml:"defaults"`
-	// Listeners are the explicit listeners, one upstream each.
+	// Listeners are the listeners: explicit (one upstream), transparent
+	// (original destinations) or pool (a set of equivalent endpoints).
 	Listeners []Listener `yaml:"listeners"`
 	// Interception configures how the proxy cooperates with the nftables
 	// rules `livenessproxy redirect` installs.
@@ -67,20 +69,27 @@ type Log struct {
 	Format string `yaml:"format"`
 }
 
-// Listener is one explicit listener proxying to one upstream.
+// Listener is one listener: explicit (Upstream), transparent (Transparent)
+// or pool (Pool); exactly one of the three is set.
 type Listener struct {
 	// Name labels the listener's metrics and logs; unique, [a-zA-Z0-9_.-].
 	Name string `yaml:"name"`
 	// Listen is the host:port the listener binds.
 	Listen string `yaml:"listen"`
 	// Upstream is the host:port every link of this listener dials.
-	// Exclusive with Transparent.
+	// Exclusive with Transparent and Pool.
 	Upstream string `yaml:"upstream"`
 	// Transparent makes this a transparent listener: it proxies each
 	// connection an nftables REDIRECT sent to it to the connection's
 	// original destination (SO_ORIGINAL_DST), but only destinations its
-	// match list covers. Exclusive with Upstream.
+	// match list covers. Exclusive with Upstream and Pool. Parse starts it
+	// from DefaultTransparent.
 	Transparent Transparent `yaml:"transparent"`
+	// Pool makes this a pool listener: each new link goes to one of a set
+	// of equivalent endpoints, chosen by Select from the detector's view.
+	// Exclusive with Upstream and Transparent. Parse starts it from
+	// DefaultPool.
+	Pool Pool `yaml:"pool"`
 	// Settings override the defaults for this listener's links.
 	Settings `yaml:",inline"`
 }
@@ -88,11 +97,95 @@ type Listener struct {
 // IsTransparent reports whether the listener proxies original destinations.
 func (l Listener) IsTransparent() bool { return len(l.Transparent.Match) > 0 }
 
+// IsPool reports whether the listener routes to a pool: it has pool
+// endpoints or a pool dns name.
+func (l Listener) IsPool() bool { return len(l.Pool.Endpoints) > 0 || l.Pool.DNS != "" }
+
 // Transparent configures a transparent listener.
 type Transparent struct {
 	// Match lists the destinations that may be proxied; anything else is
 	// refused (never an open relay).
 	Match []Match `yaml:"match"`
+	// GroupFailOpen makes the destinations of each match entry a group
+	// that fails open like a pool with fail_open: when no destination of
+	// the group that the listener tracks is routable, a connection to an
+	// excluded one is proxied instead of reset. All-or-nothing: while one
+	// destination of the group is healthy, an excluded one is refused. A
+	// disabled destination is always refused. Off (the default): an
+	// excluded destination is always refused.
+	GroupFailOpen bool `yaml:"group_fail_open"`
+	// MaxDestinations is the hard cap on the destinations this listener
+	// tracks (each with its detector state); past it, a connection to a
+	// destination it does not track yet is refused, and counted. At least
+	// 1; 0 in a Config built in code means the default, 4096.
+	MaxDestinations int `yaml:"max_destinations"`
+	// ForgetExcludedAfter is how long an excluded destination's probes
+	// may keep failing before the listener forgets it (its detector state
+	// and series), so that destinations gone for good do not stay tracked
+	// forever; a later connection to it starts afresh. Must be positive;
+	// 0 in a Config built in code means the default, 10m.
+	ForgetExcludedAfter Duration `yaml:"forget_excluded_after"`
+}
+
+// Balance policies for Pool.Balance.
+const (
+	// BalanceRoundRobin sends each new link to the next eligible endpoint
+	// in turn.
+	BalanceRoundRobin = "round_robin"
+	// BalanceLeastLinks sends each new link to the eligible endpoint with
+	// the fewest live links, ties in turn.
+	BalanceLeastLinks = "least_links"
+)
+
+// Pool is a set of equivalent endpoints behind one listener: the replicas
+// behind a Kubernetes headless Service, a Kafka bootstrap list, a
+// ZooKeeper ensemble. Each new link goes to one of them, chosen by Select;
+// each endpoint is an endpoint of its own for the detector. Exactly one of
+// Endpoints and DNS is set.
+type Pool struct {
+	// Endpoints are the pool's entries, each a host:port with a numeric,
+	// non-zero port. A host may be a name: it is resolved again every
+	// Refresh and each of its addresses is an endpoint. Entries are unique
+	// after normalisation (a:080 is a:80). Exclusive with DNS.
+	Endpoints []string `yaml:"endpoints"`
+	// DNS is a host:port (numeric, non-zero port) whose every A and AAAA
+	// record is an endpoint, resolved again every Refresh: a Kubernetes
+	// headless Service, say. Exclusive with Endpoints.
+	DNS string `yaml:"dns"`
+	// Refresh is how often the pool's names are resolved again: an
+	// address that appears becomes an endpoint, one that disappears leaves
+	// the pool. Must be positive; 0 in a Config built in code means the
+	// default, 5s.
+	Refresh Duration `yaml:"refresh"`
+	// Balance is how a new link picks among the eligible endpoints:
+	// round_robin (in turn) or least_links (the fewest live links, ties in
+	// turn). Empty in a Config built in code means the default,
+	// round_robin.
+	Balance string `yaml:"balance"`
+	// FailOpen: when every endpoint the operator has not disabled is
+	// excluded by the detector, new links go to the excluded ones (round
+	// robin) instead of being refused. All-or-nothing: while any endpoint
+	// is routable only routable ones are chosen, and a disabled endpoint
+	// never gets a link, not even when nothing else is left (the link is
+	// refused then).
+	FailOpen bool `yaml:"fail_open"`
+}
+
+// DefaultPool returns the pool settings a pool listener starts from: no
+// entries, refresh 5s, round_robin, fail_open off. Parse starts every pool
+// section from it; a Config built in code may leave the zero values, which
+// mean the same.
+func DefaultPool() Pool {
+	return Pool{Refresh: Duration(5 * time.Second), Balance: BalanceRoundRobin}
+}
+
+// DefaultTransparent returns the settings a transparent listener starts
+// from: no match entries, group_fail_open off, max_destinations 4096,
+// forget_excluded_after 10m. Parse starts every transparent section from
+// it; a Config built in code may leave the zero values, which mean the
+// same.
+func DefaultTransparent() Transparent {
+	return Transparent{MaxDestinations: 4096, ForgetExcludedAfter: Duration(10 * time.Minute)}
 }
 
 // Match is one destination range of a transparent listener.
@@ -109,6 +202,13 @@ type Settings struct {
 	// ConnectTimeout bounds the upstream dial. Non-positive: the kernel's
 	// own SYN retry limit (minutes).
 	ConnectTimeout Duration `yaml:"connect_timeout"`
+	// ConnectAttempts is how many upstream connects a new link makes before
+	// its client is reset. Each retry, after a short backoff, goes to the
+	// next endpoint in the balance order, never to the one that just failed
+	// while another eligible endpoint exists (Select's avoid). 1: no retry;
+	// at least 1. A transparent link's destination is fixed, so it has one
+	// endpoint to try.
+	ConnectAttempts int `yaml:"connect_attempts"`
 	// WriteTimeout closes the link when the upstream kernel has not accepted
 	// a queued write for this long. Non-positive disables.
 	WriteTimeout Duration `yaml:"write_timeout"`
@@ -382,6 +482,7 @@ const (
 func DefaultSettings() Settings {
 	return Settings{
 		ConnectTimeout:   Duration(time.Second),
+		ConnectAttempts:  3,
 		WriteTimeout:     Duration(10 * time.Second),
 		TCPUserTimeout:   Duration(10 * time.Second),
 		Keepalive:        Keepalive{Idle: Duration(10 * time.Second), Interval: Duration(5 * time.Second), Count: 3},

@@ -139,7 +139,7 @@ func TestParseErrors(t *testing.T) {
 				"  - name: b",
 				"    listen: 127.0.0.1:2",
 			),
-			want: "listeners[1].upstream: required (or transparent.match for a transparent listener) (line 3)",
+			want: "listeners[1].upstream: required (or transparent.match for a transparent listener, or pool for a pool listener) (line 3)",
 		},
 		{
 			name: "upstream and transparent together",
@@ -576,6 +576,167 @@ func TestParseErrors(t *testing.T) {
 				`listeners[1].on_excluded: "drop" is not one of refuse, allow (line 7)`,
 		},
 		{
+			name: "pool with upstream",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: db:1, pool: {endpoints: [db:1]}}",
+			),
+			want: "listeners[0].upstream: a listener has either upstream or pool, not both (line 2)",
+		},
+		{
+			name: "pool with transparent",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    transparent: {match: [{cidr: 10.0.0.0/8}]}",
+				"    pool: {dns: db:1}",
+			),
+			want: "listeners[0].transparent: a listener has either transparent or pool, not both (line 4)",
+		},
+		{
+			name: "upstream, transparent and pool",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: db:1",
+				"    transparent: {match: [{cidr: 10.0.0.0/8}]}",
+				"    pool: {dns: db:1}",
+			),
+			want: "listeners[0].upstream: a listener has one of upstream, transparent and pool, not all three (line 4)",
+		},
+		{
+			name: "empty pools",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, pool: {}}",
+				"  - {name: b, listen: 127.0.0.1:2, pool: {endpoints: [], balance: least_links}}",
+				"  - {name: c, listen: 127.0.0.1:3, pool: }",
+				"  - {name: d, listen: 127.0.0.1:4, pool: {dns: ''}}",
+			),
+			want: "listeners[0].pool: a pool needs endpoints (at least one) or dns (line 2)\n" +
+				"listeners[1].pool.endpoints: a pool needs endpoints (at least one) or dns (line 3)\n" +
+				"listeners[2].pool: a pool needs endpoints (at least one) or dns (line 4)\n" +
+				"listeners[3].pool.dns: a pool needs endpoints (at least one) or dns (line 5)",
+		},
+		{
+			name: "bad pool endpoints",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    pool:",
+				"      endpoints:",
+				"        - db",
+				"        - db:0",
+				"        - ':8098'",
+				"        - 'db:http'",
+				"        - '[fd00::1]:8098'",
+			),
+			want: `listeners[0].pool.endpoints[0]: "db" is not a host:port address: missing port in address (line 6)` + "\n" +
+				`listeners[0].pool.endpoints[1]: "db:0" is not a host:port address: port 0 is not a port to dial (line 7)` + "\n" +
+				`listeners[0].pool.endpoints[2]: ":8098" is not a host:port address: missing host (line 8)` + "\n" +
+				`listeners[0].pool.endpoints[3]: "db:http" is not a host:port address: port "http" is not a number from 0 to 65535 (line 9)`,
+		},
+		{
+			name: "duplicate pool endpoint after normalising",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    pool:",
+				"      endpoints: [a:80, b:80, a:080, '[::1]:9092', '[::1]:09092']",
+				"  - {name: b, listen: 127.0.0.1:3, pool: {endpoints: [a:80]}}",
+			),
+			want: `listeners[0].pool.endpoints[2]: duplicate endpoint "a:080" (also listeners[0].pool.endpoints[0]) (line 5)` + "\n" +
+				`listeners[0].pool.endpoints[4]: duplicate endpoint "[::1]:09092" (also listeners[0].pool.endpoints[3]) (line 5)`,
+		},
+		{
+			name: "dns with endpoints",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    pool:",
+				"      endpoints: [kafka-0:9092]",
+				"      dns: kafka-headless:9092",
+			),
+			want: "listeners[0].pool.dns: a pool has either endpoints or dns, not both (line 6)",
+		},
+		{
+			name: "bad dns",
+			yaml: doc(
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:1, pool: {dns: pinot-server-headless}}",
+				"  - {name: b, listen: 127.0.0.1:2, pool: {dns: 'pinot-server-headless:0'}}",
+			),
+			want: `listeners[0].pool.dns: "pinot-server-headless" is not a host:port address: missing port in address (line 2)` + "\n" +
+				`listeners[1].pool.dns: "pinot-server-headless:0" is not a host:port address: port 0 is not a port to dial (line 3)`,
+		},
+		{
+			name: "bad balance and refresh",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    pool:",
+				"      dns: db:1",
+				"      refresh: 0",
+				"      balance: random",
+				"  - {name: b, listen: 127.0.0.1:3, pool: {dns: db:1, refresh: -1s}}",
+			),
+			want: "listeners[0].pool.refresh: 0s must be positive (line 6)\n" +
+				`listeners[0].pool.balance: "random" is not one of round_robin, least_links (line 7)` + "\n" +
+				"listeners[1].pool.refresh: -1s must be positive (line 8)",
+		},
+		{
+			name: "pool keys of the wrong kind",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    pool:",
+				"      endpoints: db:1",
+				"      fail_open: yes",
+				"      refresh: 5",
+				"      balnce: round_robin",
+			),
+			want: `listeners[0].pool.endpoints: expected a list, got "db:1" (line 5)` + "\n" +
+				`listeners[0].pool.fail_open: invalid boolean "yes" (use true or false) (line 6)` + "\n" +
+				`listeners[0].pool.refresh: invalid duration "5" (use a Go duration such as 10s or 500ms) (line 7)` + "\n" +
+				"listeners[0].pool.balnce: unknown key (line 8)",
+		},
+		{
+			name: "connect_attempts 0",
+			yaml: doc(
+				"defaults:",
+				"  connect_attempts: 0",
+				"listeners:",
+				okListener,
+				"  - {name: b, listen: 127.0.0.1:2, upstream: up:2, connect_attempts: -1}",
+				"  - {name: c, listen: 127.0.0.1:3, upstream: up:3, connect_attempts: 1}",
+			),
+			want: "defaults.connect_attempts: 0 must be at least 1 (1: no retry) (line 2)\n" +
+				"listeners[1].connect_attempts: -1 must be at least 1 (1: no retry) (line 5)",
+		},
+		{
+			name: "max_destinations 0 and forget_excluded_after 0",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    transparent:",
+				"      match: [{cidr: 10.0.0.0/8}]",
+				"      max_destinations: 0",
+				"      forget_excluded_after: 0",
+				"      group_fail_open: 1",
+			),
+			want: "listeners[0].transparent.max_destinations: 0 must be at least 1 (line 6)\n" +
+				"listeners[0].transparent.forget_excluded_after: 0s must be positive (line 7)\n" +
+				`listeners[0].transparent.group_fail_open: invalid boolean "1" (use true or false) (line 8)`,
+		},
+		{
 			name: "scalar where a mapping is expected",
 			yaml: doc(
 				"admin: 127.0.0.1:9901",
@@ -675,7 +836,7 @@ func TestParseErrors(t *testing.T) {
 				"listeners[0].write_timeout: invalid duration \"soon\" (use a Go duration such as 10s or 500ms) (line 6)\n" +
 				"listeners[0].write_buffer.low_water_mark: 2MiB must be below high_water_mark (1MiB) (line 7)\n" +
 				"listeners[1].name: duplicate listener name \"a\" (also listeners[0]) (line 8)\n" +
-				"listeners[1].upstream: required (or transparent.match for a transparent listener) (line 8)\n" +
+				"listeners[1].upstream: required (or transparent.match for a transparent listener, or pool for a pool listener) (line 8)\n" +
 				"listeners[1].listen: duplicate listen address \"127.0.0.1:1\" (also listeners[0]) (line 9)\n" +
 				"listeners[1].extra: unknown key (line 10)\n" +
 				"defaults.connect_timeout: invalid duration \"1 second\" (use a Go duration such as 10s or 500ms) (line 12)\n" +
@@ -969,8 +1130,8 @@ func TestDurations(t *testing.T) {
 	}
 }
 
-// designExample is the ConfigMap example of DESIGN.md, restricted to the keys
-// config.go defines (no pool or transparent listeners yet).
+// designExample is the ConfigMap example of DESIGN.md with explicit
+// listeners only (pools and transparent listeners: poolExample).
 const designExample = `
 admin:
   listen: 127.0.0.1:9901          # /metrics /healthz /readyz /v1/endpoints
@@ -1074,7 +1235,8 @@ func TestValidateBuiltConfig(t *testing.T) {
 		"listeners[0].detector.initial_delay: 0s must be positive\n" +
 		"listeners[0].detector.backoff_factor: 0 must be at least 1 (1 probes at a fixed interval)\n" +
 		`listeners[0].unanswered.track: "" is not one of auto, on, off` + "\n" +
-		`listeners[0].on_excluded: "" is not one of refuse, allow`
+		`listeners[0].on_excluded: "" is not one of refuse, allow` + "\n" +
+		"listeners[0].connect_attempts: 0 must be at least 1 (1: no retry)"
 	if err := c.Validate(); err == nil || err.Error() != want {
 		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
 	}
@@ -1147,5 +1309,193 @@ func TestDecoderSupportsEveryField(t *testing.T) {
 	check(reflect.TypeFor[Config](), "")
 	if !supported(reflect.TypeFor[Config]()) {
 		t.Error("supported(Config) = false")
+	}
+}
+
+// poolExample has every pool and transparent key, and connect_attempts at
+// both levels.
+const poolExample = `
+defaults:
+  connect_attempts: 2
+listeners:
+  - name: pinot-servers                # a pool of named replicas
+    listen: 127.0.0.1:18098
+    pool:
+      endpoints: [pinot-server-0.pinot-server-headless:8098, pinot-server-1.pinot-server-headless:8098, 10.1.2.3:8098]
+      refresh: 10s
+      balance: least_links
+      fail_open: true
+  - name: kafka                        # every record of a headless Service
+    listen: 127.0.0.1:19092
+    pool: {dns: kafka-headless.data.svc:9092}
+    connect_attempts: 1
+  - name: out
+    listen: 127.0.0.1:15001
+    transparent:
+      match: [{cidr: 10.0.0.0/8, ports: [8098]}]
+      group_fail_open: true
+      max_destinations: 512
+      forget_excluded_after: 30m
+  - name: explicit
+    listen: 127.0.0.1:18099
+    upstream: pinot-server-0.pinot-server-headless:8098
+`
+
+func TestPoolExample(t *testing.T) {
+	c := mustParse(t, poolExample)
+	want := DefaultConfig()
+	want.Defaults.ConnectAttempts = 2
+	want.Listeners = []Listener{
+		{Name: "pinot-servers", Listen: "127.0.0.1:18098", Settings: want.Defaults, Pool: Pool{
+			Endpoints: []string{"pinot-server-0.pinot-server-headless:8098", "pinot-server-1.pinot-server-headless:8098", "10.1.2.3:8098"},
+			Refresh:   Duration(10 * time.Second), Balance: BalanceLeastLinks, FailOpen: true}},
+		{Name: "kafka", Listen: "127.0.0.1:19092", Settings: want.Defaults, Pool: Pool{
+			DNS: "kafka-headless.data.svc:9092", Refresh: Duration(5 * time.Second), Balance: BalanceRoundRobin}},
+		{Name: "out", Listen: "127.0.0.1:15001", Settings: want.Defaults, Transparent: Transparent{
+			Match: []Match{{CIDR: "10.0.0.0/8", Ports: []int{8098}}}, GroupFailOpen: true, MaxDestinations: 512,
+			ForgetExcludedAfter: Duration(30 * time.Minute)}},
+		{Name: "explicit", Listen: "127.0.0.1:18099", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: want.Defaults},
+	}
+	want.Listeners[1].ConnectAttempts = 1
+	if !reflect.DeepEqual(c, want) {
+		t.Fatalf("config:\n%+v\nwant:\n%+v", c, want)
+	}
+	for i, kind := range []string{"pool", "pool", "transparent", "explicit"} {
+		l := c.Listeners[i]
+		if l.IsPool() != (kind == "pool") || l.IsTransparent() != (kind == "transparent") {
+			t.Errorf("listeners[%d] (%s): IsPool %v, IsTransparent %v", i, kind, l.IsPool(), l.IsTransparent())
+		}
+	}
+	if err := c.Validate(); err != nil {
+		t.Errorf("Validate of a parsed config: %v", err)
+	}
+}
+
+// A pool or transparent section starts from its defaults; a listener
+// without one keeps it zero; connect_attempts overlays like every setting.
+func TestPoolDefaults(t *testing.T) {
+	c := mustParse(t, doc(
+		"listeners:",
+		"  - {name: a, listen: 127.0.0.1:1, pool: {endpoints: ['db:080']}}",
+		"  - {name: b, listen: 127.0.0.1:2, transparent: {match: [{cidr: 10.0.0.0/8}]}}",
+		"  - {name: c, listen: 127.0.0.1:3, upstream: up:3}",
+	))
+	if got, want := c.Defaults.ConnectAttempts, 3; got != want {
+		t.Errorf("defaults.connect_attempts = %d, want %d", got, want)
+	}
+	for i, l := range c.Listeners {
+		if l.Settings != DefaultSettings() {
+			t.Errorf("listeners[%d] settings = %+v, want the defaults", i, l.Settings)
+		}
+	}
+	wantPool := DefaultPool()
+	wantPool.Endpoints = []string{"db:080"} // kept as written; the proxy normalises
+	if !reflect.DeepEqual(c.Listeners[0].Pool, wantPool) || wantPool.Refresh != Duration(5*time.Second) ||
+		wantPool.Balance != BalanceRoundRobin || wantPool.FailOpen {
+		t.Errorf("pool = %+v, want %+v (refresh 5s, round_robin, fail_open off)", c.Listeners[0].Pool, wantPool)
+	}
+	wantT := DefaultTransparent()
+	wantT.Match = []Match{{CIDR: "10.0.0.0/8"}}
+	if !reflect.DeepEqual(c.Listeners[1].Transparent, wantT) || wantT.MaxDestinations != 4096 ||
+		wantT.ForgetExcludedAfter != Duration(10*time.Minute) || wantT.GroupFailOpen {
+		t.Errorf("transparent = %+v, want %+v (4096, 10m, group_fail_open off)", c.Listeners[1].Transparent, wantT)
+	}
+	if !reflect.ValueOf(c.Listeners[2].Pool).IsZero() || !reflect.ValueOf(c.Listeners[2].Transparent).IsZero() ||
+		!reflect.ValueOf(c.Listeners[0].Transparent).IsZero() || !reflect.ValueOf(c.Listeners[1].Pool).IsZero() {
+		t.Errorf("a listener without a pool or transparent section has one: %+v", c.Listeners)
+	}
+	if c.Listeners[2].IsPool() || c.Listeners[2].IsTransparent() {
+		t.Errorf("explicit listener: IsPool %v, IsTransparent %v", c.Listeners[2].IsPool(), c.Listeners[2].IsTransparent())
+	}
+
+	// connect_attempts under defaults reaches every listener; a listener's
+	// own value does not leak.
+	c = mustParse(t, doc(
+		"listeners:",
+		"  - {name: a, listen: 127.0.0.1:1, pool: {dns: db:1}, connect_attempts: 1}",
+		"  - {name: b, listen: 127.0.0.1:2, pool: {dns: db:2}}",
+		"defaults: {connect_attempts: 5}",
+	))
+	if got := []int{c.Defaults.ConnectAttempts, c.Listeners[0].ConnectAttempts, c.Listeners[1].ConnectAttempts}; !reflect.DeepEqual(got, []int{5, 1, 5}) {
+		t.Errorf("connect_attempts defaults, a, b = %v, want [5 1 5]", got)
+	}
+}
+
+// The flags change with a reload (each config is parsed afresh), and
+// deleting one reverts it to its default.
+func TestPoolKeysRevertWhenDeleted(t *testing.T) {
+	set := mustParse(t, doc(
+		"defaults: {connect_attempts: 5}",
+		"listeners:",
+		"  - name: a",
+		"    listen: 127.0.0.1:1",
+		"    pool: {dns: db:1, refresh: 1s, balance: least_links, fail_open: true}",
+		"    connect_attempts: 2",
+		"  - name: b",
+		"    listen: 127.0.0.1:2",
+		"    transparent: {match: [{cidr: 10.0.0.0/8}], group_fail_open: true, max_destinations: 8, forget_excluded_after: 1m}",
+	))
+	if p := set.Listeners[0].Pool; !p.FailOpen || p.Balance != BalanceLeastLinks || p.Refresh != Duration(time.Second) ||
+		set.Listeners[0].ConnectAttempts != 2 || !set.Listeners[1].Transparent.GroupFailOpen {
+		t.Fatalf("set: %+v", set.Listeners)
+	}
+	deleted := mustParse(t, doc(
+		"listeners:",
+		"  - {name: a, listen: 127.0.0.1:1, pool: {dns: db:1}}",
+		"  - {name: b, listen: 127.0.0.1:2, transparent: {match: [{cidr: 10.0.0.0/8}]}}",
+	))
+	wantPool := DefaultPool()
+	wantPool.DNS = "db:1"
+	wantT := DefaultTransparent()
+	wantT.Match = []Match{{CIDR: "10.0.0.0/8"}}
+	if !reflect.DeepEqual(deleted.Listeners[0].Pool, wantPool) || !reflect.DeepEqual(deleted.Listeners[1].Transparent, wantT) ||
+		deleted.Listeners[0].ConnectAttempts != 3 || deleted.Defaults.ConnectAttempts != 3 {
+		t.Errorf("after deleting the keys: %+v; want the defaults", deleted.Listeners)
+	}
+}
+
+// TestValidateBuiltPool covers pool and transparent listeners built in
+// code: a zero refresh, balance, max_destinations or forget_excluded_after
+// is not set and means its default (as DefaultPool and DefaultTransparent
+// spell out); a value that is set is checked.
+func TestValidateBuiltPool(t *testing.T) {
+	c := DefaultConfig()
+	tr := DefaultTransparent()
+	tr.Match = []Match{{CIDR: "10.0.0.0/8"}}
+	c.Listeners = []Listener{
+		{Name: "a", Listen: "127.0.0.1:1", Pool: Pool{Endpoints: []string{"a:80", "b:80"}}, Settings: c.Defaults},
+		{Name: "b", Listen: "127.0.0.1:2", Pool: Pool{DNS: "db:1", Balance: BalanceLeastLinks, FailOpen: true}, Settings: c.Defaults},
+		{Name: "c", Listen: "127.0.0.1:3", Transparent: Transparent{Match: tr.Match}, Settings: c.Defaults},
+		{Name: "d", Listen: "127.0.0.1:4", Transparent: tr, Settings: c.Defaults},
+	}
+	c.Listeners[0].Pool = DefaultPool()
+	c.Listeners[0].Pool.Endpoints = []string{"a:80", "b:80"}
+	if err := c.Validate(); err != nil {
+		t.Fatalf("Validate of a valid config: %v", err)
+	}
+	c.Listeners[0].Pool = Pool{Endpoints: []string{"a:80"}} // zero refresh and balance: the defaults
+	if err := c.Validate(); err != nil {
+		t.Fatalf("Validate of a pool with zero refresh and balance: %v", err)
+	}
+
+	c.Listeners = []Listener{
+		{Name: "a", Listen: "127.0.0.1:1", Pool: Pool{Endpoints: []string{"a:80", "a:080"}, Refresh: Duration(-time.Second), Balance: "random"},
+			Settings: c.Defaults},
+		{Name: "b", Listen: "127.0.0.1:2", Transparent: Transparent{Match: tr.Match, MaxDestinations: -1, ForgetExcludedAfter: -1},
+			Settings: c.Defaults},
+		{Name: "c", Listen: "127.0.0.1:3", Pool: Pool{FailOpen: true}, Settings: c.Defaults},
+		{Name: "d", Listen: "127.0.0.1:4", Upstream: "up:4", Pool: DefaultPool(), Settings: c.Defaults},
+	}
+	c.Listeners[1].ConnectAttempts = 0
+	want := `listeners[0].pool.endpoints[1]: duplicate endpoint "a:080" (also listeners[0].pool.endpoints[0])` + "\n" +
+		"listeners[0].pool.refresh: -1s must be positive\n" +
+		`listeners[0].pool.balance: "random" is not one of round_robin, least_links` + "\n" +
+		"listeners[1].transparent.max_destinations: -1 must be at least 1\n" +
+		"listeners[1].transparent.forget_excluded_after: -1ns must be positive\n" +
+		"listeners[1].connect_attempts: 0 must be at least 1 (1: no retry)\n" +
+		"listeners[2].pool: a pool needs endpoints (at least one) or dns\n" +
+		"listeners[3].upstream: a listener has either upstream or pool, not both"
+	if err := c.Validate(); err == nil || err.Error() != want {
+		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
 	}
 }

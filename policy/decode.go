@@ -73,6 +73,9 @@ func Load(path string) (Config, error) {
 // overlays DefaultSettings key by key (a nested mapping such as
 // keepalive: {idle: 5s} changes only idle), and every listener starts from
 // a copy of the decoded defaults and overlays its own keys the same way.
+// A listener's pool and transparent sections start from DefaultPool and
+// DefaultTransparent (a listener without them keeps them zero), so that a
+// key left out of either takes its default.
 // An empty or null document is all defaults (and so fails validation: a
 // config needs at least one listener).
 //
@@ -225,7 +228,21 @@ func (d *decoder) listeners(n *yaml.Node, defaults Settings) []Listener {
 		p := path + "[" + strconv.Itoa(i) + "]"
 		d.lines[p] = item.Line
 		out[i] = Listener{Settings: defaults}
-		d.value(item, reflect.ValueOf(&out[i]).Elem(), p)
+		v := reflect.ValueOf(&out[i]).Elem()
+		if m := resolve(item); m != nil && m.Kind == yaml.MappingNode {
+			d.mapping(m, v, p, func(key string, _ *yaml.Node) bool {
+				// The section's own defaults, then its keys overlay them.
+				switch key {
+				case "pool":
+					out[i].Pool = DefaultPool()
+				case "transparent":
+					out[i].Transparent = DefaultTransparent()
+				}
+				return false
+			})
+			continue
+		}
+		d.value(item, v, p) // not a mapping: reports what it is
 	}
 	return out
 }

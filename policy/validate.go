@@ -21,7 +21,11 @@ import (
 // settings problem is reported only when the listener set one of the keys
 // involved. Parse knows which keys a listener set; for a Config built in
 // code, a listener is taken to have set the keys whose values differ from
-// Defaults. Lines are known only to Parse.
+// Defaults. A listener's pool and transparent keys are its own: Parse
+// checks those the source sets (it gave the others their defaults); in a
+// Config built in code, a key with its zero value is taken as not set, so
+// it means its default (DefaultPool, DefaultTransparent). Lines are known
+// only to Parse.
 func (c *Config) Validate() error {
 	v := &validator{}
 	v.config(c)
@@ -65,6 +69,7 @@ var (
 	byteOrders  = []string{ByteOrderBig, ByteOrderLittle}
 	probeKinds  = []string{ProbeKindAuto, ProbeKindConnect, ProbeKindHTTP, ProbeKindKafka}
 	onExcluded  = []string{OnExcludedRefuse, OnExcludedAllow}
+	balances    = []string{BalanceRoundRobin, BalanceLeastLinks}
 	listenerRE  = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
 	oneOfFormat = "%q is not one of %s"
 )
@@ -131,13 +136,29 @@ func (v *validator) config(c *Config) {
 			}
 		}
 
+		// Exactly one of upstream, transparent and pool; the listener's
+		// target is checked only when it is unambiguous.
+		var kinds []string
+		if l.Upstream != "" {
+			kinds = append(kinds, "upstream")
+		}
+		if l.IsTransparent() {
+			kinds = append(kinds, "transparent")
+		}
+		if v.hasPool(p, l) {
+			kinds = append(kinds, "pool")
+		}
 		switch {
-		case l.IsTransparent() && l.Upstream != "":
-			v.add(p+"upstream", "a listener has either upstream or transparent, not both")
-		case l.IsTransparent():
-			v.transparent(p+"transparent.", l.Transparent)
-		case l.Upstream == "":
-			v.add(p+"upstream", "required (or transparent.match for a transparent listener)")
+		case len(kinds) == 0:
+			v.add(p+"upstream", "required (or transparent.match for a transparent listener, or pool for a pool listener)")
+		case len(kinds) == 2:
+			v.add(p+kinds[0], "a listener has either %s or %s, not both", kinds[0], kinds[1])
+		case len(kinds) == 3:
+			v.add(p+kinds[0], "a listener has one of upstream, transparent and pool, not all three")
+		case kinds[0] == "transparent":
+			v.transparent(p+"transparent.", l.Transparent, v.sectionKeys(p+"transparent.", l.Transparent))
+		case kinds[0] == "pool":
+			v.pool(p+"pool", l.Pool, v.sectionKeys(p+"pool.", l.Pool))
 		default:
 			if _, why := hostPort(l.Upstream, true); why != "" {
 				v.add(p+"upstream", "%q is not a host:port address: %s", l.Upstream, why)
@@ -147,22 +168,97 @@ func (v *validator) config(c *Config) {
 		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
 	}
 
-	disabled := map[string]int{}
-	for i, ep := range c.Endpoints.Disabled {
-		p := "endpoints.disabled[" + strconv.Itoa(i) + "]"
-		norm, why := hostPort(ep, true)
-		if why == "" && strings.HasPrefix(norm, ":") {
-			why = "missing host"
-		}
+	v.endpointList("endpoints.disabled", c.Endpoints.Disabled)
+}
+
+// endpointList checks a list of endpoints at path: each a host:port with a
+// host and a numeric, non-zero port, none twice after normalisation.
+func (v *validator) endpointList(path string, eps []string) {
+	seen := map[string]int{}
+	for i, ep := range eps {
+		p := path + "[" + strconv.Itoa(i) + "]"
+		norm, why := endpoint(ep)
 		if why != "" {
 			v.add(p, "%q is not a host:port address: %s", ep, why)
 			continue
 		}
-		if j, dup := disabled[norm]; dup {
-			v.add(p, "duplicate endpoint %q (also endpoints.disabled[%d])", ep, j)
+		if j, dup := seen[norm]; dup {
+			v.add(p, "duplicate endpoint %q (also %s[%d])", ep, path, j)
 		} else {
-			disabled[norm] = i
+			seen[norm] = i
 		}
+	}
+}
+
+// endpoint checks an address to dial: hostPort with a non-zero port, and a
+// host.
+func endpoint(addr string) (norm, why string) {
+	norm, why = hostPort(addr, true)
+	if why == "" && strings.HasPrefix(norm, ":") {
+		why = "missing host"
+	}
+	return norm, why
+}
+
+// hasPool reports whether the listener at prefix p has a pool: pool
+// entries, or else the pool key in the source (Parse) or any pool field
+// set (a Config built in code). A pool key without entries is a pool
+// listener that lacks them, not an explicit listener.
+func (v *validator) hasPool(p string, l *Listener) bool {
+	if l.IsPool() {
+		return true
+	}
+	if v.lines != nil {
+		_, ok := v.lines[p+"pool"]
+		return ok
+	}
+	return !reflect.ValueOf(l.Pool).IsZero()
+}
+
+// sectionKeys returns a function telling whether a key of a listener's
+// pool or transparent section (at prefix, such as "listeners[0].pool.") is
+// set: present in the source (Parse), or else not its zero value.
+func (v *validator) sectionKeys(prefix string, section any) func(key string) bool {
+	if v.lines != nil {
+		return func(key string) bool {
+			_, ok := v.lines[prefix+key]
+			return ok
+		}
+	}
+	sv := reflect.ValueOf(section)
+	return func(key string) bool { return !fieldByPath(sv, key).IsZero() }
+}
+
+// pool checks a pool listener's pool; path is "listeners[i].pool"; set
+// tells which keys are set (see sectionKeys).
+func (v *validator) pool(path string, pl Pool, set func(key string) bool) {
+	p := path + "."
+	switch {
+	case len(pl.Endpoints) == 0 && pl.DNS == "":
+		// Under the key the source has, if any: an endpoints list that
+		// did not decode is reported once, by the decoder.
+		at := path
+		for _, key := range []string{"endpoints", "dns"} {
+			if _, ok := v.lines[p+key]; ok {
+				at = p + key
+				break
+			}
+		}
+		v.add(at, "a pool needs endpoints (at least one) or dns")
+	case len(pl.Endpoints) > 0 && pl.DNS != "":
+		v.add(p+"dns", "a pool has either endpoints or dns, not both")
+	}
+	v.endpointList(p+"endpoints", pl.Endpoints)
+	if pl.DNS != "" {
+		if _, why := endpoint(pl.DNS); why != "" {
+			v.add(p+"dns", "%q is not a host:port address: %s", pl.DNS, why)
+		}
+	}
+	if pl.Refresh <= 0 && set("refresh") {
+		v.add(p+"refresh", "%v must be positive", pl.Refresh)
+	}
+	if !slices.Contains(balances, pl.Balance) && set("balance") {
+		v.add(p+"balance", oneOfFormat, pl.Balance, strings.Join(balances, ", "))
 	}
 }
 
@@ -273,6 +369,10 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 
 	if !slices.Contains(onExcluded, s.OnExcluded) && own("on_excluded") {
 		v.add(prefix+"on_excluded", oneOfFormat, s.OnExcluded, strings.Join(onExcluded, ", "))
+	}
+
+	if s.ConnectAttempts < 1 && own("connect_attempts") {
+		v.add(prefix+"connect_attempts", "%d must be at least 1 (1: no retry)", s.ConnectAttempts)
 	}
 }
 
@@ -405,7 +505,7 @@ func hostPort(addr string, nonZero bool) (norm, why string) {
 	return net.JoinHostPort(host, strconv.FormatUint(n, 10)), ""
 }
 
-func (v *validator) transparent(p string, t Transparent) {
+func (v *validator) transparent(p string, t Transparent, set func(key string) bool) {
 	for i, m := range t.Match {
 		mp := p + "match[" + strconv.Itoa(i) + "]."
 		if _, err := netip.ParsePrefix(m.CIDR); err != nil {
@@ -416,5 +516,11 @@ func (v *validator) transparent(p string, t Transparent) {
 				v.add(mp+"ports["+strconv.Itoa(j)+"]", "%d is not a port (1-65535)", port)
 			}
 		}
+	}
+	if t.MaxDestinations < 1 && set("max_destinations") {
+		v.add(p+"max_destinations", "%d must be at least 1", t.MaxDestinations)
+	}
+	if t.ForgetExcludedAfter <= 0 && set("forget_excluded_after") {
+		v.add(p+"forget_excluded_after", "%v must be positive", t.ForgetExcludedAfter)
 	}
 }

@@ -46,6 +46,7 @@ var valueSets = []struct {
 	{"default", nil},
 	{"full", []string{"testdata/values-full.yaml"}},
 	{"minimal", []string{"testdata/values-minimal.yaml"}},
+	{"pools", []string{"testdata/values-pools.yaml"}},
 }
 
 func requireAll() bool { return os.Getenv("LIVENESSPROXY_REQUIRE_ALL") == "1" }
@@ -235,7 +236,7 @@ func TestTemplate(t *testing.T) {
 				checkPod(t, d.Name, &d.Spec.Template, r.configMaps, config)
 			}
 			switch vs.name {
-			case "default", "full":
+			case "default", "full", "pools":
 				if len(r.deployments) != 1 {
 					t.Errorf("want the example Deployment, got %d Deployments", len(r.deployments))
 				}
@@ -249,6 +250,9 @@ func TestTemplate(t *testing.T) {
 			}
 			if vs.name == "full" {
 				checkFull(t, r)
+			}
+			if vs.name == "pools" {
+				checkPools(t, config)
 			}
 		})
 	}
@@ -405,6 +409,50 @@ func checkFull(t *testing.T, r rendered) {
 	}
 }
 
+// checkPools checks that the pool and transparent keys of
+// testdata/values-pools.yaml reach the rendered config unchanged (and
+// TestTemplate has had the proxy check them).
+func checkPools(t *testing.T, config string) {
+	t.Helper()
+	var c struct {
+		Defaults struct {
+			ConnectAttempts int `json:"connect_attempts"`
+		} `json:"defaults"`
+		Listeners []struct {
+			Name            string         `json:"name"`
+			Pool            map[string]any `json:"pool"`
+			Transparent     map[string]any `json:"transparent"`
+			ConnectAttempts *int           `json:"connect_attempts"`
+		} `json:"listeners"`
+	}
+	if err := yaml.Unmarshal([]byte(config), &c); err != nil {
+		t.Fatalf("rendered config: %v\n%s", err, config)
+	}
+	if len(c.Listeners) != 3 || c.Defaults.ConnectAttempts != 4 {
+		t.Fatalf("rendered config: want 3 listeners and defaults.connect_attempts 4:\n%s", config)
+	}
+	byName := map[string]int{}
+	for i, l := range c.Listeners {
+		byName[l.Name] = i
+	}
+	servers, kafka, out := c.Listeners[byName["pinot-servers"]], c.Listeners[byName["kafka"]], c.Listeners[byName["out"]]
+	wantServers := map[string]any{
+		"endpoints": []any{"pinot-server-0.pinot-server-headless:8098", "pinot-server-1.pinot-server-headless:8098", "10.1.2.3:8098"},
+		"refresh":   "10s", "balance": "least_links", "fail_open": true,
+	}
+	if fmt.Sprint(servers.Pool) != fmt.Sprint(wantServers) {
+		t.Errorf("pinot-servers pool %v, want %v", servers.Pool, wantServers)
+	}
+	if fmt.Sprint(kafka.Pool) != fmt.Sprint(map[string]any{"dns": "kafka-headless.data.svc:9092"}) ||
+		kafka.ConnectAttempts == nil || *kafka.ConnectAttempts != 1 {
+		t.Errorf("kafka pool %v, connect_attempts %v; want the dns pool with connect_attempts 1", kafka.Pool, kafka.ConnectAttempts)
+	}
+	if out.Transparent["group_fail_open"] != true || fmt.Sprint(out.Transparent["max_destinations"]) != "512" ||
+		out.Transparent["forget_excluded_after"] != "30m" {
+		t.Errorf("out transparent %v, want group_fail_open, max_destinations 512, forget_excluded_after 30m", out.Transparent)
+	}
+}
+
 // TestSchemaRejects: values.schema.json mirrors the proxy's strict keys, so
 // a typo fails at helm time instead of in a crash-looping pod.
 func TestSchemaRejects(t *testing.T) {
@@ -416,9 +464,32 @@ func TestSchemaRejects(t *testing.T) {
 		"config.transparent.match=x",                        // not a config key (yet)
 		"sidcar.native=true",                                // not a chart value
 		"config.defaults.write_buffer.high_water_mark=16MB", // not a binary unit
+		"config.defaults.connect_attempts=0",                // at least 1
 	} {
 		if out, err := helm(t, "template", "rel", chartDir, "--set", set); err == nil {
 			t.Errorf("--set %s: rendered, want a schema error\n%s", set, out)
+		}
+	}
+	// The pool and transparent keys, each on a listener that is complete
+	// otherwise (a --set of listeners[0] replaces the chart's listener),
+	// next to a good value that renders: the bad one fails for its own
+	// reason only.
+	const listener = "config.listeners[0].name=a,config.listeners[0].listen=127.0.0.1:1,config.listeners[0]."
+	for _, tc := range []struct{ bad, good string }{
+		{"connect_attempts=0", "connect_attempts=1,config.listeners[0].upstream=db:1"},
+		{"pool.balance=random", "pool.balance=least_links,config.listeners[0].pool.dns=db:1"},
+		{"pool.refesh=5s", "pool.refresh=5s,config.listeners[0].pool.dns=db:1"},
+		{"pool.endpoints=db:1", "pool.endpoints={db:1}"},
+		{"pool.dns=db:1,config.listeners[0].pool.endpoints={a:1}", "pool.dns=db:1,config.listeners[0].pool.fail_open=true"},
+		{"transparent.max_destinations=0", "transparent.max_destinations=1,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+		{"transparent.group_fail_open=maybe", "transparent.group_fail_open=true,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+		{"transparent.forget_excluded_after=10", "transparent.forget_excluded_after=10m,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+	} {
+		if out, err := helm(t, "template", "rel", chartDir, "--set", listener+tc.bad); err == nil {
+			t.Errorf("--set %s: rendered, want a schema error\n%s", listener+tc.bad, out)
+		}
+		if _, err := helm(t, "template", "rel", chartDir, "--set", listener+tc.good); err != nil {
+			t.Errorf("--set %s: %v", listener+tc.good, err)
 		}
 	}
 	// A loopback admin address cannot serve kubelet probes.
