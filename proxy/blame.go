@@ -58,13 +58,13 @@ const localErrorLogEvery = time.Second
 // localError says, at most once a second per listener, that the proxy
 // itself failed a link (the count of those not logged is in the next
 // line); link_closes_total{reason="local_error"} counts every one.
-func (l *listener) localError(k *link, err error) {
+func (l *listener) localError(ep *endpoint, err error) {
 	l.localErrors.Add(1)
 	now := mono()
 	last := l.localErrorLogged.Load()
 	if now-last < int64(localErrorLogEvery) || !l.localErrorLogged.CompareAndSwap(last, now) {
 		return
 	}
-	l.log.Error().Err(err).Str("endpoint", k.ep.addr).Int64("local_errors_since_last_line", l.localErrors.Swap(0)).
+	l.log.Error().Err(err).Str("endpoint", ep.addr).Int64("local_errors_since_last_line", l.localErrors.Swap(0)).
 		Msg("the proxy could not serve a link for want of its own resources (descriptors, memory, a socket option); the client was reset and the upstream is not blamed")
 }

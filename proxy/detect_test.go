@@ -407,7 +407,7 @@ func TestShutdownDuringDialsDoesNotExclude(t *testing.T) {
 			t.Fatalf("reason %q, want shutdown", s.Reason)
 		}
 	}
-	if st, _ := h.p.det.State(h.p.listeners[0].ep.addr); st.String() != "healthy" {
+	if st := h.endpoint().State; st != "healthy" {
 		t.Fatalf("endpoint %s after shutdown, want healthy", st)
 	}
 }

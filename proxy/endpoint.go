@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 	"net"
+	"slices"
 	"sort"
 	"strconv"
 	"sync"
@@ -22,6 +23,7 @@ import (
 type endpoint struct {
 	addr        string // normalized host:port: the detector's and the API's key
 	dial        string // what links dial (the configured spelling)
+	name        string // the host:port name it was resolved from; "" for an address
 	consecutive atomic.Int64
 	lastAnswer  atomic.Int64 // mono time of the last answer on any link
 	readmitted  atomic.Int64 // mono time of the last readmission
@@ -52,12 +54,16 @@ func normalizeEndpoint(addr string) string {
 	return net.JoinHostPort(host, port)
 }
 
-// endpointFor returns the endpoint for addr, creating and registering it
-// with the detector on first use. p.mu is held.
-func (p *Proxy) endpointForLocked(dial string, s policy.Settings) *endpoint {
+// endpointForLocked returns the endpoint for dial, creating it and
+// registering it with the detector on first use (created is true then: the
+// caller applies endpoints.disabled outside the lock). Every call
+// registers the probe configuration of s: the latest settings win. p.mu
+// is held.
+func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint, created bool) {
 	addr := normalizeEndpoint(dial)
 	ep, ok := p.endpoints[addr]
 	if !ok {
+		created = true
 		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{})}
 		ep.lastAnswer.Store(noAnswer)
 		ep.orphans = newTracker(judgingSlack(time.Second), false, &ep.lastAnswer, func(judged []pendingRequest, _ int) {
@@ -72,7 +78,18 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) *endpoint {
 	}
 	// The latest settings win: a reload re-registers the probe config.
 	p.det.Register(addr, probeConfig(s))
-	return ep
+	return ep, created
+}
+
+// applyDisabled disables a newly admitted endpoint that endpoints.disabled
+// names, by its address or by the name it was resolved from.
+func (p *Proxy) applyDisabled(ep *endpoint) {
+	p.mu.Lock()
+	disabled := p.disabled[ep.addr] || (ep.name != "" && p.disabled[ep.name])
+	p.mu.Unlock()
+	if disabled {
+		p.det.Disable(ep.addr, "config")
+	}
 }
 
 // probeConfig is how the detector probes an endpoint of settings s. Probes
@@ -136,14 +153,19 @@ func (ep *endpoint) liveLinks() int {
 	return len(ep.links)
 }
 
-// refusing reports whether l must refuse a new link to ep.
-func (p *Proxy) refusing(l *listener, ep *endpoint) bool {
-	st, _ := p.det.State(ep.addr)
+// refusing reports whether l must refuse a new link: to ep (a transparent
+// destination), or, for a pool listener (ep nil), to any member.
+func (l *listener) refusing(ep *endpoint) bool {
+	if ep == nil {
+		routable, _ := l.pool.routing()
+		return !routable
+	}
+	st, _ := l.p.det.State(ep.addr)
 	switch st {
 	case health.Disabled:
 		return true
 	case health.Excluded:
-		return l.tuning().set.OnExcluded == policy.OnExcludedRefuse
+		return !l.failOpen() && !l.groupFailingOpen(ep)
 	}
 	return false
 }
@@ -186,14 +208,20 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	ep.mu.Unlock()
 	p.syncExcludedSet(ep, ls)
 	for _, l := range ls {
-		if l.matches != nil {
-			continue // transparent: refused per connection, never paused
+		if l.matches != nil && l.tuning().groupFailOpen {
+			// The group may have started or stopped failing open: its
+			// other destinations move in or out of the kernel's set too.
+			for _, other := range l.group(ep) {
+				if other != ep {
+					other.mu.Lock()
+					ols := append([]*listener(nil), other.listeners...)
+					other.mu.Unlock()
+					p.syncExcludedSet(other, ols)
+				}
+			}
 		}
-		if p.refusing(l, ep) {
-			l.pause()
-		} else {
-			l.resume()
-		}
+		// Transparent listeners refuse per connection, never pause.
+		p.updateRouting(l)
 	}
 }
 
@@ -279,8 +307,8 @@ func (p *Proxy) suspect(ep *endpoint, ls []*listener, thr int) {
 // endpoint, and why, is in the README ("What counts as a dead upstream").
 func (k *link) blamesUpstream(reason string) bool {
 	switch reason {
-	case metrics.ReasonDialError, metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
-		return true
+	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
+		return true // (a failed dial is reported by the attempt itself)
 	case metrics.ReasonWatermark:
 		return k.overflowStalled.Load()
 	}
@@ -290,6 +318,7 @@ func (k *link) blamesUpstream(reason string) bool {
 // EndpointStatus is one endpoint as GET /v1/endpoints shows it.
 type EndpointStatus struct {
 	Endpoint              string    `json:"endpoint"`
+	Name                  string    `json:"name,omitempty"` // the host:port name it was resolved from
 	Listeners             []string  `json:"listeners"`
 	State                 string    `json:"state"`
 	Reason                string    `json:"reason,omitempty"`
@@ -314,6 +343,7 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 		}
 		es := EndpointStatus{
 			Endpoint:              st.Endpoint,
+			Name:                  ep.name,
 			State:                 st.State.String(),
 			Reason:                st.Reason,
 			Since:                 st.Since,
@@ -334,44 +364,60 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 	return out
 }
 
-func (p *Proxy) lookup(addr string) (*endpoint, error) {
+// lookup returns the endpoints an operator's host:port names: the one
+// with that address, or every one resolved from that name.
+func (p *Proxy) lookup(addr string) ([]*endpoint, error) {
+	key := normalizeEndpoint(addr)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	ep := p.endpoints[normalizeEndpoint(addr)]
-	if ep == nil {
+	if ep := p.endpoints[key]; ep != nil {
+		return []*endpoint{ep}, nil
+	}
+	var eps []*endpoint
+	for _, ep := range p.endpoints {
+		if ep.name == key {
+			eps = append(eps, ep)
+		}
+	}
+	if len(eps) == 0 {
 		return nil, ErrUnknownEndpoint
 	}
-	return ep, nil
+	slices.SortFunc(eps, func(a, b *endpoint) int { return compareAddr(a.addr, b.addr) })
+	return eps, nil
 }
 
-// Disable is the operator's disable: no new links to the endpoint, not
-// even fail-open; existing links are evicted. It reports whether the state
-// changed.
+// Disable is the operator's disable: no new links to the endpoint (or to
+// each endpoint resolved from the name), not even fail-open; existing
+// links are evicted. It reports whether any state changed.
 func (p *Proxy) Disable(addr string) (bool, error) {
-	ep, err := p.lookup(addr)
-	if err != nil {
-		return false, err
+	eps, err := p.lookup(addr)
+	changed := false
+	for _, ep := range eps {
+		changed = p.det.Disable(ep.addr, "operator_disable") || changed
 	}
-	return p.det.Disable(ep.addr, "operator_disable"), nil
+	return changed, err
 }
 
 // Enable is the operator's enable: a readmission, so links opened before
-// it are evicted. It reports whether the state changed.
+// it are evicted. It reports whether any state changed.
 func (p *Proxy) Enable(addr string) (bool, error) {
-	ep, err := p.lookup(addr)
-	if err != nil {
-		return false, err
+	eps, err := p.lookup(addr)
+	changed := false
+	for _, ep := range eps {
+		changed = p.det.Enable(ep.addr, "operator_enable") || changed
 	}
-	return p.det.Enable(ep.addr, "operator_enable"), nil
+	return changed, err
 }
 
-// Evict closes every link to the endpoint now and returns how many.
+// Evict closes every link to the endpoint (or endpoints) now and returns
+// how many.
 func (p *Proxy) Evict(addr string) (int, error) {
-	ep, err := p.lookup(addr)
-	if err != nil {
-		return 0, err
+	eps, err := p.lookup(addr)
+	n := 0
+	for _, ep := range eps {
+		n += ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictOperator)
 	}
-	return ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictOperator), nil
+	return n, err
 }
 
 // stateCollector exports endpoint_state{listener,endpoint,state}: 1 for

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -38,8 +39,10 @@ type LinkStats struct {
 // goroutine ends once both connections are closed, which abort guarantees.
 type link struct {
 	l        *listener
-	ep       *endpoint
+	ep       *endpoint       // set at accept (transparent) or when the dial succeeds (pool)
 	set      policy.Settings // the listener's settings when the link opened
+	frames   *frameSpec      // the listener's framing when the link opened; nil: opaque
+	failOpen bool            // the listener's pool.fail_open or group_fail_open when the link opened
 	dialer   *net.Dialer
 	client   *net.TCPConn
 	upstream *net.TCPConn
@@ -103,19 +106,14 @@ type link struct {
 	halfTimer *time.Timer
 }
 
+// newLink returns a link for a client connection. ep is the endpoint of a
+// transparent listener's link; a pool listener's link picks one when it
+// dials (nil here).
 func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
 	t := l.tuning()
-	k := &link{l: l, ep: ep, set: t.set, dialer: t.dialer, client: client, opened: time.Now(), openedMono: mono()}
+	k := &link{l: l, ep: ep, set: t.set, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
+		client: client, opened: time.Now(), openedMono: mono()}
 	k.q.init()
-	if u := k.set.Unanswered; u.Enabled(k.set.Framing.Type) {
-		if t.frames != nil {
-			k.reqScan, k.respScan = newFrameScanner(t.frames), newFrameScanner(t.frames)
-		}
-		k.trk = newTracker(judgingSlack(u.RequestTimeout.D()), k.reqScan == nil, &ep.lastAnswer, k.judge)
-		if k.reqScan != nil {
-			k.conv = newConv(k)
-		}
-	}
 	k.rawWriteFn = func(fd uintptr) bool {
 		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
 		return true
@@ -155,38 +153,107 @@ func (k *link) run() LinkStats {
 	return k.stats()
 }
 
-func (k *link) dial() bool {
-	start := time.Now()
-	c, err := k.dialer.DialContext(k.l.ctx, "tcp", k.ep.dial)
-	if err != nil && k.l.ctx.Err() != nil {
-		// The proxy is shutting down: not the upstream's fault.
-		k.setReason(metrics.ReasonShutdown, err)
-		_ = k.client.SetLinger(0)
-		_ = k.client.Close()
-		return false
-	}
-	if err != nil {
-		if upstreamFault(err) {
-			k.l.m.DialErrors.Inc()
-			k.setReason(metrics.ReasonDialError, err)
-		} else {
-			// Out of descriptors, a socket option refused: the proxy's own
-			// failure, never the upstream's.
-			k.setReason(metrics.ReasonLocalError, err)
-			k.l.localError(k, err)
+// attach makes ep the link's endpoint once its dial succeeded: its
+// requests are tracked against ep's answers, and ep's registry holds it
+// for eviction (a transparent link is registered at accept).
+func (k *link) attach(ep *endpoint) {
+	k.ep = ep
+	if u := k.set.Unanswered; u.Enabled(k.set.Framing.Type) {
+		if k.frames != nil {
+			k.reqScan, k.respScan = newFrameScanner(k.frames), newFrameScanner(k.frames)
 		}
-		// Reset rather than close: to a client whose own failure detector
-		// treats a completed close as a live server, a reset looks like the
-		// refused connection it stands for.
-		_ = k.client.SetLinger(0)
-		_ = k.client.Close()
-		return false
+		k.trk = newTracker(judgingSlack(u.RequestTimeout.D()), k.reqScan == nil, &ep.lastAnswer, k.judge)
+		if k.reqScan != nil {
+			k.conv = newConv(k)
+		}
 	}
-	k.l.m.DialDuration.Observe(time.Since(start).Seconds())
-	up := c.(*net.TCPConn)
+	if k.l.pool != nil {
+		ep.add(k)
+	}
+}
+
+// connectBackoff is the pause before the n-th retry of a link's connect:
+// short, since each retry goes to another endpoint.
+func connectBackoff(n int) time.Duration {
+	return min(25*time.Millisecond<<(n-1), 200*time.Millisecond)
+}
+
+// dial connects the link's upstream. A pool listener's link makes up to
+// connect_attempts attempts, each to the next endpoint in the balance
+// order and never to the one that just failed while another can serve;
+// every refusal or timeout is reported to the detector at once. A
+// transparent link's destination is fixed: one attempt.
+func (k *link) dial() bool {
+	attempts := max(k.set.ConnectAttempts, 1)
+	if k.l.pool == nil {
+		attempts = 1
+	}
+	var avoid string
+	var lastErr error
+	for i := range attempts {
+		if i > 0 {
+			select {
+			case <-time.After(connectBackoff(i)):
+			case <-k.l.ctx.Done():
+			}
+		}
+		ep, failOpen := k.ep, false
+		if k.l.pool == nil {
+			// A transparent destination let through while excluded: its
+			// group is failing open (group_fail_open).
+			st, _ := k.l.p.det.State(ep.addr)
+			failOpen = st == health.Excluded
+		} else {
+			if ep, failOpen = k.l.pool.pick(avoid); ep == nil {
+				break // nothing eligible is left
+			}
+		}
+		start := time.Now()
+		c, err := k.dialer.DialContext(k.l.ctx, "tcp", ep.dial)
+		if err != nil && k.l.ctx.Err() != nil {
+			// The proxy is shutting down: not the upstream's fault.
+			k.setReason(metrics.ReasonShutdown, err)
+			resetConn(k.client)
+			return false
+		}
+		if err != nil && !upstreamFault(err) {
+			// Out of descriptors, a socket option refused: the proxy's own
+			// failure, never the upstream's; another endpoint would not help.
+			k.setReason(metrics.ReasonLocalError, err)
+			k.l.localError(ep, err)
+			resetConn(k.client)
+			return false
+		}
+		if err != nil {
+			k.l.m.DialErrors.Inc()
+			k.l.p.report(ep, metrics.ReasonDialError)
+			avoid, lastErr = ep.addr, err
+			continue
+		}
+		k.l.m.DialDuration.Observe(time.Since(start).Seconds())
+		if failOpen && k.failOpen {
+			k.l.m.FailOpenLinks.Inc()
+		}
+		return k.connected(ep, c.(*net.TCPConn))
+	}
+	// Reset rather than close: to a client whose own failure detector
+	// treats a completed close as a live server, a reset looks like the
+	// refused connection it stands for.
+	if lastErr != nil {
+		k.setReason(metrics.ReasonDialError, lastErr)
+	} else {
+		k.setReason(metrics.ReasonRefused, nil)
+	}
+	resetConn(k.client)
+	return false
+}
+
+// connected takes over a dialled upstream connection.
+func (k *link) connected(ep *endpoint, up *net.TCPConn) bool {
 	raw, err := up.SyscallConn()
 	if err != nil {
 		_ = up.Close()
+		k.attach(ep)
 		k.fail(err)
 		return false
 	}
@@ -194,6 +261,7 @@ func (k *link) dial() bool {
 		k.l.p.ownUp.Store(up.LocalAddr().String(), struct{}{})
 	}
 	k.ackedAt.Store(mono()) // progress is measured from the connect on
+	k.attach(ep)
 	k.connMu.Lock()
 	k.upstream, k.upRaw = up, raw
 	closed := k.closed
@@ -696,7 +764,6 @@ func (k *link) stats() LinkStats {
 	s := LinkStats{
 		Listener:  k.l.cfg.Name,
 		Client:    k.client.RemoteAddr().String(),
-		Upstream:  k.ep.dial,
 		BytesUp:   k.bytesUp.Load(),
 		BytesDown: k.bytesDown.Load(),
 		Opened:    k.opened,
@@ -705,6 +772,9 @@ func (k *link) stats() LinkStats {
 	k.q.mu.Lock()
 	s.MaxQueued = k.q.maxQueued
 	k.q.mu.Unlock()
+	if k.ep != nil {
+		s.Upstream = k.ep.dial
+	}
 	if r := k.reason.Load(); r != nil {
 		s.Reason = *r
 	}
@@ -719,6 +789,6 @@ func (k *link) stats() LinkStats {
 func (k *link) fail(err error) {
 	reason := closeReasonFor(err)
 	if k.abort(reason, err) && reason == metrics.ReasonLocalError {
-		k.l.localError(k, err)
+		k.l.localError(k.ep, err)
 	}
 }

@@ -4,10 +4,12 @@
 package proxy
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -30,6 +32,8 @@ type Options struct {
 	// OnLinkEnd, if set, is called once for every link that ended, from
 	// the link's own goroutine.
 	OnLinkEnd func(LinkStats)
+	// Resolver resolves upstream and pool host names; nil: net.DefaultResolver.
+	Resolver *net.Resolver
 }
 
 // Proxy owns the listeners and every link they accepted.
@@ -41,7 +45,9 @@ type Proxy struct {
 	ctx    context.Context // cancelled by Close: aborts dials in progress
 	cancel context.CancelFunc
 
-	det *health.Detector
+	det      *health.Detector
+	resolver *net.Resolver
+	drain    atomic.Int64 // drain_timeout of the running config, nanoseconds
 
 	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
 	exset       *intercept.ExcludedSet // nil: excluded destinations are reset after accept
@@ -87,19 +93,31 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		OnEvent: p.onHealthEvent,
 		OnProbe: p.onProbe,
 	})
+	p.drain.Store(int64(cfg.DrainTimeout))
+	p.resolver = opts.Resolver
+	if p.resolver == nil {
+		p.resolver = net.DefaultResolver
+	}
+	// Operator-disabled endpoints are out of routing before anything binds:
+	// each is disabled as it is admitted (applyDisabled).
+	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
+	for _, addr := range cfg.Endpoints.Disabled {
+		p.disabled[normalizeEndpoint(addr)] = true
+	}
 	p.mu.Lock()
 	for _, lc := range cfg.Listeners {
 		p.listeners = append(p.listeners, p.newListenerLocked(lc))
 	}
+	ls := slices.Clone(p.listeners)
 	p.mu.Unlock()
-	// Operator-disabled endpoints are out of routing before anything binds.
-	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
+	for _, l := range ls {
+		if l.pool != nil {
+			p.syncPool(l.pool, l.pool.resolve(p.ctx, p.resolver))
+		}
+	}
 	for _, addr := range cfg.Endpoints.Disabled {
-		p.disabled[normalizeEndpoint(addr)] = true
-		if ep, err := p.lookup(addr); err == nil {
-			p.det.Disable(ep.addr, "config")
-		} else {
-			p.log.Warn().Str("endpoint", addr).Msg("endpoints.disabled names an endpoint no listener routes to")
+		if _, err := p.lookup(addr); err != nil {
+			p.log.Warn().Str("endpoint", addr).Msg("endpoints.disabled names an endpoint no listener routes to (yet)")
 		}
 	}
 	m.Register(&bytesCollector{p: p})
@@ -145,6 +163,7 @@ func (p *Proxy) Start() error {
 		}
 		l.acceptWG.Add(1)
 		go l.serve()
+		l.startRefresh()
 		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
 	}
 	p.ready.Store(true)
@@ -153,6 +172,10 @@ func (p *Proxy) Start() error {
 	p.mu.Unlock()
 	return nil
 }
+
+// DrainTimeout is the drain_timeout of the configuration now running
+// (the last one a Reload applied).
+func (p *Proxy) DrainTimeout() time.Duration { return time.Duration(p.drain.Load()) }
 
 // Ready reports whether every listener is bound and accepting.
 func (p *Proxy) Ready() bool { return p.ready.Load() }
@@ -251,16 +274,23 @@ type listener struct {
 	p   *Proxy
 	cfg policy.Listener // name, listen and upstream; settings live in tune
 	ctx context.Context
-	ep  *endpoint
 	m   *metrics.Listener
 	log zerolog.Logger
 	// tune holds the settings new links take; a reload swaps it, links
 	// keep the settings they started with.
 	tune atomic.Pointer[tuning]
 	addr string // bound address, kept to bind again after a pause
-	// matches is the transparent match list; nil for an explicit listener
-	// (which has ep instead).
+	// matches is the transparent match list; nil for an explicit or pool
+	// listener (which has pool instead).
 	matches []matcher
+	// pool is the endpoints an explicit or pool listener routes to.
+	pool *pool
+	// destinations counts a transparent listener's endpoints (under p.mu),
+	// bounded by transparent.max_destinations.
+	destinations int
+	// stopped is closed when the listener stops accepting (ends its pool's
+	// refresh loop).
+	stopped chan struct{}
 
 	untrackedSeen sync.Map // untrack reasons already logged at info
 	// localErrors counts the proxy's own failures since the last log line
@@ -281,17 +311,32 @@ type listener struct {
 	changed  chan struct{} // signalled when paused or stopping changes
 }
 
-// tuning is what a new link takes from its listener's settings.
+// tuning is what a new link takes from its listener's configuration; a
+// reload swaps it, so every key it holds takes effect for the next link.
 type tuning struct {
-	set    policy.Settings
-	frames *frameSpec // nil: opaque
-	dialer *net.Dialer
+	set           policy.Settings
+	frames        *frameSpec // nil: opaque
+	dialer        *net.Dialer
+	balance       string        // pool.balance
+	failOpen      bool          // pool.fail_open
+	groupFailOpen bool          // transparent.group_fail_open
+	maxDests      int           // transparent.max_destinations
+	forgetAfter   time.Duration // transparent.forget_excluded_after
 }
 
-func newTuning(s policy.Settings) *tuning {
+func newTuning(lc policy.Listener) *tuning {
+	s := lc.Settings
+	// Zero values (a Config built in code) mean the defaults, as in Validate.
+	balance := cmp.Or(lc.Pool.Balance, policy.DefaultPool().Balance)
+	dt := policy.DefaultTransparent()
 	return &tuning{
-		set:    s,
-		frames: newFrameSpec(s.Framing),
+		set:           s,
+		balance:       balance,
+		failOpen:      lc.IsPool() && lc.Pool.FailOpen,
+		groupFailOpen: lc.IsTransparent() && lc.Transparent.GroupFailOpen,
+		maxDests:      cmp.Or(lc.Transparent.MaxDestinations, dt.MaxDestinations),
+		forgetAfter:   cmp.Or(lc.Transparent.ForgetExcludedAfter, dt.ForgetExcludedAfter).D(),
+		frames:        newFrameSpec(s.Framing),
 		dialer: &net.Dialer{
 			Timeout:   s.ConnectTimeout.D(), // non-positive: no timeout of ours
 			KeepAlive: -1,                   // ours are set in Control, or left to the kernel
@@ -311,17 +356,16 @@ func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 		log:     p.log.With().Str("listener", cfg.Name).Logger(),
 		links:   make(map[*link]struct{}),
 		changed: make(chan struct{}, 1),
+		stopped: make(chan struct{}),
 	}
-	l.tune.Store(newTuning(cfg.Settings))
+	l.tune.Store(newTuning(cfg))
 	if cfg.IsTransparent() {
 		l.matches = newMatchers(cfg.Transparent)
 		p.transparent.Store(true)
 		return l
 	}
-	l.ep = p.endpointForLocked(cfg.Upstream, cfg.Settings)
-	l.ep.mu.Lock()
-	l.ep.listeners = append(l.ep.listeners, l)
-	l.ep.mu.Unlock()
+	// Members are resolved by the caller (syncPool), outside p.mu.
+	l.pool = newPool(l, cfg)
 	return l
 }
 
@@ -450,7 +494,7 @@ func (l *listener) acceptLoop(ln net.Listener) {
 		backoff = 0
 		l.m.LinksTotal.Inc()
 		tc := c.(*net.TCPConn)
-		ep := l.ep
+		var ep *endpoint // a pool listener's link picks its endpoint when it dials
 		if l.matches != nil {
 			var why string
 			if ep, why = l.resolve(tc); ep == nil {
@@ -459,9 +503,9 @@ func (l *listener) acceptLoop(ln net.Listener) {
 				continue
 			}
 		}
-		if l.p.refusing(l, ep) {
-			// The endpoint is out of routing (an explicit listener: in the
-			// moment before its pause took effect): reset before reading.
+		if l.refusing(ep) {
+			// Out of routing (a pool listener: in the moment before its
+			// pause took effect): reset before reading.
 			resetConn(tc)
 			l.m.Closed(metrics.ReasonRefused)
 			continue
@@ -485,7 +529,9 @@ func (l *listener) track(k *link) bool {
 	l.links[k] = struct{}{}
 	l.linkWG.Add(1)
 	l.m.LinksActive.Inc()
-	k.ep.add(k)
+	if k.ep != nil {
+		k.ep.add(k)
+	}
 	return true
 }
 
@@ -497,9 +543,9 @@ func resetConn(c *net.TCPConn) {
 func (l *listener) serveLink(k *link) {
 	defer l.linkWG.Done()
 	var s LinkStats
-	if l.p.refusing(l, k.ep) {
-		// The endpoint left routing between accept and registration; the
-		// eviction may have missed this link, so refuse it here.
+	if k.ep != nil && l.refusing(k.ep) {
+		// The destination left routing between accept and registration;
+		// the eviction may have missed this link, so refuse it here.
 		_ = k.client.SetLinger(0)
 		k.setReason(metrics.ReasonRefused, nil)
 		k.closeBoth()
@@ -508,7 +554,9 @@ func (l *listener) serveLink(k *link) {
 		s = k.run()
 	}
 
-	k.ep.remove(k)
+	if k.ep != nil {
+		k.ep.remove(k)
+	}
 	l.mu.Lock()
 	delete(l.links, k)
 	l.closedUp += s.BytesUp
@@ -532,6 +580,9 @@ func (l *listener) serveLink(k *link) {
 
 func (l *listener) stopAccepting() {
 	l.mu.Lock()
+	if !l.stopping {
+		close(l.stopped)
+	}
 	l.stopping = true
 	ln := l.ln
 	l.ln = nil

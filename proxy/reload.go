@@ -12,6 +12,23 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
+// sameTarget reports whether a listener can take the new configuration in
+// place: same listen address and the same kind of target, with the same
+// upstream (explicit), or the same match list (transparent). A pool keeps
+// its listener whatever its entries: members that leave are evicted.
+func sameTarget(a, b policy.Listener) bool {
+	if a.Listen != b.Listen || a.IsPool() != b.IsPool() || a.IsTransparent() != b.IsTransparent() {
+		return false
+	}
+	switch {
+	case b.IsPool():
+		return true
+	case b.IsTransparent():
+		return reflect.DeepEqual(a.Transparent.Match, b.Transparent.Match)
+	}
+	return normalizeEndpoint(a.Upstream) == normalizeEndpoint(b.Upstream)
+}
+
 // Reload applies a new, validated configuration without dropping links
 // it does not affect:
 //   - a listener with the same name, listen address and upstream keeps its
@@ -41,23 +58,28 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	for _, l := range p.listeners {
 		old[l.cfg.Name] = l
 	}
-	var keep, added []*listener
+	var keep, added, pools []*listener
 	for _, lc := range cfg.Listeners {
 		l, ok := old[lc.Name]
-		if ok && l.cfg.Listen == lc.Listen && normalizeEndpoint(l.cfg.Upstream) == normalizeEndpoint(lc.Upstream) &&
-			reflect.DeepEqual(l.cfg.Transparent, lc.Transparent) {
+		if ok && sameTarget(l.cfg, lc) {
 			delete(old, lc.Name)
-			l.tune.Store(newTuning(lc.Settings))
-			if l.ep != nil {
-				p.endpointForLocked(lc.Upstream, lc.Settings) // refresh the probe config
+			l.tune.Store(newTuning(lc))
+			if l.pool != nil {
+				l.pool.setSpecs(lc) // members follow below
+				pools = append(pools, l)
 			}
 			keep = append(keep, l)
 			continue
 		}
-		added = append(added, p.newListenerLocked(lc))
+		nl := p.newListenerLocked(lc)
+		added = append(added, nl)
+		if nl.pool != nil {
+			pools = append(pools, nl)
+		}
 	}
 	p.mu.Unlock()
 
+	p.drain.Store(int64(cfg.DrainTimeout))
 	p.mu.Lock()
 	prev := p.disabled
 	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
@@ -66,11 +88,22 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	}
 	now := p.disabled
 	p.mu.Unlock()
+	// Members from the new entries (names resolved now), each admitted one
+	// disabled if the new endpoints.disabled names it: a kept pool's
+	// members that left are evicted (reason removed), every member's probe
+	// configuration is the new one.
+	for _, l := range pools {
+		p.syncPool(l.pool, l.pool.resolve(p.ctx, p.resolver))
+		if !slices.Contains(added, l) {
+			l.startRefresh() // entries may have become names
+		}
+	}
 	// Every endpoint the new config lists as disabled leaves routing
 	// before any listener binds, including one this reload newly routes to
 	// (Disable of one already disabled changes nothing).
 	for addr := range now {
-		if ep, err := p.lookup(addr); err == nil {
+		eps, _ := p.lookup(addr)
+		for _, ep := range eps {
 			p.det.Disable(ep.addr, "config")
 		}
 	}
@@ -91,7 +124,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 		}
 		l.mu.Lock()
 		l.addr = ln.Addr().String()
-		paused := l.paused || (l.ep != nil && p.refusing(l, l.ep))
+		paused := l.paused
 		l.paused = paused
 		if paused {
 			_ = ln.Close()
@@ -101,6 +134,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 		l.mu.Unlock()
 		l.acceptWG.Add(1)
 		go l.serve()
+		l.startRefresh()
 		l.log.Info().Str("listen", l.addr).Str("upstream", l.cfg.Upstream).Msg("listener added by reload")
 		keep = append(keep, l)
 	}
@@ -110,7 +144,8 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 
 	for addr := range prev {
 		if !now[addr] {
-			if ep, err := p.lookup(addr); err == nil {
+			eps, _ := p.lookup(addr)
+			for _, ep := range eps {
 				p.det.Enable(ep.addr, "config")
 			}
 		}
@@ -151,13 +186,9 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 	}()
 }
 
-// detach removes a listener from its endpoint; an endpoint no listener
+// detach removes a listener from its endpoints; an endpoint no listener
 // routes to any more is forgotten by the detector.
 func (p *Proxy) detach(l *listener) {
-	if l.ep != nil {
-		p.detachFrom(l, l.ep)
-		return
-	}
 	p.mu.Lock()
 	eps := make([]*endpoint, 0, len(p.endpoints))
 	for _, ep := range p.endpoints {
@@ -180,6 +211,9 @@ func (p *Proxy) detachFrom(l *listener, ep *endpoint) {
 		return
 	}
 	ep.listeners = slices.DeleteFunc(ep.listeners, func(x *listener) bool { return x == l })
+	if l.matches != nil {
+		l.destinations--
+	}
 	orphan := len(ep.listeners) == 0
 	ep.mu.Unlock()
 	if orphan && p.endpoints[ep.addr] == ep {

@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"reflect"
 	"testing"
 	"time"
 
@@ -255,5 +257,178 @@ func TestIdleTransparentDestinationsAreForgotten(t *testing.T) {
 	eps := p.Endpoints()
 	if len(eps) != 1 || eps[0].Endpoint != "10.9.0.2:8098" || eps[0].State != "excluded" {
 		t.Fatalf("after the sweep: %+v, want only the excluded destination", eps)
+	}
+}
+
+// transparentProxy starts a proxy with one transparent listener "out" over
+// 10.9.0.0/16 (group A: port 8098) and 10.8.0.0/16 (group B).
+func transparentProxy(t *testing.T, tune func(*policy.Transparent)) (*Proxy, *listener) {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	tr := policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16", Ports: []int{8098}}, {CIDR: "10.8.0.0/16"}},
+		MaxDestinations: 4096, ForgetExcludedAfter: policy.Duration(10 * time.Minute)}
+	if tune != nil {
+		tune(&tr)
+	}
+	cfg.Listeners = []policy.Listener{{Name: "out", Listen: "127.0.0.1:0", Settings: cfg.Defaults, Transparent: tr}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p, p.listeners[0]
+}
+
+// group_fail_open: a connection to an excluded destination is refused
+// while any destination of its group (match entry) is healthy, and let
+// through once every known one is excluded; never to a disabled one; and
+// another group's health does not count. Without the flag: always refused.
+func TestGroupFailOpen(t *testing.T) {
+	for _, flag := range []bool{true, false} {
+		t.Run(fmt.Sprintf("group_fail_open=%v", flag), func(t *testing.T) {
+			p, l := transparentProxy(t, func(tr *policy.Transparent) { tr.GroupFailOpen = flag })
+			a1 := p.transparentEndpoint("10.9.0.1:8098", l)
+			a2 := p.transparentEndpoint("10.9.0.2:8098", l)
+			a3 := p.transparentEndpoint("10.9.0.3:8098", l)
+			b1 := p.transparentEndpoint("10.8.0.1:9092", l) // another group, healthy throughout
+			p.det.Disable(a3.addr, "operator_disable")
+			p.det.Report(a1.addr, metrics.ReasonDialError)
+			if !l.refusing(a1) {
+				t.Fatal("an excluded destination with a healthy one in its group was let through")
+			}
+			p.det.Report(a2.addr, metrics.ReasonDialError)
+			if got := l.refusing(a1); got == flag {
+				t.Fatalf("every destination of the group out of routing: refusing=%v, want %v", got, !flag)
+			}
+			if !l.refusing(a3) {
+				t.Fatal("a disabled destination was let through")
+			}
+			if l.refusing(b1) {
+				t.Fatal("the healthy destination of the other group was refused")
+			}
+		})
+	}
+}
+
+// A transparent listener tracks at most max_destinations destinations;
+// past it a new one is refused (link_closes_total{reason="capacity"}),
+// known ones still work.
+func TestTransparentDestinationCap(t *testing.T) {
+	p, l := transparentProxy(t, func(tr *policy.Transparent) { tr.MaxDestinations = 2 })
+	if p.transparentEndpoint("10.9.0.1:8098", l) == nil || p.transparentEndpoint("10.9.0.2:8098", l) == nil {
+		t.Fatal("the first two destinations were refused")
+	}
+	if p.transparentEndpoint("10.9.0.3:8098", l) != nil {
+		t.Fatal("a third destination was admitted past max_destinations 2")
+	}
+	if p.transparentEndpoint("10.9.0.1:8098", l) == nil {
+		t.Fatal("a known destination was refused at the cap")
+	}
+}
+
+// An excluded destination whose probes keep failing is forgotten after
+// forget_excluded_after: no prober and no series stay behind for a pod
+// that is gone.
+func TestExcludedDestinationsAreForgotten(t *testing.T) {
+	p, l := transparentProxy(t, func(tr *policy.Transparent) { tr.ForgetExcludedAfter = policy.Duration(50 * time.Millisecond) })
+	p.transparentEndpoint("10.9.0.1:8098", l)
+	p.transparentEndpoint("10.9.0.2:8098", l)
+	p.det.Report("10.9.0.2:8098", metrics.ReasonDialError)
+	if n := p.sweepIdle(); n != 0 {
+		t.Fatalf("swept %d endpoints, none is due", n)
+	}
+	time.Sleep(60 * time.Millisecond)
+	if n := p.sweepIdle(); n != 1 {
+		t.Fatalf("swept %d, want the long-excluded one", n)
+	}
+	if eps := p.Endpoints(); len(eps) != 1 || eps[0].Endpoint != "10.9.0.1:8098" {
+		t.Fatalf("after the sweep: %+v, want only the healthy destination", eps)
+	}
+	if p.transparentEndpoint("10.9.0.2:8098", l) == nil || p.Endpoints()[1].State != "healthy" {
+		t.Fatalf("a forgotten destination that comes back starts afresh: %+v", p.Endpoints())
+	}
+}
+
+// Every settings key, and the pool's and transparent listener's flags,
+// take effect for new links after a reload, and deleting them reverts to
+// the defaults: a reload swaps the whole tuning new links take.
+func TestReloadAppliesEveryKey(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
+	_ = peers
+	base := policy.DefaultConfig()
+	listeners := func(s policy.Settings, pool policy.Pool, tr policy.Transparent) []policy.Listener {
+		return []policy.Listener{
+			{Name: "pool", Listen: "127.0.0.1:0", Pool: pool, Settings: s},
+			{Name: "out", Listen: "127.0.0.1:0", Transparent: tr, Settings: s},
+		}
+	}
+	defPool := policy.Pool{Endpoints: addrs, Refresh: policy.Duration(5 * time.Second), Balance: policy.BalanceRoundRobin}
+	defTr := policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}}, MaxDestinations: 4096, ForgetExcludedAfter: policy.Duration(10 * time.Minute)}
+	a := base
+	a.Listeners = listeners(base.Defaults, defPool, defTr)
+	if err := a.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	// b changes every key of the settings to a valid non-default value.
+	s := base.Defaults
+	s.ConnectTimeout, s.WriteTimeout, s.TCPUserTimeout = policy.Duration(2*time.Second), policy.Duration(3*time.Second), policy.Duration(4*time.Second)
+	s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(2 * time.Second), Count: 4}
+	s.WriteBuffer = policy.WriteBuffer{HighWaterMark: 1 << 20, LowWaterMark: 1 << 19, OnOverflow: policy.OverflowBackpressure}
+	s.HalfCloseTimeout = policy.Duration(9 * time.Second)
+	s.Framing = policy.Framing{Type: policy.FramingKafka, LengthFieldLength: 4, ByteOrder: policy.ByteOrderBig, MaxFrameLength: 1 << 20}
+	s.Unanswered = policy.Unanswered{Track: policy.TrackOn, RequestTimeout: policy.Duration(time.Second), ConsecutiveTimeoutsThreshold: 2}
+	s.Detector = policy.Detector{Probe: policy.ProbeKindHTTP, ProbeTimeout: policy.Duration(2 * time.Second), InitialDelay: policy.Duration(2 * time.Second),
+		BackoffFactor: 3, MaxDelay: policy.Duration(time.Minute), Jitter: 0.1, HTTP: policy.ProbeHTTP{Port: 8097, Path: "/ready"}}
+	s.OnExcluded = policy.OnExcludedAllow
+	s.ConnectAttempts = 2
+	b := base
+	b.DrainTimeout = policy.Duration(42 * time.Second)
+	b.Listeners = listeners(s, policy.Pool{Endpoints: addrs[:1], Refresh: policy.Duration(time.Second), Balance: policy.BalanceLeastLinks, FailOpen: true},
+		policy.Transparent{Match: defTr.Match, GroupFailOpen: true, MaxDestinations: 7, ForgetExcludedAfter: policy.Duration(time.Minute)})
+	if err := b.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if reflect.DeepEqual(a.Defaults, s) {
+		t.Fatal("b changes nothing")
+	}
+	p := New(a, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	check := func(cfg policy.Config) {
+		t.Helper()
+		for i, l := range p.listeners {
+			lc := cfg.Listeners[i]
+			tu := l.tuning()
+			if !reflect.DeepEqual(tu.set, lc.Settings) {
+				t.Fatalf("%s: new links would take %+v, want %+v", lc.Name, tu.set, lc.Settings)
+			}
+			want := newTuning(lc)
+			if tu.balance != want.balance || tu.failOpen != want.failOpen || tu.groupFailOpen != want.groupFailOpen ||
+				tu.maxDests != want.maxDests || tu.forgetAfter != want.forgetAfter {
+				t.Fatalf("%s: flags %+v, want %+v", lc.Name, tu, want)
+			}
+		}
+		if got := p.DrainTimeout(); got != cfg.DrainTimeout.D() {
+			t.Fatalf("drain_timeout %v, want %v", got, cfg.DrainTimeout)
+		}
+		var members []string
+		for _, st := range p.Pools() {
+			members = st.Endpoints
+		}
+		if want := cfg.Listeners[0].Pool.Endpoints; !reflect.DeepEqual(members, want) {
+			t.Fatalf("pool members %v, want %v", members, want)
+		}
+	}
+	for _, cfg := range []policy.Config{b, a} { // there and back: deleting a key restores its default
+		cfg.Listeners[0].Listen, cfg.Listeners[1].Listen = p.Addr("pool").String(), p.Addr("out").String()
+		if err := p.Reload(cfg); err != nil {
+			t.Fatal(err)
+		}
+		check(cfg)
 	}
 }

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"math"
 	"net"
 	"net/netip"
 	"slices"
@@ -62,7 +63,65 @@ func (l *listener) resolve(c *net.TCPConn) (*endpoint, string) {
 		l.log.Debug().Str("destination", dst.String()).Msg("destination not in the match list: refused")
 		return nil, metrics.ReasonNoMatch
 	}
-	return l.p.transparentEndpoint(dst.String(), l), ""
+	ep := l.p.transparentEndpoint(dst.String(), l)
+	if ep == nil {
+		return nil, metrics.ReasonCapacity
+	}
+	return ep, ""
+}
+
+// matchIndex is the first match entry covering addr (host:port), -1 if
+// none: a destination's group for group_fail_open.
+func (l *listener) matchIndex(addr string) int {
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		return -1
+	}
+	for i, m := range l.matches {
+		if m.prefix.Contains(ap.Addr().Unmap()) && (len(m.ports) == 0 || slices.Contains(m.ports, ap.Port())) {
+			return i
+		}
+	}
+	return -1
+}
+
+// groupFailingOpen reports whether a connection to ep, an excluded
+// destination of a transparent listener with group_fail_open, may go
+// through: no destination of its group (its match entry) that the proxy
+// currently knows is routable. All-or-nothing, as for a pool: one healthy
+// destination in the group and the excluded one is refused.
+func (l *listener) groupFailingOpen(ep *endpoint) bool {
+	if l.matches == nil || !l.tuning().groupFailOpen {
+		return false
+	}
+	for _, other := range l.group(ep) {
+		if st, _ := l.p.det.State(other.addr); st == health.Healthy {
+			return false
+		}
+	}
+	return true
+}
+
+// group returns the destinations a transparent listener knows in ep's
+// match entry (ep included).
+func (l *listener) group(ep *endpoint) []*endpoint {
+	group := l.matchIndex(ep.addr)
+	if group < 0 {
+		return nil
+	}
+	p := l.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var peers []*endpoint
+	for addr, other := range p.endpoints {
+		other.mu.Lock()
+		mine := slices.Contains(other.listeners, l)
+		other.mu.Unlock()
+		if mine && l.matchIndex(addr) == group {
+			peers = append(peers, other)
+		}
+	}
+	return peers
 }
 
 // isOwn reports whether a connection is the proxy's own: its original
@@ -87,23 +146,31 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 }
 
 // transparentEndpoint returns the endpoint for an original destination,
-// registering it (and applying endpoints.disabled) on first use.
+// registering it (and applying endpoints.disabled) on first use. nil: the
+// listener already tracks transparent.max_destinations destinations.
 func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	p.mu.Lock()
 	ep, existed := p.endpoints[normalizeEndpoint(addr)]
-	if !existed {
-		ep = p.endpointForLocked(addr, l.tuning().set)
+	if max := l.tuning().maxDests; !existed && max > 0 && l.destinations >= max {
+		p.mu.Unlock()
+		l.log.Debug().Str("destination", addr).Int("max_destinations", max).
+			Msg("too many destinations tracked: refused (link_closes_total{reason=\"capacity\"})")
+		return nil
 	}
-	disabled := !existed && p.disabled[ep.addr]
+	created := false
+	if !existed {
+		ep, created = p.endpointForLocked(addr, l.tuning().set)
+	}
 	ep.lastUsed.Store(mono())
 	ep.mu.Lock()
 	if !slices.Contains(ep.listeners, l) {
 		ep.listeners = append(ep.listeners, l)
+		l.destinations++
 	}
 	ep.mu.Unlock()
 	p.mu.Unlock()
-	if disabled {
-		p.det.Disable(ep.addr, "config")
+	if created {
+		p.applyDisabled(ep)
 	}
 	return ep
 }
@@ -124,7 +191,7 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 	for _, l := range ls {
 		if l.matches != nil {
 			transparent = true
-			refuse = refuse || p.refusing(l, ep)
+			refuse = refuse || l.refusing(ep)
 		}
 	}
 	if !transparent {
@@ -176,35 +243,56 @@ var (
 	sweepEvery   = time.Minute
 )
 
-// sweepIdle forgets transparent-only destinations that are healthy, have
-// no links and saw no connection for idleEndpoint: their map entry, their
-// detector state and their endpoint_state series. An excluded or disabled
-// one is kept, so that it stays refused.
+// sweepIdle forgets transparent-only destinations that have no links and
+// are either healthy and saw no connection for idleEndpoint, or excluded
+// with probes failing for the shortest transparent.forget_excluded_after
+// of their listeners (a pod gone for good must not keep a prober and
+// metric series forever): their map entry, their detector state and their
+// endpoint_state series. A disabled one is kept, so that it stays refused.
+// A forgotten destination that comes back starts afresh.
 func (p *Proxy) sweepIdle() int {
-	cutoff := mono() - int64(idleEndpoint)
+	now := mono()
+	cutoff := now - int64(idleEndpoint)
+	states := map[string]health.Status{}
+	for _, st := range p.det.Statuses() {
+		states[st.Endpoint] = st
+	}
 	var gone []*endpoint
 	p.mu.Lock()
 	for addr, ep := range p.endpoints {
-		if ep.lastUsed.Load() == 0 || ep.lastUsed.Load() > cutoff {
-			continue // explicit (never resolved transparently) or recently used
+		if ep.lastUsed.Load() == 0 {
+			continue // explicit (never resolved transparently)
 		}
-		if st, _ := p.det.State(addr); st != health.Healthy {
-			continue
-		}
+		st := states[addr]
 		ep.mu.Lock()
 		idle := len(ep.links) == 0
+		forget := time.Duration(math.MaxInt64)
 		for _, l := range ep.listeners {
 			idle = idle && l.matches != nil
+			if f := l.tuning().forgetAfter; f > 0 {
+				forget = min(forget, f)
+			}
 		}
 		ep.mu.Unlock()
-		if idle {
+		switch {
+		case !idle:
+		case st.State == health.Healthy && ep.lastUsed.Load() <= cutoff,
+			st.State == health.Excluded && time.Since(st.Since) >= forget:
 			delete(p.endpoints, addr)
 			gone = append(gone, ep)
 		}
 	}
+	for _, ep := range gone {
+		ep.mu.Lock()
+		for _, l := range ep.listeners {
+			l.destinations--
+		}
+		ep.mu.Unlock()
+	}
 	p.mu.Unlock()
 	for _, ep := range gone {
 		p.det.Unregister(ep.addr)
+		p.unexclude(ep.addr)
 		ep.orphans.stop()
 	}
 	return len(gone)

@@ -197,8 +197,9 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 	}()
 	<-ctx.Done()
 	<-watched
-	log.Info().Dur("drain_timeout", cfg.DrainTimeout.D()).Int("links", p.ActiveLinks()).Msg("draining")
-	dctx, cancel := context.WithTimeout(context.Background(), max(cfg.DrainTimeout.D(), 0))
+	drain := p.DrainTimeout() // a reload may have changed it
+	log.Info().Dur("drain_timeout", drain).Int("links", p.ActiveLinks()).Msg("draining")
+	dctx, cancel := context.WithTimeout(context.Background(), max(drain, 0))
 	defer cancel()
 	if err := p.Shutdown(dctx); errors.Is(err, context.DeadlineExceeded) {
 		log.Warn().Msg("drain timeout: closed the links still open")

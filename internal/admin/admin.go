@@ -22,6 +22,7 @@ import (
 // Endpoints is the data plane's endpoint API (implemented by *proxy.Proxy).
 type Endpoints interface {
 	Endpoints() []proxy.EndpointStatus
+	Pools() []proxy.PoolStatus
 	Disable(endpoint string) (bool, error)
 	Enable(endpoint string) (bool, error)
 	Evict(endpoint string) (int, error)
@@ -41,6 +42,13 @@ func Handler(reg *prometheus.Registry, ready func() bool, eps Endpoints) http.Ha
 		})
 		mux.HandleFunc("/v1/endpoints/{endpoint}/{action}", func(w http.ResponseWriter, r *http.Request) {
 			endpointAction(w, r, eps)
+		})
+		mux.HandleFunc("/v1/pools", func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodGet && r.Method != http.MethodHead {
+				methodNotAllowed(w, "GET")
+				return
+			}
+			writeJSON(w, http.StatusOK, map[string]any{"pools": eps.Pools()})
 		})
 	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))

@@ -31,6 +31,7 @@ const (
 	ReasonRefused          = "refused"            // accepted while the endpoint was excluded or disabled: reset at once
 	ReasonNoMatch          = "no_match"           // transparent: the original destination is not in the match list
 	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
+	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations
 )
 
 // Eviction reasons for evictions_total{reason}.
@@ -39,6 +40,7 @@ const (
 	EvictDisabled   = "disabled"   // an operator disabled the endpoint
 	EvictReadmitted = "readmitted" // links opened before the endpoint was readmitted
 	EvictOperator   = "operator"   // POST /v1/endpoints/{endpoint}/evict
+	EvictRemoved    = "removed"    // the endpoint left its pool (DNS no longer lists it, or a reload removed it)
 )
 
 // Reasons a link stops being tracked, for untracked_links_total{reason}.
@@ -57,14 +59,14 @@ const (
 var UntrackedReasons = []string{UntrackedTLS, UntrackedSASL, UntrackedProtocol, UntrackedDesync, UntrackedVersion, UntrackedLimit}
 
 // EvictReasons lists every eviction reason, for pre-creating series.
-var EvictReasons = []string{EvictExcluded, EvictDisabled, EvictReadmitted, EvictOperator}
+var EvictReasons = []string{EvictExcluded, EvictDisabled, EvictReadmitted, EvictOperator, EvictRemoved}
 
 // Reasons lists every close reason, for pre-creating series.
 var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
 	ReasonDialError, ReasonLocalError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
-	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop,
+	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity,
 }
 
 // Metrics owns the registry and every collector.
@@ -84,6 +86,8 @@ type Metrics struct {
 	probes              *prometheus.CounterVec
 	staleFramesDropped  *prometheus.CounterVec
 	untrackedLinks      *prometheus.CounterVec
+	failOpenLinks       *prometheus.CounterVec
+	dnsErrors           *prometheus.CounterVec
 	configReloads       *prometheus.CounterVec
 }
 
@@ -145,6 +149,14 @@ func New() *Metrics {
 			Namespace: namespace, Name: "untracked_links_total",
 			Help: "Links whose requests stopped being tracked (still proxied), by why: tls, sasl, not_protocol, desync, unknown_version, limit.",
 		}, []string{"listener", "reason"}),
+		failOpenLinks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "fail_open_links_total",
+			Help: "Links sent to an excluded endpoint because every enabled endpoint of their pool (or transparent group) was excluded (fail_open, group_fail_open).",
+		}, []string{"listener"}),
+		dnsErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "dns_errors_total",
+			Help: "Failed lookups of upstream and pool names (the last good addresses are kept).",
+		}, []string{"listener"}),
 		configReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "config_reloads_total",
 			Help: "Configuration reloads (file change or SIGHUP): ok, or error (the last good config keeps serving).",
@@ -157,7 +169,7 @@ func New() *Metrics {
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.configReloads,
+		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.configReloads,
 	)
 	return m
 }
@@ -176,6 +188,8 @@ type Listener struct {
 	ProbesOK            prometheus.Counter
 	ProbesFailed        prometheus.Counter
 	StaleFramesDropped  prometheus.Counter
+	FailOpenLinks       prometheus.Counter
+	DNSErrors           prometheus.Counter
 	closes              map[string]prometheus.Counter
 	evictions           map[string]prometheus.Counter
 	untracked           map[string]prometheus.Counter
@@ -195,6 +209,8 @@ func (m *Metrics) ForListener(name string) *Listener {
 		ProbesOK:            m.probes.WithLabelValues(name, "ok"),
 		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
 		StaleFramesDropped:  m.staleFramesDropped.WithLabelValues(name),
+		FailOpenLinks:       m.failOpenLinks.WithLabelValues(name),
+		DNSErrors:           m.dnsErrors.WithLabelValues(name),
 		closes:              make(map[string]prometheus.Counter, len(Reasons)),
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
@@ -214,6 +230,10 @@ func (m *Metrics) ForListener(name string) *Listener {
 // Closes returns the link_closes_total counter of one reason (nil if the
 // reason is not one of Reasons).
 func (l *Listener) Closes(reason string) prometheus.Counter { return l.closes[reason] }
+
+// Evictions returns the evictions_total counter of one reason (nil if the
+// reason is not one of EvictReasons).
+func (l *Listener) Evictions(reason string) prometheus.Counter { return l.evictions[reason] }
 
 // Evicted counts n links evicted for reason.
 func (l *Listener) Evicted(reason string, n int) {
@@ -238,7 +258,7 @@ func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks,
+		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}

@@ -1,0 +1,368 @@
+package proxy
+
+import (
+	"context"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// lookupTimeout bounds one resolution of all of a pool's names.
+const lookupTimeout = 2 * time.Second
+
+// pool is the set of endpoints an explicit or pool listener routes to: the
+// configured host:port entries, or every A/AAAA record of pool.dns, with
+// each host name resolved again every refresh so that a pod restarted with
+// a new address is followed without waiting for a failure. An explicit
+// listener's upstream is a pool of one entry.
+//
+// Each member is an endpoint keyed by its address; one resolved from a
+// name keeps the name (host:port) it came from, which endpoints.disabled
+// and the admin API accept too.
+type pool struct {
+	l *listener
+
+	mu          sync.Mutex
+	specs       []string            // host:port entries, as configured (normalized)
+	dns         bool                // the one spec is pool.dns: its records are the members
+	refresh     time.Duration       //
+	last        map[string][]string // spec -> its last good addresses
+	members     []*endpoint         // sorted by addr
+	cursor      uint64              // round-robin position
+	failingOpen bool                // last logged: no routable member, links go to excluded ones
+	looping     bool                // the refresh loop runs
+
+	wake chan struct{} // a reload changed the specs: resolve now
+}
+
+func newPool(l *listener, cfg policy.Listener) *pool {
+	pl := &pool{l: l, last: map[string][]string{}, wake: make(chan struct{}, 1)}
+	pl.setSpecs(cfg)
+	return pl
+}
+
+// setSpecs takes the entries and refresh interval of cfg; members follow
+// at the next resolution.
+func (pl *pool) setSpecs(cfg policy.Listener) {
+	var specs []string
+	dns := false
+	refresh := policy.DefaultPool().Refresh.D()
+	switch {
+	case cfg.IsPool() && cfg.Pool.DNS != "":
+		specs, dns = []string{normalizeEndpoint(cfg.Pool.DNS)}, true
+	case cfg.IsPool():
+		for _, e := range cfg.Pool.Endpoints {
+			specs = append(specs, normalizeEndpoint(e))
+		}
+	default:
+		specs = []string{normalizeEndpoint(cfg.Upstream)}
+	}
+	// An explicit upstream's name is resolved on the pool default.
+	if cfg.IsPool() && cfg.Pool.Refresh > 0 {
+		refresh = cfg.Pool.Refresh.D()
+	}
+	pl.mu.Lock()
+	pl.specs, pl.dns, pl.refresh = specs, dns, refresh
+	for s := range pl.last {
+		if !slices.Contains(specs, s) {
+			delete(pl.last, s)
+		}
+	}
+	pl.mu.Unlock()
+	select {
+	case pl.wake <- struct{}{}:
+	default:
+	}
+}
+
+// hasNames reports whether any entry is a host name (resolution needed
+// after startup).
+func (pl *pool) hasNames() bool {
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	for _, s := range pl.specs {
+		if host, _, err := net.SplitHostPort(s); err != nil || !isIP(host) {
+			return true
+		}
+	}
+	return false
+}
+
+func isIP(host string) bool {
+	_, err := netip.ParseAddr(host)
+	return err == nil
+}
+
+// startRefresh starts the pool's refresh loop when some entry is a name
+// (addresses need none); the listener owns it (acceptWG).
+func (l *listener) startRefresh() {
+	if l.pool == nil || !l.pool.hasNames() {
+		return
+	}
+	l.pool.mu.Lock()
+	running := l.pool.looping
+	l.pool.looping = true
+	l.pool.mu.Unlock()
+	if running {
+		return
+	}
+	l.acceptWG.Add(1)
+	go l.pool.refreshLoop(l.p.resolver)
+}
+
+// resolve computes the member addresses: literal entries as they are,
+// every address of each name. A name whose lookup fails keeps its last
+// good addresses (counted and logged); one that was never resolved has
+// none yet. It returns addr -> the spec it came from ("" for a literal).
+func (pl *pool) resolve(ctx context.Context, r *net.Resolver) map[string]string {
+	pl.mu.Lock()
+	specs := slices.Clone(pl.specs)
+	pl.mu.Unlock()
+	out := map[string]string{}
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
+	defer cancel()
+	for _, spec := range specs {
+		host, port, err := net.SplitHostPort(spec)
+		if err != nil {
+			continue // validated by policy
+		}
+		if isIP(host) {
+			out[spec] = ""
+			continue
+		}
+		ips, err := r.LookupNetIP(ctx, "ip", host)
+		pl.mu.Lock()
+		if err != nil {
+			addrs := pl.last[spec]
+			pl.mu.Unlock()
+			if ctx.Err() == nil || len(addrs) > 0 {
+				pl.l.m.DNSErrors.Inc()
+				pl.l.log.Warn().Err(err).Str("name", spec).Int("keeping", len(addrs)).
+					Msg("lookup failed: keeping the last good addresses")
+			}
+			for _, a := range addrs {
+				out[a] = spec
+			}
+			continue
+		}
+		p, _ := strconv.Atoi(port)
+		addrs := make([]string, 0, len(ips))
+		for _, ip := range ips {
+			addrs = append(addrs, netip.AddrPortFrom(ip.Unmap(), uint16(p)).String())
+		}
+		slices.Sort(addrs)
+		pl.last[spec] = addrs
+		pl.mu.Unlock()
+		for _, a := range addrs {
+			out[a] = spec
+		}
+	}
+	return out
+}
+
+// refreshLoop resolves the pool's names every refresh until the listener
+// stops; a reload that changes the entries wakes it at once. The listener
+// owns it (acceptWG).
+func (pl *pool) refreshLoop(r *net.Resolver) {
+	l := pl.l
+	defer l.acceptWG.Done()
+	for {
+		pl.mu.Lock()
+		d := pl.refresh
+		pl.mu.Unlock()
+		t := time.NewTimer(d)
+		select {
+		case <-l.stopped:
+			t.Stop()
+			return
+		case <-pl.wake:
+		case <-t.C:
+		}
+		t.Stop()
+		l.p.syncPool(pl, pl.resolve(l.ctx, r))
+	}
+}
+
+// syncPool makes the pool's members the resolved addresses: new ones are
+// admitted (healthy, or disabled if endpoints.disabled names them or
+// their name); those that left have their links evicted (reason removed)
+// and, routed to by no other listener, are forgotten. One that comes back
+// after leaving starts afresh.
+func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
+	l := pl.l
+	set := l.tuning().set
+	p.mu.Lock()
+	l.mu.Lock()
+	stopping := l.stopping
+	l.mu.Unlock()
+	if stopping {
+		p.mu.Unlock()
+		return
+	}
+	var members, created []*endpoint
+	for addr, name := range addrs {
+		ep, isNew := p.endpointForLocked(addr, set)
+		if name != "" {
+			ep.name = name
+		}
+		ep.mu.Lock()
+		if !slices.Contains(ep.listeners, l) {
+			ep.listeners = append(ep.listeners, l)
+		}
+		ep.mu.Unlock()
+		members = append(members, ep)
+		if isNew {
+			created = append(created, ep)
+		}
+	}
+	slices.SortFunc(members, func(a, b *endpoint) int { return compareAddr(a.addr, b.addr) })
+	pl.mu.Lock()
+	old := pl.members
+	pl.members = members
+	pl.mu.Unlock()
+	p.mu.Unlock()
+
+	for _, ep := range created {
+		p.applyDisabled(ep)
+		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Msg("endpoint admitted")
+	}
+	for _, ep := range old {
+		if slices.Contains(members, ep) {
+			continue
+		}
+		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictRemoved)
+		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Int("links_closed", n).Msg("endpoint removed")
+		p.detachFrom(l, ep)
+	}
+	p.updateRouting(l)
+}
+
+// compareAddr orders host:port strings (numeric addresses first by
+// address, then anything else by text).
+func compareAddr(a, b string) int {
+	pa, ea := netip.ParseAddrPort(a)
+	pb, eb := netip.ParseAddrPort(b)
+	if ea == nil && eb == nil {
+		return pa.Compare(pb)
+	}
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// candidates returns the members as the selector sees them; pl.mu held.
+func (pl *pool) candidatesLocked(det *health.Detector) []policy.Candidate {
+	cs := make([]policy.Candidate, len(pl.members))
+	for i, ep := range pl.members {
+		st, _ := det.State(ep.addr)
+		c := policy.Candidate{Addr: ep.addr, Links: ep.liveLinks()}
+		switch st {
+		case health.Excluded:
+			c.State = policy.Excluded
+		case health.Disabled:
+			c.State = policy.Disabled
+		}
+		cs[i] = c
+	}
+	return cs
+}
+
+// failOpen reports whether excluded members may take links when no member
+// is routable: pool.fail_open, or on_excluded: allow.
+func (l *listener) failOpen() bool {
+	t := l.tuning()
+	return t.failOpen || t.set.OnExcluded == policy.OnExcludedAllow
+}
+
+// pick chooses the endpoint for a connect attempt, never avoid while
+// another eligible member exists (a retry moves on). nil: refuse.
+func (pl *pool) pick(avoid string) (*endpoint, bool) {
+	t := pl.l.tuning()
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
+	if ch.Index < 0 {
+		return nil, false
+	}
+	return pl.members[ch.Index], ch.FailOpen
+}
+
+// routing reports whether a new link could be routed now (some member is
+// eligible) and whether it would fail open (no member is routable, and
+// links go to excluded ones).
+func (pl *pool) routing() (routable, failingOpen bool) {
+	pl.mu.Lock()
+	defer pl.mu.Unlock()
+	var cursor uint64
+	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, "")
+	return ch.Index >= 0, ch.FailOpen
+}
+
+// updateRouting pauses or resumes a pool listener after a member's state
+// or the members changed, and logs when the pool starts or stops failing
+// open.
+func (p *Proxy) updateRouting(l *listener) {
+	pl := l.pool
+	if pl == nil {
+		return
+	}
+	routable, failingOpen := pl.routing()
+	pl.mu.Lock()
+	changed := pl.failingOpen != failingOpen
+	pl.failingOpen = failingOpen
+	pl.mu.Unlock()
+	if changed && failingOpen {
+		l.log.Warn().Msg("every enabled endpoint is excluded: failing open, new links go to excluded endpoints (fail_open)")
+	} else if changed {
+		l.log.Info().Msg("no longer failing open")
+	}
+	if routable {
+		l.resume()
+	} else {
+		l.pause()
+	}
+}
+
+// PoolStatus is one pool listener as GET /v1/pools shows it.
+type PoolStatus struct {
+	Listener    string   `json:"listener"`
+	Endpoints   []string `json:"endpoints"`
+	Balance     string   `json:"balance"`
+	FailOpen    bool     `json:"fail_open"`
+	FailingOpen bool     `json:"failing_open"`
+}
+
+// Pools returns every explicit and pool listener's members and whether it
+// is failing open.
+func (p *Proxy) Pools() []PoolStatus {
+	p.mu.Lock()
+	ls := slices.Clone(p.listeners)
+	p.mu.Unlock()
+	var out []PoolStatus
+	for _, l := range ls {
+		if l.pool == nil {
+			continue
+		}
+		t := l.tuning()
+		_, failingOpen := l.pool.routing()
+		st := PoolStatus{Listener: l.cfg.Name, Balance: t.balance, FailOpen: t.failOpen, FailingOpen: failingOpen, Endpoints: []string{}}
+		l.pool.mu.Lock()
+		for _, ep := range l.pool.members {
+			st.Endpoints = append(st.Endpoints, ep.addr)
+		}
+		l.pool.mu.Unlock()
+		out = append(out, st)
+	}
+	return out
+}

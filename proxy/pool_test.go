@@ -1,0 +1,355 @@
+//go:build linux
+
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/dnstest"
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// startPool starts a proxy with one pool listener ("test").
+func startPool(t *testing.T, pool policy.Pool, resolver *net.Resolver, tune func(*policy.Settings)) *harness {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	s.Detector.InitialDelay = policy.Duration(10 * time.Second) // nothing is readmitted unless a test says so
+	s.Detector.MaxDelay = policy.Duration(10 * time.Second)
+	if tune != nil {
+		tune(&s)
+	}
+	if pool.Refresh == 0 {
+		pool.Refresh = policy.Duration(time.Second)
+	}
+	if pool.Balance == "" {
+		pool.Balance = policy.BalanceRoundRobin
+	}
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Pool: pool, Settings: s}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("test configuration: %v", err)
+	}
+	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 256)}
+	h.p = New(cfg, Options{Metrics: h.m, Resolver: resolver, OnLinkEnd: func(s LinkStats) { h.ended <- s }})
+	if err := h.p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = h.p.Close() })
+	h.addr = h.p.Addr("test").String()
+	return h
+}
+
+// commonPort returns a port free on every host (any 127/8 address works
+// on Linux without setup).
+func commonPort(t *testing.T, hosts ...string) int {
+	t.Helper()
+	for range 50 {
+		ln, err := net.Listen("tcp", net.JoinHostPort(hosts[0], "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		free := true
+		for _, h := range hosts {
+			l, err := net.Listen("tcp", fmt.Sprintf("%s:%d", h, port))
+			if err != nil {
+				free = false
+				break
+			}
+			l.Close()
+		}
+		if free {
+			return port
+		}
+	}
+	t.Fatalf("no port free on all of %v", hosts)
+	return 0
+}
+
+// peersOn starts a fault peer on each host, all on one port.
+func peersOn(t *testing.T, b faultpeer.Behavior, hosts ...string) ([]*faultpeer.Server, []string) {
+	t.Helper()
+	port := commonPort(t, hosts...)
+	var peers []*faultpeer.Server
+	var addrs []string
+	for _, h := range hosts {
+		addr := fmt.Sprintf("%s:%d", h, port)
+		peers = append(peers, faultpeer.New(t, b, faultpeer.Options{Addr: addr}))
+		addrs = append(addrs, addr)
+	}
+	return peers, addrs
+}
+
+func acceptedBy(peers []*faultpeer.Server) []int64 {
+	out := make([]int64, len(peers))
+	for i, p := range peers {
+		out[i] = p.Accepted()
+	}
+	return out
+}
+
+func (h *harness) stateOf(addr string) string {
+	for _, ep := range h.p.Endpoints() {
+		if ep.Endpoint == addr {
+			return ep.State
+		}
+	}
+	return "unknown"
+}
+
+func (h *harness) waitStateOf(addr, state string, within time.Duration) {
+	h.t.Helper()
+	deadline := time.Now().Add(within)
+	for h.stateOf(addr) != state {
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s is %s after %v, want %s", addr, h.stateOf(addr), within, state)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// Round-robin spreads links evenly over the members.
+func TestPoolRoundRobinSpreads(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+	h := startPool(t, policy.Pool{Endpoints: addrs}, nil, nil)
+	for i := range 6 {
+		roundTrip(t, h.dial(), []byte{byte(i)})
+	}
+	for i, n := range acceptedBy(peers) {
+		if n != 2 {
+			t.Fatalf("peer %d accepted %d of 6 links, want 2 each: %v", i, n, acceptedBy(peers))
+		}
+	}
+}
+
+// least_links sends a new link to the member with the fewest.
+func TestPoolLeastLinks(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
+	h := startPool(t, policy.Pool{Endpoints: addrs, Balance: policy.BalanceLeastLinks}, nil, nil)
+	roundTrip(t, h.dial(), []byte("a")) // one member now holds a long link
+	for range 3 {
+		c := h.dial()
+		roundTrip(t, c, []byte("b"))
+		c.Close()
+		h.linkEnd(2 * time.Second)
+	}
+	got := acceptedBy(peers)
+	if !(got[0] == 1 && got[1] == 3 || got[0] == 3 && got[1] == 1) {
+		t.Fatalf("accepts %v, want every short link on the member without the long one (1 and 3)", got)
+	}
+}
+
+// A member that dies is excluded at its first refused connect and the
+// link's retry lands on another member: the client never notices, and the
+// other members' states are untouched.
+func TestPoolRetriesMoveOn(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+	h := startPool(t, policy.Pool{Endpoints: addrs}, nil, nil)
+	peers[0].Close() // refuses from now on
+	for i := range 6 {
+		roundTrip(t, h.dial(), []byte{byte(i)})
+	}
+	got := acceptedBy(peers)
+	if got[1]+got[2] != 6 || got[1] != 3 {
+		t.Fatalf("accepts %v: the live members should have shared all 6", got)
+	}
+	for i, a := range addrs {
+		want := "healthy"
+		if i == 0 {
+			want = "excluded"
+		}
+		if st := h.stateOf(a); st != want {
+			t.Errorf("%s is %s, want %s", a, st, want)
+		}
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 1 {
+		t.Fatalf("dial_errors_total = %v, want 1: the dead member is tried once, then skipped", got)
+	}
+}
+
+// Failover never pins: with every member refusing, one link's three
+// attempts touch three different members, each reported once; then the
+// client is reset and, with nothing left, the listener refuses.
+func TestPoolFailoverNeverPins(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+	for _, p := range peers {
+		p.Close()
+	}
+	h := startPool(t, policy.Pool{Endpoints: addrs}, nil, func(s *policy.Settings) { s.ConnectAttempts = 3 })
+	c, err := net.Dial("tcp", h.addr)
+	if err == nil {
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		c.Close()
+	}
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("client saw %v, want a reset", err)
+	}
+	if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonDialError {
+		t.Fatalf("link ended %q, want dial_error", s.Reason)
+	}
+	for _, a := range addrs {
+		if st := h.stateOf(a); st != "excluded" {
+			t.Errorf("%s is %s: every member should have been tried once", a, st)
+		}
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 3 {
+		t.Fatalf("dial_errors_total = %v, want 3 (three members, each once)", got)
+	}
+	expectRefused(t, h.addr)
+}
+
+// Fail-open (PR 19908): when every enabled member is excluded, links still
+// go to an excluded member the operator has not disabled, round-robin, and
+// get answers; the disabled one is never used; the links do not readmit
+// anyone. Without fail_open the listener refuses.
+func TestPoolFailOpen(t *testing.T) {
+	for _, failOpen := range []bool{true, false} {
+		t.Run(fmt.Sprintf("fail_open=%v", failOpen), func(t *testing.T) {
+			peers, addrs := peersOn(t, faultpeer.Framed, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+			for _, p := range peers {
+				p.SetAnswer(func(int64) (time.Duration, bool) { return 0, false }) // accept, never answer
+			}
+			h := startPool(t, policy.Pool{Endpoints: addrs, FailOpen: failOpen}, nil, framed(200*time.Millisecond, 1, nil))
+			if _, err := h.p.Disable(addrs[2]); err != nil {
+				t.Fatal(err)
+			}
+			// A request on a link to each of the two enabled members goes
+			// unanswered: both are excluded.
+			for range 2 {
+				sendFrame(t, h.dial(), "q")
+			}
+			h.waitStateOf(addrs[0], "excluded", 5*time.Second)
+			h.waitStateOf(addrs[1], "excluded", 5*time.Second)
+			if !failOpen {
+				expectRefused(t, h.addr)
+				return
+			}
+			for _, p := range peers {
+				p.SetAnswer(func(int64) (time.Duration, bool) { return 0, true }) // answering again; the detector does not know yet
+			}
+			before := acceptedBy(peers)
+			for range 4 {
+				roundTripFrame(t, h.dialWhenReadmitted(2*time.Second), "through an excluded member")
+			}
+			after := acceptedBy(peers)
+			if d0, d1, d2 := after[0]-before[0], after[1]-before[1], after[2]-before[2]; d0 != 2 || d1 != 2 || d2 != 0 {
+				t.Fatalf("fail-open links per member %d/%d/%d, want 2/2 and none to the disabled one", d0, d1, d2)
+			}
+			if got := testutil.ToFloat64(h.m.ForListener("test").FailOpenLinks); got != 4 {
+				t.Fatalf("fail_open_links_total = %v, want 4", got)
+			}
+			if st := h.p.Pools(); len(st) != 1 || !st[0].FailingOpen {
+				t.Fatalf("pools %+v, want failing open", st)
+			}
+			for i, a := range addrs[:2] {
+				if st := h.stateOf(a); st != "excluded" {
+					t.Fatalf("member %d is %s: a fail-open link must not readmit it", i, st)
+				}
+			}
+		})
+	}
+}
+
+// DNS: the members follow the name's records. A member the answer drops
+// has its links evicted (removed); one that appears takes the next link.
+func TestPoolFollowsDNS(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
+	dns := dnstest.Start(t)
+	port := netip.MustParseAddrPort(addrs[0]).Port()
+	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.2"))
+	h := startPool(t, policy.Pool{DNS: fmt.Sprintf("kafka-headless.data.svc:%d", port), Refresh: policy.Duration(100 * time.Millisecond)},
+		dns.Resolver(), nil)
+	old := h.dial()
+	roundTrip(t, old, []byte("to the first pod"))
+	if got := acceptedBy(peers); got[0] != 1 {
+		t.Fatalf("accepts %v, want the first link on 127.0.0.2", got)
+	}
+	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.3")) // the pod restarted with a new address
+	if err, _ := waitClosed(t, old, 3*time.Second); !isCloseSignal(err) {
+		t.Fatalf("link to the removed address saw %v, want it evicted", err)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").Evictions(metrics.EvictRemoved)); got != 1 {
+		t.Fatalf("evictions_total{reason=removed} = %v, want 1", got)
+	}
+	roundTrip(t, h.dial(), []byte("to the new pod"))
+	if got := acceptedBy(peers); got[1] != 1 {
+		t.Fatalf("accepts %v, want the next link on 127.0.0.3", got)
+	}
+	// A failing DNS keeps the last good answer.
+	dns.SetFailing(true)
+	time.Sleep(300 * time.Millisecond)
+	roundTrip(t, h.dial(), []byte("while DNS fails"))
+	if got := testutil.ToFloat64(h.m.ForListener("test").DNSErrors); got < 1 {
+		t.Fatalf("dns_errors_total = %v, want the failed lookups counted", got)
+	}
+}
+
+// An explicit upstream given by name follows its address too: a
+// restarted single upstream with a new address is picked up without
+// waiting for a failure. endpoints.disabled may name it by its name.
+func TestUpstreamNameFollowsDNS(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
+	dns := dnstest.Start(t)
+	port := netip.MustParseAddrPort(addrs[0]).Port()
+	dns.Set("pinot-server-0.pinot-server-headless", netip.MustParseAddr("127.0.0.2"))
+	cfg := policy.DefaultConfig()
+	name := fmt.Sprintf("pinot-server-0.pinot-server-headless:%d", port)
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: name, Settings: cfg.Defaults}}
+	p := New(cfg, Options{Resolver: dns.Resolver()})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	h := &harness{t: t, p: p, addr: p.Addr("test").String()}
+	roundTrip(t, h.dial(), []byte("first"))
+	dns.Set("pinot-server-0.pinot-server-headless", netip.MustParseAddr("127.0.0.3"))
+	deadline := time.Now().Add(15 * time.Second) // the default refresh is 5s
+	for acceptedBy(peers)[1] == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the new address took no link within 15s: %v", acceptedBy(peers))
+		}
+		c := h.dial()
+		roundTrip(t, c, []byte("next"))
+		c.Close()
+		time.Sleep(200 * time.Millisecond)
+	}
+	eps := p.Endpoints()
+	if len(eps) != 1 || eps[0].Endpoint != addrs[1] || eps[0].Name != name {
+		t.Fatalf("endpoints %+v, want only %s, named %s", eps, addrs[1], name)
+	}
+	// The operator's name for it works.
+	if changed, err := p.Disable(name); err != nil || !changed {
+		t.Fatalf("disable by name: %v, %v", changed, err)
+	}
+	expectRefusedSoon(t, h.addr)
+}
+
+func expectRefusedSoon(t *testing.T, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		c, err := net.Dial("tcp", addr)
+		if err != nil && errors.Is(err, syscall.ECONNREFUSED) {
+			return
+		}
+		if c != nil {
+			c.Close()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("connect to %s: %v, want it refused", addr, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
