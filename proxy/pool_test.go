@@ -176,6 +176,12 @@ func TestPoolRetriesMoveOn(t *testing.T) {
 	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 1 {
 		t.Fatalf("dial_errors_total = %v, want 1: the dead member is tried once, then skipped", got)
 	}
+	// Nothing beyond that member's state changed: the pool's balance and
+	// fail-open stand as configured, and it is not failing open.
+	if st := h.p.Pools(); len(st) != 1 || st[0].Balance != policy.BalanceRoundRobin || st[0].FailOpen || st[0].FailingOpen ||
+		len(st[0].Endpoints) != 3 {
+		t.Fatalf("pool after one member failed: %+v", st)
+	}
 }
 
 // Failover never pins: with every member refusing, one link's three
@@ -207,7 +213,7 @@ func TestPoolFailoverNeverPins(t *testing.T) {
 	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 3 {
 		t.Fatalf("dial_errors_total = %v, want 3 (three members, each once)", got)
 	}
-	expectRefused(t, h.addr)
+	expectRefusedSoon(t, h.addr)
 }
 
 // Fail-open (PR 19908): when every enabled member is excluded, links still
@@ -233,7 +239,7 @@ func TestPoolFailOpen(t *testing.T) {
 			h.waitStateOf(addrs[0], "excluded", 5*time.Second)
 			h.waitStateOf(addrs[1], "excluded", 5*time.Second)
 			if !failOpen {
-				expectRefused(t, h.addr)
+				expectRefusedSoon(t, h.addr) // once the listener's pause follows the exclusion
 				return
 			}
 			for _, p := range peers {
