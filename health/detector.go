@@ -14,8 +14,9 @@ import (
 
 // Options configure a Detector. Every field may be left zero.
 type Options struct {
-	// Logger receives one Info line per state transition and Debug lines
-	// per failed probe. The zero Logger logs nothing.
+	// Logger receives one Debug line per state transition and per failed
+	// probe (OnEvent's subscriber logs the transitions it acts on). The
+	// zero Logger logs nothing.
 	Logger zerolog.Logger
 	// OnEvent is called for every real transition, in the order the
 	// transitions happened (per endpoint and overall), never while the
@@ -401,7 +402,9 @@ func (d *Detector) deliver() {
 
 // emit logs one transition and passes it to OnEvent.
 func (d *Detector) emit(ev Event) {
-	d.log.Info().Str("endpoint", ev.Endpoint).Stringer("from", ev.From).Stringer("to", ev.To).
+	// At debug: the subscriber logs the change with what it did about it
+	// (one line per change).
+	d.log.Debug().Str("endpoint", ev.Endpoint).Stringer("from", ev.From).Stringer("to", ev.To).
 		Str("reason", ev.Reason).Msg("endpoint state changed")
 	if d.onEvent == nil {
 		return

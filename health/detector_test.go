@@ -490,7 +490,7 @@ func TestEdgeTriggered(t *testing.T) {
 		logs := &syncBuffer{}
 		rec := newRecorder()
 		f := &fakeDialer{start: time.Now()}
-		d := New(Options{Logger: zerolog.New(logs).Level(zerolog.InfoLevel), OnEvent: rec.onEvent, Dial: f.dial})
+		d := New(Options{Logger: zerolog.New(logs).Level(zerolog.DebugLevel), OnEvent: rec.onEvent, Dial: f.dial})
 		defer d.Close()
 		ep := "10.0.0.1:8098"
 		d.Register(ep, ProbeConfig{InitialDelay: time.Second})
@@ -502,7 +502,7 @@ func TestEdgeTriggered(t *testing.T) {
 		if d.Report(ep, "unanswered") || d.Report(ep, "write_timeout") {
 			t.Fatal("Report on an excluded endpoint returned true")
 		}
-		time.Sleep(10 * time.Second) // probes fail meanwhile: no events, no Info lines
+		time.Sleep(10 * time.Second) // probes fail meanwhile: no events, no transition lines
 		if d.Report(ep, "unanswered") {
 			t.Fatal("Report while probing returned true")
 		}

@@ -28,7 +28,8 @@ func upstreamFault(err error) bool {
 	if errors.As(err, &errno) {
 		switch errno {
 		case syscall.ECONNREFUSED, syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.EHOSTDOWN,
-			syscall.ETIMEDOUT, syscall.ECONNRESET, syscall.ECONNABORTED, syscall.EPIPE:
+			syscall.ETIMEDOUT, syscall.ECONNRESET, syscall.ECONNABORTED, syscall.EPIPE,
+			syscall.ENOTCONN: // a shutdown(2) after the peer reset the connection
 			return true
 		}
 		return false

@@ -25,9 +25,11 @@ type endpoint struct {
 	dial        string // what links dial (the configured spelling)
 	name        string // the host:port name it was resolved from; "" for an address
 	consecutive atomic.Int64
-	lastAnswer  atomic.Int64 // mono time of the last answer on any link
-	readmitted  atomic.Int64 // mono time of the last readmission
-	lastUsed    atomic.Int64 // mono time a transparent connection last resolved to it
+	lastAnswer  atomic.Int64                    // mono time of the last answer on any link
+	readmitted  atomic.Int64                    // mono time of the last readmission
+	lastUsed    atomic.Int64                    // mono time a transparent connection last resolved to it
+	settings    atomic.Pointer[policy.Settings] // the latest settings it was registered with
+	tls         atomic.Bool                     // a client of it spoke TLS
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
 	orphans *tracker
@@ -77,7 +79,8 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 		p.endpoints[addr] = ep
 	}
 	// The latest settings win: a reload re-registers the probe config.
-	p.det.Register(addr, probeConfig(s))
+	ep.settings.Store(&s)
+	p.det.Register(addr, ep.probeConfig())
 	return ep, created
 }
 
@@ -89,6 +92,32 @@ func (p *Proxy) applyDisabled(ep *endpoint) {
 	p.mu.Unlock()
 	if disabled {
 		p.det.Disable(ep.addr, "config")
+	}
+}
+
+// probeConfig is how the detector probes the endpoint, with the latest
+// settings it was registered with. An endpoint whose clients speak TLS
+// cannot be probed with a plaintext Kafka request: auto falls back to a
+// connect probe for it.
+func (ep *endpoint) probeConfig() health.ProbeConfig {
+	s := *ep.settings.Load()
+	pc := probeConfig(s)
+	if ep.tls.Load() && pc.Kind == health.ProbeKafka && (s.Detector.Probe == policy.ProbeKindAuto || s.Detector.Probe == "") {
+		pc.Kind = health.ProbeConnect
+	}
+	return pc
+}
+
+// sawTLS records that a client of ep speaks TLS, and re-registers ep's
+// probe configuration if that changes it.
+func (p *Proxy) sawTLS(ep *endpoint) {
+	if ep.tls.Swap(true) {
+		return
+	}
+	pc := ep.probeConfig()
+	p.det.Register(ep.addr, pc)
+	if pc.Kind == health.ProbeConnect {
+		p.log.Info().Str("endpoint", ep.addr).Msg("clients speak TLS: probing with a TCP connect, not a plaintext Kafka request (set detector.probe to choose)")
 	}
 }
 
@@ -188,6 +217,9 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 			closeReason = metrics.ReasonUnanswered
 		}
 		n := ep.evict(time.Time{}, closeReason, metrics.EvictExcluded)
+		if linkEnd(ev.Reason) {
+			n++ // the link whose end was the evidence, closed before the report
+		}
 		log.Warn().Int("links_closed", n).Msg("endpoint excluded")
 	case health.Disabled:
 		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictDisabled)
@@ -225,6 +257,18 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 }
 
+// linkEnd reports whether an exclusion reason is the end of a link (a
+// write timeout, ETIMEDOUT, a stalled overflow): that link was already
+// closed when the report came.
+func linkEnd(reason string) bool {
+	switch reason {
+	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark:
+		return true
+	}
+	return false
+}
+
+// onProbe counts a probe's verdict.
 func (p *Proxy) onProbe(addr string, ok bool) {
 	p.mu.Lock()
 	ep := p.endpoints[addr]
@@ -232,15 +276,29 @@ func (p *Proxy) onProbe(addr string, ok bool) {
 	if ep == nil {
 		return
 	}
-	ep.mu.Lock()
-	defer ep.mu.Unlock()
-	for _, l := range ep.listeners {
+	// Once per endpoint, under the first of its listeners by name: a
+	// sum() over listeners must not count a probe twice.
+	if l := ep.owner(); l != nil {
 		if ok {
 			l.m.ProbesOK.Inc()
 		} else {
 			l.m.ProbesFailed.Inc()
 		}
 	}
+}
+
+// owner is the listener that endpoint-level counters are counted under:
+// the first of its listeners by name (nil when none is left).
+func (ep *endpoint) owner() *listener {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	var first *listener
+	for _, l := range ep.listeners {
+		if first == nil || l.cfg.Name < first.cfg.Name {
+			first = l
+		}
+	}
+	return first
 }
 
 // report passes a data-plane failure to the detector.
@@ -257,41 +315,43 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int) {
 	if n <= 0 {
 		return
 	}
-	ls := ep.listenersOr(from)
-	for _, l := range ls {
-		l.m.UnansweredTimeouts.Add(float64(n))
+	// A link's requests count under its listener; those of links that
+	// ended count once, under the endpoint's owner.
+	counter := from
+	if counter == nil {
+		counter = ep.owner()
+	}
+	if counter != nil {
+		counter.m.UnansweredTimeouts.Add(float64(n))
 	}
 	if thr <= 0 {
 		return
 	}
 	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && c-int64(n) < int64(thr) {
-		p.suspect(ep, ls, thr)
+		p.suspect(ep, thr)
 	}
 }
 
 // answered records an answer from the endpoint at mono time now: it is
 // alive, and its consecutive count starts over.
 func (ep *endpoint) answered(now int64) {
-	ep.lastAnswer.Store(now)
+	// Never backwards: two pumps may store out of order.
+	for {
+		last := ep.lastAnswer.Load()
+		if last >= now || ep.lastAnswer.CompareAndSwap(last, now) {
+			break
+		}
+	}
 	if ep.consecutive.Load() != 0 {
 		ep.consecutive.Store(0)
 	}
 }
 
-func (ep *endpoint) listenersOr(l *listener) []*listener {
-	if l != nil {
-		return []*listener{l}
-	}
-	ep.mu.Lock()
-	defer ep.mu.Unlock()
-	return append([]*listener(nil), ep.listeners...)
-}
-
 // suspect handles an endpoint that reached the unanswered threshold: it is
 // excluded and every link to it closed, client sides included.
-func (p *Proxy) suspect(ep *endpoint, ls []*listener, thr int) {
-	for _, l := range ls {
-		l.m.EndpointSuspect.Inc()
+func (p *Proxy) suspect(ep *endpoint, thr int) {
+	if l := ep.owner(); l != nil {
+		l.m.EndpointSuspect.Inc() // once per endpoint
 	}
 	ep.consecutive.Store(0)
 	p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).

@@ -48,10 +48,6 @@ type link struct {
 	upstream *net.TCPConn
 	upRaw    syscall.RawConn
 	opened   time.Time
-	// openedMono is when the client connection was accepted: the first
-	// bytes read after the dial may have waited in the client socket all
-	// through it, so they are as old as the link for staleness.
-	openedMono int64
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -112,7 +108,7 @@ type link struct {
 func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
 	t := l.tuning()
 	k := &link{l: l, ep: ep, set: t.set, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
-		client: client, opened: time.Now(), openedMono: mono()}
+		client: client, opened: time.Now()}
 	k.q.init()
 	k.rawWriteFn = func(fd uintptr) bool {
 		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
@@ -136,7 +132,14 @@ func (k *link) run() LinkStats {
 		k.l.p.ownUp.Delete(k.upstream.LocalAddr().String())
 	}
 	if k.trk != nil {
-		if orphans := k.trk.stop(); len(orphans) > 0 {
+		orphans := k.trk.stop()
+		if k.conv != nil && k.conv.profile && k.clientEnded() {
+			// Under a protocol profile every request carries its own
+			// deadline and clients wait at least that long: one that closes
+			// first abandons its requests, which can no longer be answered.
+			orphans = nil
+		}
+		if len(orphans) > 0 {
 			since := k.ep.readmitted.Load()
 			orphans = slices.DeleteFunc(orphans, func(r pendingRequest) bool { return r.at <= since })
 			k.ep.orphans.adopt(orphans)
@@ -302,14 +305,11 @@ func (k *link) pumpRequests() {
 			end := k.bytesUp.Add(int64(n))
 			if k.trk != nil {
 				// Recorded before the bytes go out, so that no answer can
-				// arrive before its request is known.
-				at := mono()
-				if first {
-					// These bytes may have waited in the client socket all
-					// through the dial: as old as the link.
-					at = k.openedMono
-				}
-				k.recordRequests(buf[:n], at, end, first)
+				// arrive before its request is known. Timed from now, not
+				// from the accept: the upstream could not answer before
+				// the connection to it existed, so a slow dial is no
+				// evidence against it.
+				k.recordRequests(buf[:n], mono(), end, first)
 			}
 			first = false
 			if !k.send(buf[:n], high) {
@@ -532,13 +532,15 @@ func (k *link) writeUpstream() {
 		q.mu.Unlock()
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
-				if p, known := k.progressed(); p || !known && n > 0 {
+				if p, known := k.progressed(); p || !known && n > 0 || k.conv != nil && k.conv.holding(mono()) {
 					// The upstream acknowledged bytes within write_timeout:
 					// a slow reader, not a stall (the kernel wakes a writer
 					// only once a good part of its send buffer is free, so
 					// a write can wait longer than any one ACK). Without
 					// TCP_INFO, bytes the kernel took stand in. The next
-					// batch gets a fresh deadline.
+					// batch gets a fresh deadline. A Kafka broker holding
+					// a request within its own deadline reads nothing more
+					// meanwhile: not a stall either.
 					continue
 				}
 				if k.abort(metrics.ReasonWriteTimeout, err) {
@@ -666,7 +668,11 @@ func (k *link) stalled(d time.Duration) bool {
 		return false
 	}
 	moved, known := k.progressed()
-	return known && !moved && mono()-k.ackedAt.Load() >= int64(d)
+	now := mono()
+	if k.conv != nil && k.conv.holding(now) {
+		return false // a Kafka broker holding a request reads nothing meanwhile
+	}
+	return known && !moved && now-k.ackedAt.Load() >= int64(d)
 }
 
 // ackedBytes is how many bytes of the stream the upstream has acknowledged.
@@ -782,6 +788,13 @@ func (k *link) stats() LinkStats {
 		s.Err = *e
 	}
 	return s
+}
+
+// clientEnded reports whether the client ended the link (a FIN it sent
+// first, or an error on its socket).
+func (k *link) clientEnded() bool {
+	r := k.reason.Load()
+	return r != nil && (*r == metrics.ReasonClientClosed || *r == metrics.ReasonClientError)
 }
 
 // fail ends the link on an error of its upstream socket, with the reason

@@ -47,6 +47,8 @@ type conv struct {
 
 	// off: the link is no longer tracked; both pumps stop scanning.
 	off atomic.Bool
+	// kafka, profile: the framing is Kafka's; is a protocol profile.
+	kafka, profile bool
 
 	// sendAt is the mono time of the read being scanned by the request
 	// pump (only it reads and writes it).
@@ -72,6 +74,9 @@ func (c *conv) untrack(reason string, err error) {
 	c.mu.Unlock()
 	c.k.trk.clear()
 	c.k.l.p.untracked(c.k, reason, err)
+	if reason == metrics.UntrackedTLS {
+		c.k.l.p.sawTLS(c.k.ep)
+	}
 }
 
 // untrackFor maps a reader's parse error to an untrack reason.
@@ -139,9 +144,7 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 		if c.head < len(c.queue) {
 			start = max(start, c.queue[len(c.queue)-1].due)
 		}
-		if start != never {
-			due = start + int64(hold) + c.rt
-		}
+		due = addDue(start, int64(hold), c.rt)
 	}
 	if c.head > 0 && 2*c.head >= len(c.queue) {
 		// Keep the queue's memory bounded by what is outstanding.
@@ -151,6 +154,20 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	c.queue = append(c.queue, outstanding{id: r.CorrelationID, due: due})
 	c.trackLocked(due, end, 1)
 	c.mu.Unlock()
+}
+
+// holding reports whether a Kafka broker may be holding this connection's
+// oldest outstanding request, within its own deadline, at mono time now.
+// A broker stops reading a connection while it works on a request, so
+// while it holds one (a Produce waiting for its replicas, up to timeout_ms)
+// nothing more is acknowledged: no evidence of a stall.
+func (c *conv) holding(now int64) bool {
+	if !c.kafka || c.off.Load() {
+		return false
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.head < len(c.queue) && c.queue[c.head].due > now
 }
 
 // kafkaResponse matches a response to the oldest outstanding request.
@@ -171,9 +188,9 @@ func (c *conv) kafkaResponse(id int32) {
 // pinotRequest records a parsed Pinot InstanceRequest: due by its own
 // timeoutMs, or request_timeout when it carries none.
 func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
-	due := c.sendAt + c.rt
+	due := addDue(c.sendAt, c.rt)
 	if r.HasTimeout {
-		due = c.sendAt + int64(r.Timeout+pinotTimeoutSlack)
+		due = addDue(c.sendAt, int64(r.Timeout), int64(pinotTimeoutSlack))
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -183,6 +200,20 @@ func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
 }
 
 const kafkaSyncGroup = 14
+
+// addDue adds durations to a mono time, saturating at never: a request
+// that asks for a longer hold than any deadline can express is never
+// judged, rather than wrapping round to a deadline in the past.
+func addDue(at int64, ds ...int64) int64 {
+	due := at
+	for _, d := range ds {
+		if due == never || d < 0 || d > never-due {
+			return never
+		}
+		due += d
+	}
+	return due
+}
 
 // requestReader reads one profile's request frames: it asks for the
 // first bytes of each, then for as many as the profile's parser needs, and
@@ -250,7 +281,8 @@ func (r *kafkaResponses) end(int64) {}
 // newConv sets up request tracking for a framed link (its scanners are
 // set): under a profile, with the protocol's readers.
 func newConv(k *link) *conv {
-	c := &conv{k: k, thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(k.set.Unanswered.RequestTimeout.D())}
+	c := &conv{k: k, thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(k.set.Unanswered.RequestTimeout.D()),
+		kafka: k.set.Framing.Type == policy.FramingKafka, profile: policy.IsProfile(k.set.Framing.Type)}
 	switch k.set.Framing.Type {
 	case policy.FramingKafka:
 		k.reqScan.rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,

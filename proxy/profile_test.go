@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/binary"
 	"io"
+	"math"
 	"net"
 	"sync"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -215,8 +217,8 @@ func TestKafkaLongPollAndAcksZeroNotCounted(t *testing.T) {
 func TestKafkaSilentBrokerExcludedAfterOwnDeadlines(t *testing.T) {
 	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, false })
 	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 2))
+	sent := time.Now() // before the dial: no deadline can start earlier
 	c := h.dial()
-	sent := time.Now()
 	if _, err := c.Write(fetchReq(time.Second, 1)); err != nil {
 		t.Fatal(err)
 	}
@@ -426,5 +428,115 @@ func TestPinotQueryTimeoutIsTheDeadline(t *testing.T) {
 				t.Fatalf("excluded %v after the queries, before timeoutMs (1.5s) plus the 1s slack", d)
 			}
 		})
+	}
+}
+
+// A Pinot request that asks for a timeoutMs beyond any deadline is never
+// judged: its deadline saturates, it does not wrap to the past.
+func TestPinotHugeTimeoutNeverJudged(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{Delay: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h := start(t, srv.Addr(), func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot
+		s.Unanswered.RequestTimeout = policy.Duration(50 * time.Millisecond)
+		s.Unanswered.ConsecutiveTimeoutsThreshold = 1
+		s.Detector.Probe = policy.ProbeKindConnect
+	})
+	c := h.dial()
+	for i := range 3 {
+		payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: int64(i + 1), Table: "t_OFFLINE", TimeoutMs: math.MaxInt64})
+		if _, err := c.Write(frame(payload)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(200 * time.Millisecond) // within the server's 300 ms, past rt and slack
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	for range 3 {
+		readFrame(t, c, 5*time.Second)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s", ep.State)
+	}
+}
+
+// Clients that close while their long polls are parked abandon them: the
+// requests can no longer be answered, and a live broker is not blamed
+// (an application shutting down its consumers, say).
+func TestKafkaAbandonedLongPollsNotCounted(t *testing.T) {
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+		return 500 * time.Millisecond, true // an empty topic: held for max_wait
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(100*time.Millisecond, 1))
+	for i := range 5 {
+		c := h.dial()
+		if _, err := c.Write(fetchReq(500*time.Millisecond, int32(i))); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+		_ = c.SetLinger(0)
+		c.Close() // the client goes away with its Fetch parked
+		h.linkEnd(2 * time.Second)
+	}
+	time.Sleep(900 * time.Millisecond) // past every Fetch's own deadline
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) after clients abandoned their long polls, want healthy", ep.State, ep.Reason)
+	}
+}
+
+// A Kafka endpoint whose clients speak TLS is probed with a TCP connect
+// under probe: auto: a plaintext ApiVersions could never readmit it.
+func TestKafkaTLSEndpointProbedByConnect(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{}) // not a Kafka broker: only a connect probe passes
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		kafkaProfile(time.Second, 5)(s)
+		s.Detector.InitialDelay = policy.Duration(50 * time.Millisecond)
+		s.Detector.MaxDelay = policy.Duration(50 * time.Millisecond)
+		s.Detector.Jitter = 0
+	})
+	c := h.dial()
+	roundTrip(t, c, []byte{0x16, 0x03, 0x01, 0x00, 0x05, 1, 2, 3, 4, 5}) // a TLS record
+	h.p.det.Report(h.endpoint().Endpoint, metrics.ReasonDialError)
+	h.waitState("healthy", 3*time.Second)
+}
+
+// While a Kafka broker may be holding a connection's oldest request
+// within its own deadline, no acknowledged progress is no evidence of a
+// stall; past that deadline (or with nothing outstanding) it is.
+func TestKafkaHoldingExcusesNoProgress(t *testing.T) {
+	c := &conv{kafka: true}
+	now := mono()
+	if c.holding(now) {
+		t.Fatal("holding with nothing outstanding")
+	}
+	c.queue = []outstanding{{id: 1, due: now + int64(time.Second)}, {id: 2, due: never}}
+	if !c.holding(now) {
+		t.Fatal("not holding a request within its deadline")
+	}
+	if c.holding(now + int64(2*time.Second)) {
+		t.Fatal("holding past the oldest request's deadline")
+	}
+	c.head = 1 // the first was answered; the second's hold is unknown
+	if !c.holding(now + int64(time.Hour)) {
+		t.Fatal("not holding a request whose hold is unknown")
+	}
+	c.kafka = false
+	if c.holding(now) {
+		t.Fatal("holding for a protocol that reads while it works")
+	}
+}
+
+func TestAddDueSaturates(t *testing.T) {
+	if got := addDue(10, 5, 5); got != 20 {
+		t.Fatalf("addDue(10, 5, 5) = %d", got)
+	}
+	for _, ds := range [][]int64{{math.MaxInt64}, {math.MaxInt64 - 5, 10}, {-1}, {never}} {
+		if got := addDue(10, ds...); got != never {
+			t.Fatalf("addDue(10, %v) = %d, want never", ds, got)
+		}
 	}
 }

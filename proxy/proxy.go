@@ -34,6 +34,10 @@ type Options struct {
 	OnLinkEnd func(LinkStats)
 	// Resolver resolves upstream and pool host names; nil: net.DefaultResolver.
 	Resolver *net.Resolver
+	// AccessLog logs every finished link at info (log.access): listener,
+	// client, upstream, bytes each way, when it opened, how long it lived,
+	// why it ended. Without it the line is at debug.
+	AccessLog bool
 }
 
 // Proxy owns the listeners and every link they accepted.
@@ -41,6 +45,7 @@ type Proxy struct {
 	log       zerolog.Logger
 	metrics   *metrics.Metrics
 	onLinkEnd func(LinkStats)
+	accessLog bool
 
 	ctx    context.Context // cancelled by Close: aborts dials in progress
 	cancel context.CancelFunc
@@ -77,7 +82,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		m = metrics.New()
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, ctx: ctx, cancel: cancel,
+	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, accessLog: opts.AccessLog, ctx: ctx, cancel: cancel,
 		endpoints: make(map[string]*endpoint)}
 	if cfg.Interception.ExcludedSet {
 		set, err := intercept.OpenSet()
@@ -121,6 +126,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		}
 	}
 	m.Register(&bytesCollector{p: p})
+	m.Register(&queuedCollector{p: p})
 	m.Register(&stateCollector{p: p})
 	return p
 }
@@ -314,6 +320,7 @@ type listener struct {
 // tuning is what a new link takes from its listener's configuration; a
 // reload swaps it, so every key it holds takes effect for the next link.
 type tuning struct {
+	cfg           policy.Listener // the configuration it was made from
 	set           policy.Settings
 	frames        *frameSpec // nil: opaque
 	dialer        *net.Dialer
@@ -330,6 +337,7 @@ func newTuning(lc policy.Listener) *tuning {
 	balance := cmp.Or(lc.Pool.Balance, policy.DefaultPool().Balance)
 	dt := policy.DefaultTransparent()
 	return &tuning{
+		cfg:           lc,
 		set:           s,
 		balance:       balance,
 		failOpen:      lc.IsPool() && lc.Pool.FailOpen,
@@ -347,12 +355,19 @@ func newTuning(lc policy.Listener) *tuning {
 
 func (l *listener) tuning() *tuning { return l.tune.Load() }
 
+func listenerKind(cfg policy.Listener) string {
+	if cfg.IsTransparent() {
+		return metrics.KindTransparent
+	}
+	return metrics.KindPool
+}
+
 func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 	l := &listener{
 		p:       p,
 		cfg:     cfg,
 		ctx:     p.ctx,
-		m:       p.metrics.ForListener(cfg.Name),
+		m:       p.metrics.ForListenerKind(cfg.Name, listenerKind(cfg)),
 		log:     p.log.With().Str("listener", cfg.Name).Logger(),
 		links:   make(map[*link]struct{}),
 		changed: make(chan struct{}, 1),
@@ -450,7 +465,7 @@ func (l *listener) waitToListen() bool {
 				l.log.Info().Str("listen", l.addr).Msg("listening again")
 				return true
 			}
-			l.log.Error().Err(err).Str("listen", l.addr).Dur("retry_in", retry).Msg("cannot listen again")
+			l.log.Error().Err(err).Str("listen", l.addr).Dur("retry_in_ms", retry).Msg("cannot listen again")
 			select {
 			case <-time.After(retry):
 			case <-l.changed:
@@ -483,7 +498,7 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			} else if backoff *= 2; backoff > time.Second {
 				backoff = time.Second
 			}
-			l.log.Error().Err(err).Dur("retry_in", backoff).Msg("accept failed")
+			l.log.Error().Err(err).Dur("retry_in_ms", backoff).Msg("accept failed")
 			select {
 			case <-time.After(backoff):
 			case <-l.ctx.Done():
@@ -564,14 +579,22 @@ func (l *listener) serveLink(k *link) {
 	l.mu.Unlock()
 	l.m.LinksActive.Dec()
 	l.m.Closed(s.Reason)
+	l.m.LinkDuration.Observe(s.Duration.Seconds())
 	if k.blamesUpstream(s.Reason) {
 		l.p.report(k.ep, s.Reason)
 	}
 
-	if e := l.log.Debug(); e.Enabled() {
+	// The access log (log.access) is one info line per link; without it
+	// the same line is at debug.
+	e := l.log.Debug()
+	if l.p.accessLog {
+		e = l.log.Info()
+	}
+	if e.Enabled() {
 		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", s.Reason).
 			AnErr("cause", s.Err).Int64("bytes_up", s.BytesUp).Int64("bytes_down", s.BytesDown).
-			Int64("max_queued", s.MaxQueued).Dur("duration", s.Duration).Msg("link closed")
+			Int64("max_queued", s.MaxQueued).Time("opened", s.Opened).Int64("duration_ms", s.Duration.Milliseconds()).
+			Msg("link closed")
 	}
 	if l.p.onLinkEnd != nil {
 		l.p.onLinkEnd(s)
@@ -597,6 +620,29 @@ func (l *listener) stopAccepting() {
 func (l *listener) abortAll(reason string) {
 	for _, k := range l.snapshotLinks() {
 		k.abort(reason, nil)
+	}
+}
+
+// queuedCollector exports queued_bytes: the bytes waiting in links'
+// queues toward their upstreams now, per listener, read at scrape time.
+type queuedCollector struct{ p *Proxy }
+
+var queuedDesc = prometheus.NewDesc("livenessproxy_queued_bytes",
+	"Bytes read from clients and waiting in the proxy's queues for their upstreams now (the kernel's own send buffers not included).",
+	[]string{"listener"}, nil)
+
+func (c *queuedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- queuedDesc }
+
+func (c *queuedCollector) Collect(ch chan<- prometheus.Metric) {
+	c.p.mu.Lock()
+	ls := append([]*listener(nil), c.p.listeners...)
+	c.p.mu.Unlock()
+	for _, l := range ls {
+		var n int64
+		for _, k := range l.snapshotLinks() {
+			n += k.q.bytes()
+		}
+		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(n), l.cfg.Name)
 	}
 }
 

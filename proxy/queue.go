@@ -46,6 +46,13 @@ func (q *queue) init() {
 	q.drained.L = &q.mu
 }
 
+// bytes is how many bytes are queued now.
+func (q *queue) bytes() int64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.queued
+}
+
 // appendLocked copies p to the tail of the queue.
 func (q *queue) appendLocked(p []byte) {
 	q.queued += int64(len(p))

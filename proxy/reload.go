@@ -46,13 +46,29 @@ func sameTarget(a, b policy.Listener) bool {
 //
 // Admin and log settings are not reloaded (they need a restart).
 func (p *Proxy) Reload(cfg policy.Config) error {
+	_, err := p.Apply(cfg)
+	return err
+}
+
+// Changes is what a reload changed, for its log line.
+type Changes struct {
+	ListenersAdded    []string `json:"listeners_added,omitempty"`
+	ListenersRemoved  []string `json:"listeners_removed,omitempty"`
+	ListenersRetuned  []string `json:"listeners_retuned,omitempty"` // kept, with settings that differ
+	EndpointsDisabled []string `json:"endpoints_disabled,omitempty"`
+	EndpointsEnabled  []string `json:"endpoints_enabled,omitempty"`
+}
+
+// Apply is Reload, and says what changed.
+func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
+	var ch Changes
 	p.reloadMu.Lock()
 	defer p.reloadMu.Unlock()
 
 	p.mu.Lock()
 	if !p.started || p.closing {
 		p.mu.Unlock()
-		return errors.New("reload: proxy not running")
+		return ch, errors.New("reload: proxy not running")
 	}
 	old := make(map[string]*listener, len(p.listeners))
 	for _, l := range p.listeners {
@@ -63,6 +79,10 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 		l, ok := old[lc.Name]
 		if ok && sameTarget(l.cfg, lc) {
 			delete(old, lc.Name)
+			if prev := l.tuning().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
+				!reflect.DeepEqual(prev.Transparent, lc.Transparent) {
+				ch.ListenersRetuned = append(ch.ListenersRetuned, lc.Name)
+			}
 			l.tune.Store(newTuning(lc))
 			if l.pool != nil {
 				l.pool.setSpecs(lc) // members follow below
@@ -104,7 +124,9 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	for addr := range now {
 		eps, _ := p.lookup(addr)
 		for _, ep := range eps {
-			p.det.Disable(ep.addr, "config")
+			if p.det.Disable(ep.addr, "config") {
+				ch.EndpointsDisabled = append(ch.EndpointsDisabled, ep.addr)
+			}
 		}
 	}
 
@@ -112,6 +134,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 	// upstream under the same address needs the address free.
 	for _, l := range old {
 		p.retire(l, cfg.DrainTimeout.D())
+		ch.ListenersRemoved = append(ch.ListenersRemoved, l.cfg.Name)
 	}
 	var errs []error
 	lc := net.ListenConfig{KeepAlive: -1}
@@ -137,6 +160,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 		l.startRefresh()
 		l.log.Info().Str("listen", l.addr).Str("upstream", l.cfg.Upstream).Msg("listener added by reload")
 		keep = append(keep, l)
+		ch.ListenersAdded = append(ch.ListenersAdded, l.cfg.Name)
 	}
 	p.mu.Lock()
 	p.listeners = keep
@@ -146,11 +170,14 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 		if !now[addr] {
 			eps, _ := p.lookup(addr)
 			for _, ep := range eps {
-				p.det.Enable(ep.addr, "config")
+				if p.det.Enable(ep.addr, "config") {
+					ch.EndpointsEnabled = append(ch.EndpointsEnabled, ep.addr)
+				}
 			}
 		}
 	}
-	return errors.Join(errs...)
+	slices.Sort(ch.ListenersRemoved)
+	return ch, errors.Join(errs...)
 }
 
 // retire stops a listener that a reload removed: no more accepts, its
@@ -158,7 +185,7 @@ func (p *Proxy) Reload(cfg policy.Config) error {
 // goroutine the proxy owns (Shutdown waits for it).
 func (p *Proxy) retire(l *listener, drain time.Duration) {
 	l.stopAccepting()
-	l.log.Info().Int("links", len(l.snapshotLinks())).Dur("drain_timeout", drain).Msg("listener removed by reload")
+	l.log.Info().Int("links", len(l.snapshotLinks())).Dur("drain_timeout_ms", drain).Msg("listener removed by reload")
 	p.bg.Add(1)
 	go func() {
 		defer p.bg.Done()

@@ -49,10 +49,11 @@ const maxPending = 1024
 // Requests handed on within slack of each other, with no answer from the
 // endpoint in between, share an entry: the earliest send time and the
 // latest deadline. Since no answer came between them, any answer covers
-// all of them or none, so sharing changes no verdict, only delays a
-// judgement by up to slack. Past maxPending entries, new requests join the
-// newest entry whatever came in between, which only ever errs toward not
-// counting.
+// all of them or none. The entry is judged at its latest deadline, so a
+// short request that shares one with a long poll is judged late (and an
+// answer meanwhile clears it): sharing only ever errs toward not
+// counting. Past maxPending entries, new requests join the newest entry
+// whatever came in between, with the same bias.
 //
 // A link's tracker judges the link's requests; when the link ends, its
 // unjudged requests are handed to the endpoint's tracker (adopt), so a

@@ -1,20 +1,27 @@
 package admin
 
 import (
+	"bufio"
+	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/rs/zerolog"
 	"go.uber.org/goleak"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
@@ -25,7 +32,8 @@ var client = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, T
 
 type fixture struct {
 	t    *testing.T
-	url  string
+	url  string // the read-only server
+	ctl  string // the control server
 	p    *proxy.Proxy
 	peer *faultpeer.Server
 }
@@ -38,10 +46,12 @@ func setup(t *testing.T) *fixture {
 	m := metrics.New()
 	p := proxy.New(cfg, proxy.Options{Metrics: m})
 	var ready atomic.Bool
-	ts := httptest.NewServer(Handler(m.Registry, ready.Load, p))
+	ts := httptest.NewServer(ReadHandler(m.Registry, ready.Load, p))
 	t.Cleanup(ts.Close)
+	cs := httptest.NewServer(ControlHandler(p, ""))
+	t.Cleanup(cs.Close)
 	t.Cleanup(func() { _ = p.Close() })
-	f := &fixture{t: t, url: ts.URL, p: p, peer: peer}
+	f := &fixture{t: t, url: ts.URL, ctl: cs.URL, p: p, peer: peer}
 	if code, _ := f.do("GET", "/readyz"); code != http.StatusServiceUnavailable {
 		t.Fatalf("/readyz before start = %d, want 503", code)
 	}
@@ -54,7 +64,18 @@ func setup(t *testing.T) *fixture {
 
 func (f *fixture) do(method, path string) (int, string) {
 	f.t.Helper()
-	req, _ := http.NewRequest(method, f.url+path, nil)
+	return f.doAt(f.url, method, path)
+}
+
+// control sends a request to the control server.
+func (f *fixture) control(method, path string) (int, string) {
+	f.t.Helper()
+	return f.doAt(f.ctl, method, path)
+}
+
+func (f *fixture) doAt(base, method, path string) (int, string) {
+	f.t.Helper()
+	req, _ := http.NewRequest(method, base+path, nil)
 	resp, err := client.Do(req)
 	if err != nil {
 		f.t.Fatal(err)
@@ -123,7 +144,7 @@ func TestEndpointsAPI(t *testing.T) {
 		{"POST", "/v1/endpoints/" + ep + "/disable", 200, `"changed": true`},
 		{"POST", "/v1/endpoints/" + ep + "/disable", 200, `"changed": false`},
 	} {
-		code, body := f.do(tc.method, tc.path)
+		code, body := f.control(tc.method, tc.path)
 		if code != tc.code || !strings.Contains(body, tc.body) {
 			t.Errorf("%s %s = %d %s, want %d with %s", tc.method, tc.path, code, body, tc.code, tc.body)
 		}
@@ -134,13 +155,171 @@ func TestEndpointsAPI(t *testing.T) {
 	if _, err := c.Read(make([]byte, 1)); err == nil {
 		t.Fatal("link to a disabled endpoint still open")
 	}
-	if code, body := f.do("POST", "/v1/endpoints/"+ep+"/enable"); code != 200 || !strings.Contains(body, `"changed": true`) {
+	if code, body := f.control("POST", "/v1/endpoints/"+ep+"/enable"); code != 200 || !strings.Contains(body, `"changed": true`) {
 		t.Fatalf("enable = %d %s", code, body)
 	}
 	if eps := f.endpoints(); eps[0].State != "healthy" {
 		t.Fatalf("after enable: %+v", eps[0])
 	}
-	if code, body := f.do("POST", "/v1/endpoints/"+ep+"/evict"); code != 200 || !strings.Contains(body, `"links_closed": 0`) {
+	if code, body := f.control("POST", "/v1/endpoints/"+ep+"/evict"); code != 200 || !strings.Contains(body, `"links_closed": 0`) {
 		t.Fatalf("evict = %d %s", code, body)
+	}
+}
+
+// The read-only server never runs an action, whatever the caller sends: it
+// points at the control server instead.
+func TestReadServerRefusesActions(t *testing.T) {
+	f := setup(t)
+	ep := f.peer.Addr()
+	for _, action := range []string{"disable", "enable", "evict"} {
+		code, body := f.do("POST", "/v1/endpoints/"+ep+"/"+action)
+		if code != http.StatusNotFound || !strings.Contains(body, "admin.control_listen") {
+			t.Errorf("POST %s on the read-only server = %d %s, want 404 naming admin.control_listen", action, code, body)
+		}
+	}
+	if eps := f.endpoints(); eps[0].State != "healthy" {
+		t.Fatalf("endpoint %s after actions sent to the read-only server", eps[0].State)
+	}
+	if code, body := f.do("GET", "/v1/pools"); code != 200 || !strings.Contains(body, `"listener": "echo"`) {
+		t.Fatalf("GET /v1/pools = %d %s", code, body)
+	}
+}
+
+// startAdmin starts the admin servers for a real proxy in front of an echo
+// peer; it returns them and the proxy.
+func startAdmin(t *testing.T, cfg Config) (*Server, *proxy.Proxy, string) {
+	t.Helper()
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	pc := policy.DefaultConfig()
+	pc.Listeners = []policy.Listener{{Name: "echo", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: pc.Defaults}}
+	m := metrics.New()
+	p := proxy.New(pc, proxy.Options{Metrics: m})
+	t.Cleanup(func() { _ = p.Close() })
+	s, err := Start(cfg, m.Registry, func() bool { return true }, p, zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Shutdown(context.Background()) })
+	return s, p, peer.Addr()
+}
+
+// The actions on a Unix socket: reachable only through the file system.
+func TestControlOnUnixSocket(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "control.sock")
+	_, _, ep := startAdmin(t, Config{ControlListen: "unix:" + sock})
+	fi, err := os.Stat(sock)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("socket %v (%v), want mode 0600", fi, err)
+	}
+	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+		}}}
+	defer c.CloseIdleConnections()
+	resp, err := c.Post("http://control/v1/endpoints/"+ep+"/disable", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(b), `"changed": true`) {
+		t.Fatalf("disable over the socket = %d %s", resp.StatusCode, b)
+	}
+}
+
+// Each server holds at most MaxConns connections: idle keep-alive clients
+// cannot pin descriptors and memory without bound, and IdleTimeout frees
+// their slots.
+func TestAdminConnectionCap(t *testing.T) {
+	s, _, _ := startAdmin(t, Config{Listen: "127.0.0.1:0", MaxConns: 2, IdleTimeout: 300 * time.Millisecond})
+	addr := s.Addr().String()
+	get := func(c net.Conn) error {
+		if _, err := io.WriteString(c, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"); err != nil {
+			return err
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			return err
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		return resp.Body.Close()
+	}
+	var idle []net.Conn
+	for range 2 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if err := get(c); err != nil {
+			t.Fatal(err)
+		}
+		idle = append(idle, c) // kept alive, idle
+	}
+	third, err := net.Dial("tcp", addr) // the kernel completes it; the server does not take it yet
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer third.Close()
+	_ = third.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := get(third); err != nil {
+		t.Fatalf("third connection: %v", err)
+	}
+	// It was served only once an idle one was closed by the server.
+	closed := 0
+	for _, c := range idle {
+		_ = c.SetReadDeadline(time.Now().Add(time.Second))
+		if _, err := c.Read(make([]byte, 1)); err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			closed++
+		}
+	}
+	if closed == 0 {
+		t.Fatal("the third connection was served while both idle ones were still open: no cap")
+	}
+}
+
+// The actions off loopback need the bearer token: in a network namespace
+// of the test's own (no root needed), the control server listens on a
+// non-loopback address, and a client on the far side of a veth pair is
+// refused without the token, or with a wrong one, and served with it.
+func TestControlOffLoopbackNeedsToken(t *testing.T) {
+	if !netns.Reexec(t) {
+		return
+	}
+	peerNS := netns.NewNS(t)
+	link := netns.Veth(t, peerNS, "10.231.7.1/24", "10.231.7.2/24")
+	token := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(token, []byte("s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s, _, ep := startAdmin(t, Config{ControlListen: link.LocalIP().String() + ":0", TokenFile: token})
+	url := "http://" + s.ControlAddr().String() + "/v1/endpoints/" + ep + "/disable"
+	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{
+		DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			return peerNS.DialContext(ctx, &net.Dialer{}, network, addr)
+		}}}
+	for _, tc := range []struct {
+		auth string
+		code int
+	}{
+		{"", http.StatusUnauthorized},
+		{"Bearer wrong", http.StatusUnauthorized},
+		{"Basic czNjcmV0", http.StatusUnauthorized},
+		{"Bearer s3cret", http.StatusOK},
+	} {
+		req, _ := http.NewRequest("POST", url, nil)
+		if tc.auth != "" {
+			req.Header.Set("Authorization", tc.auth)
+		}
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tc.code {
+			t.Errorf("Authorization %q from %s: %d %s, want %d", tc.auth, link.PeerIP(), resp.StatusCode, b, tc.code)
+		}
 	}
 }

@@ -4,6 +4,9 @@
 package metrics
 
 import (
+	"slices"
+	"sync"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 )
@@ -88,7 +91,11 @@ type Metrics struct {
 	untrackedLinks      *prometheus.CounterVec
 	failOpenLinks       *prometheus.CounterVec
 	dnsErrors           *prometheus.CounterVec
+	linkDuration        *prometheus.HistogramVec
 	configReloads       *prometheus.CounterVec
+	lastReloadOK        prometheus.Gauge
+	lastReloadAt        prometheus.Gauge
+	buildInfo           *prometheus.GaugeVec
 }
 
 // New builds the collectors and registers them, with the Go runtime and
@@ -157,6 +164,23 @@ func New() *Metrics {
 			Namespace: namespace, Name: "dns_errors_total",
 			Help: "Failed lookups of upstream and pool names (the last good addresses are kept).",
 		}, []string{"listener"}),
+		linkDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "link_duration_seconds",
+			Help:    "How long links lived, from accept to end.",
+			Buckets: []float64{.001, .01, .1, 1, 10, 60, 600, 3600, 6 * 3600, 24 * 3600},
+		}, []string{"listener"}),
+		lastReloadOK: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "config_last_reload_successful",
+			Help: "1 if the last configuration load (at start, or a reload) succeeded, 0 while the file on disk is rejected.",
+		}),
+		lastReloadAt: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "config_last_reload_success_timestamp_seconds",
+			Help: "Unix time of the last successful configuration load (at start, or a reload).",
+		}),
+		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "build_info",
+			Help: "1, labelled with the running binary's version, VCS revision and Go version.",
+		}, []string{"version", "revision", "goversion"}),
 		configReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "config_reloads_total",
 			Help: "Configuration reloads (file change or SIGHUP): ok, or error (the last good config keeps serving).",
@@ -164,12 +188,16 @@ func New() *Metrics {
 	}
 	m.configReloads.WithLabelValues("ok")
 	m.configReloads.WithLabelValues("error")
+	// The configuration a process starts with was loaded successfully.
+	m.lastReloadOK.Set(1)
+	m.lastReloadAt.SetToCurrentTime()
 	m.Registry.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.configReloads,
+		m.linkDuration, m.lastReloadOK, m.lastReloadAt, m.buildInfo,
 	)
 	return m
 }
@@ -190,14 +218,38 @@ type Listener struct {
 	StaleFramesDropped  prometheus.Counter
 	FailOpenLinks       prometheus.Counter
 	DNSErrors           prometheus.Counter
-	closes              map[string]prometheus.Counter
-	evictions           map[string]prometheus.Counter
-	untracked           map[string]prometheus.Counter
+	LinkDuration        prometheus.Observer
+
+	m         *Metrics
+	name      string
+	mu        sync.Mutex
+	closes    map[string]prometheus.Counter
+	evictions map[string]prometheus.Counter
+	untracked map[string]prometheus.Counter
 }
 
-// ForListener resolves (and so pre-creates at zero) every series of one listener.
-func (m *Metrics) ForListener(name string) *Listener {
+// Listener kinds for ForListenerKind: what series a listener can produce.
+const (
+	KindPool        = "pool"        // an explicit or pool listener
+	KindTransparent = "transparent" // a transparent listener
+)
+
+// transparentOnly are close reasons only a transparent listener produces.
+var transparentOnly = []string{ReasonNoMatch, ReasonLoop, ReasonCapacity}
+
+// ForListener resolves (and so pre-creates at zero) every series of one
+// listener, of any kind.
+func (m *Metrics) ForListener(name string) *Listener { return m.ForListenerKind(name, "") }
+
+// ForListenerKind resolves, and so pre-creates at zero, the series a
+// listener of kind can produce ("": every series): a pool listener has no
+// no_match, loop or capacity closes, a transparent one no dns errors.
+// Others are created if they ever count.
+func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 	l := &Listener{
+		m:                   m,
+		name:                name,
+		LinkDuration:        m.linkDuration.WithLabelValues(name),
 		LinksActive:         m.linksActive.WithLabelValues(name),
 		LinksTotal:          m.linksTotal.WithLabelValues(name),
 		DialErrors:          m.dialErrors.WithLabelValues(name),
@@ -210,15 +262,22 @@ func (m *Metrics) ForListener(name string) *Listener {
 		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
 		StaleFramesDropped:  m.staleFramesDropped.WithLabelValues(name),
 		FailOpenLinks:       m.failOpenLinks.WithLabelValues(name),
-		DNSErrors:           m.dnsErrors.WithLabelValues(name),
 		closes:              make(map[string]prometheus.Counter, len(Reasons)),
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
+	}
+	if kind != KindTransparent {
+		l.DNSErrors = m.dnsErrors.WithLabelValues(name)
+	} else {
+		l.DNSErrors = lazyCounter{vec: m.dnsErrors, labels: []string{name}}
 	}
 	for _, r := range UntrackedReasons {
 		l.untracked[r] = m.untrackedLinks.WithLabelValues(name, r)
 	}
 	for _, r := range Reasons {
+		if kind == KindPool && slices.Contains(transparentOnly, r) {
+			continue
+		}
 		l.closes[r] = m.linkCloses.WithLabelValues(name, r)
 	}
 	for _, r := range EvictReasons {
@@ -227,45 +286,83 @@ func (m *Metrics) ForListener(name string) *Listener {
 	return l
 }
 
-// Closes returns the link_closes_total counter of one reason (nil if the
-// reason is not one of Reasons).
-func (l *Listener) Closes(reason string) prometheus.Counter { return l.closes[reason] }
+// lazyCounter creates its series only when it first counts.
+type lazyCounter struct {
+	prometheus.Counter // nil: never used for reading
+	vec                *prometheus.CounterVec
+	labels             []string
+}
 
-// Evictions returns the evictions_total counter of one reason (nil if the
-// reason is not one of EvictReasons).
-func (l *Listener) Evictions(reason string) prometheus.Counter { return l.evictions[reason] }
+func (c lazyCounter) Inc()          { c.vec.WithLabelValues(c.labels...).Inc() }
+func (c lazyCounter) Add(v float64) { c.vec.WithLabelValues(c.labels...).Add(v) }
+
+// series returns the counter of one reason from m, creating it in vec on
+// first use (a reason the listener's kind was not expected to produce).
+func (l *Listener) series(m map[string]prometheus.Counter, vec *prometheus.CounterVec, reason string) prometheus.Counter {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	c, ok := m[reason]
+	if !ok {
+		c = vec.WithLabelValues(l.name, reason)
+		m[reason] = c
+	}
+	return c
+}
+
+// Closes returns the link_closes_total counter of one reason.
+func (l *Listener) Closes(reason string) prometheus.Counter {
+	return l.series(l.closes, l.m.linkCloses, reason)
+}
+
+// Evictions returns the evictions_total counter of one reason.
+func (l *Listener) Evictions(reason string) prometheus.Counter {
+	return l.series(l.evictions, l.m.evictions, reason)
+}
 
 // Evicted counts n links evicted for reason.
 func (l *Listener) Evicted(reason string, n int) {
-	if c, ok := l.evictions[reason]; ok && n > 0 {
-		c.Add(float64(n))
+	if n > 0 {
+		l.Evictions(reason).Add(float64(n))
 	}
 }
 
-// Untracked returns the untracked_links_total counter of one reason (nil
-// if the reason is not one of UntrackedReasons).
-func (l *Listener) Untracked(reason string) prometheus.Counter { return l.untracked[reason] }
+// Untracked returns the untracked_links_total counter of one reason.
+func (l *Listener) Untracked(reason string) prometheus.Counter {
+	return l.series(l.untracked, l.m.untrackedLinks, reason)
+}
 
 // Closed counts one link end with its reason.
-func (l *Listener) Closed(reason string) {
-	if c, ok := l.closes[reason]; ok {
-		c.Inc()
-	}
-}
+func (l *Listener) Closed(reason string) { l.Closes(reason).Inc() }
 
 // Forget drops a removed listener's series.
 func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
+		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}
 }
 
-// ConfigReload counts one reload with its result ("ok" or "error").
-func (m *Metrics) ConfigReload(result string) { m.configReloads.WithLabelValues(result).Inc() }
+// ConfigReload counts one reload with its result ("ok" or "error") and
+// keeps config_last_reload_successful and its timestamp in step.
+func (m *Metrics) ConfigReload(result string) {
+	m.configReloads.WithLabelValues(result).Inc()
+	if result == "ok" {
+		m.lastReloadOK.Set(1)
+		m.lastReloadAt.SetToCurrentTime()
+	} else {
+		m.lastReloadOK.Set(0)
+	}
+}
+
+// SetBuildInfo sets build_info's labels: the version the binary reports,
+// its VCS revision and the Go version it was built with.
+func (m *Metrics) SetBuildInfo(version, revision, goversion string) {
+	m.buildInfo.Reset()
+	m.buildInfo.WithLabelValues(version, revision, goversion).Set(1)
+}
 
 // Register adds a collector the data plane owns (such as bytes_total,
 // which is computed from live links at scrape time).

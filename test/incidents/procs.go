@@ -268,7 +268,8 @@ func (s *serverProc) stats() (pinotsim.ServerStats, error) {
 // proxyProc is livenessproxy in its own process, with its admin API.
 type proxyProc struct {
 	*child
-	admin     string
+	admin     string // the read-only admin server
+	control   string // the control server (the endpoint actions)
 	listeners map[string]string
 	http      *http.Client
 
@@ -294,7 +295,7 @@ func startProxy(r *rig, yaml string) (*proxyProc, error) {
 		c.kill()
 		return nil, fmt.Errorf("proxy process: %v (first line %+v)", err, h)
 	}
-	p.admin, p.listeners = h.Ready.Admin, h.Ready.Listeners
+	p.admin, p.control, p.listeners = h.Ready.Admin, h.Ready.Control, h.Ready.Listeners
 	go p.collect()
 	r.cleanup(func() {
 		c.stop(3 * time.Second)
@@ -360,7 +361,7 @@ func (p *proxyProc) endpoint(addr string) (proxy.EndpointStatus, error) {
 
 // action POSTs /v1/endpoints/{addr}/{action} and returns the JSON answer.
 func (p *proxyProc) action(addr, action string) (map[string]any, error) {
-	resp, err := p.http.Post("http://"+p.admin+"/v1/endpoints/"+addr+"/"+action, "application/json", nil)
+	resp, err := p.http.Post("http://"+p.control+"/v1/endpoints/"+addr+"/"+action, "application/json", nil)
 	if err != nil {
 		return nil, err
 	}

@@ -100,6 +100,7 @@ func serverRole(addr, health string) int {
 // proxyHello is the first line a proxy process prints.
 type proxyHello struct {
 	Admin     string            `json:"admin"`
+	Control   string            `json:"control"`
 	Listeners map[string]string `json:"listeners"`
 }
 
@@ -150,7 +151,9 @@ func proxyRole(yaml string) int {
 		}
 		emit(proxyLine{LinkEnd: e})
 	}})
-	adm, err := admin.Start(cfg.Admin.Listen, admin.Handler(m.Registry, p.Ready, p), log)
+	// Both admin servers on ports of their own (the control default,
+	// 9902, could clash between replays).
+	adm, err := admin.Start(admin.Config{Listen: cfg.Admin.Listen, ControlListen: "127.0.0.1:0"}, m.Registry, p.Ready, p, log)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "admin server: %v\n", err)
 		return 1
@@ -160,7 +163,7 @@ func proxyRole(yaml string) int {
 		_ = adm.Shutdown(context.Background())
 		return 1
 	}
-	hello := &proxyHello{Admin: adm.Addr().String(), Listeners: map[string]string{}}
+	hello := &proxyHello{Admin: adm.Addr().String(), Control: adm.ControlAddr().String(), Listeners: map[string]string{}}
 	for _, l := range cfg.Listeners {
 		hello.Listeners[l.Name] = p.Addr(l.Name).String()
 	}

@@ -1,0 +1,239 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/json"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/rs/zerolog"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// syncBuffer is a log sink safe for the proxy's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+// lines returns the JSON log lines with the given message.
+func (s *syncBuffer) lines(t *testing.T, msg string) []map[string]any {
+	t.Helper()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []map[string]any
+	for _, line := range strings.Split(s.b.String(), "\n") {
+		if line == "" {
+			continue
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(line), &m); err != nil {
+			t.Fatalf("log line %q: %v", line, err)
+		}
+		if m["message"] == msg {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// family returns the gathered metric family name (prefix added).
+func family(t *testing.T, m *metrics.Metrics, name string) *dto.MetricFamily {
+	t.Helper()
+	mfs, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "livenessproxy_"+name {
+			return mf
+		}
+	}
+	return nil
+}
+
+// hasLabel reports whether the family has a series with label=value.
+func hasLabel(mf *dto.MetricFamily, label, value string) bool {
+	if mf == nil {
+		return false
+	}
+	for _, m := range mf.GetMetric() {
+		for _, lp := range m.GetLabel() {
+			if lp.GetName() == label && lp.GetValue() == value {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// With log.access every finished link is one info line with what an
+// HAProxy user expects; an exclusion is one line, with the links it
+// closed, the one whose end was the evidence included.
+func TestAccessLogAndOneLinePerStateChange(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	var sink syncBuffer
+	log := zerolog.New(&sink).Level(zerolog.InfoLevel)
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: cfg.Defaults}}
+	p := New(cfg, Options{Logger: &log, AccessLog: true})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	c, err := net.Dial("tcp", p.Addr("test").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, c, []byte("hello"))
+	c.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for len(sink.lines(t, "link closed")) == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	lines := sink.lines(t, "link closed")
+	if len(lines) != 1 {
+		t.Fatalf("%d access log lines, want 1", len(lines))
+	}
+	l := lines[0]
+	for _, k := range []string{"listener", "client", "upstream", "bytes_up", "bytes_down", "opened", "duration_ms", "reason"} {
+		if _, ok := l[k]; !ok {
+			t.Errorf("access log line lacks %q: %v", k, l)
+		}
+	}
+	if l["level"] != "info" || l["bytes_up"] != 5.0 || l["bytes_down"] != 5.0 || l["upstream"] != peer.Addr() || l["reason"] != "client_closed" {
+		t.Errorf("access log line %v", l)
+	}
+
+	// One line per state change (the detector's own is at debug).
+	p.det.Report(p.Endpoints()[0].Endpoint, metrics.ReasonWriteTimeout)
+	deadline = time.Now().Add(5 * time.Second)
+	for len(sink.lines(t, "endpoint excluded")) == 0 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n := len(sink.lines(t, "endpoint excluded")) + len(sink.lines(t, "endpoint state changed")); n != 1 {
+		t.Fatalf("%d lines for one exclusion, want 1", n)
+	}
+	if got := sink.lines(t, "endpoint excluded")[0]["links_closed"]; got != 1.0 {
+		t.Errorf("links_closed %v for an exclusion by a link's write timeout, want 1 (that link)", got)
+	}
+}
+
+// Endpoint-level counters count once per endpoint whatever the number of
+// listeners routing to it, so a sum() does not overcount; a listener kind
+// has no series it can never produce; queued bytes and link durations are
+// exported.
+func TestEndpointCountersOncePerEndpoint(t *testing.T) {
+	dead := closedPort(t)
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	s.Detector.InitialDelay = policy.Duration(20 * time.Millisecond)
+	s.Detector.MaxDelay = policy.Duration(20 * time.Millisecond)
+	s.Detector.Jitter = 0
+	cfg.Listeners = []policy.Listener{
+		{Name: "a", Listen: "127.0.0.1:0", Upstream: dead, Settings: s},
+		{Name: "b", Listen: "127.0.0.1:0", Upstream: dead, Settings: s},
+		{Name: "t", Listen: "127.0.0.1:0", Settings: s, Transparent: policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}}}},
+	}
+	m := metrics.New()
+	p := New(cfg, Options{Metrics: m})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	p.det.Report(p.Endpoints()[0].Endpoint, metrics.ReasonDialError)
+	deadline := time.Now().Add(5 * time.Second)
+	for p.Endpoints()[0].FailedProbes < 3 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	p.det.Disable(p.Endpoints()[0].Endpoint, "test") // stops the probes
+	failed := p.Endpoints()[0].FailedProbes
+	var sum float64
+	for _, mm := range family(t, m, "probes_total").GetMetric() {
+		for _, lp := range mm.GetLabel() {
+			if lp.GetName() == "result" && lp.GetValue() == "fail" {
+				sum += mm.GetCounter().GetValue()
+			}
+		}
+	}
+	if sum != float64(failed) {
+		t.Fatalf("sum(probes_total{result=fail}) = %v over two listeners, want %d (once per probe)", sum, failed)
+	}
+	closes := family(t, m, "link_closes_total")
+	if !hasLabel(closes, "reason", "no_match") || !hasLabel(closes, "reason", "capacity") {
+		t.Fatal("the transparent listener's no_match and capacity series are missing")
+	}
+	for _, mm := range closes.GetMetric() {
+		var listener, reason string
+		for _, lp := range mm.GetLabel() {
+			switch lp.GetName() {
+			case "listener":
+				listener = lp.GetValue()
+			case "reason":
+				reason = lp.GetValue()
+			}
+		}
+		if listener != "t" && (reason == "no_match" || reason == "loop" || reason == "capacity") {
+			t.Errorf("pool listener %s has a %s series it can never produce", listener, reason)
+		}
+	}
+	if hasLabel(family(t, m, "dns_errors_total"), "listener", "t") {
+		t.Error("the transparent listener has a dns_errors_total series it can never produce")
+	}
+	if !hasLabel(family(t, m, "queued_bytes"), "listener", "a") {
+		t.Error("no queued_bytes series")
+	}
+	if family(t, m, "link_duration_seconds") == nil {
+		t.Error("no link_duration_seconds")
+	}
+}
+
+func closedPort(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	return addr
+}
+
+// queued_bytes shows what waits in the proxy's queues for a stalled
+// upstream.
+func TestQueuedBytesGauge(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout, s.TCPUserTimeout = 0, 0
+		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: 4 << 20, LowWaterMark: 1 << 20, OnOverflow: policy.OverflowBackpressure}
+	})
+	c := h.dial()
+	writeAsync(c, 16<<20, 64<<10)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var v float64
+		if mf := family(t, h.m, "queued_bytes"); mf != nil {
+			v = mf.GetMetric()[0].GetGauge().GetValue()
+		}
+		if v > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("queued_bytes stayed 0 with a stalled upstream")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
