@@ -1,7 +1,9 @@
 // Package charttest tests the Helm chart in ../livenessproxy: helm lint and
-// helm template with several values files, every rendered document decoded
-// strictly into Kubernetes API types, and the rendered proxy config
-// validated by the real proxy (`livenessproxy check`).
+// helm template with several values files and with each option, every
+// rendered document decoded strictly into Kubernetes API types (and the
+// prometheus-operator types for ServiceMonitor and PodMonitor), what the
+// NetworkPolicy lets in evaluated port by port, and the rendered proxy
+// config validated by the real proxy (`livenessproxy check`).
 //
 // It is a separate Go module so that Kubernetes dependencies never enter the
 // proxy's own module. Run it with `go test ./...` in helm/test; install helm
@@ -24,8 +26,10 @@ import (
 	"sync"
 	"testing"
 
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
 )
@@ -37,17 +41,62 @@ const (
 	proxyUID = 1337
 )
 
-// valueSets are the values files every test renders: nil is the chart's
-// defaults.
-var valueSets = []struct {
+// namespace is the release namespace every test renders into.
+const namespace = "data"
+
+// valueSet is one way to render the chart: values files and --set flags
+// (none: the chart's defaults), and what it must render.
+type valueSet struct {
 	name  string
 	files []string
-}{
-	{"default", nil},
-	{"full", []string{"testdata/values-full.yaml"}},
-	{"minimal", []string{"testdata/values-minimal.yaml"}},
-	{"pools", []string{"testdata/values-pools.yaml"}},
+	set   []string
+	want  want
 }
+
+// want is what a value set renders: how many objects of each kind, and
+// what the pods carry.
+type want struct {
+	deployments, networkPolicies, services, serviceMonitors, podMonitors, dashboards int
+	// checksum: the pods carry the config checksum annotation.
+	checksum bool
+	// scraper is a pod that networkPolicy.scraperSelector admits (nil: the
+	// default, a prometheus pod in the release's namespace).
+	scraper *source
+	// operator is a pod that networkPolicy.controlFrom admits to the
+	// control port (nil: none).
+	operator *source
+}
+
+// valueSets are the value sets every test renders.
+var valueSets = []valueSet{
+	// The defaults: the config, the dashboard and the NetworkPolicy (for
+	// the example broker's pods, which are off).
+	{name: "default", want: want{networkPolicies: 1, dashboards: 1}},
+	{name: "full", files: []string{"testdata/values-full.yaml"}, want: want{
+		deployments: 1, networkPolicies: 1, services: 1, serviceMonitors: 1, podMonitors: 1, dashboards: 1,
+		checksum: true, scraper: &prometheusInMonitoring}},
+	// The admin server off: no NetworkPolicy (nothing to restrict).
+	{name: "minimal", files: []string{"testdata/values-minimal.yaml"}},
+	{name: "pools", files: []string{"testdata/values-pools.yaml"}, want: want{networkPolicies: 1, dashboards: 1}},
+	// One option at a time.
+	{name: "example", set: []string{"example.enabled=true"}, want: want{deployments: 1, networkPolicies: 1, dashboards: 1}},
+	{name: "networkpolicy-off", set: []string{"example.enabled=true", "networkPolicy.enabled=false"}, want: want{deployments: 1, dashboards: 1}},
+	{name: "checksum", set: []string{"example.enabled=true", "podAnnotations.configChecksum=true"}, want: want{deployments: 1, networkPolicies: 1, dashboards: 1, checksum: true}},
+	{name: "servicemonitor", set: []string{"example.enabled=true", "serviceMonitor.enabled=true", "serviceMonitor.labels.release=kps", "serviceMonitor.interval=30s"},
+		want: want{deployments: 1, networkPolicies: 1, services: 1, serviceMonitors: 1, dashboards: 1}},
+	{name: "podmonitor", set: []string{"example.enabled=true", "podMonitor.enabled=true", "podMonitor.scrapeTimeout=5s"},
+		want: want{deployments: 1, networkPolicies: 1, podMonitors: 1, dashboards: 1}},
+	// The control server on the pod address with a token from a Secret.
+	{name: "admin-token", files: []string{"testdata/values-admin-token.yaml"}, want: want{
+		deployments: 1, networkPolicies: 1, dashboards: 1, operator: &source{ns: "ops", pod: map[string]string{"app": "lp-operator"}}}},
+	// The two guides of helm/README.md (redirect with a transparent listener).
+	{name: "pinot-broker", files: []string{"testdata/values-pinot-broker.yaml"}, want: want{
+		deployments: 1, networkPolicies: 1, dashboards: 1, scraper: &prometheusInMonitoring}},
+	{name: "kafka-client", files: []string{"testdata/values-kafka-client.yaml"}, want: want{
+		networkPolicies: 1, podMonitors: 1, dashboards: 1, scraper: &prometheusInMonitoring}},
+}
+
+var prometheusInMonitoring = source{ns: "monitoring", pod: map[string]string{"app.kubernetes.io/name": "prometheus"}}
 
 func requireAll() bool { return os.Getenv("LIVENESSPROXY_REQUIRE_ALL") == "1" }
 
@@ -92,10 +141,13 @@ func helm(t *testing.T, args ...string) (string, error) {
 	return stdout.String(), nil
 }
 
-func valuesArgs(files []string) []string {
+func valuesArgs(files []string, sets ...string) []string {
 	var args []string
 	for _, f := range files {
 		args = append(args, "-f", f)
+	}
+	for _, s := range sets {
+		args = append(args, "--set", s)
 	}
 	return args
 }
@@ -132,6 +184,17 @@ func proxyBinary(t *testing.T) string {
 func checkConfig(t *testing.T, config string) {
 	t.Helper()
 	bin := proxyBinary(t)
+	if keys := newAdminKeys(t, config); len(keys) > 0 && !binaryKnows(t, bin) {
+		// The chart renders the split admin server's keys only when values
+		// set them; a binary from before the split rejects them.
+		msg := fmt.Sprintf("the proxy built from this repository does not know %s yet: not checking this config", strings.Join(keys, ", "))
+		if requireAll() {
+			t.Error(msg + " (LIVENESSPROXY_REQUIRE_ALL=1)")
+			return
+		}
+		t.Log(msg)
+		return
+	}
 	f := filepath.Join(t.TempDir(), "config.yaml")
 	if err := os.WriteFile(f, []byte(config), 0o644); err != nil {
 		t.Fatal(err)
@@ -142,10 +205,139 @@ func checkConfig(t *testing.T, config string) {
 	}
 }
 
+// adminConfig is the part of the proxy config the chart reads.
+type adminConfig struct {
+	Admin struct {
+		Listen        *string `json:"listen"`
+		ControlListen *string `json:"control_listen"`
+		TokenFile     *string `json:"token_file"`
+	} `json:"admin"`
+	Log struct {
+		Access *bool `json:"access"`
+	} `json:"log"`
+}
+
+func parseAdmin(t *testing.T, config string) adminConfig {
+	t.Helper()
+	var c adminConfig
+	if err := yaml.Unmarshal([]byte(config), &c); err != nil {
+		t.Fatalf("rendered config: %v\n%s", err, config)
+	}
+	return c
+}
+
+// newAdminKeys lists the keys of the split admin server (and access log)
+// that the config sets.
+func newAdminKeys(t *testing.T, config string) []string {
+	c := parseAdmin(t, config)
+	var keys []string
+	if c.Admin.ControlListen != nil {
+		keys = append(keys, "admin.control_listen")
+	}
+	if c.Admin.TokenFile != nil {
+		keys = append(keys, "admin.token_file")
+	}
+	if c.Log.Access != nil {
+		keys = append(keys, "log.access")
+	}
+	return keys
+}
+
+var (
+	knowsOnce sync.Once
+	knows     bool
+)
+
+// binaryKnows reports whether the proxy accepts admin.control_listen,
+// admin.token_file and log.access.
+func binaryKnows(t *testing.T, bin string) bool {
+	knowsOnce.Do(func() {
+		f := filepath.Join(t.TempDir(), "probe.yaml")
+		probe := "admin: {listen: 0.0.0.0:9901, control_listen: 127.0.0.1:9902, token_file: /tmp/token}\nlog: {access: true}\n" +
+			"listeners: [{name: a, listen: 127.0.0.1:18098, upstream: db:1}]\n"
+		if err := os.WriteFile(f, []byte(probe), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		out, err := exec.Command(bin, "check", "--config", f).CombinedOutput()
+		knows = err == nil || !strings.Contains(string(out), "unknown key")
+	})
+	return knows
+}
+
+// adminPorts are the admin (read-only) port from admin.listen (0: off) and
+// the control port when admin.control_listen is a pod address (0: loopback,
+// a unix socket, or off), and the control server's port wherever it is
+// (the proxy's default 127.0.0.1:9902 when unset).
+func adminPorts(t *testing.T, config string) (admin, control, anyControl int32) {
+	t.Helper()
+	c := parseAdmin(t, config)
+	port := func(addr string) int32 {
+		i := strings.LastIndex(addr, ":")
+		var p int32
+		if _, err := fmt.Sscan(addr[i+1:], &p); err != nil {
+			t.Fatalf("address %q: %v", addr, err)
+		}
+		return p
+	}
+	listen := "127.0.0.1:9901"
+	if c.Admin.Listen != nil {
+		listen = *c.Admin.Listen
+	}
+	if listen != "" {
+		admin = port(listen)
+	}
+	cl := "127.0.0.1:9902"
+	if c.Admin.ControlListen != nil {
+		cl = *c.Admin.ControlListen
+	}
+	if cl != "" && !strings.HasPrefix(cl, "unix:") {
+		anyControl = port(cl)
+		if !regexp.MustCompile(`^(127\.|localhost:|\[::1\]:)`).MatchString(cl) {
+			control = anyControl
+		}
+	}
+	return admin, control, anyControl
+}
+
 // rendered is one helm template output, decoded.
 type rendered struct {
-	configMaps  map[string]*corev1.ConfigMap
-	deployments []*appsv1.Deployment
+	configMaps      map[string]*corev1.ConfigMap
+	deployments     []*appsv1.Deployment
+	statefulSets    []*appsv1.StatefulSet
+	networkPolicies []*networkingv1.NetworkPolicy
+	services        []*corev1.Service
+	serviceMonitors []*monitoringv1.ServiceMonitor
+	podMonitors     []*monitoringv1.PodMonitor
+}
+
+// pods are the pod templates of the rendered workloads.
+func (r rendered) pods() []*corev1.PodTemplateSpec {
+	var pods []*corev1.PodTemplateSpec
+	for _, d := range r.deployments {
+		pods = append(pods, &d.Spec.Template)
+	}
+	for _, s := range r.statefulSets {
+		pods = append(pods, &s.Spec.Template)
+	}
+	return pods
+}
+
+// config is the config.yaml of the one config ConfigMap.
+func (r rendered) config(t *testing.T) string {
+	t.Helper()
+	var config string
+	for name, cm := range r.configMaps {
+		if c, ok := cm.Data["config.yaml"]; ok {
+			if config != "" {
+				t.Errorf("more than one config ConfigMap (%s)", name)
+			}
+			config = c
+		}
+	}
+	if config == "" {
+		t.Fatalf("no ConfigMap with config.yaml rendered")
+	}
+	return config
 }
 
 // decodeStrict decodes every document of a helm template output into its
@@ -164,10 +356,19 @@ func decodeStrict(t *testing.T, out string) rendered {
 		var obj any
 		switch tm.APIVersion + "/" + tm.Kind {
 		case "v1/ConfigMap":
-			cm := &corev1.ConfigMap{}
-			obj = cm
+			obj = &corev1.ConfigMap{}
+		case "v1/Service":
+			obj = &corev1.Service{}
 		case "apps/v1/Deployment":
 			obj = &appsv1.Deployment{}
+		case "apps/v1/StatefulSet":
+			obj = &appsv1.StatefulSet{}
+		case "networking.k8s.io/v1/NetworkPolicy":
+			obj = &networkingv1.NetworkPolicy{}
+		case "monitoring.coreos.com/v1/ServiceMonitor":
+			obj = &monitoringv1.ServiceMonitor{}
+		case "monitoring.coreos.com/v1/PodMonitor":
+			obj = &monitoringv1.PodMonitor{}
 		default:
 			t.Errorf("document %d: unexpected kind %s %s", i, tm.APIVersion, tm.Kind)
 			continue
@@ -184,6 +385,16 @@ func decodeStrict(t *testing.T, out string) rendered {
 			r.configMaps[o.Name] = o
 		case *appsv1.Deployment:
 			r.deployments = append(r.deployments, o)
+		case *appsv1.StatefulSet:
+			r.statefulSets = append(r.statefulSets, o)
+		case *networkingv1.NetworkPolicy:
+			r.networkPolicies = append(r.networkPolicies, o)
+		case *corev1.Service:
+			r.services = append(r.services, o)
+		case *monitoringv1.ServiceMonitor:
+			r.serviceMonitors = append(r.serviceMonitors, o)
+		case *monitoringv1.PodMonitor:
+			r.podMonitors = append(r.podMonitors, o)
 		}
 	}
 	return r
@@ -202,7 +413,7 @@ func stripComments(doc string) string {
 func TestLint(t *testing.T) {
 	for _, vs := range valueSets {
 		t.Run(vs.name, func(t *testing.T) {
-			args := append([]string{"lint", "--strict", chartDir}, valuesArgs(vs.files)...)
+			args := append([]string{"lint", "--strict", chartDir}, valuesArgs(vs.files, vs.set...)...)
 			if out, err := helm(t, args...); err != nil {
 				t.Fatalf("%v\n%s", err, out)
 			}
@@ -210,52 +421,52 @@ func TestLint(t *testing.T) {
 	}
 }
 
+func render(t *testing.T, files []string, sets ...string) rendered {
+	t.Helper()
+	args := append([]string{"template", "rel", chartDir, "--namespace", namespace}, valuesArgs(files, sets...)...)
+	out, err := helm(t, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return decodeStrict(t, out)
+}
+
 func TestTemplate(t *testing.T) {
 	for _, vs := range valueSets {
 		t.Run(vs.name, func(t *testing.T) {
-			args := append([]string{"template", "rel", chartDir, "--namespace", "data"}, valuesArgs(vs.files)...)
-			out, err := helm(t, args...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			r := decodeStrict(t, out)
-			var config string
-			for name, cm := range r.configMaps {
-				if c, ok := cm.Data["config.yaml"]; ok {
-					if config != "" {
-						t.Errorf("more than one config ConfigMap (%s)", name)
-					}
-					config = c
-				}
-			}
-			if config == "" {
-				t.Fatalf("no ConfigMap with config.yaml rendered:\n%s", out)
-			}
+			r := render(t, vs.files, vs.set...)
+			config := r.config(t)
 			checkConfig(t, config)
+			w := vs.want
+			got := want{deployments: len(r.deployments), networkPolicies: len(r.networkPolicies), services: len(r.services),
+				serviceMonitors: len(r.serviceMonitors), podMonitors: len(r.podMonitors), dashboards: dashboards(r)}
+			if exp := (want{w.deployments, w.networkPolicies, w.services, w.serviceMonitors, w.podMonitors, w.dashboards, false, nil, nil}); got != exp {
+				t.Errorf("rendered (deployments, networkPolicies, services, serviceMonitors, podMonitors, dashboards) = %v, want %v", counts(got), counts(exp))
+			}
 			for _, d := range r.deployments {
-				checkPod(t, d.Name, &d.Spec.Template, r.configMaps, config)
+				checkPod(t, d.Name, &d.Spec.Template, r.configMaps, config, w.checksum)
 			}
+			checkControlPortClosed(t, r, config)
+			for _, np := range r.networkPolicies {
+				checkNetworkPolicy(t, np, r.pods(), config, w.scraper, w.operator)
+			}
+			checkMonitors(t, r, config)
 			switch vs.name {
-			case "default", "full", "pools":
-				if len(r.deployments) != 1 {
-					t.Errorf("want the example Deployment, got %d Deployments", len(r.deployments))
-				}
-				if dashboards(r) != 1 {
-					t.Errorf("want one dashboard ConfigMap, got %d", dashboards(r))
-				}
-			case "minimal":
-				if len(r.deployments) != 0 || dashboards(r) != 0 {
-					t.Errorf("minimal values: want only the config ConfigMap, got %d Deployments, %d dashboards", len(r.deployments), dashboards(r))
-				}
-			}
-			if vs.name == "full" {
+			case "full":
 				checkFull(t, r)
-			}
-			if vs.name == "pools" {
+			case "pools":
 				checkPools(t, config)
+			case "admin-token":
+				checkAdminToken(t, r, config)
+			case "pinot-broker", "kafka-client":
+				checkGuide(t, r, config, vs.name)
 			}
 		})
 	}
+}
+
+func counts(w want) []int {
+	return []int{w.deployments, w.networkPolicies, w.services, w.serviceMonitors, w.podMonitors, w.dashboards}
 }
 
 func dashboards(r rendered) int {
@@ -270,7 +481,7 @@ func dashboards(r rendered) int {
 
 // checkPod checks a pod template that carries the sidecar: security
 // contexts, probes, ports, annotations and the config volume.
-func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[string]*corev1.ConfigMap, config string) {
+func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[string]*corev1.ConfigMap, config string, checksum bool) {
 	t.Helper()
 	spec := &pt.Spec
 	var sidecar *corev1.Container
@@ -330,8 +541,12 @@ func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[st
 		}
 	}
 	sum := sha256.Sum256([]byte(strings.TrimSuffix(config, "\n")))
-	if got := pt.Annotations["checksum/livenessproxy-config"]; got != hex.EncodeToString(sum[:]) {
+	got, ok := pt.Annotations["checksum/livenessproxy-config"]
+	switch {
+	case checksum && got != hex.EncodeToString(sum[:]):
 		t.Errorf("%s: config checksum annotation %q, want sha256 of the config %x", owner, got, sum)
+	case !checksum && ok:
+		t.Errorf("%s: config checksum annotation %q, want none (podAnnotations.configChecksum is off: the proxy reloads)", owner, got)
 	}
 	if sidecar.Resources.Requests.Memory().IsZero() || sidecar.Resources.Limits.Memory().IsZero() {
 		t.Errorf("%s: sidecar resources %+v", owner, sidecar.Resources)
@@ -428,8 +643,8 @@ func checkPools(t *testing.T, config string) {
 	if err := yaml.Unmarshal([]byte(config), &c); err != nil {
 		t.Fatalf("rendered config: %v\n%s", err, config)
 	}
-	if len(c.Listeners) != 3 || c.Defaults.ConnectAttempts != 4 {
-		t.Fatalf("rendered config: want 3 listeners and defaults.connect_attempts 4:\n%s", config)
+	if len(c.Listeners) != 4 || c.Defaults.ConnectAttempts != 4 {
+		t.Fatalf("rendered config: want 4 listeners and defaults.connect_attempts 4:\n%s", config)
 	}
 	byName := map[string]int{}
 	for i, l := range c.Listeners {
@@ -459,12 +674,31 @@ func TestSchemaRejects(t *testing.T) {
 	for _, set := range []string{
 		"config.defaults.write_timeot=5s",
 		"config.listeners[0].upstreem=x:1",
-		"config.defaults.write_timeout=5",                   // a bare number is not a duration
-		"config.defaults.framing.type=netty",                // not an enum value
-		"config.transparent.match=x",                        // not a config key (yet)
-		"sidcar.native=true",                                // not a chart value
-		"config.defaults.write_buffer.high_water_mark=16MB", // not a binary unit
-		"config.defaults.connect_attempts=0",                // at least 1
+		"config.defaults.write_timeout=5",                                 // a bare number is not a duration
+		"config.defaults.framing.type=netty",                              // not an enum value
+		"config.transparent.match=x",                                      // a listener key, not a top-level one
+		"sidcar.native=true",                                              // not a chart value
+		"config.defaults.write_buffer.high_water_mark=16MB",               // not a binary unit
+		"config.defaults.connect_attempts=0",                              // at least 1
+		"config.defaults.write_timeout=-1s",                               // never negative (0 disables)
+		"config.defaults.half_close_timeout=-1",                           // never negative
+		"config.defaults.write_buffer.high_water_mark=-1",                 // never negative
+		"config.defaults.keepalive.count=-1",                              // never negative
+		"config.admin.control_listn=127.0.0.1:9902",                       // the control server's key misspelled
+		"config.admin.token_file=1",                                       // not a string
+		"config.log.access=maybe",                                         // not a boolean
+		"config.log.acces=true",                                           // misspelled
+		"adminToken.secretNmae=x",                                         // not a chart value
+		"adminToken.key=a/b",                                              // not a Secret key
+		"networkPolicy.podSelectr.matchLabels.app=x",                      // misspelled
+		"networkPolicy.podSelector.app=x",                                 // a label selector, not labels
+		"networkPolicy.scraperSelector.namespaceSelector.matchLabels.a=1", // label values are strings (--set makes 1 a number)
+		"networkPolicy.servingPorts={70000}",                              // not a port
+		"networkPolicy.allowOtherPorts=yes",                               // not a boolean
+		"serviceMonitor.interval=30",                                      // not a duration string
+		"serviceMonitor.podSelector.matchLabels.a=b",                      // the ServiceMonitor's Service takes podLabels
+		"podMonitor.intervl=30s",                                          // misspelled
+		"podMonitor.interval=30 s",                                        // not a Prometheus duration
 	} {
 		if out, err := helm(t, "template", "rel", chartDir, "--set", set); err == nil {
 			t.Errorf("--set %s: rendered, want a schema error\n%s", set, out)
@@ -492,12 +726,77 @@ func TestSchemaRejects(t *testing.T) {
 			t.Errorf("--set %s: %v", listener+tc.good, err)
 		}
 	}
-	// A loopback admin address cannot serve kubelet probes.
-	if _, err := helm(t, "template", "rel", chartDir, "--set", "config.admin.listen=127.0.0.1:9901"); err == nil || !strings.Contains(err.Error(), "loopback") {
-		t.Errorf("loopback admin.listen: err %v, want a loopback error", err)
+	// The new keys render when set (and only then: see TestNewKeysOnlyWhenSet).
+	for _, set := range []string{
+		"config.admin.control_listen=127.0.0.1:9902",
+		"config.admin.control_listen=unix:/run/lp/control.sock",
+		"config.admin.control_listen=",
+		"config.log.access=true",
+		"adminToken.secretName=lp-admin",
+		"networkPolicy.servingPorts={8099,http}",
+		"serviceMonitor.enabled=true,serviceMonitor.interval=1m30s",
+		"podMonitor.enabled=true,podMonitor.podSelector.matchExpressions[0].key=app,podMonitor.podSelector.matchExpressions[0].operator=Exists",
+	} {
+		if _, err := helm(t, "template", "rel", chartDir, "--set", set); err != nil {
+			t.Errorf("--set %s: %v", set, err)
+		}
 	}
-	if _, err := helm(t, "template", "rel", chartDir, "--set", "redirect.enabled=true"); err == nil || !strings.Contains(err.Error(), "redirect.cidrs") {
-		t.Errorf("redirect without cidrs: err %v, want an error naming redirect.cidrs", err)
+}
+
+// TestTemplateFails: values that would break the pod fail at template
+// time, with a message that names the values to change.
+func TestTemplateFails(t *testing.T) {
+	const transparent = `config.listeners=[{"name":"out","listen":"127.0.0.1:15001","transparent":{"match":[{"cidr":"10.0.0.0/8","ports":[8098]}]}}]`
+	for _, tc := range []struct {
+		name    string
+		setJSON []string
+		set     []string
+		want    string
+	}{
+		// redirect.enabled with explicit listeners only: intercepted
+		// connections would meet a closed port.
+		{name: "redirect without a transparent listener", set: []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}"},
+			want: "redirect.enabled sends intercepted traffic to redirect.proxyPort (15001), but config.listeners has no transparent listener"},
+		{name: "redirect to another port", setJSON: []string{transparent}, set: []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}", "redirect.proxyPort=15006"},
+			want: "redirect.proxyPort is 15006, but no transparent listener listens on that port"},
+		{name: "redirect IPv6 without [::1]", setJSON: []string{transparent}, set: []string{"redirect.enabled=true", "redirect.cidrs={fd00::/8}"},
+			want: "add one on [::1]:15001"},
+		{name: "redirect without cidrs", setJSON: []string{transparent}, set: []string{"redirect.enabled=true"},
+			want: "redirect.enabled needs redirect.cidrs"},
+		{name: "loopback admin", set: []string{"config.admin.listen=127.0.0.1:9901"}, want: "loopback"},
+		{name: "control on the pod address without a token", set: []string{"config.admin.control_listen=0.0.0.0:9902"},
+			want: "set config.admin.token_file"},
+		{name: "control on the admin port", set: []string{"config.admin.control_listen=0.0.0.0:9901", "config.admin.token_file=/t"},
+			want: "use the same port 9901"},
+		{name: "token file elsewhere than the Secret", set: []string{"adminToken.secretName=lp-admin", "config.admin.token_file=/etc/token"},
+			want: "set config.admin.token_file to that path"},
+		{name: "monitor without admin", set: []string{"config.admin.listen=", "podMonitor.enabled=true"},
+			want: "config.admin.listen is empty"},
+		{name: "serving port is the admin port", set: []string{"networkPolicy.servingPorts={9901}"},
+			want: "networkPolicy.servingPorts lists 9901"},
+		{name: "no scrapers", set: []string{"networkPolicy.scraperSelector.podSelector=null"},
+			want: "networkPolicy.scraperSelector needs a podSelector or a namespaceSelector"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := []string{"template", "rel", chartDir}
+			for _, s := range tc.setJSON {
+				args = append(args, "--set-json", s)
+			}
+			for _, s := range tc.set {
+				args = append(args, "--set", s)
+			}
+			out, err := helm(t, args...)
+			if err == nil {
+				t.Fatalf("rendered, want an error containing %q\n%s", tc.want, out)
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v\ndoes not contain %q", err, tc.want)
+			}
+		})
+	}
+	// The same redirect values with the transparent listener render.
+	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}"); err != nil {
+		t.Errorf("redirect with a transparent listener on redirect.proxyPort: %v", err)
 	}
 }
 
@@ -519,7 +818,7 @@ func TestParentChartInclude(t *testing.T) {
 		}
 	}
 	write("Chart.yaml", "apiVersion: v2\nname: broker\nversion: 1.0.0\ndependencies:\n  - name: livenessproxy\n    version: 0.1.0\n")
-	write("values.yaml", "livenessproxy:\n  example:\n    enabled: false\n  dashboard:\n    enabled: false\n")
+	write("values.yaml", "livenessproxy:\n  dashboard:\n    enabled: false\n  networkPolicy:\n    podSelector:\n      matchLabels: {app: orders-consumer}\n")
 	write("templates/broker.yaml", `{{- $lp := dict "Values" .Values.livenessproxy "Release" .Release -}}
 apiVersion: apps/v1
 kind: StatefulSet
@@ -528,10 +827,10 @@ metadata:
 spec:
   serviceName: broker
   selector:
-    matchLabels: {app: broker}
+    matchLabels: {app: orders-consumer}
   template:
     metadata:
-      labels: {app: broker}
+      labels: {app: orders-consumer}
       annotations:
         {{- include "livenessproxy.podAnnotations" $lp | trim | nindent 8 }}
     spec:
@@ -544,51 +843,67 @@ spec:
       volumes:
         {{- include "livenessproxy.volumes" $lp | nindent 8 }}
 `)
-	for _, extra := range [][]string{nil, {"--set", "livenessproxy.redirect.enabled=true", "--set", "livenessproxy.redirect.cidrs={10.0.0.0/8}"}} {
+	// The Kafka client guide's values, under the dependency's name.
+	guide, err := os.ReadFile("testdata/values-kafka-client.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nested := filepath.Join(dir, "kafka-client.yaml")
+	if err := os.WriteFile(nested, []byte("livenessproxy:\n"+indent(string(guide), "  ")), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, extra := range [][]string{
+		nil,
+		{"-f", nested},
+		{"--set", "livenessproxy.adminToken.secretName=lp-admin", "--set", "livenessproxy.podAnnotations.configChecksum=true"},
+	} {
+		redirect := slices.Contains(extra, nested)
 		if out, err := helm(t, append([]string{"lint", "--strict", parent}, extra...)...); err != nil {
 			t.Fatalf("%v\n%s", err, out)
 		}
-		out, err := helm(t, append([]string{"template", "rel", parent}, extra...)...)
+		out, err := helm(t, append([]string{"template", "rel", parent, "--namespace", namespace}, extra...)...)
 		if err != nil {
 			t.Fatal(err)
 		}
-		var config string
-		var sts *appsv1.StatefulSet
-		cms := map[string]*corev1.ConfigMap{}
-		for _, doc := range regexp.MustCompile(`(?m)^---\s*$`).Split(out, -1) {
-			if strings.TrimSpace(stripComments(doc)) == "" {
-				continue
-			}
-			var tm metav1.TypeMeta
-			if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
-				t.Fatal(err)
-			}
-			switch tm.Kind {
-			case "ConfigMap":
-				cm := &corev1.ConfigMap{}
-				if err := yaml.UnmarshalStrict([]byte(doc), cm); err != nil {
-					t.Fatalf("strict: %v\n%s", err, doc)
-				}
-				cms[cm.Name] = cm
-				config = cm.Data["config.yaml"]
-			case "StatefulSet":
-				sts = &appsv1.StatefulSet{}
-				if err := yaml.UnmarshalStrict([]byte(doc), sts); err != nil {
-					t.Fatalf("strict: %v\n%s", err, doc)
-				}
-			default:
-				t.Errorf("unexpected %s", tm.Kind)
-			}
+		r := decodeStrict(t, out)
+		if len(r.statefulSets) != 1 || len(r.deployments) != 0 || len(r.networkPolicies) != 1 {
+			t.Fatalf("want the StatefulSet, the config ConfigMap and the NetworkPolicy:\n%s", out)
 		}
-		if sts == nil || config == "" {
-			t.Fatalf("want the StatefulSet and the config ConfigMap:\n%s", out)
-		}
+		sts := r.statefulSets[0]
+		config := r.config(t)
 		checkConfig(t, config)
-		checkPod(t, "parent chart "+sts.Name, &sts.Spec.Template, cms, config)
-		if extra != nil && (len(sts.Spec.Template.Spec.InitContainers) != 1 || sts.Spec.Template.Spec.InitContainers[0].Name != "livenessproxy-redirect") {
-			t.Errorf("redirect enabled: init containers %+v", sts.Spec.Template.Spec.InitContainers)
+		checkPod(t, "parent chart "+sts.Name, &sts.Spec.Template, r.configMaps, config, slices.Contains(extra, "livenessproxy.podAnnotations.configChecksum=true"))
+		checkControlPortClosed(t, r, config)
+		// The policy selects the parent's pods, and keeps their ports open.
+		checkNetworkPolicy(t, r.networkPolicies[0], r.pods(), config, map[bool]*source{true: &prometheusInMonitoring}[redirect], nil)
+		if !selects(t, &r.networkPolicies[0].Spec.PodSelector, sts.Spec.Template.Labels) {
+			t.Errorf("the NetworkPolicy does not select the parent's pods %v", sts.Spec.Template.Labels)
+		}
+		checkMonitors(t, r, config)
+		if redirect != (len(sts.Spec.Template.Spec.InitContainers) == 1 && sts.Spec.Template.Spec.InitContainers[0].Name == "livenessproxy-redirect") {
+			t.Errorf("redirect %v: init containers %+v", redirect, sts.Spec.Template.Spec.InitContainers)
+		}
+		if redirect && len(r.podMonitors) != 1 {
+			t.Errorf("the Kafka client guide's values: want its PodMonitor, got %d", len(r.podMonitors))
+		}
+		var secret bool
+		for _, v := range sts.Spec.Template.Spec.Volumes {
+			secret = secret || (v.Secret != nil && v.Secret.SecretName == "lp-admin")
+		}
+		if want := slices.Contains(extra, "livenessproxy.adminToken.secretName=lp-admin"); secret != want {
+			t.Errorf("adminToken.secretName set %v, the pod has the Secret volume %v", want, secret)
 		}
 	}
+}
+
+func indent(text, prefix string) string {
+	lines := strings.Split(strings.TrimRight(text, "\n"), "\n")
+	for i, l := range lines {
+		if l != "" {
+			lines[i] = prefix + l
+		}
+	}
+	return strings.Join(lines, "\n") + "\n"
 }
 
 func copyDir(t *testing.T, src, dst string) {

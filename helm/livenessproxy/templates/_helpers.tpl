@@ -48,7 +48,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toYaml .Values.config -}}
 {{- end -}}
 
-{{/* The admin port, from config.admin.listen ("" when the admin server is off). */}}
+{{/*
+The admin (read-only) port, from config.admin.listen ("" when the admin
+server is off). It serves /metrics, /healthz, /readyz and GET /v1/endpoints,
+/v1/pools, so it listens on the pod address: a loopback address is refused.
+*/}}
 {{- define "livenessproxy.adminPort" -}}
 {{- $admin := .Values.config.admin | default dict -}}
 {{- $listen := "127.0.0.1:9901" -}}
@@ -58,6 +62,113 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail (printf "config.admin.listen is %s: kubelet probes and Prometheus cannot reach a loopback address; use 0.0.0.0:PORT, or \"\" to turn the admin server off" $listen) -}}
 {{- end -}}
 {{- regexFind "[0-9]+$" $listen -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The control port (the operator's POST actions), from config.admin.control_listen:
+"" unless the user put the control server on a pod address (not loopback, not
+a unix: socket). The chart never lists it as a container port; the
+NetworkPolicy keeps it closed except to networkPolicy.controlFrom.
+*/}}
+{{- define "livenessproxy.controlPort" -}}
+{{- $admin := .Values.config.admin | default dict -}}
+{{- $listen := "" -}}
+{{- if hasKey $admin "control_listen" -}}{{- $listen = $admin.control_listen | default "" -}}{{- end -}}
+{{- if and $listen (not (hasPrefix "unix:" $listen)) (not (regexMatch "^(127\\.|localhost:|\\[::1\\]:)" $listen)) -}}
+{{- regexFind "[0-9]+$" $listen -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where adminToken mounts the Secret's key: set config.admin.token_file to this path. */}}
+{{- define "livenessproxy.adminTokenDir" -}}/var/run/secrets/livenessproxy{{- end -}}
+{{- define "livenessproxy.adminTokenPath" -}}
+{{- printf "%s/%s" (include "livenessproxy.adminTokenDir" .) (.Values.adminToken.key | default "token") -}}
+{{- end -}}
+
+{{/* The labels of the example broker's pods: the default of every selector of the sidecar pods. */}}
+{{- define "livenessproxy.examplePodLabels" -}}
+app.kubernetes.io/name: {{ include "livenessproxy.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: example-broker
+{{- end -}}
+
+{{/*
+A label selector for the sidecar pods (a LabelSelector object, YAML): the
+given one (a dict with matchLabels / matchExpressions), or, when it is
+empty, the example broker's labels. Call with (list $ $selector).
+*/}}
+{{- define "livenessproxy.podSelector" -}}
+{{- $root := index . 0 -}}
+{{- $sel := index . 1 | default dict -}}
+{{- if or $sel.matchLabels $sel.matchExpressions -}}
+{{- toYaml $sel -}}
+{{- else -}}
+matchLabels:
+  {{- include "livenessproxy.examplePodLabels" $root | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Checks across values, at template time (templates/validate.yaml renders
+nothing but runs this): a mistake fails `helm install`, not the pod.
+*/}}
+{{- define "livenessproxy.validate" -}}
+{{- $admin := .Values.config.admin | default dict -}}
+{{- $adminPort := include "livenessproxy.adminPort" . -}}
+{{- $control := "" -}}
+{{- if hasKey $admin "control_listen" -}}{{- $control = $admin.control_listen | default "" -}}{{- end -}}
+{{- $controlPort := include "livenessproxy.controlPort" . -}}
+{{- $tokenFile := $admin.token_file | default "" -}}
+{{- if and $controlPort (not $tokenFile) -}}
+{{- fail (printf "config.admin.control_listen is %s, a pod address: the operator actions would be open to the pod network; set config.admin.token_file (a bearer token, e.g. from adminToken.secretName), or keep control_listen on loopback (the default, 127.0.0.1:9902) and reach it with kubectl port-forward" $control) -}}
+{{- end -}}
+{{- if and $controlPort $adminPort (eq $controlPort $adminPort) -}}
+{{- fail (printf "config.admin.control_listen (%s) and config.admin.listen use the same port %s: give the control server its own port" $control $adminPort) -}}
+{{- end -}}
+{{- if .Values.adminToken.secretName -}}
+{{- if and $tokenFile (ne $tokenFile (include "livenessproxy.adminTokenPath" .)) -}}
+{{- fail (printf "config.admin.token_file is %s, but adminToken mounts key %q of Secret %s at %s: set config.admin.token_file to that path" $tokenFile (.Values.adminToken.key | default "token") .Values.adminToken.secretName (include "livenessproxy.adminTokenPath" .)) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.redirect.enabled -}}
+{{- if not .Values.redirect.cidrs -}}
+{{- fail "redirect.enabled needs redirect.cidrs: the destinations to intercept" -}}
+{{- end -}}
+{{- if .Values.configMap.create -}}
+{{- $ports := list -}}
+{{- $proxyPort := toString .Values.redirect.proxyPort -}}
+{{- $v4 := false -}}{{- $v6 := false -}}
+{{- range .Values.config.listeners -}}
+{{- if and . .transparent -}}
+{{- $port := regexFind "[0-9]+$" (.listen | default "") -}}
+{{- $ports = append $ports $port -}}
+{{- if eq $port $proxyPort -}}
+{{- /* The rules redirect IPv4 to 127.0.0.1 and IPv6 to ::1; a wildcard address (Go listens dual-stack) takes both. */ -}}
+{{- $host := trimSuffix (printf ":%s" $port) .listen -}}
+{{- if regexMatch "^(127\\.[0-9.]+|0\\.0\\.0\\.0|\\[::\\]|localhost|)$" $host -}}{{- $v4 = true -}}{{- end -}}
+{{- if regexMatch "^(\\[::1\\]|0\\.0\\.0\\.0|\\[::\\]|)$" $host -}}{{- $v6 = true -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if not $ports -}}
+{{- fail (printf "redirect.enabled sends intercepted traffic to redirect.proxyPort (%v), but config.listeners has no transparent listener: add one (listen: 127.0.0.1:%v, transparent: {match: [...]}) whose match list covers redirect.cidrs and redirect.ports, or turn redirect off and point the client at explicit listeners" .Values.redirect.proxyPort .Values.redirect.proxyPort) -}}
+{{- end -}}
+{{- if not (has $proxyPort $ports) -}}
+{{- fail (printf "redirect.proxyPort is %v, but no transparent listener listens on that port (transparent listeners listen on port %s): make them agree, or intercepted connections meet a closed port" .Values.redirect.proxyPort (join ", " $ports)) -}}
+{{- end -}}
+{{- range .Values.redirect.cidrs -}}
+{{- if and (contains ":" .) (not $v6) -}}
+{{- fail (printf "redirect.cidrs has the IPv6 CIDR %s, whose connections the rules redirect to [::1]:%s, but no transparent listener listens there: add one on [::1]:%s (with the same match list)" . $proxyPort $proxyPort) -}}
+{{- end -}}
+{{- if and (not (contains ":" .)) (not $v4) -}}
+{{- fail (printf "redirect.cidrs has the IPv4 CIDR %s, whose connections the rules redirect to 127.0.0.1:%s, but no transparent listener listens there: add one on 127.0.0.1:%s" . $proxyPort $proxyPort) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and (or .Values.serviceMonitor.enabled .Values.podMonitor.enabled) (not $adminPort) -}}
+{{- fail "serviceMonitor.enabled / podMonitor.enabled scrape the admin port, but config.admin.listen is empty (the admin server is off)" -}}
 {{- end -}}
 {{- end -}}
 
@@ -78,11 +189,25 @@ checksum/livenessproxy-config: {{ include "livenessproxy.config" . | sha256sum }
 {{- end }}
 {{- end -}}
 
-{{/* The pod volume holding config.yaml (a list item). */}}
+{{/*
+The pod volumes (list items): the ConfigMap holding config.yaml and, with
+adminToken.secretName, the admin token Secret (only its adminToken.key,
+read-only, mode 0444 so that the non-root proxy can read it; no other
+container mounts it).
+*/}}
 {{- define "livenessproxy.volumes" -}}
 - name: livenessproxy-config
   configMap:
     name: {{ include "livenessproxy.configMapName" . }}
+{{- with .Values.adminToken.secretName }}
+- name: livenessproxy-admin-token
+  secret:
+    secretName: {{ . }}
+    defaultMode: 292  # 0444
+    items:
+      - key: {{ $.Values.adminToken.key | default "token" }}
+        path: {{ $.Values.adminToken.key | default "token" }}
+{{- end }}
 {{- end -}}
 
 {{/* The sidecar container (a list item for containers, or initContainers when sidecar.native). */}}
@@ -106,6 +231,7 @@ checksum/livenessproxy-config: {{ include "livenessproxy.config" . | sha256sum }
   restartPolicy: Always
   {{- end }}
   {{- if $port }}
+  {{- /* Only the read-only admin port: the control port (admin.control_listen) is never listed. */}}
   ports:
     - name: admin
       containerPort: {{ $port }}
@@ -135,6 +261,11 @@ checksum/livenessproxy-config: {{ include "livenessproxy.config" . | sha256sum }
     - name: livenessproxy-config
       mountPath: /etc/livenessproxy
       readOnly: true
+    {{- if .Values.adminToken.secretName }}
+    - name: livenessproxy-admin-token
+      mountPath: {{ include "livenessproxy.adminTokenDir" . }}
+      readOnly: true
+    {{- end }}
 {{- end -}}
 
 {{/*
