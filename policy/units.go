@@ -8,7 +8,9 @@ import (
 )
 
 // Duration is a time.Duration written in YAML as a Go duration: 10s, 500ms, 1m30s.
-// A bare 0 is accepted; a negative value disables the mechanism it controls.
+// A bare 0 is accepted, and disables the mechanism it controls; a negative
+// value is decoded (a bare negative integer as nanoseconds) and rejected by
+// validation.
 type Duration time.Duration
 
 // D returns the value as a time.Duration.
@@ -34,7 +36,8 @@ func ParseDuration(s string) (Duration, error) {
 }
 
 // Size is a byte count written in YAML as 16MiB, 64KiB, 512B or a plain integer.
-// A non-positive value disables the mechanism it controls.
+// 0 disables the mechanism it controls; a negative value is decoded and
+// rejected by validation.
 type Size int64
 
 // Byte size units (binary).

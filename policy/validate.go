@@ -5,6 +5,7 @@ import (
 	"math"
 	"net"
 	"net/netip"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -39,14 +40,24 @@ type validator struct {
 	errs Errors
 	// lines is the decoder's key path → line map; nil outside Parse.
 	lines map[string]int
+	// raw is the decoder's key path → source text map of durations and
+	// sizes; nil outside Parse.
+	raw map[string]string
 }
 
 // add reports a problem at path. The line is that of path, or of the closest
 // enclosing key present in the source (a missing listeners[1].upstream gets
 // the line of listeners[1]).
 func (v *validator) add(path, format string, args ...any) {
+	v.addAt(path, path, format, args...)
+}
+
+// addAt reports a problem at path, with the line of the key at (or of its
+// closest enclosing key present in the source): a problem named by a key
+// that is absent but caused by one that is present.
+func (v *validator) addAt(path, at, format string, args ...any) {
 	line := 0
-	for p := path; v.lines != nil; {
+	for p := at; v.lines != nil; {
 		if n, ok := v.lines[p]; ok {
 			line = n
 			break
@@ -58,6 +69,19 @@ func (v *validator) add(path, format string, args ...any) {
 		p = p[:i]
 	}
 	v.errs = append(v.errs, &KeyError{Path: path, Line: line, Msg: fmt.Sprintf(format, args...)})
+}
+
+// notNegative reports a negative duration or size at path, a key that 0
+// disables: only 0 does. The message quotes the value as the source has it.
+func (v *validator) notNegative(path string, val interface{ String() string }, negative bool) {
+	if !negative {
+		return
+	}
+	text, ok := v.raw[path]
+	if !ok {
+		text = val.String()
+	}
+	v.add(path, "%s is negative: use 0 to disable", text)
 }
 
 var (
@@ -89,11 +113,7 @@ const (
 )
 
 func (v *validator) config(c *Config) {
-	if c.Admin.Listen != "" {
-		if _, why := hostPort(c.Admin.Listen, false); why != "" {
-			v.add("admin.listen", "%q is not a host:port address: %s (leave it empty to disable the admin server)", c.Admin.Listen, why)
-		}
-	}
+	v.admin(c.Admin)
 	if !slices.Contains(logLevels, c.Log.Level) {
 		v.add("log.level", oneOfFormat, c.Log.Level, strings.Join(logLevels, ", "))
 	}
@@ -101,6 +121,7 @@ func (v *validator) config(c *Config) {
 		v.add("log.format", oneOfFormat, c.Log.Format, strings.Join(logFormats, ", "))
 	}
 
+	v.notNegative("drain_timeout", c.DrainTimeout, c.DrainTimeout < 0)
 	v.settings("defaults.", &c.Defaults, func(string) bool { return true })
 
 	if len(c.Listeners) == 0 {
@@ -169,6 +190,81 @@ func (v *validator) config(c *Config) {
 	}
 
 	v.endpointList("endpoints.disabled", c.Endpoints.Disabled)
+}
+
+// maxUnixPath is the longest Unix socket path the kernel binds: sun_path
+// is 108 bytes, with the terminating NUL.
+const maxUnixPath = 107
+
+// admin checks the admin section: both addresses, the control server off
+// loopback only with a token, and the two servers on different addresses.
+func (v *validator) admin(a Admin) {
+	var listen string
+	if a.Listen != "" {
+		norm, why := hostPort(a.Listen, false)
+		if why != "" {
+			v.add("admin.listen", "%q is not a host:port address: %s (leave it empty to disable the admin server)", a.Listen, why)
+		}
+		listen = norm
+	}
+	if a.ControlListen == "" {
+		return
+	}
+	if path, ok := strings.CutPrefix(a.ControlListen, "unix:"); ok {
+		switch {
+		case !filepath.IsAbs(path):
+			v.add("admin.control_listen", "%q: the socket path must be absolute (unix:/run/livenessproxy/control.sock)", a.ControlListen)
+		case len(path) > maxUnixPath:
+			v.add("admin.control_listen", "%q: the socket path is %d bytes, longer than a Unix socket's %d", a.ControlListen, len(path), maxUnixPath)
+		}
+		return
+	}
+	norm, why := hostPort(a.ControlListen, false)
+	if why != "" {
+		v.add("admin.control_listen", "%q is not a host:port or unix:/path address: %s (leave it empty to disable the operator actions)", a.ControlListen, why)
+		return
+	}
+	if listen != "" && sameListen(norm, listen) {
+		v.add("admin.control_listen", "%q is the address of admin.listen (%s): the control server needs its own port", a.ControlListen, a.Listen)
+	}
+	if host, _, _ := net.SplitHostPort(norm); !isLoopback(host) && a.TokenFile == "" {
+		v.addAt("admin.token_file", "admin.control_listen",
+			"required when admin.control_listen (%q) is not a loopback address (127.0.0.0/8, ::1, localhost): set admin.token_file to a file holding a bearer token, or keep admin.control_listen on loopback or a unix:/path socket",
+			a.ControlListen)
+	}
+}
+
+// isLoopback reports whether a listen host is loopback only: localhost, or
+// an address in 127.0.0.0/8 or ::1. An empty host (every address) is not.
+func isLoopback(host string) bool {
+	if strings.EqualFold(host, "localhost") {
+		return true
+	}
+	a, err := netip.ParseAddr(host)
+	return err == nil && a.Unmap().IsLoopback()
+}
+
+// sameListen reports whether two normalised host:port listen addresses
+// would clash: the same port (not 0, which picks a free one) and the same
+// host, or a wildcard host that covers the other (every address, or
+// 0.0.0.0 and a host that is not an IPv6 address).
+func sameListen(a, b string) bool {
+	ha, pa, _ := net.SplitHostPort(a)
+	hb, pb, _ := net.SplitHostPort(b)
+	if pa != pb || pa == "0" {
+		return false
+	}
+	covers := func(wild, h string) bool {
+		switch wild {
+		case "", "::":
+			return true
+		case "0.0.0.0":
+			addr, err := netip.ParseAddr(h)
+			return err != nil || addr.Is4() || addr.Is4In6()
+		}
+		return false
+	}
+	return ha == hb || covers(ha, hb) || covers(hb, ha)
 }
 
 // endpointList checks a list of endpoints at path: each a host:port with a
@@ -311,6 +407,32 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 		interval   = "keepalive.interval"
 		count      = "keepalive.count"
 	)
+	// The durations and sizes that 0 disables: negative is a mistake (it
+	// used to disable too). Those that must be positive say so below.
+	for _, d := range []struct {
+		key string
+		val Duration
+	}{
+		{"connect_timeout", s.ConnectTimeout},
+		{"write_timeout", s.WriteTimeout},
+		{"tcp_user_timeout", s.TCPUserTimeout},
+		{"half_close_timeout", s.HalfCloseTimeout},
+		{idle, s.Keepalive.Idle},
+		{"unanswered.request_timeout", s.Unanswered.RequestTimeout},
+	} {
+		if own(d.key) {
+			v.notNegative(prefix+d.key, d.val, d.val < 0)
+		}
+	}
+	for _, z := range []struct {
+		key string
+		val Size
+	}{{high, s.WriteBuffer.HighWaterMark}, {low, s.WriteBuffer.LowWaterMark}} {
+		if own(z.key) {
+			v.notNegative(prefix+z.key, z.val, z.val < 0)
+		}
+	}
+
 	wb := s.WriteBuffer
 	if !slices.Contains(overflows, wb.OnOverflow) && own(onOverflow) {
 		v.add(prefix+onOverflow, oneOfFormat, wb.OnOverflow, strings.Join(overflows, ", "))
@@ -339,6 +461,9 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 	if ka.Interval.D() > maxKeepTime && own(interval) {
 		v.add(prefix+interval, "%v is above the kernel's limit of %v (TCP_KEEPINTVL)", ka.Interval, maxKeepTime)
 	}
+	if ka.Interval < 0 && ka.Idle <= 0 && own(interval) {
+		v.add(prefix+interval, "%v must not be negative", ka.Interval)
+	}
 	if ka.Idle > 0 {
 		if ka.Interval <= 0 {
 			switch {
@@ -361,8 +486,8 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 	v.framing(prefix, &s.Framing, own, show)
 	v.detector(prefix, &s.Detector, own, show)
 
-	// Unanswered: every duration and count is valid; non-positive disables
-	// tracking.
+	// Unanswered: request_timeout 0 disables tracking (negative: above);
+	// every count is valid, and a non-positive threshold counts nothing.
 	if !slices.Contains(tracks, s.Unanswered.Track) && own("unanswered.track") {
 		v.add(prefix+"unanswered.track", oneOfFormat, s.Unanswered.Track, strings.Join(tracks, ", "))
 	}
@@ -426,6 +551,9 @@ func (v *validator) framing(prefix string, f *Framing, own func(string) bool, sh
 	if !slices.Contains(byteOrders, f.ByteOrder) && own(order) {
 		v.add(prefix+order, oneOfFormat, f.ByteOrder, strings.Join(byteOrders, ", "))
 	}
+	if f.MaxFrameLength < 0 && own(maxLen) && (f.Type == FramingNone || !slices.Contains(framings, f.Type)) {
+		v.add(prefix+maxLen, "%v must not be negative", f.MaxFrameLength)
+	}
 	if f.Type != FramingNone && slices.Contains(framings, f.Type) && f.MaxFrameLength <= 0 {
 		switch {
 		case own(maxLen):
@@ -459,6 +587,9 @@ func (v *validator) detector(prefix string, d *Detector, own func(string) bool, 
 	}
 	if !(d.BackoffFactor >= 1) && own(factor) {
 		v.add(prefix+factor, "%v must be at least 1 (1 probes at a fixed interval)", d.BackoffFactor)
+	}
+	if d.InitialDelay <= 0 && d.MaxDelay < 0 && own(maxDelay) {
+		v.add(prefix+maxDelay, "%v must be positive", d.MaxDelay)
 	}
 	if d.InitialDelay > 0 && d.MaxDelay < d.InitialDelay {
 		switch {

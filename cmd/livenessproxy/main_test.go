@@ -88,18 +88,19 @@ func TestVersionAndUsage(t *testing.T) {
 	}
 }
 
-// The real binary: listeners and admin come up, /readyz turns ready,
-// /metrics carries the listener's series, a link works, and SIGTERM drains
-// and exits 0.
+// The real binary: listeners and both admin servers come up, /readyz
+// turns ready, /metrics carries the listener's series and build_info, a
+// link works, the actions are on the control server only, and SIGTERM
+// drains and exits 0. Log lines are JSON with millisecond timestamps.
 func TestRunServesAndDrainsOnSIGTERM(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, listenAddr := freePort(t), freePort(t)
-	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q}
+	adminAddr, controlAddr, listenAddr := freePort(t), freePort(t), freePort(t)
+	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 log: {level: debug}
 drain_timeout: 300ms
 listeners:
   - {name: echo, listen: %q, upstream: %q}
-`, adminAddr, listenAddr, peer.Addr()))
+`, adminAddr, controlAddr, listenAddr, peer.Addr()))
 	cmd := exec.Command(os.Args[0], "run", "--config", cfg, "--log-level", "info")
 	cmd.Env = append(os.Environ(), "LP_BE_MAIN=1")
 	var stderr bytes.Buffer
@@ -141,7 +142,9 @@ listeners:
 	}
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
+	b := currentBuild()
 	for _, want := range []string{
+		fmt.Sprintf(`livenessproxy_build_info{goversion=%q,revision=%q,version=%q} 1`, b.goVersion, b.revision, b.version),
 		`livenessproxy_links_total{listener="echo"} 1`,
 		`livenessproxy_links_active{listener="echo"} 1`,
 		`livenessproxy_bytes_total{direction="request",listener="echo"} 18`,
@@ -150,6 +153,20 @@ listeners:
 		if !bytes.Contains(body, []byte(want)) {
 			t.Errorf("/metrics lacks %s", want)
 		}
+	}
+
+	// The actions are served on control_listen, not on admin.listen.
+	if s := httpStatus("http://" + controlAddr + "/v1/endpoints"); s != 200 {
+		t.Errorf("control server GET /v1/endpoints = %d", s)
+	}
+	resp, err = httpc.Post(base+"/v1/endpoints/"+peer.Addr()+"/disable", "", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 404 || !bytes.Contains(body, []byte("control_listen")) {
+		t.Errorf("POST an action to admin.listen: %d %s, want 404 naming control_listen", resp.StatusCode, body)
 	}
 
 	begin := time.Now()
@@ -172,8 +189,22 @@ listeners:
 	if _, err := c.Read(got); err == nil {
 		t.Fatal("link still open after exit")
 	}
-	if !strings.Contains(stderr.String(), `"message":"draining"`) {
-		t.Errorf("no drain log line in:\n%s", stderr.String())
+	var sawDrain bool
+	for _, l := range jsonLines(t, stderr.String()) {
+		if ts, _ := l["time"].(string); !msTime.MatchString(ts) {
+			t.Errorf("log line %v: time is not RFC 3339 with milliseconds", l)
+		}
+		switch l["message"] {
+		case "draining":
+			sawDrain = l["drain_timeout_ms"] == 300.0
+		case "livenessproxy started":
+			if l["version"] != b.version || l["revision"] != b.revision {
+				t.Errorf("start line %v: want version %s, revision %s", l, b.version, b.revision)
+			}
+		}
+	}
+	if !sawDrain {
+		t.Errorf("no drain log line with drain_timeout_ms 300 in:\n%s", stderr.String())
 	}
 }
 
@@ -224,7 +255,7 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	one := fmt.Sprintf("admin: {listen: %q}\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, aAddr, peer.Addr())
+	one := fmt.Sprintf("admin: {listen: %q, control_listen: ''}\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, aAddr, peer.Addr())
 	write("gen1", one)
 	cfgPath := filepath.Join(dir, "config.yaml")
 	if err := os.Symlink(filepath.Join("..data", "config.yaml"), cfgPath); err != nil {
@@ -246,6 +277,7 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 
 	write("gen2", one+fmt.Sprintf("  - {name: b, listen: %q, upstream: %q}\n", bAddr, peer.Addr()))
 	waitFor(t, 5*time.Second, func() bool { return echoes(bAddr) })
+	waitForLog(t, &stderr, `"trigger":"file","listeners":2,"listeners_added":["b"],"time":`, `"message":"config reloaded"`)
 
 	write("gen3", one+"  - {name: c, listen: 127.0.0.1:1, upstream: x:1, write_timout: 1s}\n")
 	waitFor(t, 5*time.Second, func() bool {
@@ -257,6 +289,8 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
+	waitForLog(t, &stderr, `"trigger":"sighup","problems":["listeners[1].write_timout: unknown key (line 4)"],"time":`,
+		`"message":"config reload rejected; keeping the last good config"`)
 	waitFor(t, 5*time.Second, func() bool {
 		resp, err := httpc.Get(base + "/metrics")
 		if err != nil {
@@ -267,6 +301,29 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 		return bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="error"} 2`)) &&
 			bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="ok"} 1`))
 	})
+}
+
+// waitForLog waits until a line of the child's log has every part of want.
+func waitForLog(t *testing.T, log *syncBuffer, want ...string) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		for l := range strings.SplitSeq(log.String(), "\n") {
+			n := 0
+			for _, w := range want {
+				if strings.Contains(l, w) {
+					n++
+				}
+			}
+			if n == len(want) {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no log line has all of %q within 5s:\n%s", want, log.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // echoes reports whether a round trip through addr works.

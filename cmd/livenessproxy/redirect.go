@@ -2,7 +2,6 @@ package main
 
 import (
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net/netip"
@@ -17,8 +16,7 @@ const redirectUsage = `usage: livenessproxy redirect --proxy-port PORT --cidr CI
 
 Installs (or with --remove deletes) the nftables table inet livenessproxy
 that redirects outgoing TCP connections to the proxy. Run it in the pod's
-network namespace with CAP_NET_ADMIN (the init container).
-
+network namespace with CAP_NET_ADMIN (the init container). Idempotent.
 `
 
 // cmdRedirect implements "livenessproxy redirect". Exit codes: 0 success,
@@ -35,30 +33,19 @@ func cmdRedirect(args []string, stdout, stderr io.Writer) int {
 		dryRun bool
 		remove bool
 	)
-	fs := flag.NewFlagSet("redirect", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprint(stderr, redirectUsage)
-		fs.PrintDefaults()
-	}
-	fs.IntVar(&port, "proxy-port", 0, "local port the proxy listens on (127.0.0.1 and ::1); required")
-	fs.Var(&cidrs, "cidr", "destination CIDR to intercept, IPv4 or IPv6 (repeatable or comma-separated); required")
-	fs.Var(&ports, "ports", "intercept only these destination ports (repeatable or comma-separated; default all)")
-	fs.Var(&excl, "exclude-ports", "never intercept these destination ports (repeatable or comma-separated)")
-	fs.Int64Var(&uid, "proxy-uid", intercept.DefaultProxyUID, "exempt sockets owned by this uid (the proxy's); -1 disables")
-	fs.Uint64Var(&mark, "proxy-mark", 0, "exempt packets with this SO_MARK (the proxy's upstream sockets); 0 disables")
+	cmd := newCommand("redirect", redirectUsage)
+	fs := cmd.fs
+	fs.IntVar(&port, "proxy-port", 0, "local `PORT` the proxy listens on (127.0.0.1 and ::1); required")
+	fs.Var(&cidrs, "cidr", "destination `CIDR` to intercept, IPv4 or IPv6 (repeatable or comma-separated); required")
+	fs.Var(&ports, "ports", "intercept only these destination `PORTS` (repeatable or comma-separated; default all)")
+	fs.Var(&excl, "exclude-ports", "never intercept these destination `PORTS` (repeatable or comma-separated)")
+	fs.Int64Var(&uid, "proxy-uid", intercept.DefaultProxyUID, "exempt sockets owned by this `UID` (the proxy's); -1 disables")
+	fs.Uint64Var(&mark, "proxy-mark", 0, "exempt packets carrying this `MARK` (SO_MARK of the proxy's upstream sockets); 0 disables")
 	fs.BoolVar(&cfg.ExcludedSet, "excluded-set", false, "add the sets excluded4/excluded6 whose destinations are refused with a TCP reset")
 	fs.BoolVar(&dryRun, "dry-run", false, "print the nft script instead of installing it")
 	fs.BoolVar(&remove, "remove", false, "delete the table inet livenessproxy")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "redirect: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := cmd.parse(args, stdout, stderr); !ok {
+		return code
 	}
 
 	if remove {

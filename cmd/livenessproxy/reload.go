@@ -3,9 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
-	"errors"
 	"os"
-	"strings"
+	"reflect"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -20,59 +19,110 @@ import (
 // the file's content is compared, not its inode or mtime.
 const watchInterval = time.Second
 
+// Reload triggers, for the log.
+const (
+	triggerFile   = "file"
+	triggerSIGHUP = "sighup"
+)
+
 // watchConfig reloads the configuration when the file's content changes
 // or on SIGHUP, until ctx ends. A config that fails validation is logged
 // with every problem by key path and the last good one keeps serving.
-func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Metrics, log zerolog.Logger) {
+// started is the configuration the process started with: the keys that
+// need a restart keep its values.
+func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Metrics, started policy.Config, log zerolog.Logger) {
 	tick := time.NewTicker(watchInterval)
 	defer tick.Stop()
 	last := applied
 	for {
-		force := false
+		trigger := triggerFile
 		select {
 		case <-ctx.Done():
 			return
 		case <-hup:
-			force = true
+			trigger = triggerSIGHUP
 		case <-tick.C:
 		}
 		data, err := os.ReadFile(path)
 		if err != nil {
-			if force {
-				log.Error().Err(err).Msg("config reload: cannot read the file; keeping the last good config")
+			if trigger == triggerSIGHUP {
+				log.Error().Err(err).Str("trigger", trigger).Msg("config reload: cannot read the file; keeping the last good config")
 				m.ConfigReload("error")
 			}
 			continue // mid-swap or briefly missing: try again next tick
 		}
-		if !force && bytes.Equal(data, last) {
+		if trigger == triggerFile && bytes.Equal(data, last) {
 			continue
 		}
 		last = data
-		reload(data, p, m, log)
+		reload(data, trigger, p, m, started, log)
 	}
 }
 
-func reload(data []byte, p *proxy.Proxy, m *metrics.Metrics, log zerolog.Logger) {
+// reload applies data, a new configuration file, and logs what trigger
+// caused it and what changed.
+func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Metrics, started policy.Config, log zerolog.Logger) {
 	cfg, err := policy.Parse(data)
 	if err != nil {
-		var problems []string
-		var es policy.Errors
-		if errors.As(err, &es) {
-			for _, e := range es {
-				problems = append(problems, e.Error())
-			}
-		} else {
-			problems = strings.Split(err.Error(), "\n")
-		}
-		log.Error().Strs("problems", problems).Msg("config reload rejected; keeping the last good config")
+		log.Error().Str("trigger", trigger).Strs("problems", problems(err)).
+			Msg("config reload rejected; keeping the last good config")
 		m.ConfigReload("error")
 		return
 	}
-	if err := p.Reload(cfg); err != nil {
-		log.Error().Err(err).Msg("config reload applied in part")
+	ch, err := p.Apply(cfg)
+	if err != nil {
+		ev := log.Error().Err(err).Str("trigger", trigger)
+		changes(ev, ch).Msg("config reload applied in part")
 		m.ConfigReload("error")
 		return
 	}
 	m.ConfigReload("ok")
-	log.Info().Int("listeners", len(cfg.Listeners)).Msg("config reloaded")
+	ev := log.Info().Str("trigger", trigger).Int("listeners", len(cfg.Listeners))
+	if keys := restartNeeded(started, cfg); len(keys) > 0 {
+		ev = ev.Strs("restart_needed", keys)
+	}
+	changes(ev, ch).Msg("config reloaded")
+}
+
+// changes adds to ev the parts of ch that are not empty.
+func changes(ev *zerolog.Event, ch proxy.Changes) *zerolog.Event {
+	for _, f := range []struct {
+		key  string
+		vals []string
+	}{
+		{"listeners_added", ch.ListenersAdded},
+		{"listeners_removed", ch.ListenersRemoved},
+		{"listeners_retuned", ch.ListenersRetuned},
+		{"endpoints_disabled", ch.EndpointsDisabled},
+		{"endpoints_enabled", ch.EndpointsEnabled},
+	} {
+		if len(f.vals) > 0 {
+			ev = ev.Strs(f.key, f.vals)
+		}
+	}
+	return ev
+}
+
+// restartNeeded returns the keys that a reload cannot change whose value
+// in cfg differs from the one the process started with: the new value
+// waits for a restart.
+func restartNeeded(started, cfg policy.Config) []string {
+	var keys []string
+	for _, k := range []struct {
+		key      string
+		old, new any
+	}{
+		{"admin.listen", started.Admin.Listen, cfg.Admin.Listen},
+		{"admin.control_listen", started.Admin.ControlListen, cfg.Admin.ControlListen},
+		{"admin.token_file", started.Admin.TokenFile, cfg.Admin.TokenFile},
+		{"log.level", started.Log.Level, cfg.Log.Level},
+		{"log.format", started.Log.Format, cfg.Log.Format},
+		{"log.access", started.Log.Access, cfg.Log.Access},
+		{"interception.excluded_set", started.Interception.ExcludedSet, cfg.Interception.ExcludedSet},
+	} {
+		if !reflect.DeepEqual(k.old, k.new) {
+			keys = append(keys, k.key)
+		}
+	}
+	return keys
 }

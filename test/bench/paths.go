@@ -58,7 +58,7 @@ func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, 
 	case "kafka", "pinot":
 		framing = "    framing: {type: " + o.lpFraming + ", max_frame_length: 16MiB}\n"
 	}
-	conf := fmt.Sprintf(`admin: {listen: 127.0.0.1:0}
+	conf := fmt.Sprintf(`admin: {listen: 127.0.0.1:0, control_listen: ""}
 log: {level: warn}
 listeners:
   - name: bench

@@ -38,7 +38,7 @@ func (c proxyConfig) yaml() string {
 		probe = fmt.Sprintf("probe: http, http: {port: %d, path: /health}", c.httpProbe)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, `admin: {listen: "127.0.0.1:0"}
+	fmt.Fprintf(&b, `admin: {listen: "127.0.0.1:0", control_listen: "127.0.0.1:0"}
 log: {level: warn, format: json}
 drain_timeout: 0s
 defaults:
