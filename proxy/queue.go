@@ -8,6 +8,20 @@ import (
 // chunkSize is the unit of queue memory and the size of read buffers.
 const chunkSize = 64 << 10
 
+// notsentLowat is TCP_NOTSENT_LOWAT for an upstream socket with high
+// water mark high: the kernel takes a write only while fewer bytes than
+// this wait unsent in its send queue. Without it the kernel's send buffer
+// (up to tcp_wmem's 4 MiB) would fill before the proxy's queue, so the
+// high water mark would not bound what a stalled upstream holds, and a
+// write_timeout could not see bytes stuck there. A quarter of the high
+// mark, between 16 KiB and 1 MiB: enough to keep a fast link's pipe full.
+func notsentLowat(high int64) int {
+	if high <= 0 {
+		return 128 << 10
+	}
+	return int(min(max(high/4, 16<<10), 1<<20))
+}
+
 // maxBatch bounds one write toward the upstream, so that write_timeout
 // means "no progress for that long", not "this many bytes in that long".
 const maxBatch = 256 << 10

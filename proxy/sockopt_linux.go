@@ -28,6 +28,11 @@ func setUpstreamOptions(fd int, s policy.Settings) error {
 			return fmt.Errorf("SO_MARK %d (needs NET_ADMIN): %w", s.UpstreamMark, err)
 		}
 	}
+	// A small unsent backlog in the kernel: the proxy's own queue, bounded
+	// by high_water_mark, holds the rest (see notsentLowat).
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, notsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
+		return err
+	}
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
 		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
 			return err
