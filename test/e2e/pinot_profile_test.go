@@ -138,10 +138,20 @@ func TestPinotStoppedServerExcludedAtQueryTimeout(t *testing.T) {
 	if ex.Reason != metrics.ReasonUnanswered {
 		t.Errorf("excluded for %q, want unanswered", ex.Reason)
 	}
-	// The http probe needs the process: still excluded a while later.
-	time.Sleep(2 * time.Second)
-	if st := pp.state(); st.State != "excluded" || st.FailedProbes < 1 {
-		t.Errorf("while stopped: %+v, want excluded with failed probes", st)
+	// The http probe needs the process: it fails (each after its own
+	// timeout, so when depends on the machine's pace), and the endpoint
+	// stays excluded meanwhile.
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		st := pp.state()
+		if st.State != "excluded" {
+			t.Fatalf("while stopped: %+v, want excluded", st)
+		}
+		if st.FailedProbes >= 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("while stopped: %+v, want failed probes within 20s", st)
+		}
 	}
 	sp.signal(t, syscall.SIGCONT)
 	if !pp.waitState("healthy", 15*time.Second) {
