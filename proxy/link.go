@@ -34,9 +34,10 @@ type LinkStats struct {
 
 // link is one client connection paired with one upstream connection.
 //
-// Goroutines: run (the caller's) dials and then becomes the request pump;
-// it starts writeUpstream and pumpResponses and waits for both. Every
-// goroutine ends once both connections are closed, which abort guarantees.
+// Goroutines: start (the caller's) dials and starts pumpRequests and
+// pumpResponses; pumpRequests starts writeUpstream when bytes must queue.
+// Every goroutine ends once both connections are closed, which abort
+// guarantees, and the last one to end finishes the link.
 type link struct {
 	l        *listener
 	ep       *endpoint       // set at accept (transparent) or when the dial succeeds (pool)
@@ -47,7 +48,10 @@ type link struct {
 	client   *net.TCPConn
 	upstream *net.TCPConn
 	upRaw    syscall.RawConn
-	opened   time.Time
+	// fromClient and fromUpstream read each side only when it is readable
+	// (each pump owns one).
+	fromClient, fromUpstream sockReader
+	opened                   time.Time
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -58,10 +62,11 @@ type link struct {
 	// batch and toWrite are the writer's views of queued bytes, kept here
 	// so that a batch costs no allocation.
 	batch, toWrite net.Buffers
-	// wg counts pumpResponses and, once started, writeUpstream. The writer
-	// starts on the first byte the kernel does not take at once: most
-	// request/response links never need it.
-	wg sync.WaitGroup
+	// live counts the link's goroutines: the two pumps and, once started,
+	// writeUpstream. The writer starts on the first byte the kernel does
+	// not take at once: most request/response links never need it. The
+	// last to end finishes the link.
+	live atomic.Int32
 
 	// rawP, rawN, rawErr and rawWriteFn carry tryWrite's arguments so the
 	// per-write callback is allocated once per link, not once per write.
@@ -117,16 +122,30 @@ func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
 	return k
 }
 
-// run dials the upstream and proxies until the link ends.
-func (k *link) run() LinkStats {
+// start dials the upstream and starts the link's pumps; it reports false
+// when the link ended at its dial. The goroutine that dialled returns
+// then: the dial's deep call chain grew its stack, and a link that idles
+// for hours should not keep that stack. The last of the link's goroutines
+// to end accounts for the link (see exit).
+func (k *link) start() bool {
 	if !k.dial() {
-		return k.stats()
+		return false
 	}
-	k.wg.Add(1)
+	k.live.Store(2)
 	go k.pumpResponsesOwned()
-	k.pumpRequests()
-	k.wg.Wait()
+	go k.pumpRequestsOwned()
+	return true
+}
 
+// exit ends one of the link's goroutines; the last one finishes the link.
+func (k *link) exit() {
+	if k.live.Add(-1) == 0 {
+		k.l.linkEnded(k, k.finish())
+	}
+}
+
+// finish releases what the link holds once its goroutines have ended.
+func (k *link) finish() LinkStats {
 	k.closeBoth()
 	if k.l.p.transparent.Load() {
 		k.l.p.ownUp.Delete(k.upstream.LocalAddr().String())
@@ -254,6 +273,12 @@ func (k *link) dial() bool {
 // connected takes over a dialled upstream connection.
 func (k *link) connected(ep *endpoint, up *net.TCPConn) bool {
 	raw, err := up.SyscallConn()
+	if err == nil {
+		err = k.fromUpstream.init(up)
+	}
+	if err == nil {
+		err = k.fromClient.init(k.client)
+	}
 	if err != nil {
 		_ = up.Close()
 		k.attach(ep)
@@ -283,14 +308,11 @@ func (k *link) connected(ep *endpoint, up *net.TCPConn) bool {
 // the bytes to the upstream: directly when nothing is queued and the
 // kernel takes them at once, through the queue otherwise.
 func (k *link) pumpRequests() {
-	bp := getChunk()
-	defer putChunk(bp)
-	buf := *bp
 	high := int64(k.set.WriteBuffer.HighWaterMark)
 	backpressure := high > 0 && k.set.WriteBuffer.OnOverflow == policy.OverflowBackpressure
 	first := true
 	for {
-		limit := len(buf)
+		limit := chunkSize
 		if backpressure {
 			room, ok := k.waitForRoom(high)
 			if !ok {
@@ -300,8 +322,9 @@ func (k *link) pumpRequests() {
 				limit = int(room)
 			}
 		}
-		n, err := k.client.Read(buf[:limit])
+		bp, n, err := k.fromClient.read(limit)
 		if n > 0 {
+			buf := (*bp)[:n]
 			end := k.bytesUp.Add(int64(n))
 			if k.trk != nil {
 				// Recorded before the bytes go out, so that no answer can
@@ -309,40 +332,41 @@ func (k *link) pumpRequests() {
 				// from the accept: the upstream could not answer before
 				// the connection to it existed, so a slow dial is no
 				// evidence against it.
-				k.recordRequests(buf[:n], mono(), end, first)
+				k.recordRequests(buf, mono(), end, first)
 			}
 			first = false
-			if !k.send(buf[:n], high) {
+			sent := k.send(buf, high) // copies what it queues
+			putChunk(bp)
+			if !sent {
 				return
 			}
+			continue
 		}
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				if k.reqScan != nil && !k.conv.off.Load() && k.reqScan.midFrame() {
-					k.badFrame("request", errTruncated)
-					return
-				}
-				k.sawFin(metrics.ReasonClientClosed)
-				k.q.mu.Lock()
-				if k.q.writer {
-					// The writer passes the FIN on after the queued bytes.
-					k.q.eof = true
-					k.q.dataReady.Signal()
-					k.q.mu.Unlock()
-					return
-				}
-				k.q.mu.Unlock()
-				// No writer means nothing was ever queued: pass it on now.
-				if cerr := k.upstream.CloseWrite(); cerr != nil {
-					k.fail(cerr)
-					return
-				}
-				k.passedFin()
-			} else {
-				k.abort(metrics.ReasonClientError, err)
+		if errors.Is(err, io.EOF) {
+			if k.reqScan != nil && !k.conv.off.Load() && k.reqScan.midFrame() {
+				k.badFrame("request", errTruncated)
+				return
 			}
-			return
+			k.sawFin(metrics.ReasonClientClosed)
+			k.q.mu.Lock()
+			if k.q.writer {
+				// The writer passes the FIN on after the queued bytes.
+				k.q.eof = true
+				k.q.dataReady.Signal()
+				k.q.mu.Unlock()
+				return
+			}
+			k.q.mu.Unlock()
+			// No writer means nothing was ever queued: pass it on now.
+			if cerr := k.upstream.CloseWrite(); cerr != nil {
+				k.fail(cerr)
+				return
+			}
+			k.passedFin()
+		} else {
+			k.abort(metrics.ReasonClientError, err)
 		}
+		return
 	}
 }
 
@@ -437,7 +461,7 @@ func (k *link) send(p []byte, high int64) bool {
 	q.appendLocked(p)
 	if !q.writer {
 		q.writer = true
-		k.wg.Add(1)
+		k.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
 		go k.writeUpstreamOwned()
 	} else {
 		q.dataReady.Signal()
@@ -447,13 +471,18 @@ func (k *link) send(p []byte, high int64) bool {
 }
 
 func (k *link) writeUpstreamOwned() {
-	defer k.wg.Done()
+	defer k.exit()
 	k.writeUpstream()
 }
 
 func (k *link) pumpResponsesOwned() {
-	defer k.wg.Done()
+	defer k.exit()
 	k.pumpResponses()
+}
+
+func (k *link) pumpRequestsOwned() {
+	defer k.exit()
+	k.pumpRequests()
 }
 
 // tryWrite writes p to the upstream without waiting: it returns what the
@@ -556,12 +585,10 @@ func (k *link) writeUpstream() {
 
 // pumpResponses copies the upstream to the client.
 func (k *link) pumpResponses() {
-	bp := getChunk()
-	defer putChunk(bp)
-	buf := *bp
 	for {
-		n, err := k.upstream.Read(buf)
+		bp, n, err := k.fromUpstream.read(chunkSize)
 		if n > 0 {
+			buf := (*bp)[:n]
 			k.bytesDown.Add(int64(n))
 			if k.trk != nil {
 				// Any byte from the upstream is an answer: the server is
@@ -570,34 +597,35 @@ func (k *link) pumpResponses() {
 				if k.respScan != nil {
 					if k.conv.off.Load() {
 						k.respScan = nil
-					} else if _, _, ferr := k.respScan.scan(buf[:n]); ferr != nil {
+					} else if _, _, ferr := k.respScan.scan(buf); ferr != nil {
 						k.conv.untrack(metrics.UntrackedLimit, ferr)
 						k.respScan = nil
 					}
 				}
 			}
-			if _, werr := k.client.Write(buf[:n]); werr != nil {
+			_, werr := k.client.Write(buf)
+			putChunk(bp)
+			if werr != nil {
 				k.abort(metrics.ReasonClientError, werr)
 				return
 			}
+			continue
 		}
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				if k.respScan != nil && !k.conv.off.Load() && k.respScan.midFrame() {
-					k.badFrame("response", errTruncated)
-					return
-				}
-				k.sawFin(metrics.ReasonUpstreamClosed)
-				if cerr := k.client.CloseWrite(); cerr != nil {
-					k.abort(metrics.ReasonClientError, cerr)
-					return
-				}
-				k.passedFin()
+		if errors.Is(err, io.EOF) {
+			if k.respScan != nil && !k.conv.off.Load() && k.respScan.midFrame() {
+				k.badFrame("response", errTruncated)
 				return
 			}
-			k.fail(err)
+			k.sawFin(metrics.ReasonUpstreamClosed)
+			if cerr := k.client.CloseWrite(); cerr != nil {
+				k.abort(metrics.ReasonClientError, cerr)
+				return
+			}
+			k.passedFin()
 			return
 		}
+		k.fail(err)
+		return
 	}
 }
 

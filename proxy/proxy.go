@@ -556,18 +556,23 @@ func resetConn(c *net.TCPConn) {
 }
 
 func (l *listener) serveLink(k *link) {
-	defer l.linkWG.Done()
-	var s LinkStats
 	if k.ep != nil && l.refusing(k.ep) {
 		// The destination left routing between accept and registration;
 		// the eviction may have missed this link, so refuse it here.
 		_ = k.client.SetLinger(0)
 		k.setReason(metrics.ReasonRefused, nil)
 		k.closeBoth()
-		s = k.stats()
-	} else {
-		s = k.run()
+		l.linkEnded(k, k.stats())
+		return
 	}
+	if !k.start() {
+		l.linkEnded(k, k.stats())
+	}
+}
+
+// linkEnded accounts for a link that has ended with stats s.
+func (l *listener) linkEnded(k *link, s LinkStats) {
+	defer l.linkWG.Done()
 
 	if k.ep != nil {
 		k.ep.remove(k)

@@ -131,8 +131,11 @@ func (q *queue) consumeLocked(n, handed int) {
 		n -= avail
 		q.head = 0
 		if len(q.chunks) == 1 {
-			// Keep the last chunk for the next append.
-			q.lens[0] = 0
+			// Empty: the last chunk goes back to the pool too, so that a
+			// link whose queue drained holds no chunk while it idles.
+			putChunk(q.chunks[0])
+			q.chunks[0] = nil
+			q.chunks, q.lens = q.chunks[:0], q.lens[:0]
 			return
 		}
 		putChunk(q.chunks[0])

@@ -36,6 +36,7 @@ type options struct {
 	cpsWorkers int
 	maxOps     int64
 	lpFraming  string
+	idleLinks  int
 }
 
 func main() {
@@ -55,6 +56,7 @@ func main() {
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
 	flag.StringVar(&o.lpFraming, "lp-framing", "none", "livenessproxy listener framing: none | length_field (4-byte big-endian, like the bench protocol) | kafka | pinot (requests carry a Kafka or Pinot header that the profile reads)")
+	flag.IntVar(&o.idleLinks, "idle", 0, "after the scenarios, hold N idle links through each proxy (one 64 KiB exchange each way) and report memory per link; -1: as many as the descriptor limit allows")
 	flag.Parse()
 	if err := o.validate(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -81,6 +83,8 @@ func (o options) validate() error {
 		return errors.New("-cps-workers must be in [1, 256]")
 	case o.maxOps < 1:
 		return errors.New("-max-ops must be positive")
+	case o.idleLinks < -1 || o.idleLinks > maxIdleLinks():
+		return fmt.Errorf("-idle must be in [-1, %d] (the descriptor limit: two per link in the proxy)", maxIdleLinks())
 	case !slices.Contains([]string{"none", "length_field", "kafka", "pinot"}, o.lpFraming):
 		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
@@ -96,6 +100,9 @@ func (o options) validate() error {
 func (o options) selectedScenarios() ([]scenario, error) {
 	all := scenarios(o.cpsWorkers)
 	var out []scenario
+	if o.scenarios == "" {
+		return nil, nil // -idle alone
+	}
 	for name := range strings.SplitSeq(o.scenarios, ",") {
 		i := slices.IndexFunc(all, func(s scenario) bool { return s.name == name })
 		if i < 0 {
@@ -116,6 +123,12 @@ func run(ctx context.Context, o options) error {
 	pin, err := parsePinning(o.pin)
 	if err != nil {
 		return err
+	}
+	if o.idleLinks == -1 {
+		o.idleLinks = maxIdleLinks()
+	}
+	if o.idleLinks > 0 {
+		raiseNoFile()
 	}
 	tmp, err := os.MkdirTemp("", "lpbench-")
 	if err != nil {
@@ -183,6 +196,18 @@ func run(ctx context.Context, o options) error {
 		}
 	}
 	doc.Summary = summarize(doc.Runs)
+	if o.idleLinks > 0 {
+		for _, p := range paths {
+			if p.proc == nil || p.Skipped != "" {
+				continue
+			}
+			r := measureIdle(ctx, p, o.idleLinks)
+			logf("idle %-13s %d links: %s RSS/link (%s)", p.Name, r.Links, fmtKiB(r.RSSPerLink), r.Skipped)
+			doc.Idle = append(doc.Idle, r)
+			// Let the closed links end before the next proxy's run.
+			sleepUntil(ctx, time.Now().Add(2*time.Second))
+		}
+	}
 	if o.jsonOut {
 		return writeJSON(os.Stdout, doc)
 	}

@@ -23,6 +23,8 @@ type path struct {
 	Affinity string `json:"affinity,omitempty"` // the proxy's CPU list, read back
 	Skipped  string `json:"skipped,omitempty"`
 	proc     *child // nil for direct
+	// metricsAddr serves the proxy's Prometheus page (livenessproxy only).
+	metricsAddr string
 }
 
 const (
@@ -49,6 +51,11 @@ func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, 
 		p.Skipped = err.Error()
 		return p
 	}
+	adminAddr, err := freePort()
+	if err != nil {
+		p.Skipped = err.Error()
+		return p
+	}
 	framing := ""
 	switch o.lpFraming {
 	case "length_field":
@@ -58,13 +65,13 @@ func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, 
 	case "kafka", "pinot":
 		framing = "    framing: {type: " + o.lpFraming + ", max_frame_length: 16MiB}\n"
 	}
-	conf := fmt.Sprintf(`admin: {listen: 127.0.0.1:0, control_listen: ""}
+	conf := fmt.Sprintf(`admin: {listen: %s, control_listen: ""}
 log: {level: warn}
 listeners:
   - name: bench
     listen: %s
     upstream: %s
-%s`, addr, serverAddr, framing)
+%s`, adminAddr, addr, serverAddr, framing)
 	cfgPath := filepath.Join(tmp, "livenessproxy.yaml")
 	if err := os.WriteFile(cfgPath, []byte(conf), 0o644); err != nil {
 		p.Skipped = err.Error()
@@ -72,7 +79,11 @@ listeners:
 	}
 	p.Version = commandFirstLine(ctx, bin, "version")
 	cmd := exec.Command(bin, "run", "--config", cfgPath)
-	return startProxy(ctx, p, cmd, addr, cpus, filepath.Join(tmp, "livenessproxy.log"))
+	p = startProxy(ctx, p, cmd, addr, cpus, filepath.Join(tmp, "livenessproxy.log"))
+	if p.Skipped == "" {
+		p.metricsAddr = adminAddr
+	}
+	return p
 }
 
 // buildLivenessproxy runs `go build ./cmd/livenessproxy` in the module root.
@@ -131,7 +142,7 @@ func setupHAProxy(ctx context.Context, o options, tmp, serverAddr string, cpus *
 	// any scenario's latency and bound a dead connection's life.
 	conf := fmt.Sprintf(`global
     nbthread 1
-    maxconn 8192
+    maxconn %d
 
 defaults
     mode tcp
@@ -147,7 +158,7 @@ frontend bench
 
 backend server
     server s1 %s
-`, addr, serverAddr)
+`, max(8192, o.idleLinks+100), addr, serverAddr)
 	cfgPath := filepath.Join(tmp, "haproxy.cfg")
 	if err := os.WriteFile(cfgPath, []byte(conf), 0o644); err != nil {
 		p.Skipped = err.Error()

@@ -247,14 +247,15 @@ func summarize(runs []runResult) []summary {
 
 // document is what -json prints.
 type document struct {
-	Started   time.Time   `json:"started"`
-	Host      hostInfo    `json:"host"`
-	Settings  settings    `json:"settings"`
-	Pinning   pinning     `json:"pinning"`
-	Paths     []path      `json:"paths"`
-	Scenarios []scenInfo  `json:"scenarios"`
-	Summary   []summary   `json:"summary"`
-	Runs      []runResult `json:"runs"`
+	Started   time.Time    `json:"started"`
+	Host      hostInfo     `json:"host"`
+	Settings  settings     `json:"settings"`
+	Pinning   pinning      `json:"pinning"`
+	Paths     []path       `json:"paths"`
+	Scenarios []scenInfo   `json:"scenarios"`
+	Summary   []summary    `json:"summary"`
+	Runs      []runResult  `json:"runs"`
+	Idle      []idleResult `json:"idle,omitempty"`
 }
 
 type hostInfo struct {
@@ -333,6 +334,7 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintf(w, "note: %s/%s: %d error(s), first: %s\n", s.Scenario, s.Path, s.Errors, s.FirstError)
 		}
 	}
+	writeIdleTable(w, d.Idle)
 }
 
 func fmtThroughput(v float64, unit string) string {
