@@ -9,6 +9,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"golang.org/x/sys/unix"
 )
 
 // With reject, what a stalled upstream holds from a client is bounded by
@@ -40,4 +41,80 @@ func TestStalledUpstreamHoldsAtMostTheWatermark(t *testing.T) {
 		t.Fatalf("the proxy took %d bytes from the client for a stalled upstream, above %d (high_water_mark %d + unsent %d + peer window + one read)",
 			s.BytesUp, bound, high, notsentLowat(high))
 	}
+}
+
+// The backpressure twin, measured inside the kernel: once the link's
+// queue holds the high watermark (the request pump waits for room), the
+// upstream socket's unsent bytes (SIOCOUTQNSD) stay within
+// TCP_NOTSENT_LOWAT plus what one write may add while under it (the
+// kernel admits a write while the unsent backlog is below the mark, up to
+// a 64 KiB segment more). SIOCOUTQ, unsent plus sent-but-unacknowledged,
+// is logged: the in-flight part is the window's, not the proxy's.
+func TestStalledUpstreamUnsentBacklogIsSmall(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	const high = 256 << 10
+	h := start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout, s.TCPUserTimeout = 0, 0
+		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: high, LowWaterMark: high / 2, OnOverflow: policy.OverflowBackpressure}
+	})
+	c := h.dial()
+	sent := writeAsync(c, 64<<20, 64<<10)
+	k := h.onlyLink(5 * time.Second)
+	for deadline := time.Now().Add(10 * time.Second); k.q.bytes() < high; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("queue at %d bytes after 10s, never reached the high watermark %d", k.q.bytes(), high)
+		}
+	}
+	unsent, outq := sockQueue(t, k, unix.SIOCOUTQNSD), sockQueue(t, k, unix.SIOCOUTQ)
+	bound := notsentLowat(high) + 64<<10
+	t.Logf("queue %d (high %d); upstream socket: unsent %d (TCP_NOTSENT_LOWAT %d), unsent+unacked %d",
+		k.q.bytes(), high, unsent, notsentLowat(high), outq)
+	if k.q.bytes() > high {
+		t.Fatalf("queue %d above the high watermark %d", k.q.bytes(), high)
+	}
+	if unsent > bound {
+		t.Fatalf("the upstream socket holds %d unsent bytes, above TCP_NOTSENT_LOWAT %d plus a segment", unsent, notsentLowat(high))
+	}
+	// Nothing ends this link by itself (no write timeout, no user
+	// timeout, the pump waits for room and so never sees the client's
+	// close): the proxy's shutdown at cleanup does.
+	_ = c.Close()
+	<-sent
+}
+
+// onlyLink returns the listener's one link once it has its upstream.
+func (h *harness) onlyLink(within time.Duration) *link {
+	h.t.Helper()
+	l := h.p.listeners[0]
+	for deadline := time.Now().Add(within); ; time.Sleep(5 * time.Millisecond) {
+		l.mu.Lock()
+		for k := range l.links {
+			k.connMu.Lock()
+			up := k.upRaw
+			k.connMu.Unlock()
+			if up != nil {
+				l.mu.Unlock()
+				return k
+			}
+		}
+		l.mu.Unlock()
+		if time.Now().After(deadline) {
+			h.t.Fatalf("no link with an upstream within %v", within)
+		}
+	}
+}
+
+// sockQueue reads an ioctl byte count (SIOCOUTQ, SIOCOUTQNSD) of the
+// link's upstream socket.
+func sockQueue(t *testing.T, k *link, req uint) int {
+	t.Helper()
+	var n int
+	var err error
+	if cerr := k.upRaw.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), req) }); cerr != nil {
+		t.Fatal(cerr)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
