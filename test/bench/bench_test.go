@@ -7,6 +7,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -94,6 +95,21 @@ func TestSummarizeRatiosPerRound(t *testing.T) {
 	}
 	if s[1].Throughput != 100 || s[1].VsDirect.Throughput != 0.5 || s[1].VsDirect.P50 != 2 {
 		t.Fatalf("haproxy summary %+v", s[1])
+	}
+}
+
+func TestSideBySide(t *testing.T) {
+	ss := []summary{
+		{Scenario: "cps", Path: pathDirect},
+		{Scenario: "cps", Path: pathLP, ProxyCPUus: 150, VsDirect: ratios{Throughput: 0.45}},
+		{Scenario: "cps", Path: pathHA, ProxyCPUus: 100, VsDirect: ratios{Throughput: 0.5}},
+		{Scenario: "rr1", Path: pathLP, ProxyCPUus: 60}, // no haproxy row: left out
+	}
+	var b strings.Builder
+	writeSideBySide(&b, ss)
+	want := "cps              0.50x        0.45x      100.0µs      150.0µs      1.50\n"
+	if !strings.Contains(b.String(), want) || strings.Contains(b.String(), "rr1") {
+		t.Fatalf("side by side:\n%s\nwant the line\n%s", b.String(), want)
 	}
 }
 

@@ -334,6 +334,7 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintf(w, "note: %s/%s: %d error(s), first: %s\n", s.Scenario, s.Path, s.Errors, s.FirstError)
 		}
 	}
+	writeSideBySide(w, d.Summary)
 	writeIdleTable(w, d.Idle)
 }
 
@@ -381,4 +382,34 @@ func fmtErrs(n int64) string {
 		return "0"
 	}
 	return fmt.Sprint(n)
+}
+
+// writeSideBySide prints livenessproxy beside HAProxy per scenario: each
+// one's throughput ratio to direct and the proxy's own CPU per operation,
+// and livenessproxy's CPU over HAProxy's (at or below 1 is the goal).
+func writeSideBySide(w io.Writer, ss []summary) {
+	find := func(sc, p string) (summary, bool) {
+		i := slices.IndexFunc(ss, func(s summary) bool { return s.Scenario == sc && s.Path == p })
+		if i < 0 {
+			return summary{}, false
+		}
+		return ss[i], true
+	}
+	header := false
+	for _, s := range ss {
+		if s.Path != pathLP {
+			continue
+		}
+		ha, ok := find(s.Scenario, pathHA)
+		if !ok {
+			continue
+		}
+		if !header {
+			fmt.Fprintln(w, "\nside by side (medians): throughput vs direct, and the proxy's own CPU per op")
+			fmt.Fprintf(w, "%-9s %12s %12s %12s %12s %9s\n", "scenario", "haproxy thr", "lp thr", "haproxy CPU", "lp CPU", "lp/ha CPU")
+			header = true
+		}
+		fmt.Fprintf(w, "%-9s %11sx %11sx %12s %12s %9s\n", s.Scenario, fmtF(ha.VsDirect.Throughput, 2), fmtF(s.VsDirect.Throughput, 2),
+			fmtUs(ha.ProxyCPUus), fmtUs(s.ProxyCPUus), fmtF(ratio(s.ProxyCPUus, ha.ProxyCPUus), 2))
+	}
 }
