@@ -220,7 +220,14 @@ func TestProbeReadmitsAndEvictsOldLinks(t *testing.T) {
 	c := h.dial()
 	sendFrame(t, c, "q1")
 	sendFrame(t, c, "q2")
-	// The server dies: probes are refused until it is back.
+	// Both requests reached the server (so the proxy, which records a
+	// request before passing it on, is tracking them); then the server
+	// dies: probes are refused until it is back.
+	for deadline := time.Now().Add(5 * time.Second); peer.Requests() < 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the server received %d of 2 requests within 5s", peer.Requests())
+		}
+	}
 	peer.Close()
 	h.waitState("excluded", 2*time.Second)
 	waitClosed(t, c, time.Second)
