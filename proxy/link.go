@@ -164,9 +164,7 @@ func (k *link) finish() LinkStats {
 			k.ep.orphans.adopt(orphans)
 		}
 	}
-	k.q.mu.Lock()
-	k.q.releaseLocked()
-	k.q.mu.Unlock()
+	k.q.release()
 	k.finMu.Lock()
 	if k.halfTimer != nil {
 		k.halfTimer.Stop()
@@ -314,7 +312,7 @@ func (k *link) pumpRequests() {
 	for {
 		limit := chunkSize
 		if backpressure {
-			room, ok := k.waitForRoom(high)
+			room, ok := k.q.waitForRoom(high, int64(k.set.WriteBuffer.LowWaterMark))
 			if !ok {
 				return
 			}
@@ -348,15 +346,9 @@ func (k *link) pumpRequests() {
 				return
 			}
 			k.sawFin(metrics.ReasonClientClosed)
-			k.q.mu.Lock()
-			if k.q.writer {
-				// The writer passes the FIN on after the queued bytes.
-				k.q.eof = true
-				k.q.dataReady.Signal()
-				k.q.mu.Unlock()
-				return
+			if k.q.endOfInput() {
+				return // the writer passes the FIN on after the queued bytes
 			}
-			k.q.mu.Unlock()
 			// No writer means nothing was ever queued: pass it on now.
 			if cerr := k.upstream.CloseWrite(); cerr != nil {
 				k.fail(cerr)
@@ -404,33 +396,16 @@ func (k *link) recordRequests(p []byte, at, end int64, first bool) {
 	}
 }
 
-// waitForRoom blocks while the queue is at the high watermark and until it
-// drains to the low one, and returns how many bytes may be read now.
-func (k *link) waitForRoom(high int64) (int64, bool) {
-	low := int64(k.set.WriteBuffer.LowWaterMark)
-	k.q.mu.Lock()
-	defer k.q.mu.Unlock()
-	if k.q.queued >= high {
-		for k.q.queued > low && k.q.queued > 0 && !k.q.closed {
-			k.q.drained.Wait()
-		}
-	}
-	return high - k.q.queued, !k.q.closed
-}
-
 // send hands p to the upstream. It reports false when the link has ended.
 func (k *link) send(p []byte, high int64) bool {
-	q := &k.q
-	q.mu.Lock()
-	if q.closed {
-		q.mu.Unlock()
+	empty, open := k.q.idle()
+	if !open {
 		return false
 	}
-	if q.queued == 0 {
+	if empty {
 		// Nothing queued and nothing being written: try the kernel directly
 		// and queue only what it does not take. This keeps the common case
 		// free of a goroutine hand-off.
-		q.mu.Unlock()
 		n, err := k.tryWrite(p)
 		if err != nil {
 			k.fail(err)
@@ -440,33 +415,24 @@ func (k *link) send(p []byte, high int64) bool {
 			return true
 		}
 		p = p[n:]
-		q.mu.Lock()
-		if q.closed {
-			q.mu.Unlock()
-			return false
-		}
 	}
-	if high > 0 && q.queued+int64(len(p)) > high {
+	switch k.q.push(p, high) {
+	case pushClosed:
+		return false
+	case pushOverflow:
 		// Only reachable with on_overflow: reject; backpressure never reads
 		// more than the room left. The link is closed: it cannot keep its
 		// memory bound otherwise. The upstream is blamed only with evidence
 		// that it stopped: nothing acknowledged for write_timeout. A client
 		// that writes faster than a live server reads is not a dead server.
-		q.mu.Unlock()
 		k.l.m.WatermarkRejections.Inc()
 		k.overflowStalled.Store(k.stalled(k.set.WriteTimeout.D()))
 		k.abort(metrics.ReasonWatermark, nil)
 		return false
-	}
-	q.appendLocked(p)
-	if !q.writer {
-		q.writer = true
+	case pushedStartWriter:
 		k.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
 		go k.writeUpstreamOwned()
-	} else {
-		q.dataReady.Signal()
 	}
-	q.mu.Unlock()
 	return true
 }
 
@@ -506,20 +472,14 @@ func (k *link) tryWrite(p []byte) (int, error) {
 
 // writeUpstream drains the queue into the upstream with a write deadline.
 func (k *link) writeUpstream() {
-	q := &k.q
 	wt := k.set.WriteTimeout.D()
 	low := int64(k.set.WriteBuffer.LowWaterMark)
 	for {
-		q.mu.Lock()
-		for q.queued == 0 && !q.eof && !q.closed {
-			q.dataReady.Wait()
-		}
-		if q.closed {
-			q.mu.Unlock()
+		step, queued := k.q.next()
+		switch step {
+		case stopWriting:
 			return
-		}
-		if q.queued == 0 && q.eof {
-			q.mu.Unlock()
+		case passFin:
 			if err := k.upstream.CloseWrite(); err != nil {
 				k.fail(err)
 				return
@@ -527,8 +487,9 @@ func (k *link) writeUpstream() {
 			k.passedFin()
 			return
 		}
-		head := k.bytesUp.Load() - q.queued // stream offset of the oldest queued byte
-		q.mu.Unlock()
+		// The pump adds to bytesUp before it pushes: the oldest queued byte
+		// is at this stream offset or later.
+		head := k.bytesUp.Load() - queued
 		if k.conv != nil {
 			// A request past its deadline is never written, even in the
 			// moment before the tracker's timer judges it.
@@ -537,14 +498,8 @@ func (k *link) writeUpstream() {
 				return
 			}
 		}
-		q.mu.Lock()
-		k.batch = q.batchLocked(k.batch[:0])
-		q.mu.Unlock()
-
-		handed := 0
-		for _, b := range k.batch {
-			handed += len(b)
-		}
+		var handed int
+		k.batch, handed = k.q.batch(k.batch[:0])
 		if wt > 0 {
 			k.progressed()
 			_ = k.upstream.SetWriteDeadline(time.Now().Add(wt))
@@ -553,12 +508,7 @@ func (k *link) writeUpstream() {
 		n, err := k.toWrite.WriteTo(k.upstream)
 		k.toWrite = nil
 
-		q.mu.Lock()
-		q.consumeLocked(int(n), handed)
-		if q.queued <= low || q.queued == 0 {
-			q.drained.Signal()
-		}
-		q.mu.Unlock()
+		k.q.consume(int(n), handed, low)
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				if p, known := k.progressed(); p || !known && n > 0 || k.conv != nil && k.conv.holding(mono()) {
@@ -778,11 +728,7 @@ func (k *link) setReason(reason string, err error) bool {
 // closeBoth closes both connections and wakes every goroutine of the link.
 func (k *link) closeBoth() {
 	k.closeOnce.Do(func() {
-		k.q.mu.Lock()
-		k.q.closed = true
-		k.q.dataReady.Broadcast()
-		k.q.drained.Broadcast()
-		k.q.mu.Unlock()
+		k.q.close()
 		_ = k.client.Close()
 		k.connMu.Lock()
 		k.closed = true
@@ -803,9 +749,7 @@ func (k *link) stats() LinkStats {
 		Opened:    k.opened,
 		Duration:  time.Since(k.opened),
 	}
-	k.q.mu.Lock()
-	s.MaxQueued = k.q.maxQueued
-	k.q.mu.Unlock()
+	s.MaxQueued = k.q.peak()
 	if k.ep != nil {
 		s.Upstream = k.ep.dial
 	}

@@ -39,6 +39,10 @@ func putChunk(b *[]byte) { chunkPool.Put(b) }
 // queued counts bytes appended and not yet written, including those the
 // writer is writing right now; queued == 0 therefore means nobody is
 // writing, which is what lets the request pump write directly.
+//
+// The link uses it only through its methods (push, endOfInput,
+// waitForRoom for the request pump; next, batch, consume for the writer;
+// close, release): its lock and conditions are used only in this file.
 type queue struct {
 	mu        sync.Mutex
 	dataReady sync.Cond // the writer waits here for bytes, EOF or close
@@ -65,6 +69,146 @@ func (q *queue) bytes() int64 {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.queued
+}
+
+// peak is the most bytes ever queued.
+func (q *queue) peak() int64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.maxQueued
+}
+
+// idle reports whether nothing is queued, which also means nobody is
+// writing (so the request pump may write to the kernel directly: only it
+// appends, so the queue stays empty until it pushes), and whether the
+// queue is still open.
+func (q *queue) idle() (empty, open bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.queued == 0, !q.closed
+}
+
+// pushResult is what push did with the bytes.
+type pushResult int
+
+const (
+	pushed            pushResult = iota // queued; the writer is running
+	pushedStartWriter                   // queued; the caller starts the writer
+	pushOverflow                        // would pass the high watermark: nothing queued
+	pushClosed                          // the queue is closed: nothing queued
+)
+
+// push copies p to the tail of the queue, unless that would take it past
+// high (high > 0) or the queue is closed. The first push asks the caller
+// to start the writer; later ones wake it.
+func (q *queue) push(p []byte, high int64) pushResult {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	switch {
+	case q.closed:
+		return pushClosed
+	case high > 0 && q.queued+int64(len(p)) > high:
+		return pushOverflow
+	}
+	q.appendLocked(p)
+	if !q.writer {
+		q.writer = true
+		return pushedStartWriter
+	}
+	q.dataReady.Signal()
+	return pushed
+}
+
+// endOfInput records the client's FIN. It reports true when the writer
+// will pass it on after the queued bytes; false when no writer was ever
+// started (nothing was ever queued), so the caller passes it on itself.
+func (q *queue) endOfInput() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if !q.writer {
+		return false
+	}
+	q.eof = true
+	q.dataReady.Signal()
+	return true
+}
+
+// waitForRoom blocks while the queue holds high bytes or more, until it
+// drains to low, and returns how many bytes may be pushed now and whether
+// the queue is open.
+func (q *queue) waitForRoom(high, low int64) (int64, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.queued >= high {
+		for q.queued > low && q.queued > 0 && !q.closed {
+			q.drained.Wait()
+		}
+	}
+	return high - q.queued, !q.closed
+}
+
+// writerStep is what the writer does next.
+type writerStep int
+
+const (
+	writeQueued writerStep = iota // write a batch of the queued bytes
+	passFin                       // everything is written and the client sent FIN
+	stopWriting                   // the queue is closed
+)
+
+// next blocks until there are bytes to write, the input has ended, or
+// the queue is closed. With writeQueued it also returns how many bytes
+// are queued.
+func (q *queue) next() (writerStep, int64) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for q.queued == 0 && !q.eof && !q.closed {
+		q.dataReady.Wait()
+	}
+	switch {
+	case q.closed:
+		return stopWriting, 0
+	case q.queued == 0:
+		return passFin, 0
+	}
+	return writeQueued, q.queued
+}
+
+// batch returns views of up to maxBatch queued bytes not already handed
+// out (see batchLocked), and how many bytes they hold.
+func (q *queue) batch(bufs net.Buffers) (net.Buffers, int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	before := q.inFlight
+	bufs = q.batchLocked(bufs)
+	return bufs, q.inFlight - before
+}
+
+// consume drops the n bytes of a batch of handed bytes that were written,
+// and wakes a pump waiting for room once the queue is at low or empty.
+func (q *queue) consume(n, handed int, low int64) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.consumeLocked(n, handed)
+	if q.queued <= low || q.queued == 0 {
+		q.drained.Signal()
+	}
+}
+
+// close marks the queue closed and wakes the writer and the pump.
+func (q *queue) close() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.closed = true
+	q.dataReady.Broadcast()
+	q.drained.Broadcast()
+}
+
+// release returns every chunk to the pool once the link has ended.
+func (q *queue) release() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.releaseLocked()
 }
 
 // appendLocked copies p to the tail of the queue.
