@@ -1,0 +1,114 @@
+package proxy
+
+import (
+	"slices"
+	"sort"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+)
+
+// EndpointStatus is one endpoint as GET /v1/endpoints shows it.
+type EndpointStatus struct {
+	Endpoint              string    `json:"endpoint"`
+	Name                  string    `json:"name,omitempty"` // the host:port name it was resolved from
+	Listeners             []string  `json:"listeners"`
+	State                 string    `json:"state"`
+	Reason                string    `json:"reason,omitempty"`
+	Since                 time.Time `json:"since"`
+	NextProbe             time.Time `json:"next_probe,omitzero"`
+	FailedProbes          int       `json:"failed_probes"`
+	LastProbeError        string    `json:"last_probe_error,omitempty"`
+	LiveLinks             int       `json:"live_links"`
+	ConsecutiveUnanswered int64     `json:"consecutive_unanswered"`
+}
+
+// Endpoints returns every endpoint's status, sorted by address.
+func (p *Proxy) Endpoints() []EndpointStatus {
+	statuses := p.det.Statuses()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]EndpointStatus, 0, len(statuses))
+	for _, st := range statuses {
+		ep := p.endpoints[st.Endpoint]
+		if ep == nil {
+			continue
+		}
+		es := EndpointStatus{
+			Endpoint:              st.Endpoint,
+			Name:                  ep.name,
+			State:                 st.State.String(),
+			Reason:                st.Reason,
+			Since:                 st.Since,
+			NextProbe:             st.NextProbe,
+			FailedProbes:          st.Probes,
+			LastProbeError:        st.LastProbeError,
+			LiveLinks:             ep.liveLinks(),
+			ConsecutiveUnanswered: ep.consecutive.Load(),
+		}
+		ep.mu.Lock()
+		for _, l := range ep.listeners {
+			es.Listeners = append(es.Listeners, l.cfg.Name)
+		}
+		ep.mu.Unlock()
+		sort.Strings(es.Listeners)
+		out = append(out, es)
+	}
+	return out
+}
+
+// lookup returns the endpoints an operator's host:port names: the one
+// with that address, or every one resolved from that name.
+func (p *Proxy) lookup(addr string) ([]*endpoint, error) {
+	key := normalizeEndpoint(addr)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if ep := p.endpoints[key]; ep != nil {
+		return []*endpoint{ep}, nil
+	}
+	var eps []*endpoint
+	for _, ep := range p.endpoints {
+		if ep.name == key {
+			eps = append(eps, ep)
+		}
+	}
+	if len(eps) == 0 {
+		return nil, ErrUnknownEndpoint
+	}
+	slices.SortFunc(eps, func(a, b *endpoint) int { return compareAddr(a.addr, b.addr) })
+	return eps, nil
+}
+
+// Disable is the operator's disable: no new links to the endpoint (or to
+// each endpoint resolved from the name), not even fail-open; existing
+// links are evicted. It reports whether any state changed.
+func (p *Proxy) Disable(addr string) (bool, error) {
+	eps, err := p.lookup(addr)
+	changed := false
+	for _, ep := range eps {
+		changed = p.det.Disable(ep.addr, "operator_disable") || changed
+	}
+	return changed, err
+}
+
+// Enable is the operator's enable: a readmission, so links opened before
+// it are evicted. It reports whether any state changed.
+func (p *Proxy) Enable(addr string) (bool, error) {
+	eps, err := p.lookup(addr)
+	changed := false
+	for _, ep := range eps {
+		changed = p.det.Enable(ep.addr, "operator_enable") || changed
+	}
+	return changed, err
+}
+
+// Evict closes every link to the endpoint (or endpoints) now and returns
+// how many.
+func (p *Proxy) Evict(addr string) (int, error) {
+	eps, err := p.lookup(addr)
+	n := 0
+	for _, ep := range eps {
+		n += ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictOperator)
+	}
+	return n, err
+}

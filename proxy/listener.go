@@ -1,0 +1,369 @@
+package proxy
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// listener accepts client connections and owns the links they become.
+type listener struct {
+	p   *Proxy
+	cfg policy.Listener // name, listen and upstream; settings live in tune
+	ctx context.Context
+	m   *metrics.Listener
+	log zerolog.Logger
+	// tune holds the settings new links take; a reload swaps it, links
+	// keep the settings they started with.
+	tune atomic.Pointer[tuning]
+	addr string // bound address, kept to bind again after a pause
+	// matches is the transparent match list; nil for an explicit or pool
+	// listener (which has pool instead).
+	matches []matcher
+	// pool is the endpoints an explicit or pool listener routes to.
+	pool *pool
+	// destinations counts a transparent listener's endpoints (under p.mu),
+	// bounded by transparent.max_destinations.
+	destinations int
+	// stopped is closed when the listener stops accepting (ends its pool's
+	// refresh loop).
+	stopped chan struct{}
+
+	untrackedSeen sync.Map // untrack reasons already logged at info
+	// localErrors counts the proxy's own failures since the last log line
+	// about them, logged at most every localErrorLogEvery (mono time).
+	localErrors      atomic.Int64
+	localErrorLogged atomic.Int64
+
+	acceptWG sync.WaitGroup // the accept loop
+	linkWG   sync.WaitGroup // one per link goroutine
+
+	mu       sync.Mutex
+	ln       net.Listener // nil while paused or stopped
+	links    map[*link]struct{}
+	closedUp int64 // bytes of links that ended, for bytes_total
+	closedDn int64
+	stopping bool
+	paused   bool          // refusing: the endpoint is excluded or disabled
+	changed  chan struct{} // signalled when paused or stopping changes
+}
+
+// tuning is what a new link takes from its listener's configuration; a
+// reload swaps it, so every key it holds takes effect for the next link.
+type tuning struct {
+	cfg           policy.Listener // the configuration it was made from
+	set           policy.Settings
+	frames        *frameSpec // nil: opaque
+	dialer        *net.Dialer
+	balance       string        // pool.balance
+	failOpen      bool          // pool.fail_open
+	groupFailOpen bool          // transparent.group_fail_open
+	maxDests      int           // transparent.max_destinations
+	forgetAfter   time.Duration // transparent.forget_excluded_after
+}
+
+func newTuning(lc policy.Listener) *tuning {
+	s := lc.Settings
+	// Zero values (a Config built in code) mean the defaults, as in Validate.
+	balance := cmp.Or(lc.Pool.Balance, policy.DefaultPool().Balance)
+	dt := policy.DefaultTransparent()
+	return &tuning{
+		cfg:           lc,
+		set:           s,
+		balance:       balance,
+		failOpen:      lc.IsPool() && lc.Pool.FailOpen,
+		groupFailOpen: lc.IsTransparent() && lc.Transparent.GroupFailOpen,
+		maxDests:      cmp.Or(lc.Transparent.MaxDestinations, dt.MaxDestinations),
+		forgetAfter:   cmp.Or(lc.Transparent.ForgetExcludedAfter, dt.ForgetExcludedAfter).D(),
+		frames:        newFrameSpec(s.Framing),
+		dialer: &net.Dialer{
+			Timeout:   s.ConnectTimeout.D(), // non-positive: no timeout of ours
+			KeepAlive: -1,                   // ours are set in Control, or left to the kernel
+			Control:   upstreamControl(s),
+		},
+	}
+}
+
+func (l *listener) tuning() *tuning { return l.tune.Load() }
+
+func listenerKind(cfg policy.Listener) string {
+	if cfg.IsTransparent() {
+		return metrics.KindTransparent
+	}
+	return metrics.KindPool
+}
+
+func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
+	l := &listener{
+		p:       p,
+		cfg:     cfg,
+		ctx:     p.ctx,
+		m:       p.metrics.ForListenerKind(cfg.Name, listenerKind(cfg)),
+		log:     p.log.With().Str("listener", cfg.Name).Logger(),
+		links:   make(map[*link]struct{}),
+		changed: make(chan struct{}, 1),
+		stopped: make(chan struct{}),
+	}
+	l.tune.Store(newTuning(cfg))
+	if cfg.IsTransparent() {
+		l.matches = newMatchers(cfg.Transparent)
+		p.transparent.Store(true)
+		return l
+	}
+	// Members are resolved by the caller (syncPool), outside p.mu.
+	l.pool = newPool(l, cfg)
+	return l
+}
+
+func (l *listener) signal() {
+	select {
+	case l.changed <- struct{}{}:
+	default:
+	}
+}
+
+// pause stops listening: while an endpoint is excluded (on_excluded:
+// refuse) or disabled, a client's connect is refused the way a down
+// server's is, instead of succeeding and then closing, which a client's
+// failure detector would take for a live server.
+func (l *listener) pause() {
+	l.mu.Lock()
+	if l.paused || l.stopping {
+		l.mu.Unlock()
+		return
+	}
+	l.paused = true
+	ln, addr := l.ln, l.addr
+	l.ln = nil
+	l.mu.Unlock()
+	if ln != nil {
+		_ = ln.Close()
+	}
+	l.signal()
+	l.log.Info().Str("listen", addr).Msg("not listening while the endpoint is out of routing")
+}
+
+// resume listens again (the accept loop binds the same address).
+func (l *listener) resume() {
+	l.mu.Lock()
+	was := l.paused
+	l.paused = false
+	l.mu.Unlock()
+	if was {
+		l.signal()
+	}
+}
+
+// serve is the accept loop. It only accepts: dialling happens in each
+// link's goroutine, so one black-holed upstream never stalls other clients.
+func (l *listener) serve() {
+	defer l.acceptWG.Done()
+	for {
+		l.mu.Lock()
+		ln := l.ln
+		l.mu.Unlock()
+		if ln != nil {
+			l.acceptLoop(ln)
+		}
+		if !l.waitToListen() {
+			return
+		}
+	}
+}
+
+// waitToListen waits while the listener is paused and binds its address
+// again when it is resumed. It returns false once the listener is stopping.
+func (l *listener) waitToListen() bool {
+	retry := 50 * time.Millisecond
+	for {
+		l.mu.Lock()
+		stopping, paused := l.stopping, l.paused
+		l.mu.Unlock()
+		if stopping {
+			return false
+		}
+		if !paused {
+			ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(l.ctx, "tcp", l.addr)
+			if err == nil {
+				l.mu.Lock()
+				if l.stopping || l.paused {
+					l.mu.Unlock()
+					_ = ln.Close()
+					continue
+				}
+				l.ln = ln
+				l.mu.Unlock()
+				l.log.Info().Str("listen", l.addr).Msg("listening again")
+				return true
+			}
+			l.log.Error().Err(err).Str("listen", l.addr).Dur("retry_in_ms", retry).Msg("cannot listen again")
+			select {
+			case <-time.After(retry):
+			case <-l.changed:
+			case <-l.ctx.Done():
+				return false
+			}
+			retry = min(retry*2, 2*time.Second)
+			continue
+		}
+		select {
+		case <-l.changed:
+		case <-l.ctx.Done():
+			return false
+		}
+	}
+}
+
+// acceptLoop accepts until ln is closed (pause or stop).
+func (l *listener) acceptLoop(ln net.Listener) {
+	var backoff time.Duration
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of file descriptors and the like: back off, keep serving.
+			if backoff == 0 {
+				backoff = 5 * time.Millisecond
+			} else if backoff *= 2; backoff > time.Second {
+				backoff = time.Second
+			}
+			l.log.Error().Err(err).Dur("retry_in_ms", backoff).Msg("accept failed")
+			select {
+			case <-time.After(backoff):
+			case <-l.ctx.Done():
+				return
+			}
+			continue
+		}
+		backoff = 0
+		l.m.LinksTotal.Inc()
+		tc := c.(*net.TCPConn)
+		var ep *endpoint // a pool listener's link picks its endpoint when it dials
+		if l.matches != nil {
+			var why string
+			if ep, why = l.resolve(tc); ep == nil {
+				resetConn(tc)
+				l.m.Closed(why)
+				continue
+			}
+		}
+		if l.refusing(ep) {
+			// Out of routing (a pool listener: in the moment before its
+			// pause took effect): reset before reading.
+			resetConn(tc)
+			l.m.Closed(metrics.ReasonRefused)
+			continue
+		}
+		k := newLink(l, ep, tc)
+		if !l.track(k) {
+			_ = c.Close()
+			continue
+		}
+		go l.serveLink(k)
+	}
+}
+
+// track registers a new link; it refuses once the listener is stopping.
+func (l *listener) track(k *link) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.stopping {
+		return false
+	}
+	l.links[k] = struct{}{}
+	l.linkWG.Add(1)
+	l.m.LinksActive.Inc()
+	if k.ep != nil {
+		k.ep.add(k)
+	}
+	return true
+}
+
+func resetConn(c *net.TCPConn) {
+	_ = c.SetLinger(0)
+	_ = c.Close()
+}
+
+func (l *listener) serveLink(k *link) {
+	if k.ep != nil && l.refusing(k.ep) {
+		// The destination left routing between accept and registration;
+		// the eviction may have missed this link, so refuse it here.
+		_ = k.client.SetLinger(0)
+		k.setReason(metrics.ReasonRefused, nil)
+		k.closeBoth()
+		l.linkEnded(k, k.stats())
+		return
+	}
+	if !k.start() {
+		l.linkEnded(k, k.stats())
+	}
+}
+
+// linkEnded accounts for a link that has ended with stats s.
+func (l *listener) linkEnded(k *link, s LinkStats) {
+	defer l.linkWG.Done()
+
+	if k.ep != nil {
+		k.ep.remove(k)
+	}
+	l.mu.Lock()
+	delete(l.links, k)
+	l.closedUp += s.BytesUp
+	l.closedDn += s.BytesDown
+	l.mu.Unlock()
+	l.m.LinksActive.Dec()
+	l.m.Closed(s.Reason)
+	l.m.LinkDuration.Observe(s.Duration.Seconds())
+	if k.blamesUpstream(s.Reason) {
+		l.p.report(k.ep, s.Reason)
+	}
+
+	// The access log (log.access) is one info line per link; without it
+	// the same line is at debug.
+	e := l.log.Debug()
+	if l.p.accessLog {
+		e = l.log.Info()
+	}
+	if e.Enabled() {
+		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", s.Reason).
+			AnErr("cause", s.Err).Int64("bytes_up", s.BytesUp).Int64("bytes_down", s.BytesDown).
+			Int64("max_queued", s.MaxQueued).Time("opened", s.Opened).Int64("duration_ms", s.Duration.Milliseconds()).
+			Msg("link closed")
+	}
+	if l.p.onLinkEnd != nil {
+		l.p.onLinkEnd(s)
+	}
+}
+
+func (l *listener) stopAccepting() {
+	l.mu.Lock()
+	if !l.stopping {
+		close(l.stopped)
+	}
+	l.stopping = true
+	ln := l.ln
+	l.ln = nil
+	l.mu.Unlock()
+	if ln != nil {
+		_ = ln.Close()
+	}
+	l.signal()
+	l.acceptWG.Wait()
+}
+
+func (l *listener) abortAll(reason string) {
+	for _, k := range l.snapshotLinks() {
+		k.abort(reason, nil)
+	}
+}
