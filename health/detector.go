@@ -238,7 +238,7 @@ func (d *Detector) Statuses() []Status {
 			Reason:         e.reason,
 			Since:          e.since,
 			NextProbe:      e.nextProbe,
-			Probes:         e.probes,
+			FailedProbes:   e.probes,
 			LastProbeError: e.lastErr,
 		})
 	}

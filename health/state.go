@@ -61,8 +61,8 @@ func (s State) String() string {
 	return "State(" + strconv.Itoa(int(s)) + ")"
 }
 
-// MarshalText renders the state as its String form, so that JSON (for
-// GET /v1/endpoints) carries "excluded" rather than 1.
+// MarshalText renders the state as its String form, so that any text
+// encoding (a log field, JSON) carries "excluded" rather than 1.
 func (s State) MarshalText() ([]byte, error) { return []byte(s.String()), nil }
 
 // Reasons the detector itself uses. Report and Disable take the caller's
@@ -83,20 +83,23 @@ type Event struct {
 	At       time.Time // when the transition happened
 }
 
-// Status is a snapshot of one endpoint, for GET /v1/endpoints.
+// Status is a snapshot of one endpoint. The admin API serves the proxy's
+// view of it (proxy.EndpointStatus, with the same field names), not this
+// type.
 type Status struct {
-	Endpoint string    `json:"endpoint"`
-	State    State     `json:"state"`
-	Reason   string    `json:"reason"` // reason of the last transition ("registered" if none)
-	Since    time.Time `json:"since"`  // time of the last transition (or of registration)
+	Endpoint string
+	State    State
+	Reason   string    // reason of the last transition ("registered" if none)
+	Since    time.Time // time of the last transition (or of registration)
 	// NextProbe is when the next probe is due; zero unless Excluded (and
 	// zero while a probe is running).
-	NextProbe time.Time `json:"next_probe,omitzero"`
-	// Probes counts the failed probes of the most recent exclusion. It is
+	NextProbe time.Time
+	// FailedProbes counts the failed probes of the most recent exclusion. It is
 	// reset when the endpoint is excluded again and kept after readmission,
 	// so a Healthy endpoint shows how many probes its last recovery took.
-	Probes int `json:"probes"`
+	FailedProbes int
 	// LastProbeError is the error of the most recent failed probe of the
-	// most recent exclusion ("" if none), with the same lifetime as Probes.
-	LastProbeError string `json:"last_probe_error,omitempty"`
+	// most recent exclusion ("" if none), with the same lifetime as
+	// FailedProbes.
+	LastProbeError string
 }

@@ -41,7 +41,7 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 			Reason:                st.Reason,
 			Since:                 st.Since,
 			NextProbe:             st.NextProbe,
-			FailedProbes:          st.Probes,
+			FailedProbes:          st.FailedProbes,
 			LastProbeError:        st.LastProbeError,
 			LiveLinks:             ep.liveLinks(),
 			ConsecutiveUnanswered: ep.consecutive.Load(),
