@@ -73,6 +73,7 @@ const (
 	ReasonProbeOK         = "probe_ok"         // Excluded -> Healthy after a successful probe
 	ReasonOperatorDisable = "operator_disable" // suggested reason for Disable
 	ReasonOperatorEnable  = "operator_enable"  // suggested reason for Enable
+	ReasonConfig          = "config"           // Disable or Enable by the configuration (endpoints.disabled)
 )
 
 // Event is one real state transition of one endpoint.

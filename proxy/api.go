@@ -5,6 +5,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
@@ -86,7 +87,7 @@ func (p *Proxy) Disable(addr string) (bool, error) {
 	eps, err := p.lookup(addr)
 	changed := false
 	for _, ep := range eps {
-		changed = p.det.Disable(ep.addr, "operator_disable") || changed
+		changed = p.det.Disable(ep.addr, health.ReasonOperatorDisable) || changed
 	}
 	return changed, err
 }
@@ -97,7 +98,7 @@ func (p *Proxy) Enable(addr string) (bool, error) {
 	eps, err := p.lookup(addr)
 	changed := false
 	for _, ep := range eps {
-		changed = p.det.Enable(ep.addr, "operator_enable") || changed
+		changed = p.det.Enable(ep.addr, health.ReasonOperatorEnable) || changed
 	}
 	return changed, err
 }

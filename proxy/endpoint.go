@@ -87,7 +87,7 @@ func (p *Proxy) applyDisabled(ep *endpoint) {
 	disabled := p.disabled[ep.addr] || (ep.name != "" && p.disabled[ep.name])
 	p.mu.Unlock()
 	if disabled {
-		p.det.Disable(ep.addr, "config")
+		p.det.Disable(ep.addr, health.ReasonConfig)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -124,7 +125,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	for addr := range now {
 		eps, _ := p.lookup(addr)
 		for _, ep := range eps {
-			if p.det.Disable(ep.addr, "config") {
+			if p.det.Disable(ep.addr, health.ReasonConfig) {
 				ch.EndpointsDisabled = append(ch.EndpointsDisabled, ep.addr)
 			}
 		}
@@ -170,7 +171,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		if !now[addr] {
 			eps, _ := p.lookup(addr)
 			for _, ep := range eps {
-				if p.det.Enable(ep.addr, "config") {
+				if p.det.Enable(ep.addr, health.ReasonConfig) {
 					ch.EndpointsEnabled = append(ch.EndpointsEnabled, ep.addr)
 				}
 			}
