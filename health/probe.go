@@ -22,7 +22,8 @@ const (
 )
 
 // Defaults applied by Register to non-positive (or empty) ProbeConfig
-// fields. They match the detector defaults in DESIGN.md.
+// fields. They match the detector defaults in the README (Configuration
+// reference).
 const (
 	DefaultProbeTimeout = 1 * time.Second
 	DefaultInitialDelay = 1 * time.Second

@@ -505,7 +505,8 @@ const (
 )
 
 // DefaultSettings returns the link settings used where a config says nothing.
-// The numbers come from the incidents in the project's seeds.
+// The numbers come from the production incidents the proxy was built for
+// (docs/incidents.md): each bounds how long a dead upstream can hold a link.
 func DefaultSettings() Settings {
 	return Settings{
 		ConnectTimeout:   Duration(time.Second),

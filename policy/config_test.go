@@ -1130,8 +1130,11 @@ func TestDurations(t *testing.T) {
 	}
 }
 
-// designExample is the ConfigMap example of DESIGN.md with explicit
-// listeners only (pools and transparent listeners: poolExample).
+// designExample is the example ConfigMap from the design, with explicit
+// listeners only (pools and transparent listeners: poolExample): a
+// defaults section that restates the defaults (but probe: connect, where
+// the default is auto), a length_field listener, a listener overriding
+// on_overflow, and an operator-disabled endpoint.
 const designExample = `
 admin:
   listen: 127.0.0.1:9901          # /metrics /healthz /readyz /v1/endpoints

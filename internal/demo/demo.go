@@ -2,7 +2,7 @@
 // (test/incidents), the node flap without FIN, in-process on loopback, with
 // and without the proxy, in about ten seconds and without root.
 //
-// Simulated Pinot brokers that behave like Pinot before the seeds' fixes
+// Simulated Pinot brokers that behave like Pinot did in the incidents
 // (package pinotsim) query a simulated server at a steady rate, some
 // straight, some through a livenessproxy, each on its own connection. The
 // network between them is an in-process relay. The flap: the relay stops

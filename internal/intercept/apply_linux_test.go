@@ -88,7 +88,7 @@ func peerServer(t *testing.T, ns *netns.NS, addr string) {
 }
 
 // originalDst reads SO_ORIGINAL_DST (IPv4) or IP6T_SO_ORIGINAL_DST (IPv6)
-// of an accepted, redirected connection (FAULTS.md §1).
+// of an accepted, redirected connection; neither needs privilege.
 func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {

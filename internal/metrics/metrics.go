@@ -1,6 +1,6 @@
 // Package metrics owns every Prometheus collector livenessproxy exports, on
 // a private registry. Names and labels are part of the user-facing interface
-// (DESIGN.md, "Metrics"): keep them stable.
+// (README, Metrics reference): keep them stable.
 package metrics
 
 import (

@@ -21,7 +21,7 @@
 // namespaces that die with the child process, so nothing leaks to the host
 // even if the test crashes. Drop rules belong in the peer namespace: a drop
 // in the local OUTPUT chain keeps data unsent rather than simulating a
-// remote blackhole (see /work/shared/FAULTS.md, section 2).
+// remote blackhole.
 package netns
 
 import (

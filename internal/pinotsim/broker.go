@@ -114,9 +114,9 @@ var (
 	ErrLockTimeout  = errors.New("pinotsim: timeout while acquiring channel lock")
 )
 
-// Broker is a simulated Pinot broker as it behaved before the seeds'
-// fixes: one cached connection per server address with every query
-// pipelined on it; a query that times out leaves the connection open; the
+// Broker is a simulated Pinot broker as it behaved in the incidents: one
+// cached connection per server address with every query pipelined on it;
+// a query that times out leaves the connection open; the
 // outbound queue is unbounded and drained by a writer goroutine with no
 // write timeout; a connection is replaced only once it is closed, and its
 // closing fails every in-flight query at once.

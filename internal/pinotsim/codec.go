@@ -1,8 +1,8 @@
 // Package pinotsim simulates the two ends of Apache Pinot's single-stage
-// broker→server transport closely enough to be byte-compatible on the wire
-// (see PINOT.md §2–§4 and §9): a length-prefixed framing, a compact-Thrift
-// InstanceRequest whose payload starts with 0x16 and the zigzag varint
-// requestId, and a DataTable V4 response carrying the id as metadata key 14.
+// broker→server transport closely enough to be byte-compatible on the wire:
+// a length-prefixed framing, a compact-Thrift InstanceRequest whose payload
+// starts with 0x16 and the zigzag varint requestId, and a DataTable V4
+// response carrying the id as metadata key 14.
 //
 // The Server and Broker reproduce the behaviour that turned a path stall
 // into an incident: the broker pipelines every query on one cached

@@ -77,7 +77,8 @@ func TestReadFrameRejects(t *testing.T) {
 	}
 }
 
-// The 56-byte InstanceRequest of PINOT.md §3, encoded there with apache/thrift.
+// A 56-byte InstanceRequest encoded with Go apache/thrift v0.20.0
+// (TCompactProtocol, as Pinot's broker uses).
 const pinotRequestHex = `16 82d0ede88ebd88a222 1c 2c 18 09 745f4f46464c494e45 00 fc 00 00
 	19 28 02 7330 02 7331 12 18 0d 42726f6b65725f685f38303939 28 02 6331 00`
 
@@ -186,7 +187,9 @@ func TestParseRequestSkipsUnknownFields(t *testing.T) {
 
 func ctBool() byte { return ctBoolTrue }
 
-// The 80-byte framed minimal DataTable of PINOT.md §4.
+// The 80-byte framed minimal DataTable V4 (empty table, REQUEST_ID the only
+// metadata), derived from Pinot's serializer code (not checked against a
+// JVM).
 const pinotResponseHex = `0000004c 00000004 00000000 00000000 00000034 00000004 00000038 00000000 00000038 00000000
 	00000038 00000000 00000038 00000000 | 00000000 | 00000010
 	00000001 0000000e 112210f4768db401`

@@ -12,12 +12,12 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// TestKafkaAcksZeroProducer is the issue's second report: a producer with
-// acks=0 (kgo.NoAck, which needs idempotence off). The broker sends no
-// response to such a Produce request, by protocol (KAFKA.md §5): a proxy
-// that waits for one sees every Produce frame as unanswered, and in
-// length_field mode the issue saw the connection closed 7 times in 10 s,
-// dropping whatever was in flight.
+// TestKafkaAcksZeroProducer reproduces a reported false positive: a
+// producer with acks=0 (kgo.NoAck, which needs idempotence off). The
+// broker sends no response to such a Produce request, by protocol (with
+// acks=0 it writes nothing back): a proxy that waits for one sees every
+// Produce frame as unanswered, and in length_field mode the report saw the
+// connection closed 7 times in 10 s, dropping whatever was in flight.
 //
 // The producer sends a record every 20 ms for 10 s (about 500 records, a
 // Produce request each: linger 0). Asserted: no link ended before

@@ -27,8 +27,9 @@ import (
 // its OnPartitionsRevoked callback takes 6 s, as a consumer that flushes
 // or commits state on revocation does. So B's JoinGroup is held about 6-7
 // s, well over the default request_timeout (3 s) and well within the
-// rebalance timeout the JoinGroup carries (KAFKA.md §6: the proxy must
-// allow request_timeout + rebalance_timeout_ms).
+// rebalance timeout the JoinGroup carries (the coordinator may hold it
+// that long, so the proxy must allow request_timeout +
+// rebalance_timeout_ms).
 //
 // Asserted: as a premise, some JoinGroup was answered after a hold longer
 // than request_timeout (franz-go's e2e hook), and after the rebalance each

@@ -10,9 +10,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// TestKafkaLongPollConsumers is the first report: six franz-go
-// consumers park a 5 s long-poll Fetch each on an empty topic, through one
-// listener, with the proxy's default settings. A broker legitimately holds
+// TestKafkaLongPollConsumers reproduces a reported false positive: six
+// franz-go consumers park a 5 s long-poll Fetch each on an empty topic,
+// through one listener, with the proxy's default settings. A broker legitimately holds
 // such a Fetch for its max_wait_ms (5 s), longer than the default
 // request_timeout (3 s); nothing is wrong with it, and the proxy must not
 // act: no link closed, no exclusion, no redial.

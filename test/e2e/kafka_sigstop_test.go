@@ -83,7 +83,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 		produceEvery   = 100 * time.Millisecond
 		// coordinatorWrite is offsets.commit.timeout.ms (broker default):
 		// how long the coordinator may take to answer an OffsetCommit
-		// or a Heartbeat, which carry no timeout field (KAFKA.md §6).
+		// or a Heartbeat, which carry no timeout field of their own.
 		coordinatorWrite = 5 * time.Second
 		judgingSlack     = time.Second
 		minProbes        = 3

@@ -52,7 +52,7 @@ func establishedPeers(t *testing.T, ns *netns.NS, port, from string) []string {
 	return ports
 }
 
-// TestNodeFlapWithoutFIN replays incident 1 (DESIGN.md): a server node
+// TestNodeFlapWithoutFIN replays incident 1, the node flap: a server node
 // flaps, its old connections vanish without a FIN or RST reaching the
 // client, and a new server comes up on the same address.
 //

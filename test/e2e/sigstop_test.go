@@ -82,7 +82,7 @@ type serverProcess struct {
 // startServerProcess re-executes the test binary as a pinotsim server on a
 // loopback port. The child runs in its own session (Setsid): a stopped
 // process whose process group is orphaned gets SIGHUP+SIGCONT from the
-// kernel (FAULTS.md §2c), and its own session keeps our job control out of
+// kernel and dies, and its own session keeps our job control out of
 // the way. Pdeathsig kills it if this process dies. t.Cleanup continues
 // and then kills it by PID and waits for it.
 func startServerProcess(t *testing.T) *serverProcess {

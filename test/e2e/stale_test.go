@@ -13,10 +13,10 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
-// TestNoStaleBacklogAfterPathStall replays incident 2's ending (DESIGN.md):
-// a path stalls, the client keeps writing, and when the path heals the
-// backlog of requests whose deadline has long passed is delivered and
-// executed by the server.
+// TestNoStaleBacklogAfterPathStall replays the ending of incident 2, the
+// path stall: a path stalls, the client keeps writing, and when the path
+// heals the backlog of requests whose deadline has long passed is
+// delivered and executed by the server.
 //
 // Topology: pinotsim server in a peer namespace at 10.231.9.2:9000; in this
 // namespace a framed proxy (request_timeout 300ms) with a broker querying

@@ -8,8 +8,9 @@ import (
 	"time"
 )
 
-// Scaled-down settings shared by the replays: the seeds' numbers divided
-// so that each replay runs in seconds (DESIGN.md has the defaults).
+// Scaled-down settings shared by the replays: the proxy's defaults (README,
+// Configuration reference) and the incidents' numbers, noted on each line,
+// divided so that each replay runs in seconds.
 const (
 	requestTimeout = 500 * time.Millisecond // unanswered.request_timeout (default 3s)
 	threshold      = 3                      // unanswered.consecutive_timeouts_threshold (default 5)

@@ -17,7 +17,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // runReplay runs replay n in a user and network namespace of its own
 // (netns.Reexec), logs its table row pair and timeline, and fails the test
-// for every check that did not pass: the targets through the proxy
+// for every check that did not pass: the replay's targets through the proxy
 // and the controls that show the direct path failing.
 func runReplay(t *testing.T, n int) {
 	if !netns.Reexec(t) {

@@ -22,7 +22,7 @@ type replay struct {
 	run  func(*rig) (*Report, error)
 }
 
-// replays are the five incidents, in the order.
+// replays are the five incidents, numbered as in docs/incidents.md.
 var replays = []replay{
 	{1, "node flap without FIN", replayFlap},
 	{2, "path stall", replayStall},

@@ -64,7 +64,7 @@ type child struct {
 // (the fork then happens on the namespace's thread, so the process and
 // every socket it opens live there). Setsid keeps a stopped child's
 // process group from being orphaned (the kernel would SIGHUP+SIGCONT it,
-// FAULTS.md §2c); Pdeathsig kills it if the thread that started it dies.
+// and it would die); Pdeathsig kills it if the thread that started it dies.
 func startChild(ns *netns.NS, role string, env ...string) (*child, error) {
 	c := &child{
 		lines: make(chan []byte, 1024),

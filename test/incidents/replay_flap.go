@@ -10,7 +10,9 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 )
 
-// replayFlap is replay 1, the node flap without FIN (DESIGN.md incident 1).
+// replayFlap is replay 1, the node flap without FIN (incident 1: server
+// pods restart without a FIN, and the broker keeps writing into its cached
+// connection, which still looks open, until the kernel gives up).
 //
 // A server process runs in a peer namespace (the server's node). K brokers
 // query it straight, K others through a proxy process, each on its own

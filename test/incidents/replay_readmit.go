@@ -8,8 +8,8 @@ import (
 )
 
 // replayReadmit is replay 5, readmission: no query may go to a connection
-// opened before a server was readmitted (DESIGN.md: "rebuilds connections
-// when a server is readmitted").
+// opened before a server was readmitted (readmission closes every link
+// opened before it: README, The failure detector).
 //
 // A server process runs in a peer namespace. A broker queries it straight,
 // another through a proxy process; each through a measuring tap that

@@ -9,7 +9,9 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 )
 
-// replayStall is replay 2, the path stall (DESIGN.md incident 2).
+// replayStall is replay 2, the path stall (incident 2: connections stop
+// delivering with no restart, the broker's outbound queue grows without
+// bound, and on recovery the servers execute the stale backlog).
 //
 // N servers run in a peer namespace; one broker queries all of them
 // straight, another through a proxy process (a listener per server), at a

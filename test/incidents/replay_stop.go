@@ -12,8 +12,8 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
-// replayStop is replay 3, the stopped server (DESIGN.md incident 3: a
-// server that keeps its connections open and answers nothing).
+// replayStop is replay 3, the stopped server (incident 3: a server that
+// keeps its connections open and answers nothing).
 //
 // A server process (with a GET /health endpoint in the same process, like
 // a Pinot server's admin port) is queried by a broker straight and by

@@ -16,7 +16,8 @@ type Report struct {
 	Name string
 	// Rows: direct first, then through the proxy.
 	Rows []Row
-	// Checks are the targets (through the proxy) and the controls
+	// Checks are the targets the proxied path must meet (recovery within a
+	// bound, bounded memory, nothing stale executed, ...) and the controls
 	// (the direct path shows the failure, so the replay is known to be real).
 	Checks []Check
 	// Timeline is what happened, relative to the fault.

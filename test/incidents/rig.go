@@ -103,7 +103,8 @@ func run(stdin string, name string, args ...string) ([]byte, error) {
 
 // topo is a peer network namespace (the server's node) wired to ours by a
 // veth pair: 10.232.<n>.1 here, 10.232.<n>.2 there. Faults (drop rules) go
-// in the peer namespace, as a remote blackhole does (FAULTS.md §2).
+// in the peer namespace, as a remote blackhole does: a drop in our own
+// OUTPUT chain would only keep data unsent, which is a different fault.
 type topo struct {
 	peer    *netns.NS
 	localIP string
