@@ -58,6 +58,18 @@ func readFrame(t *testing.T, c net.Conn, within time.Duration) string {
 	return string(p)
 }
 
+// waitUnanswered waits until the endpoint counts n consecutive unanswered
+// requests (the count the proxy keeps, so the test does not guess how
+// long judging takes on a loaded machine).
+func (h *harness) waitUnanswered(n int64, within time.Duration) {
+	h.t.Helper()
+	for deadline := time.Now().Add(within); h.endpoint().ConsecutiveUnanswered != n; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			h.t.Fatalf("consecutive unanswered %d after %v, want %d", h.endpoint().ConsecutiveUnanswered, within, n)
+		}
+	}
+}
+
 func (h *harness) endpoint() EndpointStatus {
 	h.t.Helper()
 	eps := h.p.Endpoints()
@@ -105,7 +117,7 @@ func TestUnansweredThresholdExcludesEndpoint(t *testing.T) {
 
 	sendFrame(t, c, "q1")
 	sendFrame(t, c, "q2")
-	time.Sleep(500 * time.Millisecond) // both judged: 300ms + 30ms slack
+	h.waitUnanswered(2, 5*time.Second) // both judged: 300ms + 30ms slack
 	if ep := h.endpoint(); ep.State != "healthy" || ep.ConsecutiveUnanswered != 2 {
 		t.Fatalf("after 2 unanswered: %+v, want healthy with 2 consecutive", ep)
 	}
@@ -154,7 +166,7 @@ func TestLateAnswerResetsCount(t *testing.T) {
 	h := start(t, peer.Addr(), framed(200*time.Millisecond, 3, nil))
 	c := h.dial()
 	sendFrame(t, c, "late")
-	time.Sleep(300 * time.Millisecond)
+	h.waitUnanswered(1, 5*time.Second)
 	if got := h.endpoint().ConsecutiveUnanswered; got != 1 {
 		t.Fatalf("consecutive = %d after the first timeout, want 1", got)
 	}
@@ -166,7 +178,7 @@ func TestLateAnswerResetsCount(t *testing.T) {
 	}
 	sendFrame(t, c, "q2")
 	sendFrame(t, c, "q3")
-	time.Sleep(400 * time.Millisecond)
+	h.waitUnanswered(2, 5*time.Second)
 	// Without the reset this would be 3 and the endpoint excluded.
 	if ep := h.endpoint(); ep.State != "healthy" || ep.ConsecutiveUnanswered != 2 {
 		t.Fatalf("after the reset and 2 more timeouts: %+v, want healthy with 2", ep)
@@ -233,9 +245,19 @@ func TestProbeReadmitsAndEvictsOldLinks(t *testing.T) {
 	waitClosed(t, c, time.Second)
 	h.linkEnd(time.Second)
 
-	time.Sleep(700 * time.Millisecond) // at least two refused probes
-	if ep := h.endpoint(); ep.State != "excluded" || ep.FailedProbes < 1 {
-		t.Fatalf("dead server: %+v, want excluded with failed probes", ep)
+	// Probes are refused while the server is down (each one 300ms after
+	// the last); the endpoint stays excluded.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		ep := h.endpoint()
+		if ep.State != "excluded" {
+			t.Fatalf("dead server: %+v, want excluded", ep)
+		}
+		if ep.FailedProbes >= 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("dead server: %+v, want failed probes within 5s", ep)
+		}
 	}
 
 	// The server is back on the same address; the next probe readmits it.
