@@ -23,7 +23,7 @@ type LinkStats struct {
 	Listener  string
 	Client    string
 	Upstream  string
-	Reason    string
+	Reason    CloseReason
 	Err       error // the error that ended the link, if any
 	BytesUp   int64 // client to upstream
 	BytesDown int64 // upstream to client
@@ -754,7 +754,7 @@ func (k *link) stats() LinkStats {
 		s.Upstream = k.ep.dial
 	}
 	if r := k.reason.Load(); r != nil {
-		s.Reason = *r
+		s.Reason = CloseReason(*r)
 	}
 	if e := k.endErr.Load(); e != nil {
 		s.Err = *e

@@ -323,10 +323,11 @@ func (l *listener) linkEnded(k *link, s LinkStats) {
 	l.closedDn += s.BytesDown
 	l.mu.Unlock()
 	l.m.LinksActive.Dec()
-	l.m.Closed(s.Reason)
+	reason := string(s.Reason)
+	l.m.Closed(reason)
 	l.m.LinkDuration.Observe(s.Duration.Seconds())
-	if k.blamesUpstream(s.Reason) {
-		l.p.report(k.ep, s.Reason)
+	if k.blamesUpstream(reason) {
+		l.p.report(k.ep, reason)
 	}
 
 	// The access log (log.access) is one info line per link; without it
@@ -336,7 +337,7 @@ func (l *listener) linkEnded(k *link, s LinkStats) {
 		e = l.log.Info()
 	}
 	if e.Enabled() {
-		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", s.Reason).
+		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", reason).
 			AnErr("cause", s.Err).Int64("bytes_up", s.BytesUp).Int64("bytes_down", s.BytesDown).
 			Int64("max_queued", s.MaxQueued).Time("opened", s.Opened).Int64("duration_ms", s.Duration.Milliseconds()).
 			Msg("link closed")

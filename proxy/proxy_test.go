@@ -377,7 +377,7 @@ func TestUpstreamEndReachesClient(t *testing.T) {
 			// A reset at accept can reach the proxy before its connect
 			// completes: then the dial itself failed with the reset.
 			resetAtDial := tc.b == faultpeer.Reset && s.Reason == metrics.ReasonDialError && errors.Is(s.Err, syscall.ECONNRESET)
-			if s.Reason != tc.reason && !resetAtDial {
+			if string(s.Reason) != tc.reason && !resetAtDial {
 				t.Fatalf("reason %q, want %q (err %v)", s.Reason, tc.reason, s.Err)
 			}
 		})

@@ -358,7 +358,7 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 		var preFlap []string
 		for _, e := range res.LinkEnds {
 			if e.Stats.Opened.Before(flapAt) {
-				preFlap = append(preFlap, e.Stats.Reason)
+				preFlap = append(preFlap, string(e.Stats.Reason))
 			}
 		}
 		events = append(events, event{first.At, fmt.Sprintf("proxy closes the %d dead link(s) (%s): the brokers' in-flight queries fail at once",

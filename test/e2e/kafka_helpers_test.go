@@ -278,7 +278,7 @@ func endsBefore(pp *pinotProxy, t0 time.Time) (map[string]int, []linkEnd) {
 	var out []linkEnd
 	for _, e := range pp.ends() {
 		if e.At.Before(t0) {
-			reasons[e.Reason]++
+			reasons[string(e.Reason)]++
 			out = append(out, e)
 		}
 	}
@@ -293,11 +293,11 @@ func assertNoLinkEnds(t *testing.T, pp *pinotProxy, t0 time.Time, start time.Tim
 	reasons := map[string]int{}
 	var bad []linkEnd
 	for _, e := range ends {
-		if slices.Contains(allowed, e.Reason) {
+		if slices.Contains(allowed, string(e.Reason)) {
 			t.Logf("link %s ended at +%v after %v: %s (the client closed it)", e.Client, ms(e.At.Sub(start)), ms(e.Duration), e.Reason)
 			continue
 		}
-		reasons[e.Reason]++
+		reasons[string(e.Reason)]++
 		bad = append(bad, e)
 	}
 	if len(bad) == 0 {
@@ -354,7 +354,7 @@ func logProxyCounters(t *testing.T, pp *pinotProxy) {
 	t.Helper()
 	reasons := map[string]int{}
 	for _, e := range pp.ends() {
-		reasons[e.Reason]++
+		reasons[string(e.Reason)]++
 	}
 	t.Logf("proxy: links ended %v; unanswered_timeouts_total=%v endpoint_suspect_total=%v stale_frames_dropped_total=%v probes ok=%v fail=%v",
 		reasons, pp.counter(t, "unanswered_timeouts_total", "", ""), pp.counter(t, "endpoint_suspect_total", "", ""),

@@ -396,7 +396,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 
 	reasons := map[string]int{}
 	for _, e := range pp.ends() {
-		reasons[e.Reason]++
+		reasons[string(e.Reason)]++
 	}
 	t.Logf("links ended by reason: %v; unanswered_timeouts_total=%v endpoint_suspect_total=%v probes ok=%v fail=%v",
 		reasons, pp.counter(t, "unanswered_timeouts_total", "", ""), pp.counter(t, "endpoint_suspect_total", "", ""),

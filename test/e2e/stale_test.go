@@ -113,7 +113,7 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 		pb.Executed-pb0.Executed, pb.Stale-pb0.Stale, db.Executed-db0.Executed, db.Stale-db0.Stale)
 	reasons := map[string]int{}
 	for _, e := range pp.ends() {
-		reasons[e.Reason]++
+		reasons[string(e.Reason)]++
 	}
 	dropped := pp.counter(t, "stale_frames_dropped_total", "", "")
 	t.Logf("proxy: links ended by reason %v; stale_frames_dropped_total=%v; probes ok=%v fail=%v; endpoint %s",

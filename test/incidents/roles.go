@@ -144,7 +144,7 @@ func proxyRole(yaml string) int {
 	log := zerolog.New(os.Stderr).Level(zerolog.WarnLevel).With().Timestamp().Logger()
 	m := metrics.New()
 	p := proxy.New(cfg, proxy.Options{Logger: &log, Metrics: m, OnLinkEnd: func(s proxy.LinkStats) {
-		e := &linkEnd{Listener: s.Listener, Client: s.Client, Upstream: s.Upstream, Reason: s.Reason,
+		e := &linkEnd{Listener: s.Listener, Client: s.Client, Upstream: s.Upstream, Reason: string(s.Reason),
 			BytesUp: s.BytesUp, BytesDown: s.BytesDown, MaxQueued: s.MaxQueued, Opened: s.Opened, At: time.Now()}
 		if s.Err != nil {
 			e.Err = s.Err.Error()
