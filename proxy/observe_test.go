@@ -149,7 +149,7 @@ func TestEndpointCountersOncePerEndpoint(t *testing.T) {
 		{Name: "t", Listen: "127.0.0.1:0", Settings: s, Transparent: policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}}}},
 	}
 	m := metrics.New()
-	p := New(cfg, Options{Metrics: m})
+	p := New(cfg, Options{metrics: m})
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}

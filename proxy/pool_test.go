@@ -40,7 +40,7 @@ func startPool(t *testing.T, pool policy.Pool, resolver *net.Resolver, tune func
 		t.Fatalf("test configuration: %v", err)
 	}
 	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 256)}
-	h.p = New(cfg, Options{Metrics: h.m, Resolver: resolver, OnLinkEnd: func(s LinkStats) { h.ended <- s }})
+	h.p = New(cfg, Options{metrics: h.m, Resolver: resolver, OnLinkEnd: func(s LinkStats) { h.ended <- s }})
 	if err := h.p.Start(); err != nil {
 		t.Fatal(err)
 	}

@@ -333,7 +333,7 @@ func TestThresholdIsPerListener(t *testing.T) {
 		{Name: "strict", Listen: "127.0.0.1:0", Upstream: up, Settings: strict},
 	}
 	m := metrics.New()
-	p := New(cfg, Options{Metrics: m})
+	p := New(cfg, Options{metrics: m})
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -25,8 +26,11 @@ import (
 type Options struct {
 	// Logger receives structured logs; zero value: zerolog.Nop().
 	Logger *zerolog.Logger
-	// Metrics is where collectors are registered; nil: a private one.
-	Metrics *metrics.Metrics
+	// Registerer is where the proxy registers its collectors (the
+	// livenessproxy_* series of the data plane); nil: a private registry.
+	// The Go runtime and process collectors, build_info and the reload
+	// series are the caller's.
+	Registerer prometheus.Registerer
 	// OnLinkEnd, if set, is called once for every link that ended, from
 	// the link's own goroutine.
 	OnLinkEnd func(LinkStats)
@@ -36,6 +40,9 @@ type Options struct {
 	// client, upstream, bytes each way, when it opened, how long it lived,
 	// why it ended. Without it the line is at debug.
 	AccessLog bool
+
+	// metrics, for the package's own tests: collectors they read directly.
+	metrics *metrics.Metrics
 }
 
 // Proxy owns the listeners and every link they accepted.
@@ -83,9 +90,13 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	if opts.Logger != nil {
 		log = *opts.Logger
 	}
-	m := opts.Metrics
+	m := opts.metrics
 	if m == nil {
-		m = metrics.New()
+		reg := opts.Registerer
+		if reg == nil {
+			reg = prometheus.NewRegistry()
+		}
+		m = metrics.NewOn(reg)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, accessLog: opts.AccessLog, ctx: ctx, cancel: cancel,

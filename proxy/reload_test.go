@@ -133,7 +133,7 @@ func TestReloadMovedListenerKeepsItsMetrics(t *testing.T) {
 	m := metrics.New()
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
-	p := New(cfg, Options{Metrics: m})
+	p := New(cfg, Options{metrics: m})
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}

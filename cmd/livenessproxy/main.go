@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/mattn/go-isatty"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/internal/admin"
@@ -222,7 +224,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Metrics) {
+	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Process) {
 		watchConfig(ctx, *config, data, hup, p, m, cfg, log)
 	}); err != nil {
 		log.Error().Err(err).Msg("livenessproxy stopped")
@@ -351,16 +353,18 @@ func cmdVersion(args []string, stdout, stderr io.Writer) int {
 
 // serve runs the proxy and the admin servers until ctx is cancelled, then
 // drains: stop accepting, let links finish up to drain_timeout, close the rest.
-func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Metrics)) error {
+func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
 	b := currentBuild()
-	m := metrics.New()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m := metrics.NewProcess(reg)
 	m.SetBuildInfo(b.version, b.revision, b.goVersion)
-	p := proxy.New(cfg, proxy.Options{Logger: &log, Metrics: m, AccessLog: cfg.Log.Access})
+	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, AccessLog: cfg.Log.Access})
 	adm, err := admin.Start(admin.Config{
 		Listen:        cfg.Admin.Listen,
 		ControlListen: cfg.Admin.ControlListen,
 		TokenFile:     cfg.Admin.TokenFile,
-	}, m.Registry, p.Ready, p, log)
+	}, reg, p.Ready, p, log)
 	if err != nil {
 		return err // it names the key
 	}

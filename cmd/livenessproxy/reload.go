@@ -30,7 +30,7 @@ const (
 // with every problem by key path and the last good one keeps serving.
 // started is the configuration the process started with: the keys that
 // need a restart keep its values.
-func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Metrics, started policy.Config, log zerolog.Logger) {
+func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Process, started policy.Config, log zerolog.Logger) {
 	tick := time.NewTicker(watchInterval)
 	defer tick.Stop()
 	last := applied
@@ -61,7 +61,7 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 
 // reload applies data, a new configuration file, and logs what trigger
 // caused it and what changed.
-func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Metrics, started policy.Config, log zerolog.Logger) {
+func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Process, started policy.Config, log zerolog.Logger) {
 	cfg, err := policy.Parse(data)
 	if err != nil {
 		log.Error().Str("trigger", trigger).Strs("problems", problems(err)).

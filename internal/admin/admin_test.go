@@ -16,11 +16,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"go.uber.org/goleak"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -43,10 +43,10 @@ func setup(t *testing.T) *fixture {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{{Name: "echo", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: cfg.Defaults}}
-	m := metrics.New()
-	p := proxy.New(cfg, proxy.Options{Metrics: m})
+	reg := prometheus.NewRegistry()
+	p := proxy.New(cfg, proxy.Options{Registerer: reg})
 	var ready atomic.Bool
-	ts := httptest.NewServer(ReadHandler(m.Registry, ready.Load, p))
+	ts := httptest.NewServer(ReadHandler(reg, ready.Load, p))
 	t.Cleanup(ts.Close)
 	cs := httptest.NewServer(ControlHandler(p, ""))
 	t.Cleanup(cs.Close)
@@ -192,10 +192,10 @@ func startAdmin(t *testing.T, cfg Config) (*Server, *proxy.Proxy, string) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	pc := policy.DefaultConfig()
 	pc.Listeners = []policy.Listener{{Name: "echo", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: pc.Defaults}}
-	m := metrics.New()
-	p := proxy.New(pc, proxy.Options{Metrics: m})
+	reg := prometheus.NewRegistry()
+	p := proxy.New(pc, proxy.Options{Registerer: reg})
 	t.Cleanup(func() { _ = p.Close() })
-	s, err := Start(cfg, m.Registry, func() bool { return true }, p, zerolog.Nop())
+	s, err := Start(cfg, reg, func() bool { return true }, p, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}

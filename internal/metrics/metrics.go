@@ -72,9 +72,11 @@ var Reasons = []string{
 	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity,
 }
 
-// Metrics owns the registry and every collector.
+// Metrics owns the data plane's collectors.
 type Metrics struct {
+	// Registry is the private registry of New; nil for NewOn.
 	Registry *prometheus.Registry
+	reg      prometheus.Registerer
 
 	linksActive         *prometheus.GaugeVec
 	linksTotal          *prometheus.CounterVec
@@ -92,17 +94,33 @@ type Metrics struct {
 	failOpenLinks       *prometheus.CounterVec
 	dnsErrors           *prometheus.CounterVec
 	linkDuration        *prometheus.HistogramVec
-	configReloads       *prometheus.CounterVec
-	lastReloadOK        prometheus.Gauge
-	lastReloadAt        prometheus.Gauge
-	buildInfo           *prometheus.GaugeVec
 }
 
-// New builds the collectors and registers them, with the Go runtime and
-// process collectors, on a fresh private registry.
+// Process owns the process's own collectors: build_info and the
+// configuration reload series.
+type Process struct {
+	configReloads *prometheus.CounterVec
+	lastReloadOK  prometheus.Gauge
+	lastReloadAt  prometheus.Gauge
+	buildInfo     *prometheus.GaugeVec
+}
+
+// New builds the data plane's and the process's collectors and registers
+// them, with the Go runtime and process collectors, on a fresh private
+// registry (tests, and callers that want one registry for everything).
 func New() *Metrics {
+	r := prometheus.NewRegistry()
+	r.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m := NewOn(r)
+	m.Registry = r
+	NewProcess(r)
+	return m
+}
+
+// NewOn builds the data plane's collectors and registers them on reg.
+func NewOn(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
-		Registry: prometheus.NewRegistry(),
+		reg: reg,
 		linksActive: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "links_active",
 			Help: "Links (client connection plus upstream connection) currently open.",
@@ -169,6 +187,20 @@ func New() *Metrics {
 			Help:    "How long links lived, from accept to end.",
 			Buckets: []float64{.001, .01, .1, 1, 10, 60, 600, 3600, 6 * 3600, 24 * 3600},
 		}, []string{"listener"}),
+	}
+	reg.MustRegister(
+		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
+		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
+		m.linkDuration,
+	)
+	return m
+}
+
+// NewProcess builds the process's collectors (build_info and the
+// configuration reload series) and registers them on reg.
+func NewProcess(reg prometheus.Registerer) *Process {
+	m := &Process{
 		lastReloadOK: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "config_last_reload_successful",
 			Help: "1 if the last configuration load (at start, or a reload) succeeded, 0 while the file on disk is rejected.",
@@ -191,14 +223,7 @@ func New() *Metrics {
 	// The configuration a process starts with was loaded successfully.
 	m.lastReloadOK.Set(1)
 	m.lastReloadAt.SetToCurrentTime()
-	m.Registry.MustRegister(
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
-		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
-		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.configReloads,
-		m.linkDuration, m.lastReloadOK, m.lastReloadAt, m.buildInfo,
-	)
+	reg.MustRegister(m.configReloads, m.lastReloadOK, m.lastReloadAt, m.buildInfo)
 	return m
 }
 
@@ -347,7 +372,7 @@ func (m *Metrics) Forget(name string) {
 
 // ConfigReload counts one reload with its result ("ok" or "error") and
 // keeps config_last_reload_successful and its timestamp in step.
-func (m *Metrics) ConfigReload(result string) {
+func (m *Process) ConfigReload(result string) {
 	m.configReloads.WithLabelValues(result).Inc()
 	if result == "ok" {
 		m.lastReloadOK.Set(1)
@@ -359,11 +384,11 @@ func (m *Metrics) ConfigReload(result string) {
 
 // SetBuildInfo sets build_info's labels: the version the binary reports,
 // its VCS revision and the Go version it was built with.
-func (m *Metrics) SetBuildInfo(version, revision, goversion string) {
+func (m *Process) SetBuildInfo(version, revision, goversion string) {
 	m.buildInfo.Reset()
 	m.buildInfo.WithLabelValues(version, revision, goversion).Set(1)
 }
 
 // Register adds a collector the data plane owns (such as bytes_total,
 // which is computed from live links at scrape time).
-func (m *Metrics) Register(c prometheus.Collector) { m.Registry.MustRegister(c) }
+func (m *Metrics) Register(c prometheus.Collector) { m.reg.MustRegister(c) }

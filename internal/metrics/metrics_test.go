@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
@@ -11,7 +12,8 @@ import (
 // (the process loaded its config), 0 while the file is rejected, 1 again
 // with a new timestamp after a good reload; build_info carries the labels.
 func TestReloadGaugesAndBuildInfo(t *testing.T) {
-	m := New()
+	reg := prometheus.NewRegistry()
+	m := NewProcess(reg)
 	if got := testutil.ToFloat64(m.lastReloadOK); got != 1 {
 		t.Fatalf("at start: config_last_reload_successful = %v, want 1", got)
 	}
@@ -37,7 +39,7 @@ func TestReloadGaugesAndBuildInfo(t *testing.T) {
 # TYPE livenessproxy_build_info gauge
 livenessproxy_build_info{goversion="go1.26.8",revision="def456",version="1.2.4"} 1
 `
-	if err := testutil.GatherAndCompare(m.Registry, strings.NewReader(want), "livenessproxy_build_info"); err != nil {
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "livenessproxy_build_info"); err != nil {
 		t.Fatal(err)
 	}
 }

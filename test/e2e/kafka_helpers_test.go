@@ -20,10 +20,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
@@ -253,8 +253,8 @@ func kafkaConfig(t *testing.T, mode kafkaMode, upstream, extraDefaults string) p
 // (pinot_helpers_test.go): ends, state, counter, waitState, watchEndpoint.
 func startKafkaProxy(t *testing.T, kb *kafkaBroker, cfg policy.Config) *pinotProxy {
 	t.Helper()
-	pp := &pinotProxy{m: metrics.New(), upstream: kb.addr}
-	pp.p = proxy.New(cfg, proxy.Options{Metrics: pp.m, OnLinkEnd: func(ls proxy.LinkStats) {
+	pp := &pinotProxy{reg: prometheus.NewRegistry(), upstream: kb.addr}
+	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: func(ls proxy.LinkStats) {
 		pp.mu.Lock()
 		pp.ended = append(pp.ended, ls)
 		pp.endAt = append(pp.endAt, time.Now())

@@ -10,10 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Helpers shared by the Pinot-shaped end-to-end tests (sigstop, node flap,
@@ -50,7 +50,7 @@ func pinotSettings(requestTimeout time.Duration, threshold int, initialDelay tim
 // front of one upstream, recording every link that ends.
 type pinotProxy struct {
 	p        *proxy.Proxy
-	m        *metrics.Metrics
+	reg      *prometheus.Registry
 	addr     string // the listener's address: what the broker dials
 	upstream string
 
@@ -70,8 +70,8 @@ func startPinotProxy(t *testing.T, upstream string, s policy.Settings) *pinotPro
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("test configuration is invalid: %v", err)
 	}
-	pp := &pinotProxy{m: metrics.New(), upstream: upstream}
-	pp.p = proxy.New(cfg, proxy.Options{Metrics: pp.m, OnLinkEnd: func(ls proxy.LinkStats) {
+	pp := &pinotProxy{reg: prometheus.NewRegistry(), upstream: upstream}
+	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: func(ls proxy.LinkStats) {
 		pp.mu.Lock()
 		pp.ended = append(pp.ended, ls)
 		pp.endAt = append(pp.endAt, time.Now())
@@ -116,7 +116,17 @@ func (pp *pinotProxy) state() proxy.EndpointStatus {
 // livenessproxy_ added), optionally restricted to one label value.
 func (pp *pinotProxy) counter(t *testing.T, name, label, value string) float64 {
 	t.Helper()
-	mfs, err := pp.m.Registry.Gather()
+	if label == "" {
+		return counterValue(t, pp.reg, name)
+	}
+	return counterValue(t, pp.reg, name, label, value)
+}
+
+// counterValue sums the counters livenessproxy_<name> in g whose labels
+// include every given pair (name, value, name, value, ...).
+func counterValue(t *testing.T, g prometheus.Gatherer, name string, labels ...string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
 	if err != nil {
 		t.Fatalf("gathering metrics: %v", err)
 	}
@@ -125,16 +135,16 @@ func (pp *pinotProxy) counter(t *testing.T, name, label, value string) float64 {
 		if mf.GetName() != "livenessproxy_"+name {
 			continue
 		}
-	metric:
 		for _, m := range mf.GetMetric() {
-			if label != "" {
+			matched := 0
+			for i := 0; i+1 < len(labels); i += 2 {
 				for _, lp := range m.GetLabel() {
-					if lp.GetName() == label && lp.GetValue() != value {
-						continue metric
+					if lp.GetName() == labels[i] && lp.GetValue() == labels[i+1] {
+						matched++
 					}
 				}
 			}
-			if c := m.GetCounter(); c != nil {
+			if c := m.GetCounter(); c != nil && matched == len(labels)/2 {
 				sum += c.GetValue()
 			}
 		}

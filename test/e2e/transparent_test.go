@@ -14,14 +14,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
-
 	"github.com/livenessproxy/livenessproxy/internal/intercept"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	itestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // echoTransfer sends n random bytes through c and checks that the same
@@ -95,9 +94,9 @@ func TestTransparentInterception(t *testing.T) {
 	if err := rs.Apply(); err != nil {
 		t.Fatalf("applying the interception rules: %v", err)
 	}
-	m := metrics.New()
+	reg := prometheus.NewRegistry()
 	ended := make(chan proxy.LinkStats, 32)
-	p := proxy.New(cfg, proxy.Options{Metrics: m, OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	p := proxy.New(cfg, proxy.Options{Registerer: reg, OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -135,21 +134,21 @@ func TestTransparentInterception(t *testing.T) {
 	if err := expectReset(other); err != nil {
 		t.Fatalf("unmatched destination %s: %v", other, err)
 	}
-	if got := testutil.ToFloat64(m.ForListener("out4").DialErrors); got != 0 {
+	if got := counterValue(t, reg, "dial_errors_total", "listener", "out4"); got != 0 {
 		t.Fatalf("the proxy dialled something for an unmatched destination (%v dial errors)", got)
 	}
 
 	// A disabled destination is refused at connect by the kernel (the
 	// proxy put it in the excluded set): the proxy never accepts it. The
 	// other destination still works.
-	accepted := testutil.ToFloat64(m.ForListener("out4").LinksTotal)
+	accepted := counterValue(t, reg, "links_total", "listener", "out4")
 	if _, err := p.Disable(srv4); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := net.Dial("tcp", srv4); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("connect to disabled %s: %v, want ECONNREFUSED from the excluded set", srv4, err)
 	}
-	if got := testutil.ToFloat64(m.ForListener("out4").LinksTotal); got != accepted {
+	if got := counterValue(t, reg, "links_total", "listener", "out4"); got != accepted {
 		t.Fatalf("the proxy accepted a connection to a disabled destination (%v -> %v)", accepted, got)
 	}
 	if _, err := p.Enable(srv4); err != nil {
@@ -181,15 +180,17 @@ func TestTransparentInterception(t *testing.T) {
 	if err == nil || errors.Is(err, syscall.ETIMEDOUT) {
 		t.Fatalf("a looping connection was not cut: %v", err)
 	}
-	loops := m.ForListener("loopy").Closes(metrics.ReasonLoop)
+	loops := func() float64 {
+		return counterValue(t, reg, "link_closes_total", "listener", "loopy", "reason", metrics.ReasonLoop)
+	}
 	deadline := time.Now().Add(2 * time.Second)
-	for testutil.ToFloat64(loops) == 0 && time.Now().Before(deadline) {
+	for loops() == 0 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
-	if got := testutil.ToFloat64(loops); got < 1 {
+	if got := loops(); got < 1 {
 		t.Fatalf("link_closes_total{reason=loop} = %v, want the loop refused", got)
 	}
-	t.Logf("loop guard: %v looping connection(s) refused; the client saw %v", testutil.ToFloat64(loops), err)
+	t.Logf("loop guard: %v looping connection(s) refused; the client saw %v", loops(), err)
 }
 
 // expectReset dials addr and expects the connection to be reset at once,

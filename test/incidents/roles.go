@@ -14,10 +14,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/internal/admin"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -142,8 +142,8 @@ func proxyRole(yaml string) int {
 		mu.Unlock()
 	}
 	log := zerolog.New(os.Stderr).Level(zerolog.WarnLevel).With().Timestamp().Logger()
-	m := metrics.New()
-	p := proxy.New(cfg, proxy.Options{Logger: &log, Metrics: m, OnLinkEnd: func(s proxy.LinkStats) {
+	reg := prometheus.NewRegistry()
+	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, OnLinkEnd: func(s proxy.LinkStats) {
 		e := &linkEnd{Listener: s.Listener, Client: s.Client, Upstream: s.Upstream, Reason: string(s.Reason),
 			BytesUp: s.BytesUp, BytesDown: s.BytesDown, MaxQueued: s.MaxQueued, Opened: s.Opened, At: time.Now()}
 		if s.Err != nil {
@@ -153,7 +153,7 @@ func proxyRole(yaml string) int {
 	}})
 	// Both admin servers on ports of their own (the control default,
 	// 9902, could clash between replays).
-	adm, err := admin.Start(admin.Config{Listen: cfg.Admin.Listen, ControlListen: "127.0.0.1:0"}, m.Registry, p.Ready, p, log)
+	adm, err := admin.Start(admin.Config{Listen: cfg.Admin.Listen, ControlListen: "127.0.0.1:0"}, reg, p.Ready, p, log)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "admin server: %v\n", err)
 		return 1
