@@ -128,6 +128,6 @@ func kafkaAcksZeroProducer(t *testing.T, mode kafkaMode) {
 	assertNoUnansweredUnderKafka(t, pp, mode)
 	assertNoLinkEnds(t, pp, end, start)
 	producer.hooks.assertNoRedials(t, mark, end, start)
-	w.stop()
+	w.Stop()
 	assertAlwaysHealthy(t, pp, w, start)
 }

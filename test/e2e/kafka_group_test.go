@@ -187,6 +187,6 @@ func kafkaGroupJoinWaitsOnSlowMember(t *testing.T, mode kafkaMode) {
 	assertNoLinkEnds(t, pp, end, start, metrics.ReasonClientClosed)
 	ca.hooks.assertNoFailedConnects(t, end, start)
 	cb.hooks.assertNoFailedConnects(t, end, start)
-	w.stop()
+	w.Stop()
 	assertAlwaysHealthy(t, pp, w, start)
 }

@@ -7,16 +7,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
-	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -132,7 +129,6 @@ func runKafkaBrokerProcess(spec string) int {
 // upstream).
 type kafkaBroker struct {
 	*serverProcess
-	stdin io.Writer
 	lines chan string // the child's stdout, line by line
 }
 
@@ -141,40 +137,15 @@ type kafkaBroker struct {
 // as startServerProcess does; t.Cleanup continues, kills and reaps it.
 func startKafkaBroker(t *testing.T, topics string) *kafkaBroker {
 	t.Helper()
-	sp := &serverProcess{}
-	sp.cmd = exec.Command("/proc/self/exe")
-	sp.cmd.Env = append(os.Environ(), kafkaBrokerEnv+"="+topics)
-	sp.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
-	sp.cmd.Stderr = &sp.stderr
-	stdin, err := sp.cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	sp.stdin = stdin
-	stdout, err := sp.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sp.cmd.Start(); err != nil {
-		t.Fatalf("starting the kfake broker process: %v", err)
-	}
-	sp.pid = sp.cmd.Process.Pid
-	kb := &kafkaBroker{serverProcess: sp, stdin: stdin, lines: make(chan string, 16)}
-	sp.reader.Add(1)
-	go func() {
-		defer sp.reader.Done()
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			select {
-			case kb.lines <- sc.Text():
-			default:
-			}
+	kb := &kafkaBroker{lines: make(chan string, 16)}
+	kb.serverProcess = startChild(t, kafkaBrokerEnv+"="+topics, "the kfake broker process", func(line string) {
+		select {
+		case kb.lines <- line:
+		default:
 		}
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	t.Cleanup(sp.kill)
+	})
 	line := kb.expect(t, "kfake-broker listening ", 20*time.Second)
-	sp.addr = strings.TrimPrefix(line, "kfake-broker listening ")
+	kb.addr = strings.TrimPrefix(line, "kfake-broker listening ")
 	return kb
 }
 
@@ -318,7 +289,7 @@ func assertNoLinkEnds(t *testing.T, pp *pinotProxy, t0 time.Time, start time.Tim
 // (the initial one included) is healthy, and the endpoint is healthy now.
 func assertAlwaysHealthy(t *testing.T, pp *pinotProxy, w *stateWatcher, start time.Time) {
 	t.Helper()
-	for _, c := range w.snapshot() {
+	for _, c := range w.Snapshot() {
 		if c.State != "healthy" {
 			t.Errorf("endpoint %s at +%v (reason %s), want always healthy", c.State, ms(c.At.Sub(start)), c.Reason)
 		}

@@ -117,6 +117,6 @@ func kafkaLongPollConsumers(t *testing.T, mode kafkaMode) {
 	for _, c := range cs {
 		c.hooks.assertNoRedials(t, mark, end, start)
 	}
-	w.stop()
+	w.Stop()
 	assertAlwaysHealthy(t, pp, w, start)
 }

@@ -205,9 +205,9 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	if !pp.waitState("excluded", bound+5*time.Second) {
 		t.Fatalf("endpoint not excluded %v after SIGSTOP: %+v", bound+5*time.Second, pp.state())
 	}
-	ex, ok := w.firstAfter(stopAt, "excluded")
+	ex, ok := w.FirstAfter(stopAt, "excluded", 200*time.Millisecond)
 	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.snapshot())
+		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
 	}
 	excludedAfter := ex.At.Sub(stopAt)
 	t.Logf("excluded %v after SIGSTOP (reason %s)", ms(excludedAfter), ex.Reason)
@@ -281,7 +281,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	if d := contAt.Sub(ex.At); d < minProbes*interval {
 		t.Errorf("excluded for only %v before SIGCONT, want >= %d probe intervals (%v)", ms(d), minProbes, minProbes*interval)
 	}
-	for _, c := range w.snapshot() {
+	for _, c := range w.Snapshot() {
 		if c.At.After(ex.At) && c.At.Before(contAt) {
 			t.Errorf("state %s at +%v while the broker was stopped (reason %s): want excluded throughout", c.State, ms(c.At.Sub(stopAt)), c.Reason)
 		}
@@ -295,7 +295,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	if !pp.waitState("healthy", readmitBound+5*time.Second) {
 		t.Fatalf("endpoint not healthy %v after SIGCONT: %+v", readmitBound+5*time.Second, pp.state())
 	}
-	back, ok := w.firstAfter(contAt, "healthy")
+	back, ok := w.FirstAfter(contAt, "healthy", 200*time.Millisecond)
 	if !ok {
 		back = stateChange{At: pp.state().Since}
 	}
@@ -339,8 +339,8 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	}
 	t.Logf("round trip after SIGCONT done %v after SIGCONT", ms(time.Since(contAt)))
 
-	w.stop()
-	for _, c := range w.snapshot() {
+	w.Stop()
+	for _, c := range w.Snapshot() {
 		t.Logf("state %-8s at %+8v (reason %s)", c.State, ms(c.At.Sub(stopAt)), c.Reason)
 	}
 	mu.Lock()

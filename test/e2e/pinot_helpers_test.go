@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -152,75 +153,17 @@ func counterValue(t *testing.T, g prometheus.Gatherer, name string, labels ...st
 	return sum
 }
 
-// stateChange is one observed endpoint state.
-type stateChange struct {
-	At     time.Time
-	State  string
-	Reason string
-}
+type (
+	stateChange  = harness.StateChange
+	stateWatcher = harness.StateWatcher
+)
 
-// watchEndpoint polls the endpoint's state every 5 ms until stop is called
-// and records every change (a change of Since counts, so an exclusion and
-// readmission between two polls is not missed entirely).
-type stateWatcher struct {
-	pp      *pinotProxy
-	quit    chan struct{}
-	done    chan struct{}
-	mu      sync.Mutex
-	changes []stateChange
-	once    sync.Once
-}
-
+// watchEndpoint records every state change of pp's endpoint, polled every
+// 5 ms, until the test ends or maxDuration has passed.
 func watchEndpoint(t *testing.T, pp *pinotProxy, maxDuration time.Duration) *stateWatcher {
-	w := &stateWatcher{pp: pp, quit: make(chan struct{}), done: make(chan struct{})}
-	go func() {
-		defer close(w.done)
-		tick := time.NewTicker(5 * time.Millisecond)
-		defer tick.Stop()
-		var since time.Time
-		deadline := time.Now().Add(maxDuration)
-		for i := 0; i < int(maxDuration/(5*time.Millisecond))+1 && time.Now().Before(deadline); i++ {
-			st := pp.state()
-			if !st.Since.Equal(since) {
-				since = st.Since
-				w.mu.Lock()
-				w.changes = append(w.changes, stateChange{At: st.Since, State: st.State, Reason: st.Reason})
-				w.mu.Unlock()
-			}
-			select {
-			case <-w.quit:
-				return
-			case <-tick.C:
-			}
-		}
-	}()
-	t.Cleanup(w.stop)
+	w := harness.WatchState(func() (proxy.EndpointStatus, error) { return pp.state(), nil }, 5*time.Millisecond, maxDuration)
+	t.Cleanup(w.Stop)
 	return w
-}
-
-func (w *stateWatcher) stop() {
-	w.once.Do(func() { close(w.quit) })
-	<-w.done
-}
-
-func (w *stateWatcher) snapshot() []stateChange {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return append([]stateChange(nil), w.changes...)
-}
-
-// firstAfter returns the first recorded change to state at or after t0,
-// waiting up to 200 ms for the poller to catch up.
-func (w *stateWatcher) firstAfter(t0 time.Time, state string) (stateChange, bool) {
-	for range 40 {
-		for _, c := range w.snapshot() {
-			if !c.At.Before(t0) && c.State == state {
-				return c, true
-			}
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return stateChange{}, false
 }
 
 // waitState waits up to timeout for the endpoint to be in state.

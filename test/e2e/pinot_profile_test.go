@@ -70,13 +70,13 @@ func TestPinotSlowQueriesWithinTheirTimeout(t *testing.T) {
 
 			got := queryBurst(t, b, pp.addr, 5)
 			time.Sleep(time.Second) // past the queries' own deadlines plus the judging slack
-			w.stop()
+			w.Stop()
 			if got[pinotsim.OK] != 5 {
 				t.Fatalf("queries: %s; want 5 ok", fmtOutcomes(got))
 			}
-			for _, c := range w.snapshot() {
+			for _, c := range w.Snapshot() {
 				if c.State != "healthy" {
-					t.Fatalf("endpoint %s (%s): %+v", c.State, c.Reason, w.snapshot())
+					t.Fatalf("endpoint %s (%s): %+v", c.State, c.Reason, w.Snapshot())
 				}
 			}
 			if n := pp.counter(t, "unanswered_timeouts_total", "", ""); n != 0 {
@@ -123,9 +123,9 @@ func TestPinotStoppedServerExcludedAtQueryTimeout(t *testing.T) {
 	if !pp.waitState("excluded", 5*time.Second) {
 		t.Fatalf("not excluded 5s after the queries' timeout: %+v", pp.state())
 	}
-	ex, ok := w.firstAfter(sent, "excluded")
+	ex, ok := w.FirstAfter(sent, "excluded", 200*time.Millisecond)
 	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.snapshot())
+		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
 	}
 	after := ex.At.Sub(sent)
 	t.Logf("excluded %v after the queries were sent (reason %s)", ms(after), ex.Reason)
@@ -157,5 +157,5 @@ func TestPinotStoppedServerExcludedAtQueryTimeout(t *testing.T) {
 	if !pp.waitState("healthy", 15*time.Second) {
 		t.Fatalf("not readmitted after SIGCONT: %+v", pp.state())
 	}
-	w.stop()
+	w.Stop()
 }

@@ -74,7 +74,7 @@ type serverProcess struct {
 	pid    int
 	addr   string // the pinotsim server
 	health string // its /health endpoint
-	stdin  io.Closer
+	stdin  io.WriteCloser
 	reader sync.WaitGroup // drains the child's stdout until EOF
 	stderr bytes.Buffer
 }
@@ -87,9 +87,34 @@ type serverProcess struct {
 // and then kills it by PID and waits for it.
 func startServerProcess(t *testing.T) *serverProcess {
 	t.Helper()
+	addrCh := make(chan [2]string, 1)
+	sp := startChild(t, pinotServerEnv+"=127.0.0.1:0", "the server process", func(line string) {
+		var a [2]string
+		if n, _ := fmt.Sscanf(line, "pinotsim-server listening %s health %s", &a[0], &a[1]); n == 2 {
+			select {
+			case addrCh <- a:
+			default:
+			}
+		}
+	})
+	select {
+	case a := <-addrCh:
+		sp.addr, sp.health = a[0], a[1]
+	case <-time.After(10 * time.Second):
+		t.Fatalf("server process %d printed no address in 10s; stderr: %s", sp.pid, sp.stderr.String())
+	}
+	return sp
+}
+
+// startChild re-executes the test binary with env (the role's variable)
+// in its own session with Pdeathsig, hands each line of its stdout to
+// onLine (from the goroutine that drains it), and has t.Cleanup continue,
+// kill and reap it.
+func startChild(t *testing.T, env, what string, onLine func(string)) *serverProcess {
+	t.Helper()
 	sp := &serverProcess{}
 	sp.cmd = exec.Command("/proc/self/exe")
-	sp.cmd.Env = append(os.Environ(), pinotServerEnv+"=127.0.0.1:0")
+	sp.cmd.Env = append(os.Environ(), env)
 	sp.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
 	sp.cmd.Stderr = &sp.stderr
 	stdin, err := sp.cmd.StdinPipe()
@@ -102,32 +127,19 @@ func startServerProcess(t *testing.T) *serverProcess {
 		t.Fatal(err)
 	}
 	if err := sp.cmd.Start(); err != nil {
-		t.Fatalf("starting the server process: %v", err)
+		t.Fatalf("starting %s: %v", what, err)
 	}
 	sp.pid = sp.cmd.Process.Pid
-	addrCh := make(chan [2]string, 1)
 	sp.reader.Add(1)
 	go func() {
 		defer sp.reader.Done()
 		sc := bufio.NewScanner(stdout)
 		for sc.Scan() {
-			var a [2]string
-			if n, _ := fmt.Sscanf(sc.Text(), "pinotsim-server listening %s health %s", &a[0], &a[1]); n == 2 {
-				select {
-				case addrCh <- a:
-				default:
-				}
-			}
+			onLine(sc.Text())
 		}
 		_, _ = io.Copy(io.Discard, stdout)
 	}()
 	t.Cleanup(sp.kill)
-	select {
-	case a := <-addrCh:
-		sp.addr, sp.health = a[0], a[1]
-	case <-time.After(10 * time.Second):
-		t.Fatalf("server process %d printed no address in 10s; stderr: %s", sp.pid, sp.stderr.String())
-	}
 	return sp
 }
 
@@ -275,9 +287,9 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	if !pp.waitState("excluded", 3*time.Second) {
 		t.Fatalf("endpoint not excluded 3s after SIGSTOP: %+v", pp.state())
 	}
-	ex, ok := w.firstAfter(stopAt, "excluded")
+	ex, ok := w.FirstAfter(stopAt, "excluded", 200*time.Millisecond)
 	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.snapshot())
+		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
 	}
 	excludedAfter := ex.At.Sub(stopAt)
 	t.Logf("excluded %v after SIGSTOP (reason %q, bound %v)", ms(excludedAfter), ex.Reason, excludeBound)
@@ -312,9 +324,9 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	time.Sleep(time.Second)
 	endAt := time.Now()
 	load.Finish(brokerTimeout + time.Second)
-	w.stop()
+	w.Stop()
 
-	changes := w.snapshot()
+	changes := w.Snapshot()
 	var readmitsWhileStopped int
 	var readmittedAt time.Time // the readmission that lasted
 	var lastChange stateChange

@@ -18,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -467,70 +468,15 @@ func (s *rssSampler) growth(t0 time.Time) (base, peak int64) {
 	return base, peak
 }
 
-// stateChange is one observed endpoint state.
-type stateChange struct {
-	At     time.Time
-	State  string
-	Reason string
-}
+type (
+	stateChange  = harness.StateChange
+	stateWatcher = harness.StateWatcher
+)
 
-// stateWatcher polls GET /v1/endpoints every 50 ms and records every
-// change of an endpoint's state (a change of since counts, so an
-// exclusion and readmission between two polls is still seen as the last
-// one).
-type stateWatcher struct {
-	quit chan struct{}
-	done chan struct{}
-	once sync.Once
-
-	mu      sync.Mutex
-	changes []stateChange
-}
-
+// watchEndpoint records every state change of addr, polled through GET
+// /v1/endpoints every 50 ms, until the run ends or maxDuration has passed.
 func watchEndpoint(r *rig, p *proxyProc, addr string, maxDuration time.Duration) *stateWatcher {
-	w := &stateWatcher{quit: make(chan struct{}), done: make(chan struct{})}
-	go func() {
-		defer close(w.done)
-		tick := time.NewTicker(50 * time.Millisecond)
-		defer tick.Stop()
-		var since time.Time
-		end := time.Now().Add(maxDuration)
-		for time.Now().Before(end) {
-			if st, err := p.endpoint(addr); err == nil && !st.Since.Equal(since) {
-				since = st.Since
-				w.mu.Lock()
-				w.changes = append(w.changes, stateChange{At: st.Since, State: st.State, Reason: st.Reason})
-				w.mu.Unlock()
-			}
-			select {
-			case <-w.quit:
-				return
-			case <-tick.C:
-			}
-		}
-	}()
-	r.cleanup(w.stop)
+	w := harness.WatchState(func() (proxy.EndpointStatus, error) { return p.endpoint(addr) }, 50*time.Millisecond, maxDuration)
+	r.cleanup(w.Stop)
 	return w
-}
-
-func (w *stateWatcher) stop() {
-	w.once.Do(func() { close(w.quit) })
-	<-w.done
-}
-
-func (w *stateWatcher) snapshot() []stateChange {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return append([]stateChange(nil), w.changes...)
-}
-
-// after returns the changes at or after t0.
-func (w *stateWatcher) after(t0 time.Time) []stateChange {
-	var out []stateChange
-	for _, c := range w.snapshot() {
-		if !c.At.Before(t0) {
-			out = append(out, c)
-		}
-	}
-	return out
 }

@@ -100,14 +100,14 @@ func replayFlap(r *rig) (*Report, error) {
 	pl.finish(brokerTimeout + time.Second)
 	dl.finish(brokerTimeout + time.Second)
 	rss.stop()
-	w.stop()
+	w.Stop()
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
 	}
 
 	// What happened on the proxy's side.
-	for _, c := range w.after(flapAt) {
+	for _, c := range w.After(flapAt) {
 		rep.event(flapAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
 	for _, e := range px.linkEnds() {
@@ -161,7 +161,7 @@ func replayFlap(r *rig) (*Report, error) {
 	// A readmission is a fresh start: requests sent before it (on links
 	// that had already ended) must not exclude the endpoint again before
 	// the readmitted server could answer anything.
-	changes := w.after(flapAt)
+	changes := w.After(flapAt)
 	reexcluded := ""
 	for i := 1; i < len(changes); i++ {
 		a, b := changes[i-1], changes[i]

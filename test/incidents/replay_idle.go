@@ -90,7 +90,7 @@ func replayIdle(r *rig) (*Report, error) {
 	dl.finish(brokerTimeout + time.Second)
 	endAt := time.Now()
 	rss.stop()
-	w.stop()
+	w.Stop()
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
@@ -105,7 +105,7 @@ func replayIdle(r *rig) (*Report, error) {
 			}
 		}
 	}
-	for _, c := range w.after(goneAt) {
+	for _, c := range w.After(goneAt) {
 		rep.event(goneAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
 	for _, c := range pcl.snapshot() {

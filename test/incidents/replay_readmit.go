@@ -114,13 +114,13 @@ func replayReadmit(r *rig) (*Report, error) {
 	pl.finish(brokerTimeout + time.Second)
 	dl.finish(brokerTimeout + time.Second)
 	rss.stop()
-	w.stop()
+	w.Stop()
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
 	}
 
-	for _, c := range w.after(disableAt) {
+	for _, c := range w.After(disableAt) {
 		rep.event(disableAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
 	for _, e := range px.linkEnds() {

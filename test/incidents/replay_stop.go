@@ -84,13 +84,13 @@ func replayStop(r *rig) (*Report, error) {
 	pl.finish(brokerTimeout + time.Second)
 	dl.finish(brokerTimeout + time.Second)
 	rss.stop()
-	w.stop()
+	w.Stop()
 	st, err := srv.stats()
 	if err != nil {
 		return nil, err
 	}
 
-	changes := w.after(stopAt)
+	changes := w.After(stopAt)
 	var excludedAt, readmittedAt time.Time
 	var excludedReason string
 	readmitsWhileStopped := 0
