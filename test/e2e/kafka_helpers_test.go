@@ -17,12 +17,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/livenessproxy/livenessproxy/policy"
-	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // Helpers shared by the Kafka end-to-end tests (kafka_*_test.go): a kfake
@@ -224,18 +222,7 @@ func kafkaConfig(t *testing.T, mode kafkaMode, upstream, extraDefaults string) p
 // (pinot_helpers_test.go): ends, state, counter, waitState, watchEndpoint.
 func startKafkaProxy(t *testing.T, kb *kafkaBroker, cfg policy.Config) *pinotProxy {
 	t.Helper()
-	pp := &pinotProxy{reg: prometheus.NewRegistry(), upstream: kb.addr}
-	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: func(ls proxy.LinkStats) {
-		pp.mu.Lock()
-		pp.ended = append(pp.ended, ls)
-		pp.endAt = append(pp.endAt, time.Now())
-		pp.mu.Unlock()
-	}})
-	if err := pp.p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = pp.p.Close() })
-	pp.addr = pp.p.Addr(kafkaListener).String()
+	pp := runRecordingProxy(t, cfg, kb.addr)
 	kb.advertise(t, pp.addr)
 	return pp
 }

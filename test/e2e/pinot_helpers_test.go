@@ -71,6 +71,13 @@ func startPinotProxy(t *testing.T, upstream string, s policy.Settings) *pinotPro
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("test configuration is invalid: %v", err)
 	}
+	return runRecordingProxy(t, cfg, upstream)
+}
+
+// runRecordingProxy starts a proxy from cfg, whose one listener is in
+// front of upstream, recording every link that ends; t.Cleanup closes it.
+func runRecordingProxy(t *testing.T, cfg policy.Config, upstream string) *pinotProxy {
+	t.Helper()
 	pp := &pinotProxy{reg: prometheus.NewRegistry(), upstream: upstream}
 	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: func(ls proxy.LinkStats) {
 		pp.mu.Lock()
@@ -82,7 +89,7 @@ func startPinotProxy(t *testing.T, upstream string, s policy.Settings) *pinotPro
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pp.p.Close() })
-	pp.addr = pp.p.Addr("pinot").String()
+	pp.addr = pp.p.Addr(cfg.Listeners[0].Name).String()
 	return pp
 }
 

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"os/exec"
 	"strconv"
@@ -18,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -50,17 +50,7 @@ func runPinotServerProcess(addr string) int {
 		fmt.Fprintf(os.Stderr, "health listener: %v\n", err)
 		return 1
 	}
-	hs := &http.Server{
-		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path != "/health" {
-				http.NotFound(w, r)
-				return
-			}
-			_, _ = io.WriteString(w, "OK")
-		}),
-		ReadHeaderTimeout: 5 * time.Second,
-	}
-	go func() { _ = hs.Serve(hln) }()
+	hs := harness.ServeHealth(hln)
 	fmt.Printf("pinotsim-server listening %s health %s\n", srv.Addr(), hln.Addr())
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	_ = hs.Close()
@@ -151,33 +141,12 @@ func (sp *serverProcess) signal(t *testing.T, sig syscall.Signal) {
 	}
 }
 
-// procState returns the state letter of /proc/PID/stat (R, S, T, ...).
-func (sp *serverProcess) procState() string {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", sp.pid))
-	if err != nil {
-		return "?"
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 || i+2 >= len(s) {
-		return "?"
-	}
-	return s[i+2 : i+3]
-}
+// procState returns the state letter of the child's /proc/PID/stat.
+func (sp *serverProcess) procState() string { return harness.ProcState(sp.pid) }
 
 // waitProcState waits up to timeout for the child to be in state.
 func (sp *serverProcess) waitProcState(state string, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for i := 0; i < 1000; i++ {
-		if sp.procState() == state {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return false
+	return harness.WaitProcState(sp.pid, state, timeout)
 }
 
 // kill continues the child (SIGKILL ends a stopped process too, but a

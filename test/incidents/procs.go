@@ -170,34 +170,10 @@ func (c *child) kill() {
 	})
 }
 
-// procState returns the state letter of /proc/PID/stat (R, S, T, ...).
-func procState(pid int) string {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return "?"
-	}
-	s := string(b)
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 || i+2 >= len(s) {
-		return "?"
-	}
-	return s[i+2 : i+3]
-}
-
-// waitProcState waits up to timeout for the process to be in one of states.
-func waitProcState(pid int, states string, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for i := 0; i < 2000; i++ {
-		if strings.Contains(states, procState(pid)) {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return false
-}
+var (
+	procState     = harness.ProcState
+	waitProcState = harness.WaitProcState
+)
 
 // rssBytes returns the process's resident set size (VmRSS).
 func rssBytes(pid int) (int64, error) {

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"sync"
 	"time"
@@ -18,6 +17,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/internal/admin"
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -72,17 +72,7 @@ func serverRole(addr, health string) int {
 			fmt.Fprintf(os.Stderr, "health listener on %s: %v\n", health, err)
 			return 1
 		}
-		hs := &http.Server{
-			Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.URL.Path != "/health" {
-					http.NotFound(w, r)
-					return
-				}
-				_, _ = io.WriteString(w, "OK")
-			}),
-			ReadHeaderTimeout: 5 * time.Second,
-		}
-		go func() { _ = hs.Serve(hln) }()
+		hs := harness.ServeHealth(hln)
 		defer hs.Close()
 		hello.Health = hln.Addr().String()
 	}
