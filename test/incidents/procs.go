@@ -456,3 +456,23 @@ func watchEndpoint(r *rig, p *proxyProc, addr string, maxDuration time.Duration)
 	r.cleanup(w.Stop)
 	return w
 }
+
+// serverBehindProxy builds replay n's namespaces, starts a server on port
+// 9000 of the peer namespace, waits until it is reachable, and starts a
+// proxy whose one listener (s0) is in front of it.
+func serverBehindProxy(r *rig, n int) (t *topo, srvAddr string, srv *serverProc, px *proxyProc, err error) {
+	if t, err = newTopo(r, n); err != nil {
+		return nil, "", nil, nil, err
+	}
+	srvAddr = t.addr(9000)
+	if srv, err = startServer(r, t.peer, srvAddr, ""); err != nil {
+		return nil, "", nil, nil, err
+	}
+	if err = waitReachable(srvAddr); err != nil {
+		return nil, "", nil, nil, err
+	}
+	if px, err = startProxy(r, proxyConfig{upstreams: []string{srvAddr}}.yaml()); err != nil {
+		return nil, "", nil, nil, err
+	}
+	return t, srvAddr, srv, px, nil
+}

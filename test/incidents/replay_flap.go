@@ -34,19 +34,7 @@ func replayFlap(r *rig) (*Report, error) {
 		observe    = 6 * time.Second
 	)
 	rep := &Report{N: 1, Name: "node flap without FIN"}
-	t, err := newTopo(r, 1)
-	if err != nil {
-		return nil, err
-	}
-	srvAddr := t.addr(9000)
-	old, err := startServer(r, t.peer, srvAddr, "")
-	if err != nil {
-		return nil, err
-	}
-	if err := waitReachable(srvAddr); err != nil {
-		return nil, err
-	}
-	px, err := startProxy(r, proxyConfig{upstreams: []string{srvAddr}}.yaml())
+	t, srvAddr, old, px, err := serverBehindProxy(r, 1)
 	if err != nil {
 		return nil, err
 	}

@@ -29,19 +29,7 @@ func replayIdle(r *rig) (*Report, error) {
 		next       = 6 // queries after the silence
 	)
 	rep := &Report{N: 4, Name: "idle link to a dead peer"}
-	t, err := newTopo(r, 4)
-	if err != nil {
-		return nil, err
-	}
-	srvAddr := t.addr(9000)
-	old, err := startServer(r, t.peer, srvAddr, "")
-	if err != nil {
-		return nil, err
-	}
-	if err := waitReachable(srvAddr); err != nil {
-		return nil, err
-	}
-	px, err := startProxy(r, proxyConfig{upstreams: []string{srvAddr}}.yaml())
+	t, srvAddr, old, px, err := serverBehindProxy(r, 4)
 	if err != nil {
 		return nil, err
 	}

@@ -29,19 +29,7 @@ func replayReadmit(r *rig) (*Report, error) {
 		observe    = 4 * time.Second
 	)
 	rep := &Report{N: 5, Name: "readmission"}
-	t, err := newTopo(r, 5)
-	if err != nil {
-		return nil, err
-	}
-	srvAddr := t.addr(9000)
-	old, err := startServer(r, t.peer, srvAddr, "")
-	if err != nil {
-		return nil, err
-	}
-	if err := waitReachable(srvAddr); err != nil {
-		return nil, err
-	}
-	px, err := startProxy(r, proxyConfig{upstreams: []string{srvAddr}}.yaml())
+	t, srvAddr, old, px, err := serverBehindProxy(r, 5)
 	if err != nil {
 		return nil, err
 	}
