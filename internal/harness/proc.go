@@ -55,3 +55,18 @@ func ServeHealth(ln net.Listener) *http.Server {
 	go func() { _ = hs.Serve(ln) }()
 	return hs
 }
+
+// WaitReachable dials addr until it accepts, for up to timeout: a fresh
+// veth may take a moment before it carries traffic.
+func WaitReachable(addr string, timeout time.Duration) error {
+	for deadline := time.Now().Add(timeout); ; time.Sleep(20 * time.Millisecond) {
+		c, err := net.DialTimeout("tcp", addr, 500*time.Millisecond)
+		if err == nil {
+			_ = c.Close()
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not reachable over the veth: %w", addr, err)
+		}
+	}
+}

@@ -45,3 +45,18 @@ func TestServeHealth(t *testing.T) {
 		resp.Body.Close()
 	}
 }
+
+func TestWaitReachable(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	if err := WaitReachable(addr, time.Second); err != nil {
+		t.Fatalf("a listening port: %v", err)
+	}
+	_ = ln.Close()
+	if err := WaitReachable(addr, 100*time.Millisecond); err == nil {
+		t.Fatal("a closed port was reported reachable")
+	}
+}

@@ -134,3 +134,13 @@ func (l *Load) WaitOK(t0 time.Time, n int, timeout time.Duration) bool {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// FirstOK returns the first of rs sent at or after t0 that succeeded.
+func FirstOK(rs []Record, t0 time.Time) (Record, bool) {
+	for _, r := range rs {
+		if !r.Sent.Before(t0) && r.Outcome == OK {
+			return r, true
+		}
+	}
+	return Record{}, false
+}

@@ -636,3 +636,19 @@ func TestDataTableSections(t *testing.T) {
 		t.Fatalf("sections past the end: %v", err)
 	}
 }
+
+func TestFirstOK(t *testing.T) {
+	t0 := time.Unix(100, 0)
+	rs := []Record{
+		{Sent: t0.Add(-time.Second), Result: Result{Outcome: OK}}, // before t0
+		{Sent: t0, Result: Result{Outcome: TimedOut}},
+		{Sent: t0.Add(time.Second), Result: Result{Outcome: OK}},
+		{Sent: t0.Add(2 * time.Second), Result: Result{Outcome: OK}},
+	}
+	if r, ok := FirstOK(rs, t0); !ok || !r.Sent.Equal(t0.Add(time.Second)) {
+		t.Fatalf("FirstOK = %+v %v, want the one sent at t0+1s", r, ok)
+	}
+	if _, ok := FirstOK(rs, t0.Add(3*time.Second)); ok {
+		t.Fatal("FirstOK found a query after the last one")
+	}
+}

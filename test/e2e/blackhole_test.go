@@ -18,6 +18,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
@@ -68,17 +69,8 @@ func echoIn(t *testing.T, ns *netns.NS, addr string) string {
 // moment before it carries traffic.
 func waitReachable(t *testing.T, addr string) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		c, err := net.DialTimeout("tcp", addr, 500*time.Millisecond)
-		if err == nil {
-			_ = c.Close()
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not reachable over the veth: %v", addr, err)
-		}
-		time.Sleep(20 * time.Millisecond)
+	if err := harness.WaitReachable(addr, 5*time.Second); err != nil {
+		t.Fatal(err)
 	}
 }
 

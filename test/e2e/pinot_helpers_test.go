@@ -221,14 +221,7 @@ func fmtOutcomes(m map[pinotsim.Outcome]int) string {
 }
 
 // firstOKAfter returns the first query sent at or after t0 that succeeded.
-func firstOKAfter(rs []queryRecord, t0 time.Time) (queryRecord, bool) {
-	for _, r := range rs {
-		if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
-			return r, true
-		}
-	}
-	return queryRecord{}, false
-}
+var firstOKAfter = pinotsim.FirstOK
 
 // splitHostPortNum returns the port of a host:port.
 func splitPort(t *testing.T, addr string) string {

@@ -86,14 +86,7 @@ func count(rs []queryRecord, from, to time.Time) tally {
 }
 
 // firstOK returns the first query sent at or after t0 that succeeded.
-func firstOK(rs []queryRecord, t0 time.Time) (queryRecord, bool) {
-	for _, r := range rs {
-		if !r.Sent.Before(t0) && r.Outcome == pinotsim.OK {
-			return r, true
-		}
-	}
-	return queryRecord{}, false
-}
+var firstOK = pinotsim.FirstOK
 
 // recovery is the time from t0 until every load had a query sent at or
 // after t0 succeed (its answer's arrival), or false if one never did.

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
@@ -154,20 +155,7 @@ func (t *topo) addr(port int) string { return net.JoinHostPort(t.peerIP, fmt.Spr
 
 // waitReachable dials addr until it answers (a fresh veth may take a
 // moment).
-func waitReachable(addr string) error {
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		c, err := net.DialTimeout("tcp", addr, 500*time.Millisecond)
-		if err == nil {
-			_ = c.Close()
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not reachable over the veth: %w", addr, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
+func waitReachable(addr string) error { return harness.WaitReachable(addr, 5*time.Second) }
 
 // establishedFrom lists the client ports of the TCP connections
 // established from our side to the given ports of the peer, as the peer's
