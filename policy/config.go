@@ -6,9 +6,16 @@
 // written as Go durations (10s, 500ms), sizes with binary units (16MiB).
 // A duration or size of 0 disables the mechanism it controls; a negative
 // one is an error (keys that must be positive say so).
+//
+// policy imports one project package, health, for the probe kinds that
+// detector.probe names; health imports none.
 package policy
 
-import "time"
+import (
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/health"
+)
 
 // Config is the whole configuration file.
 type Config struct {
@@ -418,18 +425,13 @@ func (u Unanswered) Enabled(framing string) bool {
 	return u.RequestTimeout > 0 && (framing != FramingNone || u.ConsecutiveTimeoutsThreshold > 0)
 }
 
-// Probe kinds for Detector.Probe.
-const (
-	// ProbeKindAuto picks the probe that proves the process for the
-	// framing: kafka for the kafka profile, http for the pinot profile
-	// (Pinot servers answer /health on their admin port), connect otherwise.
-	ProbeKindAuto    = "auto"
-	ProbeKindConnect = "connect"
-	ProbeKindHTTP    = "http"
-	// ProbeKindKafka sends a Kafka ApiVersions request over a fresh
-	// connection; the broker process must answer it.
-	ProbeKindKafka = "kafka"
-)
+// ProbeKindAuto is the default of Detector.Probe: it picks the probe that
+// proves the process for the framing: health.ProbeKafka for the kafka
+// profile, health.ProbeHTTP for the pinot profile (Pinot servers answer
+// /health on their admin port), health.ProbeConnect otherwise. The other
+// values of Detector.Probe are the health package's probe kinds, which are
+// defined there once.
+const ProbeKindAuto = "auto"
 
 // PinotAdminPort is the Pinot server's admin port (pinot.server.adminapi.port),
 // where GET /health answers: the http probe's port under the pinot profile
@@ -443,14 +445,14 @@ func (s Settings) Probe() (kind string, httpPort int) {
 	if kind == ProbeKindAuto || kind == "" {
 		switch s.Framing.Type {
 		case FramingKafka:
-			kind = ProbeKindKafka
+			kind = health.ProbeKafka
 		case FramingPinot:
-			kind = ProbeKindHTTP
+			kind = health.ProbeHTTP
 		default:
-			kind = ProbeKindConnect
+			kind = health.ProbeConnect
 		}
 	}
-	if kind == ProbeKindHTTP && httpPort == 0 && s.Framing.Type == FramingPinot {
+	if kind == health.ProbeHTTP && httpPort == 0 && s.Framing.Type == FramingPinot {
 		httpPort = PinotAdminPort
 	}
 	return kind, httpPort

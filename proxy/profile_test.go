@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -399,7 +400,7 @@ func TestPinotQueryTimeoutIsTheDeadline(t *testing.T) {
 				s.Framing.Type = policy.FramingPinot
 				s.Unanswered.RequestTimeout = policy.Duration(200 * time.Millisecond)
 				s.Unanswered.ConsecutiveTimeoutsThreshold = 3
-				s.Detector.Probe = policy.ProbeKindConnect
+				s.Detector.Probe = health.ProbeConnect
 				s.Detector.InitialDelay = policy.Duration(10 * time.Second)
 			})
 			c := h.dial()
@@ -443,7 +444,7 @@ func TestPinotHugeTimeoutNeverJudged(t *testing.T) {
 		s.Framing.Type = policy.FramingPinot
 		s.Unanswered.RequestTimeout = policy.Duration(50 * time.Millisecond)
 		s.Unanswered.ConsecutiveTimeoutsThreshold = 1
-		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.Probe = health.ProbeConnect
 	})
 	c := h.dial()
 	for i := range 3 {

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -221,7 +222,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	// probe: at most max_delay (2s) + probe_timeout later.
 	readmitBound := 2 * time.Second
 	if httpProbe {
-		s.Detector.Probe = policy.ProbeKindHTTP
+		s.Detector.Probe = health.ProbeHTTP
 		port, err := strconv.Atoi(splitPort(t, sp.health))
 		if err != nil {
 			t.Fatal(err)
