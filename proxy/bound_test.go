@@ -59,18 +59,18 @@ func TestStalledUpstreamUnsentBacklogIsSmall(t *testing.T) {
 	})
 	c := h.dial()
 	sent := writeAsync(c, 64<<20, 64<<10)
-	k := h.onlyLink(5 * time.Second)
-	for deadline := time.Now().Add(10 * time.Second); k.q.bytes() < high; time.Sleep(10 * time.Millisecond) {
+	lk := h.onlyLink(5 * time.Second)
+	for deadline := time.Now().Add(10 * time.Second); lk.q.bytes() < high; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("queue at %d bytes after 10s, never reached the high watermark %d", k.q.bytes(), high)
+			t.Fatalf("queue at %d bytes after 10s, never reached the high watermark %d", lk.q.bytes(), high)
 		}
 	}
-	unsent, outq := sockQueue(t, k, unix.SIOCOUTQNSD), sockQueue(t, k, unix.SIOCOUTQ)
+	unsent, outq := sockQueue(t, lk, unix.SIOCOUTQNSD), sockQueue(t, lk, unix.SIOCOUTQ)
 	bound := notsentLowat(high) + 64<<10
 	t.Logf("queue %d (high %d); upstream socket: unsent %d (TCP_NOTSENT_LOWAT %d), unsent+unacked %d",
-		k.q.bytes(), high, unsent, notsentLowat(high), outq)
-	if k.q.bytes() > high {
-		t.Fatalf("queue %d above the high watermark %d", k.q.bytes(), high)
+		lk.q.bytes(), high, unsent, notsentLowat(high), outq)
+	if lk.q.bytes() > high {
+		t.Fatalf("queue %d above the high watermark %d", lk.q.bytes(), high)
 	}
 	if unsent > bound {
 		t.Fatalf("the upstream socket holds %d unsent bytes, above TCP_NOTSENT_LOWAT %d plus a segment", unsent, notsentLowat(high))
@@ -88,13 +88,13 @@ func (h *harness) onlyLink(within time.Duration) *link {
 	l := h.p.listeners[0]
 	for deadline := time.Now().Add(within); ; time.Sleep(5 * time.Millisecond) {
 		l.mu.Lock()
-		for k := range l.links {
-			k.connMu.Lock()
-			up := k.upRaw
-			k.connMu.Unlock()
+		for lk := range l.links {
+			lk.connMu.Lock()
+			up := lk.upRaw
+			lk.connMu.Unlock()
 			if up != nil {
 				l.mu.Unlock()
-				return k
+				return lk
 			}
 		}
 		l.mu.Unlock()
@@ -106,11 +106,11 @@ func (h *harness) onlyLink(within time.Duration) *link {
 
 // sockQueue reads an ioctl byte count (SIOCOUTQ, SIOCOUTQNSD) of the
 // link's upstream socket.
-func sockQueue(t *testing.T, k *link, req uint) int {
+func sockQueue(t *testing.T, lk *link, req uint) int {
 	t.Helper()
 	var n int
 	var err error
-	if cerr := k.upRaw.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), req) }); cerr != nil {
+	if cerr := lk.upRaw.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), req) }); cerr != nil {
 		t.Fatal(cerr)
 	}
 	if err != nil {

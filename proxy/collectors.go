@@ -22,8 +22,8 @@ func (c *queuedCollector) Collect(ch chan<- prometheus.Metric) {
 	c.p.mu.Unlock()
 	for _, l := range ls {
 		var n int64
-		for _, k := range l.snapshotLinks() {
-			n += k.q.bytes()
+		for _, lk := range l.snapshotLinks() {
+			n += lk.q.bytes()
 		}
 		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(n), l.cfg.Name)
 	}
@@ -46,9 +46,9 @@ func (c *bytesCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, l := range ls {
 		l.mu.Lock()
 		up, dn := l.closedUp, l.closedDn
-		for k := range l.links {
-			up += k.bytesUp.Load()
-			dn += k.bytesDown.Load()
+		for lk := range l.links {
+			up += lk.bytesUp.Load()
+			dn += lk.bytesDown.Load()
 		}
 		l.mu.Unlock()
 		ch <- prometheus.MustNewConstMetric(bytesDesc, prometheus.CounterValue, float64(up), l.cfg.Name, "request")

@@ -138,15 +138,15 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 	}
 }
 
-func (ep *endpoint) add(k *link) {
+func (ep *endpoint) add(lk *link) {
 	ep.mu.Lock()
-	ep.links[k] = struct{}{}
+	ep.links[lk] = struct{}{}
 	ep.mu.Unlock()
 }
 
-func (ep *endpoint) remove(k *link) {
+func (ep *endpoint) remove(lk *link) {
 	ep.mu.Lock()
-	delete(ep.links, k)
+	delete(ep.links, lk)
 	ep.mu.Unlock()
 }
 
@@ -156,16 +156,16 @@ func (ep *endpoint) remove(k *link) {
 func (ep *endpoint) evict(before time.Time, closeReason, evictReason string) int {
 	ep.mu.Lock()
 	var ks []*link
-	for k := range ep.links {
-		if before.IsZero() || k.opened.Before(before) {
-			ks = append(ks, k)
+	for lk := range ep.links {
+		if before.IsZero() || lk.opened.Before(before) {
+			ks = append(ks, lk)
 		}
 	}
 	ep.mu.Unlock()
 	n := 0
-	for _, k := range ks {
-		if k.abort(closeReason, nil) {
-			k.l.m.Evicted(evictReason, 1)
+	for _, lk := range ks {
+		if lk.abort(closeReason, nil) {
+			lk.l.m.Evicted(evictReason, 1)
 			n++
 		}
 	}
@@ -236,7 +236,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	ep.mu.Unlock()
 	p.syncExcludedSet(ep, ls)
 	for _, l := range ls {
-		if l.matches != nil && l.tuning().groupFailOpen {
+		if l.matches != nil && l.spec().groupFailOpen {
 			// The group may have started or stopped failing open: its
 			// other destinations move in or out of the kernel's set too.
 			for _, other := range l.group(ep) {
@@ -361,12 +361,12 @@ func (p *Proxy) suspect(ep *endpoint, thr int) {
 // blamesUpstream reports whether the link's end is evidence against its
 // upstream, to be reported to the detector. Which events exclude an
 // endpoint, and why, is in the README ("What counts as a dead upstream").
-func (k *link) blamesUpstream(reason string) bool {
+func (lk *link) blamesUpstream(reason string) bool {
 	switch reason {
 	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
 		return true // (a failed dial is reported by the attempt itself)
 	case metrics.ReasonWatermark:
-		return k.overflowStalled.Load()
+		return lk.overflowStalled.Load()
 	}
 	return false
 }

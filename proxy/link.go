@@ -41,7 +41,7 @@ type LinkStats struct {
 type link struct {
 	l        *listener
 	ep       *endpoint       // set at accept (transparent) or when the dial succeeds (pool)
-	set      policy.Settings // the listener's settings when the link opened
+	settings policy.Settings // the listener's settings when the link opened
 	frames   *frameSpec      // the listener's framing when the link opened; nil: opaque
 	failOpen bool            // the listener's pool.fail_open or group_fail_open when the link opened
 	dialer   *net.Dialer
@@ -111,15 +111,15 @@ type link struct {
 // transparent listener's link; a pool listener's link picks one when it
 // dials (nil here).
 func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
-	t := l.tuning()
-	k := &link{l: l, ep: ep, set: t.set, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
+	t := l.spec()
+	lk := &link{l: l, ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
-	k.q.init()
-	k.rawWriteFn = func(fd uintptr) bool {
-		k.rawN, k.rawErr = syscall.Write(int(fd), k.rawP)
+	lk.q.init()
+	lk.rawWriteFn = func(fd uintptr) bool {
+		lk.rawN, lk.rawErr = syscall.Write(int(fd), lk.rawP)
 		return true
 	}
-	return k
+	return lk
 }
 
 // start dials the upstream and starts the link's pumps; it reports false
@@ -127,68 +127,68 @@ func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
 // then: the dial's deep call chain grew its stack, and a link that idles
 // for hours should not keep that stack. The last of the link's goroutines
 // to end accounts for the link (see exit).
-func (k *link) start() bool {
-	if !k.dial() {
+func (lk *link) start() bool {
+	if !lk.dial() {
 		return false
 	}
-	k.live.Store(2)
-	go k.pumpResponsesOwned()
-	go k.pumpRequestsOwned()
+	lk.live.Store(2)
+	go lk.pumpResponsesOwned()
+	go lk.pumpRequestsOwned()
 	return true
 }
 
 // exit ends one of the link's goroutines; the last one finishes the link.
-func (k *link) exit() {
-	if k.live.Add(-1) == 0 {
-		k.l.linkEnded(k, k.finish())
+func (lk *link) exit() {
+	if lk.live.Add(-1) == 0 {
+		lk.l.linkEnded(lk, lk.finish())
 	}
 }
 
 // finish releases what the link holds once its goroutines have ended.
-func (k *link) finish() LinkStats {
-	k.closeBoth()
-	if k.l.p.transparent.Load() {
-		k.l.p.ownUp.Delete(k.upstream.LocalAddr().String())
+func (lk *link) finish() LinkStats {
+	lk.closeBoth()
+	if lk.l.p.transparent.Load() {
+		lk.l.p.ownUp.Delete(lk.upstream.LocalAddr().String())
 	}
-	if k.trk != nil {
-		orphans := k.trk.stop()
-		if k.conv != nil && k.conv.profile && k.clientEnded() {
+	if lk.trk != nil {
+		orphans := lk.trk.stop()
+		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
 			// first abandons its requests, which can no longer be answered.
 			orphans = nil
 		}
 		if len(orphans) > 0 {
-			since := k.ep.readmitted.Load()
+			since := lk.ep.readmitted.Load()
 			orphans = slices.DeleteFunc(orphans, func(r pendingRequest) bool { return r.at <= since })
-			k.ep.orphans.adopt(orphans)
+			lk.ep.orphans.adopt(orphans)
 		}
 	}
-	k.q.release()
-	k.finMu.Lock()
-	if k.halfTimer != nil {
-		k.halfTimer.Stop()
+	lk.q.release()
+	lk.finMu.Lock()
+	if lk.halfTimer != nil {
+		lk.halfTimer.Stop()
 	}
-	k.finMu.Unlock()
-	return k.stats()
+	lk.finMu.Unlock()
+	return lk.stats()
 }
 
 // attach makes ep the link's endpoint once its dial succeeded: its
 // requests are tracked against ep's answers, and ep's registry holds it
 // for eviction (a transparent link is registered at accept).
-func (k *link) attach(ep *endpoint) {
-	k.ep = ep
-	if u := k.set.Unanswered; u.Enabled(k.set.Framing.Type) {
-		if k.frames != nil {
-			k.reqScan, k.respScan = newFrameScanner(k.frames), newFrameScanner(k.frames)
+func (lk *link) attach(ep *endpoint) {
+	lk.ep = ep
+	if u := lk.settings.Unanswered; u.Enabled(lk.settings.Framing.Type) {
+		if lk.frames != nil {
+			lk.reqScan, lk.respScan = newFrameScanner(lk.frames), newFrameScanner(lk.frames)
 		}
-		k.trk = newTracker(judgingSlack(u.RequestTimeout.D()), k.reqScan == nil, &ep.lastAnswer, k.judge)
-		if k.reqScan != nil {
-			k.conv = newConv(k)
+		lk.trk = newTracker(judgingSlack(u.RequestTimeout.D()), lk.reqScan == nil, &ep.lastAnswer, lk.judge)
+		if lk.reqScan != nil {
+			lk.conv = newConv(lk)
 		}
 	}
-	if k.l.pool != nil {
-		ep.add(k)
+	if lk.l.pool != nil {
+		ep.add(lk)
 	}
 }
 
@@ -203,9 +203,9 @@ func connectBackoff(n int) time.Duration {
 // order and never to the one that just failed while another can serve;
 // every refusal or timeout is reported to the detector at once. A
 // transparent link's destination is fixed: one attempt.
-func (k *link) dial() bool {
-	attempts := max(k.set.ConnectAttempts, 1)
-	if k.l.pool == nil {
+func (lk *link) dial() bool {
+	attempts := max(lk.settings.ConnectAttempts, 1)
+	if lk.l.pool == nil {
 		attempts = 1
 	}
 	var avoid string
@@ -214,87 +214,87 @@ func (k *link) dial() bool {
 		if i > 0 {
 			select {
 			case <-time.After(connectBackoff(i)):
-			case <-k.l.ctx.Done():
+			case <-lk.l.ctx.Done():
 			}
 		}
-		ep, failOpen := k.ep, false
-		if k.l.pool == nil {
+		ep, failOpen := lk.ep, false
+		if lk.l.pool == nil {
 			// A transparent destination let through while excluded: its
 			// group is failing open (group_fail_open).
-			st, _ := k.l.p.det.State(ep.addr)
+			st, _ := lk.l.p.det.State(ep.addr)
 			failOpen = st == health.Excluded
 		} else {
-			if ep, failOpen = k.l.pool.pick(avoid); ep == nil {
+			if ep, failOpen = lk.l.pool.pick(avoid); ep == nil {
 				break // nothing eligible is left
 			}
 		}
 		start := time.Now()
-		c, err := k.dialer.DialContext(k.l.ctx, "tcp", ep.dial)
-		if err != nil && k.l.ctx.Err() != nil {
+		c, err := lk.dialer.DialContext(lk.l.ctx, "tcp", ep.dial)
+		if err != nil && lk.l.ctx.Err() != nil {
 			// The proxy is shutting down: not the upstream's fault.
-			k.setReason(metrics.ReasonShutdown, err)
-			resetConn(k.client)
+			lk.setReason(metrics.ReasonShutdown, err)
+			resetConn(lk.client)
 			return false
 		}
 		if err != nil && !upstreamFault(err) {
 			// Out of descriptors, a socket option refused: the proxy's own
 			// failure, never the upstream's; another endpoint would not help.
-			k.setReason(metrics.ReasonLocalError, err)
-			k.l.localError(ep, err)
-			resetConn(k.client)
+			lk.setReason(metrics.ReasonLocalError, err)
+			lk.l.localError(ep, err)
+			resetConn(lk.client)
 			return false
 		}
 		if err != nil {
-			k.l.m.DialErrors.Inc()
-			k.l.p.report(ep, metrics.ReasonDialError)
+			lk.l.m.DialErrors.Inc()
+			lk.l.p.report(ep, metrics.ReasonDialError)
 			avoid, lastErr = ep.addr, err
 			continue
 		}
-		k.l.m.DialDuration.Observe(time.Since(start).Seconds())
-		if failOpen && k.failOpen {
-			k.l.m.FailOpenLinks.Inc()
+		lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
+		if failOpen && lk.failOpen {
+			lk.l.m.FailOpenLinks.Inc()
 		}
-		return k.connected(ep, c.(*net.TCPConn))
+		return lk.connected(ep, c.(*net.TCPConn))
 	}
 	// Reset rather than close: to a client whose own failure detector
 	// treats a completed close as a live server, a reset looks like the
 	// refused connection it stands for.
 	if lastErr != nil {
-		k.setReason(metrics.ReasonDialError, lastErr)
+		lk.setReason(metrics.ReasonDialError, lastErr)
 	} else {
-		k.setReason(metrics.ReasonRefused, nil)
+		lk.setReason(metrics.ReasonRefused, nil)
 	}
-	resetConn(k.client)
+	resetConn(lk.client)
 	return false
 }
 
 // connected takes over a dialled upstream connection.
-func (k *link) connected(ep *endpoint, up *net.TCPConn) bool {
+func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 	raw, err := up.SyscallConn()
 	if err == nil {
-		err = k.fromUpstream.init(up)
+		err = lk.fromUpstream.init(up)
 	}
 	if err == nil {
-		err = k.fromClient.init(k.client)
+		err = lk.fromClient.init(lk.client)
 	}
 	if err != nil {
 		_ = up.Close()
-		k.attach(ep)
-		k.fail(err)
+		lk.attach(ep)
+		lk.fail(err)
 		return false
 	}
-	if k.l.p.transparent.Load() {
-		k.l.p.ownUp.Store(up.LocalAddr().String(), struct{}{})
+	if lk.l.p.transparent.Load() {
+		lk.l.p.ownUp.Store(up.LocalAddr().String(), struct{}{})
 	}
-	k.ackedAt.Store(mono()) // progress is measured from the connect on
-	k.attach(ep)
-	k.connMu.Lock()
-	k.upstream, k.upRaw = up, raw
-	closed := k.closed
-	k.connMu.Unlock()
+	lk.ackedAt.Store(mono()) // progress is measured from the connect on
+	lk.attach(ep)
+	lk.connMu.Lock()
+	lk.upstream, lk.upRaw = up, raw
+	closed := lk.closed
+	lk.connMu.Unlock()
 	if closed {
 		// Aborted while dialling: the reason is already set.
-		k.l.p.ownUp.Delete(up.LocalAddr().String())
+		lk.l.p.ownUp.Delete(up.LocalAddr().String())
 		_ = up.SetLinger(0)
 		_ = up.Close()
 		return false
@@ -305,14 +305,14 @@ func (k *link) connected(ep *endpoint, up *net.TCPConn) bool {
 // pumpRequests reads the client for as long as the link lives and hands
 // the bytes to the upstream: directly when nothing is queued and the
 // kernel takes them at once, through the queue otherwise.
-func (k *link) pumpRequests() {
-	high := int64(k.set.WriteBuffer.HighWaterMark)
-	backpressure := high > 0 && k.set.WriteBuffer.OnOverflow == policy.OverflowBackpressure
+func (lk *link) pumpRequests() {
+	high := int64(lk.settings.WriteBuffer.HighWaterMark)
+	backpressure := high > 0 && lk.settings.WriteBuffer.OnOverflow == policy.OverflowBackpressure
 	first := true
 	for {
 		limit := chunkSize
 		if backpressure {
-			room, ok := k.q.waitForRoom(high, int64(k.set.WriteBuffer.LowWaterMark))
+			room, ok := lk.q.waitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark))
 			if !ok {
 				return
 			}
@@ -320,20 +320,20 @@ func (k *link) pumpRequests() {
 				limit = int(room)
 			}
 		}
-		bp, n, err := k.fromClient.read(limit)
+		bp, n, err := lk.fromClient.read(limit)
 		if n > 0 {
 			buf := (*bp)[:n]
-			end := k.bytesUp.Add(int64(n))
-			if k.trk != nil {
+			end := lk.bytesUp.Add(int64(n))
+			if lk.trk != nil {
 				// Recorded before the bytes go out, so that no answer can
 				// arrive before its request is known. Timed from now, not
 				// from the accept: the upstream could not answer before
 				// the connection to it existed, so a slow dial is no
 				// evidence against it.
-				k.recordRequests(buf, mono(), end, first)
+				lk.recordRequests(buf, mono(), end, first)
 			}
 			first = false
-			sent := k.send(buf, high) // copies what it queues
+			sent := lk.send(buf, high) // copies what it queues
 			putChunk(bp)
 			if !sent {
 				return
@@ -341,22 +341,22 @@ func (k *link) pumpRequests() {
 			continue
 		}
 		if errors.Is(err, io.EOF) {
-			if k.reqScan != nil && !k.conv.off.Load() && k.reqScan.midFrame() {
-				k.badFrame("request", errTruncated)
+			if lk.reqScan != nil && !lk.conv.off.Load() && lk.reqScan.midFrame() {
+				lk.badFrame("request", errTruncated)
 				return
 			}
-			k.sawFin(metrics.ReasonClientClosed)
-			if k.q.endOfInput() {
+			lk.sawFin(metrics.ReasonClientClosed)
+			if lk.q.endOfInput() {
 				return // the writer passes the FIN on after the queued bytes
 			}
 			// No writer means nothing was ever queued: pass it on now.
-			if cerr := k.upstream.CloseWrite(); cerr != nil {
-				k.fail(cerr)
+			if cerr := lk.upstream.CloseWrite(); cerr != nil {
+				lk.fail(cerr)
 				return
 			}
-			k.passedFin()
+			lk.passedFin()
 		} else {
-			k.abort(metrics.ReasonClientError, err)
+			lk.abort(metrics.ReasonClientError, err)
 		}
 		return
 	}
@@ -367,38 +367,38 @@ func (k *link) pumpRequests() {
 // requests in them. The first read of a link is checked for a TLS
 // handshake record, which any length framing would misread as a length of
 // hundreds of megabytes (the check is the same whatever the protocol).
-func (k *link) recordRequests(p []byte, at, end int64, first bool) {
-	c := k.conv
+func (lk *link) recordRequests(p []byte, at, end int64, first bool) {
+	c := lk.conv
 	if c == nil {
 		// Opaque: a request is a burst of bytes, due within request_timeout.
-		k.trk.sent(pendingRequest{at: at, due: at + int64(k.set.Unanswered.RequestTimeout), end: end, n: 1,
-			thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold)})
+		lk.trk.sent(pendingRequest{at: at, due: at + int64(lk.settings.Unanswered.RequestTimeout), end: end, n: 1,
+			thr: int32(lk.settings.Unanswered.ConsecutiveTimeoutsThreshold)})
 		return
 	}
-	if k.reqScan == nil || c.off.Load() {
-		k.reqScan = nil // no longer tracked: nothing more is recorded
+	if lk.reqScan == nil || c.off.Load() {
+		lk.reqScan = nil // no longer tracked: nothing more is recorded
 		return
 	}
 	if first && kafkawire.LooksLikeTLS(p) {
 		c.untrack(metrics.UntrackedTLS, nil)
-		k.reqScan = nil
+		lk.reqScan = nil
 		return
 	}
 	c.sendAt = at
-	_, ends, err := k.reqScan.scan(p)
+	_, ends, err := lk.reqScan.scan(p)
 	if err != nil {
 		c.untrack(metrics.UntrackedLimit, err)
-		k.reqScan = nil
+		lk.reqScan = nil
 		return
 	}
-	if ends > 0 && k.reqScan.rd == nil {
+	if ends > 0 && lk.reqScan.rd == nil {
 		c.frames(ends, end)
 	}
 }
 
 // send hands p to the upstream. It reports false when the link has ended.
-func (k *link) send(p []byte, high int64) bool {
-	empty, open := k.q.idle()
+func (lk *link) send(p []byte, high int64) bool {
+	empty, open := lk.q.idle()
 	if !open {
 		return false
 	}
@@ -406,9 +406,9 @@ func (k *link) send(p []byte, high int64) bool {
 		// Nothing queued and nothing being written: try the kernel directly
 		// and queue only what it does not take. This keeps the common case
 		// free of a goroutine hand-off.
-		n, err := k.tryWrite(p)
+		n, err := lk.tryWrite(p)
 		if err != nil {
-			k.fail(err)
+			lk.fail(err)
 			return false
 		}
 		if n == len(p) {
@@ -416,7 +416,7 @@ func (k *link) send(p []byte, high int64) bool {
 		}
 		p = p[n:]
 	}
-	switch k.q.push(p, high) {
+	switch lk.q.push(p, high) {
 	case pushClosed:
 		return false
 	case pushOverflow:
@@ -425,39 +425,39 @@ func (k *link) send(p []byte, high int64) bool {
 		// memory bound otherwise. The upstream is blamed only with evidence
 		// that it stopped: nothing acknowledged for write_timeout. A client
 		// that writes faster than a live server reads is not a dead server.
-		k.l.m.WatermarkRejections.Inc()
-		k.overflowStalled.Store(k.stalled(k.set.WriteTimeout.D()))
-		k.abort(metrics.ReasonWatermark, nil)
+		lk.l.m.WatermarkRejections.Inc()
+		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()))
+		lk.abort(metrics.ReasonWatermark, nil)
 		return false
 	case pushedStartWriter:
-		k.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
-		go k.writeUpstreamOwned()
+		lk.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
+		go lk.writeUpstreamOwned()
 	}
 	return true
 }
 
-func (k *link) writeUpstreamOwned() {
-	defer k.exit()
-	k.writeUpstream()
+func (lk *link) writeUpstreamOwned() {
+	defer lk.exit()
+	lk.writeUpstream()
 }
 
-func (k *link) pumpResponsesOwned() {
-	defer k.exit()
-	k.pumpResponses()
+func (lk *link) pumpResponsesOwned() {
+	defer lk.exit()
+	lk.pumpResponses()
 }
 
-func (k *link) pumpRequestsOwned() {
-	defer k.exit()
-	k.pumpRequests()
+func (lk *link) pumpRequestsOwned() {
+	defer lk.exit()
+	lk.pumpRequests()
 }
 
 // tryWrite writes p to the upstream without waiting: it returns what the
 // kernel accepted at once (possibly 0).
-func (k *link) tryWrite(p []byte) (int, error) {
-	k.rawP = p
-	werr := k.upRaw.Write(k.rawWriteFn)
-	n, err := k.rawN, k.rawErr
-	k.rawP, k.rawErr = nil, nil
+func (lk *link) tryWrite(p []byte) (int, error) {
+	lk.rawP = p
+	werr := lk.upRaw.Write(lk.rawWriteFn)
+	n, err := lk.rawN, lk.rawErr
+	lk.rawP, lk.rawErr = nil, nil
 	if werr != nil {
 		return 0, werr
 	}
@@ -471,47 +471,47 @@ func (k *link) tryWrite(p []byte) (int, error) {
 }
 
 // writeUpstream drains the queue into the upstream with a write deadline.
-func (k *link) writeUpstream() {
-	wt := k.set.WriteTimeout.D()
-	low := int64(k.set.WriteBuffer.LowWaterMark)
+func (lk *link) writeUpstream() {
+	wt := lk.settings.WriteTimeout.D()
+	low := int64(lk.settings.WriteBuffer.LowWaterMark)
 	for {
-		step, queued := k.q.next()
+		step, queued := lk.q.next()
 		switch step {
 		case stopWriting:
 			return
 		case passFin:
-			if err := k.upstream.CloseWrite(); err != nil {
-				k.fail(err)
+			if err := lk.upstream.CloseWrite(); err != nil {
+				lk.fail(err)
 				return
 			}
-			k.passedFin()
+			lk.passedFin()
 			return
 		}
 		// The pump adds to bytesUp before it pushes: the oldest queued byte
 		// is at this stream offset or later.
-		head := k.bytesUp.Load() - queued
-		if k.conv != nil {
+		head := lk.bytesUp.Load() - queued
+		if lk.conv != nil {
 			// A request past its deadline is never written, even in the
 			// moment before the tracker's timer judges it.
-			if overdue := k.trk.overdueEnd(mono()); overdue > head {
-				k.dropStale(1)
+			if overdue := lk.trk.overdueEnd(mono()); overdue > head {
+				lk.dropStale(1)
 				return
 			}
 		}
 		var handed int
-		k.batch, handed = k.q.batch(k.batch[:0])
+		lk.batch, handed = lk.q.batch(lk.batch[:0])
 		if wt > 0 {
-			k.progressed()
-			_ = k.upstream.SetWriteDeadline(time.Now().Add(wt))
+			lk.progressed()
+			_ = lk.upstream.SetWriteDeadline(time.Now().Add(wt))
 		}
-		k.toWrite = k.batch
-		n, err := k.toWrite.WriteTo(k.upstream)
-		k.toWrite = nil
+		lk.toWrite = lk.batch
+		n, err := lk.toWrite.WriteTo(lk.upstream)
+		lk.toWrite = nil
 
-		k.q.consume(int(n), handed, low)
+		lk.q.consume(int(n), handed, low)
 		if err != nil {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
-				if p, known := k.progressed(); p || !known && n > 0 || k.conv != nil && k.conv.holding(mono()) {
+				if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(mono()) {
 					// The upstream acknowledged bytes within write_timeout:
 					// a slow reader, not a stall (the kernel wakes a writer
 					// only once a good part of its send buffer is free, so
@@ -522,11 +522,11 @@ func (k *link) writeUpstream() {
 					// meanwhile: not a stall either.
 					continue
 				}
-				if k.abort(metrics.ReasonWriteTimeout, err) {
-					k.l.m.WriteTimeouts.Inc()
+				if lk.abort(metrics.ReasonWriteTimeout, err) {
+					lk.l.m.WriteTimeouts.Inc()
 				}
 			} else {
-				k.fail(err)
+				lk.fail(err)
 			}
 			return
 		}
@@ -534,57 +534,57 @@ func (k *link) writeUpstream() {
 }
 
 // pumpResponses copies the upstream to the client.
-func (k *link) pumpResponses() {
+func (lk *link) pumpResponses() {
 	for {
-		bp, n, err := k.fromUpstream.read(chunkSize)
+		bp, n, err := lk.fromUpstream.read(chunkSize)
 		if n > 0 {
 			buf := (*bp)[:n]
-			k.bytesDown.Add(int64(n))
-			if k.trk != nil {
+			lk.bytesDown.Add(int64(n))
+			if lk.trk != nil {
 				// Any byte from the upstream is an answer: the server is
 				// alive (see tracker).
-				k.ep.answered(mono())
-				if k.respScan != nil {
-					if k.conv.off.Load() {
-						k.respScan = nil
-					} else if _, _, ferr := k.respScan.scan(buf); ferr != nil {
-						k.conv.untrack(metrics.UntrackedLimit, ferr)
-						k.respScan = nil
+				lk.ep.answered(mono())
+				if lk.respScan != nil {
+					if lk.conv.off.Load() {
+						lk.respScan = nil
+					} else if _, _, ferr := lk.respScan.scan(buf); ferr != nil {
+						lk.conv.untrack(metrics.UntrackedLimit, ferr)
+						lk.respScan = nil
 					}
 				}
 			}
-			_, werr := k.client.Write(buf)
+			_, werr := lk.client.Write(buf)
 			putChunk(bp)
 			if werr != nil {
-				k.abort(metrics.ReasonClientError, werr)
+				lk.abort(metrics.ReasonClientError, werr)
 				return
 			}
 			continue
 		}
 		if errors.Is(err, io.EOF) {
-			if k.respScan != nil && !k.conv.off.Load() && k.respScan.midFrame() {
-				k.badFrame("response", errTruncated)
+			if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.midFrame() {
+				lk.badFrame("response", errTruncated)
 				return
 			}
-			k.sawFin(metrics.ReasonUpstreamClosed)
-			if cerr := k.client.CloseWrite(); cerr != nil {
-				k.abort(metrics.ReasonClientError, cerr)
+			lk.sawFin(metrics.ReasonUpstreamClosed)
+			if cerr := lk.client.CloseWrite(); cerr != nil {
+				lk.abort(metrics.ReasonClientError, cerr)
 				return
 			}
-			k.passedFin()
+			lk.passedFin()
 			return
 		}
-		k.fail(err)
+		lk.fail(err)
 		return
 	}
 }
 
 // badFrame ends the link on a frame the proxy cannot follow. It is not a
 // server failure: the detector hears nothing of it.
-func (k *link) badFrame(direction string, err error) {
-	if k.abort(metrics.ReasonBadFrame, err) {
-		k.l.log.Warn().Err(err).Str("direction", direction).Str("endpoint", k.ep.addr).
-			Str("client", k.client.RemoteAddr().String()).Msg("bad frame: link closed")
+func (lk *link) badFrame(direction string, err error) {
+	if lk.abort(metrics.ReasonBadFrame, err) {
+		lk.l.log.Warn().Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
+			Str("client", lk.client.RemoteAddr().String()).Msg("bad frame: link closed")
 	}
 }
 
@@ -594,9 +594,9 @@ func (k *link) badFrame(direction string, err error) {
 // acknowledged yet (still in the queue or the kernel's send queue) is
 // stale: the link is reset so that those bytes are dropped rather than
 // delivered to a server that recovers later.
-func (k *link) judge(judged []pendingRequest, left int) {
-	k.l.p.countUnanswered(k.ep, k.l, k.trk.unanswered(judged), int(judged[0].thr))
-	if k.conv == nil {
+func (lk *link) judge(judged []pendingRequest, left int) {
+	lk.l.p.countUnanswered(lk.ep, lk.l, lk.trk.unanswered(judged), int(judged[0].thr))
+	if lk.conv == nil {
 		return
 	}
 	var last int64
@@ -605,14 +605,14 @@ func (k *link) judge(judged []pendingRequest, left int) {
 		last = max(last, r.end)
 		n += int(r.n)
 	}
-	if acked, ok := k.ackedBytes(); ok && last > acked {
-		k.dropStale(n)
+	if acked, ok := lk.ackedBytes(); ok && last > acked {
+		lk.dropStale(n)
 	}
 }
 
-func (k *link) dropStale(frames int) {
-	if k.abort(metrics.ReasonStale, nil) {
-		k.l.m.StaleFramesDropped.Add(float64(frames))
+func (lk *link) dropStale(frames int) {
+	if lk.abort(metrics.ReasonStale, nil) {
+		lk.l.m.StaleFramesDropped.Add(float64(frames))
 	}
 }
 
@@ -621,18 +621,18 @@ func (k *link) dropStale(frames int) {
 // when the kernel does not say). The writer samples before each write and
 // when a write's deadline passes; the request pump when the queue would
 // overflow.
-func (k *link) progressed() (moved, known bool) {
-	acked, ok := k.ackedBytes()
+func (lk *link) progressed() (moved, known bool) {
+	acked, ok := lk.ackedBytes()
 	if !ok {
 		return false, false
 	}
 	for {
-		prev := k.acked.Load()
+		prev := lk.acked.Load()
 		if acked <= prev {
 			return false, true
 		}
-		if k.acked.CompareAndSwap(prev, acked) {
-			k.ackedAt.Store(mono())
+		if lk.acked.CompareAndSwap(prev, acked) {
+			lk.ackedAt.Store(mono())
 			return true, true
 		}
 	}
@@ -641,23 +641,23 @@ func (k *link) progressed() (moved, known bool) {
 // stalled reports whether the upstream has acknowledged nothing of this
 // link's stream for at least d, as far as the samples tell: the evidence a
 // watermark overflow needs before it is held against the upstream.
-func (k *link) stalled(d time.Duration) bool {
+func (lk *link) stalled(d time.Duration) bool {
 	if d <= 0 {
 		return false
 	}
-	moved, known := k.progressed()
+	moved, known := lk.progressed()
 	now := mono()
-	if k.conv != nil && k.conv.holding(now) {
+	if lk.conv != nil && lk.conv.holding(now) {
 		return false // a Kafka broker holding a request reads nothing meanwhile
 	}
-	return known && !moved && now-k.ackedAt.Load() >= int64(d)
+	return known && !moved && now-lk.ackedAt.Load() >= int64(d)
 }
 
 // ackedBytes is how many bytes of the stream the upstream has acknowledged.
-func (k *link) ackedBytes() (int64, bool) {
-	k.connMu.Lock()
-	raw := k.upRaw
-	k.connMu.Unlock()
+func (lk *link) ackedBytes() (int64, bool) {
+	lk.connMu.Lock()
+	raw := lk.upRaw
+	lk.connMu.Unlock()
 	if raw == nil {
 		return 0, false
 	}
@@ -666,30 +666,30 @@ func (k *link) ackedBytes() (int64, bool) {
 
 // sawFin records which side sent FIN first, when it is read: passing it
 // on lets the other side answer with its own FIN, which must not win.
-func (k *link) sawFin(reason string) {
-	k.finMu.Lock()
-	defer k.finMu.Unlock()
-	if k.firstFin == "" {
-		k.firstFin = reason
+func (lk *link) sawFin(reason string) {
+	lk.finMu.Lock()
+	defer lk.finMu.Unlock()
+	if lk.firstFin == "" {
+		lk.firstFin = reason
 	}
 }
 
 // passedFin records that one direction finished cleanly. The first FIN
 // arms half_close_timeout on the other direction.
-func (k *link) passedFin() {
-	k.finMu.Lock()
-	defer k.finMu.Unlock()
-	k.fins++
-	if k.fins == 1 {
-		if hc := k.set.HalfCloseTimeout.D(); hc > 0 {
-			k.halfTimer = time.AfterFunc(hc, func() {
-				k.abort(metrics.ReasonHalfCloseTimeout, nil)
+func (lk *link) passedFin() {
+	lk.finMu.Lock()
+	defer lk.finMu.Unlock()
+	lk.fins++
+	if lk.fins == 1 {
+		if hc := lk.settings.HalfCloseTimeout.D(); hc > 0 {
+			lk.halfTimer = time.AfterFunc(hc, func() {
+				lk.abort(metrics.ReasonHalfCloseTimeout, nil)
 			})
 		}
 		return
 	}
 	// Both directions done: the pumps are ending on their own.
-	k.setReason(k.firstFin, nil)
+	lk.setReason(lk.firstFin, nil)
 }
 
 // abort ends the link with reason, resetting both sides at once. It
@@ -701,62 +701,62 @@ func (k *link) passedFin() {
 // (the upstream reset it, or timed out), or where the proxy cut it: a FIN
 // would tell the client that a cut-short response was complete. A clean
 // end (a FIN read on one side) is passed on as a FIN, not through here.
-func (k *link) abort(reason string, err error) bool {
-	first := k.setReason(reason, err)
-	k.connMu.Lock()
-	if k.upstream != nil && !k.closed {
-		_ = k.upstream.SetLinger(0)
+func (lk *link) abort(reason string, err error) bool {
+	first := lk.setReason(reason, err)
+	lk.connMu.Lock()
+	if lk.upstream != nil && !lk.closed {
+		_ = lk.upstream.SetLinger(0)
 	}
-	if !k.closed {
-		_ = k.client.SetLinger(0)
+	if !lk.closed {
+		_ = lk.client.SetLinger(0)
 	}
-	k.connMu.Unlock()
-	k.closeBoth()
+	lk.connMu.Unlock()
+	lk.closeBoth()
 	return first
 }
 
-func (k *link) setReason(reason string, err error) bool {
-	if !k.reason.CompareAndSwap(nil, &reason) {
+func (lk *link) setReason(reason string, err error) bool {
+	if !lk.reason.CompareAndSwap(nil, &reason) {
 		return false
 	}
 	if err != nil {
-		k.endErr.Store(&err)
+		lk.endErr.Store(&err)
 	}
 	return true
 }
 
 // closeBoth closes both connections and wakes every goroutine of the link.
-func (k *link) closeBoth() {
-	k.closeOnce.Do(func() {
-		k.q.close()
-		_ = k.client.Close()
-		k.connMu.Lock()
-		k.closed = true
-		up := k.upstream
-		k.connMu.Unlock()
+func (lk *link) closeBoth() {
+	lk.closeOnce.Do(func() {
+		lk.q.close()
+		_ = lk.client.Close()
+		lk.connMu.Lock()
+		lk.closed = true
+		up := lk.upstream
+		lk.connMu.Unlock()
 		if up != nil {
 			_ = up.Close()
 		}
 	})
 }
 
-func (k *link) stats() LinkStats {
+func (lk *link) stats() LinkStats {
 	s := LinkStats{
-		Listener:  k.l.cfg.Name,
-		Client:    k.client.RemoteAddr().String(),
-		BytesUp:   k.bytesUp.Load(),
-		BytesDown: k.bytesDown.Load(),
-		Opened:    k.opened,
-		Duration:  time.Since(k.opened),
+		Listener:  lk.l.cfg.Name,
+		Client:    lk.client.RemoteAddr().String(),
+		BytesUp:   lk.bytesUp.Load(),
+		BytesDown: lk.bytesDown.Load(),
+		Opened:    lk.opened,
+		Duration:  time.Since(lk.opened),
 	}
-	s.MaxQueued = k.q.peak()
-	if k.ep != nil {
-		s.Upstream = k.ep.dial
+	s.MaxQueued = lk.q.peak()
+	if lk.ep != nil {
+		s.Upstream = lk.ep.dial
 	}
-	if r := k.reason.Load(); r != nil {
+	if r := lk.reason.Load(); r != nil {
 		s.Reason = CloseReason(*r)
 	}
-	if e := k.endErr.Load(); e != nil {
+	if e := lk.endErr.Load(); e != nil {
 		s.Err = *e
 	}
 	return s
@@ -764,16 +764,16 @@ func (k *link) stats() LinkStats {
 
 // clientEnded reports whether the client ended the link (a FIN it sent
 // first, or an error on its socket).
-func (k *link) clientEnded() bool {
-	r := k.reason.Load()
+func (lk *link) clientEnded() bool {
+	r := lk.reason.Load()
 	return r != nil && (*r == metrics.ReasonClientClosed || *r == metrics.ReasonClientError)
 }
 
 // fail ends the link on an error of its upstream socket, with the reason
 // closeReasonFor gives it; a local error is logged as the proxy's own.
-func (k *link) fail(err error) {
+func (lk *link) fail(err error) {
 	reason := closeReasonFor(err)
-	if k.abort(reason, err) && reason == metrics.ReasonLocalError {
-		k.l.localError(k.ep, err)
+	if lk.abort(reason, err) && reason == metrics.ReasonLocalError {
+		lk.l.localError(lk.ep, err)
 	}
 }

@@ -18,14 +18,14 @@ import (
 // listener accepts client connections and owns the links they become.
 type listener struct {
 	p   *Proxy
-	cfg policy.Listener // name, listen and upstream; settings live in tune
+	cfg policy.Listener // name, listen and upstream; settings live in current
 	ctx context.Context
 	m   *metrics.Listener
 	log zerolog.Logger
-	// tune holds the settings new links take; a reload swaps it, links
+	// current holds the settings new links take; a reload swaps it, links
 	// keep the settings they started with.
-	tune atomic.Pointer[tuning]
-	addr string // bound address, kept to bind again after a pause
+	current atomic.Pointer[linkSpec]
+	addr    string // bound address, kept to bind again after a pause
 	// matches is the transparent match list; nil for an explicit or pool
 	// listener (which has pool instead).
 	matches []matcher
@@ -57,11 +57,11 @@ type listener struct {
 	changed  chan struct{} // signalled when paused or stopping changes
 }
 
-// tuning is what a new link takes from its listener's configuration; a
+// linkSpec is what a new link takes from its listener's configuration; a
 // reload swaps it, so every key it holds takes effect for the next link.
-type tuning struct {
+type linkSpec struct {
 	cfg           policy.Listener // the configuration it was made from
-	set           policy.Settings
+	settings      policy.Settings
 	frames        *frameSpec // nil: opaque
 	dialer        *net.Dialer
 	balance       string        // pool.balance
@@ -71,14 +71,14 @@ type tuning struct {
 	forgetAfter   time.Duration // transparent.forget_excluded_after
 }
 
-func newTuning(lc policy.Listener) *tuning {
+func newLinkSpec(lc policy.Listener) *linkSpec {
 	s := lc.Settings
 	// Zero values (a Config built in code) mean the defaults, as in Validate.
 	balance := cmp.Or(lc.Pool.Balance, policy.DefaultPool().Balance)
 	dt := policy.DefaultTransparent()
-	return &tuning{
+	return &linkSpec{
 		cfg:           lc,
-		set:           s,
+		settings:      s,
 		balance:       balance,
 		failOpen:      lc.IsPool() && lc.Pool.FailOpen,
 		groupFailOpen: lc.IsTransparent() && lc.Transparent.GroupFailOpen,
@@ -93,7 +93,8 @@ func newTuning(lc policy.Listener) *tuning {
 	}
 }
 
-func (l *listener) tuning() *tuning { return l.tune.Load() }
+// spec is what the next link of l takes.
+func (l *listener) spec() *linkSpec { return l.current.Load() }
 
 func listenerKind(cfg policy.Listener) string {
 	if cfg.IsTransparent() {
@@ -113,7 +114,7 @@ func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 		changed: make(chan struct{}, 1),
 		stopped: make(chan struct{}),
 	}
-	l.tune.Store(newTuning(cfg))
+	l.current.Store(newLinkSpec(cfg))
 	if cfg.IsTransparent() {
 		l.matches = newMatchers(cfg.Transparent)
 		p.transparent.Store(true)
@@ -265,27 +266,27 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			l.m.Closed(metrics.ReasonRefused)
 			continue
 		}
-		k := newLink(l, ep, tc)
-		if !l.track(k) {
+		lk := newLink(l, ep, tc)
+		if !l.track(lk) {
 			_ = c.Close()
 			continue
 		}
-		go l.serveLink(k)
+		go l.serveLink(lk)
 	}
 }
 
 // track registers a new link; it refuses once the listener is stopping.
-func (l *listener) track(k *link) bool {
+func (l *listener) track(lk *link) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.stopping {
 		return false
 	}
-	l.links[k] = struct{}{}
+	l.links[lk] = struct{}{}
 	l.linkWG.Add(1)
 	l.m.LinksActive.Inc()
-	if k.ep != nil {
-		k.ep.add(k)
+	if lk.ep != nil {
+		lk.ep.add(lk)
 	}
 	return true
 }
@@ -295,30 +296,30 @@ func resetConn(c *net.TCPConn) {
 	_ = c.Close()
 }
 
-func (l *listener) serveLink(k *link) {
-	if k.ep != nil && l.refusing(k.ep) {
+func (l *listener) serveLink(lk *link) {
+	if lk.ep != nil && l.refusing(lk.ep) {
 		// The destination left routing between accept and registration;
 		// the eviction may have missed this link, so refuse it here.
-		_ = k.client.SetLinger(0)
-		k.setReason(metrics.ReasonRefused, nil)
-		k.closeBoth()
-		l.linkEnded(k, k.stats())
+		_ = lk.client.SetLinger(0)
+		lk.setReason(metrics.ReasonRefused, nil)
+		lk.closeBoth()
+		l.linkEnded(lk, lk.stats())
 		return
 	}
-	if !k.start() {
-		l.linkEnded(k, k.stats())
+	if !lk.start() {
+		l.linkEnded(lk, lk.stats())
 	}
 }
 
 // linkEnded accounts for a link that has ended with stats s.
-func (l *listener) linkEnded(k *link, s LinkStats) {
+func (l *listener) linkEnded(lk *link, s LinkStats) {
 	defer l.linkWG.Done()
 
-	if k.ep != nil {
-		k.ep.remove(k)
+	if lk.ep != nil {
+		lk.ep.remove(lk)
 	}
 	l.mu.Lock()
-	delete(l.links, k)
+	delete(l.links, lk)
 	l.closedUp += s.BytesUp
 	l.closedDn += s.BytesDown
 	l.mu.Unlock()
@@ -326,8 +327,8 @@ func (l *listener) linkEnded(k *link, s LinkStats) {
 	reason := string(s.Reason)
 	l.m.Closed(reason)
 	l.m.LinkDuration.Observe(s.Duration.Seconds())
-	if k.blamesUpstream(reason) {
-		l.p.report(k.ep, reason)
+	if lk.blamesUpstream(reason) {
+		l.p.report(lk.ep, reason)
 	}
 
 	// The access log (log.access) is one info line per link; without it
@@ -364,7 +365,7 @@ func (l *listener) stopAccepting() {
 }
 
 func (l *listener) abortAll(reason string) {
-	for _, k := range l.snapshotLinks() {
-		k.abort(reason, nil)
+	for _, lk := range l.snapshotLinks() {
+		lk.abort(reason, nil)
 	}
 }

@@ -197,7 +197,7 @@ func (pl *pool) refreshLoop(r *net.Resolver) {
 // after leaving starts afresh.
 func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 	l := pl.l
-	set := l.tuning().set
+	settings := l.spec().settings
 	p.mu.Lock()
 	l.mu.Lock()
 	stopping := l.stopping
@@ -208,7 +208,7 @@ func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 	}
 	var members, created []*endpoint
 	for addr, name := range addrs {
-		ep, isNew := p.endpointForLocked(addr, set)
+		ep, isNew := p.endpointForLocked(addr, settings)
 		if name != "" {
 			ep.name = name
 		}
@@ -281,14 +281,14 @@ func (pl *pool) candidatesLocked(det *health.Detector) []policy.Candidate {
 // failOpen reports whether excluded members may take links when no member
 // is routable: pool.fail_open, or on_excluded: allow.
 func (l *listener) failOpen() bool {
-	t := l.tuning()
-	return t.failOpen || t.set.OnExcluded == policy.OnExcludedAllow
+	t := l.spec()
+	return t.failOpen || t.settings.OnExcluded == policy.OnExcludedAllow
 }
 
 // pick chooses the endpoint for a connect attempt, never avoid while
 // another eligible member exists (a retry moves on). nil: refuse.
 func (pl *pool) pick(avoid string) (*endpoint, bool) {
-	t := pl.l.tuning()
+	t := pl.l.spec()
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
 	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
@@ -354,7 +354,7 @@ func (p *Proxy) Pools() []PoolStatus {
 		if l.pool == nil {
 			continue
 		}
-		t := l.tuning()
+		t := l.spec()
 		_, failingOpen := l.pool.routing()
 		st := PoolStatus{Listener: l.cfg.Name, Balance: t.balance, FailOpen: t.failOpen, FailingOpen: failingOpen, Endpoints: []string{}}
 		l.pool.mu.Lock()

@@ -41,7 +41,7 @@ type outstanding struct {
 // learned that the response pump needs, and whether the link is still
 // tracked. The pumps each own their scanner; conv is what they share.
 type conv struct {
-	k   *link
+	lk  *link
 	thr int32
 	rt  int64 // request_timeout in nanoseconds
 
@@ -72,10 +72,10 @@ func (c *conv) untrack(reason string, err error) {
 	c.off.Store(true)
 	c.queue, c.head = nil, 0
 	c.mu.Unlock()
-	c.k.trk.clear()
-	c.k.l.p.untracked(c.k, reason, err)
+	c.lk.trk.clear()
+	c.lk.l.p.untracked(c.lk, reason, err)
 	if reason == metrics.UntrackedTLS {
-		c.k.l.p.sawTLS(c.k.ep)
+		c.lk.l.p.sawTLS(c.lk.ep)
 	}
 }
 
@@ -94,7 +94,7 @@ func (c *conv) untrackFor(err error) {
 // track records one request that expects an answer by due; c.mu is held.
 func (c *conv) trackLocked(due, end int64, n int32) {
 	if due != never {
-		c.k.trk.sent(pendingRequest{at: c.sendAt, due: due, end: end, n: n, thr: c.thr})
+		c.lk.trk.sent(pendingRequest{at: c.sendAt, due: due, end: end, n: n, thr: c.thr})
 	}
 }
 
@@ -280,16 +280,16 @@ func (r *kafkaResponses) end(int64) {}
 
 // newConv sets up request tracking for a framed link (its scanners are
 // set): under a profile, with the protocol's readers.
-func newConv(k *link) *conv {
-	c := &conv{k: k, thr: int32(k.set.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(k.set.Unanswered.RequestTimeout.D()),
-		kafka: k.set.Framing.Type == policy.FramingKafka, profile: policy.IsProfile(k.set.Framing.Type)}
-	switch k.set.Framing.Type {
+func newConv(lk *link) *conv {
+	c := &conv{lk: lk, thr: int32(lk.settings.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(lk.settings.Unanswered.RequestTimeout.D()),
+		kafka: lk.settings.Framing.Type == policy.FramingKafka, profile: policy.IsProfile(lk.settings.Framing.Type)}
+	switch lk.settings.Framing.Type {
 	case policy.FramingKafka:
-		k.reqScan.rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,
+		lk.reqScan.rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,
 			parse: kafkawire.ParseRequest, record: (*conv).kafkaRequest}
-		k.respScan.rd = &kafkaResponses{c: c}
+		lk.respScan.rd = &kafkaResponses{c: c}
 	case policy.FramingPinot:
-		k.reqScan.rd = &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
+		lk.reqScan.rd = &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
 			parse: pinotwire.ParseRequest, record: (*conv).pinotRequest}
 	}
 	return c
@@ -297,17 +297,17 @@ func newConv(k *link) *conv {
 
 // untracked counts a link that stopped being tracked and says so in the
 // log: once per listener and reason at info, every link at debug.
-func (p *Proxy) untracked(k *link, reason string, err error) {
-	l := k.l
+func (p *Proxy) untracked(lk *link, reason string, err error) {
+	l := lk.l
 	if c := l.m.Untracked(reason); c != nil {
 		c.Inc()
 	}
 	if _, seen := l.untrackedSeen.LoadOrStore(reason, true); !seen {
-		l.log.Info().Str("reason", reason).AnErr("cause", err).Str("endpoint", k.ep.addr).
-			Str("client", k.client.RemoteAddr().String()).
+		l.log.Info().Str("reason", reason).AnErr("cause", err).Str("endpoint", lk.ep.addr).
+			Str("client", lk.client.RemoteAddr().String()).
 			Msg("link no longer tracked, still proxied (logged once per reason; untracked_links_total counts them)")
 		return
 	}
-	l.log.Debug().Str("reason", reason).AnErr("cause", err).Str("endpoint", k.ep.addr).
-		Str("client", k.client.RemoteAddr().String()).Msg("link no longer tracked, still proxied")
+	l.log.Debug().Str("reason", reason).AnErr("cause", err).Str("endpoint", lk.ep.addr).
+		Str("client", lk.client.RemoteAddr().String()).Msg("link no longer tracked, still proxied")
 }

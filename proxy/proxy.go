@@ -68,7 +68,7 @@ type Proxy struct {
 	drain    atomic.Int64 // drain_timeout of the running config, nanoseconds
 
 	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
-	exset       *intercept.ExcludedSet // nil: excluded destinations are reset after accept
+	excludedSet *intercept.ExcludedSet // nil: excluded destinations are reset after accept
 	ownUp       sync.Map               // local addresses of upstream sockets, for the loop guard
 
 	reloadMu sync.Mutex     // one Reload at a time; Shutdown holds it to the end
@@ -102,11 +102,11 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, accessLog: opts.AccessLog, ctx: ctx, cancel: cancel,
 		endpoints: make(map[string]*endpoint)}
 	if cfg.Interception.ExcludedSet {
-		set, err := intercept.OpenSet()
+		excluded, err := intercept.OpenSet()
 		if err != nil {
 			log.Warn().Err(err).Msg("interception.excluded_set: cannot open the nftables sets; excluded destinations are reset after accept instead")
 		} else {
-			p.exset = set
+			p.excludedSet = excluded
 		}
 	}
 	// Probes dial with each endpoint's own socket options (probeConfig).
@@ -271,9 +271,9 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		p.cancel()
 		p.bg.Wait() // drains of removed listeners end on cancel
 		p.det.Close()
-		if p.exset != nil {
+		if p.excludedSet != nil {
 			p.clearExcludedSet()
-			_ = p.exset.Close()
+			_ = p.excludedSet.Close()
 		}
 		p.mu.Lock()
 		for _, ep := range p.endpoints {

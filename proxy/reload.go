@@ -80,11 +80,11 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		l, ok := old[lc.Name]
 		if ok && sameTarget(l.cfg, lc) {
 			delete(old, lc.Name)
-			if prev := l.tuning().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
+			if prev := l.spec().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
 				!reflect.DeepEqual(prev.Transparent, lc.Transparent) {
 				ch.ListenersRetuned = append(ch.ListenersRetuned, lc.Name)
 			}
-			l.tune.Store(newTuning(lc))
+			l.current.Store(newLinkSpec(lc))
 			if l.pool != nil {
 				l.pool.setSpecs(lc) // members follow below
 				pools = append(pools, l)
@@ -260,8 +260,8 @@ func (l *listener) snapshotLinks() []*link {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	ks := make([]*link, 0, len(l.links))
-	for k := range l.links {
-		ks = append(ks, k)
+	for lk := range l.links {
+		ks = append(ks, lk)
 	}
 	return ks
 }

@@ -55,7 +55,7 @@ func TestReloadAddsRetunesAndRemovesListeners(t *testing.T) {
 		t.Fatal(err)
 	}
 	roundTrip(t, ca, []byte("a link survives the reload"))
-	if got := p.listeners[0].tuning().set.WriteTimeout.D(); got != 3*time.Second {
+	if got := p.listeners[0].spec().settings.WriteTimeout.D(); got != 3*time.Second {
 		t.Fatalf("a's write_timeout for new links = %v, want 3s", got)
 	}
 	bAddr := p.Addr("b")
@@ -355,7 +355,7 @@ func TestExcludedDestinationsAreForgotten(t *testing.T) {
 
 // Every settings key, and the pool's and transparent listener's flags,
 // take effect for new links after a reload, and deleting them reverts to
-// the defaults: a reload swaps the whole tuning new links take.
+// the defaults: a reload swaps the whole spec new links take.
 func TestReloadAppliesEveryKey(t *testing.T) {
 	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
 	_ = peers
@@ -404,11 +404,11 @@ func TestReloadAppliesEveryKey(t *testing.T) {
 		t.Helper()
 		for i, l := range p.listeners {
 			lc := cfg.Listeners[i]
-			tu := l.tuning()
-			if !reflect.DeepEqual(tu.set, lc.Settings) {
-				t.Fatalf("%s: new links would take %+v, want %+v", lc.Name, tu.set, lc.Settings)
+			tu := l.spec()
+			if !reflect.DeepEqual(tu.settings, lc.Settings) {
+				t.Fatalf("%s: new links would take %+v, want %+v", lc.Name, tu.settings, lc.Settings)
 			}
-			want := newTuning(lc)
+			want := newLinkSpec(lc)
 			if tu.balance != want.balance || tu.failOpen != want.failOpen || tu.groupFailOpen != want.groupFailOpen ||
 				tu.maxDests != want.maxDests || tu.forgetAfter != want.forgetAfter {
 				t.Fatalf("%s: flags %+v, want %+v", lc.Name, tu, want)

@@ -22,7 +22,7 @@ func TestUpstreamSocketOptions(t *testing.T) {
 	kernelIdle := readSysctl(t, "/proc/sys/net/ipv4/tcp_keepalive_time")
 	for _, tc := range []struct {
 		name string
-		tune func(*policy.Settings)
+		spec func(*policy.Settings)
 		want map[string]int
 	}{
 		{"configured", func(s *policy.Settings) {
@@ -35,7 +35,7 @@ func TestUpstreamSocketOptions(t *testing.T) {
 		}, map[string]int{"user_timeout": 0, "keepalive": 0, "idle": kernelIdle, "nodelay": 1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			h := start(t, peer.Addr(), tc.tune)
+			h := start(t, peer.Addr(), tc.spec)
 			c := h.dial()
 			roundTrip(t, c, []byte("hello"))
 			got := upstreamOptions(t, h.p)
@@ -64,15 +64,15 @@ func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 	t.Helper()
 	l := p.listeners[0]
 	l.mu.Lock()
-	var k *link
-	for k = range l.links {
+	var lk *link
+	for lk = range l.links {
 	}
 	l.mu.Unlock()
-	if k == nil {
+	if lk == nil {
 		t.Fatal("no live link")
 	}
 	out := map[string]int{}
-	raw, err := k.upstream.SyscallConn()
+	raw, err := lk.upstream.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -91,7 +91,7 @@ func (l *listener) matchIndex(addr string) int {
 // currently knows is routable. All-or-nothing, as for a pool: one healthy
 // destination in the group and the excluded one is refused.
 func (l *listener) groupFailingOpen(ep *endpoint) bool {
-	if l.matches == nil || !l.tuning().groupFailOpen {
+	if l.matches == nil || !l.spec().groupFailOpen {
 		return false
 	}
 	for _, other := range l.group(ep) {
@@ -151,7 +151,7 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	p.mu.Lock()
 	ep, existed := p.endpoints[normalizeEndpoint(addr)]
-	if max := l.tuning().maxDests; !existed && max > 0 && l.destinations >= max {
+	if max := l.spec().maxDests; !existed && max > 0 && l.destinations >= max {
 		p.mu.Unlock()
 		l.log.Debug().Str("destination", addr).Int("max_destinations", max).
 			Msg("too many destinations tracked: refused (link_closes_total{reason=\"capacity\"})")
@@ -159,7 +159,7 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	}
 	created := false
 	if !existed {
-		ep, created = p.endpointForLocked(addr, l.tuning().set)
+		ep, created = p.endpointForLocked(addr, l.spec().settings)
 	}
 	ep.lastUsed.Store(mono())
 	ep.mu.Lock()
@@ -180,7 +180,7 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 // out when it is routable again, so that a client's connect is reset by
 // the rules instead of being accepted and then reset.
 func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
-	if p.exset == nil {
+	if p.excludedSet == nil {
 		return
 	}
 	ap, err := netip.ParseAddrPort(ep.addr)
@@ -198,9 +198,9 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 		refuse = false // no transparent listener left: never keep it in the set
 	}
 	if refuse {
-		err = p.exset.AddExcluded(ap)
+		err = p.excludedSet.AddExcluded(ap)
 	} else {
-		err = p.exset.RemoveExcluded(ap)
+		err = p.excludedSet.RemoveExcluded(ap)
 	}
 	if err != nil {
 		p.log.Error().Err(err).Str("endpoint", ep.addr).Bool("excluded", refuse).Msg("updating the nftables excluded set")
@@ -210,11 +210,11 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 // unexclude takes a destination out of the kernel's excluded set (when the
 // proxy stops routing to it at all).
 func (p *Proxy) unexclude(addr string) {
-	if p.exset == nil {
+	if p.excludedSet == nil {
 		return
 	}
 	if ap, err := netip.ParseAddrPort(addr); err == nil {
-		_ = p.exset.RemoveExcluded(ap)
+		_ = p.excludedSet.RemoveExcluded(ap)
 	}
 }
 
@@ -229,7 +229,7 @@ func (p *Proxy) clearExcludedSet() {
 	p.mu.Unlock()
 	for _, addr := range eps {
 		if ap, err := netip.ParseAddrPort(addr); err == nil {
-			_ = p.exset.RemoveExcluded(ap)
+			_ = p.excludedSet.RemoveExcluded(ap)
 		}
 	}
 }
@@ -269,7 +269,7 @@ func (p *Proxy) sweepIdle() int {
 		forget := time.Duration(math.MaxInt64)
 		for _, l := range ep.listeners {
 			idle = idle && l.matches != nil
-			if f := l.tuning().forgetAfter; f > 0 {
+			if f := l.spec().forgetAfter; f > 0 {
 				forget = min(forget, f)
 			}
 		}
