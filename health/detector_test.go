@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -451,7 +452,7 @@ func TestProbeConfigNormalized(t *testing.T) {
 	got := ProbeConfig{Factor: 0.5, MaxDelay: time.Millisecond, Jitter: 3, HTTPPath: "health"}.normalized()
 	want := ProbeConfig{Kind: ProbeConnect, Timeout: DefaultProbeTimeout, InitialDelay: DefaultInitialDelay,
 		Factor: 1, MaxDelay: DefaultInitialDelay, Jitter: MaxJitter, HTTPPath: "/health"}
-	if got != want {
+	if !reflect.DeepEqual(got, want) {
 		t.Errorf("normalized = %+v, want %+v", got, want)
 	}
 	got = ProbeConfig{Factor: -1, Jitter: -1}.normalized()
@@ -1021,5 +1022,51 @@ func TestFlappingEndpointBacksOff(t *testing.T) {
 	d.Report(ep, "unanswered")
 	if w := (<-readmitted).Sub(excluded); w > 150*time.Millisecond {
 		t.Fatalf("after an operator enable the first exclusion lasted %v, want the initial delay", w)
+	}
+}
+
+// Override decides the probe when it handles it, and leaves it to Kind
+// when it does not: an endpoint whose own port refuses is readmitted on
+// the override's word alone, and one whose override declines is probed
+// directly.
+func TestProbeOverride(t *testing.T) {
+	refusing := closedAddr(t)
+	var calls atomic.Int32
+	var pass atomic.Bool
+	rec := newRecorder()
+	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
+	defer d.Close()
+	pc := fastProbe
+	pc.Override = func(ctx context.Context, endpoint string) (bool, error) {
+		calls.Add(1)
+		if endpoint != refusing {
+			return false, nil
+		}
+		if pass.Load() {
+			return true, nil
+		}
+		return true, errors.New("sidecar says not ready")
+	}
+	d.Register(refusing, pc)
+	d.Report(refusing, "unanswered")
+	rec.waitFor(t, "a failed override probe", func(_ []Event, p []bool) bool { return failedProbes(p) >= 1 })
+	if st := d.Statuses()[0]; st.LastProbeError != "sidecar says not ready" {
+		t.Fatalf("LastProbeError = %q, want the override's error", st.LastProbeError)
+	}
+	pass.Store(true)
+	rec.waitFor(t, "readmission on the override's word", lastEventIs(Healthy, ReasonProbeOK))
+
+	// Declined: the connect probe of the refusing port decides.
+	d.Unregister(refusing)
+	pc.Override = func(context.Context, string) (bool, error) { calls.Add(1); return false, nil }
+	d.Register(refusing, pc)
+	d.Report(refusing, "unanswered")
+	before := calls.Load()
+	rec.waitFor(t, "a failed direct probe", func(_ []Event, p []bool) bool { return failedProbes(p) >= 2 })
+	if calls.Load() == before {
+		t.Fatal("the override was not asked")
+	}
+	if st, _ := d.State(refusing); st != Excluded {
+		t.Fatalf("state %v, want Excluded: the direct probe of a refusing port failed", st)
 	}
 }

@@ -72,6 +72,13 @@ type ProbeConfig struct {
 	// its own connections to the endpoint, so that a probe cannot pass
 	// where a connection would fail.
 	Dialer *net.Dialer
+	// Override, when set, runs first: if it reports handled, its error is
+	// the probe's result and the probe of Kind does not run. The data
+	// plane sets it for an endpoint reached through a mesh sidecar, whose
+	// session and readiness announcement prove the server better than a
+	// direct probe; it reports not handled where it falls back to a
+	// direct connection (no sidecar there).
+	Override func(ctx context.Context, endpoint string) (handled bool, err error)
 }
 
 // normalized returns pc with every default and bound applied.
@@ -144,6 +151,11 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) e
 	defer cancel()
 	if pc.Dialer != nil {
 		ctx = context.WithValue(ctx, dialerKey{}, pc.Dialer)
+	}
+	if pc.Override != nil {
+		if handled, err := pc.Override(ctx, endpoint); handled {
+			return err
+		}
 	}
 	switch pc.Kind {
 	case ProbeConnect:
