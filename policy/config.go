@@ -12,6 +12,7 @@
 package policy
 
 import (
+	"cmp"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -121,9 +122,16 @@ type Listener struct {
 	// Exclusive with Upstream and Transparent. Parse starts it from
 	// DefaultPool.
 	Pool Pool `yaml:"pool"`
+	// Ingress makes this the server side of the mesh: it accepts the
+	// sessions of egress sidecars (on Listen) and proxies their streams to
+	// the local server. Exclusive with Upstream, Transparent and Pool.
+	Ingress Ingress `yaml:"ingress"`
 	// Settings override the defaults for this listener's links.
 	Settings `yaml:",inline"`
 }
+
+// IsIngress reports whether the listener is a mesh ingress.
+func (l Listener) IsIngress() bool { return l.Ingress.Local != "" }
 
 // IsTransparent reports whether the listener proxies original destinations.
 func (l Listener) IsTransparent() bool { return len(l.Transparent.Match) > 0 }
@@ -225,6 +233,16 @@ type Match struct {
 	CIDR string `yaml:"cidr"`
 	// Ports are the destination ports; empty means any port.
 	Ports []int `yaml:"ports"`
+	// Mesh, when its port is set, reaches this entry's destinations
+	// through the sidecar beside each of them, with the listener's other
+	// mesh settings; it overrides the listener's mesh.port.
+	Mesh MatchMesh `yaml:"mesh"`
+}
+
+// MatchMesh is a transparent match entry's mesh port.
+type MatchMesh struct {
+	// Port is the peer sidecar's ingress port; 0: the listener's mesh.port.
+	Port int `yaml:"port"`
 }
 
 // Settings are the per-link liveness settings, set under defaults and
@@ -272,6 +290,91 @@ type Settings struct {
 	// is read, so the client's own failure detector sees the endpoint down)
 	// or allow (the link is dialled as usual).
 	OnExcluded string `yaml:"on_excluded"`
+	// Mesh reaches each endpoint through the livenessproxy sidecar beside
+	// it (its ingress listener, on the endpoint's host at Mesh.Port)
+	// instead of directly. Off while Mesh.Port is 0.
+	Mesh Mesh `yaml:"mesh"`
+}
+
+// Mesh fallback policies for Mesh.Fallback.
+const (
+	// MeshFallbackDirect reaches a peer that has no ingress sidecar (its
+	// mesh port refuses connections) directly, with the plain link
+	// enforcement: a partial rollout works.
+	MeshFallbackDirect = "direct"
+	// MeshFallbackRefuse resets the client instead.
+	MeshFallbackRefuse = "refuse"
+)
+
+// Mesh is how links reach their endpoints through the peer's sidecar: one
+// or a few multiplexed sessions per peer, each link a stream on one of
+// them, with heartbeats that the peer sidecar answers whether or not
+// queries flow.
+type Mesh struct {
+	// Port is the peer sidecar's ingress port, on each endpoint's own
+	// address. 0: links reach their endpoints directly.
+	Port int `yaml:"port"`
+	// Fallback is what a link does when the peer has no ingress sidecar
+	// (a connect to Port is refused): direct or refuse.
+	Fallback string `yaml:"fallback"`
+	// Sessions is how many sessions a peer gets at most; new streams go
+	// to the one with the fewest. At least 1.
+	Sessions int `yaml:"sessions"`
+	// PingInterval is how often each session is pinged. Must be positive.
+	PingInterval Duration `yaml:"ping_interval"`
+	// PingTimeout: a session from which nothing at all (no answer to a
+	// ping, no data) has arrived for this long is dead; its streams are
+	// closed and the peer's endpoints excluded. Must be above
+	// PingInterval.
+	PingTimeout Duration `yaml:"ping_timeout"`
+	// WriteTimeout bounds one write of the session's frames to its
+	// connection (yamux's ConnectionWriteTimeout). Must be positive and
+	// below PingTimeout, so a stuck write cannot outlive the heartbeat
+	// that judges the session.
+	WriteTimeout Duration `yaml:"write_timeout"`
+	// StreamWindow is each stream's flow-control window (at least
+	// 256KiB): the most bytes one direction of a mesh link can have in
+	// flight, in the role of the write buffer's watermark.
+	StreamWindow Size `yaml:"stream_window"`
+}
+
+// Enabled reports whether links reach their endpoints through the mesh.
+func (m Mesh) Enabled() bool { return m.Port != 0 }
+
+// OrDefaults returns m with DefaultMesh's value for every key at its zero
+// value (a Config built in code).
+func (m Mesh) OrDefaults() Mesh {
+	d := DefaultMesh()
+	m.Fallback = cmp.Or(m.Fallback, d.Fallback)
+	m.Sessions = cmp.Or(m.Sessions, d.Sessions)
+	m.PingInterval = cmp.Or(m.PingInterval, d.PingInterval)
+	m.PingTimeout = cmp.Or(m.PingTimeout, d.PingTimeout)
+	m.WriteTimeout = cmp.Or(m.WriteTimeout, d.WriteTimeout)
+	m.StreamWindow = cmp.Or(m.StreamWindow, d.StreamWindow)
+	return m
+}
+
+// DefaultMesh is the mesh settings' defaults; Port 0 leaves it off.
+func DefaultMesh() Mesh {
+	return Mesh{Fallback: MeshFallbackDirect, Sessions: 2, PingInterval: Duration(time.Second),
+		PingTimeout: Duration(3 * time.Second), WriteTimeout: Duration(2 * time.Second), StreamWindow: 256 * KiB}
+}
+
+// Ingress makes a listener the server side of the mesh: it accepts the
+// sessions of egress sidecars and proxies each stream to a local server
+// port, with the listener's upstream enforcement.
+type Ingress struct {
+	// Local is the local server's host:port. A stream names the port it
+	// is for; it may name Local's port or one of Ports, on Local's host.
+	Local string `yaml:"local"`
+	// Ports are further local ports on Local's host that streams may
+	// name. Any other port is refused: the ingress is not an open relay.
+	Ports []int `yaml:"ports"`
+	// CheckInterval is how often the ingress checks that each local port
+	// accepts connections, for the readiness it announces to its peers; a
+	// link whose local server failed checks at once. Must be positive;
+	// 0 in a Config built in code means the default, 1s.
+	CheckInterval Duration `yaml:"check_interval"`
 }
 
 // Keepalive is TCP keepalive on upstream sockets.
@@ -535,6 +638,7 @@ func DefaultSettings() Settings {
 			HTTP:          ProbeHTTP{Port: 0, Path: "/health"},
 		},
 		OnExcluded: OnExcludedRefuse,
+		Mesh:       DefaultMesh(),
 	}
 }
 

@@ -141,7 +141,7 @@ func TestParseErrors(t *testing.T) {
 				"  - name: b",
 				"    listen: 127.0.0.1:2",
 			),
-			want: "listeners[1].upstream: required (or transparent.match for a transparent listener, or pool for a pool listener) (line 3)",
+			want: "listeners[1].upstream: required (or transparent.match for a transparent listener, pool for a pool listener, or ingress.local for a mesh ingress) (line 3)",
 		},
 		{
 			name: "upstream and transparent together",
@@ -606,7 +606,46 @@ func TestParseErrors(t *testing.T) {
 				"    transparent: {match: [{cidr: 10.0.0.0/8}]}",
 				"    pool: {dns: db:1}",
 			),
-			want: "listeners[0].upstream: a listener has one of upstream, transparent and pool, not all three (line 4)",
+			want: "listeners[0].upstream: a listener has one of upstream, transparent, pool and ingress, not upstream, transparent, pool (line 4)",
+		},
+		{
+			name: "mesh keys",
+			yaml: doc(
+				"defaults:",
+				"  mesh: {ping_interval: 2s, ping_timeout: 2s, fallback: maybe, sessions: 0, stream_window: 64KiB}",
+				"listeners:",
+				"  - name: a",
+				"    listen: 127.0.0.1:2",
+				"    upstream: db:1",
+				"    mesh: {port: 70000, write_timeout: 5s}",
+			),
+			want: "defaults.mesh.fallback: \"maybe\" is not one of direct, refuse (line 2)\n" +
+				"defaults.mesh.sessions: 0 must be at least 1 (line 2)\n" +
+				"defaults.mesh.ping_timeout: 2s must be above ping_interval (2s) (line 2)\n" +
+				"defaults.mesh.write_timeout: 2s must be below ping_timeout (2s): a stuck write must not outlive the heartbeat (line 2)\n" +
+				"defaults.mesh.stream_window: 64KiB is below yamux's minimum of 256KiB (line 2)\n" +
+				"listeners[0].mesh.port: 70000 is not a port (1-65535, or 0 for no mesh) (line 7)\n" +
+				"listeners[0].mesh.write_timeout: 5s must be below ping_timeout (2s, from defaults): a stuck write must not outlive the heartbeat (line 7)",
+		},
+		{
+			name: "ingress",
+			yaml: doc(
+				"listeners:",
+				"  - name: a",
+				"    listen: 0.0.0.0:15008",
+				"    ingress: {local: 127.0.0.1, ports: [0], check_interval: -1s}",
+				"    mesh: {port: 15008}",
+				"  - name: b",
+				"    listen: 127.0.0.1:3",
+				"    upstream: db:1",
+				"    ingress: {local: 127.0.0.1:1}",
+				"    transparent: {match: [{cidr: 10.0.0.0/8, mesh: {port: -1}}]}",
+			),
+			want: "listeners[0].ingress.local: \"127.0.0.1\" is not a host:port address: missing port in address (line 4)\n" +
+				"listeners[0].ingress.ports[0]: 0 is not a port (1-65535) (line 4)\n" +
+				"listeners[0].ingress.check_interval: -1s must be positive (line 4)\n" +
+				"listeners[0].mesh.port: an ingress listener serves the mesh; it does not reach through one (mesh.port 15008) (line 5)\n" +
+				"listeners[1].upstream: a listener has one of upstream, transparent, pool and ingress, not upstream, transparent, ingress (line 8)",
 		},
 		{
 			name: "empty pools",
@@ -838,7 +877,7 @@ func TestParseErrors(t *testing.T) {
 				"listeners[0].write_timeout: invalid duration \"soon\" (use a Go duration such as 10s or 500ms) (line 6)\n" +
 				"listeners[0].write_buffer.low_water_mark: 2MiB must be below high_water_mark (1MiB) (line 7)\n" +
 				"listeners[1].name: duplicate listener name \"a\" (also listeners[0]) (line 8)\n" +
-				"listeners[1].upstream: required (or transparent.match for a transparent listener, or pool for a pool listener) (line 8)\n" +
+				"listeners[1].upstream: required (or transparent.match for a transparent listener, pool for a pool listener, or ingress.local for a mesh ingress) (line 8)\n" +
 				"listeners[1].listen: duplicate listen address \"127.0.0.1:1\" (also listeners[0]) (line 9)\n" +
 				"listeners[1].extra: unknown key (line 10)\n" +
 				"defaults.connect_timeout: invalid duration \"1 second\" (use a Go duration such as 10s or 500ms) (line 12)\n" +

@@ -171,13 +171,21 @@ func (v *validator) config(c *Config) {
 		if v.hasPool(p, l) {
 			kinds = append(kinds, "pool")
 		}
+		if l.IsIngress() {
+			kinds = append(kinds, "ingress")
+		}
 		switch {
 		case len(kinds) == 0:
-			v.add(p+"upstream", "required (or transparent.match for a transparent listener, or pool for a pool listener)")
+			v.add(p+"upstream", "required (or transparent.match for a transparent listener, pool for a pool listener, or ingress.local for a mesh ingress)")
 		case len(kinds) == 2:
 			v.add(p+kinds[0], "a listener has either %s or %s, not both", kinds[0], kinds[1])
-		case len(kinds) == 3:
-			v.add(p+kinds[0], "a listener has one of upstream, transparent and pool, not all three")
+		case len(kinds) > 2:
+			v.add(p+kinds[0], "a listener has one of upstream, transparent, pool and ingress, not %s", strings.Join(kinds, ", "))
+		case kinds[0] == "ingress":
+			v.ingress(p+"ingress.", l.Ingress)
+			if l.Mesh.Port != 0 {
+				v.add(p+"mesh.port", "an ingress listener serves the mesh; it does not reach through one (mesh.port %d)", l.Mesh.Port)
+			}
 		case kinds[0] == "transparent":
 			v.transparent(p+"transparent.", l.Transparent, v.sectionKeys(p+"transparent.", l.Transparent))
 		case kinds[0] == "pool":
@@ -501,6 +509,81 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 	if s.ConnectAttempts < 1 && own("connect_attempts") {
 		v.add(prefix+"connect_attempts", "%d must be at least 1 (1: no retry)", s.ConnectAttempts)
 	}
+	v.mesh(prefix, &s.Mesh, own, show)
+}
+
+// mesh checks Settings.Mesh; see settings for prefix, own and show. Its
+// keys are checked whether or not mesh.port is set: a listener may be
+// an ingress, which uses the ping keys too. A zero Mesh (a Config built in
+// code) means DefaultMesh.
+func (v *validator) mesh(prefix string, m *Mesh, own func(string) bool, show func(string, any) string) {
+	const (
+		port     = "mesh.port"
+		fallback = "mesh.fallback"
+		sessions = "mesh.sessions"
+		interval = "mesh.ping_interval"
+		timeout  = "mesh.ping_timeout"
+		write    = "mesh.write_timeout"
+		window   = "mesh.stream_window"
+	)
+	if *m == (Mesh{}) {
+		return // a Config built in code: the defaults (DefaultMesh)
+	}
+	if (m.Port < 0 || m.Port > 65535) && own(port) {
+		v.add(prefix+port, "%d is not a port (1-65535, or 0 for no mesh)", m.Port)
+	}
+	meshFallbacks := []string{MeshFallbackDirect, MeshFallbackRefuse}
+	if !slices.Contains(meshFallbacks, m.Fallback) && own(fallback) {
+		v.add(prefix+fallback, oneOfFormat, m.Fallback, strings.Join(meshFallbacks, ", "))
+	}
+	if m.Sessions < 1 && own(sessions) {
+		v.add(prefix+sessions, "%d must be at least 1", m.Sessions)
+	}
+	for _, d := range []struct {
+		key string
+		val Duration
+	}{{interval, m.PingInterval}, {timeout, m.PingTimeout}, {write, m.WriteTimeout}} {
+		if d.val <= 0 && own(d.key) {
+			v.add(prefix+d.key, "%v must be positive", d.val)
+		}
+	}
+	if m.PingInterval > 0 && m.PingTimeout > 0 && m.PingTimeout <= m.PingInterval {
+		switch {
+		case own(timeout):
+			v.add(prefix+timeout, "%v must be above ping_interval (%s)", m.PingTimeout, show(interval, m.PingInterval))
+		case own(interval):
+			v.add(prefix+interval, "%v must be below ping_timeout (%s)", m.PingInterval, show(timeout, m.PingTimeout))
+		}
+	}
+	if m.WriteTimeout > 0 && m.PingTimeout > 0 && m.WriteTimeout >= m.PingTimeout {
+		switch {
+		case own(write):
+			v.add(prefix+write, "%v must be below ping_timeout (%s): a stuck write must not outlive the heartbeat", m.WriteTimeout, show(timeout, m.PingTimeout))
+		case own(timeout):
+			v.add(prefix+timeout, "%v must be above write_timeout (%s)", m.PingTimeout, show(write, m.WriteTimeout))
+		}
+	}
+	if m.StreamWindow < 256*KiB && own(window) {
+		v.add(prefix+window, "%v is below yamux's minimum of 256KiB", m.StreamWindow)
+	}
+	if m.StreamWindow > math.MaxUint32 && own(window) {
+		v.add(prefix+window, "%v does not fit yamux's 32-bit window", m.StreamWindow)
+	}
+}
+
+// ingress checks a mesh ingress listener's ingress section.
+func (v *validator) ingress(prefix string, in Ingress) {
+	if _, why := hostPort(in.Local, true); why != "" {
+		v.add(prefix+"local", "%q is not a host:port address: %s", in.Local, why)
+	}
+	for j, port := range in.Ports {
+		if port < 1 || port > 65535 {
+			v.add(prefix+"ports["+strconv.Itoa(j)+"]", "%d is not a port (1-65535)", port)
+		}
+	}
+	if in.CheckInterval < 0 {
+		v.add(prefix+"check_interval", "%v must be positive", in.CheckInterval)
+	}
 }
 
 // framing checks Settings.Framing; see settings for prefix, own and show.
@@ -648,6 +731,9 @@ func (v *validator) transparent(p string, t Transparent, set func(key string) bo
 			if port < 1 || port > 65535 {
 				v.add(mp+"ports["+strconv.Itoa(j)+"]", "%d is not a port (1-65535)", port)
 			}
+		}
+		if m.Mesh.Port < 0 || m.Mesh.Port > 65535 {
+			v.add(mp+"mesh.port", "%d is not a port (1-65535, or 0 for the listener's mesh.port)", m.Mesh.Port)
 		}
 	}
 	if t.MaxDestinations < 1 && set("max_destinations") {
