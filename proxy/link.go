@@ -45,13 +45,13 @@ type link struct {
 	frames   *frameSpec      // the listener's framing when the link opened; nil: opaque
 	failOpen bool            // the listener's pool.fail_open or group_fail_open when the link opened
 	dialer   *net.Dialer
-	client   *net.TCPConn
+	client   clientSide
 	upstream *net.TCPConn
 	upRaw    syscall.RawConn
-	// fromClient and fromUpstream read each side only when it is readable
-	// (each pump owns one).
-	fromClient, fromUpstream sockReader
-	opened                   time.Time
+	// fromUpstream reads the upstream only when it is readable (the
+	// response pump owns it; a TCP client has its own).
+	fromUpstream sockReader
+	opened       time.Time
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -110,7 +110,7 @@ type link struct {
 // newLink returns a link for a client connection. ep is the endpoint of a
 // transparent listener's link; a pool listener's link picks one when it
 // dials (nil here).
-func newLink(l *listener, ep *endpoint, client *net.TCPConn) *link {
+func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	t := l.spec()
 	lk := &link{l: l, ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
@@ -233,7 +233,7 @@ func (lk *link) dial() bool {
 		if err != nil && lk.l.ctx.Err() != nil {
 			// The proxy is shutting down: not the upstream's fault.
 			lk.setReason(metrics.ReasonShutdown, err)
-			resetConn(lk.client)
+			lk.resetClient()
 			return false
 		}
 		if err != nil && !upstreamFault(err) {
@@ -241,7 +241,7 @@ func (lk *link) dial() bool {
 			// failure, never the upstream's; another endpoint would not help.
 			lk.setReason(metrics.ReasonLocalError, err)
 			lk.l.localError(ep, err)
-			resetConn(lk.client)
+			lk.resetClient()
 			return false
 		}
 		if err != nil {
@@ -264,7 +264,7 @@ func (lk *link) dial() bool {
 	} else {
 		lk.setReason(metrics.ReasonRefused, nil)
 	}
-	resetConn(lk.client)
+	lk.resetClient()
 	return false
 }
 
@@ -273,9 +273,6 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 	raw, err := up.SyscallConn()
 	if err == nil {
 		err = lk.fromUpstream.init(up)
-	}
-	if err == nil {
-		err = lk.fromClient.init(lk.client)
 	}
 	if err != nil {
 		_ = up.Close()
@@ -320,7 +317,7 @@ func (lk *link) pumpRequests() {
 				limit = int(room)
 			}
 		}
-		bp, n, err := lk.fromClient.read(limit)
+		bp, n, err := lk.client.read(limit)
 		if n > 0 {
 			buf := (*bp)[:n]
 			end := lk.bytesUp.Add(int64(n))
@@ -708,11 +705,17 @@ func (lk *link) abort(reason string, err error) bool {
 		_ = lk.upstream.SetLinger(0)
 	}
 	if !lk.closed {
-		_ = lk.client.SetLinger(0)
+		lk.client.abortive()
 	}
 	lk.connMu.Unlock()
 	lk.closeBoth()
 	return first
+}
+
+// resetClient closes the client with a reset where its transport has one.
+func (lk *link) resetClient() {
+	lk.client.abortive()
+	_ = lk.client.Close()
 }
 
 func (lk *link) setReason(reason string, err error) bool {

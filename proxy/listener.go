@@ -266,7 +266,7 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			l.m.Closed(metrics.ReasonRefused)
 			continue
 		}
-		lk := newLink(l, ep, tc)
+		lk := newLink(l, ep, newTCPClient(tc))
 		if !l.track(lk) {
 			_ = c.Close()
 			continue
@@ -300,7 +300,7 @@ func (l *listener) serveLink(lk *link) {
 	if lk.ep != nil && l.refusing(lk.ep) {
 		// The destination left routing between accept and registration;
 		// the eviction may have missed this link, so refuse it here.
-		_ = lk.client.SetLinger(0)
+		lk.client.abortive()
 		lk.setReason(metrics.ReasonRefused, nil)
 		lk.closeBoth()
 		l.linkEnded(lk, lk.stats())

@@ -26,4 +26,5 @@ const (
 	CloseNoMatch          CloseReason = "no_match"           // transparent: the original destination matches no entry
 	CloseLoop             CloseReason = "loop"               // transparent: the connection is the proxy's own
 	CloseCapacity         CloseReason = "capacity"           // transparent: a new destination past max_destinations
+	CloseMeshDead         CloseReason = "mesh_dead"          // the mesh session the link ran on missed its heartbeats
 )

@@ -35,6 +35,7 @@ const (
 	ReasonNoMatch          = "no_match"           // transparent: the original destination is not in the match list
 	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
 	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations
+	ReasonMeshDead         = "mesh_dead"          // the mesh session the link ran on missed its heartbeats for ping_timeout
 )
 
 // Eviction reasons for evictions_total{reason}.
@@ -69,7 +70,7 @@ var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
 	ReasonDialError, ReasonLocalError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
-	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity,
+	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity, ReasonMeshDead,
 }
 
 // Metrics owns the data plane's collectors.
@@ -94,6 +95,31 @@ type Metrics struct {
 	failOpenLinks       *prometheus.CounterVec
 	dnsErrors           *prometheus.CounterVec
 	linkDuration        *prometheus.HistogramVec
+	meshSessions        *prometheus.GaugeVec
+	meshSessionDeaths   *prometheus.CounterVec
+	meshFallbacks       *prometheus.CounterVec
+}
+
+// Mesh session roles, the role label of the mesh series.
+const (
+	MeshEgress  = "egress"  // sessions this sidecar dialled to peers' ingress
+	MeshIngress = "ingress" // sessions peers dialled to this sidecar's ingress
+)
+
+// MeshSessions is the gauge of live mesh sessions in role.
+func (m *Metrics) MeshSessions(role string) prometheus.Gauge {
+	return m.meshSessions.WithLabelValues(role)
+}
+
+// MeshSessionDeaths counts sessions in role declared dead by the heartbeat.
+func (m *Metrics) MeshSessionDeaths(role string) prometheus.Counter {
+	return m.meshSessionDeaths.WithLabelValues(role)
+}
+
+// MeshFallbacks counts links of listener that reached their endpoint
+// directly because its host has no ingress sidecar (mesh.fallback: direct).
+func (m *Metrics) MeshFallbacks(listener string) prometheus.Counter {
+	return m.meshFallbacks.WithLabelValues(listener)
 }
 
 // Process owns the process's own collectors: build_info and the
@@ -187,12 +213,28 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Help:    "How long links lived, from accept to end.",
 			Buckets: []float64{.001, .01, .1, 1, 10, 60, 600, 3600, 6 * 3600, 24 * 3600},
 		}, []string{"listener"}),
+		meshSessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "mesh_sessions",
+			Help: "Live mesh sessions, by role: egress (dialled to a peer's ingress) or ingress (accepted from a peer).",
+		}, []string{"role"}),
+		meshSessionDeaths: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "mesh_session_deaths_total",
+			Help: "Mesh sessions closed because nothing arrived from the peer sidecar for ping_timeout, by role.",
+		}, []string{"role"}),
+		meshFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "mesh_fallbacks_total",
+			Help: "Links that reached their endpoint directly because its host has no ingress sidecar (mesh.fallback: direct).",
+		}, []string{"listener"}),
+	}
+	for _, r := range []string{MeshEgress, MeshIngress} {
+		m.meshSessions.WithLabelValues(r)
+		m.meshSessionDeaths.WithLabelValues(r)
 	}
 	reg.MustRegister(
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
-		m.linkDuration,
+		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks,
 	)
 	return m
 }

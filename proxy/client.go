@@ -1,0 +1,91 @@
+package proxy
+
+import (
+	"net"
+	"sync"
+	"time"
+)
+
+// clientSide is a link's client: a TCP connection its listener accepted,
+// or a stream that a mesh ingress accepted from a peer sidecar.
+type clientSide interface {
+	// read waits for bytes and reads at most limit (1 to chunkSize) into a
+	// pooled chunk, as sockReader.read does.
+	read(limit int) (*[]byte, int, error)
+	Write(p []byte) (int, error)
+	// CloseWrite passes the end of the responses on (a FIN).
+	CloseWrite() error
+	// abortive makes the next Close a reset where the transport has one.
+	abortive()
+	Close() error
+	RemoteAddr() net.Addr
+}
+
+// tcpClient is a client connection accepted by a listener.
+type tcpClient struct {
+	*net.TCPConn
+	r    sockReader
+	once sync.Once
+	err  error
+}
+
+func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{TCPConn: c} }
+
+func (c *tcpClient) read(limit int) (*[]byte, int, error) {
+	c.once.Do(func() { c.err = c.r.init(c.TCPConn) })
+	if c.err != nil {
+		return nil, 0, c.err
+	}
+	return c.r.read(limit)
+}
+
+func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
+
+// streamConn is what streamClient needs of a mesh stream (a
+// *yamux.Stream): Close is the half-close, as yamux streams have no
+// CloseWrite.
+type streamConn interface {
+	Read(p []byte) (int, error)
+	Write(p []byte) (int, error)
+	Close() error
+	SetWriteDeadline(t time.Time) error
+}
+
+// streamClient is a stream a mesh ingress accepted: the client of a link
+// to a local server. A stream has no readiness to wait on, so a read
+// holds a chunk while it waits; the peer's egress link holds the other
+// end.
+type streamClient struct {
+	s      streamConn
+	remote net.Addr
+	// done is closed by Close: the session's Close, not the stream's
+	// half-close, ends a stream for good (see meshStreamClosed).
+	closeFn func()
+	once    sync.Once
+}
+
+func (c *streamClient) read(limit int) (*[]byte, int, error) {
+	bp := getChunk()
+	n, err := c.s.Read((*bp)[:min(max(limit, 1), chunkSize)])
+	if n == 0 {
+		putChunk(bp)
+		return nil, 0, err
+	}
+	return bp, n, nil
+}
+
+func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }
+
+// CloseWrite half-closes the stream: yamux's Close sends FIN and keeps
+// reading.
+func (c *streamClient) CloseWrite() error { return c.s.Close() }
+
+func (c *streamClient) abortive() {}
+
+// Close ends the stream in both directions.
+func (c *streamClient) Close() error {
+	c.once.Do(c.closeFn)
+	return nil
+}
+
+func (c *streamClient) RemoteAddr() net.Addr { return c.remote }
