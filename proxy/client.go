@@ -58,10 +58,6 @@ type streamConn interface {
 type streamClient struct {
 	s      streamConn
 	remote net.Addr
-	// done is closed by Close: the session's Close, not the stream's
-	// half-close, ends a stream for good (see meshStreamClosed).
-	closeFn func()
-	once    sync.Once
 }
 
 func (c *streamClient) read(limit int) (*[]byte, int, error) {
@@ -82,10 +78,9 @@ func (c *streamClient) CloseWrite() error { return c.s.Close() }
 
 func (c *streamClient) abortive() {}
 
-// Close ends the stream in both directions.
-func (c *streamClient) Close() error {
-	c.once.Do(c.closeFn)
-	return nil
-}
+// Close closes the stream. yamux has no reset: the egress reads the end
+// of the stream, and frees it once it closes its own side (or after
+// half_close_timeout).
+func (c *streamClient) Close() error { return c.s.Close() }
 
 func (c *streamClient) RemoteAddr() net.Addr { return c.remote }

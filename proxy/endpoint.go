@@ -26,6 +26,8 @@ type endpoint struct {
 	lastUsed    atomic.Int64                    // mono time a transparent connection last resolved to it
 	settings    atomic.Pointer[policy.Settings] // the latest settings it was registered with
 	tls         atomic.Bool                     // a client of it spoke TLS
+	meshPort    atomic.Int32                    // the mesh port its last link reached it through; 0: directly
+	p           *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
 	orphans *tracker
@@ -62,7 +64,7 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 	ep, ok := p.endpoints[addr]
 	if !ok {
 		created = true
-		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{})}
+		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{}), p: p}
 		ep.lastAnswer.Store(noAnswer)
 		ep.orphans = newTracker(judgingSlack(time.Second), false, &ep.lastAnswer, func(judged []pendingRequest, _ int) {
 			// Each request keeps the threshold of the listener that sent it.
@@ -98,6 +100,7 @@ func (p *Proxy) applyDisabled(ep *endpoint) {
 func (ep *endpoint) probeConfig() health.ProbeConfig {
 	s := *ep.settings.Load()
 	pc := probeConfig(s)
+	pc.Override = ep.meshProbe
 	if ep.tls.Load() && pc.Kind == health.ProbeKafka && (s.Detector.Probe == policy.ProbeKindAuto || s.Detector.Probe == "") {
 		pc.Kind = health.ProbeConnect
 	}
@@ -248,6 +251,9 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 				}
 			}
 		}
+		if l.ingress != nil {
+			l.ingress.kickCheck() // readiness follows the local endpoint's state
+		}
 		// Transparent listeners refuse per connection, never pause.
 		p.updateRouting(l)
 	}
@@ -361,6 +367,17 @@ func (p *Proxy) suspect(ep *endpoint, thr int) {
 // blamesUpstream reports whether the link's end is evidence against its
 // upstream, to be reported to the detector. Which events exclude an
 // endpoint, and why, is in the README ("What counts as a dead upstream").
+// upstreamEnded reports whether a link's end came from its upstream's
+// side: a local server behind a mesh ingress may have gone.
+func upstreamEnded(reason string) bool {
+	switch reason {
+	case metrics.ReasonUpstreamClosed, metrics.ReasonUpstreamError, metrics.ReasonUpstreamTimeout,
+		metrics.ReasonWriteTimeout, metrics.ReasonDialError, metrics.ReasonUnanswered, metrics.ReasonRefused:
+		return true
+	}
+	return false
+}
+
 func (lk *link) blamesUpstream(reason string) bool {
 	switch reason {
 	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/hashicorp/yamux"
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -48,6 +49,11 @@ type link struct {
 	client   clientSide
 	upstream *net.TCPConn
 	upRaw    syscall.RawConn
+	// stream replaces upstream for a link through the mesh (egress side):
+	// a stream on meshSess, opened under the peer's meshEpoch.
+	stream    *yamux.Stream
+	meshSess  *egressSession
+	meshEpoch uint64
 	// fromUpstream reads the upstream only when it is readable (the
 	// response pump owns it; a TCP client has its own).
 	fromUpstream sockReader
@@ -131,7 +137,19 @@ func (lk *link) start() bool {
 	if !lk.dial() {
 		return false
 	}
+	if sc, ok := lk.client.(*streamClient); ok {
+		// A mesh ingress tells the egress that the server was reached.
+		if _, err := sc.s.Write([]byte{meshAck}); err != nil {
+			lk.abort(metrics.ReasonClientError, err)
+			return false
+		}
+	}
 	lk.live.Store(2)
+	if lk.stream != nil {
+		go lk.meshResponsesOwned()
+		go lk.meshRequestsOwned()
+		return true
+	}
 	go lk.pumpResponsesOwned()
 	go lk.pumpRequestsOwned()
 	return true
@@ -147,8 +165,11 @@ func (lk *link) exit() {
 // finish releases what the link holds once its goroutines have ended.
 func (lk *link) finish() LinkStats {
 	lk.closeBoth()
-	if lk.l.p.transparent.Load() {
+	if lk.l.p.transparent.Load() && lk.upstream != nil {
 		lk.l.p.ownUp.Delete(lk.upstream.LocalAddr().String())
+	}
+	if lk.meshSess != nil {
+		lk.meshSess.remove(lk)
 	}
 	if lk.trk != nil {
 		orphans := lk.trk.stop()
@@ -229,7 +250,33 @@ func (lk *link) dial() bool {
 			}
 		}
 		start := time.Now()
-		c, err := lk.dialer.DialContext(lk.l.ctx, "tcp", ep.dial)
+		var c net.Conn
+		var err error
+		direct := true
+		if mport := lk.meshPortFor(ep); mport != 0 {
+			var st *yamux.Stream
+			var es *egressSession
+			st, es, err = lk.openMesh(ep, mport)
+			switch {
+			case err == nil:
+				lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
+				if failOpen && lk.failOpen {
+					lk.l.m.FailOpenLinks.Inc()
+				}
+				return lk.meshConnected(ep, st, es)
+			case errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect:
+				lk.meshFallback(ep, mport)
+			case errors.Is(err, errNoIngress):
+				lk.setReason(metrics.ReasonRefused, err)
+				lk.resetClient()
+				return false
+			default:
+				direct = false
+			}
+		}
+		if direct {
+			c, err = lk.dialer.DialContext(lk.l.ctx, "tcp", ep.dial)
+		}
 		if err != nil && lk.l.ctx.Err() != nil {
 			// The proxy is shutting down: not the upstream's fault.
 			lk.setReason(metrics.ReasonShutdown, err)
@@ -735,10 +782,13 @@ func (lk *link) closeBoth() {
 		_ = lk.client.Close()
 		lk.connMu.Lock()
 		lk.closed = true
-		up := lk.upstream
+		up, st := lk.upstream, lk.stream
 		lk.connMu.Unlock()
 		if up != nil {
 			_ = up.Close()
+		}
+		if st != nil {
+			_ = st.Close()
 		}
 	})
 }

@@ -31,6 +31,8 @@ type listener struct {
 	matches []matcher
 	// pool is the endpoints an explicit or pool listener routes to.
 	pool *pool
+	// ingress is a mesh ingress listener's server side; nil otherwise.
+	ingress *ingress
 	// destinations counts a transparent listener's endpoints (under p.mu),
 	// bounded by transparent.max_destinations.
 	destinations int
@@ -115,6 +117,11 @@ func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 		stopped: make(chan struct{}),
 	}
 	l.current.Store(newLinkSpec(cfg))
+	if cfg.IsIngress() {
+		l.ingress = newIngress(l, cfg)
+		l.ingress.endpointsLocked(cfg.Settings)
+		return l
+	}
 	if cfg.IsTransparent() {
 		l.matches = newMatchers(cfg.Transparent)
 		p.transparent.Store(true)
@@ -248,8 +255,12 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			continue
 		}
 		backoff = 0
-		l.m.LinksTotal.Inc()
 		tc := c.(*net.TCPConn)
+		if l.ingress != nil {
+			l.ingress.serveConn(tc) // each stream is a link
+			continue
+		}
+		l.m.LinksTotal.Inc()
 		var ep *endpoint // a pool listener's link picks its endpoint when it dials
 		if l.matches != nil {
 			var why string
@@ -329,6 +340,9 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 	l.m.LinkDuration.Observe(s.Duration.Seconds())
 	if lk.blamesUpstream(reason) {
 		l.p.report(lk.ep, reason)
+	}
+	if l.ingress != nil && upstreamEnded(reason) {
+		l.ingress.kickCheck() // the local server may have gone: announce it at once
 	}
 
 	// The access log (log.access) is one info line per link; without it

@@ -103,6 +103,10 @@ func isIP(host string) bool {
 // startRefresh starts the pool's refresh loop when some entry is a name
 // (addresses need none); the listener owns it (acceptWG).
 func (l *listener) startRefresh() {
+	if l.ingress != nil {
+		l.ingress.startOnce.Do(l.ingress.start)
+		return
+	}
 	if l.pool == nil || !l.pool.hasNames() {
 		return
 	}

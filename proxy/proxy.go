@@ -75,6 +75,11 @@ type Proxy struct {
 	closing  bool           // Shutdown began: no more reloads (under mu)
 	bg       sync.WaitGroup // drains of listeners a reload removed
 
+	// meshMu guards peers, the ingress sidecars this proxy reaches through
+	// the mesh, by host:mesh port. It is taken alone.
+	meshMu sync.Mutex
+	peers  map[string]*meshPeer
+
 	mu        sync.Mutex
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
@@ -216,6 +221,14 @@ func (p *Proxy) Addr(name string) net.Addr {
 	return nil
 }
 
+// lookupEndpoint returns the endpoint at addr, nil if no listener routes
+// to it.
+func (p *Proxy) lookupEndpoint(addr string) *endpoint {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.endpoints[normalizeEndpoint(addr)]
+}
+
 // ActiveLinks returns the number of open links across all listeners.
 func (p *Proxy) ActiveLinks() int {
 	p.mu.Lock()
@@ -270,6 +283,12 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		}
 		p.cancel()
 		p.bg.Wait() // drains of removed listeners end on cancel
+		p.closeMesh()
+		for _, l := range ls {
+			if l.ingress != nil {
+				l.ingress.close()
+			}
+		}
 		p.det.Close()
 		if p.excludedSet != nil {
 			p.clearExcludedSet()

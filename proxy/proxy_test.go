@@ -44,7 +44,7 @@ func start(t *testing.T, upstream string, tune func(*policy.Settings)) *harness 
 	}
 	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
 	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 256)}
-	h.p = New(cfg, Options{metrics: h.m, OnLinkEnd: func(s LinkStats) { h.ended <- s }})
+	h.p = New(cfg, Options{metrics: h.m, Logger: testLogger(), OnLinkEnd: func(s LinkStats) { h.ended <- s }})
 	if err := h.p.Start(); err != nil {
 		t.Fatal(err)
 	}

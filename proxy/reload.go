@@ -18,10 +18,12 @@ import (
 // upstream (explicit), or the same match list (transparent). A pool keeps
 // its listener whatever its entries: members that leave are evicted.
 func sameTarget(a, b policy.Listener) bool {
-	if a.Listen != b.Listen || a.IsPool() != b.IsPool() || a.IsTransparent() != b.IsTransparent() {
+	if a.Listen != b.Listen || a.IsPool() != b.IsPool() || a.IsTransparent() != b.IsTransparent() || a.IsIngress() != b.IsIngress() {
 		return false
 	}
 	switch {
+	case b.IsIngress():
+		return reflect.DeepEqual(a.Ingress, b.Ingress)
 	case b.IsPool():
 		return true
 	case b.IsTransparent():
@@ -201,6 +203,9 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 		}
 		l.abortAll(metrics.ReasonShutdown)
 		<-done
+		if l.ingress != nil {
+			l.ingress.close()
+		}
 		p.detach(l)
 		p.mu.Lock()
 		reused := false

@@ -135,3 +135,20 @@ func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
 	}
 	return dst, nil
 }
+
+// unreadBytes is how many bytes wait in c's receive queue (SIOCINQ): a
+// mesh session's heartbeat counts them as life, so that its own process
+// being slow to read is never blamed on the peer.
+func unreadBytes(c *net.TCPConn) int {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	n := 0
+	_ = raw.Control(func(fd uintptr) {
+		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
+			n = v
+		}
+	})
+	return n
+}

@@ -27,3 +27,6 @@ func bytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
 func originalDst(*net.TCPConn) (netip.AddrPort, error) {
 	return netip.AddrPort{}, errors.New("transparent mode needs Linux (SO_ORIGINAL_DST)")
 }
+
+// unreadBytes is unknown outside Linux.
+func unreadBytes(*net.TCPConn) int { return 0 }

@@ -15,8 +15,9 @@ import (
 
 // matcher is one entry of a transparent listener's match list.
 type matcher struct {
-	prefix netip.Prefix
-	ports  []uint16 // empty: any port
+	prefix   netip.Prefix
+	ports    []uint16 // empty: any port
+	meshPort int      // the entry's mesh.port; 0: the listener's
 }
 
 func newMatchers(t policy.Transparent) []matcher {
@@ -26,7 +27,7 @@ func newMatchers(t policy.Transparent) []matcher {
 		if err != nil {
 			continue // validated by policy
 		}
-		mt := matcher{prefix: pfx.Masked()}
+		mt := matcher{prefix: pfx.Masked(), meshPort: m.Mesh.Port}
 		for _, p := range m.Ports {
 			mt.ports = append(mt.ports, uint16(p))
 		}

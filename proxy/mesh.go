@@ -1,0 +1,278 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/yamux"
+	"github.com/rs/zerolog"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// The mesh runs yamux sessions between an egress sidecar (beside the
+// client) and an ingress sidecar (beside the server). On top of yamux:
+//
+//   - A data stream, opened by the egress for one client link, starts with
+//     a header: the 4 bytes of meshMagic, then the local port it is for
+//     (2 bytes, big-endian). The ingress answers with one byte, meshAck,
+//     once its link to that port is connected; it closes the stream
+//     without it when the port is not served, refused, or out of routing.
+//   - A status stream, opened by the ingress as soon as the session starts,
+//     carries status messages: a 2-byte length, then for each local port
+//     it serves, the port (2 bytes), ready (1 byte) and the port's epoch
+//     (8 bytes). A message is sent at the start and whenever a port's
+//     readiness or epoch changes.
+//
+// A port's epoch is random, drawn again whenever the port turns ready
+// after being not ready: a new epoch tells the egress that the server
+// behind it started afresh, so links opened under the old one are stale.
+const (
+	meshMagic     = "LPM\x01"
+	meshHeaderLen = len(meshMagic) + 2
+	meshAck       = 1
+	// statusEntryLen is one port's entry in a status message.
+	statusEntryLen = 2 + 1 + 8
+	// maxStatusPorts bounds a status message (a peer's message is read
+	// into memory).
+	maxStatusPorts = 1024
+	// meshHeaderTimeout bounds how long an ingress waits for a new
+	// stream's header.
+	meshHeaderTimeout = 5 * time.Second
+)
+
+var (
+	errNoIngress    = errors.New("mesh: the peer has no ingress sidecar (connection refused on the mesh port)")
+	errPortNotReady = errors.New("mesh: the peer sidecar announces the port not ready")
+	errBadStatus    = errors.New("mesh: malformed status message")
+)
+
+// portStatus is what an ingress announces for one local port.
+type portStatus struct {
+	ready bool
+	epoch uint64
+}
+
+func newEpoch() uint64 {
+	for {
+		if e := rand.Uint64(); e != 0 { // 0 stands for "none known"
+			return e
+		}
+	}
+}
+
+func meshHeader(port uint16) []byte {
+	h := make([]byte, meshHeaderLen)
+	copy(h, meshMagic)
+	binary.BigEndian.PutUint16(h[len(meshMagic):], port)
+	return h
+}
+
+// readMeshHeader reads a data stream's header and returns its port.
+func readMeshHeader(r io.Reader) (uint16, error) {
+	var h [meshHeaderLen]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return 0, err
+	}
+	if string(h[:len(meshMagic)]) != meshMagic {
+		return 0, fmt.Errorf("mesh: stream header %q is not a livenessproxy mesh header", h[:len(meshMagic)])
+	}
+	return binary.BigEndian.Uint16(h[len(meshMagic):]), nil
+}
+
+func writeStatus(w io.Writer, st map[uint16]portStatus) error {
+	b := make([]byte, 2, 2+len(st)*statusEntryLen)
+	binary.BigEndian.PutUint16(b, uint16(len(st)*statusEntryLen))
+	for port, ps := range st {
+		b = binary.BigEndian.AppendUint16(b, port)
+		ready := byte(0)
+		if ps.ready {
+			ready = 1
+		}
+		b = append(b, ready)
+		b = binary.BigEndian.AppendUint64(b, ps.epoch)
+	}
+	_, err := w.Write(b)
+	return err
+}
+
+func readStatus(r io.Reader) (map[uint16]portStatus, error) {
+	var lb [2]byte
+	if _, err := io.ReadFull(r, lb[:]); err != nil {
+		return nil, err
+	}
+	n := int(binary.BigEndian.Uint16(lb[:]))
+	if n%statusEntryLen != 0 || n/statusEntryLen > maxStatusPorts {
+		return nil, fmt.Errorf("%w: length %d", errBadStatus, n)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return nil, err
+	}
+	st := make(map[uint16]portStatus, n/statusEntryLen)
+	for ; len(b) > 0; b = b[statusEntryLen:] {
+		st[binary.BigEndian.Uint16(b)] = portStatus{ready: b[2] == 1, epoch: binary.BigEndian.Uint64(b[3:])}
+	}
+	return st, nil
+}
+
+// yamuxConfig is the session configuration for mesh settings m (with
+// defaults applied) and half-close timeout hc. yamux's own keepalive is
+// off: the session's heartbeat judges it (see meshSession). A stream that
+// one side closed is freed after the link's half_close_timeout if the
+// other never closes (yamux's default is 5 minutes); 0 keeps it until the
+// other side closes, as a plain link does.
+func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Config {
+	c := yamux.DefaultConfig()
+	c.EnableKeepAlive = false
+	c.KeepAliveInterval = m.PingInterval.D() // unused with keepalive off; must be positive
+	c.ConnectionWriteTimeout = m.WriteTimeout.D()
+	c.MaxStreamWindowSize = uint32(m.StreamWindow)
+	c.StreamCloseTimeout = hc
+	// The heartbeat alone judges the session: yamux would close it when a
+	// stream's open is not acknowledged in time, which a busy peer may be
+	// slow to do while it answers every ping.
+	c.StreamOpenTimeout = 0
+	c.LogOutput = nil
+	c.Logger = yamuxLogger{log}
+	return c
+}
+
+// yamuxLogger passes yamux's log lines on at debug level: the session's
+// owner logs what matters (a dead session, a refused stream) itself.
+type yamuxLogger struct{ log zerolog.Logger }
+
+func (l yamuxLogger) Print(v ...any)                 { l.log.Debug().Msg(fmt.Sprint(v...)) }
+func (l yamuxLogger) Printf(format string, v ...any) { l.log.Debug().Msgf(format, v...) }
+func (l yamuxLogger) Println(v ...any)               { l.log.Debug().Msg(fmt.Sprint(v...)) }
+
+// activityConn records when a byte last arrived from the peer: any byte,
+// a ping's answer or data, proves the peer sidecar alive.
+type activityConn struct {
+	*net.TCPConn
+	last *atomic.Int64 // mono
+}
+
+func (c activityConn) Read(p []byte) (int, error) {
+	n, err := c.TCPConn.Read(p)
+	if n > 0 {
+		c.last.Store(mono())
+	}
+	return n, err
+}
+
+// meshSession is one yamux session and its heartbeat, on either side.
+//
+// The heartbeat pings the peer every ping_interval (one ping in flight at
+// a time) and declares the session dead when nothing at all has arrived
+// from the peer for ping_timeout. Data counts as much as a ping's answer,
+// so a session busy with a large transfer whose pings queue behind data
+// is not judged on its pings. Two guards keep the proxy's own stalls from
+// being blamed on the peer: bytes waiting unread in the socket are life,
+// and a check that itself ran late (this process was descheduled) is not
+// trusted; the next one decides.
+type meshSession struct {
+	sess     *yamux.Session
+	conn     *net.TCPConn
+	role     string
+	interval time.Duration
+	timeout  time.Duration
+	log      zerolog.Logger
+	m        *metrics.Metrics
+	lastRead atomic.Int64 // mono
+	dead     atomic.Bool
+	// onDead runs once, before the session is closed, when the heartbeat
+	// declares it dead.
+	onDead func()
+
+	wg      sync.WaitGroup // the heartbeat and its ping
+	pinging atomic.Bool
+}
+
+// newMeshSession wraps conn in a yamux session (client: the egress side)
+// and starts its heartbeat.
+func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, onDead func()) (*meshSession, error) {
+	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, onDead: onDead}
+	ms.lastRead.Store(mono())
+	ac := activityConn{TCPConn: conn, last: &ms.lastRead}
+	cfg := yamuxConfig(m, hc, log)
+	var err error
+	if client {
+		ms.sess, err = yamux.Client(ac, cfg)
+	} else {
+		ms.sess, err = yamux.Server(ac, cfg)
+	}
+	if err != nil {
+		return nil, err
+	}
+	mt.MeshSessions(role).Inc()
+	ms.wg.Add(1)
+	go ms.heartbeat()
+	return ms, nil
+}
+
+// closed reports whether the session has ended.
+func (ms *meshSession) closed() bool { return ms.sess.IsClosed() }
+
+// close ends the session and waits for its heartbeat.
+func (ms *meshSession) close() {
+	_ = ms.sess.Close()
+	ms.wg.Wait()
+}
+
+func (ms *meshSession) heartbeat() {
+	defer ms.wg.Done()
+	defer ms.m.MeshSessions(ms.role).Dec()
+	step := min(ms.interval/2, ms.timeout/4)
+	t := time.NewTicker(step)
+	defer t.Stop()
+	nextPing := int64(0)
+	prev := mono()
+	for {
+		select {
+		case <-ms.sess.CloseChan():
+			return
+		case <-t.C:
+		}
+		now := mono()
+		late := now-prev > int64(ms.timeout/2)
+		prev = now
+		if !late && now-ms.lastRead.Load() > int64(ms.timeout) && unreadBytes(ms.conn) == 0 {
+			ms.declareDead(time.Duration(now - ms.lastRead.Load()))
+			return
+		}
+		if now >= nextPing && ms.pinging.CompareAndSwap(false, true) {
+			nextPing = now + int64(ms.interval)
+			ms.wg.Add(1)
+			go ms.ping()
+		}
+	}
+}
+
+// ping sends one ping; the heartbeat judges by what arrives, not by the
+// ping's own result. It ends within write_timeout, or when the session
+// closes.
+func (ms *meshSession) ping() {
+	defer ms.wg.Done()
+	defer ms.pinging.Store(false)
+	_, _ = ms.sess.Ping()
+}
+
+func (ms *meshSession) declareDead(silent time.Duration) {
+	ms.dead.Store(true)
+	ms.m.MeshSessionDeaths(ms.role).Inc()
+	ms.log.Warn().Str("peer", ms.conn.RemoteAddr().String()).Dur("silent_ms", silent).
+		Msg("mesh session dead: nothing from the peer sidecar for ping_timeout; its streams are closed")
+	if ms.onDead != nil {
+		ms.onDead()
+	}
+	_ = ms.sess.Close()
+}

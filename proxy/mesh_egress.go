@@ -1,0 +1,524 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/hashicorp/yamux"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// Detector reasons of the mesh.
+const (
+	reasonMeshDead     = metrics.ReasonMeshDead // the session to the peer sidecar missed its heartbeats
+	reasonMeshNotReady = "mesh_not_ready"       // the peer sidecar announced the port not ready
+)
+
+// noIngressFor is how long a peer whose mesh port refused is reached
+// directly (mesh.fallback: direct) before the next link tries the mesh
+// port again: a partial rollout does not pay a refused connect per link.
+const noIngressFor = 10 * time.Second
+
+// meshPeer is the ingress sidecar on one host, as the egress side sees it:
+// the sessions to it and the status it announced.
+type meshPeer struct {
+	p    *Proxy
+	host string
+	addr string // host:mesh port
+
+	dialMu sync.Mutex // one session dial at a time
+
+	mu        sync.Mutex
+	sessions  []*egressSession
+	status    map[uint16]portStatus // nil until a session's first message
+	statusCh  chan struct{}         // closed at every status change
+	endpoints map[*endpoint]struct{}
+
+	noIngressUntil atomic.Int64 // mono; 0: try the mesh port
+	fallbackLogged atomic.Bool
+}
+
+// egressSession is one session to a peer and the links on it.
+type egressSession struct {
+	*meshSession
+	peer  *meshPeer
+	mu    sync.Mutex
+	links map[*link]struct{}
+}
+
+// meshPeer returns the peer at host:port, creating it on first use.
+func (p *Proxy) meshPeer(host string, port int) *meshPeer {
+	addr := net.JoinHostPort(host, strconv.Itoa(port))
+	p.meshMu.Lock()
+	defer p.meshMu.Unlock()
+	if p.peers == nil {
+		p.peers = make(map[string]*meshPeer)
+	}
+	pr := p.peers[addr]
+	if pr == nil {
+		pr = &meshPeer{p: p, host: host, addr: addr, statusCh: make(chan struct{}), endpoints: make(map[*endpoint]struct{})}
+		p.peers[addr] = pr
+	}
+	return pr
+}
+
+// closeMesh closes every egress session and waits for their goroutines.
+func (p *Proxy) closeMesh() {
+	p.meshMu.Lock()
+	peers := make([]*meshPeer, 0, len(p.peers))
+	for _, pr := range p.peers {
+		peers = append(peers, pr)
+	}
+	p.meshMu.Unlock()
+	for _, pr := range peers {
+		pr.mu.Lock()
+		ss := append([]*egressSession(nil), pr.sessions...)
+		pr.sessions = nil
+		pr.mu.Unlock()
+		for _, es := range ss {
+			es.close()
+		}
+	}
+}
+
+// session returns a live session to the peer with the fewest streams,
+// dialling one when there is none, or when every one carries streams and
+// fewer than mesh.sessions exist.
+func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration, dialer *net.Dialer) (*egressSession, error) {
+	pick := func() (best *egressSession, grow bool) {
+		pr.mu.Lock()
+		defer pr.mu.Unlock()
+		live := pr.sessions[:0]
+		for _, es := range pr.sessions {
+			if !es.closed() {
+				live = append(live, es)
+			}
+		}
+		clear(pr.sessions[len(live):])
+		pr.sessions = live
+		for _, es := range live {
+			if best == nil || es.sess.NumStreams() < best.sess.NumStreams() {
+				best = es
+			}
+		}
+		return best, best == nil || (len(live) < m.Sessions && best.sess.NumStreams() > 0)
+	}
+	best, grow := pick()
+	if !grow {
+		return best, nil
+	}
+	if best != nil && !pr.dialMu.TryLock() {
+		return best, nil // another link is adding one already
+	} else if best == nil {
+		pr.dialMu.Lock()
+	}
+	defer pr.dialMu.Unlock()
+	if best, grow = pick(); !grow {
+		return best, nil
+	}
+	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
+	if err != nil {
+		if best != nil {
+			return best, nil
+		}
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, fmt.Errorf("%w: %s", errNoIngress, pr.addr)
+		}
+		return nil, err
+	}
+	es := &egressSession{peer: pr, links: make(map[*link]struct{})}
+	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
+	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, es.died)
+	if err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	es.meshSession = ms
+	ms.wg.Add(1)
+	go es.readStatus()
+	pr.mu.Lock()
+	pr.sessions = append(pr.sessions, es)
+	pr.mu.Unlock()
+	log.Debug().Msg("mesh session opened")
+	return es, nil
+}
+
+// readStatus reads the status stream the ingress opens and applies each
+// message. It ends when the session does.
+func (es *egressSession) readStatus() {
+	defer es.wg.Done()
+	st, err := es.sess.AcceptStream()
+	if err != nil {
+		return
+	}
+	defer st.Close()
+	for {
+		status, err := readStatus(st)
+		if err != nil {
+			if errors.Is(err, errBadStatus) {
+				es.log.Warn().Err(err).Msg("mesh peer sent a malformed status: session closed")
+				_ = es.sess.Close()
+			}
+			return
+		}
+		es.peer.applyStatus(status)
+	}
+}
+
+// applyStatus takes a status message: a port announced not ready is
+// excluded at once (its links evicted, new ones refused); a port whose
+// epoch changed had its server start afresh, so links opened under the
+// old epoch are evicted.
+func (pr *meshPeer) applyStatus(st map[uint16]portStatus) {
+	pr.mu.Lock()
+	old := pr.status
+	pr.status = st
+	close(pr.statusCh)
+	pr.statusCh = make(chan struct{})
+	pr.mu.Unlock()
+	for port, ps := range st {
+		ep := pr.p.lookupEndpoint(net.JoinHostPort(pr.host, strconv.Itoa(int(port))))
+		if ep == nil {
+			continue
+		}
+		o, known := old[port]
+		switch {
+		case !ps.ready && (!known || o.ready):
+			pr.p.log.Warn().Str("endpoint", ep.addr).Str("mesh_peer", pr.addr).Msg("the peer sidecar announces the endpoint not ready")
+			pr.p.report(ep, reasonMeshNotReady)
+		case ps.ready && known && o.epoch != ps.epoch:
+			if n := ep.evictMeshEpoch(pr, o.epoch); n > 0 {
+				pr.p.log.Info().Str("endpoint", ep.addr).Int("links_closed", n).Msg("the server behind the peer sidecar started afresh (new epoch): links opened before are evicted")
+			}
+		}
+	}
+}
+
+// epochOf is the epoch the peer announced for port, 0 if none yet.
+func (pr *meshPeer) epochOf(port uint16) uint64 {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	return pr.status[port].epoch
+}
+
+// probe proves an endpoint behind the peer: a session answers a ping and
+// the peer announces the port ready.
+func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc time.Duration, dialer *net.Dialer) error {
+	es, err := pr.session(ctx, m, hc, dialer)
+	if err != nil {
+		return err
+	}
+	if _, err := es.sess.Ping(); err != nil {
+		return fmt.Errorf("mesh ping: %w", err)
+	}
+	for {
+		pr.mu.Lock()
+		ps, ok := pr.status[port]
+		ch := pr.statusCh
+		pr.mu.Unlock()
+		if ok {
+			if ps.ready {
+				return nil
+			}
+			return errPortNotReady
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return fmt.Errorf("mesh: no status from the peer sidecar: %w", ctx.Err())
+		}
+	}
+}
+
+// died runs when the heartbeat declares the session dead: its links end
+// (mesh_dead), the status it brought is forgotten, and every endpoint
+// reached through the peer is excluded; probes dial a new session.
+func (es *egressSession) died() {
+	pr := es.peer
+	pr.mu.Lock()
+	pr.status = nil
+	eps := make([]*endpoint, 0, len(pr.endpoints))
+	for ep := range pr.endpoints {
+		eps = append(eps, ep)
+	}
+	pr.mu.Unlock()
+	es.mu.Lock()
+	links := make([]*link, 0, len(es.links))
+	for lk := range es.links {
+		links = append(links, lk)
+	}
+	es.mu.Unlock()
+	for _, lk := range links {
+		lk.abort(metrics.ReasonMeshDead, errMeshDead)
+	}
+	for _, ep := range eps {
+		pr.p.report(ep, reasonMeshDead)
+	}
+}
+
+var errMeshDead = errors.New("mesh: the session to the peer sidecar missed its heartbeats")
+
+func (es *egressSession) add(lk *link) bool {
+	es.mu.Lock()
+	defer es.mu.Unlock()
+	if es.dead.Load() || es.closed() {
+		return false
+	}
+	es.links[lk] = struct{}{}
+	return true
+}
+
+func (es *egressSession) remove(lk *link) {
+	es.mu.Lock()
+	delete(es.links, lk)
+	es.mu.Unlock()
+}
+
+// evictMeshEpoch evicts ep's links on peer pr opened under epoch (or
+// before any epoch was known).
+func (ep *endpoint) evictMeshEpoch(pr *meshPeer, epoch uint64) int {
+	ep.mu.Lock()
+	var ks []*link
+	for lk := range ep.links {
+		lk.connMu.Lock()
+		es, e := lk.meshSess, lk.meshEpoch
+		lk.connMu.Unlock()
+		if es != nil && es.peer == pr && (e == epoch || e == 0) {
+			ks = append(ks, lk)
+		}
+	}
+	ep.mu.Unlock()
+	n := 0
+	for _, lk := range ks {
+		if lk.abort(metrics.ReasonEvicted, nil) {
+			lk.l.m.Evicted(metrics.EvictReadmitted, 1)
+			n++
+		}
+	}
+	return n
+}
+
+// meshProbe is the detector's probe override for ep: through the mesh
+// when ep is reached through it, else not handled (the probe of its
+// kind runs). A peer with no ingress sidecar, under fallback direct, is
+// probed directly too.
+func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
+	port := int(ep.meshPort.Load())
+	if port == 0 {
+		return false, nil
+	}
+	s := *ep.settings.Load()
+	m := s.Mesh.OrDefaults()
+	host, eport, err := net.SplitHostPort(ep.dial)
+	if err != nil {
+		return false, nil
+	}
+	n, _ := strconv.Atoi(eport)
+	pr := ep.p.meshPeer(host, port)
+	err = pr.probe(ctx, uint16(n), m, s.HalfCloseTimeout.D(), &net.Dialer{KeepAlive: -1, Control: upstreamControl(s)})
+	if errors.Is(err, errNoIngress) && m.Fallback == policy.MeshFallbackDirect {
+		return false, nil
+	}
+	return true, err
+}
+
+// meshPortFor is the mesh port through which the link reaches ep, 0 for
+// none: a transparent match entry's own, else the listener's mesh.port.
+func (lk *link) meshPortFor(ep *endpoint) int {
+	port := lk.settings.Mesh.Port
+	if lk.l.matches != nil {
+		if i := lk.l.matchIndex(ep.addr); i >= 0 && lk.l.matches[i].meshPort != 0 {
+			port = lk.l.matches[i].meshPort
+		}
+	}
+	ep.meshPort.Store(int32(port))
+	return port
+}
+
+// openMesh opens a stream to ep through the peer sidecar at its mesh port.
+func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession, error) {
+	host, eport, err := net.SplitHostPort(ep.dial)
+	if err != nil {
+		return nil, nil, err
+	}
+	n, err := strconv.Atoi(eport)
+	if err != nil {
+		return nil, nil, err
+	}
+	pr := lk.l.p.meshPeer(host, port)
+	if until := pr.noIngressUntil.Load(); until != 0 && mono() < until {
+		return nil, nil, errNoIngress
+	}
+	m := lk.settings.Mesh.OrDefaults()
+	ctx, cancel := context.WithTimeout(lk.l.ctx, cmpDuration(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
+	defer cancel()
+	for try := 0; ; try++ {
+		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
+		if errors.Is(err, errNoIngress) {
+			pr.noIngressUntil.Store(mono() + int64(noIngressFor))
+			return nil, nil, err
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		pr.noIngressUntil.Store(0)
+		st, err := es.sess.OpenStream()
+		if err == nil {
+			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
+				pr.mu.Lock()
+				pr.endpoints[ep] = struct{}{}
+				pr.mu.Unlock()
+				return st, es, nil
+			}
+			_ = st.Close()
+		}
+		if try == 1 || ctx.Err() != nil {
+			// A session that ends under the open: the peer's fault, as a
+			// reset connection is.
+			return nil, nil, fmt.Errorf("mesh stream: %w (%v)", syscall.ECONNRESET, err)
+		}
+	}
+}
+
+// cmpDuration is a, or b when a is 0 (a bound that 0 disables).
+func cmpDuration(a, b time.Duration) time.Duration {
+	if a <= 0 {
+		return b
+	}
+	return a
+}
+
+// meshFallback counts a link of l that reaches ep directly because its
+// host has no ingress sidecar, and says so once per peer.
+func (lk *link) meshFallback(ep *endpoint, port int) {
+	lk.l.p.metrics.MeshFallbacks(lk.l.cfg.Name).Inc()
+	host, _, _ := net.SplitHostPort(ep.dial)
+	if pr := lk.l.p.meshPeer(host, port); pr.fallbackLogged.CompareAndSwap(false, true) {
+		lk.l.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).
+			Msg("no ingress sidecar on the peer (mesh port refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
+	}
+}
+
+// meshConnected takes over a stream opened for the link.
+func (lk *link) meshConnected(ep *endpoint, st *yamux.Stream, es *egressSession) bool {
+	_, eport, _ := net.SplitHostPort(ep.dial)
+	n, _ := strconv.Atoi(eport)
+	epoch := es.peer.epochOf(uint16(n))
+	lk.ep = ep
+	lk.connMu.Lock()
+	lk.stream, lk.meshSess, lk.meshEpoch = st, es, epoch
+	closed := lk.closed
+	lk.connMu.Unlock()
+	if lk.l.pool != nil {
+		ep.add(lk)
+	}
+	if closed {
+		_ = st.Close()
+		return false
+	}
+	if !es.add(lk) {
+		lk.abort(metrics.ReasonMeshDead, errMeshDead)
+		return false
+	}
+	return true
+}
+
+// meshRequests copies the client to the stream. The stream's flow-control
+// window bounds what is in flight: a write waits while the peer's window
+// is full, so the client is read no faster than the far side drains.
+func (lk *link) meshRequests() {
+	for {
+		bp, n, err := lk.client.read(chunkSize)
+		if n > 0 {
+			lk.bytesUp.Add(int64(n))
+			_, werr := lk.stream.Write((*bp)[:n])
+			putChunk(bp)
+			if werr != nil {
+				lk.meshFail(werr)
+				return
+			}
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			lk.sawFin(metrics.ReasonClientClosed)
+			_ = lk.stream.Close() // yamux's Close is the half-close
+			lk.passedFin()
+		} else {
+			lk.abort(metrics.ReasonClientError, err)
+		}
+		return
+	}
+}
+
+// meshResponses copies the stream to the client, after the ingress's
+// acknowledgement that it reached the server: a stream closed before it
+// is a failed dial on the far side, and the client is reset.
+func (lk *link) meshResponses() {
+	var ack [1]byte
+	if _, err := io.ReadFull(lk.stream, ack[:]); err != nil || ack[0] != meshAck {
+		if (err == nil || errors.Is(err, io.EOF)) && !lk.meshSess.closed() {
+			err = fmt.Errorf("%w: the peer sidecar could not reach the server", syscall.ECONNREFUSED)
+			lk.abort(metrics.ReasonDialError, err)
+			return
+		}
+		lk.meshFail(err)
+		return
+	}
+	for {
+		bp := getChunk()
+		n, err := lk.stream.Read(*bp)
+		if n > 0 {
+			lk.bytesDown.Add(int64(n))
+			_, werr := lk.client.Write((*bp)[:n])
+			putChunk(bp)
+			if werr != nil {
+				lk.abort(metrics.ReasonClientError, werr)
+				return
+			}
+			continue
+		}
+		putChunk(bp)
+		if errors.Is(err, io.EOF) {
+			lk.sawFin(metrics.ReasonUpstreamClosed)
+			if cerr := lk.client.CloseWrite(); cerr != nil {
+				lk.abort(metrics.ReasonClientError, cerr)
+				return
+			}
+			lk.passedFin()
+			return
+		}
+		lk.meshFail(err)
+		return
+	}
+}
+
+// meshFail ends a mesh link on a stream error: mesh_dead when its session
+// was declared dead, else upstream_error (the stream was reset or its
+// session closed).
+func (lk *link) meshFail(err error) {
+	if lk.meshSess.dead.Load() {
+		lk.abort(metrics.ReasonMeshDead, err)
+		return
+	}
+	lk.abort(metrics.ReasonUpstreamError, err)
+}
+
+func (lk *link) meshRequestsOwned() {
+	defer lk.exit()
+	lk.meshRequests()
+}
+
+func (lk *link) meshResponsesOwned() {
+	defer lk.exit()
+	lk.meshResponses()
+}

@@ -1,0 +1,302 @@
+package proxy
+
+import (
+	"cmp"
+	"context"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/yamux"
+
+	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// defaultCheckInterval is ingress.check_interval's default.
+const defaultCheckInterval = time.Second
+
+// ingress is the server side of the mesh on one listener: it accepts the
+// sessions of egress sidecars, proxies each stream to a local server port
+// as a link (with the listener's upstream enforcement), and announces to
+// every session whether each local port accepts connections.
+//
+// Goroutines: the checker, and per session its heartbeat, its stream
+// accept loop and its status writer, all owned by wg; a stream's
+// handshake goroutine becomes its link's (counted by the listener).
+type ingress struct {
+	l     *listener
+	host  string
+	ports []uint16 // the local port first, then ingress.ports
+
+	kick      chan struct{} // check now
+	checked   chan struct{} // closed after the first check: statuses wait for it
+	stop      chan struct{}
+	once      sync.Once
+	startOnce sync.Once
+	wg        sync.WaitGroup
+
+	mu       sync.Mutex
+	status   map[uint16]portStatus
+	sessions map[*ingressSession]struct{}
+	closed   bool
+}
+
+type ingressSession struct {
+	*meshSession
+	changed chan struct{} // the status changed: send it
+}
+
+func newIngress(l *listener, cfg policy.Listener) *ingress {
+	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
+	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
+		status: make(map[uint16]portStatus), sessions: make(map[*ingressSession]struct{})}
+	n, _ := strconv.Atoi(port)
+	in.ports = append(in.ports, uint16(n))
+	for _, p := range cfg.Ingress.Ports {
+		if !slices.Contains(in.ports, uint16(p)) {
+			in.ports = append(in.ports, uint16(p))
+		}
+	}
+	for _, p := range in.ports {
+		in.status[p] = portStatus{} // not ready until the first check
+	}
+	return in
+}
+
+// endpoints registers the local ports as endpoints of l (the caller
+// holds p.mu), so that their links are judged, and probed when excluded,
+// like any upstream's.
+func (in *ingress) endpointsLocked(s policy.Settings) {
+	p := in.l.p
+	for _, port := range in.ports {
+		ep, _ := p.endpointForLocked(net.JoinHostPort(in.host, strconv.Itoa(int(port))), s)
+		ep.mu.Lock()
+		if !slices.Contains(ep.listeners, in.l) {
+			ep.listeners = append(ep.listeners, in.l)
+		}
+		ep.mu.Unlock()
+	}
+}
+
+// start runs the checker.
+func (in *ingress) start() {
+	in.wg.Add(1)
+	go in.checker()
+}
+
+// close ends every session and the checker, and waits for them.
+func (in *ingress) close() {
+	in.once.Do(func() { close(in.stop) })
+	in.mu.Lock()
+	in.closed = true
+	ss := make([]*ingressSession, 0, len(in.sessions))
+	for is := range in.sessions {
+		ss = append(ss, is)
+	}
+	in.mu.Unlock()
+	for _, is := range ss {
+		_ = is.sess.Close()
+	}
+	in.wg.Wait()
+}
+
+// kickCheck asks the checker to check the local ports now: a link to one
+// of them failed.
+func (in *ingress) kickCheck() {
+	select {
+	case in.kick <- struct{}{}:
+	default:
+	}
+}
+
+// checker checks every local port every check_interval, and at once when
+// kicked. A port is ready when it accepts a connection and the detector
+// does not hold it excluded or disabled; a port that turns ready gets a
+// new epoch.
+func (in *ingress) checker() {
+	defer in.wg.Done()
+	every := cmp.Or(in.l.cfg.Ingress.CheckInterval.D(), defaultCheckInterval)
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for first := true; ; first = false {
+		in.check(min(every, time.Second))
+		if first {
+			close(in.checked)
+		}
+		select {
+		case <-t.C:
+		case <-in.kick:
+		case <-in.stop:
+			return
+		}
+	}
+}
+
+func (in *ingress) check(timeout time.Duration) {
+	p := in.l.p
+	next := make(map[uint16]bool, len(in.ports))
+	for _, port := range in.ports {
+		addr := net.JoinHostPort(in.host, strconv.Itoa(int(port)))
+		ready := false
+		if st, _ := p.det.State(normalizeEndpoint(addr)); st == health.Healthy {
+			ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
+			c, err := (&net.Dialer{KeepAlive: -1}).DialContext(ctx, "tcp", addr)
+			cancel()
+			if err == nil {
+				_ = c.Close()
+				ready = true
+			}
+		}
+		next[port] = ready
+	}
+	in.mu.Lock()
+	changed := false
+	for port, ready := range next {
+		old := in.status[port]
+		if old.ready == ready {
+			continue
+		}
+		changed = true
+		ns := portStatus{ready: ready, epoch: old.epoch}
+		if ready {
+			ns.epoch = newEpoch()
+		}
+		in.status[port] = ns
+		in.l.log.Info().Str("local", net.JoinHostPort(in.host, strconv.Itoa(int(port)))).Bool("ready", ready).
+			Msg("mesh ingress: local port readiness changed; announced to the peers")
+	}
+	var ss []*ingressSession
+	if changed {
+		for is := range in.sessions {
+			ss = append(ss, is)
+		}
+	}
+	in.mu.Unlock()
+	for _, is := range ss {
+		is.notify()
+	}
+}
+
+func (is *ingressSession) notify() {
+	select {
+	case is.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (in *ingress) snapshot() map[uint16]portStatus {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	st := make(map[uint16]portStatus, len(in.status))
+	for k, v := range in.status {
+		st[k] = v
+	}
+	return st
+}
+
+// serveConn turns an accepted connection into a session.
+func (in *ingress) serveConn(tc *net.TCPConn) {
+	s := in.l.spec().settings
+	m := s.Mesh.OrDefaults()
+	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
+	is := &ingressSession{changed: make(chan struct{}, 1)}
+	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, nil)
+	if err != nil {
+		resetConn(tc)
+		return
+	}
+	is.meshSession = ms
+	in.mu.Lock()
+	if in.closed {
+		in.mu.Unlock()
+		ms.close()
+		return
+	}
+	in.sessions[is] = struct{}{}
+	in.mu.Unlock()
+	in.wg.Add(2)
+	go in.acceptStreams(is)
+	go in.writeStatus(is)
+}
+
+// writeStatus opens the status stream and sends the status at once and
+// on every change, until the session ends.
+func (in *ingress) writeStatus(is *ingressSession) {
+	defer in.wg.Done()
+	st, err := is.sess.OpenStream()
+	if err != nil {
+		return
+	}
+	defer st.Close()
+	select {
+	case <-in.checked: // no status before the ports were checked once
+	case <-is.sess.CloseChan():
+		return
+	}
+	for {
+		if err := writeStatus(st, in.snapshot()); err != nil {
+			_ = is.sess.Close() // a session that cannot carry its status is no use
+			return
+		}
+		select {
+		case <-is.changed:
+		case <-is.sess.CloseChan():
+			return
+		}
+	}
+}
+
+// acceptStreams serves the session's streams until it ends, then forgets
+// the session and waits for its heartbeat.
+func (in *ingress) acceptStreams(is *ingressSession) {
+	defer in.wg.Done()
+	defer func() {
+		in.mu.Lock()
+		delete(in.sessions, is)
+		in.mu.Unlock()
+		is.close()
+	}()
+	for {
+		st, err := is.sess.AcceptStream()
+		if err != nil {
+			return
+		}
+		in.wg.Add(1)
+		go in.serveStream(is, st)
+	}
+}
+
+// serveStream reads a stream's header and proxies it to the local port it
+// names, as a link of the listener. A port the ingress does not serve is
+// refused: it is not an open relay.
+func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
+	defer in.wg.Done()
+	l := in.l
+	l.m.LinksTotal.Inc()
+	_ = st.SetReadDeadline(time.Now().Add(meshHeaderTimeout))
+	port, err := readMeshHeader(st)
+	_ = st.SetReadDeadline(time.Time{})
+	if err != nil || !slices.Contains(in.ports, port) {
+		l.log.Warn().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
+			Msg("mesh stream refused: bad header or a port this ingress does not serve")
+		_ = st.Close()
+		l.m.Closed(metrics.ReasonNoMatch)
+		return
+	}
+	ep := l.p.lookupEndpoint(net.JoinHostPort(in.host, strconv.Itoa(int(port))))
+	if ep == nil {
+		_ = st.Close()
+		l.m.Closed(metrics.ReasonRefused)
+		return
+	}
+	lk := newLink(l, ep, &streamClient{s: st, remote: is.conn.RemoteAddr()})
+	if !l.track(lk) {
+		_ = st.Close()
+		return
+	}
+	l.serveLink(lk)
+}

@@ -1,0 +1,337 @@
+package proxy
+
+import (
+	"bytes"
+	"os"
+
+	"errors"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// testLogger logs to stderr when LP_TEST_LOG is set.
+func testLogger() *zerolog.Logger {
+	l := zerolog.Nop()
+	if os.Getenv("LP_TEST_LOG") != "" {
+		l = zerolog.New(os.Stderr)
+	}
+	return &l
+}
+
+// Fast mesh settings for tests: a session silent for 300 ms is dead.
+func fastMesh(s *policy.Settings) {
+	s.Mesh.PingInterval = policy.Duration(50 * time.Millisecond)
+	s.Mesh.PingTimeout = policy.Duration(300 * time.Millisecond)
+	s.Mesh.WriteTimeout = policy.Duration(200 * time.Millisecond)
+	s.Detector.InitialDelay = policy.Duration(50 * time.Millisecond)
+	s.Detector.MaxDelay = policy.Duration(200 * time.Millisecond)
+	s.Detector.Jitter = 0
+}
+
+// ingressProxy is a sidecar whose ingress listener, on host, serves the
+// local server at local.
+type ingressProxy struct {
+	p    *Proxy
+	m    *metrics.Metrics
+	port int // the mesh port
+}
+
+func startIngress(t *testing.T, host, local string, tune func(*policy.Settings)) *ingressProxy {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	fastMesh(&s)
+	if tune != nil {
+		tune(&s)
+	}
+	cfg.Listeners = []policy.Listener{{Name: "ingress", Listen: net.JoinHostPort(host, "0"),
+		Ingress: policy.Ingress{Local: local, CheckInterval: policy.Duration(50 * time.Millisecond)}, Settings: s}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	in := &ingressProxy{m: metrics.New()}
+	in.p = New(cfg, Options{metrics: in.m, Logger: testLogger()})
+	if err := in.p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = in.p.Close() })
+	in.port = in.p.Addr("ingress").(*net.TCPAddr).Port
+	return in
+}
+
+// startEgress is a sidecar whose listener reaches upstream through the
+// mesh port.
+func startEgress(t *testing.T, upstream string, meshPort int, tune func(*policy.Settings)) *harness {
+	t.Helper()
+	return start(t, upstream, func(s *policy.Settings) {
+		fastMesh(s)
+		s.Mesh.Port = meshPort
+		if tune != nil {
+			tune(s)
+		}
+	})
+}
+
+// A link through the mesh carries its bytes both ways and ends cleanly;
+// both sides count one session and one link.
+func TestMeshRoundTrip(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+
+	c := eg.dial()
+	msg := bytes.Repeat([]byte("mesh "), 40000) // 200 KB: several frames, within one window
+	roundTrip(t, c, msg)
+	if got := testutil.ToFloat64(eg.m.MeshSessions(metrics.MeshEgress)); got != 1 {
+		t.Errorf("egress sessions = %v, want 1", got)
+	}
+	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
+		t.Errorf("ingress sessions = %v, want 1", got)
+	}
+	_ = c.CloseWrite()
+	waitClosed(t, c, 5*time.Second)
+	s := eg.linkEnd(5 * time.Second)
+	if s.Reason != CloseUpstreamClosed && s.Reason != CloseClientClosed {
+		t.Fatalf("link ended %s (%v), want a clean end", s.Reason, s.Err)
+	}
+	if s.BytesUp != int64(len(msg)) || s.BytesDown != int64(len(msg)) {
+		t.Fatalf("bytes up %d down %d, want %d both", s.BytesUp, s.BytesDown, len(msg))
+	}
+	if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != 0 {
+		t.Fatalf("%v fallbacks, want none", got)
+	}
+}
+
+// An idle session stays up for many ping timeouts: the peer sidecar
+// answers the pings, so a link that carries nothing is never cut.
+func TestMeshIdleSessionLives(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+
+	c := eg.dial()
+	roundTrip(t, c, []byte("before"))
+	// Twenty ping timeouts of silence on the link; the session pings on.
+	time.Sleep(20 * 300 * time.Millisecond)
+	roundTrip(t, c, []byte("after"))
+	for _, m := range []*metrics.Metrics{eg.m, in.m} {
+		for _, role := range []string{metrics.MeshEgress, metrics.MeshIngress} {
+			if got := testutil.ToFloat64(m.MeshSessionDeaths(role)); got != 0 {
+				t.Fatalf("%v %s session deaths, want 0", got, role)
+			}
+		}
+	}
+	if st := eg.stateOf(srv.Addr()); st != "healthy" {
+		t.Fatalf("endpoint %s, want healthy", st)
+	}
+}
+
+// frozenSidecar accepts on the mesh port and never reads nor answers, as
+// a SIGSTOPped sidecar's kernel does.
+func frozenSidecar(t *testing.T) int {
+	fz := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Addr: "127.0.0.2:0"})
+	_, port, _ := net.SplitHostPort(fz.Addr())
+	n, _ := strconv.Atoi(port)
+	return n
+}
+
+// A peer sidecar that stops answering is detected by the heartbeat alone:
+// the idle link on its session ends mesh_dead, the endpoint is excluded,
+// and new links are refused until it answers again.
+func TestMeshFrozenSidecarClosesLinks(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	eg := startEgress(t, srv.Addr(), frozenSidecar(t), nil)
+
+	c := eg.dial()
+	t0 := time.Now()
+	s := eg.linkEndOf(c, 10*time.Second)
+	if s.Reason != CloseMeshDead {
+		t.Fatalf("link ended %s (%v), want mesh_dead", s.Reason, s.Err)
+	}
+	t.Logf("idle link on a frozen sidecar's session closed after %v (ping_timeout 300ms)", time.Since(t0).Round(time.Millisecond))
+	if got := testutil.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)); got < 1 {
+		t.Fatalf("%v egress session deaths, want at least 1", got)
+	}
+	eg.waitStateOf(srv.Addr(), "excluded", 5*time.Second)
+	expectRefusedSoon(t, eg.addr)
+	// No link went around the mesh to the server.
+	if srv.Accepted() != 0 {
+		t.Fatalf("the server accepted %d connections, want none", srv.Accepted())
+	}
+}
+
+// A peer with no ingress sidecar is reached directly under fallback:
+// direct (counted), and refused under fallback: refuse.
+func TestMeshFallback(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	noSidecar := refusingPort(t, "127.0.0.2")
+
+	eg := startEgress(t, srv.Addr(), noSidecar, nil)
+	c := eg.dial()
+	roundTrip(t, c, []byte("direct"))
+	c2 := eg.dial()
+	roundTrip(t, c2, []byte("direct again"))
+	if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != 2 {
+		t.Fatalf("%v fallbacks, want 2", got)
+	}
+	if st := eg.stateOf(srv.Addr()); st != "healthy" {
+		t.Fatalf("endpoint %s, want healthy: no sidecar is no fault of the server", st)
+	}
+
+	refusing := startEgress(t, srv.Addr(), noSidecar, func(s *policy.Settings) { s.Mesh.Fallback = policy.MeshFallbackRefuse })
+	// The reset may come before the client's connect completes.
+	if rc, err := net.Dial("tcp", refusing.addr); err == nil {
+		if err, _ := waitClosed(t, rc, 5*time.Second); !isCloseSignal(err) {
+			t.Fatalf("client saw %v, want its connection closed", err)
+		}
+		_ = rc.Close()
+	}
+	if s := refusing.linkEnd(5 * time.Second); s.Reason != CloseRefused {
+		t.Fatalf("link ended %s, want refused", s.Reason)
+	}
+}
+
+// refusingPort is a port on host that refuses connections.
+func refusingPort(t *testing.T, host string) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	_ = ln.Close()
+	return port
+}
+
+// The local server going down makes the ingress announce it not ready:
+// the egress excludes the endpoint and refuses new links at once, without
+// waiting for any request to time out; when the server is back, the
+// probe through the mesh readmits it and links work again.
+func TestMeshLocalServerDownThenBack(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	addr := srv.Addr()
+	in := startIngress(t, "127.0.0.2", addr, nil)
+	eg := startEgress(t, addr, in.port, nil)
+	c := eg.dial()
+	roundTrip(t, c, []byte("up"))
+
+	srv.Close()
+	s := eg.linkEndOf(c, 5*time.Second)
+	t.Logf("link ended %s when the server went", s.Reason)
+	eg.waitStateOf(addr, "excluded", 5*time.Second)
+	expectRefusedSoon(t, eg.addr)
+
+	// Back on the same port: the ingress announces it ready under a new
+	// epoch, the probe through the mesh readmits it.
+	faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: addr})
+	eg.waitStateOf(addr, "healthy", 10*time.Second)
+	c2 := eg.dialWhenReadmitted(5 * time.Second)
+	roundTrip(t, c2, []byte("back"))
+}
+
+// A new epoch from the peer evicts the links opened under the old one
+// and leaves those opened under the new one alone. The ingress is made to
+// announce a new epoch the way it does when its server started afresh,
+// here without the old links noticing (as when a restart is quicker than
+// their sockets learn of it).
+func TestMeshNewEpochEvictsOldLinks(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	old := eg.dial()
+	roundTrip(t, old, []byte("old"))
+
+	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	_, sp, _ := net.SplitHostPort(srv.Addr())
+	n, _ := strconv.Atoi(sp)
+	port := uint16(n)
+	first := pr.epochOf(port)
+	if first == 0 {
+		t.Fatal("no epoch known after a round trip")
+	}
+	second := in.bumpEpoch(t, port)
+	s := eg.linkEndOf(old, 5*time.Second)
+	if s.Reason != CloseEvicted {
+		t.Fatalf("old link ended %s, want evicted", s.Reason)
+	}
+	if got := pr.epochOf(port); got != second {
+		t.Fatalf("egress knows epoch %d, want the new %d", got, second)
+	}
+	fresh := eg.dial()
+	roundTrip(t, fresh, []byte("fresh"))
+	another := eg.dial() // may open the second session, which announces the same epoch
+	roundTrip(t, another, []byte("another"))
+	roundTrip(t, fresh, []byte("still"))
+	if got := testutil.ToFloat64(eg.m.MeshSessions(metrics.MeshEgress)); got != 2 {
+		t.Logf("%v egress sessions", got)
+	}
+}
+
+// bumpEpoch makes the ingress announce a new epoch for port.
+func (in *ingressProxy) bumpEpoch(t *testing.T, port uint16) uint64 {
+	t.Helper()
+	ing := in.p.listeners[0].ingress
+	e := newEpoch()
+	ing.mu.Lock()
+	ing.status[port] = portStatus{ready: true, epoch: e}
+	for is := range ing.sessions {
+		is.notify()
+	}
+	ing.mu.Unlock()
+	return e
+}
+
+// A stream that names a port the ingress does not serve is refused: the
+// ingress is no open relay, and the egress resets its client as for a
+// refused dial.
+func TestMeshIngressRefusesOtherPorts(t *testing.T) {
+	served := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	other := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", served.Addr(), nil)
+	eg := startEgress(t, other.Addr(), in.port, nil)
+	c := eg.dial()
+	_, _ = c.Write([]byte("hello"))
+	if err, _ := waitClosed(t, c, 5*time.Second); !isCloseSignal(err) {
+		t.Fatalf("client saw %v, want its connection closed", err)
+	}
+	if s := eg.linkEnd(5 * time.Second); s.Reason != CloseDialError {
+		t.Fatalf("link ended %s (%v), want dial_error", s.Reason, s.Err)
+	}
+	if other.Accepted() != 0 {
+		t.Fatal("the ingress relayed to a port it does not serve")
+	}
+}
+
+func TestMeshStatusRoundTrip(t *testing.T) {
+	want := map[uint16]portStatus{8098: {ready: true, epoch: 7}, 8097: {ready: false, epoch: 9}}
+	var b bytes.Buffer
+	if err := writeStatus(&b, want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := readStatus(&b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != len(want) || got[8098] != want[8098] || got[8097] != want[8097] {
+		t.Fatalf("status %v, want %v", got, want)
+	}
+	if _, err := readStatus(bytes.NewReader([]byte{0, 5, 1, 2, 3, 4, 5})); !errors.Is(err, errBadStatus) {
+		t.Fatalf("a length that is no whole entry: %v, want errBadStatus", err)
+	}
+	if _, err := readMeshHeader(bytes.NewReader([]byte("HTTP/1"))); err == nil {
+		t.Fatal("a stream that is not the mesh's was accepted")
+	}
+	if p, err := readMeshHeader(bytes.NewReader(meshHeader(8098))); err != nil || p != 8098 {
+		t.Fatalf("header: %d, %v", p, err)
+	}
+}
