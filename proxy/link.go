@@ -610,17 +610,22 @@ func (lk *link) pumpResponses() {
 				lk.badFrame("response", errTruncated)
 				return
 			}
-			lk.sawFin(metrics.ReasonUpstreamClosed)
-			if cerr := lk.client.CloseWrite(); cerr != nil {
-				lk.abort(metrics.ReasonClientError, cerr)
-				return
-			}
-			lk.passedFin()
+			lk.passFinToClient()
 			return
 		}
 		lk.fail(err)
 		return
 	}
+}
+
+// passFinToClient passes the upstream's FIN on to the client.
+func (lk *link) passFinToClient() {
+	lk.sawFin(metrics.ReasonUpstreamClosed)
+	if cerr := lk.client.CloseWrite(); cerr != nil {
+		lk.abort(metrics.ReasonClientError, cerr)
+		return
+	}
+	lk.passedFin()
 }
 
 // badFrame ends the link on a frame the proxy cannot follow. It is not a

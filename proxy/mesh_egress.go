@@ -489,12 +489,7 @@ func (lk *link) meshResponses() {
 		}
 		putChunk(bp)
 		if errors.Is(err, io.EOF) {
-			lk.sawFin(metrics.ReasonUpstreamClosed)
-			if cerr := lk.client.CloseWrite(); cerr != nil {
-				lk.abort(metrics.ReasonClientError, cerr)
-				return
-			}
-			lk.passedFin()
+			lk.passFinToClient()
 			return
 		}
 		lk.meshFail(err)
