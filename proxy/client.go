@@ -48,7 +48,7 @@ type streamConn interface {
 	Read(p []byte) (int, error)
 	Write(p []byte) (int, error)
 	Close() error
-	SetWriteDeadline(t time.Time) error
+	SetDeadline(t time.Time) error
 }
 
 // streamClient is a stream a mesh ingress accepted: the client of a link
@@ -78,9 +78,17 @@ func (c *streamClient) CloseWrite() error { return c.s.Close() }
 
 func (c *streamClient) abortive() {}
 
-// Close closes the stream. yamux has no reset: the egress reads the end
-// of the stream, and frees it once it closes its own side (or after
-// half_close_timeout).
-func (c *streamClient) Close() error { return c.s.Close() }
+// Close closes the stream and wakes the link's reads and writes on it
+// (yamux's Close alone is a half-close: a read would wait on). yamux has
+// no reset: the egress reads the end of the stream, and the session
+// frees it once the egress closes its side (or after half_close_timeout).
+func (c *streamClient) Close() error {
+	err := c.s.Close()
+	_ = c.s.SetDeadline(pastDeadline)
+	return err
+}
+
+// pastDeadline, set on a mesh stream, wakes every read and write on it.
+var pastDeadline = time.Unix(1, 0)
 
 func (c *streamClient) RemoteAddr() net.Addr { return c.remote }

@@ -211,6 +211,17 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		Str("to", ev.To.String()).Str("reason", ev.Reason).Logger()
 	switch ev.To {
 	case health.Excluded:
+		if ev.Reason == reasonMeshNotReady || ev.Reason == reasonMeshDead {
+			// New links are refused, but this is no evidence against the
+			// links still open. Not ready: the server stopped accepting
+			// connections, and one draining for a graceful restart still
+			// finishes the links it serves. A dead session: its own links
+			// were closed already; links on another session to the same
+			// peer are judged by that session's heartbeat (a blackhole
+			// can take one path and spare another).
+			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded by the mesh")
+			break
+		}
 		closeReason := metrics.ReasonEvicted
 		if ev.Reason == metrics.ReasonUnanswered {
 			closeReason = metrics.ReasonUnanswered

@@ -793,7 +793,8 @@ func (lk *link) closeBoth() {
 			_ = up.Close()
 		}
 		if st != nil {
-			_ = st.Close()
+			_ = st.Close()                   // the half-close yamux has
+			_ = st.SetDeadline(pastDeadline) // wakes the pumps' reads and writes
 		}
 	})
 }

@@ -176,7 +176,8 @@ func (es *egressSession) readStatus() {
 }
 
 // applyStatus takes a status message: a port announced not ready is
-// excluded at once (its links evicted, new ones refused); a port whose
+// excluded at once (new links are refused; the links it still serves are
+// kept, see onHealthEvent); a port whose
 // epoch changed had its server start afresh, so links opened under the
 // old epoch are evicted.
 func (pr *meshPeer) applyStatus(st map[uint16]portStatus) {
@@ -194,7 +195,6 @@ func (pr *meshPeer) applyStatus(st map[uint16]portStatus) {
 		o, known := old[port]
 		switch {
 		case !ps.ready && (!known || o.ready):
-			pr.p.log.Warn().Str("endpoint", ep.addr).Str("mesh_peer", pr.addr).Msg("the peer sidecar announces the endpoint not ready")
 			pr.p.report(ep, reasonMeshNotReady)
 		case ps.ready && known && o.epoch != ps.epoch:
 			if n := ep.evictMeshEpoch(pr, o.epoch); n > 0 {

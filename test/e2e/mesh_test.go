@@ -1,0 +1,428 @@
+//go:build linux
+
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
+)
+
+// meshIngressEnv makes the test binary, re-executed as a child, run a
+// livenessproxy whose configuration is the variable's value (YAML) instead
+// of running tests: the ingress sidecar beside a server, in a process of
+// its own so that it can be stopped, or in a namespace of its own so that
+// the path to it can be black-holed. It prints "ingress listening ADDR"
+// and serves until its stdin is closed.
+const meshIngressEnv = "LIVENESSPROXY_E2E_MESH_INGRESS"
+
+func init() {
+	if conf := os.Getenv(meshIngressEnv); conf != "" {
+		os.Exit(runIngressProcess(conf))
+	}
+}
+
+func runIngressProcess(conf string) int {
+	cfg, err := policy.Parse([]byte(conf))
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "ingress config: %v\n", err)
+		return 1
+	}
+	p := proxy.New(cfg, proxy.Options{})
+	if err := p.Start(); err != nil {
+		fmt.Fprintf(os.Stderr, "ingress: %v\n", err)
+		return 1
+	}
+	fmt.Printf("ingress listening %s\n", p.Addr("ingress"))
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	_ = p.Close()
+	return 0
+}
+
+// ingressConfig is an ingress sidecar on listen serving the server at
+// local, with the mesh defaults (ping every 1s, dead after 3s).
+func ingressConfig(listen, local string) string {
+	return fmt.Sprintf(`admin: {listen: "", control_listen: ""}
+listeners:
+  - name: ingress
+    listen: %q
+    ingress: {local: %q, check_interval: 200ms}
+`, listen, local)
+}
+
+// startIngressProcess starts the ingress sidecar as a child process, in ns
+// when it is not nil, and returns it with its mesh port.
+func startIngressProcess(t *testing.T, ns *netns.NS, conf string) (*serverProcess, int) {
+	t.Helper()
+	sp := &serverProcess{}
+	sp.cmd = exec.Command("/proc/self/exe")
+	sp.cmd.Env = append(os.Environ(), meshIngressEnv+"="+conf)
+	sp.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
+	sp.cmd.Stderr = &sp.stderr
+	stdin, err := sp.cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp.stdin = stdin
+	stdout, err := sp.cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := sp.cmd.Start
+	if ns != nil {
+		start = func() error { return ns.Start(sp.cmd) }
+	}
+	if err := start(); err != nil {
+		t.Fatalf("starting the ingress process: %v", err)
+	}
+	sp.pid = sp.cmd.Process.Pid
+	listening := make(chan string, 1)
+	sp.reader.Add(1)
+	go func() {
+		defer sp.reader.Done()
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if a, ok := strings.CutPrefix(sc.Text(), "ingress listening "); ok {
+				listening <- a
+			}
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+	}()
+	t.Cleanup(sp.kill)
+	select {
+	case a := <-listening:
+		_, port, _ := net.SplitHostPort(a)
+		n, _ := strconv.Atoi(port)
+		return sp, n
+	case <-time.After(10 * time.Second):
+		sp.kill()
+		t.Fatalf("the ingress process did not start: %s", sp.stderr.String())
+		return nil, 0
+	}
+}
+
+// meshEgress starts the egress side in this process: a listener in front
+// of upstream, reached through the mesh port.
+func meshEgress(t *testing.T, upstream string, meshPort int) (*proxy.Proxy, chan proxy.LinkStats) {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	s.Mesh.Port = meshPort
+	s.Detector.InitialDelay = policy.Duration(200 * time.Millisecond)
+	s.Detector.MaxDelay = policy.Duration(time.Second)
+	cfg.Listeners = []policy.Listener{{Name: "egress", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	ended := make(chan proxy.LinkStats, 64)
+	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p, ended
+}
+
+// meshDial connects a client to the egress listener and checks a round
+// trip through the mesh.
+func meshDial(t *testing.T, p *proxy.Proxy, msg string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", p.Addr("egress").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	meshEcho(t, c, msg)
+	return c
+}
+
+func meshEcho(t *testing.T, c net.Conn, msg string) {
+	t.Helper()
+	if _, err := c.Write([]byte(msg)); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, len(msg))
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(c, got); err != nil {
+		t.Fatalf("round trip through the mesh: %v", err)
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	if !bytes.Equal(got, []byte(msg)) {
+		t.Fatalf("echo %q, want %q", got, msg)
+	}
+}
+
+// endOf waits for the end of the link of client c.
+func endOf(t *testing.T, ended chan proxy.LinkStats, c net.Conn, within time.Duration) (proxy.LinkStats, time.Time) {
+	t.Helper()
+	deadline := time.After(within)
+	for {
+		select {
+		case s := <-ended:
+			if s.Client == c.LocalAddr().String() {
+				return s, time.Now()
+			}
+		case <-deadline:
+			t.Fatalf("the link of %v did not end within %v", c.LocalAddr(), within)
+			return proxy.LinkStats{}, time.Time{}
+		}
+	}
+}
+
+// pingTimeout is the mesh default the tests run with.
+var pingTimeout = policy.DefaultMesh().PingTimeout.D()
+
+// TestMeshBlackholeClosesLinks black-holes the path between the egress
+// sidecar (here) and the ingress sidecar (a process in a peer namespace,
+// over a veth pair) with an nftables drop in the peer namespace. Kernel
+// keepalive would take tens of seconds and an idle link sends nothing for
+// TCP_USER_TIMEOUT to judge; the mesh heartbeat closes both links, the
+// idle one and the one carrying traffic, within ping_timeout + 1 s, with
+// no query needed.
+func TestMeshBlackholeClosesLinks(t *testing.T) {
+	if !netns.Reexec(t) {
+		return
+	}
+	testutil.RequireCommand(t, "ip")
+	testutil.RequireCommand(t, "nft")
+	peer := netns.NewNS(t)
+	veth := netns.Veth(t, peer, "10.231.9.1/24", "10.231.9.2/24")
+	peerIP := veth.PeerIP().String()
+	srv := echoIn(t, peer, net.JoinHostPort(peerIP, "9000"))
+	waitReachable(t, srv)
+	_, port := startIngressProcess(t, peer, ingressConfig(net.JoinHostPort(peerIP, "15008"), srv))
+	if port != 15008 {
+		t.Fatalf("ingress on port %d", port)
+	}
+	p, ended := meshEgress(t, srv, port)
+
+	idle := meshDial(t, p, "idle from now on")
+	busy := meshDial(t, p, "busy")
+	// Two ping timeouts of idleness first: the healthy twin. Nothing may
+	// end while the peer answers its pings.
+	time.Sleep(2 * pingTimeout)
+	meshEcho(t, busy, "still there")
+	meshEcho(t, idle, "idle, and still there")
+	select {
+	case s := <-ended:
+		t.Fatalf("a link ended on a healthy mesh: %+v", s)
+	default:
+	}
+
+	if err := peer.NFT(`table inet lpfault {
+	chain in { type filter hook input priority 0; policy accept; tcp dport 15008 drop; }
+	chain out { type filter hook output priority 0; policy accept; tcp sport 15008 drop; }
+}
+`); err != nil {
+		t.Fatalf("installing the drop in the peer namespace: %v", err)
+	}
+	begin := time.Now()
+	stopBusy := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // traffic on the busy link until it is closed
+		defer wg.Done()
+		for i := 0; i < 100; i++ {
+			if _, err := busy.Write([]byte("into the blackhole")); err != nil {
+				return
+			}
+			select {
+			case <-stopBusy:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}()
+	defer func() { close(stopBusy); wg.Wait() }()
+	bound := pingTimeout + time.Second
+	for _, c := range []net.Conn{idle, busy} {
+		s, at := endOf(t, ended, c, 3*bound)
+		if s.Reason != proxy.CloseMeshDead {
+			t.Fatalf("link ended %s (%v), want mesh_dead", s.Reason, s.Err)
+		}
+		took := at.Sub(begin)
+		t.Logf("link closed %v after the blackhole (bound: ping_timeout + 1s = %v)", took.Round(time.Millisecond), bound)
+		if took > bound {
+			t.Fatalf("link closed after %v, want within %v", took, bound)
+		}
+	}
+	if err, _ := waitClientClosed(idle, 2*time.Second); err == nil {
+		t.Fatal("the idle client's connection is still open")
+	}
+}
+
+// waitClientClosed reads c until it is closed or within passes.
+func waitClientClosed(c net.Conn, within time.Duration) (error, bool) {
+	_ = c.SetReadDeadline(time.Now().Add(within))
+	_, err := io.Copy(io.Discard, c)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return nil, false
+	}
+	if err == nil {
+		err = io.EOF
+	}
+	return err, true
+}
+
+// TestMeshStoppedIngressClosesLinks stops the ingress sidecar process with
+// SIGSTOP: its kernel still ACKs, so TCP sees nothing wrong, but it answers
+// no ping. The egress closes the idle link within ping_timeout + 1 s and
+// refuses new links until the sidecar answers again (SIGCONT); then the
+// probe through the mesh readmits the endpoint and a new link works.
+func TestMeshStoppedIngressClosesLinks(t *testing.T) {
+	srvLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := serveEcho(t, srvLn)
+	ing, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv))
+	p, ended := meshEgress(t, srv, port)
+	idle := meshDial(t, p, "hello")
+	time.Sleep(2 * pingTimeout) // the healthy twin: idle, answered pings
+	meshEcho(t, idle, "idle but alive")
+
+	ing.signal(t, syscall.SIGSTOP)
+	if !ing.waitProcState("T", 5*time.Second) {
+		t.Fatalf("ingress process state %q, want T (stopped)", ing.procState())
+	}
+	begin := time.Now()
+	s, at := endOf(t, ended, idle, 3*(pingTimeout+time.Second))
+	took := at.Sub(begin)
+	t.Logf("idle link on the stopped sidecar's session closed %v after SIGSTOP (%s)", took.Round(time.Millisecond), s.Reason)
+	if s.Reason != proxy.CloseMeshDead {
+		t.Fatalf("link ended %s (%v), want mesh_dead", s.Reason, s.Err)
+	}
+	if bound := pingTimeout + time.Second; took > bound {
+		t.Fatalf("closed after %v, want within %v", took, bound)
+	}
+	// Refused while stopped: the endpoint is excluded and its probe needs
+	// the sidecar to answer.
+	for range 3 {
+		if c, err := net.Dial("tcp", p.Addr("egress").String()); err == nil {
+			_ = c.Close()
+			t.Fatal("a new link was accepted while the sidecar is stopped")
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	ing.signal(t, syscall.SIGCONT)
+	c := dialUntil(t, p.Addr("egress").String(), 10*time.Second)
+	meshEcho(t, c, "after SIGCONT")
+}
+
+// dialUntil dials addr until it accepts.
+func dialUntil(t *testing.T, addr string, within time.Duration) net.Conn {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			t.Cleanup(func() { _ = c.Close() })
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not accepting within %v: %v", addr, within, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// serveEcho echoes every connection of ln until stop (or the test end),
+// which closes ln and every connection: the server process going away.
+func serveEcho(t *testing.T, ln net.Listener) (addr string, stop func()) {
+	t.Helper()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Add(1)
+			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
+		}
+	}()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			_ = ln.Close()
+			mu.Lock()
+			for _, c := range conns {
+				_ = c.Close()
+			}
+			mu.Unlock()
+			wg.Wait()
+		})
+	}
+	t.Cleanup(stop)
+	return ln.Addr().String(), stop
+}
+
+// TestMeshServerRestartBehindIngress restarts the server behind the
+// ingress sidecar on the same port. The old link ends with the server;
+// while the server is down, the ingress announces it not ready and the
+// egress refuses new links at once, without a request having to time out;
+// when it is back (under a new epoch) the next link works.
+func TestMeshServerRestartBehindIngress(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, stop := serveEcho(t, ln)
+	_, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv))
+	p, ended := meshEgress(t, srv, port)
+	old := meshDial(t, p, "before the restart")
+
+	stop()
+	if err, closed := waitClientClosed(old, 5*time.Second); !closed {
+		t.Fatal("the old link is still open 5s after its server went")
+	} else {
+		t.Logf("old link: %v", err)
+	}
+	_ = old.Close()
+	s, _ := endOf(t, ended, old, 5*time.Second)
+	t.Logf("old link ended %s", s.Reason)
+	// Not ready: new links are refused without any request timing out.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		c, err := net.Dial("tcp", p.Addr("egress").String())
+		if err != nil {
+			break
+		}
+		_ = c.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("the egress still accepts links 5s after the server went")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	ln2, err := net.Listen("tcp", srv)
+	if err != nil {
+		t.Fatalf("listening again on %s: %v", srv, err)
+	}
+	serveEcho(t, ln2)
+	c := dialUntil(t, p.Addr("egress").String(), 10*time.Second)
+	meshEcho(t, c, "after the restart")
+}
