@@ -51,7 +51,7 @@ func main() {
 	flag.StringVar(&o.pin, "pin", "none", "CPU affinity: "+pinPresetNames())
 	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
 	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
-	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure (direct is always measured: ratios need it)")
+	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, haproxy, mesh (two livenessproxy sidecars; direct is always measured: ratios need it)")
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
@@ -89,7 +89,7 @@ func (o options) validate() error {
 		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
 	for p := range strings.SplitSeq(o.paths, ",") {
-		if p != pathDirect && p != pathLP && p != pathHA {
+		if p != pathDirect && p != pathLP && p != pathHA && p != pathMesh {
 			return fmt.Errorf("-paths: unknown path %q", p)
 		}
 	}
@@ -156,11 +156,18 @@ func run(ctx context.Context, o options) error {
 		logf("setting up livenessproxy ...")
 		paths = append(paths, setupLivenessproxy(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
 	}
+	if o.wants(pathMesh) {
+		logf("setting up the mesh (two livenessproxy sidecars) ...")
+		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
+	}
 	if o.wants(pathHA) {
 		logf("setting up haproxy ...")
 		paths = append(paths, setupHAProxy(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
 	}
 	for _, p := range paths {
+		if p.peer != nil {
+			defer p.peer.stop()
+		}
 		if p.proc != nil {
 			defer p.proc.stop()
 			logf("%s pid %d on %s, CPUs %s", p.Name, p.proc.pid, p.Addr, p.Affinity)
@@ -224,6 +231,9 @@ func measure(ctx context.Context, o options, sc scenario, p path, round, serverP
 				Skipped: fmt.Sprintf("%s exited: %v (%s)", p.Name, p.proc.waitErr, p.proc.logTail())}
 		}
 		pids["proxy"] = p.proc.pid
+	}
+	if p.peer != nil {
+		pids["peer"] = p.peer.pid // the mesh's ingress sidecar: its CPU is the proxy's too
 	}
 	meter := newCPUMeter(pids)
 	lr, win, err := runLoad(ctx, p.Addr, sc, o.warmup, o.duration, o.maxOps, meter)

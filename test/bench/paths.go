@@ -23,6 +23,7 @@ type path struct {
 	Affinity string `json:"affinity,omitempty"` // the proxy's CPU list, read back
 	Skipped  string `json:"skipped,omitempty"`
 	proc     *child // nil for direct
+	peer     *child // the mesh path's ingress sidecar; nil otherwise
 	// metricsAddr serves the proxy's Prometheus page (livenessproxy only).
 	metricsAddr string
 }
@@ -31,6 +32,7 @@ const (
 	pathDirect = "direct"
 	pathLP     = "livenessproxy"
 	pathHA     = "haproxy"
+	pathMesh   = "mesh" // livenessproxy egress and ingress sidecars
 	readyWait  = 15 * time.Second
 )
 
@@ -38,48 +40,114 @@ const (
 // livenessproxy in front of serverAddr. Any failure skips the path.
 func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) path {
 	p := path{Name: pathLP}
-	bin := o.proxyBin
-	if bin == "" {
-		var err error
-		if bin, err = buildLivenessproxy(ctx, tmp); err != nil {
-			p.Skipped = "build failed: " + err.Error()
-			return p
-		}
+	bin, err := lpBinary(ctx, o, tmp)
+	if err != nil {
+		p.Skipped = err.Error()
+		return p
 	}
+	return startLP(ctx, p, bin, tmp, "upstream: "+serverAddr+"\n"+lpFraming(o), cpus)
+}
+
+// setupMesh starts two livenessproxy processes, as two sidecars: the
+// egress one that the client dials, reaching serverAddr through the
+// ingress one beside the server (mesh.port on the server's address). Both
+// count as the proxy: their CPU is added.
+func setupMesh(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) path {
+	p := path{Name: pathMesh}
+	bin, err := lpBinary(ctx, o, tmp)
+	if err != nil {
+		p.Skipped = err.Error()
+		return p
+	}
+	meshAddr, err := freePort()
+	if err != nil {
+		p.Skipped = err.Error()
+		return p
+	}
+	_, meshPort, _ := strings.Cut(meshAddr, ":")
+	// The ingress sidecar listens on the mesh port; a TCP probe of it
+	// answers like any listener's.
+	in := startLPAt(ctx, path{Name: pathMesh + "-ingress"}, bin, tmp, meshAddr,
+		fmt.Sprintf("ingress: {local: %s}\n", serverAddr)+lpFraming(o), cpus, false)
+	if in.Skipped != "" {
+		p.Skipped = "ingress: " + in.Skipped
+		return p
+	}
+	eg := startLP(ctx, p, bin, tmp, "upstream: "+serverAddr+"\n"+
+		fmt.Sprintf("    mesh: {port: %s}\n", meshPort)+lpFraming(o), cpus)
+	if eg.Skipped != "" {
+		in.proc.stop()
+		return eg
+	}
+	eg.peer = in.proc
+	return eg
+}
+
+// lpBinary is -proxy-bin, or a fresh build.
+func lpBinary(ctx context.Context, o options, tmp string) (string, error) {
+	if o.proxyBin != "" {
+		return o.proxyBin, nil
+	}
+	bin := filepath.Join(tmp, "livenessproxy")
+	if _, err := os.Stat(bin); err == nil {
+		return bin, nil // built for another path of this run
+	}
+	bin, err := buildLivenessproxy(ctx, tmp)
+	if err != nil {
+		return "", fmt.Errorf("build failed: %w", err)
+	}
+	return bin, nil
+}
+
+// lpFraming is the listener's framing lines for -lp-framing.
+func lpFraming(o options) string {
+	switch o.lpFraming {
+	case "length_field":
+		// With tracking on, as a user of a framed protocol would run it.
+		return "    framing: {type: length_field, length_field_length: 4, byte_order: big, max_frame_length: 16MiB}\n" +
+			"    unanswered: {track: on}\n"
+	case "kafka", "pinot":
+		return "    framing: {type: " + o.lpFraming + ", max_frame_length: 16MiB}\n"
+	}
+	return ""
+}
+
+// startLP starts a livenessproxy whose one listener, on a free port, has
+// target (its upstream or ingress line, then settings lines), and checks a
+// request through it.
+func startLP(ctx context.Context, p path, bin, tmp, target string, cpus *unix.CPUSet) path {
 	addr, err := freePort()
 	if err != nil {
 		p.Skipped = err.Error()
 		return p
 	}
+	return startLPAt(ctx, p, bin, tmp, addr, target, cpus, true)
+}
+
+func startLPAt(ctx context.Context, p path, bin, tmp, addr, target string, cpus *unix.CPUSet, probeIt bool) path {
 	adminAddr, err := freePort()
 	if err != nil {
 		p.Skipped = err.Error()
 		return p
-	}
-	framing := ""
-	switch o.lpFraming {
-	case "length_field":
-		// With tracking on, as a user of a framed protocol would run it.
-		framing = "    framing: {type: length_field, length_field_length: 4, byte_order: big, max_frame_length: 16MiB}\n" +
-			"    unanswered: {track: on}\n"
-	case "kafka", "pinot":
-		framing = "    framing: {type: " + o.lpFraming + ", max_frame_length: 16MiB}\n"
 	}
 	conf := fmt.Sprintf(`admin: {listen: %s, control_listen: ""}
 log: {level: warn}
 listeners:
   - name: bench
     listen: %s
-    upstream: %s
-%s`, adminAddr, addr, serverAddr, framing)
-	cfgPath := filepath.Join(tmp, "livenessproxy.yaml")
+    %s`, adminAddr, addr, target)
+	cfgPath := filepath.Join(tmp, p.Name+".yaml")
 	if err := os.WriteFile(cfgPath, []byte(conf), 0o644); err != nil {
 		p.Skipped = err.Error()
 		return p
 	}
 	p.Version = commandFirstLine(ctx, bin, "version")
 	cmd := exec.Command(bin, "run", "--config", cfgPath)
-	p = startProxy(ctx, p, cmd, addr, cpus, filepath.Join(tmp, "livenessproxy.log"))
+	if probeIt {
+		p = startProxy(ctx, p, cmd, addr, cpus, filepath.Join(tmp, p.Name+".log"))
+	} else {
+		p = startProxyNoProbe(ctx, p, cmd, addr, cpus, filepath.Join(tmp, p.Name+".log"))
+	}
 	if p.Skipped == "" {
 		p.metricsAddr = adminAddr
 	}
@@ -173,6 +241,20 @@ backend server
 // startProxy starts a proxy child, waits until it accepts, and checks one
 // request/response through it.
 func startProxy(ctx context.Context, p path, cmd *exec.Cmd, addr string, cpus *unix.CPUSet, logPath string) path {
+	p = startProxyNoProbe(ctx, p, cmd, addr, cpus, logPath)
+	if p.Skipped != "" {
+		return p
+	}
+	if err := probe(ctx, addr); err != nil {
+		p.proc.stop()
+		p.Skipped = fmt.Sprintf("request through it failed: %v (%s)", err, p.proc.logTail())
+		p.proc = nil
+	}
+	return p
+}
+
+// startProxyNoProbe starts a proxy child and waits until it accepts.
+func startProxyNoProbe(ctx context.Context, p path, cmd *exec.Cmd, addr string, cpus *unix.CPUSet, logPath string) path {
 	c, err := startChild(p.Name, cmd, cpus, logPath)
 	if err != nil {
 		p.Skipped = err.Error()
@@ -191,11 +273,6 @@ func startProxy(ctx context.Context, p path, cmd *exec.Cmd, addr string, cpus *u
 			p.Skipped = "pin: " + err.Error()
 			return p
 		}
-	}
-	if err := probe(ctx, addr); err != nil {
-		c.stop()
-		p.Skipped = fmt.Sprintf("request through it failed: %v (%s)", err, c.logTail())
-		return p
 	}
 	p.Addr = addr
 	p.Affinity = affinityOf(c.pid)

@@ -100,6 +100,10 @@ func newRunResult(sc scenario, p string, round int, lr loadResult, win window, m
 		total += perOp(d)
 		switch role {
 		case "proxy":
+			if pd, ok := m.used("peer"); ok {
+				d += pd // the mesh path's second sidecar
+				total += perOp(pd)
+			}
 			r.ProxyCPUus = perOp(d)
 			r.ProxyCores = d.Seconds() / secs
 		case "server":
