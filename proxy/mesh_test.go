@@ -350,3 +350,32 @@ func TestMeshStatusRoundTrip(t *testing.T) {
 		t.Fatalf("header: %d, %v", p, err)
 	}
 }
+
+// A transparent listener reaches a match entry's destinations through
+// the entry's own mesh port, the others through the listener's; the
+// endpoint remembers it for its probes.
+func TestMeshPortOfMatchEntry(t *testing.T) {
+	p, l := transparentProxy(t, func(tr *policy.Transparent) {
+		tr.Match[0].Mesh.Port = 15008
+	})
+	meshed := p.transparentEndpoint("10.9.0.1:8098", l)
+	other := p.transparentEndpoint("10.8.0.1:9092", l)
+	lk := newLink(l, meshed, nil)
+	if got := lk.meshPortFor(meshed); got != 15008 {
+		t.Fatalf("mesh port of the first entry's destination = %d, want 15008", got)
+	}
+	if got := lk.meshPortFor(other); got != 0 {
+		t.Fatalf("mesh port of the second entry's destination = %d, want 0 (the listener's)", got)
+	}
+	if meshed.meshPort.Load() != 15008 || other.meshPort.Load() != 0 {
+		t.Fatalf("endpoints remember %d and %d", meshed.meshPort.Load(), other.meshPort.Load())
+	}
+	lk.settings.Mesh.Port = 15009 // the listener's, for entries without their own
+	if got := lk.meshPortFor(other); got != 15009 {
+		t.Fatalf("mesh port = %d, want the listener's 15009", got)
+	}
+	// Not reached through the mesh: the probe is the endpoint's own kind.
+	if handled, _ := (&endpoint{}).meshProbe(t.Context(), ""); handled {
+		t.Fatal("an endpoint without a mesh port had its probe taken over")
+	}
+}
