@@ -407,6 +407,7 @@ func (m *Metrics) Forget(name string) {
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
+		m.meshFallbacks,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}
