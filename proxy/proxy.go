@@ -1,6 +1,7 @@
 // Package proxy is livenessproxy's data plane: listeners, links, the
 // request and response pumps, write timeouts, watermarks and upstream
-// socket options.
+// socket options; and the mesh, in which two sidecars carry links as
+// streams of a yamux session with heartbeats (mesh*.go).
 package proxy
 
 import (
