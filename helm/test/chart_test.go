@@ -105,6 +105,9 @@ var valueSets = []valueSet{
 		deployments: 1, networkPolicies: 1, dashboards: 1, meshPeer: &pinotBroker}},
 	{name: "mesh-ingress-only", set: []string{"example.enabled=true", "mesh.ingress.enabled=true", "config.listeners=null"},
 		want: want{deployments: 1, networkPolicies: 1, dashboards: 1}},
+	// The server side guide of helm/README.md ("Mesh ingress").
+	{name: "pinot-server", files: []string{"testdata/values-pinot-server.yaml"}, want: want{
+		networkPolicies: 1, dashboards: 1, scraper: &prometheusInMonitoring, meshPeer: &pinotBroker}},
 }
 
 var prometheusInMonitoring = source{ns: "monitoring", pod: map[string]string{"app.kubernetes.io/name": "prometheus"}}
@@ -471,7 +474,7 @@ func TestTemplate(t *testing.T) {
 				checkAdminToken(t, r, config)
 			case "pinot-broker", "kafka-client":
 				checkGuide(t, r, config, vs.name)
-			case "mesh", "mesh-ingress-only":
+			case "mesh", "mesh-ingress-only", "pinot-server":
 				checkMesh(t, r, config, vs.name)
 			}
 		})

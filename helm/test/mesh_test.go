@@ -113,7 +113,7 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 		if rules != 1 {
 			t.Errorf("want one NetworkPolicy rule for the mesh port 15008, got %d", rules)
 		}
-	case "mesh-ingress-only":
+	case "mesh-ingress-only", "pinot-server":
 		if got := strings.Join(names, ","); got != "mesh-ingress" {
 			t.Fatalf("listeners %s, want mesh-ingress alone:\n%s", got, config)
 		}

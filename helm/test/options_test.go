@@ -441,7 +441,7 @@ func TestReadmeGuides(t *testing.T) {
 			t.Errorf("helm/README.md's block for %s differs from the file:\n--- README\n%s--- file\n%s", b[1], b[2], body)
 		}
 	}
-	for _, want := range []string{"testdata/values-pinot-broker.yaml", "testdata/values-kafka-client.yaml"} {
+	for _, want := range []string{"testdata/values-pinot-broker.yaml", "testdata/values-kafka-client.yaml", "testdata/values-pinot-server.yaml"} {
 		if !found[want] {
 			t.Errorf("helm/README.md has no guide block for helm/test/%s", want)
 		}
