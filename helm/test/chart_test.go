@@ -65,6 +65,10 @@ type want struct {
 	// operator is a pod that networkPolicy.controlFrom admits to the
 	// control port (nil: none).
 	operator *source
+	// meshPeer is a pod that mesh.ingress.from admits to the mesh port
+	// (nil: without mesh.ingress.from the mesh port, if any, is open to
+	// every source).
+	meshPeer *source
 }
 
 // valueSets are the value sets every test renders.
@@ -94,6 +98,16 @@ var valueSets = []valueSet{
 		deployments: 1, networkPolicies: 1, dashboards: 1, scraper: &prometheusInMonitoring}},
 	{name: "kafka-client", files: []string{"testdata/values-kafka-client.yaml"}, want: want{
 		networkPolicies: 1, podMonitors: 1, dashboards: 1, scraper: &prometheusInMonitoring}},
+	// Mesh mode: egress keys and the ingress side with mesh.ingress.from;
+	// and a server's pod with the ingress alone (no listener of its own,
+	// the mesh port open like the pod's other ports).
+	{name: "mesh", files: []string{"testdata/values-mesh.yaml"}, want: want{
+		deployments: 1, networkPolicies: 1, dashboards: 1, meshPeer: &pinotBroker}},
+	{name: "mesh-ingress-only", set: []string{"example.enabled=true", "mesh.ingress.enabled=true", "config.listeners=null"},
+		want: want{deployments: 1, networkPolicies: 1, dashboards: 1}},
+	// The server side guide of helm/README.md ("Mesh ingress").
+	{name: "pinot-server", files: []string{"testdata/values-pinot-server.yaml"}, want: want{
+		networkPolicies: 1, dashboards: 1, scraper: &prometheusInMonitoring, meshPeer: &pinotBroker}},
 }
 
 var prometheusInMonitoring = source{ns: "monitoring", pod: map[string]string{"app.kubernetes.io/name": "prometheus"}}
@@ -440,7 +454,7 @@ func TestTemplate(t *testing.T) {
 			w := vs.want
 			got := want{deployments: len(r.deployments), networkPolicies: len(r.networkPolicies), services: len(r.services),
 				serviceMonitors: len(r.serviceMonitors), podMonitors: len(r.podMonitors), dashboards: dashboards(r)}
-			if exp := (want{w.deployments, w.networkPolicies, w.services, w.serviceMonitors, w.podMonitors, w.dashboards, false, nil, nil}); got != exp {
+			if exp := (want{w.deployments, w.networkPolicies, w.services, w.serviceMonitors, w.podMonitors, w.dashboards, false, nil, nil, nil}); got != exp {
 				t.Errorf("rendered (deployments, networkPolicies, services, serviceMonitors, podMonitors, dashboards) = %v, want %v", counts(got), counts(exp))
 			}
 			for _, d := range r.deployments {
@@ -448,7 +462,7 @@ func TestTemplate(t *testing.T) {
 			}
 			checkControlPortClosed(t, r, config)
 			for _, np := range r.networkPolicies {
-				checkNetworkPolicy(t, np, r.pods(), config, w.scraper, w.operator)
+				checkNetworkPolicy(t, np, r.pods(), config, w.scraper, w.operator, w.meshPeer)
 			}
 			checkMonitors(t, r, config)
 			switch vs.name {
@@ -460,6 +474,8 @@ func TestTemplate(t *testing.T) {
 				checkAdminToken(t, r, config)
 			case "pinot-broker", "kafka-client":
 				checkGuide(t, r, config, vs.name)
+			case "mesh", "mesh-ingress-only", "pinot-server":
+				checkMesh(t, r, config, vs.name)
 			}
 		})
 	}
@@ -699,6 +715,24 @@ func TestSchemaRejects(t *testing.T) {
 		"serviceMonitor.podSelector.matchLabels.a=b",                      // the ServiceMonitor's Service takes podLabels
 		"podMonitor.intervl=30s",                                          // misspelled
 		"podMonitor.interval=30 s",                                        // not a Prometheus duration
+		"config.defaults.mesh.ping_timeout=fast",                          // not a duration
+		"config.defaults.mesh.port=70000",                                 // not a port
+		"config.defaults.mesh.fallback=retry",                             // not direct or refuse
+		"config.defaults.mesh.sessions=0",                                 // at least 1
+		"config.defaults.mesh.stream_window=1024",                         // below 256KiB
+		"config.defaults.mesh.stream_window=1MB",                          // not a binary unit
+		"config.defaults.mesh.ping_intreval=1s",                           // misspelled
+		"config.defaults.ingress.local=127.0.0.1:8098",                    // a listener key, not a default
+		"mesh.ingress.enabled=yes",                                        // not a boolean
+		"mesh.ingress.lokal=127.0.0.1:8098",                               // misspelled
+		"mesh.ingress.local=8098",                                         // not a host:port
+		"mesh.ingress.port=0",                                             // not a port
+		"mesh.ingress.ports={70000}",                                      // not a port
+		"mesh.ingress.checkInterval=2",                                    // not a duration
+		"mesh.ingress.check_interval=2s",                                  // the values are camelCase
+		"mesh.ingress.from[0].podSelector.app=x",                          // a label selector, not labels
+		"mesh.ingress.from[0].pods.matchLabels.app=x",                     // not a NetworkPolicyPeer field
+		"mesh.egress.port=15008",                                          // the egress side is config's mesh.port
 	} {
 		if out, err := helm(t, "template", "rel", chartDir, "--set", set); err == nil {
 			t.Errorf("--set %s: rendered, want a schema error\n%s", set, out)
@@ -718,6 +752,17 @@ func TestSchemaRejects(t *testing.T) {
 		{"transparent.max_destinations=0", "transparent.max_destinations=1,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
 		{"transparent.group_fail_open=maybe", "transparent.group_fail_open=true,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
 		{"transparent.forget_excluded_after=10", "transparent.forget_excluded_after=10m,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+		{"mesh.ping_timeout=fast", "mesh.ping_timeout=5s,config.listeners[0].upstream=db:1"},
+		{"mesh.sessions=0", "mesh.sessions=1,config.listeners[0].upstream=db:1"},
+		{"mesh.port=-1", "mesh.port=15008,config.listeners[0].upstream=db:1"},
+		{"transparent.match[0].mesh.port=70000,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8",
+			"transparent.match[0].mesh.port=15008,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+		{"transparent.match[0].mesh.sessions=2,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8",
+			"transparent.match[0].ports={8098},config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+		{"ingress.lokal=127.0.0.1:8098", "ingress.local=127.0.0.1:8098"},
+		{"ingress.ports={8097}", "ingress.ports={8097},config.listeners[0].ingress.local=127.0.0.1:8098"},
+		{"ingress.check_interval=1,config.listeners[0].ingress.local=127.0.0.1:8098", "ingress.check_interval=1s,config.listeners[0].ingress.local=127.0.0.1:8098"},
+		{"ingress.ports={0},config.listeners[0].ingress.local=127.0.0.1:8098", "ingress.ports={1},config.listeners[0].ingress.local=127.0.0.1:8098"},
 	} {
 		if out, err := helm(t, "template", "rel", chartDir, "--set", listener+tc.bad); err == nil {
 			t.Errorf("--set %s: rendered, want a schema error\n%s", listener+tc.bad, out)
@@ -736,6 +781,9 @@ func TestSchemaRejects(t *testing.T) {
 		"networkPolicy.servingPorts={8099,http}",
 		"serviceMonitor.enabled=true,serviceMonitor.interval=1m30s",
 		"podMonitor.enabled=true,podMonitor.podSelector.matchExpressions[0].key=app,podMonitor.podSelector.matchExpressions[0].operator=Exists",
+		"config.defaults.mesh.port=15008,config.defaults.mesh.stream_window=1MiB,config.defaults.mesh.fallback=refuse",
+		"mesh.ingress.enabled=true,mesh.ingress.ports={8097},mesh.ingress.checkInterval=500ms",
+		"mesh.ingress.enabled=true,mesh.ingress.from[0].namespaceSelector.matchLabels.team=pinot,mesh.ingress.from[1].ipBlock.cidr=10.0.0.0/8",
 	} {
 		if _, err := helm(t, "template", "rel", chartDir, "--set", set); err != nil {
 			t.Errorf("--set %s: %v", set, err)
@@ -776,6 +824,26 @@ func TestTemplateFails(t *testing.T) {
 			want: "networkPolicy.servingPorts lists 9901"},
 		{name: "no scrapers", set: []string{"networkPolicy.scraperSelector.podSelector=null"},
 			want: "networkPolicy.scraperSelector needs a podSelector or a namespaceSelector"},
+		// The mesh ingress listens on 0.0.0.0: a port the pod already uses
+		// on any address would fail its bind.
+		{name: "no listener without the mesh ingress", setJSON: []string{"config.listeners=[]"},
+			want: "config.listeners is empty: the proxy needs at least one listener"},
+		{name: "mesh port is the admin port", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=9901"},
+			want: "mesh.ingress.port 9901 is the admin port"},
+		{name: "mesh port is the default control port", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=9902"},
+			want: "mesh.ingress.port 9902 is the control server's port (config.admin.control_listen 127.0.0.1:9902)"},
+		{name: "mesh port is the control port", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=9911", "config.admin.control_listen=0.0.0.0:9911", "config.admin.token_file=/t"},
+			want: "mesh.ingress.port 9911 is the control server's port"},
+		{name: "mesh port is the local server's", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=8098"},
+			want: "mesh.ingress.port 8098 is the port of mesh.ingress.local"},
+		{name: "mesh port among the local ports", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.ports={8097,15008}"},
+			want: "mesh.ingress.ports lists 15008, the mesh port itself"},
+		{name: "mesh port is a listener's", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=18098"},
+			want: "mesh.ingress.port 18098 is the port of listener pinot-server-0 (127.0.0.1:18098)"},
+		{name: "a listener named mesh-ingress", set: []string{"mesh.ingress.enabled=true", "config.listeners[0].name=mesh-ingress", "config.listeners[0].listen=127.0.0.1:1", "config.listeners[0].upstream=db:1"},
+			want: "config.listeners has a listener named mesh-ingress"},
+		{name: "mesh port as a serving port with mesh.ingress.from", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.from[0].podSelector.matchLabels.app=b", "networkPolicy.servingPorts={mesh}"},
+			want: "networkPolicy.servingPorts lists mesh, the mesh ingress port"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			args := []string{"template", "rel", chartDir}
@@ -856,6 +924,7 @@ spec:
 		nil,
 		{"-f", nested},
 		{"--set", "livenessproxy.adminToken.secretName=lp-admin", "--set", "livenessproxy.podAnnotations.configChecksum=true"},
+		{"--set", "livenessproxy.mesh.ingress.enabled=true"},
 	} {
 		redirect := slices.Contains(extra, nested)
 		if out, err := helm(t, append([]string{"lint", "--strict", parent}, extra...)...); err != nil {
@@ -875,7 +944,7 @@ spec:
 		checkPod(t, "parent chart "+sts.Name, &sts.Spec.Template, r.configMaps, config, slices.Contains(extra, "livenessproxy.podAnnotations.configChecksum=true"))
 		checkControlPortClosed(t, r, config)
 		// The policy selects the parent's pods, and keeps their ports open.
-		checkNetworkPolicy(t, r.networkPolicies[0], r.pods(), config, map[bool]*source{true: &prometheusInMonitoring}[redirect], nil)
+		checkNetworkPolicy(t, r.networkPolicies[0], r.pods(), config, map[bool]*source{true: &prometheusInMonitoring}[redirect], nil, nil)
 		if !selects(t, &r.networkPolicies[0].Spec.PodSelector, sts.Spec.Template.Labels) {
 			t.Errorf("the NetworkPolicy does not select the parent's pods %v", sts.Spec.Template.Labels)
 		}

@@ -117,10 +117,11 @@ func admits(t *testing.T, np *networkingv1.NetworkPolicy, src source, proto core
 
 // checkNetworkPolicy evaluates what the policy lets in: the admin port only
 // from the scraper, the control port (on a pod address) only from the
-// operator, and every other port, TCP and UDP, from anyone, as if the
-// policy did not exist. Also with a network plugin that ignores endPort,
-// the pods' serving ports stay open.
-func checkNetworkPolicy(t *testing.T, np *networkingv1.NetworkPolicy, pods []*corev1.PodTemplateSpec, config string, scraper, operator *source) {
+// operator, the mesh ingress port only from meshPeer when it is given, and
+// every other port, TCP and UDP, from anyone, as if the policy did not
+// exist (the mesh port too without meshPeer). Also with a network plugin
+// that ignores endPort, the pods' serving ports stay open.
+func checkNetworkPolicy(t *testing.T, np *networkingv1.NetworkPolicy, pods []*corev1.PodTemplateSpec, config string, scraper, operator, meshPeer *source) {
 	t.Helper()
 	if scraper == nil {
 		scraper = &prometheusHere
@@ -143,6 +144,12 @@ func checkNetworkPolicy(t *testing.T, np *networkingv1.NetworkPolicy, pods []*co
 		}
 	}
 	admin, control, _ := adminPorts(t, config)
+	mesh := meshPort(t, config)
+	if meshPeer != nil && mesh == 0 {
+		t.Fatalf("NetworkPolicy %s: want a mesh port restricted to %+v, but the config has no mesh-ingress listener", np.Name, *meshPeer)
+	}
+	// restricted: the mesh port is closed but to meshPeer.
+	restricted := meshPeer != nil
 	named := map[string]int32{}
 	var serving []int32
 	for _, pt := range pods {
@@ -154,7 +161,7 @@ func checkNetworkPolicy(t *testing.T, np *networkingv1.NetworkPolicy, pods []*co
 				if p.Name != "" {
 					named[p.Name] = p.ContainerPort
 				}
-				if p.ContainerPort != admin {
+				if p.ContainerPort != admin && !(restricted && p.ContainerPort == mesh) {
 					serving = append(serving, p.ContainerPort)
 				}
 			}
@@ -181,10 +188,22 @@ func checkNetworkPolicy(t *testing.T, np *networkingv1.NetworkPolicy, pods []*co
 			t.Errorf("NetworkPolicy %s: the operator %+v cannot reach the control port %d", np.Name, *operator, control)
 		}
 	}
+	if restricted {
+		if !admits(t, np, *meshPeer, tcp, mesh, named, false) {
+			t.Errorf("NetworkPolicy %s: the mesh peer %+v cannot reach the mesh port %d", np.Name, *meshPeer, mesh)
+		}
+		for _, src := range []source{*scraper, stranger, strangerElsewhere} {
+			for _, ignore := range []bool{false, true} {
+				if admits(t, np, src, tcp, mesh, named, ignore) {
+					t.Errorf("NetworkPolicy %s: %+v reaches the mesh port %d, restricted to mesh.ingress.from (ignoring endPort: %v)", np.Name, src, mesh, ignore)
+				}
+			}
+		}
+	}
 	// Every other port is as open as without the policy.
 	for _, src := range []source{stranger, strangerElsewhere} {
 		for port := int32(1); port <= 65535; port++ {
-			if port == admin || port == control {
+			if port == admin || port == control || restricted && port == mesh {
 				continue
 			}
 			if !admits(t, np, src, tcp, port, named, false) {
@@ -207,10 +226,18 @@ func checkNetworkPolicy(t *testing.T, np *networkingv1.NetworkPolicy, pods []*co
 }
 
 // checkControlPortClosed: no container lists the control server's port, and
-// the sidecar lists exactly one port, the admin port.
+// the sidecar lists exactly the admin port and, with the mesh-ingress
+// listener in the config, the mesh port on it.
 func checkControlPortClosed(t *testing.T, r rendered, config string) {
 	t.Helper()
 	admin, _, control := adminPorts(t, config)
+	var want []corev1.ContainerPort
+	if admin != 0 {
+		want = append(want, corev1.ContainerPort{Name: "admin", ContainerPort: admin, Protocol: corev1.ProtocolTCP})
+	}
+	if mesh := meshPort(t, config); mesh != 0 {
+		want = append(want, corev1.ContainerPort{Name: "mesh", ContainerPort: mesh, Protocol: corev1.ProtocolTCP})
+	}
 	for _, pt := range r.pods() {
 		for _, c := range append(append([]corev1.Container{}, pt.Spec.InitContainers...), pt.Spec.Containers...) {
 			for _, p := range c.Ports {
@@ -218,10 +245,8 @@ func checkControlPortClosed(t *testing.T, r rendered, config string) {
 					t.Errorf("container %s lists the control port %d", c.Name, control)
 				}
 			}
-			if c.Name == "livenessproxy" {
-				if admin == 0 && len(c.Ports) != 0 || admin != 0 && (len(c.Ports) != 1 || c.Ports[0].Name != "admin" || c.Ports[0].ContainerPort != admin) {
-					t.Errorf("sidecar ports %+v, want only admin %d", c.Ports, admin)
-				}
+			if c.Name == "livenessproxy" && !slices.Equal(c.Ports, want) {
+				t.Errorf("sidecar ports %+v, want %+v", c.Ports, want)
 			}
 		}
 	}
@@ -416,7 +441,7 @@ func TestReadmeGuides(t *testing.T) {
 			t.Errorf("helm/README.md's block for %s differs from the file:\n--- README\n%s--- file\n%s", b[1], b[2], body)
 		}
 	}
-	for _, want := range []string{"testdata/values-pinot-broker.yaml", "testdata/values-kafka-client.yaml"} {
+	for _, want := range []string{"testdata/values-pinot-broker.yaml", "testdata/values-kafka-client.yaml", "testdata/values-pinot-server.yaml"} {
 		if !found[want] {
 			t.Errorf("helm/README.md has no guide block for helm/test/%s", want)
 		}

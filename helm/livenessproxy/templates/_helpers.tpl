@@ -43,9 +43,44 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
-{{/* The proxy's config.yaml, rendered from .Values.config. */}}
+{{/*
+The proxy's config.yaml, rendered from .Values.config, and with
+mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
+*/}}
 {{- define "livenessproxy.config" -}}
-{{- toYaml .Values.config -}}
+{{- $config := .Values.config | default dict -}}
+{{- $in := include "livenessproxy.meshIngress" . | fromYaml -}}
+{{- if $in.enabled -}}
+{{- $config = deepCopy $config -}}
+{{- $ingress := dict "local" $in.local -}}
+{{- with $in.ports }}{{ $_ := set $ingress "ports" . }}{{ end -}}
+{{- with $in.checkInterval }}{{ $_ := set $ingress "check_interval" . }}{{ end -}}
+{{- $listener := dict "name" "mesh-ingress" "listen" (printf "0.0.0.0:%d" (int $in.port)) "ingress" $ingress -}}
+{{- /* An ingress listener must not reach through the mesh: undo an inherited defaults.mesh.port. */ -}}
+{{- $defaultsMesh := ($config.defaults | default dict).mesh | default dict -}}
+{{- if $defaultsMesh.port -}}{{- $_ := set $listener "mesh" (dict "port" 0) -}}{{- end -}}
+{{- $_ := set $config "listeners" (append ($config.listeners | default list) $listener) -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/*
+mesh.ingress as YAML (read it back with fromYaml): {} unless enabled, and
+then with its port and local server required.
+*/}}
+{{- define "livenessproxy.meshIngress" -}}
+{{- $in := (.Values.mesh | default dict).ingress | default dict -}}
+{{- if $in.enabled -}}
+{{- $_ := required "mesh.ingress.enabled needs mesh.ingress.port: the mesh port the egress sidecars dial" $in.port -}}
+{{- $_ := required "mesh.ingress.enabled needs mesh.ingress.local: the local server's host:port" $in.local -}}
+{{- toYaml $in -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The mesh ingress port ("" unless mesh.ingress.enabled). */}}
+{{- define "livenessproxy.meshPort" -}}
+{{- $in := include "livenessproxy.meshIngress" . | fromYaml -}}
+{{- if $in.enabled -}}{{- int $in.port -}}{{- end -}}
 {{- end -}}
 
 {{/*
@@ -167,6 +202,40 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- $meshPort := include "livenessproxy.meshPort" . -}}
+{{- if and .Values.configMap.create (not .Values.config.listeners) (not $meshPort) -}}
+{{- fail "config.listeners is empty: the proxy needs at least one listener (or mesh.ingress.enabled, whose mesh-ingress listener is one)" -}}
+{{- end -}}
+{{- if $meshPort -}}
+{{- $in := include "livenessproxy.meshIngress" . | fromYaml -}}
+{{- /* The control server listens on 127.0.0.1:9902 unless told otherwise; the ingress's 0.0.0.0 takes the port on every address. */ -}}
+{{- $anyControl := "127.0.0.1:9902" -}}
+{{- if hasKey $admin "control_listen" -}}{{- $anyControl = $admin.control_listen | default "" -}}{{- end -}}
+{{- if eq $meshPort $adminPort -}}
+{{- fail (printf "mesh.ingress.port %s is the admin port (config.admin.listen): give the mesh ingress its own port" $meshPort) -}}
+{{- end -}}
+{{- if and $anyControl (not (hasPrefix "unix:" $anyControl)) (eq $meshPort (regexFind "[0-9]+$" $anyControl)) -}}
+{{- fail (printf "mesh.ingress.port %s is the control server's port (config.admin.control_listen %s): give the mesh ingress its own port" $meshPort $anyControl) -}}
+{{- end -}}
+{{- if eq $meshPort (regexFind "[0-9]+$" (toString $in.local)) -}}
+{{- fail (printf "mesh.ingress.port %s is the port of mesh.ingress.local (%s), the local server's: the mesh port is the ingress's own" $meshPort $in.local) -}}
+{{- end -}}
+{{- range $in.ports -}}
+{{- if eq $meshPort (toString (int .)) -}}
+{{- fail (printf "mesh.ingress.ports lists %s, the mesh port itself: list only the local server's ports" $meshPort) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.configMap.create -}}
+{{- range .Values.config.listeners -}}
+{{- if and . (eq (.name | default "") "mesh-ingress") -}}
+{{- fail "config.listeners has a listener named mesh-ingress, the name of the listener mesh.ingress.enabled adds: rename it" -}}
+{{- end -}}
+{{- if and . (eq $meshPort (regexFind "[0-9]+$" (.listen | default ""))) -}}
+{{- fail (printf "mesh.ingress.port %s is the port of listener %s (%s): the mesh ingress listens on 0.0.0.0:%s, give it its own port" $meshPort (.name | default "?") .listen $meshPort) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and (or .Values.serviceMonitor.enabled .Values.podMonitor.enabled) (not $adminPort) -}}
 {{- fail "serviceMonitor.enabled / podMonitor.enabled scrape the admin port, but config.admin.listen is empty (the admin server is off)" -}}
 {{- end -}}
@@ -230,12 +299,20 @@ container mounts it).
   {{- if .Values.sidecar.native }}
   restartPolicy: Always
   {{- end }}
-  {{- if $port }}
-  {{- /* Only the read-only admin port: the control port (admin.control_listen) is never listed. */}}
+  {{- $meshPort := include "livenessproxy.meshPort" . }}
+  {{- if or $port $meshPort }}
+  {{- /* The read-only admin port and the mesh ingress port: the control port (admin.control_listen) is never listed. */}}
   ports:
+    {{- if $port }}
     - name: admin
       containerPort: {{ $port }}
       protocol: TCP
+    {{- end }}
+    {{- if $meshPort }}
+    - name: mesh
+      containerPort: {{ $meshPort }}
+      protocol: TCP
+    {{- end }}
   {{- end }}
   {{- with .Values.sidecar.env }}
   env:
