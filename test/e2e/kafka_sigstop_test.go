@@ -182,7 +182,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	}
 	// (franz-go closes a fetch connection itself to abandon the fetch in
 	// flight when a rebalance revokes partitions: client_closed.)
-	if reasons, _ := endsBefore(pp, time.Now()); len(reasons) > 0 && (len(reasons) > 1 || reasons[metrics.ReasonClientClosed] == 0) {
+	if reasons, _ := pp.links.Before(time.Now()); len(reasons) > 0 && (len(reasons) > 1 || reasons[metrics.ReasonClientClosed] == 0) {
 		t.Fatalf("links cut before the stop: %v", reasons)
 	}
 

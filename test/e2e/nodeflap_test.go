@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -160,8 +161,8 @@ func TestNodeFlapWithoutFIN(t *testing.T) {
 	}
 
 	// The dead link: opened before the flap, closed by the proxy after it.
-	var dead []linkEnd
-	for _, e := range pp.ends() {
+	var dead []harness.LinkEnd
+	for _, e := range pp.links.All() {
 		if e.Opened.Before(flapAt) && e.At.After(flapAt) {
 			dead = append(dead, e)
 		}

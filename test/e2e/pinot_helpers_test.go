@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -54,10 +53,7 @@ type pinotProxy struct {
 	reg      *prometheus.Registry
 	addr     string // the listener's address: what the broker dials
 	upstream string
-
-	mu    sync.Mutex
-	ended []proxy.LinkStats
-	endAt []time.Time
+	links    harness.LinkEnds
 }
 
 // startPinotProxy validates the configuration, starts the proxy and closes
@@ -79,35 +75,13 @@ func startPinotProxy(t *testing.T, upstream string, s policy.Settings) *pinotPro
 func runRecordingProxy(t *testing.T, cfg policy.Config, upstream string) *pinotProxy {
 	t.Helper()
 	pp := &pinotProxy{reg: prometheus.NewRegistry(), upstream: upstream}
-	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: func(ls proxy.LinkStats) {
-		pp.mu.Lock()
-		pp.ended = append(pp.ended, ls)
-		pp.endAt = append(pp.endAt, time.Now())
-		pp.mu.Unlock()
-	}})
+	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: pp.links.Record})
 	if err := pp.p.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pp.p.Close() })
 	pp.addr = pp.p.Addr(cfg.Listeners[0].Name).String()
 	return pp
-}
-
-// linkEnd is one ended link with the time its end was reported.
-type linkEnd struct {
-	proxy.LinkStats
-	At time.Time
-}
-
-// ends returns the links that ended so far.
-func (pp *pinotProxy) ends() []linkEnd {
-	pp.mu.Lock()
-	defer pp.mu.Unlock()
-	out := make([]linkEnd, len(pp.ended))
-	for i := range pp.ended {
-		out[i] = linkEnd{pp.ended[i], pp.endAt[i]}
-	}
-	return out
 }
 
 // state returns the upstream endpoint's status.
@@ -134,30 +108,11 @@ func (pp *pinotProxy) counter(t *testing.T, name, label, value string) float64 {
 // include every given pair (name, value, name, value, ...).
 func counterValue(t *testing.T, g prometheus.Gatherer, name string, labels ...string) float64 {
 	t.Helper()
-	mfs, err := g.Gather()
+	v, err := harness.Counter(g, name, labels...)
 	if err != nil {
 		t.Fatalf("gathering metrics: %v", err)
 	}
-	sum := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != "livenessproxy_"+name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			matched := 0
-			for i := 0; i+1 < len(labels); i += 2 {
-				for _, lp := range m.GetLabel() {
-					if lp.GetName() == labels[i] && lp.GetValue() == labels[i+1] {
-						matched++
-					}
-				}
-			}
-			if c := m.GetCounter(); c != nil && matched == len(labels)/2 {
-				sum += c.GetValue()
-			}
-		}
-	}
-	return sum
+	return v
 }
 
 type (

@@ -82,7 +82,7 @@ func TestPinotSlowQueriesWithinTheirTimeout(t *testing.T) {
 			if n := pp.counter(t, "unanswered_timeouts_total", "", ""); n != 0 {
 				t.Fatalf("unanswered_timeouts_total = %v, want 0", n)
 			}
-			if ends := pp.ends(); len(ends) != 0 {
+			if ends := pp.links.All(); len(ends) != 0 {
 				t.Fatalf("%d links ended (first: %s), want none", len(ends), ends[0].Reason)
 			}
 		})

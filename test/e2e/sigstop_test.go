@@ -376,8 +376,8 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	}
 
 	reasons := map[string]int{}
-	for _, e := range pp.ends() {
-		reasons[string(e.Reason)]++
+	for _, e := range pp.links.All() {
+		reasons[e.Reason]++
 	}
 	t.Logf("links ended by reason: %v; unanswered_timeouts_total=%v endpoint_suspect_total=%v probes ok=%v fail=%v",
 		reasons, pp.counter(t, "unanswered_timeouts_total", "", ""), pp.counter(t, "endpoint_suspect_total", "", ""),

@@ -112,8 +112,8 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 	t.Logf("server: proxied executed %d (stale %d) during and after the stall; direct executed %d (stale %d)",
 		pb.Executed-pb0.Executed, pb.Stale-pb0.Stale, db.Executed-db0.Executed, db.Stale-db0.Stale)
 	reasons := map[string]int{}
-	for _, e := range pp.ends() {
-		reasons[string(e.Reason)]++
+	for _, e := range pp.links.All() {
+		reasons[e.Reason]++
 	}
 	dropped := pp.counter(t, "stale_frames_dropped_total", "", "")
 	t.Logf("proxy: links ended by reason %v; stale_frames_dropped_total=%v; probes ok=%v fail=%v; endpoint %s",
@@ -209,7 +209,7 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 	// reconnects, its connection is counted in "before").
 	conns := 1 + int(mid.Accepted-before.Accepted)
 	var links int
-	for _, e := range pp.ends() {
+	for _, e := range pp.links.All() {
 		if e.Opened.Before(resumeAt) && e.At.After(stallAt) && e.BytesUp > 0 {
 			links++
 		}

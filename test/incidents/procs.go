@@ -249,10 +249,7 @@ type proxyProc struct {
 	control   string // the control server (the endpoint actions)
 	listeners map[string]string
 	http      *http.Client
-
-	mu   sync.Mutex
-	ends []linkEnd
-
+	ends      harness.LinkEnds
 	collected chan struct{}
 }
 
@@ -284,34 +281,7 @@ func startProxy(r *rig, yaml string) (*proxyProc, error) {
 // collect records the link ends the proxy reports until it exits.
 func (p *proxyProc) collect() {
 	defer close(p.collected)
-	for {
-		select {
-		case line := <-p.lines:
-			var l proxyLine
-			if json.Unmarshal(line, &l) == nil && l.LinkEnd != nil {
-				p.mu.Lock()
-				p.ends = append(p.ends, *l.LinkEnd)
-				p.mu.Unlock()
-			}
-		case <-p.done:
-			for len(p.lines) > 0 { // what was read before the end
-				var l proxyLine
-				if json.Unmarshal(<-p.lines, &l) == nil && l.LinkEnd != nil {
-					p.mu.Lock()
-					p.ends = append(p.ends, *l.LinkEnd)
-					p.mu.Unlock()
-				}
-			}
-			return
-		}
-	}
-}
-
-// linkEnds returns the links that ended so far.
-func (p *proxyProc) linkEnds() []linkEnd {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return append([]linkEnd(nil), p.ends...)
+	p.ends.Collect(p.lines, p.done)
 }
 
 // endpoint returns the status of upstream endpoint addr from GET
@@ -353,34 +323,14 @@ func (p *proxyProc) action(addr, action string) (map[string]any, error) {
 	return body, nil
 }
 
-// counter sums a counter's series from GET /metrics (name without the
-// livenessproxy_ prefix), optionally only those carrying label="value".
+// counter sums a counter's series scraped from GET /metrics (name without
+// the livenessproxy_ prefix), optionally only those carrying label="value".
 func (p *proxyProc) counter(name, label, value string) (float64, error) {
-	resp, err := p.http.Get("http://" + p.admin + "/metrics")
-	if err != nil {
-		return 0, err
+	var labels []string
+	if label != "" {
+		labels = []string{label, value}
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	full := "livenessproxy_" + name
-	sum := 0.0
-	for _, line := range strings.Split(string(b), "\n") {
-		if !strings.HasPrefix(line, full+"{") && !strings.HasPrefix(line, full+" ") {
-			continue
-		}
-		if label != "" && !strings.Contains(line, label+`="`+value+`"`) {
-			continue
-		}
-		f := strings.Fields(line)
-		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		if err == nil {
-			sum += v
-		}
-	}
-	return sum, nil
+	return harness.Counter(harness.Scrape(p.http, "http://"+p.admin+"/metrics"), name, labels...)
 }
 
 // rssSampler samples a process's RSS every 20 ms until stopped.

@@ -98,7 +98,7 @@ func replayFlap(r *rig) (*Report, error) {
 	for _, c := range w.After(flapAt) {
 		rep.event(flapAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		switch {
 		case e.Opened.Before(flapAt) && e.At.After(flapAt):
 			rep.event(flapAt, e.At, "proxy closed a pre-flap link: %s (%d B up, %d B down)", e.Reason, e.BytesUp, e.BytesDown)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 )
 
@@ -84,8 +85,8 @@ func replayIdle(r *rig) (*Report, error) {
 		return nil, err
 	}
 
-	var deadEnd *linkEnd
-	for _, e := range px.linkEnds() {
+	var deadEnd *harness.LinkEnd
+	for _, e := range px.ends.All() {
 		if e.Opened.Before(goneAt) && e.At.After(goneAt) {
 			rep.event(goneAt, e.At, "proxy closed the idle link: %s (%s)", e.Reason, e.Err)
 			if deadEnd == nil {

@@ -111,7 +111,7 @@ func replayReadmit(r *rig) (*Report, error) {
 	for _, c := range w.After(disableAt) {
 		rep.event(disableAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		if e.Opened.Before(disableAt) && e.At.After(disableAt) {
 			rep.event(disableAt, e.At, "proxy closed a pre-disable link: %s", e.Reason)
 		}

@@ -135,7 +135,7 @@ func replayStall(r *rig) (*Report, error) {
 	}
 	var maxQueued int64
 	reasons := map[string]int{}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		if e.Opened.Before(stallAt) && e.At.After(stallAt) {
 			reasons[e.Reason]++
 			maxQueued = max(maxQueued, e.MaxQueued)

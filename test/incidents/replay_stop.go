@@ -110,7 +110,7 @@ func replayStop(r *rig) (*Report, error) {
 		last = changes[len(changes)-1].State
 	}
 	reasons := map[string]int{}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		if e.At.After(stopAt) && e.At.Before(contAt) {
 			reasons[e.Reason]++
 		}
