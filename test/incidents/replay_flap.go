@@ -143,9 +143,9 @@ func replayFlap(r *rig) (*Report, error) {
 	rep.check(pOK && pRec <= bound, "recovered within request_timeout + 2s",
 		"every proxied connection had a query succeed %s after the flap (bound %s)", secs(pRec), secs(bound))
 	pAll := count(prs, time.Time{}, obsEnd)
-	rep.check(pAll.lost()-inflight <= threshold*k, "queries lost <= threshold per connection + in flight",
+	rep.check(pAll.Lost()-inflight <= threshold*k, "queries lost <= threshold per connection + in flight",
 		"lost %d (%d failed fast, %d timed out), of which %d were in flight on the dead connections when the proxy closed them; %d <= %d x %d",
-		pAll.lost(), pAll.FailedFast, pAll.TimedOut, inflight, pAll.lost()-inflight, threshold, k)
+		pAll.Lost(), pAll.FailedFast, pAll.TimedOut, inflight, pAll.Lost()-inflight, threshold, k)
 	// A readmission is a fresh start: requests sent before it (on links
 	// that had already ended) must not exclude the endpoint again before
 	// the readmitted server could answer anything.
