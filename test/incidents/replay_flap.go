@@ -85,10 +85,7 @@ func replayFlap(r *rig) (*Report, error) {
 			stillConnected++
 		}
 	}
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
-	rss.stop()
-	w.Stop()
+	endLoads(pl, dl, rss, w)
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
@@ -122,20 +119,17 @@ func replayFlap(r *rig) (*Report, error) {
 		}
 	}
 	prs, drs := pl.records(), dl.records()
-	pt, dt := count(prs, flapAt, obsEnd), count(drs, flapAt, obsEnd)
 	rep.event(flapAt, obsEnd, "end of observation: direct brokers still holding their dead connection: %d of %d", stillConnected, k)
 
-	pRec, pOK := recovery(pl, flapAt)
-	dRec, dOK := recovery(dl, flapAt)
 	var dQueue int64
 	for _, db := range direct {
 		dQueue += db.Stats().PeakQueueBytes
 	}
 	base, peak := rss.growth(flapAt)
-	rep.Rows = []Row{
-		row("direct", dt, dRec, dOK, observe, "queue "+mib(dQueue), staleOf(st, "Broker_direct")),
-		row("proxy", pt, pRec, pOK, observe, "RSS +"+mib(max(peak-base, 0)), staleOf(st, "Broker_proxy")),
-	}
+	d, p := paths{direct: dl, proxied: pl, from: flapAt, to: obsEnd, recoveryFrom: flapAt, window: observe,
+		directQueue: dQueue, proxyGrowth: peak - base, stats: st}.rows()
+	rep.Rows = []Row{d, p}
+	pRec, pOK := p.Recovery, p.Recovered
 	rep.note("%d connections per path, a query every %v on each; counts are queries sent in the %v after the flap; recovery: from the flap until every connection had a query succeed", k, queryEvery, observe)
 
 	// Targets.

@@ -108,9 +108,7 @@ func replayStall(r *rig) (*Report, error) {
 	directBack := loads(dl[:stalled]).waitOK(healAt, 5, 30*time.Second)
 	time.Sleep(time.Second)
 	endAt := time.Now()
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
-	rss.stop()
+	endLoads(pl, dl, rss, nil)
 	time.Sleep(300 * time.Millisecond) // the servers finish reading what their kernels hold
 	var pStale, dStale, pExec int64
 	for _, s := range servers {
