@@ -228,6 +228,57 @@ func startKafkaProxy(t *testing.T, kb *kafkaBroker, cfg policy.Config) *pinotPro
 	return pp
 }
 
+// runKafkaModes runs test as a subtest for each of kafkaModes.
+func runKafkaModes(t *testing.T, test func(t *testing.T, mode kafkaMode)) {
+	for _, mode := range kafkaModes {
+		t.Run(mode.name, func(t *testing.T) { test(t, mode) })
+	}
+}
+
+// kafkaRun is a Kafka test's setup: a kfake broker in a child process, a
+// proxy built from the mode's configuration in front of it (advertised by
+// the broker), and a watcher on the proxy's endpoint.
+type kafkaRun struct {
+	mode  kafkaMode
+	start time.Time
+	kb    *kafkaBroker
+	cfg   policy.Config
+	pp    *pinotProxy
+	w     *stateWatcher
+}
+
+// startKafkaRun starts a broker with topics ("name:partitions,..."), a
+// proxy from kafkaConfig(mode, extraDefaults) in front of it, and a
+// watcher for up to watchFor; t.Cleanup ends them.
+func startKafkaRun(t *testing.T, mode kafkaMode, topics, extraDefaults string, watchFor time.Duration) *kafkaRun {
+	t.Helper()
+	r := &kafkaRun{mode: mode, start: time.Now()}
+	r.kb = startKafkaBroker(t, topics)
+	r.cfg = kafkaConfig(t, mode, r.kb.addr, extraDefaults)
+	r.pp = startKafkaProxy(t, r.kb, r.cfg)
+	r.w = watchEndpoint(t, r.pp, watchFor)
+	return r
+}
+
+// requestTimeout is the listener's unanswered.request_timeout.
+func (r *kafkaRun) requestTimeout() time.Duration {
+	return listenerSettings(r.cfg).Unanswered.RequestTimeout.D()
+}
+
+// assertProxyStayedOut is what the healthy twins of
+// TestKafkaStoppedBrokerExcluded assert of the proxy at end: its counters
+// logged; under the kafka profile nothing counted unanswered; no link
+// ended before end except for a reason in allowed; the endpoint always
+// healthy (the watcher is stopped).
+func (r *kafkaRun) assertProxyStayedOut(t *testing.T, end time.Time, allowed ...string) {
+	t.Helper()
+	logProxyCounters(t, r.pp)
+	assertNoUnansweredUnderKafka(t, r.pp, r.mode)
+	assertNoLinkEnds(t, r.pp, end, r.start, allowed...)
+	r.w.Stop()
+	assertAlwaysHealthy(t, r.pp, r.w, r.start)
+}
+
 // listenerSettings returns the settings the proxy's listener runs with.
 func listenerSettings(cfg policy.Config) policy.Settings { return cfg.Listeners[0].Settings }
 

@@ -88,12 +88,12 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 		judgingSlack     = time.Second
 		minProbes        = 3
 	)
-	start := time.Now()
-	kb := startKafkaBroker(t, fmt.Sprintf("%s:%d", topic, consumers))
 	// Probe every second (no backoff, no jitter) so that three failed
 	// probes fit in a short test; the probe kind is left to the profile.
-	cfg := kafkaConfig(t, mode, kb.addr, "  detector: {initial_delay: 1s, backoff_factor: 1, max_delay: 1s, jitter: 0}\n")
-	s := listenerSettings(cfg)
+	r := startKafkaRun(t, mode, fmt.Sprintf("%s:%d", topic, consumers),
+		"  detector: {initial_delay: 1s, backoff_factor: 1, max_delay: 1s, jitter: 0}\n", 90*time.Second)
+	start, kb, pp, w := r.start, r.kb, r.pp, r.w
+	s := listenerSettings(r.cfg)
 	rt := s.Unanswered.RequestTimeout.D()
 	threshold := s.Unanswered.ConsecutiveTimeoutsThreshold
 	interval, probeTimeout := s.Detector.InitialDelay.D(), s.Detector.ProbeTimeout.D()
@@ -108,9 +108,6 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	// longer than maxHold.
 	maxHold := max(fetchWait, produceTimeout, coordinatorWrite)
 	bound := heartbeat + maxHold + rt + judgingSlack
-
-	pp := startKafkaProxy(t, kb, cfg)
-	w := watchEndpoint(t, pp, 90*time.Second)
 
 	members := make([]*groupMember, consumers)
 	cs := make([]*kafkaConsumer, consumers)
