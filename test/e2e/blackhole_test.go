@@ -12,7 +12,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"testing"
 	"time"
 
@@ -27,43 +26,6 @@ import (
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
-
-// echoIn serves an echo server inside ns until the test ends.
-func echoIn(t *testing.T, ns *netns.NS, addr string) string {
-	t.Helper()
-	ln, err := ns.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr().String()
-}
 
 // waitReachable dials addr until it answers: a fresh veth may take a
 // moment before it carries traffic.
@@ -83,7 +45,7 @@ func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan p
 	testutil.RequireCommand(t, "nft")
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, "10.231.7.1/24", "10.231.7.2/24")
-	srv := echoIn(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	srv := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000")).String()
 	waitReachable(t, srv)
 
 	cfg := policy.DefaultConfig()

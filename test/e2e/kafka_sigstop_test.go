@@ -184,10 +184,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	}
 
 	stopAt := time.Now()
-	kb.signal(t, syscall.SIGSTOP)
-	if !kb.waitProcState("T", 2*time.Second) {
-		t.Fatalf("broker process %d not stopped (state %s)", kb.pid, kb.procState())
-	}
+	kb.sigstop(t, "broker")
 	t.Logf("SIGSTOP at +%v; exclusion bound %v (heartbeat %v + hold %v + request_timeout %v + %v)",
 		ms(stopAt.Sub(start)), bound, heartbeat, maxHold, rt, judgingSlack)
 
@@ -199,13 +196,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 		_ = c.Close()
 	}
 
-	if !pp.waitState("excluded", bound+5*time.Second) {
-		t.Fatalf("endpoint not excluded %v after SIGSTOP: %+v", bound+5*time.Second, pp.state())
-	}
-	ex, ok := w.FirstAfter(stopAt, "excluded", 200*time.Millisecond)
-	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
-	}
+	ex := waitExcluded(t, pp, w, stopAt, bound+5*time.Second, "SIGSTOP")
 	excludedAfter := ex.At.Sub(stopAt)
 	t.Logf("excluded %v after SIGSTOP (reason %s)", ms(excludedAfter), ex.Reason)
 	// What the clients sent between the stop and the exclusion.
