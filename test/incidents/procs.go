@@ -4,7 +4,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -21,43 +20,22 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // self is the running binary: the replays re-execute it in a role.
 const self = "/proc/self/exe"
 
-// lockedBuffer collects a child's stderr; os/exec writes it from its own
-// goroutine while the replay may read it for an error message.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.b.Len() > 64<<10 { // keep the first 64 KiB: enough to say why
-		return len(p), nil
-	}
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.TrimSpace(l.b.String())
-}
-
 // child is a re-executed role process. It is ended only by its PID.
 type child struct {
 	cmd    *exec.Cmd
 	pid    int
 	stdin  io.WriteCloser
-	stderr lockedBuffer
-	lines  chan []byte   // stdout lines after the first
-	first  chan []byte   // the first stdout line
-	done   chan struct{} // stdout reader finished (the process closed it)
+	stderr testutil.SyncBuffer // os/exec writes it from its own goroutine
+	lines  chan []byte         // stdout lines after the first
+	first  chan []byte         // the first stdout line
+	done   chan struct{}       // stdout reader finished (the process closed it)
 	once   sync.Once
 }
 
@@ -68,9 +46,10 @@ type child struct {
 // and it would die); Pdeathsig kills it if the thread that started it dies.
 func startChild(ns *netns.NS, role string, env ...string) (*child, error) {
 	c := &child{
-		lines: make(chan []byte, 1024),
-		first: make(chan []byte, 1),
-		done:  make(chan struct{}),
+		stderr: testutil.SyncBuffer{Keep: 64 << 10}, // the first 64 KiB: enough to say why
+		lines:  make(chan []byte, 1024),
+		first:  make(chan []byte, 1),
+		done:   make(chan struct{}),
 	}
 	c.cmd = exec.Command(self)
 	c.cmd.Env = append(os.Environ(), roleEnv+"="+role)
@@ -128,9 +107,9 @@ func (c *child) hello(v any, timeout time.Duration) error {
 	case line := <-c.first:
 		return json.Unmarshal(line, v)
 	case <-c.done:
-		return fmt.Errorf("process %d exited before it was ready: %s", c.pid, c.stderr.String())
+		return fmt.Errorf("process %d exited before it was ready: %s", c.pid, strings.TrimSpace(c.stderr.String()))
 	case <-t.C:
-		return fmt.Errorf("process %d not ready after %v: %s", c.pid, timeout, c.stderr.String())
+		return fmt.Errorf("process %d not ready after %v: %s", c.pid, timeout, strings.TrimSpace(c.stderr.String()))
 	}
 }
 

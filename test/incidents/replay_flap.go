@@ -161,31 +161,20 @@ func replayFlap(r *rig) (*Report, error) {
 	rep.check(late.OK == 0 && late.TimedOut > 0 && stillConnected == k, "control: direct path stuck",
 		"direct queries sent after the flap: %d ok, %d timed out, %d failed fast; %d of %d connections still open",
 		late.OK, late.TimedOut, late.FailedFast, stillConnected, k)
-	if st.ByBroker == nil || executedOf(st, "Broker_proxy") == 0 {
+	if st.ByBroker == nil || countOf(st, "Broker_proxy").Executed == 0 {
 		rep.check(false, "new server executed proxied queries", "executed %v", st.ByBroker)
 	}
 	return rep, nil
 }
 
-// staleOf sums the stale requests the server executed for brokers whose id
-// starts with prefix.
-func staleOf(st pinotsim.ServerStats, prefix string) int64 {
-	var n int64
+// countOf sums the server's work (requests executed, stale ones among
+// them) for brokers whose id starts with prefix.
+func countOf(st pinotsim.ServerStats, prefix string) pinotsim.BrokerCount {
+	var n pinotsim.BrokerCount
 	for id, c := range st.ByBroker {
 		if strings.HasPrefix(id, prefix) {
-			n += c.Stale
-		}
-	}
-	return n
-}
-
-// executedOf sums the requests the server executed for brokers whose id
-// starts with prefix.
-func executedOf(st pinotsim.ServerStats, prefix string) int64 {
-	var n int64
-	for id, c := range st.ByBroker {
-		if strings.HasPrefix(id, prefix) {
-			n += c.Executed
+			n.Executed += c.Executed
+			n.Stale += c.Stale
 		}
 	}
 	return n

@@ -113,9 +113,9 @@ func replayStall(r *rig) (*Report, error) {
 	var pStale, dStale, pExec int64
 	for _, s := range servers {
 		st := s.Stats()
-		pStale += staleOf(st, "Broker_proxy")
-		dStale += staleOf(st, "Broker_direct")
-		pExec += executedOf(st, "Broker_proxy")
+		pStale += countOf(st, "Broker_proxy").Stale
+		dStale += countOf(st, "Broker_direct").Stale
+		pExec += countOf(st, "Broker_proxy").Executed
 	}
 
 	// The proxied broker's connections to the stalled servers' listeners.

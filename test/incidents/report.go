@@ -205,9 +205,9 @@ func (m paths) rows() (direct, proxied Row) {
 	dRec, dOK := recovery(m.direct, m.recoveryFrom)
 	pRec, pOK := recovery(m.proxied, m.recoveryFrom)
 	direct = row("direct", count(m.direct.records(), m.from, m.to), dRec, dOK, m.window,
-		"queue "+mib(m.directQueue), staleOf(m.stats, "Broker_direct"))
+		"queue "+mib(m.directQueue), countOf(m.stats, "Broker_direct").Stale)
 	proxied = row("proxy", count(m.proxied.records(), m.from, m.to), pRec, pOK, m.window,
-		"RSS +"+mib(max(m.proxyGrowth, 0)), staleOf(m.stats, "Broker_proxy"))
+		"RSS +"+mib(max(m.proxyGrowth, 0)), countOf(m.stats, "Broker_proxy").Stale)
 	return direct, proxied
 }
 
