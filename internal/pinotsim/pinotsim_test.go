@@ -640,30 +640,22 @@ func TestDataTableSections(t *testing.T) {
 	}
 }
 
-func TestFirstOK(t *testing.T) {
+// FirstOK and Count over one list of records: the first success at or
+// after t0, and the outcomes of the queries sent in a window.
+func TestFirstOKAndCount(t *testing.T) {
 	t0 := time.Unix(100, 0)
 	rs := []Record{
 		{Sent: t0.Add(-time.Second), Result: Result{Outcome: OK}}, // before t0
 		{Sent: t0, Result: Result{Outcome: TimedOut}},
-		{Sent: t0.Add(time.Second), Result: Result{Outcome: OK}},
-		{Sent: t0.Add(2 * time.Second), Result: Result{Outcome: OK}},
-	}
-	if r, ok := FirstOK(rs, t0); !ok || !r.Sent.Equal(t0.Add(time.Second)) {
-		t.Fatalf("FirstOK = %+v %v, want the one sent at t0+1s", r, ok)
-	}
-	if _, ok := FirstOK(rs, t0.Add(3*time.Second)); ok {
-		t.Fatal("FirstOK found a query after the last one")
-	}
-}
-
-func TestCount(t *testing.T) {
-	t0 := time.Unix(100, 0)
-	rs := []Record{
-		{Sent: t0.Add(-time.Second), Result: Result{Outcome: OK}}, // before from
-		{Sent: t0, Result: Result{Outcome: TimedOut}},
 		{Sent: t0.Add(time.Second), Result: Result{Outcome: FailedFast}},
 		{Sent: t0.Add(2 * time.Second), Result: Result{Outcome: OK}},
-		{Sent: t0.Add(3 * time.Second), Result: Result{Outcome: Canceled}}, // at to
+		{Sent: t0.Add(3 * time.Second), Result: Result{Outcome: Canceled}},
+	}
+	if r, ok := FirstOK(rs, t0); !ok || !r.Sent.Equal(t0.Add(2*time.Second)) {
+		t.Fatalf("FirstOK = %+v %v, want the one sent at t0+2s", r, ok)
+	}
+	if _, ok := FirstOK(rs, t0.Add(3*time.Second)); ok {
+		t.Fatal("FirstOK found a success after the last one")
 	}
 	want := Tally{Sent: 3, OK: 1, FailedFast: 1, TimedOut: 1}
 	if got := Count(rs, t0, t0.Add(3*time.Second)); got != want || got.Lost() != 2 {

@@ -9,39 +9,18 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// echo serves one echo per connection until ln closes; the caller waits
-// on the returned channel.
-func echo(ln net.Listener) <-chan struct{} {
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_, _ = io.Copy(c, c)
-			_ = c.Close()
-		}
-	}()
-	return done
-}
-
 // Bytes go through the handler both ways; Close closes the relayed
 // connections (the handler's reads end) and waits for every goroutine.
 func TestRelayForwardsAndCloses(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := echo(ln)
-	defer func() { _ = ln.Close(); <-served }()
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	handled := make(chan struct{})
-	r, err := Start(ln.Addr().String(), time.Second, func(down, up net.Conn) {
+	r, err := Start(peer.Addr(), time.Second, func(down, up net.Conn) {
 		defer close(handled)
 		go func() { _, _ = io.Copy(up, down) }() // ends when the relay closes down
 		_, _ = io.Copy(down, up)
