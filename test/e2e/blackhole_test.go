@@ -27,6 +27,10 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
+// echoIn serves an echo server inside ns until the test ends
+// (netns.Echo) and returns its address.
+func echoIn(t *testing.T, ns *netns.NS, addr string) string { return netns.Echo(t, ns, addr).String() }
+
 // waitReachable dials addr until it answers: a fresh veth may take a
 // moment before it carries traffic.
 func waitReachable(t *testing.T, addr string) {
@@ -45,7 +49,7 @@ func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan p
 	testutil.RequireCommand(t, "nft")
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, "10.231.7.1/24", "10.231.7.2/24")
-	srv := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000")).String()
+	srv := echoIn(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
 	waitReachable(t, srv)
 
 	cfg := policy.DefaultConfig()
