@@ -94,10 +94,7 @@ func openFDs(t *testing.T) map[int]bool {
 // its own failure. The client is reset, the link ends as local_error, the
 // endpoint stays healthy and a link that was already open keeps working.
 func TestOutOfDescriptorsIsALocalError(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	h := start(t, peer.Addr(), nil)
-	bystander := h.dial()
-	roundTrip(t, bystander, []byte("before"))
+	_, h, bystander := startEcho(t, nil, "before")
 
 	// Leave exactly two free descriptor numbers: the test's own client
 	// socket and the proxy's accept take them, the proxy's dial finds none.
@@ -190,16 +187,7 @@ func TestSettingsAtTheLimitsOfCheckWork(t *testing.T) {
 	if err := cfg.Validate(); err != nil {
 		t.Fatalf("the limits do not pass check: %v", err)
 	}
-	p := New(cfg, Options{})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
-	c, err := net.Dial("tcp", p.Addr("test").String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	p, c := startConfig(t, cfg, Options{})
 	roundTrip(t, c, bytes.Repeat([]byte{7}, 100<<10)) // a header of 64 KiB and more
 	if st := p.Endpoints()[0]; st.State != "healthy" {
 		t.Fatalf("endpoint %s", st.State)

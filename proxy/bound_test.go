@@ -3,6 +3,7 @@
 package proxy
 
 import (
+	"net"
 	"testing"
 	"time"
 
@@ -19,14 +20,8 @@ import (
 // small unsent backlog, plus what the peer's kernel acknowledged into its
 // own receive buffer (in flight, bounded by the window), plus one read.
 func TestStalledUpstreamHoldsAtMostTheWatermark(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
 	const high = 64 << 10
-	h := start(t, peer.Addr(), func(s *policy.Settings) {
-		s.WriteTimeout, s.TCPUserTimeout = 0, 0
-		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: high, LowWaterMark: high / 2, OnOverflow: policy.OverflowReject}
-	})
-	c := h.dial()
-	sent := writeAsync(c, 64<<20, 64<<10)
+	h, _, sent := stalledUpstream(t, high, policy.OverflowReject)
 	s := h.linkEnd(10 * time.Second)
 	<-sent
 	if s.Reason != metrics.ReasonWatermark {
@@ -51,14 +46,8 @@ func TestStalledUpstreamHoldsAtMostTheWatermark(t *testing.T) {
 // a 64 KiB segment more). SIOCOUTQ, unsent plus sent-but-unacknowledged,
 // is logged: the in-flight part is the window's, not the proxy's.
 func TestStalledUpstreamUnsentBacklogIsSmall(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
 	const high = 256 << 10
-	h := start(t, peer.Addr(), func(s *policy.Settings) {
-		s.WriteTimeout, s.TCPUserTimeout = 0, 0
-		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: high, LowWaterMark: high / 2, OnOverflow: policy.OverflowBackpressure}
-	})
-	c := h.dial()
-	sent := writeAsync(c, 64<<20, 64<<10)
+	h, c, sent := stalledUpstream(t, high, policy.OverflowBackpressure)
 	lk := h.onlyLink(5 * time.Second)
 	for deadline := time.Now().Add(10 * time.Second); lk.q.bytes() < high; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -80,6 +69,22 @@ func TestStalledUpstreamUnsentBacklogIsSmall(t *testing.T) {
 	// close): the proxy's shutdown at cleanup does.
 	_ = c.Close()
 	<-sent
+}
+
+// stalledUpstream starts a proxy in front of a peer that never reads (4
+// KiB socket buffers), with no write timeout nor user timeout and the
+// write buffer's high watermark at high (low at half, onOverflow past
+// it), and a client writing 64 MiB to it in 64 KiB writes; sent yields
+// when the writes end.
+func stalledUpstream(t *testing.T, high policy.Size, onOverflow string) (h *harness, c net.Conn, sent <-chan int) {
+	t.Helper()
+	peer := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	h = start(t, peer.Addr(), func(s *policy.Settings) {
+		s.WriteTimeout, s.TCPUserTimeout = 0, 0
+		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: high, LowWaterMark: high / 2, OnOverflow: onOverflow}
+	})
+	c = h.dial()
+	return h, c, writeAsync(c, 64<<20, 64<<10)
 }
 
 // onlyLink returns the listener's one link once it has its upstream.

@@ -344,10 +344,7 @@ func TestTruncatedFrameClosesOnlyItsLink(t *testing.T) {
 // Operator disable refuses new links and evicts old ones; enable is a
 // readmission.
 func TestOperatorDisableEnableEvict(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	h := start(t, peer.Addr(), nil)
-	c := h.dial()
-	roundTrip(t, c, []byte("x"))
+	peer, h, c := startEcho(t, nil, "x")
 	if _, err := h.p.Disable("127.0.0.1:1"); !errors.Is(err, ErrUnknownEndpoint) {
 		t.Fatalf("disable of an unknown endpoint: %v", err)
 	}

@@ -77,15 +77,7 @@ func TestAccessLogAndOneLinePerStateChange(t *testing.T) {
 	log := zerolog.New(&sink).Level(zerolog.InfoLevel)
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: cfg.Defaults}}
-	p := New(cfg, Options{Logger: &log, AccessLog: true})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
-	c, err := net.Dial("tcp", p.Addr("test").String())
-	if err != nil {
-		t.Fatal(err)
-	}
+	p, c := startConfig(t, cfg, Options{Logger: &log, AccessLog: true})
 	roundTrip(t, c, []byte("hello"))
 	c.Close()
 	deadline := time.Now().Add(5 * time.Second)

@@ -53,6 +53,35 @@ func start(t *testing.T, upstream string, tune func(*policy.Settings)) *harness 
 	return h
 }
 
+// startEcho starts a proxy (tuned by tune) in front of an echo peer and
+// returns both with one client connection, on which hello made a round
+// trip.
+func startEcho(t *testing.T, tune func(*policy.Settings), hello string) (*faultpeer.Server, *harness, *net.TCPConn) {
+	t.Helper()
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), tune)
+	c := h.dial()
+	roundTrip(t, c, []byte(hello))
+	return peer, h, c
+}
+
+// startConfig starts a proxy from cfg with opts and connects to its
+// listener "test"; t.Cleanup closes both.
+func startConfig(t *testing.T, cfg policy.Config, opts Options) (*Proxy, *net.TCPConn) {
+	t.Helper()
+	p := New(cfg, opts)
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	c, err := net.Dial("tcp", p.Addr("test").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return p, c.(*net.TCPConn)
+}
+
 func (h *harness) dial() *net.TCPConn {
 	h.t.Helper()
 	c, err := net.Dial("tcp", h.addr)
@@ -463,10 +492,7 @@ func TestBlackholedDialDoesNotStallAccept(t *testing.T) {
 // Shutdown stops accepting, lets a link finish within the drain timeout,
 // and cuts those still open when it runs out.
 func TestShutdownDrainsThenCuts(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	h := start(t, peer.Addr(), nil)
-	c := h.dial()
-	roundTrip(t, c, []byte("open"))
+	_, h, c := startEcho(t, nil, "open")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()

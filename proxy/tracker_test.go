@@ -40,67 +40,110 @@ func (r *trackerRig) seen() (verdicts [][]pendingRequest, left []int, counted in
 	return r.verdicts, r.left, r.counted
 }
 
+// after lets d pass on the bubble's clock, waits until every goroutine
+// is blocked (the verdicts due by then are in), and returns what was
+// judged so far.
+func (r *trackerRig) after(d time.Duration) (verdicts [][]pendingRequest, left []int, counted int) {
+	time.Sleep(d)
+	synctest.Wait()
+	return r.seen()
+}
+
 func (r *trackerRig) send(due time.Duration, end int64) {
 	now := mono()
 	r.t.sent(pendingRequest{at: now, due: now + int64(due), end: end, n: 1, thr: 3})
 }
 
-// A request nobody answers is judged unanswered once its own deadline
-// (not before) plus the judging slack has passed.
-func TestTrackerJudgesAtOwnDeadline(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		var v [][]pendingRequest
-		var left []int
-		var counted int
-		defer func() { _, _, _ = v, left, counted }()
-		r := newTrackerRig(10*time.Millisecond, false)
-		defer r.t.stop()
-		r.send(5*time.Second, 10) // a long poll that asks for 5s
-		time.Sleep(5*time.Second + 9*time.Millisecond)
-		synctest.Wait()
-		v, left, counted = r.seen()
-		if len(v) != 0 {
-			t.Fatalf("judged %v before its deadline plus slack", v)
-		}
-		time.Sleep(2 * time.Millisecond)
-		synctest.Wait()
-		v, left, counted = r.seen()
-		if len(v) != 1 || counted != 1 {
-			t.Fatalf("verdicts %v, %d unanswered; want one request judged unanswered", v, counted)
-		}
-	})
+// trackerStep is one step of a tracker scenario: let wait pass, then
+// send a request due in send (if not zero, end offset end), record an
+// answer, and check what was judged so far against want (if not nil).
+type trackerStep struct {
+	wait   time.Duration
+	send   time.Duration
+	end    int64
+	answer bool
+	want   *trackerWant
 }
 
-// An answer from the endpoint after a request was sent, to that request
-// or any other on any link, covers it: the server is alive. An answer
-// from before it was sent does not.
-func TestTrackerAnswerAfterSendCovers(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		var v [][]pendingRequest
-		var left []int
-		var counted int
-		defer func() { _, _, _ = v, left, counted }()
-		r := newTrackerRig(10*time.Millisecond, false)
-		defer r.t.stop()
-		r.answer.Store(mono()) // an answer before anything was sent
-		time.Sleep(time.Millisecond)
-		r.send(time.Second, 10)
-		time.Sleep(2 * time.Second)
-		synctest.Wait()
-		v, left, counted = r.seen()
-		if counted != 1 {
-			t.Fatalf("%d unanswered, want 1: an earlier answer does not cover a later request", counted)
+// trackerWant is what was judged: verdicts entries (-1: not checked), the
+// first of them holding firstLen requests (0: not checked), counted
+// unanswered.
+type trackerWant struct {
+	verdicts, firstLen, counted int
+	why                         string
+}
+
+func TestTrackerScenarios(t *testing.T) {
+	sendEvery := func(n int, due, every time.Duration) []trackerStep {
+		var out []trackerStep
+		for i := range n {
+			out = append(out, trackerStep{send: due, end: int64(i)}, trackerStep{wait: every})
 		}
-		r.send(time.Second, 20)
-		time.Sleep(900 * time.Millisecond)
-		r.answer.Store(mono()) // answered 100ms before the deadline
-		time.Sleep(time.Second)
-		synctest.Wait()
-		v, left, counted = r.seen()
-		if len(v) != 2 || counted != 1 {
-			t.Fatalf("%d verdicts, %d unanswered; want the covered request judged and not counted", len(v), counted)
-		}
-	})
+		return out
+	}
+	cases := []struct {
+		name     string
+		slack    time.Duration
+		perBurst bool
+		steps    []trackerStep
+	}{
+		// A request nobody answers is judged unanswered once its own
+		// deadline (not before) plus the judging slack has passed.
+		{"judged at its own deadline", 10 * time.Millisecond, false, []trackerStep{
+			{send: 5 * time.Second, end: 10}, // a long poll that asks for 5s
+			{wait: 5*time.Second + 9*time.Millisecond, want: &trackerWant{0, 0, 0, "nothing judged before its deadline plus slack"}},
+			{wait: 2 * time.Millisecond, want: &trackerWant{1, 0, 1, "one request judged unanswered"}},
+		}},
+		// An answer from the endpoint after a request was sent, to that
+		// request or any other on any link, covers it: the server is
+		// alive. An answer from before it was sent does not.
+		{"an answer after the send covers it", 10 * time.Millisecond, false, []trackerStep{
+			{answer: true}, // an answer before anything was sent
+			{wait: time.Millisecond, send: time.Second, end: 10},
+			{wait: 2 * time.Second, want: &trackerWant{-1, 0, 1, "an earlier answer does not cover a later request"}},
+			{send: time.Second, end: 20},
+			{wait: 900 * time.Millisecond, answer: true}, // answered 100ms before the deadline
+			{wait: time.Second, want: &trackerWant{2, 0, 1, "the covered request judged and not counted"}},
+		}},
+		// Opaque mode: a burst of bytes with no answer in between is one
+		// request.
+		{"per burst", 10 * time.Millisecond, true, append(sendEvery(5, time.Second, 300*time.Millisecond),
+			trackerStep{wait: 2 * time.Second, want: &trackerWant{-1, 0, 1, "the whole burst counts once"}})},
+		// An answer between two requests keeps them apart even within the
+		// slack: the first is covered, the second is not, and sharing an
+		// entry would wrongly cover the second (a server that stopped
+		// right after answering).
+		{"an answer splits entries", 100 * time.Millisecond, false, []trackerStep{
+			{send: time.Second, end: 10},
+			{wait: 10 * time.Millisecond, answer: true},
+			{wait: 10 * time.Millisecond, send: time.Second, end: 20}, // within the slack, but after the answer
+			{wait: 2 * time.Second, want: &trackerWant{1, 2, 1, "two entries judged together, the second unanswered"}},
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				r := newTrackerRig(tc.slack, tc.perBurst)
+				defer r.t.stop()
+				for i, st := range tc.steps {
+					v, _, counted := r.after(st.wait)
+					if st.answer {
+						r.answer.Store(mono())
+					}
+					if st.send != 0 {
+						r.send(st.send, st.end)
+					}
+					w := st.want
+					if w == nil {
+						continue
+					}
+					if (w.verdicts >= 0 && len(v) != w.verdicts) || (w.firstLen > 0 && (len(v) == 0 || len(v[0]) != w.firstLen)) || counted != w.counted {
+						t.Fatalf("step %d: verdicts %v, %d unanswered; want %s", i, v, counted, w.why)
+					}
+				}
+			})
+		})
+	}
 }
 
 // Requests sent within the slack of each other share an entry: the
@@ -108,10 +151,6 @@ func TestTrackerAnswerAfterSendCovers(t *testing.T) {
 // toward not counting.
 func TestTrackerMergesWithinSlack(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var v [][]pendingRequest
-		var left []int
-		var counted int
-		defer func() { _, _, _ = v, left, counted }()
 		r := newTrackerRig(100*time.Millisecond, false)
 		defer r.t.stop()
 		r.send(time.Second, 10)
@@ -126,16 +165,11 @@ func TestTrackerMergesWithinSlack(t *testing.T) {
 		if n != 2 || first.n != 2 || first.end != 20 {
 			t.Fatalf("%d entries, first %+v; want 2 entries, the first holding 2 requests up to offset 20", n, first)
 		}
-		time.Sleep(1200 * time.Millisecond)
-		synctest.Wait()
-		v, left, counted = r.seen()
+		v, left, _ := r.after(1200 * time.Millisecond)
 		if len(v) != 1 || v[0][0].end != 30 || left[0] != 2 {
 			t.Fatalf("verdicts %v left %v; want the third request judged first with 2 still pending", v, left)
 		}
-		time.Sleep(2 * time.Second)
-		synctest.Wait()
-		v, left, counted = r.seen()
-		if counted != 3 {
+		if _, _, counted := r.after(2 * time.Second); counted != 3 {
 			t.Fatalf("%d unanswered, want 3", counted)
 		}
 	})
@@ -145,10 +179,6 @@ func TestTrackerMergesWithinSlack(t *testing.T) {
 // requests join the newest entry.
 func TestTrackerBounded(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var v [][]pendingRequest
-		var left []int
-		var counted int
-		defer func() { _, _, _ = v, left, counted }()
 		r := newTrackerRig(time.Millisecond, false)
 		defer r.t.stop()
 		for i := range 3 * maxPending {
@@ -164,36 +194,10 @@ func TestTrackerBounded(t *testing.T) {
 	})
 }
 
-// Opaque mode: a burst of bytes with no answer in between is one request.
-func TestTrackerPerBurst(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		var v [][]pendingRequest
-		var left []int
-		var counted int
-		defer func() { _, _, _ = v, left, counted }()
-		r := newTrackerRig(10*time.Millisecond, true)
-		defer r.t.stop()
-		for i := range 5 {
-			r.send(time.Second, int64(i))
-			time.Sleep(300 * time.Millisecond)
-		}
-		time.Sleep(2 * time.Second)
-		synctest.Wait()
-		v, left, counted = r.seen()
-		if counted != 1 {
-			t.Fatalf("%d unanswered, want the whole burst to count once", counted)
-		}
-	})
-}
-
 // stop hands over the requests not yet judged and not covered; the
 // endpoint's tracker adopts and judges them at their own deadlines.
 func TestTrackerStopAndAdopt(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var v [][]pendingRequest
-		var left []int
-		var counted int
-		defer func() { _, _, _ = v, left, counted }()
 		r := newTrackerRig(10*time.Millisecond, false)
 		r.send(time.Second, 10)
 		time.Sleep(200 * time.Millisecond)
@@ -205,38 +209,11 @@ func TestTrackerStopAndAdopt(t *testing.T) {
 		ep := newTrackerRig(10*time.Millisecond, false)
 		defer ep.t.stop()
 		ep.t.adopt(orphans)
-		time.Sleep(900 * time.Millisecond)
-		synctest.Wait()
-		v, left, counted = ep.seen()
-		if len(v) != 1 || counted != 1 {
+		if v, _, counted := ep.after(900 * time.Millisecond); len(v) != 1 || counted != 1 {
 			t.Fatalf("verdicts %v: want the first orphan judged at its own deadline", v)
 		}
-		time.Sleep(300 * time.Millisecond)
-		synctest.Wait()
-		v, left, counted = ep.seen()
-		if counted != 2 {
+		if _, _, counted := ep.after(300 * time.Millisecond); counted != 2 {
 			t.Fatalf("%d unanswered, want 2", counted)
-		}
-	})
-}
-
-// An answer between two requests keeps them apart even within the slack:
-// the first is covered, the second is not, and sharing an entry would
-// wrongly cover the second (a server that stopped right after answering).
-func TestTrackerAnswerSplitsEntries(t *testing.T) {
-	synctest.Test(t, func(t *testing.T) {
-		r := newTrackerRig(100*time.Millisecond, false)
-		defer r.t.stop()
-		r.send(time.Second, 10)
-		time.Sleep(10 * time.Millisecond)
-		r.answer.Store(mono())
-		time.Sleep(10 * time.Millisecond)
-		r.send(time.Second, 20) // within the slack, but after the answer
-		time.Sleep(2 * time.Second)
-		synctest.Wait()
-		v, _, counted := r.seen()
-		if len(v) != 1 || len(v[0]) != 2 || counted != 1 {
-			t.Fatalf("verdicts %v, %d unanswered; want two entries judged together, the second unanswered", v, counted)
 		}
 	})
 }

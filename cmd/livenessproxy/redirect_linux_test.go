@@ -11,17 +11,15 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/netns"
-	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // TestRedirectCommandInstallsAndRemoves runs the verb in a private network
 // namespace: it installs the table (twice: idempotent), nft lists the
 // expected rules, and --remove deletes it.
 func TestRedirectCommandInstallsAndRemoves(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "nft") {
 		return
 	}
-	testutil.RequireCommand(t, "nft")
 	nft := func(args ...string) (string, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()

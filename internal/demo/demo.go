@@ -58,7 +58,7 @@ const listener = "pinot-server-0"
 // pathResult is what was measured on one path, over the queries sent from
 // the flap to the end of the observation.
 type pathResult struct {
-	Sent, OK, FailedFast, TimedOut, Canceled int
+	pinotsim.Tally
 	// Recovery is the time from the flap until every connection of the
 	// path had a query sent after it succeed; Recovered is false if one
 	// never did during the observation.
@@ -101,93 +101,15 @@ func Run(ctx context.Context, w io.Writer) error {
 	return err
 }
 
-// query is one query: when it was sent and how it ended.
-type query struct {
-	sent, done time.Time
-	res        pinotsim.Result
-}
-
-// load sends n queries, one every interval, on one broker (stopping early
-// if ctx ends), and records each.
-type load struct {
-	b    *pinotsim.Broker
-	addr string
-	mu   sync.Mutex
-	qs   []query
-}
-
-func (l *load) run(ctx context.Context, interval time.Duration, n int, wg *sync.WaitGroup) {
-	defer wg.Done()
-	var qwg sync.WaitGroup
-	defer qwg.Wait()
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
-	for range n {
-		qwg.Add(1)
-		go func() {
-			defer qwg.Done()
-			sent := time.Now()
-			res := l.b.Query(ctx, l.addr) // bounded by the broker's timeout
-			l.mu.Lock()
-			l.qs = append(l.qs, query{sent: sent, done: time.Now(), res: res})
-			l.mu.Unlock()
-		}()
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-	}
-}
-
-func (l *load) snapshot() []query {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]query(nil), l.qs...)
-}
-
-// firstOK returns the first query sent at or after t0 that succeeded.
-func (l *load) firstOK(t0 time.Time) (query, bool) {
-	var best query
-	found := false
-	for _, q := range l.snapshot() {
-		if !q.sent.Before(t0) && q.res.Outcome == pinotsim.OK && (!found || q.sent.Before(best.sent)) {
-			best, found = q, true
-		}
-	}
-	return best, found
-}
-
 // measure sums a path's loads over the queries sent from flapAt on.
-func measure(ls []*load, flapAt time.Time) pathResult {
-	var r pathResult
-	r.Recovered = true
+func measure(ls []*pinotsim.Load, flapAt time.Time) pathResult {
+	var rs []pinotsim.Record
 	for _, l := range ls {
-		for _, q := range l.snapshot() {
-			if q.sent.Before(flapAt) {
-				continue
-			}
-			r.Sent++
-			switch q.res.Outcome {
-			case pinotsim.OK:
-				r.OK++
-				if q.sent.Sub(flapAt) >= 100*time.Millisecond {
-					r.OKAfterFlap++
-				}
-			case pinotsim.FailedFast:
-				r.FailedFast++
-			case pinotsim.TimedOut:
-				r.TimedOut++
-			case pinotsim.Canceled:
-				r.Canceled++
-			}
-		}
-		if f, ok := l.firstOK(flapAt); ok {
-			r.Recovery = max(r.Recovery, f.done.Sub(flapAt))
-		} else {
-			r.Recovered = false
-		}
+		rs = append(rs, l.Records()...)
 	}
+	r := pathResult{Tally: pinotsim.Count(rs, flapAt, time.Time{})}
+	r.OKAfterFlap = pinotsim.Count(rs, flapAt.Add(100*time.Millisecond), time.Time{}).OK
+	r.Recovery, r.Recovered = pinotsim.Recovery(ls, flapAt)
 	return r
 }
 
@@ -236,7 +158,7 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	defer px.Close()
 	proxyAddr := px.Addr(listener).String()
 
-	var direct, proxied []*load
+	var direct, proxied []*pinotsim.Load
 	var brokers []*pinotsim.Broker
 	defer func() {
 		for _, b := range brokers {
@@ -247,8 +169,6 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 		db := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: fmt.Sprintf("Broker_direct_%d", i), Timeout: p.queryTimeout})
 		pb := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: fmt.Sprintf("Broker_proxied_%d", i), Timeout: p.queryTimeout})
 		brokers = append(brokers, db, pb)
-		direct = append(direct, &load{b: db, addr: rl.addr()})
-		proxied = append(proxied, &load{b: pb, addr: proxyAddr})
 	}
 
 	out.raw("livenessproxy demo: a server node flaps without a FIN, replayed on loopback with and without the proxy (~%s)",
@@ -258,14 +178,17 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	out.raw("  proxied  brokers → livenessproxy → network → server (request_timeout %s, threshold %d, connect probe after %s)",
 		p.requestTimeout, p.threshold, p.initialDelay)
 
-	loadCtx, stopLoad := context.WithCancel(ctx)
-	var loadWG sync.WaitGroup
-	defer func() { stopLoad(); loadWG.Wait() }()
 	perConn := int((p.warmup + p.observe) / p.queryEvery)
-	for _, l := range append(append([]*load(nil), direct...), proxied...) {
-		loadWG.Add(1)
-		go l.run(loadCtx, p.queryEvery, perConn, &loadWG)
+	for i := 0; i < len(brokers); i += 2 {
+		direct = append(direct, pinotsim.StartLoad(brokers[i], rl.addr(), p.queryEvery, perConn, time.Duration(perConn+1)*p.queryEvery))
+		proxied = append(proxied, pinotsim.StartLoad(brokers[i+1], proxyAddr, p.queryEvery, perConn, time.Duration(perConn+1)*p.queryEvery))
 	}
+	loads := append(append([]*pinotsim.Load(nil), direct...), proxied...)
+	defer func() {
+		for _, l := range loads {
+			l.Stop() // cuts what is still waiting when the run ends early
+		}
+	}()
 	out.line(time.Now(), "load starts on both paths")
 
 	// Watch the endpoint's state as the proxy reports it.
@@ -323,10 +246,10 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	res = &result{FlapAt: flapAt.Sub(start)}
 	// The loads stop sending now; let the queries in flight end (at the
 	// latest at the broker's timeout), then take the numbers.
-	loadWG.Wait()
+	pinotsim.FinishAll(loads, p.queryTimeout+time.Second)
 	openAtEnd := 0
-	for _, l := range direct {
-		if l.b.Connected(rl.addr()) {
+	for i := 0; i < len(brokers); i += 2 {
+		if brokers[i].Connected(rl.addr()) {
 			openAtEnd++
 		}
 	}

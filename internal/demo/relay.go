@@ -3,30 +3,30 @@ package demo
 import (
 	"net"
 	"sync"
+
+	"github.com/livenessproxy/livenessproxy/internal/relay"
 )
 
-// relay stands in for the network between the clients (the direct broker,
-// the proxy) and the server: each accepted connection is forwarded to the
-// server's address on a connection of its own. Stall is the node flap's
-// drop rule: from then on nothing more is forwarded on the connections open
-// at that moment, in either direction, and nothing is closed: not a FIN,
-// not a reset, whatever either end does. Connections accepted after Stall
-// are forwarded normally (new connections reach the restarted server).
-type relay struct {
-	ln     net.Listener
-	target string
-	done   chan struct{} // closed by close: stalled pumps may end
-	wg     sync.WaitGroup
+// flapRelay stands in for the network between the clients (the direct
+// broker, the proxy) and the server: each accepted connection is forwarded
+// to the server's address on a connection of its own. Stall is the node
+// flap's drop rule: from then on nothing more is forwarded on the
+// connections open at that moment, in either direction, and nothing is
+// closed: not a FIN, not a reset, whatever either end does. Connections
+// accepted after Stall are forwarded normally (new connections reach the
+// restarted server).
+type flapRelay struct {
+	r    *relay.Relay
+	done chan struct{} // closed by close: stalled pumps may end
+	once sync.Once
 
-	mu     sync.Mutex
-	conns  []*relayConn
-	closed bool
+	mu    sync.Mutex
+	conns []*relayConn
 }
 
 type relayConn struct {
-	down, up net.Conn
-	mu       sync.Mutex
-	stalled  bool
+	mu      sync.Mutex
+	stalled bool
 }
 
 func (c *relayConn) isStalled() bool {
@@ -35,71 +35,40 @@ func (c *relayConn) isStalled() bool {
 	return c.stalled
 }
 
-func newRelay(target string) (*relay, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+func newRelay(target string) (*flapRelay, error) {
+	fr := &flapRelay{done: make(chan struct{})}
+	r, err := relay.Start(target, 0, fr.forward)
 	if err != nil {
 		return nil, err
 	}
-	r := &relay{ln: ln, target: target, done: make(chan struct{})}
-	r.wg.Add(1)
-	go r.accept()
-	return r, nil
+	fr.r = r
+	return fr, nil
 }
 
-func (r *relay) addr() string { return r.ln.Addr().String() }
+func (fr *flapRelay) addr() string { return fr.r.Addr() }
 
-func (r *relay) accept() {
-	defer r.wg.Done()
-	for {
-		down, err := r.ln.Accept()
-		if err != nil {
-			return
-		}
-		r.wg.Add(1)
-		go r.serve(down)
-	}
-}
-
-func (r *relay) serve(down net.Conn) {
-	defer r.wg.Done()
-	up, err := net.Dial("tcp", r.target)
-	if err != nil {
-		// The server is not there: look refused, as the server's own
-		// address would.
-		if tc, ok := down.(*net.TCPConn); ok {
-			_ = tc.SetLinger(0)
-		}
-		_ = down.Close()
-		return
-	}
-	c := &relayConn{down: down, up: up}
-	r.mu.Lock()
-	if r.closed {
-		r.mu.Unlock()
-		_ = up.Close()
-		_ = down.Close()
-		return
-	}
-	r.conns = append(r.conns, c)
-	r.mu.Unlock()
+// forward pumps both directions of one relayed connection until both end.
+func (fr *flapRelay) forward(down, up net.Conn) {
+	c := &relayConn{}
+	fr.mu.Lock()
+	fr.conns = append(fr.conns, c)
+	fr.mu.Unlock()
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); r.pump(c, c.down, c.up) }()
-	go func() { defer wg.Done(); r.pump(c, c.up, c.down) }()
+	go func() { defer wg.Done(); fr.pump(c, down, up) }()
+	go func() { defer wg.Done(); fr.pump(c, up, down) }()
 	wg.Wait()
-	_ = up.Close()
-	_ = down.Close()
 }
 
 // pump copies src to dst until either fails. Once the connection is
 // stalled it forwards nothing more, not even an error or an EOF: it waits,
 // holding both sockets open, until the relay closes.
-func (r *relay) pump(c *relayConn, src, dst net.Conn) {
+func (fr *flapRelay) pump(c *relayConn, src, dst net.Conn) {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if c.isStalled() {
-			<-r.done
+			<-fr.done
 			return
 		}
 		if n > 0 {
@@ -117,33 +86,22 @@ func (r *relay) pump(c *relayConn, src, dst net.Conn) {
 
 // stall stops forwarding on every connection open now and returns how
 // many there were.
-func (r *relay) stall() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for _, c := range r.conns {
+func (fr *flapRelay) stall() int {
+	fr.mu.Lock()
+	defer fr.mu.Unlock()
+	for _, c := range fr.conns {
 		c.mu.Lock()
 		c.stalled = true
 		c.mu.Unlock()
 	}
-	return len(r.conns)
+	return len(fr.conns)
 }
 
 // close stops accepting, closes every connection and waits for the
 // relay's goroutines.
-func (r *relay) close() {
-	r.mu.Lock()
-	if r.closed {
-		r.mu.Unlock()
-		return
-	}
-	r.closed = true
-	cs := append([]*relayConn(nil), r.conns...)
-	r.mu.Unlock()
-	close(r.done)
-	_ = r.ln.Close()
-	for _, c := range cs {
-		_ = c.down.Close()
-		_ = c.up.Close()
-	}
-	r.wg.Wait()
+func (fr *flapRelay) close() {
+	fr.once.Do(func() {
+		close(fr.done)
+		fr.r.Close()
+	})
 }

@@ -314,10 +314,9 @@ func TestApplyRedirectIPv4(t *testing.T) {
 // TestApplyLeavesOtherTablesAlone: Apply and Remove touch only the table
 // inet livenessproxy.
 func TestApplyLeavesOtherTablesAlone(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "nft") {
 		return
 	}
-	testutil.RequireCommand(t, "nft")
 	if err := netns.LocalNFT("table inet other {\n\tchain c {\n\t\ttype filter hook output priority 0; policy accept;\n\t}\n}\n"); err != nil {
 		t.Fatal(err)
 	}
@@ -458,10 +457,9 @@ func TestApplyRedirectIPv6(t *testing.T) {
 // TestRenderMatchesApply: the nft -f script of Render and the netlink
 // executor produce the same table, as nft lists it.
 func TestRenderMatchesApply(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "nft") {
 		return
 	}
-	testutil.RequireCommand(t, "nft")
 	list := func() string {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()

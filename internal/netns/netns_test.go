@@ -11,7 +11,6 @@ import (
 	"net"
 	"os"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -37,50 +36,6 @@ const (
 
 	userTimeout = 1500 * time.Millisecond
 )
-
-// startEcho serves an echo server in ns on address and returns its address.
-// t.Cleanup closes the listener and every accepted connection and waits for
-// all server goroutines.
-func startEcho(t *testing.T, ns *netns.NS, address string) net.Addr {
-	t.Helper()
-	ln, err := ns.Listen("tcp", address)
-	if err != nil {
-		t.Fatalf("listen in peer namespace: %v", err)
-	}
-	var (
-		wg    sync.WaitGroup
-		mu    sync.Mutex
-		conns []net.Conn
-	)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for range 64 { // bounded: the tests open a handful of connections
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				_, _ = io.Copy(c, c) // ends when c is closed
-			}()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr()
-}
 
 // dialUserTimeout dials address from the current namespace with
 // TCP_USER_TIMEOUT set and Go's keepalive disabled.
@@ -130,14 +85,12 @@ func port(a net.Addr) int { return a.(*net.TCPAddr).Port }
 // peer's namespace (both directions) and checks that TCP_USER_TIMEOUT=1500ms
 // turns the silent blackhole into ETIMEDOUT within 1.5s..4s.
 func TestBlackholeWithUserTimeout(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "ip", "nft") {
 		return
 	}
-	testutil.RequireCommand(t, "ip")
-	testutil.RequireCommand(t, "nft")
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, localCIDR, peerCIDR)
-	srv := startEcho(t, peer, net.JoinHostPort(link.PeerIP().String(), "0"))
+	srv := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "0"))
 
 	c := dialUserTimeout(t, srv.String(), userTimeout)
 	if err := roundTrip(c, []byte("hello before the fault")); err != nil {
@@ -235,17 +188,16 @@ func TestBlackholeWithUserTimeout(t *testing.T) {
 // the same connection without the drop keeps echoing for twice the user
 // timeout, over IPv4 and IPv6.
 func TestNoFaultKeepsWorking(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "ip") {
 		return
 	}
-	testutil.RequireCommand(t, "ip")
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, localCIDR, peerCIDR)
 	link.AddAddr(t, local6CIDR, peer6CIDR)
 
 	for i, name := range []string{"IPv4", "IPv6"} {
 		t.Run(name, func(t *testing.T) {
-			srv := startEcho(t, peer, net.JoinHostPort(link.PeerAddrs[i].Addr().String(), "0"))
+			srv := netns.Echo(t, peer, net.JoinHostPort(link.PeerAddrs[i].Addr().String(), "0"))
 			c := dialUserTimeout(t, srv.String(), userTimeout)
 			start := time.Now()
 			n := 0
@@ -266,11 +218,9 @@ func TestNoFaultKeepsWorking(t *testing.T) {
 // namespace, sockets created in Do stay there, commands started in Do run
 // there, and Close destroys thread, namespace and veth.
 func TestNSIsolation(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "ip", "readlink") {
 		return
 	}
-	testutil.RequireCommand(t, "ip")
-	testutil.RequireCommand(t, "readlink")
 
 	self, err := os.Readlink("/proc/thread-self/ns/net")
 	if err != nil {

@@ -83,12 +83,18 @@ func Inside() bool { return os.Getenv(ChildEnv) != "" }
 // always runs with -test.v so that its verdict can be parsed; its race
 // detector exit delay is disabled (GORACE=atexit_sleep_ms=0) unless GORACE
 // already sets it.
-func Reexec(t *testing.T) (inside bool) {
+//
+// In the child, Reexec also requires each of commands
+// (testutil.RequireCommand) before it returns true.
+func Reexec(t *testing.T, commands ...string) (inside bool) {
 	t.Helper()
 	name := t.Name()
 	if env := os.Getenv(ChildEnv); env != "" && (env == name || strings.HasPrefix(name, env+"/")) {
 		if err := linkUp("lo"); err != nil {
 			testutil.SkipOrFail(t, "netns: bringing lo up in the child namespace: %v", err)
+		}
+		for _, c := range commands {
+			testutil.RequireCommand(t, c)
 		}
 		return true
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -30,6 +31,8 @@ type Load struct {
 	qWG      sync.WaitGroup
 	sendOnce sync.Once
 	once     sync.Once
+
+	sent atomic.Int64
 
 	mu      sync.Mutex
 	records []Record
@@ -63,6 +66,7 @@ func StartLoad(b *Broker, addr string, interval time.Duration, max int, maxDurat
 // One sends one query in its own goroutine.
 func (l *Load) One() {
 	l.qWG.Add(1)
+	l.sent.Add(1)
 	go func() {
 		defer l.qWG.Done()
 		sent := time.Now()
@@ -115,6 +119,16 @@ func (l *Load) Records() []Record {
 	return out
 }
 
+// WaitSent waits up to timeout until n queries were sent.
+func (l *Load) WaitSent(n int, timeout time.Duration) bool {
+	for deadline := time.Now().Add(timeout); l.sent.Load() < int64(n); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+	return true
+}
+
 // WaitOK waits up to timeout for n queries sent at or after t0 to succeed.
 func (l *Load) WaitOK(t0 time.Time, n int, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
@@ -143,4 +157,59 @@ func FirstOK(rs []Record, t0 time.Time) (Record, bool) {
 		}
 	}
 	return Record{}, false
+}
+
+// FinishAll finishes the loads (Finish(wait)) together.
+func FinishAll(ls []*Load, wait time.Duration) {
+	var wg sync.WaitGroup
+	for _, l := range ls {
+		wg.Add(1)
+		go func() { defer wg.Done(); l.Finish(wait) }()
+	}
+	wg.Wait()
+}
+
+// Recovery is the time from t0 until every load had a query sent at or
+// after t0 succeed (its answer's arrival), or false if one never did.
+func Recovery(ls []*Load, t0 time.Time) (time.Duration, bool) {
+	var worst time.Duration
+	for _, l := range ls {
+		f, ok := FirstOK(l.Records(), t0)
+		if !ok {
+			return 0, false
+		}
+		worst = max(worst, f.Done.Sub(t0))
+	}
+	return worst, true
+}
+
+// Tally counts queries by outcome.
+type Tally struct {
+	Sent, OK, FailedFast, TimedOut, Canceled int
+}
+
+// Lost counts the queries that failed, fast or by timing out.
+func (t Tally) Lost() int { return t.FailedFast + t.TimedOut }
+
+// Count tallies the queries of rs sent in [from, to); a zero to has no
+// end.
+func Count(rs []Record, from, to time.Time) Tally {
+	var t Tally
+	for _, r := range rs {
+		if r.Sent.Before(from) || (!to.IsZero() && !r.Sent.Before(to)) {
+			continue
+		}
+		t.Sent++
+		switch r.Outcome {
+		case OK:
+			t.OK++
+		case FailedFast:
+			t.FailedFast++
+		case TimedOut:
+			t.TimedOut++
+		case Canceled:
+			t.Canceled++
+		}
+	}
+	return t
 }

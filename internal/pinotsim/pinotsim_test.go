@@ -472,6 +472,9 @@ func TestLoadRecordsAndStops(t *testing.T) {
 	if !l.WaitOK(time.Time{}, 10, 5*time.Second) {
 		t.Fatalf("10 queries did not succeed: %+v", l.Records())
 	}
+	if !l.WaitSent(10, 5*time.Second) || l.WaitSent(11, 50*time.Millisecond) {
+		t.Fatal("WaitSent: want exactly 10 queries sent")
+	}
 	l.Finish(time.Second)
 	if n := len(l.Records()); n != 10 {
 		t.Fatalf("%d records, want max (10)", n)
@@ -637,18 +640,58 @@ func TestDataTableSections(t *testing.T) {
 	}
 }
 
-func TestFirstOK(t *testing.T) {
+// FirstOK and Count over one list of records: the first success at or
+// after t0, and the outcomes of the queries sent in a window.
+func TestFirstOKAndCount(t *testing.T) {
 	t0 := time.Unix(100, 0)
 	rs := []Record{
 		{Sent: t0.Add(-time.Second), Result: Result{Outcome: OK}}, // before t0
 		{Sent: t0, Result: Result{Outcome: TimedOut}},
-		{Sent: t0.Add(time.Second), Result: Result{Outcome: OK}},
+		{Sent: t0.Add(time.Second), Result: Result{Outcome: FailedFast}},
 		{Sent: t0.Add(2 * time.Second), Result: Result{Outcome: OK}},
+		{Sent: t0.Add(3 * time.Second), Result: Result{Outcome: Canceled}},
 	}
-	if r, ok := FirstOK(rs, t0); !ok || !r.Sent.Equal(t0.Add(time.Second)) {
-		t.Fatalf("FirstOK = %+v %v, want the one sent at t0+1s", r, ok)
+	if r, ok := FirstOK(rs, t0); !ok || !r.Sent.Equal(t0.Add(2*time.Second)) {
+		t.Fatalf("FirstOK = %+v %v, want the one sent at t0+2s", r, ok)
 	}
 	if _, ok := FirstOK(rs, t0.Add(3*time.Second)); ok {
-		t.Fatal("FirstOK found a query after the last one")
+		t.Fatal("FirstOK found a success after the last one")
+	}
+	want := Tally{Sent: 3, OK: 1, FailedFast: 1, TimedOut: 1}
+	if got := Count(rs, t0, t0.Add(3*time.Second)); got != want || got.Lost() != 2 {
+		t.Fatalf("Count = %+v (lost %d), want %+v (lost 2)", got, got.Lost(), want)
+	}
+	want.Sent, want.Canceled = 4, 1
+	if got := Count(rs, t0, time.Time{}); got != want {
+		t.Fatalf("Count with no end = %+v, want %+v", got, want)
+	}
+}
+
+// Recovery waits for every load: the slowest one's first answer after t0.
+func TestRecoveryAndFinishAll(t *testing.T) {
+	s := newServer(t, ServerConfig{Addr: "127.0.0.1:0"})
+	t0 := time.Now()
+	var ls []*Load
+	for range 2 {
+		b := newBroker(t, BrokerConfig{Timeout: 5 * time.Second})
+		ls = append(ls, StartLoad(b, s.Addr(), 5*time.Millisecond, 3, 10*time.Second))
+	}
+	for _, l := range ls {
+		if !l.WaitOK(t0, 1, 5*time.Second) {
+			t.Fatalf("no query succeeded: %+v", l.Records())
+		}
+	}
+	FinishAll(ls, 5*time.Second)
+	rec, ok := Recovery(ls, t0)
+	var slowest time.Duration
+	for _, l := range ls {
+		f, _ := FirstOK(l.Records(), t0)
+		slowest = max(slowest, f.Done.Sub(t0))
+	}
+	if !ok || rec != slowest {
+		t.Fatalf("Recovery = %v %v, want %v", rec, ok, slowest)
+	}
+	if _, ok := Recovery(ls, time.Now()); ok {
+		t.Fatal("Recovery after the last query: want none")
 	}
 }

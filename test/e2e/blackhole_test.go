@@ -12,7 +12,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"testing"
 	"time"
 
@@ -28,42 +27,9 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// echoIn serves an echo server inside ns until the test ends.
-func echoIn(t *testing.T, ns *netns.NS, addr string) string {
-	t.Helper()
-	ln, err := ns.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr().String()
-}
+// echoIn serves an echo server inside ns until the test ends
+// (netns.Echo) and returns its address.
+func echoIn(t *testing.T, ns *netns.NS, addr string) string { return netns.Echo(t, ns, addr).String() }
 
 // waitReachable dials addr until it answers: a fresh veth may take a
 // moment before it carries traffic.

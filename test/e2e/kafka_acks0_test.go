@@ -31,9 +31,7 @@ import (
 //
 // The healthy twin of TestKafkaStoppedBrokerExcluded.
 func TestKafkaAcksZeroProducer(t *testing.T) {
-	for _, mode := range kafkaModes {
-		t.Run(mode.name, func(t *testing.T) { kafkaAcksZeroProducer(t, mode) })
-	}
+	runKafkaModes(t, kafkaAcksZeroProducer)
 }
 
 func kafkaAcksZeroProducer(t *testing.T, mode kafkaMode) {
@@ -42,11 +40,8 @@ func kafkaAcksZeroProducer(t *testing.T, mode kafkaMode) {
 		every      = 20 * time.Millisecond
 		produceFor = 10 * time.Second
 	)
-	start := time.Now()
-	kb := startKafkaBroker(t, topic+":1")
-	cfg := kafkaConfig(t, mode, kb.addr, "")
-	pp := startKafkaProxy(t, kb, cfg)
-	w := watchEndpoint(t, pp, 60*time.Second)
+	r := startKafkaRun(t, mode, topic+":1", "", 60*time.Second)
+	start, pp := r.start, r.pp
 
 	producer := newKafkaClient(t, "acks0-producer", pp.addr,
 		kgo.DefaultProduceTopic(topic),
@@ -124,10 +119,6 @@ func kafkaAcksZeroProducer(t *testing.T, mode kafkaMode) {
 		t.Errorf("consumed records: %s", d)
 	}
 
-	logProxyCounters(t, pp)
-	assertNoUnansweredUnderKafka(t, pp, mode)
-	assertNoLinkEnds(t, pp, end, start)
+	r.assertProxyStayedOut(t, end)
 	producer.hooks.assertNoRedials(t, mark, end, start)
-	w.Stop()
-	assertAlwaysHealthy(t, pp, w, start)
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -219,7 +220,7 @@ func kafkaConfig(t *testing.T, mode kafkaMode, upstream, extraDefaults string) p
 // startKafkaProxy starts a proxy from cfg (its one listener in front of
 // kb), tells kb to advertise the listener, and closes the proxy in
 // t.Cleanup. The returned pinotProxy is the shared recorder type
-// (pinot_helpers_test.go): ends, state, counter, waitState, watchEndpoint.
+// (pinot_helpers_test.go): links, state, counter, waitState, watchEndpoint.
 func startKafkaProxy(t *testing.T, kb *kafkaBroker, cfg policy.Config) *pinotProxy {
 	t.Helper()
 	pp := runRecordingProxy(t, cfg, kb.addr)
@@ -227,35 +228,73 @@ func startKafkaProxy(t *testing.T, kb *kafkaBroker, cfg policy.Config) *pinotPro
 	return pp
 }
 
+// runKafkaModes runs test as a subtest for each of kafkaModes.
+func runKafkaModes(t *testing.T, test func(t *testing.T, mode kafkaMode)) {
+	for _, mode := range kafkaModes {
+		t.Run(mode.name, func(t *testing.T) { test(t, mode) })
+	}
+}
+
+// kafkaRun is a Kafka test's setup: a kfake broker in a child process, a
+// proxy built from the mode's configuration in front of it (advertised by
+// the broker), and a watcher on the proxy's endpoint.
+type kafkaRun struct {
+	mode  kafkaMode
+	start time.Time
+	kb    *kafkaBroker
+	cfg   policy.Config
+	pp    *pinotProxy
+	w     *stateWatcher
+}
+
+// startKafkaRun starts a broker with topics ("name:partitions,..."), a
+// proxy from kafkaConfig(mode, extraDefaults) in front of it, and a
+// watcher for up to watchFor; t.Cleanup ends them.
+func startKafkaRun(t *testing.T, mode kafkaMode, topics, extraDefaults string, watchFor time.Duration) *kafkaRun {
+	t.Helper()
+	r := &kafkaRun{mode: mode, start: time.Now()}
+	r.kb = startKafkaBroker(t, topics)
+	r.cfg = kafkaConfig(t, mode, r.kb.addr, extraDefaults)
+	r.pp = startKafkaProxy(t, r.kb, r.cfg)
+	r.w = watchEndpoint(t, r.pp, watchFor)
+	return r
+}
+
+// requestTimeout is the listener's unanswered.request_timeout.
+func (r *kafkaRun) requestTimeout() time.Duration {
+	return listenerSettings(r.cfg).Unanswered.RequestTimeout.D()
+}
+
+// assertProxyStayedOut is what the healthy twins of
+// TestKafkaStoppedBrokerExcluded assert of the proxy at end: its counters
+// logged; under the kafka profile nothing counted unanswered; no link
+// ended before end except for a reason in allowed; the endpoint always
+// healthy (the watcher is stopped).
+func (r *kafkaRun) assertProxyStayedOut(t *testing.T, end time.Time, allowed ...string) {
+	t.Helper()
+	logProxyCounters(t, r.pp)
+	assertNoUnansweredUnderKafka(t, r.pp, r.mode)
+	assertNoLinkEnds(t, r.pp, end, r.start, allowed...)
+	r.w.Stop()
+	assertAlwaysHealthy(t, r.pp, r.w, r.start)
+}
+
 // listenerSettings returns the settings the proxy's listener runs with.
 func listenerSettings(cfg policy.Config) policy.Settings { return cfg.Listeners[0].Settings }
-
-// endsBefore returns the links that ended before t0, by reason.
-func endsBefore(pp *pinotProxy, t0 time.Time) (map[string]int, []linkEnd) {
-	reasons := map[string]int{}
-	var out []linkEnd
-	for _, e := range pp.ends() {
-		if e.At.Before(t0) {
-			reasons[string(e.Reason)]++
-			out = append(out, e)
-		}
-	}
-	return reasons, out
-}
 
 // assertNoLinkEnds fails the test for every link that ended before t0,
 // except those whose reason is in allowed (logged).
 func assertNoLinkEnds(t *testing.T, pp *pinotProxy, t0 time.Time, start time.Time, allowed ...string) {
 	t.Helper()
-	_, ends := endsBefore(pp, t0)
+	_, ends := pp.links.Before(t0)
 	reasons := map[string]int{}
-	var bad []linkEnd
+	var bad []harness.LinkEnd
 	for _, e := range ends {
-		if slices.Contains(allowed, string(e.Reason)) {
+		if slices.Contains(allowed, e.Reason) {
 			t.Logf("link %s ended at +%v after %v: %s (the client closed it)", e.Client, ms(e.At.Sub(start)), ms(e.Duration), e.Reason)
 			continue
 		}
-		reasons[string(e.Reason)]++
+		reasons[e.Reason]++
 		bad = append(bad, e)
 	}
 	if len(bad) == 0 {
@@ -311,8 +350,8 @@ func assertNoUnansweredUnderKafka(t *testing.T, pp *pinotProxy, mode kafkaMode) 
 func logProxyCounters(t *testing.T, pp *pinotProxy) {
 	t.Helper()
 	reasons := map[string]int{}
-	for _, e := range pp.ends() {
-		reasons[string(e.Reason)]++
+	for _, e := range pp.links.All() {
+		reasons[e.Reason]++
 	}
 	t.Logf("proxy: links ended %v; unanswered_timeouts_total=%v endpoint_suspect_total=%v stale_frames_dropped_total=%v probes ok=%v fail=%v",
 		reasons, pp.counter(t, "unanswered_timeouts_total", "", ""), pp.counter(t, "endpoint_suspect_total", "", ""),

@@ -36,9 +36,7 @@ import (
 //
 // The healthy twin of TestKafkaStoppedBrokerExcluded.
 func TestKafkaLongPollConsumers(t *testing.T) {
-	for _, mode := range kafkaModes {
-		t.Run(mode.name, func(t *testing.T) { kafkaLongPollConsumers(t, mode) })
-	}
+	runKafkaModes(t, kafkaLongPollConsumers)
 }
 
 func kafkaLongPollConsumers(t *testing.T, mode kafkaMode) {
@@ -49,12 +47,8 @@ func kafkaLongPollConsumers(t *testing.T, mode kafkaMode) {
 		observe   = 3*fetchWait + time.Second
 		records   = 100
 	)
-	start := time.Now()
-	kb := startKafkaBroker(t, topic+":1")
-	cfg := kafkaConfig(t, mode, kb.addr, "")
-	rt := listenerSettings(cfg).Unanswered.RequestTimeout.D()
-	pp := startKafkaProxy(t, kb, cfg)
-	w := watchEndpoint(t, pp, 60*time.Second)
+	r := startKafkaRun(t, mode, topic+":1", "", 60*time.Second)
+	start, pp, rt := r.start, r.pp, r.requestTimeout()
 
 	cs := make([]*kafkaConsumer, consumers)
 	for i := range cs {
@@ -111,12 +105,8 @@ func kafkaLongPollConsumers(t *testing.T, mode kafkaMode) {
 		}
 	}
 
-	logProxyCounters(t, pp)
-	assertNoUnansweredUnderKafka(t, pp, mode)
-	assertNoLinkEnds(t, pp, end, start)
+	r.assertProxyStayedOut(t, end)
 	for _, c := range cs {
 		c.hooks.assertNoRedials(t, mark, end, start)
 	}
-	w.Stop()
-	assertAlwaysHealthy(t, pp, w, start)
 }

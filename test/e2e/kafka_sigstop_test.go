@@ -88,12 +88,12 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 		judgingSlack     = time.Second
 		minProbes        = 3
 	)
-	start := time.Now()
-	kb := startKafkaBroker(t, fmt.Sprintf("%s:%d", topic, consumers))
 	// Probe every second (no backoff, no jitter) so that three failed
 	// probes fit in a short test; the probe kind is left to the profile.
-	cfg := kafkaConfig(t, mode, kb.addr, "  detector: {initial_delay: 1s, backoff_factor: 1, max_delay: 1s, jitter: 0}\n")
-	s := listenerSettings(cfg)
+	r := startKafkaRun(t, mode, fmt.Sprintf("%s:%d", topic, consumers),
+		"  detector: {initial_delay: 1s, backoff_factor: 1, max_delay: 1s, jitter: 0}\n", 90*time.Second)
+	start, kb, pp, w := r.start, r.kb, r.pp, r.w
+	s := listenerSettings(r.cfg)
 	rt := s.Unanswered.RequestTimeout.D()
 	threshold := s.Unanswered.ConsecutiveTimeoutsThreshold
 	interval, probeTimeout := s.Detector.InitialDelay.D(), s.Detector.ProbeTimeout.D()
@@ -108,9 +108,6 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	// longer than maxHold.
 	maxHold := max(fetchWait, produceTimeout, coordinatorWrite)
 	bound := heartbeat + maxHold + rt + judgingSlack
-
-	pp := startKafkaProxy(t, kb, cfg)
-	w := watchEndpoint(t, pp, 90*time.Second)
 
 	members := make([]*groupMember, consumers)
 	cs := make([]*kafkaConsumer, consumers)
@@ -182,15 +179,12 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	}
 	// (franz-go closes a fetch connection itself to abandon the fetch in
 	// flight when a rebalance revokes partitions: client_closed.)
-	if reasons, _ := endsBefore(pp, time.Now()); len(reasons) > 0 && (len(reasons) > 1 || reasons[metrics.ReasonClientClosed] == 0) {
+	if reasons, _ := pp.links.Before(time.Now()); len(reasons) > 0 && (len(reasons) > 1 || reasons[metrics.ReasonClientClosed] == 0) {
 		t.Fatalf("links cut before the stop: %v", reasons)
 	}
 
 	stopAt := time.Now()
-	kb.signal(t, syscall.SIGSTOP)
-	if !kb.waitProcState("T", 2*time.Second) {
-		t.Fatalf("broker process %d not stopped (state %s)", kb.pid, kb.procState())
-	}
+	kb.sigstop(t, "broker")
 	t.Logf("SIGSTOP at +%v; exclusion bound %v (heartbeat %v + hold %v + request_timeout %v + %v)",
 		ms(stopAt.Sub(start)), bound, heartbeat, maxHold, rt, judgingSlack)
 
@@ -202,13 +196,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 		_ = c.Close()
 	}
 
-	if !pp.waitState("excluded", bound+5*time.Second) {
-		t.Fatalf("endpoint not excluded %v after SIGSTOP: %+v", bound+5*time.Second, pp.state())
-	}
-	ex, ok := w.FirstAfter(stopAt, "excluded", 200*time.Millisecond)
-	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
-	}
+	ex := waitExcluded(t, pp, w, stopAt, bound+5*time.Second, "SIGSTOP")
 	excludedAfter := ex.At.Sub(stopAt)
 	t.Logf("excluded %v after SIGSTOP (reason %s)", ms(excludedAfter), ex.Reason)
 	// What the clients sent between the stop and the exclusion.

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -71,11 +72,9 @@ func establishedPeers(t *testing.T, ns *netns.NS, port, from string) []string {
 // connection until the kernel gives up (~15 min), is still stuck after the
 // same time: not one query succeeded and its connection is still "open".
 func TestNodeFlapWithoutFIN(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "ip", "nft") {
 		return
 	}
-	testutil.RequireCommand(t, "ip")
-	testutil.RequireCommand(t, "nft")
 	const (
 		requestTimeout = 500 * time.Millisecond
 		threshold      = 3
@@ -84,24 +83,12 @@ func TestNodeFlapWithoutFIN(t *testing.T) {
 		brokerTimeout  = 2 * time.Second
 		recoverBound   = 3 * time.Second
 	)
-	peer := netns.NewNS(t)
-	link := netns.Veth(t, peer, "10.231.8.1/24", "10.231.8.2/24")
-	srvAddr := net.JoinHostPort(link.PeerIP().String(), "9000")
-	oldSrv := startPinotIn(t, peer, pinotsim.ServerConfig{Addr: srvAddr})
-	waitReachable(t, srvAddr)
+	v := startPinotBehindVeth(t, 8)
+	peer, link, srvAddr, oldSrv := v.peer, v.link, v.addr, v.srv
 
 	pp := startPinotProxy(t, srvAddr, pinotSettings(requestTimeout, threshold, initialDelay))
-	proxied := pinotsim.NewBroker(pinotsim.BrokerConfig{Timeout: brokerTimeout, ID: "Broker_proxied"})
-	t.Cleanup(func() { _ = proxied.Close() })
-	direct := pinotsim.NewBroker(pinotsim.BrokerConfig{Timeout: brokerTimeout, ID: "Broker_direct"})
-	t.Cleanup(func() { _ = direct.Close() })
-	viaProxy := startLoad(t, proxied, pp.addr, queryEvery, 300)
-	viaDirect := startLoad(t, direct, srvAddr, queryEvery, 300)
-	if !viaProxy.WaitOK(time.Time{}, 5, 5*time.Second) || !viaDirect.WaitOK(time.Time{}, 5, 5*time.Second) {
-		t.Fatalf("no traffic before the flap: proxied %s; direct %s",
-			fmtOutcomes(outcomes(viaProxy.Records(), time.Time{}, time.Now())),
-			fmtOutcomes(outcomes(viaDirect.Records(), time.Time{}, time.Now())))
-	}
+	paths := startTwoPaths(t, pinotsim.BrokerConfig{Timeout: brokerTimeout}, pp.addr, srvAddr, queryEvery, 300, 5, "the flap")
+	direct, viaProxy, viaDirect := paths.direct, paths.viaProxy, paths.viaDirect
 
 	// The flap. Drop the established flows by client port: the proxy's
 	// upstream connection and the direct broker's.
@@ -160,8 +147,8 @@ func TestNodeFlapWithoutFIN(t *testing.T) {
 	}
 
 	// The dead link: opened before the flap, closed by the proxy after it.
-	var dead []linkEnd
-	for _, e := range pp.ends() {
+	var dead []harness.LinkEnd
+	for _, e := range pp.links.All() {
 		if e.Opened.Before(flapAt) && e.At.After(flapAt) {
 			dead = append(dead, e)
 		}

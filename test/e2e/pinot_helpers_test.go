@@ -6,12 +6,12 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -55,10 +55,7 @@ type pinotProxy struct {
 	reg      *prometheus.Registry
 	addr     string // the listener's address: what the broker dials
 	upstream string
-
-	mu    sync.Mutex
-	ended []proxy.LinkStats
-	endAt []time.Time
+	links    harness.LinkEnds
 }
 
 // startPinotProxy validates the configuration, starts the proxy and closes
@@ -80,35 +77,13 @@ func startPinotProxy(t *testing.T, upstream string, s policy.Settings) *pinotPro
 func runRecordingProxy(t *testing.T, cfg policy.Config, upstream string) *pinotProxy {
 	t.Helper()
 	pp := &pinotProxy{reg: prometheus.NewRegistry(), upstream: upstream}
-	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: func(ls proxy.LinkStats) {
-		pp.mu.Lock()
-		pp.ended = append(pp.ended, ls)
-		pp.endAt = append(pp.endAt, time.Now())
-		pp.mu.Unlock()
-	}})
+	pp.p = proxy.New(cfg, proxy.Options{Registerer: pp.reg, OnLinkEnd: pp.links.Record})
 	if err := pp.p.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = pp.p.Close() })
 	pp.addr = pp.p.Addr(cfg.Listeners[0].Name).String()
 	return pp
-}
-
-// linkEnd is one ended link with the time its end was reported.
-type linkEnd struct {
-	proxy.LinkStats
-	At time.Time
-}
-
-// ends returns the links that ended so far.
-func (pp *pinotProxy) ends() []linkEnd {
-	pp.mu.Lock()
-	defer pp.mu.Unlock()
-	out := make([]linkEnd, len(pp.ended))
-	for i := range pp.ended {
-		out[i] = linkEnd{pp.ended[i], pp.endAt[i]}
-	}
-	return out
 }
 
 // state returns the upstream endpoint's status.
@@ -135,30 +110,11 @@ func (pp *pinotProxy) counter(t *testing.T, name, label, value string) float64 {
 // include every given pair (name, value, name, value, ...).
 func counterValue(t *testing.T, g prometheus.Gatherer, name string, labels ...string) float64 {
 	t.Helper()
-	mfs, err := g.Gather()
+	v, err := harness.Counter(g, name, labels...)
 	if err != nil {
 		t.Fatalf("gathering metrics: %v", err)
 	}
-	sum := 0.0
-	for _, mf := range mfs {
-		if mf.GetName() != "livenessproxy_"+name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			matched := 0
-			for i := 0; i+1 < len(labels); i += 2 {
-				for _, lp := range m.GetLabel() {
-					if lp.GetName() == labels[i] && lp.GetValue() == labels[i+1] {
-						matched++
-					}
-				}
-			}
-			if c := m.GetCounter(); c != nil && matched == len(labels)/2 {
-				sum += c.GetValue()
-			}
-		}
-	}
-	return sum
+	return v
 }
 
 type (
@@ -189,6 +145,21 @@ func (pp *pinotProxy) waitState(state string, timeout time.Duration) bool {
 	return false
 }
 
+// waitExcluded waits up to timeout for pp's endpoint to be excluded, and
+// returns the first exclusion w saw at or after since; it fails the test
+// if there is none. after says what since is, for the message.
+func waitExcluded(t *testing.T, pp *pinotProxy, w *stateWatcher, since time.Time, timeout time.Duration, after string) stateChange {
+	t.Helper()
+	if !pp.waitState("excluded", timeout) {
+		t.Fatalf("endpoint not excluded %v after %s: %+v", timeout, after, pp.state())
+	}
+	ex, ok := w.FirstAfter(since, "excluded", 200*time.Millisecond)
+	if !ok {
+		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
+	}
+	return ex
+}
+
 // queryRecord and queryLoad are pinotsim's load generator.
 type (
 	queryRecord = pinotsim.Record
@@ -200,6 +171,60 @@ func startLoad(t *testing.T, b *pinotsim.Broker, addr string, interval time.Dura
 	l := pinotsim.StartLoad(b, addr, interval, max, time.Duration(max+1)*interval)
 	t.Cleanup(l.Stop)
 	return l
+}
+
+// twoPaths are a broker querying through the proxy and a direct one (the
+// control), each with a steady load on its own connection.
+type twoPaths struct {
+	proxied, direct     *pinotsim.Broker
+	viaProxy, viaDirect *queryLoad
+}
+
+// startTwoPaths starts the brokers Broker_proxied and Broker_direct (cfg
+// otherwise) and their loads, one query every interval and at most max,
+// to proxyAddr and directAddr; it waits until each had n queries succeed
+// (5 s at most) and fails the test if one did not, naming the fault it
+// comes before. t.Cleanup stops the loads and closes the brokers.
+func startTwoPaths(t *testing.T, cfg pinotsim.BrokerConfig, proxyAddr, directAddr string, interval time.Duration, max, n int, before string) twoPaths {
+	t.Helper()
+	var p twoPaths
+	cfg.ID = "Broker_proxied"
+	p.proxied = pinotsim.NewBroker(cfg)
+	t.Cleanup(func() { _ = p.proxied.Close() })
+	cfg.ID = "Broker_direct"
+	p.direct = pinotsim.NewBroker(cfg)
+	t.Cleanup(func() { _ = p.direct.Close() })
+	p.viaProxy = startLoad(t, p.proxied, proxyAddr, interval, max)
+	p.viaDirect = startLoad(t, p.direct, directAddr, interval, max)
+	if !p.viaProxy.WaitOK(time.Time{}, n, 5*time.Second) || !p.viaDirect.WaitOK(time.Time{}, n, 5*time.Second) {
+		t.Fatalf("no traffic before %s: proxied %s; direct %s", before,
+			fmtOutcomes(outcomes(p.viaProxy.Records(), time.Time{}, time.Now())),
+			fmtOutcomes(outcomes(p.viaDirect.Records(), time.Time{}, time.Now())))
+	}
+	return p
+}
+
+// pinotBehindVeth is a pinotsim server on port 9000 of a peer namespace
+// joined to this one by a veth pair.
+type pinotBehindVeth struct {
+	peer *netns.NS
+	link *netns.Link
+	addr string
+	srv  *pinotsim.Server
+}
+
+// startPinotBehindVeth builds a peer namespace and a veth pair on
+// 10.231.<subnet>.0/24 (.1 here, .2 there), starts a pinotsim server on
+// the peer's port 9000 and waits until it is reachable.
+func startPinotBehindVeth(t *testing.T, subnet int) pinotBehindVeth {
+	t.Helper()
+	var v pinotBehindVeth
+	v.peer = netns.NewNS(t)
+	v.link = netns.Veth(t, v.peer, fmt.Sprintf("10.231.%d.1/24", subnet), fmt.Sprintf("10.231.%d.2/24", subnet))
+	v.addr = net.JoinHostPort(v.link.PeerIP().String(), "9000")
+	v.srv = startPinotIn(t, v.peer, pinotsim.ServerConfig{Addr: v.addr})
+	waitReachable(t, v.addr)
+	return v
 }
 
 // outcomes counts the outcomes of queries sent in [from, to).

@@ -82,7 +82,7 @@ func TestPinotSlowQueriesWithinTheirTimeout(t *testing.T) {
 			if n := pp.counter(t, "unanswered_timeouts_total", "", ""); n != 0 {
 				t.Fatalf("unanswered_timeouts_total = %v, want 0", n)
 			}
-			if ends := pp.ends(); len(ends) != 0 {
+			if ends := pp.links.All(); len(ends) != 0 {
 				t.Fatalf("%d links ended (first: %s), want none", len(ends), ends[0].Reason)
 			}
 		})
@@ -111,22 +111,13 @@ func TestPinotStoppedServerExcludedAtQueryTimeout(t *testing.T) {
 	}
 	w := watchEndpoint(t, pp, 40*time.Second)
 
-	sp.signal(t, syscall.SIGSTOP)
-	if !sp.waitProcState("T", 2*time.Second) {
-		t.Fatalf("server process %d not stopped (state %s)", sp.pid, sp.procState())
-	}
+	sp.sigstop(t, "server")
 	sent := time.Now()
 	got := queryBurst(t, b, pp.addr, 5) // each times out at the broker after 10s
 	if got[pinotsim.OK] != 0 {
 		t.Fatalf("queries to a stopped server: %s", fmtOutcomes(got))
 	}
-	if !pp.waitState("excluded", 5*time.Second) {
-		t.Fatalf("not excluded 5s after the queries' timeout: %+v", pp.state())
-	}
-	ex, ok := w.FirstAfter(sent, "excluded", 200*time.Millisecond)
-	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
-	}
+	ex := waitExcluded(t, pp, w, sent, 5*time.Second, "the queries' timeout")
 	after := ex.At.Sub(sent)
 	t.Logf("excluded %v after the queries were sent (reason %s)", ms(after), ex.Reason)
 	// Not before the queries' own deadline (timeoutMs + 1s), and within the

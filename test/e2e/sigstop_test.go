@@ -150,6 +150,16 @@ func (sp *serverProcess) waitProcState(state string, timeout time.Duration) bool
 	return harness.WaitProcState(sp.pid, state, timeout)
 }
 
+// sigstop stops the child (SIGSTOP) and waits, by its /proc state, until
+// it is stopped; it fails the test if it is not within 2 s. what names it.
+func (sp *serverProcess) sigstop(t *testing.T, what string) {
+	t.Helper()
+	sp.signal(t, syscall.SIGSTOP)
+	if !sp.waitProcState("T", 2*time.Second) {
+		t.Fatalf("%s process %d not stopped (state %s)", what, sp.pid, sp.procState())
+	}
+}
+
 // kill continues the child (SIGKILL ends a stopped process too, but a
 // continued one also lets its stdin reader see EOF), kills it by PID and
 // reaps it.
@@ -241,10 +251,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	w := watchEndpoint(t, pp, 20*time.Second)
 
 	stopAt := time.Now()
-	sp.signal(t, syscall.SIGSTOP)
-	if !sp.waitProcState("T", 2*time.Second) {
-		t.Fatalf("server process %d not stopped (state %s)", sp.pid, sp.procState())
-	}
+	sp.sigstop(t, "server")
 
 	// The premise: a stopped process's kernel completes the handshake.
 	c, err := net.DialTimeout("tcp", sp.addr, 500*time.Millisecond)
@@ -254,13 +261,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	}
 	t.Logf("connect to the stopped server: ok=%v err=%v", connectOnStopped, err)
 
-	if !pp.waitState("excluded", 3*time.Second) {
-		t.Fatalf("endpoint not excluded 3s after SIGSTOP: %+v", pp.state())
-	}
-	ex, ok := w.FirstAfter(stopAt, "excluded", 200*time.Millisecond)
-	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
-	}
+	ex := waitExcluded(t, pp, w, stopAt, 3*time.Second, "SIGSTOP")
 	excludedAfter := ex.At.Sub(stopAt)
 	t.Logf("excluded %v after SIGSTOP (reason %q, bound %v)", ms(excludedAfter), ex.Reason, excludeBound)
 	if excludedAfter > excludeBound {
@@ -377,8 +378,8 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	}
 
 	reasons := map[string]int{}
-	for _, e := range pp.ends() {
-		reasons[string(e.Reason)]++
+	for _, e := range pp.links.All() {
+		reasons[e.Reason]++
 	}
 	t.Logf("links ended by reason: %v; unanswered_timeouts_total=%v endpoint_suspect_total=%v probes ok=%v fail=%v",
 		reasons, pp.counter(t, "unanswered_timeouts_total", "", ""), pp.counter(t, "endpoint_suspect_total", "", ""),

@@ -3,14 +3,12 @@
 package e2e
 
 import (
-	"net"
 	"testing"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
-	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // TestNoStaleBacklogAfterPathStall replays the ending of incident 2, the
@@ -36,11 +34,9 @@ import (
 // direct broker, had stale requests executed: its kernel retransmitted the
 // backlog once the path healed.
 func TestNoStaleBacklogAfterPathStall(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "ip", "nft") {
 		return
 	}
-	testutil.RequireCommand(t, "ip")
-	testutil.RequireCommand(t, "nft")
 	const (
 		requestTimeout = 300 * time.Millisecond
 		initialDelay   = 300 * time.Millisecond
@@ -48,24 +44,13 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 		brokerTimeout  = time.Second
 		stallFor       = 2 * time.Second
 	)
-	peer := netns.NewNS(t)
-	link := netns.Veth(t, peer, "10.231.9.1/24", "10.231.9.2/24")
-	srvAddr := net.JoinHostPort(link.PeerIP().String(), "9000")
-	srv := startPinotIn(t, peer, pinotsim.ServerConfig{Addr: srvAddr})
-	waitReachable(t, srvAddr)
+	v := startPinotBehindVeth(t, 9)
+	peer, srvAddr, srv := v.peer, v.addr, v.srv
 
 	pp := startPinotProxy(t, srvAddr, pinotSettings(requestTimeout, 0, initialDelay))
-	proxied := pinotsim.NewBroker(pinotsim.BrokerConfig{Timeout: brokerTimeout, ID: "Broker_proxied", RequestSize: 512})
-	t.Cleanup(func() { _ = proxied.Close() })
-	direct := pinotsim.NewBroker(pinotsim.BrokerConfig{Timeout: brokerTimeout, ID: "Broker_direct", RequestSize: 512})
-	t.Cleanup(func() { _ = direct.Close() })
-	viaProxy := startLoad(t, proxied, pp.addr, queryEvery, 500) // 500 x 20ms = 10s at most
-	viaDirect := startLoad(t, direct, srvAddr, queryEvery, 500)
-	if !viaProxy.WaitOK(time.Time{}, 10, 5*time.Second) || !viaDirect.WaitOK(time.Time{}, 10, 5*time.Second) {
-		t.Fatalf("no traffic before the stall: proxied %s; direct %s",
-			fmtOutcomes(outcomes(viaProxy.Records(), time.Time{}, time.Now())),
-			fmtOutcomes(outcomes(viaDirect.Records(), time.Time{}, time.Now())))
-	}
+	// 500 x 20ms = 10s at most
+	paths := startTwoPaths(t, pinotsim.BrokerConfig{Timeout: brokerTimeout, RequestSize: 512}, pp.addr, srvAddr, queryEvery, 500, 10, "the stall")
+	viaProxy, viaDirect := paths.viaProxy, paths.viaDirect
 	before := srv.Stats()
 
 	stallAt := time.Now()
@@ -112,8 +97,8 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 	t.Logf("server: proxied executed %d (stale %d) during and after the stall; direct executed %d (stale %d)",
 		pb.Executed-pb0.Executed, pb.Stale-pb0.Stale, db.Executed-db0.Executed, db.Stale-db0.Stale)
 	reasons := map[string]int{}
-	for _, e := range pp.ends() {
-		reasons[string(e.Reason)]++
+	for _, e := range pp.links.All() {
+		reasons[e.Reason]++
 	}
 	dropped := pp.counter(t, "stale_frames_dropped_total", "", "")
 	t.Logf("proxy: links ended by reason %v; stale_frames_dropped_total=%v; probes ok=%v fail=%v; endpoint %s",
@@ -166,13 +151,6 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = srv.Close() })
 	pp := startPinotProxy(t, srv.Addr(), pinotSettings(requestTimeout, 0, 200*time.Millisecond))
-	cfg := pinotsim.BrokerConfig{Timeout: brokerTimeout, RequestSize: requestSize, Table: table}
-	cfg.ID = "Broker_proxied"
-	proxied := pinotsim.NewBroker(cfg)
-	t.Cleanup(func() { _ = proxied.Close() })
-	cfg.ID = "Broker_direct"
-	direct := pinotsim.NewBroker(cfg)
-	t.Cleanup(func() { _ = direct.Close() })
 
 	// The smallest request frame either broker can send: ids and times
 	// only grow the varints, so this frame is a lower bound.
@@ -183,11 +161,10 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 	}))
 	perConn := 2 * recvBuffer / minFrame
 
-	viaProxy := startLoad(t, proxied, pp.addr, queryEvery, 500) // 500 x 10ms = 5s at most
-	viaDirect := startLoad(t, direct, srv.Addr(), queryEvery, 500)
-	if !viaProxy.WaitOK(time.Time{}, 10, 5*time.Second) || !viaDirect.WaitOK(time.Time{}, 10, 5*time.Second) {
-		t.Fatalf("no traffic before the stall")
-	}
+	// 500 x 10ms = 5s at most
+	paths := startTwoPaths(t, pinotsim.BrokerConfig{Timeout: brokerTimeout, RequestSize: requestSize, Table: table},
+		pp.addr, srv.Addr(), queryEvery, 500, 10, "the stall")
+	viaProxy, viaDirect := paths.viaProxy, paths.viaDirect
 	before := srv.Stats()
 	stallAt := time.Now()
 	srv.Stall()
@@ -209,7 +186,7 @@ func TestStaleBoundedWhenPeerStopsReading(t *testing.T) {
 	// reconnects, its connection is counted in "before").
 	conns := 1 + int(mid.Accepted-before.Accepted)
 	var links int
-	for _, e := range pp.ends() {
+	for _, e := range pp.links.All() {
 		if e.Opened.Before(resumeAt) && e.At.After(stallAt) && e.BytesUp > 0 {
 			links++
 		}

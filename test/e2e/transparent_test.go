@@ -17,7 +17,6 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/intercept"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
-	itestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,10 +45,9 @@ func echoTransfer(t *testing.T, c net.Conn, n int) {
 // while others keep working; without the exemption the loop guard refuses
 // the proxy's own connection.
 func TestTransparentInterception(t *testing.T) {
-	if !netns.Reexec(t) {
+	if !netns.Reexec(t, "nft") {
 		return
 	}
-	itestutil.RequireCommand(t, "nft")
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, "10.234.0.1/24", "10.234.0.2/24")
 	link.AddAddr(t, "fd34::1/64", "fd34::2/64")

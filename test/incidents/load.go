@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/internal/relay"
 )
 
 // queryRecord and queryLoad are pinotsim's load generator.
@@ -47,60 +48,17 @@ func (ls loads) waitOK(t0 time.Time, n int, timeout time.Duration) bool {
 	return true
 }
 
-func (ls loads) finish(wait time.Duration) {
-	var wg sync.WaitGroup
-	for _, l := range ls {
-		wg.Add(1)
-		go func() { defer wg.Done(); l.Finish(wait) }()
-	}
-	wg.Wait()
-}
+func (ls loads) finish(wait time.Duration) { pinotsim.FinishAll(ls, wait) }
 
-// tally counts outcomes.
-type tally struct {
-	Sent, OK, FailedFast, TimedOut, Canceled int
-}
+// tally, count, firstOK and recovery are pinotsim's accounting of a load's
+// outcomes.
+type tally = pinotsim.Tally
 
-func (t tally) lost() int { return t.FailedFast + t.TimedOut }
-
-// count tallies the queries sent in [from, to).
-func count(rs []queryRecord, from, to time.Time) tally {
-	var t tally
-	for _, r := range rs {
-		if r.Sent.Before(from) || !r.Sent.Before(to) {
-			continue
-		}
-		t.Sent++
-		switch r.Outcome {
-		case pinotsim.OK:
-			t.OK++
-		case pinotsim.FailedFast:
-			t.FailedFast++
-		case pinotsim.TimedOut:
-			t.TimedOut++
-		case pinotsim.Canceled:
-			t.Canceled++
-		}
-	}
-	return t
-}
-
-// firstOK returns the first query sent at or after t0 that succeeded.
-var firstOK = pinotsim.FirstOK
-
-// recovery is the time from t0 until every load had a query sent at or
-// after t0 succeed (its answer's arrival), or false if one never did.
-func recovery(ls []*queryLoad, t0 time.Time) (time.Duration, bool) {
-	var worst time.Duration
-	for _, l := range ls {
-		f, ok := firstOK(l.Records(), t0)
-		if !ok {
-			return 0, false
-		}
-		worst = max(worst, f.Done.Sub(t0))
-	}
-	return worst, true
-}
+var (
+	count    = pinotsim.Count
+	firstOK  = pinotsim.FirstOK
+	recovery = pinotsim.Recovery
+)
 
 // closeLog records the connection closes a broker reports.
 type closeLog struct {
@@ -138,13 +96,10 @@ func newBroker(r *rig, id string, timeout time.Duration, requestSize int, closes
 // report. A failed dial resets the accepted connection, so a refused
 // target still looks refused; a close on either side closes both.
 type tap struct {
-	ln     net.Listener
-	target string
-	wg     sync.WaitGroup
+	r *relay.Relay
 
-	mu     sync.Mutex
-	conns  []*tapConn
-	closed bool
+	mu    sync.Mutex
+	conns []*tapConn
 }
 
 // tapConn is one relayed connection: Dialed is when the connection to the
@@ -159,49 +114,23 @@ type tapConn struct {
 }
 
 func startTap(r *rig, target string) (*tap, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	t := &tap{}
+	rl, err := relay.Start(target, 2*time.Second, t.relay)
 	if err != nil {
 		return nil, err
 	}
-	t := &tap{ln: ln, target: target}
-	t.wg.Add(1)
-	go t.accept()
-	r.cleanup(t.close)
+	t.r = rl
+	r.cleanup(rl.Close)
 	return t, nil
 }
 
-func (t *tap) addr() string { return t.ln.Addr().String() }
+func (t *tap) addr() string { return t.r.Addr() }
 
-func (t *tap) accept() {
-	defer t.wg.Done()
-	for {
-		c, err := t.ln.Accept()
-		if err != nil {
-			return
-		}
-		t.wg.Add(1)
-		go t.relay(c)
-	}
-}
-
-func (t *tap) relay(down net.Conn) {
-	defer t.wg.Done()
-	up, err := net.DialTimeout("tcp", t.target, 2*time.Second)
-	if err != nil {
-		if tc, ok := down.(*net.TCPConn); ok {
-			_ = tc.SetLinger(0)
-		}
-		_ = down.Close()
-		return
-	}
+// relay forwards one connection: responses copied as they are, requests
+// stamped frame by frame.
+func (t *tap) relay(down, up net.Conn) {
 	tc := &tapConn{Dialed: time.Now(), down: down, up: up}
 	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		_ = up.Close()
-		_ = down.Close()
-		return
-	}
 	t.conns = append(t.conns, tc)
 	t.mu.Unlock()
 	done := make(chan struct{})
@@ -300,17 +229,4 @@ func (t *tap) framesOnOlder(t0 time.Time) (frames, conns int) {
 		}
 	}
 	return frames, conns
-}
-
-func (t *tap) close() {
-	t.mu.Lock()
-	t.closed = true
-	cs := append([]*tapConn(nil), t.conns...)
-	t.mu.Unlock()
-	_ = t.ln.Close()
-	for _, c := range cs {
-		_ = c.down.Close()
-		_ = c.up.Close()
-	}
-	t.wg.Wait()
 }

@@ -4,7 +4,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -21,43 +20,22 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // self is the running binary: the replays re-execute it in a role.
 const self = "/proc/self/exe"
 
-// lockedBuffer collects a child's stderr; os/exec writes it from its own
-// goroutine while the replay may read it for an error message.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.b.Len() > 64<<10 { // keep the first 64 KiB: enough to say why
-		return len(p), nil
-	}
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return strings.TrimSpace(l.b.String())
-}
-
 // child is a re-executed role process. It is ended only by its PID.
 type child struct {
 	cmd    *exec.Cmd
 	pid    int
 	stdin  io.WriteCloser
-	stderr lockedBuffer
-	lines  chan []byte   // stdout lines after the first
-	first  chan []byte   // the first stdout line
-	done   chan struct{} // stdout reader finished (the process closed it)
+	stderr testutil.SyncBuffer // os/exec writes it from its own goroutine
+	lines  chan []byte         // stdout lines after the first
+	first  chan []byte         // the first stdout line
+	done   chan struct{}       // stdout reader finished (the process closed it)
 	once   sync.Once
 }
 
@@ -68,9 +46,10 @@ type child struct {
 // and it would die); Pdeathsig kills it if the thread that started it dies.
 func startChild(ns *netns.NS, role string, env ...string) (*child, error) {
 	c := &child{
-		lines: make(chan []byte, 1024),
-		first: make(chan []byte, 1),
-		done:  make(chan struct{}),
+		stderr: testutil.SyncBuffer{Keep: 64 << 10}, // the first 64 KiB: enough to say why
+		lines:  make(chan []byte, 1024),
+		first:  make(chan []byte, 1),
+		done:   make(chan struct{}),
 	}
 	c.cmd = exec.Command(self)
 	c.cmd.Env = append(os.Environ(), roleEnv+"="+role)
@@ -128,9 +107,9 @@ func (c *child) hello(v any, timeout time.Duration) error {
 	case line := <-c.first:
 		return json.Unmarshal(line, v)
 	case <-c.done:
-		return fmt.Errorf("process %d exited before it was ready: %s", c.pid, c.stderr.String())
+		return fmt.Errorf("process %d exited before it was ready: %s", c.pid, strings.TrimSpace(c.stderr.String()))
 	case <-t.C:
-		return fmt.Errorf("process %d not ready after %v: %s", c.pid, timeout, c.stderr.String())
+		return fmt.Errorf("process %d not ready after %v: %s", c.pid, timeout, strings.TrimSpace(c.stderr.String()))
 	}
 }
 
@@ -249,10 +228,7 @@ type proxyProc struct {
 	control   string // the control server (the endpoint actions)
 	listeners map[string]string
 	http      *http.Client
-
-	mu   sync.Mutex
-	ends []linkEnd
-
+	ends      harness.LinkEnds
 	collected chan struct{}
 }
 
@@ -284,34 +260,7 @@ func startProxy(r *rig, yaml string) (*proxyProc, error) {
 // collect records the link ends the proxy reports until it exits.
 func (p *proxyProc) collect() {
 	defer close(p.collected)
-	for {
-		select {
-		case line := <-p.lines:
-			var l proxyLine
-			if json.Unmarshal(line, &l) == nil && l.LinkEnd != nil {
-				p.mu.Lock()
-				p.ends = append(p.ends, *l.LinkEnd)
-				p.mu.Unlock()
-			}
-		case <-p.done:
-			for len(p.lines) > 0 { // what was read before the end
-				var l proxyLine
-				if json.Unmarshal(<-p.lines, &l) == nil && l.LinkEnd != nil {
-					p.mu.Lock()
-					p.ends = append(p.ends, *l.LinkEnd)
-					p.mu.Unlock()
-				}
-			}
-			return
-		}
-	}
-}
-
-// linkEnds returns the links that ended so far.
-func (p *proxyProc) linkEnds() []linkEnd {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return append([]linkEnd(nil), p.ends...)
+	p.ends.Collect(p.lines, p.done)
 }
 
 // endpoint returns the status of upstream endpoint addr from GET
@@ -353,34 +302,14 @@ func (p *proxyProc) action(addr, action string) (map[string]any, error) {
 	return body, nil
 }
 
-// counter sums a counter's series from GET /metrics (name without the
-// livenessproxy_ prefix), optionally only those carrying label="value".
+// counter sums a counter's series scraped from GET /metrics (name without
+// the livenessproxy_ prefix), optionally only those carrying label="value".
 func (p *proxyProc) counter(name, label, value string) (float64, error) {
-	resp, err := p.http.Get("http://" + p.admin + "/metrics")
-	if err != nil {
-		return 0, err
+	var labels []string
+	if label != "" {
+		labels = []string{label, value}
 	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	full := "livenessproxy_" + name
-	sum := 0.0
-	for _, line := range strings.Split(string(b), "\n") {
-		if !strings.HasPrefix(line, full+"{") && !strings.HasPrefix(line, full+" ") {
-			continue
-		}
-		if label != "" && !strings.Contains(line, label+`="`+value+`"`) {
-			continue
-		}
-		f := strings.Fields(line)
-		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		if err == nil {
-			sum += v
-		}
-	}
-	return sum, nil
+	return harness.Counter(harness.Scrape(p.http, "http://"+p.admin+"/metrics"), name, labels...)
 }
 
 // rssSampler samples a process's RSS every 20 ms until stopped.

@@ -85,10 +85,7 @@ func replayFlap(r *rig) (*Report, error) {
 			stillConnected++
 		}
 	}
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
-	rss.stop()
-	w.Stop()
+	endLoads(pl, dl, rss, w)
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
@@ -98,7 +95,7 @@ func replayFlap(r *rig) (*Report, error) {
 	for _, c := range w.After(flapAt) {
 		rep.event(flapAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		switch {
 		case e.Opened.Before(flapAt) && e.At.After(flapAt):
 			rep.event(flapAt, e.At, "proxy closed a pre-flap link: %s (%d B up, %d B down)", e.Reason, e.BytesUp, e.BytesDown)
@@ -122,20 +119,17 @@ func replayFlap(r *rig) (*Report, error) {
 		}
 	}
 	prs, drs := pl.records(), dl.records()
-	pt, dt := count(prs, flapAt, obsEnd), count(drs, flapAt, obsEnd)
 	rep.event(flapAt, obsEnd, "end of observation: direct brokers still holding their dead connection: %d of %d", stillConnected, k)
 
-	pRec, pOK := recovery(pl, flapAt)
-	dRec, dOK := recovery(dl, flapAt)
 	var dQueue int64
 	for _, db := range direct {
 		dQueue += db.Stats().PeakQueueBytes
 	}
 	base, peak := rss.growth(flapAt)
-	rep.Rows = []Row{
-		row("direct", dt, dRec, dOK, observe, "queue "+mib(dQueue), staleOf(st, "Broker_direct")),
-		row("proxy", pt, pRec, pOK, observe, "RSS +"+mib(max(peak-base, 0)), staleOf(st, "Broker_proxy")),
-	}
+	d, p := paths{direct: dl, proxied: pl, from: flapAt, to: obsEnd, recoveryFrom: flapAt, window: observe,
+		directQueue: dQueue, proxyGrowth: peak - base, stats: st}.rows()
+	rep.Rows = []Row{d, p}
+	pRec, pOK := p.Recovery, p.Recovered
 	rep.note("%d connections per path, a query every %v on each; counts are queries sent in the %v after the flap; recovery: from the flap until every connection had a query succeed", k, queryEvery, observe)
 
 	// Targets.
@@ -143,9 +137,9 @@ func replayFlap(r *rig) (*Report, error) {
 	rep.check(pOK && pRec <= bound, "recovered within request_timeout + 2s",
 		"every proxied connection had a query succeed %s after the flap (bound %s)", secs(pRec), secs(bound))
 	pAll := count(prs, time.Time{}, obsEnd)
-	rep.check(pAll.lost()-inflight <= threshold*k, "queries lost <= threshold per connection + in flight",
+	rep.check(pAll.Lost()-inflight <= threshold*k, "queries lost <= threshold per connection + in flight",
 		"lost %d (%d failed fast, %d timed out), of which %d were in flight on the dead connections when the proxy closed them; %d <= %d x %d",
-		pAll.lost(), pAll.FailedFast, pAll.TimedOut, inflight, pAll.lost()-inflight, threshold, k)
+		pAll.Lost(), pAll.FailedFast, pAll.TimedOut, inflight, pAll.Lost()-inflight, threshold, k)
 	// A readmission is a fresh start: requests sent before it (on links
 	// that had already ended) must not exclude the endpoint again before
 	// the readmitted server could answer anything.
@@ -167,31 +161,20 @@ func replayFlap(r *rig) (*Report, error) {
 	rep.check(late.OK == 0 && late.TimedOut > 0 && stillConnected == k, "control: direct path stuck",
 		"direct queries sent after the flap: %d ok, %d timed out, %d failed fast; %d of %d connections still open",
 		late.OK, late.TimedOut, late.FailedFast, stillConnected, k)
-	if st.ByBroker == nil || executedOf(st, "Broker_proxy") == 0 {
+	if st.ByBroker == nil || countOf(st, "Broker_proxy").Executed == 0 {
 		rep.check(false, "new server executed proxied queries", "executed %v", st.ByBroker)
 	}
 	return rep, nil
 }
 
-// staleOf sums the stale requests the server executed for brokers whose id
-// starts with prefix.
-func staleOf(st pinotsim.ServerStats, prefix string) int64 {
-	var n int64
+// countOf sums the server's work (requests executed, stale ones among
+// them) for brokers whose id starts with prefix.
+func countOf(st pinotsim.ServerStats, prefix string) pinotsim.BrokerCount {
+	var n pinotsim.BrokerCount
 	for id, c := range st.ByBroker {
 		if strings.HasPrefix(id, prefix) {
-			n += c.Stale
-		}
-	}
-	return n
-}
-
-// executedOf sums the requests the server executed for brokers whose id
-// starts with prefix.
-func executedOf(st pinotsim.ServerStats, prefix string) int64 {
-	var n int64
-	for id, c := range st.ByBroker {
-		if strings.HasPrefix(id, prefix) {
-			n += c.Executed
+			n.Executed += c.Executed
+			n.Stale += c.Stale
 		}
 	}
 	return n

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 )
 
@@ -73,19 +74,18 @@ func replayIdle(r *rig) (*Report, error) {
 	rep.event(goneAt, nextAt, "after %v of silence the brokers send their next queries", quiet)
 	pl := loads{startLoad(r, pb, pxAddr, queryEvery, next, time.Minute)}
 	dl := loads{startLoad(r, db, srvAddr, queryEvery, next, time.Minute)}
-	time.Sleep(time.Duration(next-1)*queryEvery + 100*time.Millisecond) // every query sent
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
+	if !pl[0].WaitSent(next, time.Minute) || !dl[0].WaitSent(next, time.Minute) {
+		return nil, fmt.Errorf("the %d queries after the silence were not all sent within a minute", next)
+	}
+	endLoads(pl, dl, rss, w)
 	endAt := time.Now()
-	rss.stop()
-	w.Stop()
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
 	}
 
-	var deadEnd *linkEnd
-	for _, e := range px.linkEnds() {
+	var deadEnd *harness.LinkEnd
+	for _, e := range px.ends.All() {
 		if e.Opened.Before(goneAt) && e.At.After(goneAt) {
 			rep.event(goneAt, e.At, "proxy closed the idle link: %s (%s)", e.Reason, e.Err)
 			if deadEnd == nil {
@@ -113,15 +113,10 @@ func replayIdle(r *rig) (*Report, error) {
 		}
 	}
 
-	pt, dt := count(prs, nextAt, endAt), count(drs, nextAt, endAt)
-	pRec, pOK := recovery(pl, nextAt)
-	dRec, dOK := recovery(dl, nextAt)
-	window := endAt.Sub(nextAt)
 	base, peak := rss.growth(goneAt)
-	rep.Rows = []Row{
-		row("direct", dt, dRec, dOK, window, "queue "+mib(db.Stats().PeakQueueBytes), staleOf(st, "Broker_direct")),
-		row("proxy", pt, pRec, pOK, window, "RSS +"+mib(max(peak-base, 0)), staleOf(st, "Broker_proxy")),
-	}
+	dt, p := paths{direct: dl, proxied: pl, from: nextAt, to: endAt, recoveryFrom: nextAt, window: endAt.Sub(nextAt),
+		directQueue: db.Stats().PeakQueueBytes, proxyGrowth: peak - base, stats: st}.rows()
+	rep.Rows = []Row{dt, p}
 	rep.note("one idle connection per path; the peer goes away %s after the last query; %v of silence; counts are the %d queries sent after it, one every %v; recovery: from the first query after the silence until one succeeds",
 		secs(goneAt.Sub(lastTraffic)), quiet, next, queryEvery)
 

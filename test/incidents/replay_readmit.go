@@ -99,10 +99,7 @@ func replayReadmit(r *rig) (*Report, error) {
 	pBack := pl.waitOK(enableAt, 5, 3*time.Second)
 	time.Sleep(time.Until(enableAt.Add(observe)))
 	endAt := time.Now()
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
-	rss.stop()
-	w.Stop()
+	endLoads(pl, dl, rss, w)
 	st, err := newSrv.stats()
 	if err != nil {
 		return nil, err
@@ -111,7 +108,7 @@ func replayReadmit(r *rig) (*Report, error) {
 	for _, c := range w.After(disableAt) {
 		rep.event(disableAt, c.At, "endpoint %s (%s)", c.State, c.Reason)
 	}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		if e.Opened.Before(disableAt) && e.At.After(disableAt) {
 			rep.event(disableAt, e.At, "proxy closed a pre-disable link: %s", e.Reason)
 		}
@@ -129,15 +126,10 @@ func replayReadmit(r *rig) (*Report, error) {
 		rep.event(disableAt, f.Done, "proxied: first query after the enable answered")
 	}
 
-	pt, dt := count(prs, disableAt, endAt), count(drs, disableAt, endAt)
-	pRec, pOK := recovery(pl, enableAt)
-	dRec, dOK := recovery(dl, enableAt)
-	window := endAt.Sub(enableAt)
 	base, peak := rss.growth(disableAt)
-	rep.Rows = []Row{
-		row("direct", dt, dRec, dOK, window, "queue "+mib(db.Stats().PeakQueueBytes), staleOf(st, "Broker_direct")),
-		row("proxy", pt, pRec, pOK, window, "RSS +"+mib(max(peak-base, 0)), staleOf(st, "Broker_proxy")),
-	}
+	d, p := paths{direct: dl, proxied: pl, from: disableAt, to: endAt, recoveryFrom: enableAt, window: endAt.Sub(enableAt),
+		directQueue: db.Stats().PeakQueueBytes, proxyGrowth: peak - base, stats: st}.rows()
+	rep.Rows = []Row{d, p}
 	rep.note("one connection per path, a query every %v; disabled %s, then enabled and observed for %v; counts are queries sent from the disable on; recovery: from the enable until a query succeeds",
 		queryEvery, secs(enableAt.Sub(disableAt)), observe)
 

@@ -108,16 +108,14 @@ func replayStall(r *rig) (*Report, error) {
 	directBack := loads(dl[:stalled]).waitOK(healAt, 5, 30*time.Second)
 	time.Sleep(time.Second)
 	endAt := time.Now()
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
-	rss.stop()
+	endLoads(pl, dl, rss, nil)
 	time.Sleep(300 * time.Millisecond) // the servers finish reading what their kernels hold
 	var pStale, dStale, pExec int64
 	for _, s := range servers {
 		st := s.Stats()
-		pStale += staleOf(st, "Broker_proxy")
-		dStale += staleOf(st, "Broker_direct")
-		pExec += executedOf(st, "Broker_proxy")
+		pStale += countOf(st, "Broker_proxy").Stale
+		dStale += countOf(st, "Broker_direct").Stale
+		pExec += countOf(st, "Broker_proxy").Executed
 	}
 
 	// The proxied broker's connections to the stalled servers' listeners.
@@ -135,7 +133,7 @@ func replayStall(r *rig) (*Report, error) {
 	}
 	var maxQueued int64
 	reasons := map[string]int{}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		if e.Opened.Before(stallAt) && e.At.After(stallAt) {
 			reasons[e.Reason]++
 			maxQueued = max(maxQueued, e.MaxQueued)

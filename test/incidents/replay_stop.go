@@ -81,10 +81,7 @@ func replayStop(r *rig) (*Report, error) {
 	dBack := dl.waitOK(contAt, 5, 5*time.Second)
 	time.Sleep(time.Second) // it stays healthy
 	endAt := time.Now()
-	pl.finish(brokerTimeout + time.Second)
-	dl.finish(brokerTimeout + time.Second)
-	rss.stop()
-	w.Stop()
+	endLoads(pl, dl, rss, w)
 	st, err := srv.stats()
 	if err != nil {
 		return nil, err
@@ -110,7 +107,7 @@ func replayStop(r *rig) (*Report, error) {
 		last = changes[len(changes)-1].State
 	}
 	reasons := map[string]int{}
-	for _, e := range px.linkEnds() {
+	for _, e := range px.ends.All() {
 		if e.At.After(stopAt) && e.At.Before(contAt) {
 			reasons[e.Reason]++
 		}
@@ -128,15 +125,11 @@ func replayStop(r *rig) (*Report, error) {
 	}
 
 	prs, drs := pl.records(), dl.records()
-	pt, dt := count(prs, stopAt, endAt), count(drs, stopAt, endAt)
-	pRec, pOK := recovery(pl, contAt)
-	dRec, dOK := recovery(dl, contAt)
 	window := endAt.Sub(stopAt)
 	base, peak := rss.growth(stopAt)
-	rep.Rows = []Row{
-		row("direct", dt, dRec, dOK, endAt.Sub(contAt), "queue "+mib(db.Stats().PeakQueueBytes), staleOf(st, "Broker_direct")),
-		row("proxy", pt, pRec, pOK, endAt.Sub(contAt), "RSS +"+mib(max(peak-base, 0)), staleOf(st, "Broker_proxy")),
-	}
+	d, p := paths{direct: dl, proxied: pl, from: stopAt, to: endAt, recoveryFrom: contAt, window: endAt.Sub(contAt),
+		directQueue: db.Stats().PeakQueueBytes, proxyGrowth: peak - base, stats: st}.rows()
+	rep.Rows = []Row{d, p}
 	rep.note("one connection per path, a query every %v; stopped for %v; counts are queries sent from SIGSTOP to %.1fs after it; recovery: from SIGCONT until a query succeeds again (none can before); detector probe: http /health",
 		queryEvery, stopFor, window.Seconds())
 	if !excludedAt.IsZero() {

@@ -8,6 +8,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 )
 
 // Report is what one replay measured.
@@ -186,3 +188,36 @@ func mib(n int64) string {
 
 // secs formats a duration in seconds.
 func secs(d time.Duration) string { return fmt.Sprintf("%.2fs", d.Seconds()) }
+
+// paths is what a replay measured on its two paths, for the table's rows.
+type paths struct {
+	direct, proxied loads
+	from, to        time.Time     // the counts: queries sent in [from, to)
+	recoveryFrom    time.Time     // recovery: from then until every load had a query succeed
+	window          time.Duration // how long recovery was watched for
+	directQueue     int64         // the direct brokers' peak outbound queue
+	proxyGrowth     int64         // the proxy process's RSS growth
+	stats           pinotsim.ServerStats
+}
+
+// rows returns the direct and the proxy row.
+func (m paths) rows() (direct, proxied Row) {
+	dRec, dOK := recovery(m.direct, m.recoveryFrom)
+	pRec, pOK := recovery(m.proxied, m.recoveryFrom)
+	direct = row("direct", count(m.direct.records(), m.from, m.to), dRec, dOK, m.window,
+		"queue "+mib(m.directQueue), countOf(m.stats, "Broker_direct").Stale)
+	proxied = row("proxy", count(m.proxied.records(), m.from, m.to), pRec, pOK, m.window,
+		"RSS +"+mib(max(m.proxyGrowth, 0)), countOf(m.stats, "Broker_proxy").Stale)
+	return direct, proxied
+}
+
+// endLoads lets the queries in flight on both paths end (each at the
+// latest a second after the broker's timeout) and stops the samplers (w
+// may be nil).
+func endLoads(pl, dl loads, rss *rssSampler, w *stateWatcher) {
+	append(append(loads(nil), pl...), dl...).finish(brokerTimeout + time.Second)
+	rss.stop()
+	if w != nil {
+		w.Stop()
+	}
+}

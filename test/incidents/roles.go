@@ -94,24 +94,10 @@ type proxyHello struct {
 	Listeners map[string]string `json:"listeners"`
 }
 
-// linkEnd is one link that ended in the proxy process, as it reports it.
-type linkEnd struct {
-	Listener  string    `json:"listener"`
-	Client    string    `json:"client"`
-	Upstream  string    `json:"upstream"`
-	Reason    string    `json:"reason"`
-	Err       string    `json:"err,omitempty"`
-	BytesUp   int64     `json:"bytes_up"`
-	BytesDown int64     `json:"bytes_down"`
-	MaxQueued int64     `json:"max_queued"`
-	Opened    time.Time `json:"opened"`
-	At        time.Time `json:"at"`
-}
-
 // proxyLine is one line of a proxy process's output.
 type proxyLine struct {
-	Ready   *proxyHello `json:"ready,omitempty"`
-	LinkEnd *linkEnd    `json:"link_end,omitempty"`
+	Ready *proxyHello `json:"ready,omitempty"`
+	harness.LinkEndLine
 }
 
 // proxyRole runs livenessproxy with the YAML configuration cfg, wired as
@@ -134,12 +120,8 @@ func proxyRole(yaml string) int {
 	log := zerolog.New(os.Stderr).Level(zerolog.WarnLevel).With().Timestamp().Logger()
 	reg := prometheus.NewRegistry()
 	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, OnLinkEnd: func(s proxy.LinkStats) {
-		e := &linkEnd{Listener: s.Listener, Client: s.Client, Upstream: s.Upstream, Reason: string(s.Reason),
-			BytesUp: s.BytesUp, BytesDown: s.BytesDown, MaxQueued: s.MaxQueued, Opened: s.Opened, At: time.Now()}
-		if s.Err != nil {
-			e.Err = s.Err.Error()
-		}
-		emit(proxyLine{LinkEnd: e})
+		e := harness.EndOf(s, time.Now())
+		emit(proxyLine{LinkEndLine: harness.LinkEndLine{LinkEnd: &e}})
 	}})
 	// Both admin servers on ports of their own (the control default,
 	// 9902, could clash between replays).
