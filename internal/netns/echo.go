@@ -16,6 +16,15 @@ func Echo(t testing.TB, ns *NS, address string) net.Addr {
 	if err != nil {
 		t.Fatalf("echo server in the namespace on %s: %v", address, err)
 	}
+	ServeEcho(t, ln)
+	return ln.Addr()
+}
+
+// ServeEcho echoes every connection ln accepts until stop, or the test's
+// end: stop closes ln and every accepted connection (a server process
+// going away) and waits for every goroutine it started. Closing ln alone
+// leaves the connections it accepted open.
+func ServeEcho(t testing.TB, ln net.Listener) (stop func()) {
 	var (
 		wg    sync.WaitGroup
 		mu    sync.Mutex
@@ -39,14 +48,18 @@ func Echo(t testing.TB, ns *NS, address string) net.Addr {
 			}()
 		}
 	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			_ = ln.Close()
+			mu.Lock()
+			for _, c := range conns {
+				_ = c.Close()
+			}
+			mu.Unlock()
+			wg.Wait()
+		})
+	}
+	t.Cleanup(stop)
+	return stop
 }

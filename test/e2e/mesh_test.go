@@ -3,14 +3,12 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -70,41 +68,12 @@ listeners:
 // when it is not nil, and returns it with its mesh port.
 func startIngressProcess(t *testing.T, ns *netns.NS, conf string) (*serverProcess, int) {
 	t.Helper()
-	sp := &serverProcess{}
-	sp.cmd = exec.Command("/proc/self/exe")
-	sp.cmd.Env = append(os.Environ(), meshIngressEnv+"="+conf)
-	sp.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Pdeathsig: syscall.SIGKILL}
-	sp.cmd.Stderr = &sp.stderr
-	stdin, err := sp.cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	sp.stdin = stdin
-	stdout, err := sp.cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	start := sp.cmd.Start
-	if ns != nil {
-		start = func() error { return ns.Start(sp.cmd) }
-	}
-	if err := start(); err != nil {
-		t.Fatalf("starting the ingress process: %v", err)
-	}
-	sp.pid = sp.cmd.Process.Pid
 	listening := make(chan string, 1)
-	sp.reader.Add(1)
-	go func() {
-		defer sp.reader.Done()
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			if a, ok := strings.CutPrefix(sc.Text(), "ingress listening "); ok {
-				listening <- a
-			}
+	sp := startChildIn(t, ns, meshIngressEnv+"="+conf, "the ingress process", func(line string) {
+		if a, ok := strings.CutPrefix(line, "ingress listening "); ok {
+			listening <- a
 		}
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	t.Cleanup(sp.kill)
+	})
 	select {
 	case a := <-listening:
 		_, port, _ := net.SplitHostPort(a)
@@ -345,39 +314,7 @@ func dialUntil(t *testing.T, addr string, within time.Duration) net.Conn {
 // serveEcho echoes every connection of ln until stop (or the test end),
 // which closes ln and every connection: the server process going away.
 func serveEcho(t *testing.T, ln net.Listener) (addr string, stop func()) {
-	t.Helper()
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			_ = ln.Close()
-			mu.Lock()
-			for _, c := range conns {
-				_ = c.Close()
-			}
-			mu.Unlock()
-			wg.Wait()
-		})
-	}
-	t.Cleanup(stop)
-	return ln.Addr().String(), stop
+	return ln.Addr().String(), netns.ServeEcho(t, ln)
 }
 
 // TestMeshServerRestartBehindIngress restarts the server behind the

@@ -20,6 +20,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -103,6 +104,13 @@ func startServerProcess(t *testing.T) *serverProcess {
 // kill and reap it.
 func startChild(t *testing.T, env, what string, onLine func(string)) *serverProcess {
 	t.Helper()
+	return startChildIn(t, nil, env, what, onLine)
+}
+
+// startChildIn is startChild, with the child in network namespace ns when
+// ns is not nil.
+func startChildIn(t *testing.T, ns *netns.NS, env, what string, onLine func(string)) *serverProcess {
+	t.Helper()
 	sp := &serverProcess{}
 	sp.cmd = exec.Command("/proc/self/exe")
 	sp.cmd.Env = append(os.Environ(), env)
@@ -117,7 +125,11 @@ func startChild(t *testing.T, env, what string, onLine func(string)) *serverProc
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := sp.cmd.Start(); err != nil {
+	start := sp.cmd.Start
+	if ns != nil {
+		start = func() error { return ns.Start(sp.cmd) }
+	}
+	if err := start(); err != nil {
 		t.Fatalf("starting %s: %v", what, err)
 	}
 	sp.pid = sp.cmd.Process.Pid
