@@ -1,6 +1,8 @@
 package proxy
 
 import (
+	"errors"
+	"io"
 	"net"
 	"sync"
 	"time"
@@ -57,14 +59,23 @@ type streamConn interface {
 // end.
 type streamClient struct {
 	s      streamConn
+	sess   interface{ IsClosed() bool }
 	remote net.Addr
 }
+
+// errSessionClosed ends a stream whose session closed: yamux reads it as
+// the end of the stream, which the link must not pass on as the client's
+// FIN (the server would take a cut-short request for a whole one).
+var errSessionClosed = errors.New("mesh: the session to the peer sidecar closed")
 
 func (c *streamClient) read(limit int) (*[]byte, int, error) {
 	bp := getChunk()
 	n, err := c.s.Read((*bp)[:min(max(limit, 1), chunkSize)])
 	if n == 0 {
 		putChunk(bp)
+		if errors.Is(err, io.EOF) && c.sess.IsClosed() {
+			err = errSessionClosed
+		}
 		return nil, 0, err
 	}
 	return bp, n, nil

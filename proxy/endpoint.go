@@ -17,17 +17,18 @@ import (
 // to it (the registry, so that eviction is one call) and the consecutive
 // unanswered count across all of them (a dead server answers none).
 type endpoint struct {
-	addr        string // normalized host:port: the detector's and the API's key
-	dial        string // what links dial (the configured spelling)
-	name        string // the host:port name it was resolved from; "" for an address
-	consecutive atomic.Int64
-	lastAnswer  atomic.Int64                    // mono time of the last answer on any link
-	readmitted  atomic.Int64                    // mono time of the last readmission
-	lastUsed    atomic.Int64                    // mono time a transparent connection last resolved to it
-	settings    atomic.Pointer[policy.Settings] // the latest settings it was registered with
-	tls         atomic.Bool                     // a client of it spoke TLS
-	meshPort    atomic.Int32                    // the mesh port its last link reached it through; 0: directly
-	p           *Proxy
+	addr         string // normalized host:port: the detector's and the API's key
+	dial         string // what links dial (the configured spelling)
+	name         string // the host:port name it was resolved from; "" for an address
+	consecutive  atomic.Int64
+	lastAnswer   atomic.Int64                    // mono time of the last answer on any link
+	readmitted   atomic.Int64                    // mono time of the last readmission
+	lastUsed     atomic.Int64                    // mono time a transparent connection last resolved to it
+	settings     atomic.Pointer[policy.Settings] // the latest settings it was registered with
+	tls          atomic.Bool                     // a client of it spoke TLS
+	meshPort     atomic.Int32                    // the mesh port its last link reached it through; 0: directly
+	meshExcluded atomic.Bool                     // excluded by the mesh (not ready, dead session): its links were kept
+	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
 	orphans *tracker
@@ -211,7 +212,8 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		Str("to", ev.To.String()).Str("reason", ev.Reason).Logger()
 	switch ev.To {
 	case health.Excluded:
-		if ev.Reason == reasonMeshNotReady || ev.Reason == reasonMeshDead {
+		ep.meshExcluded.Store(ev.Reason == reasonMeshNotReady || ev.Reason == reasonMeshDead)
+		if ep.meshExcluded.Load() {
 			// New links are refused, but this is no evidence against the
 			// links still open. Not ready: the server stopped accepting
 			// connections, and one draining for a graceful restart still
@@ -241,8 +243,15 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		ep.readmitted.Store(mono())
 		ep.orphans.clear()
 		ep.consecutive.Store(0)
-		// No client keeps a connection opened before the readmission.
-		n := ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)
+		// No client keeps a connection opened before the readmission,
+		// except after a mesh exclusion, which kept them on purpose: the
+		// links of a dead session are gone already, and a server that
+		// started afresh has a new epoch, which evicts the links of the
+		// old one (evictMeshEpoch).
+		n := 0
+		if !ep.meshExcluded.Swap(false) {
+			n = ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)
+		}
 		log.Info().Int("links_closed", n).Msg("endpoint readmitted")
 	}
 	ep.mu.Lock()

@@ -270,6 +270,20 @@ func (lk *link) dial() bool {
 				lk.setReason(metrics.ReasonRefused, err)
 				lk.resetClient()
 				return false
+			case errors.Is(err, errMeshRefused):
+				// The peer sidecar judges its server and says so in its
+				// status; this endpoint is not reported, the next is tried.
+				lk.l.m.DialErrors.Inc()
+				avoid, lastErr = ep.addr, err
+				continue
+			case errors.Is(err, errMeshDead):
+				lk.setReason(metrics.ReasonMeshDead, err)
+				lk.resetClient()
+				return false
+			case errors.Is(err, errMeshStream):
+				lk.setReason(metrics.ReasonUpstreamError, err)
+				lk.resetClient()
+				return false
 			default:
 				direct = false
 			}

@@ -363,6 +363,9 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 }
 
 func (l *listener) stopAccepting() {
+	if l.ingress != nil {
+		l.ingress.drain()
+	}
 	l.mu.Lock()
 	if !l.stopping {
 		close(l.stopped)

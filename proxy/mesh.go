@@ -27,10 +27,13 @@ import (
 //     once its link to that port is connected; it closes the stream
 //     without it when the port is not served, refused, or out of routing.
 //   - A status stream, opened by the ingress as soon as the session starts,
-//     carries status messages: a 2-byte length, then for each local port
-//     it serves, the port (2 bytes), ready (1 byte) and the port's epoch
-//     (8 bytes). A message is sent at the start and whenever a port's
-//     readiness or epoch changes.
+//     carries status messages: a 2-byte length, the ingress's boot id and
+//     the message's generation (8 bytes each), then for each local port it
+//     serves, the port (2 bytes), ready (1 byte) and the port's epoch (8
+//     bytes). A message is sent at the start and whenever a port's
+//     readiness or epoch changes. Generations grow with every change, so
+//     that a message that arrives late on a busy session, after a newer
+//     one on another, is known stale.
 //
 // A port's epoch is random, drawn again whenever the port turns ready
 // after being not ready: a new epoch tells the egress that the server
@@ -39,8 +42,10 @@ const (
 	meshMagic     = "LPM\x01"
 	meshHeaderLen = len(meshMagic) + 2
 	meshAck       = 1
-	// statusEntryLen is one port's entry in a status message.
+	// statusEntryLen is one port's entry in a status message, after the
+	// boot id and generation (statusHeadLen).
 	statusEntryLen = 2 + 1 + 8
+	statusHeadLen  = 8 + 8
 	// maxStatusPorts bounds a status message (a peer's message is read
 	// into memory).
 	maxStatusPorts = 1024
@@ -60,6 +65,17 @@ type portStatus struct {
 	ready bool
 	epoch uint64
 }
+
+// statusMsg is one status message: the ingress process's boot id, the
+// message's generation and the ports.
+type statusMsg struct {
+	boot, gen uint64
+	ports     map[uint16]portStatus
+}
+
+// newer reports whether m comes after the message of boot and gen: a
+// later generation of the same process, or another process.
+func (m statusMsg) newer(boot, gen uint64) bool { return m.boot != boot || m.gen > gen }
 
 func newEpoch() uint64 {
 	for {
@@ -88,10 +104,12 @@ func readMeshHeader(r io.Reader) (uint16, error) {
 	return binary.BigEndian.Uint16(h[len(meshMagic):]), nil
 }
 
-func writeStatus(w io.Writer, st map[uint16]portStatus) error {
-	b := make([]byte, 2, 2+len(st)*statusEntryLen)
-	binary.BigEndian.PutUint16(b, uint16(len(st)*statusEntryLen))
-	for port, ps := range st {
+func writeStatus(w io.Writer, m statusMsg) error {
+	b := make([]byte, 2, 2+statusHeadLen+len(m.ports)*statusEntryLen)
+	binary.BigEndian.PutUint16(b, uint16(statusHeadLen+len(m.ports)*statusEntryLen))
+	b = binary.BigEndian.AppendUint64(b, m.boot)
+	b = binary.BigEndian.AppendUint64(b, m.gen)
+	for port, ps := range m.ports {
 		b = binary.BigEndian.AppendUint16(b, port)
 		ready := byte(0)
 		if ps.ready {
@@ -104,24 +122,25 @@ func writeStatus(w io.Writer, st map[uint16]portStatus) error {
 	return err
 }
 
-func readStatus(r io.Reader) (map[uint16]portStatus, error) {
+func readStatus(r io.Reader) (statusMsg, error) {
 	var lb [2]byte
 	if _, err := io.ReadFull(r, lb[:]); err != nil {
-		return nil, err
+		return statusMsg{}, err
 	}
 	n := int(binary.BigEndian.Uint16(lb[:]))
-	if n%statusEntryLen != 0 || n/statusEntryLen > maxStatusPorts {
-		return nil, fmt.Errorf("%w: length %d", errBadStatus, n)
+	if n < statusHeadLen || (n-statusHeadLen)%statusEntryLen != 0 || (n-statusHeadLen)/statusEntryLen > maxStatusPorts {
+		return statusMsg{}, fmt.Errorf("%w: length %d", errBadStatus, n)
 	}
 	b := make([]byte, n)
 	if _, err := io.ReadFull(r, b); err != nil {
-		return nil, err
+		return statusMsg{}, err
 	}
-	st := make(map[uint16]portStatus, n/statusEntryLen)
-	for ; len(b) > 0; b = b[statusEntryLen:] {
-		st[binary.BigEndian.Uint16(b)] = portStatus{ready: b[2] == 1, epoch: binary.BigEndian.Uint64(b[3:])}
+	m := statusMsg{boot: binary.BigEndian.Uint64(b), gen: binary.BigEndian.Uint64(b[8:]),
+		ports: make(map[uint16]portStatus, (n-statusHeadLen)/statusEntryLen)}
+	for b = b[statusHeadLen:]; len(b) > 0; b = b[statusEntryLen:] {
+		m.ports[binary.BigEndian.Uint16(b)] = portStatus{ready: b[2] == 1, epoch: binary.BigEndian.Uint64(b[3:])}
 	}
-	return st, nil
+	return m, nil
 }
 
 // yamuxConfig is the session configuration for mesh settings m (with
@@ -137,6 +156,11 @@ func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Con
 	c.ConnectionWriteTimeout = m.WriteTimeout.D()
 	c.MaxStreamWindowSize = uint32(m.StreamWindow)
 	c.StreamCloseTimeout = hc
+	if hc <= 0 {
+		// yamux has no reset: without a bound a stream whose other side
+		// never closes would hold its window forever.
+		c.StreamCloseTimeout = 5 * time.Minute
+	}
 	// The heartbeat alone judges the session: yamux would close it when a
 	// stream's open is not acknowledged in time, which a busy peer may be
 	// slow to do while it answers every ping.
@@ -189,9 +213,13 @@ type meshSession struct {
 	m        *metrics.Metrics
 	lastRead atomic.Int64 // mono
 	dead     atomic.Bool
-	// onDead runs once, before the session is closed, when the heartbeat
+	// onDead runs once, after the session is closed, when the heartbeat
 	// declares it dead.
 	onDead func()
+	// retired: no new stream goes on the session (a stream open failed on
+	// it, or its stream IDs are running out); the heartbeat closes it once
+	// its last stream has ended.
+	retired atomic.Bool
 
 	wg      sync.WaitGroup // the heartbeat and its ping
 	pinging atomic.Bool
@@ -249,6 +277,10 @@ func (ms *meshSession) heartbeat() {
 			ms.declareDead(time.Duration(now - ms.lastRead.Load()))
 			return
 		}
+		if ms.retired.Load() && ms.sess.NumStreams() == 0 {
+			_ = ms.sess.Close()
+			return
+		}
 		if now >= nextPing && ms.pinging.CompareAndSwap(false, true) {
 			nextPing = now + int64(ms.interval)
 			ms.wg.Add(1)
@@ -266,13 +298,35 @@ func (ms *meshSession) ping() {
 	_, _ = ms.sess.Ping()
 }
 
+// declareDead closes the session first (its streams' Close is then a no
+// op, never a wait on a send queue stuck behind a dead path), then lets the
+// owner end the links on it: every pump that sees the close finds dead
+// set and ends its link mesh_dead.
 func (ms *meshSession) declareDead(silent time.Duration) {
 	ms.dead.Store(true)
+	_ = ms.sess.Close()
 	ms.m.MeshSessionDeaths(ms.role).Inc()
 	ms.log.Warn().Str("peer", ms.conn.RemoteAddr().String()).Dur("silent_ms", silent).
 		Msg("mesh session dead: nothing from the peer sidecar for ping_timeout; its streams are closed")
 	if ms.onDead != nil {
 		ms.onDead()
 	}
-	_ = ms.sess.Close()
 }
+
+// retire takes the session out of use: the peer is told (GoAway) that no
+// new stream comes, and the heartbeat closes it when it carries none.
+func (ms *meshSession) retire(why string) {
+	if ms.retired.CompareAndSwap(false, true) {
+		_ = ms.sess.GoAway()
+		ms.log.Info().Str("peer", ms.conn.RemoteAddr().String()).Str("why", why).Msg("mesh session retired: a new one takes its new links")
+	}
+}
+
+// usable reports whether new streams may go on the session.
+func (ms *meshSession) usable() bool {
+	return !ms.dead.Load() && !ms.retired.Load() && !ms.sess.IsClosed()
+}
+
+// retireAfterStreams retires a session whose stream IDs (31 bits, odd or
+// even per side) pass this: yamux cannot open more after 2^31.
+const retireAfterStreams = 1 << 30

@@ -41,6 +41,7 @@ type meshPeer struct {
 	mu        sync.Mutex
 	sessions  []*egressSession
 	status    map[uint16]portStatus // nil until a session's first message
+	boot, gen uint64                // of the status applied last
 	statusCh  chan struct{}         // closed at every status change
 	endpoints map[*endpoint]struct{}
 
@@ -72,8 +73,10 @@ func (p *Proxy) meshPeer(host string, port int) *meshPeer {
 	return pr
 }
 
-// closeMesh closes every egress session and waits for their goroutines.
+// closeMesh closes every egress session and waits for their goroutines;
+// no session opens after it.
 func (p *Proxy) closeMesh() {
+	p.meshClosed.Store(true)
 	p.meshMu.Lock()
 	peers := make([]*meshPeer, 0, len(p.peers))
 	for _, pr := range p.peers {
@@ -101,17 +104,22 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		live := pr.sessions[:0]
 		for _, es := range pr.sessions {
 			if !es.closed() {
-				live = append(live, es)
+				live = append(live, es) // a retired one stays until it closes: closeMesh owns it
 			}
 		}
 		clear(pr.sessions[len(live):])
 		pr.sessions = live
+		usable := 0
 		for _, es := range live {
+			if !es.usable() {
+				continue
+			}
+			usable++
 			if best == nil || es.sess.NumStreams() < best.sess.NumStreams() {
 				best = es
 			}
 		}
-		return best, best == nil || (len(live) < m.Sessions && best.sess.NumStreams() > 0)
+		return best, best == nil || (usable < m.Sessions && best.sess.NumStreams() > 0)
 	}
 	best, grow := pick()
 	if !grow {
@@ -147,6 +155,12 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	ms.wg.Add(1)
 	go es.readStatus()
 	pr.mu.Lock()
+	if pr.p.meshClosed.Load() {
+		// Shutdown closed the mesh while this one was dialled (a probe's).
+		pr.mu.Unlock()
+		ms.close()
+		return nil, errors.New("mesh: closed")
+	}
 	pr.sessions = append(pr.sessions, es)
 	pr.mu.Unlock()
 	log.Debug().Msg("mesh session opened")
@@ -163,7 +177,7 @@ func (es *egressSession) readStatus() {
 	}
 	defer st.Close()
 	for {
-		status, err := readStatus(st)
+		msg, err := readStatus(st)
 		if err != nil {
 			if errors.Is(err, errBadStatus) {
 				es.log.Warn().Err(err).Msg("mesh peer sent a malformed status: session closed")
@@ -171,7 +185,7 @@ func (es *egressSession) readStatus() {
 			}
 			return
 		}
-		es.peer.applyStatus(status)
+		es.peer.applyStatus(msg)
 	}
 }
 
@@ -180,14 +194,22 @@ func (es *egressSession) readStatus() {
 // kept, see onHealthEvent); a port whose
 // epoch changed had its server start afresh, so links opened under the
 // old epoch are evicted.
-func (pr *meshPeer) applyStatus(st map[uint16]portStatus) {
+//
+// Sessions to one peer carry the same messages, each when its own stream
+// delivers it: one that arrives after a newer generation is stale and
+// ignored.
+func (pr *meshPeer) applyStatus(msg statusMsg) {
 	pr.mu.Lock()
+	if pr.status != nil && !msg.newer(pr.boot, pr.gen) {
+		pr.mu.Unlock()
+		return
+	}
 	old := pr.status
-	pr.status = st
+	pr.status, pr.boot, pr.gen = msg.ports, msg.boot, msg.gen
 	close(pr.statusCh)
 	pr.statusCh = make(chan struct{})
 	pr.mu.Unlock()
-	for port, ps := range st {
+	for port, ps := range msg.ports {
 		ep := pr.p.lookupEndpoint(net.JoinHostPort(pr.host, strconv.Itoa(int(port))))
 		if ep == nil {
 			continue
@@ -240,9 +262,10 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc ti
 	}
 }
 
-// died runs when the heartbeat declares the session dead: its links end
-// (mesh_dead), the status it brought is forgotten, and every endpoint
-// reached through the peer is excluded; probes dial a new session.
+// died runs when the heartbeat has declared the session dead and closed
+// it: its links end (mesh_dead), the status it brought is forgotten, and
+// every endpoint reached through the peer is excluded; probes dial a new
+// session.
 func (es *egressSession) died() {
 	pr := es.peer
 	pr.mu.Lock()
@@ -356,38 +379,84 @@ func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession,
 		return nil, nil, err
 	}
 	pr := lk.l.p.meshPeer(host, port)
-	if until := pr.noIngressUntil.Load(); until != 0 && mono() < until {
+	m := lk.settings.Mesh.OrDefaults()
+	direct := m.Fallback == policy.MeshFallbackDirect
+	if until := pr.noIngressUntil.Load(); direct && until != 0 && mono() < until {
 		return nil, nil, errNoIngress
 	}
-	m := lk.settings.Mesh.OrDefaults()
 	ctx, cancel := context.WithTimeout(lk.l.ctx, cmpDuration(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
 	defer cancel()
 	for try := 0; ; try++ {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
 		if errors.Is(err, errNoIngress) {
-			pr.noIngressUntil.Store(mono() + int64(noIngressFor))
+			if direct {
+				pr.noIngressUntil.Store(mono() + int64(noIngressFor))
+			}
 			return nil, nil, err
 		}
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, err // the session dial: evidence as any dial's
 		}
 		pr.noIngressUntil.Store(0)
 		st, err := es.sess.OpenStream()
 		if err == nil {
+			if st.StreamID() > retireAfterStreams {
+				es.retire("stream ids running out")
+			}
 			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
 				pr.mu.Lock()
 				pr.endpoints[ep] = struct{}{}
 				pr.mu.Unlock()
-				return st, es, nil
+				return lk.awaitAck(ctx, st, es)
 			}
 			_ = st.Close()
 		}
+		// A stream that cannot open on a live session is no evidence
+		// against the server: the session is retired, another takes the
+		// link.
+		if !es.dead.Load() {
+			es.retire("stream open failed: " + err.Error())
+		}
 		if try == 1 || ctx.Err() != nil {
-			// A session that ends under the open: the peer's fault, as a
-			// reset connection is.
-			return nil, nil, fmt.Errorf("mesh stream: %w (%v)", syscall.ECONNRESET, err)
+			return nil, nil, fmt.Errorf("%w: %v", errMeshStream, err)
 		}
 	}
+}
+
+// errMeshStream: no stream could be opened on a session to the peer. Not
+// held against the endpoint: the link ends upstream_error, unreported.
+var errMeshStream = errors.New("mesh: no stream could be opened to the peer sidecar")
+
+// errMeshRefused: the peer sidecar could not connect the stream to its
+// server (refused, not served, out of routing there). The peer sidecar
+// judges its own server and announces it; the egress tries the next
+// endpoint without reporting this one.
+var errMeshRefused = errors.New("mesh: the peer sidecar could not reach the server")
+
+// awaitAck waits for the ingress's acknowledgement that it reached the
+// server, within the link's connect budget (ctx) plus a ping_timeout for
+// the way there and back.
+func (lk *link) awaitAck(ctx context.Context, st *yamux.Stream, es *egressSession) (*yamux.Stream, *egressSession, error) {
+	deadline, _ := ctx.Deadline()
+	_ = st.SetReadDeadline(deadline.Add(es.timeout))
+	var ack [1]byte
+	_, err := io.ReadFull(st, ack[:])
+	_ = st.SetReadDeadline(time.Time{})
+	if err == nil && ack[0] == meshAck {
+		return st, es, nil
+	}
+	_ = st.Close()
+	_ = st.SetDeadline(pastDeadline)
+	if es.dead.Load() {
+		return nil, nil, errMeshDead
+	}
+	if es.closed() {
+		return nil, nil, fmt.Errorf("%w: the session closed", errMeshStream)
+	}
+	if err == nil {
+		err = fmt.Errorf("acknowledgement %d", ack[0])
+	}
+	return nil, nil, fmt.Errorf("%w (%v)", errMeshRefused, err)
 }
 
 // cmpDuration is a, or b when a is 0 (a bound that 0 disables).
@@ -427,7 +496,7 @@ func (lk *link) meshConnected(ep *endpoint, st *yamux.Stream, es *egressSession)
 		return false
 	}
 	if !es.add(lk) {
-		lk.abort(metrics.ReasonMeshDead, errMeshDead)
+		lk.meshFail(errors.New("mesh: the session closed under the open"))
 		return false
 	}
 	return true
@@ -460,20 +529,11 @@ func (lk *link) meshRequests() {
 	}
 }
 
-// meshResponses copies the stream to the client, after the ingress's
-// acknowledgement that it reached the server: a stream closed before it
-// is a failed dial on the far side, and the client is reset.
+// meshResponses copies the stream to the client. The end of the stream
+// is the server's FIN, passed on as one, unless the session closed: yamux
+// ends every stream of a closed session the same way, and a client told
+// FIN would take a cut-short response for a whole one.
 func (lk *link) meshResponses() {
-	var ack [1]byte
-	if _, err := io.ReadFull(lk.stream, ack[:]); err != nil || ack[0] != meshAck {
-		if (err == nil || errors.Is(err, io.EOF)) && !lk.meshSess.closed() {
-			err = fmt.Errorf("%w: the peer sidecar could not reach the server", syscall.ECONNREFUSED)
-			lk.abort(metrics.ReasonDialError, err)
-			return
-		}
-		lk.meshFail(err)
-		return
-	}
 	for {
 		bp := getChunk()
 		n, err := lk.stream.Read(*bp)
@@ -488,7 +548,7 @@ func (lk *link) meshResponses() {
 			continue
 		}
 		putChunk(bp)
-		if errors.Is(err, io.EOF) {
+		if errors.Is(err, io.EOF) && !lk.meshSess.closed() {
 			lk.passFinToClient()
 			return
 		}
@@ -501,6 +561,9 @@ func (lk *link) meshResponses() {
 // was declared dead, else upstream_error (the stream was reset or its
 // session closed).
 func (lk *link) meshFail(err error) {
+	if err == nil || errors.Is(err, io.EOF) {
+		err = errors.New("mesh: the session to the peer sidecar closed")
+	}
 	if lk.meshSess.dead.Load() {
 		lk.abort(metrics.ReasonMeshDead, err)
 		return

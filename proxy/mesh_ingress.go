@@ -3,10 +3,12 @@ package proxy
 import (
 	"cmp"
 	"context"
+	"errors"
 	"net"
 	"slices"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/yamux"
@@ -39,11 +41,28 @@ type ingress struct {
 	startOnce sync.Once
 	wg        sync.WaitGroup
 
+	boot uint64 // this process's id in status messages
+
 	mu       sync.Mutex
 	status   map[uint16]portStatus
+	gen      uint64                // the status's generation: one more at every change
+	checks   map[uint16]*portCheck // what the checks saw since the port's last verdict
 	sessions map[*ingressSession]struct{}
 	closed   bool
+	draining bool // the listener stopped accepting: every port is announced not ready
 }
+
+// portCheck is what the checks of one port saw.
+type portCheck struct {
+	failures int  // consecutive failed connects that were not refusals
+	refused  bool // a connect was refused since the port was last ready: nothing listened
+}
+
+// checkFailuresForNotReady is how many consecutive connects that time out
+// or fail otherwise (not refused) announce a port not ready: a server
+// whose accept queue is full for a moment is slow, not gone. A refused
+// connect (nothing listens) is announced at once.
+const checkFailuresForNotReady = 3
 
 type ingressSession struct {
 	*meshSession
@@ -53,7 +72,8 @@ type ingressSession struct {
 func newIngress(l *listener, cfg policy.Listener) *ingress {
 	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
 	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
-		status: make(map[uint16]portStatus), sessions: make(map[*ingressSession]struct{})}
+		boot: newEpoch(), status: make(map[uint16]portStatus), checks: make(map[uint16]*portCheck),
+		sessions: make(map[*ingressSession]struct{})}
 	n, _ := strconv.Atoi(port)
 	in.ports = append(in.ports, uint16(n))
 	for _, p := range cfg.Ingress.Ports {
@@ -63,6 +83,7 @@ func newIngress(l *listener, cfg policy.Listener) *ingress {
 	}
 	for _, p := range in.ports {
 		in.status[p] = portStatus{} // not ready until the first check
+		in.checks[p] = &portCheck{}
 	}
 	return in
 }
@@ -138,39 +159,82 @@ func (in *ingress) checker() {
 
 func (in *ingress) check(timeout time.Duration) {
 	p := in.l.p
-	next := make(map[uint16]bool, len(in.ports))
+	settings := in.l.spec().settings
+	type result struct {
+		ok, refused, local bool
+		err                error
+	}
+	results := make(map[uint16]result, len(in.ports))
 	for _, port := range in.ports {
 		addr := net.JoinHostPort(in.host, strconv.Itoa(int(port)))
-		ready := false
-		if st, _ := p.det.State(normalizeEndpoint(addr)); st == health.Healthy {
-			ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
-			c, err := (&net.Dialer{KeepAlive: -1}).DialContext(ctx, "tcp", addr)
-			cancel()
-			if err == nil {
-				_ = c.Close()
-				ready = true
+		if st, _ := p.det.State(normalizeEndpoint(addr)); st != health.Healthy {
+			// Excluded on evidence (or disabled) by this proxy's own
+			// detector: not ready, whatever a connect says.
+			results[port] = result{}
+			continue
+		}
+		ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
+		c, err := (&net.Dialer{KeepAlive: -1, Control: upstreamControl(settings)}).DialContext(ctx, "tcp", addr)
+		cancel()
+		switch {
+		case err == nil:
+			_ = c.Close()
+			results[port] = result{ok: true}
+		case in.l.ctx.Err() != nil:
+			return // shutting down: no verdict
+		case errors.Is(err, syscall.ECONNREFUSED):
+			results[port] = result{refused: true, err: err}
+		case upstreamFault(err):
+			results[port] = result{err: err}
+		default:
+			// Out of descriptors and the like: the ingress's own failure
+			// says nothing about the server. The port keeps its status.
+			results[port] = result{local: true, err: err}
+			if ep := p.lookupEndpoint(addr); ep != nil {
+				in.l.localError(ep, err)
 			}
 		}
-		next[port] = ready
 	}
 	in.mu.Lock()
 	changed := false
-	for port, ready := range next {
-		old := in.status[port]
-		if old.ready == ready {
+	for port, r := range results {
+		old, pc := in.status[port], in.checks[port]
+		ready := old.ready
+		switch {
+		case r.local || in.draining:
+			continue
+		case r.ok:
+			pc.failures = 0
+			ready = true
+		case r.refused:
+			pc.refused = true
+			ready = false
+		case r.err != nil:
+			pc.failures++
+			ready = ready && pc.failures < checkFailuresForNotReady
+		default: // the detector holds it out
+			ready = false
+		}
+		if ready == old.ready {
 			continue
 		}
 		changed = true
 		ns := portStatus{ready: ready, epoch: old.epoch}
-		if ready {
+		if ready && (old.epoch == 0 || pc.refused) {
+			// Nothing listened in between: the server started afresh,
+			// and links opened before are to the process that went.
 			ns.epoch = newEpoch()
+		}
+		if ready {
+			pc.refused = false
 		}
 		in.status[port] = ns
 		in.l.log.Info().Str("local", net.JoinHostPort(in.host, strconv.Itoa(int(port)))).Bool("ready", ready).
-			Msg("mesh ingress: local port readiness changed; announced to the peers")
+			AnErr("cause", r.err).Msg("mesh ingress: local port readiness changed; announced to the peers")
 	}
 	var ss []*ingressSession
 	if changed {
+		in.gen++
 		for is := range in.sessions {
 			ss = append(ss, is)
 		}
@@ -181,6 +245,31 @@ func (in *ingress) check(timeout time.Duration) {
 	}
 }
 
+// drain announces every port not ready and tells every peer (GoAway) that
+// no new stream is taken: the listener stopped accepting, and its links
+// finish or are cut at the drain's end.
+func (in *ingress) drain() {
+	in.mu.Lock()
+	if in.draining {
+		in.mu.Unlock()
+		return
+	}
+	in.draining = true
+	for port, st := range in.status {
+		in.status[port] = portStatus{epoch: st.epoch}
+	}
+	in.gen++
+	ss := make([]*ingressSession, 0, len(in.sessions))
+	for is := range in.sessions {
+		ss = append(ss, is)
+	}
+	in.mu.Unlock()
+	for _, is := range ss {
+		is.notify()
+		_ = is.sess.GoAway()
+	}
+}
+
 func (is *ingressSession) notify() {
 	select {
 	case is.changed <- struct{}{}:
@@ -188,14 +277,14 @@ func (is *ingressSession) notify() {
 	}
 }
 
-func (in *ingress) snapshot() map[uint16]portStatus {
+func (in *ingress) snapshot() statusMsg {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	st := make(map[uint16]portStatus, len(in.status))
+	m := statusMsg{boot: in.boot, gen: in.gen, ports: make(map[uint16]portStatus, len(in.status))}
 	for k, v := range in.status {
-		st[k] = v
+		m.ports[k] = v
 	}
-	return st
+	return m
 }
 
 // serveConn turns an accepted connection into a session.
@@ -281,7 +370,8 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	port, err := readMeshHeader(st)
 	_ = st.SetReadDeadline(time.Time{})
 	if err != nil || !slices.Contains(in.ports, port) {
-		l.log.Warn().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
+		// At debug: a peer could flood the log. link_closes_total counts it.
+		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
 			Msg("mesh stream refused: bad header or a port this ingress does not serve")
 		_ = st.Close()
 		l.m.Closed(metrics.ReasonNoMatch)
@@ -293,7 +383,7 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		l.m.Closed(metrics.ReasonRefused)
 		return
 	}
-	lk := newLink(l, ep, &streamClient{s: st, remote: is.conn.RemoteAddr()})
+	lk := newLink(l, ep, &streamClient{s: st, sess: is.sess, remote: is.conn.RemoteAddr()})
 	if !l.track(lk) {
 		_ = st.Close()
 		return

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"syscall"
 
@@ -147,8 +148,9 @@ func frozenSidecar(t *testing.T) int {
 }
 
 // A peer sidecar that stops answering is detected by the heartbeat alone:
-// the idle link on its session ends mesh_dead, the endpoint is excluded,
-// and new links are refused until it answers again.
+// the link waiting on its session ends mesh_dead, the endpoint is
+// excluded, and new links are refused until it answers again. (An idle
+// link that was established first: the e2e SIGSTOP test.)
 func TestMeshFrozenSidecarClosesLinks(t *testing.T) {
 	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
 	eg := startEgress(t, srv.Addr(), frozenSidecar(t), nil)
@@ -159,7 +161,7 @@ func TestMeshFrozenSidecarClosesLinks(t *testing.T) {
 	if s.Reason != CloseMeshDead {
 		t.Fatalf("link ended %s (%v), want mesh_dead", s.Reason, s.Err)
 	}
-	t.Logf("idle link on a frozen sidecar's session closed after %v (ping_timeout 300ms)", time.Since(t0).Round(time.Millisecond))
+	t.Logf("link on a frozen sidecar's session closed after %v (ping_timeout 300ms)", time.Since(t0).Round(time.Millisecond))
 	if got := testutil.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)); got < 1 {
 		t.Fatalf("%v egress session deaths, want at least 1", got)
 	}
@@ -303,6 +305,7 @@ func (in *ingressProxy) bumpEpoch(t *testing.T, port uint16) uint64 {
 	e := newEpoch()
 	ing.mu.Lock()
 	ing.status[port] = portStatus{ready: true, epoch: e}
+	ing.gen++
 	for is := range ing.sessions {
 		is.notify()
 	}
@@ -328,7 +331,7 @@ func TestMeshIngressRefusesOtherPorts(t *testing.T) {
 }
 
 func TestMeshStatusRoundTrip(t *testing.T) {
-	want := map[uint16]portStatus{8098: {ready: true, epoch: 7}, 8097: {ready: false, epoch: 9}}
+	want := statusMsg{boot: 3, gen: 5, ports: map[uint16]portStatus{8098: {ready: true, epoch: 7}, 8097: {ready: false, epoch: 9}}}
 	var b bytes.Buffer
 	if err := writeStatus(&b, want); err != nil {
 		t.Fatal(err)
@@ -337,10 +340,16 @@ func TestMeshStatusRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != len(want) || got[8098] != want[8098] || got[8097] != want[8097] {
-		t.Fatalf("status %v, want %v", got, want)
+	if got.boot != 3 || got.gen != 5 || len(got.ports) != 2 || got.ports[8098] != want.ports[8098] || got.ports[8097] != want.ports[8097] {
+		t.Fatalf("status %+v, want %+v", got, want)
+	}
+	if !got.newer(3, 4) || got.newer(3, 5) || got.newer(3, 6) || !got.newer(2, 9) {
+		t.Fatal("newer: a later generation of the same boot, or another boot")
 	}
 	if _, err := readStatus(bytes.NewReader([]byte{0, 5, 1, 2, 3, 4, 5})); !errors.Is(err, errBadStatus) {
+		t.Fatalf("a length shorter than the head: %v, want errBadStatus", err)
+	}
+	if _, err := readStatus(bytes.NewReader(append([]byte{0, 17}, make([]byte, 17)...))); !errors.Is(err, errBadStatus) {
 		t.Fatalf("a length that is no whole entry: %v, want errBadStatus", err)
 	}
 	if _, err := readMeshHeader(bytes.NewReader([]byte("HTTP/1"))); err == nil {
@@ -377,5 +386,134 @@ func TestMeshPortOfMatchEntry(t *testing.T) {
 	// Not reached through the mesh: the probe is the endpoint's own kind.
 	if handled, _ := (&endpoint{}).meshProbe(t.Context(), ""); handled {
 		t.Fatal("an endpoint without a mesh port had its probe taken over")
+	}
+}
+
+// A dead session's links end; the links on another, live session to the
+// same peer are judged by their own session's heartbeat, and survive both
+// the exclusion and the readmission that follows.
+func TestMeshDeadSessionSparesTheOther(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) { s.Mesh.Sessions = 2 })
+	a := eg.dial()
+	roundTrip(t, a, []byte("a"))
+	b := eg.dial()
+	roundTrip(t, b, []byte("b"))
+	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	pr.mu.Lock()
+	ss := append([]*egressSession(nil), pr.sessions...)
+	pr.mu.Unlock()
+	if len(ss) != 2 {
+		t.Fatalf("%d sessions, want 2 (one per link)", len(ss))
+	}
+	var dying *egressSession
+	for _, es := range ss {
+		es.mu.Lock()
+		for lk := range es.links {
+			if lk.client.RemoteAddr().String() == a.LocalAddr().String() {
+				dying = es
+			}
+		}
+		es.mu.Unlock()
+	}
+	if dying == nil {
+		t.Fatal("no session carries link a")
+	}
+	dying.declareDead(time.Second) // the heartbeat's verdict, as after ping_timeout of silence
+	if s := eg.linkEndOf(a, 5*time.Second); s.Reason != CloseMeshDead {
+		t.Fatalf("link a ended %s (%v), want mesh_dead", s.Reason, s.Err)
+	}
+	eg.waitStateOf(srv.Addr(), "excluded", 5*time.Second)
+	eg.waitStateOf(srv.Addr(), "healthy", 10*time.Second) // the probe through the live session
+	roundTrip(t, b, []byte("b lives on"))
+	select {
+	case s := <-eg.ended:
+		t.Fatalf("another link ended: %+v", s)
+	default:
+	}
+}
+
+// A session the peer closes is no clean end of its streams: the client
+// is reset (a FIN would pass a cut-short response for a whole one) at
+// once, not after half_close_timeout.
+func TestMeshClosedSessionResetsClient(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	c := eg.dial()
+	roundTrip(t, c, []byte("hello"))
+	ing := in.p.listeners[0].ingress
+	ing.mu.Lock()
+	for is := range ing.sessions {
+		_ = is.sess.Close()
+	}
+	ing.mu.Unlock()
+	err, _ := waitClosed(t, c, 5*time.Second)
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("client saw %v, want a reset", err)
+	}
+	if s := eg.linkEndOf(c, 5*time.Second); s.Reason != CloseUpstreamError {
+		t.Fatalf("link ended %s (%v), want upstream_error", s.Reason, s.Err)
+	}
+}
+
+// A status that arrives after a newer one (on a busier session) is
+// ignored: it would undo the newer one.
+func TestMeshStaleStatusIgnored(t *testing.T) {
+	p := &Proxy{}
+	pr := &meshPeer{p: p, host: "127.0.0.9", statusCh: make(chan struct{}), endpoints: map[*endpoint]struct{}{}}
+	pr.applyStatus(statusMsg{boot: 1, gen: 2, ports: map[uint16]portStatus{80: {ready: true, epoch: 5}}})
+	pr.applyStatus(statusMsg{boot: 1, gen: 1, ports: map[uint16]portStatus{80: {ready: false, epoch: 4}}})
+	if pr.epochOf(80) != 5 || !pr.status[80].ready {
+		t.Fatalf("status %+v after a stale message, want the newer one", pr.status)
+	}
+	pr.applyStatus(statusMsg{boot: 7, gen: 1, ports: map[uint16]portStatus{80: {ready: true, epoch: 9}}})
+	if pr.epochOf(80) != 9 {
+		t.Fatalf("a new boot's first message was ignored: %+v", pr.status)
+	}
+}
+
+// A port that the ingress's own detector took out and readmitted, while
+// its server kept listening, keeps its epoch: nothing restarted, so the
+// egress evicts nothing on its account. A port that refused connections
+// in between gets a new one (TestMeshLocalServerDownThenBack).
+func TestMeshEpochSurvivesAFlap(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	roundTrip(t, eg.dial(), []byte("hello"))
+	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	_, sp, _ := net.SplitHostPort(srv.Addr())
+	n, _ := strconv.Atoi(sp)
+	first := pr.epochOf(uint16(n))
+
+	in.p.det.Report(srv.Addr(), "unanswered")
+	eg.waitStateOf(srv.Addr(), "excluded", 5*time.Second)
+	eg.waitStateOf(srv.Addr(), "healthy", 10*time.Second)
+	if got := pr.epochOf(uint16(n)); got != first {
+		t.Fatalf("epoch %d after a flap of the ingress's detector, want %d kept", got, first)
+	}
+	roundTrip(t, eg.dialWhenReadmitted(5*time.Second), []byte("again"))
+}
+
+// An ingress that stops accepting (shutdown, or its listener removed by a
+// reload) announces its ports not ready: the egress refuses new links at
+// once and lets the open ones finish within the drain.
+func TestMeshIngressDrainAnnouncesNotReady(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	c := eg.dial()
+	roundTrip(t, c, []byte("hello"))
+	done := make(chan error, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	go func() { done <- in.p.Shutdown(ctx) }()
+	eg.waitStateOf(srv.Addr(), "excluded", 5*time.Second)
+	roundTrip(t, c, []byte("the open link finishes its work"))
+	_ = c.Close()
+	if err := <-done; err != nil {
+		t.Fatalf("the ingress's drain was cut: %v", err)
 	}
 }

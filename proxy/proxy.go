@@ -78,8 +78,9 @@ type Proxy struct {
 
 	// meshMu guards peers, the ingress sidecars this proxy reaches through
 	// the mesh, by host:mesh port. It is taken alone.
-	meshMu sync.Mutex
-	peers  map[string]*meshPeer
+	meshMu     sync.Mutex
+	peers      map[string]*meshPeer
+	meshClosed atomic.Bool // Shutdown closed the mesh: no session opens
 
 	mu        sync.Mutex
 	listeners []*listener
@@ -283,14 +284,14 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 			<-done
 		}
 		p.cancel()
-		p.bg.Wait() // drains of removed listeners end on cancel
+		p.bg.Wait()   // drains of removed listeners end on cancel
+		p.det.Close() // probes first: a mesh probe may open a session
 		p.closeMesh()
 		for _, l := range ls {
 			if l.ingress != nil {
 				l.ingress.close()
 			}
 		}
-		p.det.Close()
 		if p.excludedSet != nil {
 			p.clearExcludedSet()
 			_ = p.excludedSet.Close()
