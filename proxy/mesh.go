@@ -213,9 +213,11 @@ type meshSession struct {
 	m        *metrics.Metrics
 	lastRead atomic.Int64 // mono
 	dead     atomic.Bool
-	// onDead runs once, after the session is closed, when the heartbeat
-	// declares it dead.
-	onDead func()
+	// onDead runs once when the heartbeat declares the session dead: its
+	// first part before the session is closed (it must not block: the
+	// exclusions, so that a client whose link ends next finds the endpoint
+	// out already), its second after.
+	onDead [2]func()
 	// retired: no new stream goes on the session (a stream open failed on
 	// it, or its stream IDs are running out); the heartbeat closes it once
 	// its last stream has ended.
@@ -227,7 +229,7 @@ type meshSession struct {
 
 // newMeshSession wraps conn in a yamux session (client: the egress side)
 // and starts its heartbeat.
-func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, onDead func()) (*meshSession, error) {
+func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, onDead [2]func()) (*meshSession, error) {
 	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, onDead: onDead}
 	ms.lastRead.Store(mono())
 	ac := activityConn{TCPConn: conn, last: &ms.lastRead}
@@ -298,18 +300,22 @@ func (ms *meshSession) ping() {
 	_, _ = ms.sess.Ping()
 }
 
-// declareDead closes the session first (its streams' Close is then a no
-// op, never a wait on a send queue stuck behind a dead path), then lets the
-// owner end the links on it: every pump that sees the close finds dead
-// set and ends its link mesh_dead.
+// declareDead has the owner exclude what the session served, closes the
+// session (its streams' Close is then a no op, never a wait on a send
+// queue stuck behind a dead path), then lets the owner end the links on
+// it: every pump that sees the close finds dead set and ends its link
+// mesh_dead.
 func (ms *meshSession) declareDead(silent time.Duration) {
 	ms.dead.Store(true)
+	if ms.onDead[0] != nil {
+		ms.onDead[0]()
+	}
 	_ = ms.sess.Close()
 	ms.m.MeshSessionDeaths(ms.role).Inc()
 	ms.log.Warn().Str("peer", ms.conn.RemoteAddr().String()).Dur("silent_ms", silent).
 		Msg("mesh session dead: nothing from the peer sidecar for ping_timeout; its streams are closed")
-	if ms.onDead != nil {
-		ms.onDead()
+	if ms.onDead[1] != nil {
+		ms.onDead[1]()
 	}
 }
 

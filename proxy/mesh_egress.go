@@ -146,7 +146,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	}
 	es := &egressSession{peer: pr, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
-	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, es.died)
+	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, [2]func(){es.excludePeer, es.endLinks})
 	if err != nil {
 		_ = c.Close()
 		return nil, err
@@ -262,11 +262,10 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc ti
 	}
 }
 
-// died runs when the heartbeat has declared the session dead and closed
-// it: its links end (mesh_dead), the status it brought is forgotten, and
-// every endpoint reached through the peer is excluded; probes dial a new
-// session.
-func (es *egressSession) died() {
+// excludePeer runs when the heartbeat declares the session dead, before
+// it is closed: the status it brought is forgotten, and every endpoint
+// reached through the peer is excluded; probes dial a new session.
+func (es *egressSession) excludePeer() {
 	pr := es.peer
 	pr.mu.Lock()
 	pr.status = nil
@@ -275,6 +274,13 @@ func (es *egressSession) died() {
 		eps = append(eps, ep)
 	}
 	pr.mu.Unlock()
+	for _, ep := range eps {
+		pr.p.report(ep, reasonMeshDead)
+	}
+}
+
+// endLinks ends the dead session's links (mesh_dead), once it is closed.
+func (es *egressSession) endLinks() {
 	es.mu.Lock()
 	links := make([]*link, 0, len(es.links))
 	for lk := range es.links {
@@ -283,9 +289,6 @@ func (es *egressSession) died() {
 	es.mu.Unlock()
 	for _, lk := range links {
 		lk.abort(metrics.ReasonMeshDead, errMeshDead)
-	}
-	for _, ep := range eps {
-		pr.p.report(ep, reasonMeshDead)
 	}
 }
 

@@ -293,7 +293,7 @@ func (in *ingress) serveConn(tc *net.TCPConn) {
 	m := s.Mesh.OrDefaults()
 	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
 	is := &ingressSession{changed: make(chan struct{}, 1)}
-	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, nil)
+	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, [2]func(){})
 	if err != nil {
 		resetConn(tc)
 		return

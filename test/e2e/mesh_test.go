@@ -281,7 +281,18 @@ func TestMeshStoppedIngressClosesLinks(t *testing.T) {
 		t.Fatalf("closed after %v, want within %v", took, bound)
 	}
 	// Refused while stopped: the endpoint is excluded and its probe needs
-	// the sidecar to answer.
+	// the sidecar to answer. The listener pauses right after the
+	// exclusion, which the detector delivers on its own goroutine.
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		c, err := net.Dial("tcp", p.Addr("egress").String())
+		if err != nil {
+			break
+		}
+		_ = c.Close()
+		if time.Now().After(deadline) {
+			t.Fatal("new links still accepted 2s after the session was found dead")
+		}
+	}
 	for range 3 {
 		if c, err := net.Dial("tcp", p.Addr("egress").String()); err == nil {
 			_ = c.Close()
