@@ -368,12 +368,13 @@ type Ingress struct {
 	// is for; it may name Local's port or one of Ports, on Local's host.
 	Local string `yaml:"local"`
 	// Ports are further local ports on Local's host that streams may
-	// name. Any other port is refused: the ingress is not an open relay.
+	// name, at most 1023. Any other port is refused: the ingress is not an
+	// open relay.
 	Ports []int `yaml:"ports"`
 	// CheckInterval is how often the ingress checks that each local port
 	// accepts connections, for the readiness it announces to its peers; a
-	// link whose local server failed checks at once. Must be positive;
-	// 0 in a Config built in code means the default, 1s.
+	// link whose local server failed checks at once. 0 means the default,
+	// 1s; negative is invalid.
 	CheckInterval Duration `yaml:"check_interval"`
 }
 

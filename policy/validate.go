@@ -107,11 +107,12 @@ var fieldLengths = []int{1, 2, 3, 4, 8}
 // Kernel limits on the upstream socket options (include/net/tcp.h): a
 // larger value makes setsockopt fail with EINVAL.
 const (
-	maxKeepCount = 127                 // MAX_TCP_KEEPCNT
-	maxKeepTime  = 32767 * time.Second // MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL
-	maxHeaderLen = 64 << 10            // the longest length-field header (offset + field) the proxy follows
-	maxAdjust    = math.MaxInt32       // |length_adjustment|, as in Netty (an int)
-	maxStrip     = math.MaxInt32       // initial_bytes_to_strip, as in Netty (an int)
+	maxKeepCount    = 127                 // MAX_TCP_KEEPCNT
+	maxKeepTime     = 32767 * time.Second // MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL
+	maxHeaderLen    = 64 << 10            // the longest length-field header (offset + field) the proxy follows
+	maxAdjust       = math.MaxInt32       // |length_adjustment|, as in Netty (an int)
+	maxStrip        = math.MaxInt32       // initial_bytes_to_strip, as in Netty (an int)
+	maxIngressPorts = 1023                // ingress.ports, besides local's: a status message carries at most 1024
 )
 
 func (v *validator) config(c *Config) {
@@ -580,6 +581,9 @@ func (v *validator) ingress(prefix string, in Ingress) {
 		if port < 1 || port > 65535 {
 			v.add(prefix+"ports["+strconv.Itoa(j)+"]", "%d is not a port (1-65535)", port)
 		}
+	}
+	if len(in.Ports) > maxIngressPorts {
+		v.add(prefix+"ports", "%d ports: at most %d (the status an ingress announces carries them all)", len(in.Ports), maxIngressPorts)
 	}
 	if in.CheckInterval < 0 {
 		v.add(prefix+"check_interval", "%v must be positive", in.CheckInterval)
