@@ -85,6 +85,7 @@ type epState struct {
 	gen    uint64
 	cancel context.CancelFunc // of the current probe goroutine; nil if none
 	done   chan struct{}      // closed when the latest probe goroutine returned
+	wake   chan struct{}      // ProbeSoon: the current probe goroutine probes now
 }
 
 // New returns a Detector with no endpoints. It starts no goroutine until an
@@ -296,9 +297,28 @@ func (d *Detector) startProberLocked(e *epState) {
 	d.stopProberLocked(e)
 	ctx, cancel := context.WithCancel(d.ctx)
 	prev, done := e.done, make(chan struct{})
-	e.cancel, e.done = cancel, done
+	e.cancel, e.done, e.wake = cancel, done, make(chan struct{}, 1)
 	d.probers.Add(1)
-	go d.probeLoop(ctx, e, e.gen, prev, done)
+	go d.probeLoop(ctx, e, e.gen, prev, done, e.wake)
+}
+
+// ProbeSoon asks for the next probe of an excluded endpoint now rather
+// than at its scheduled time: a hint that it may be back (a mesh peer
+// announced its server ready). A probe still decides; a failed one counts
+// toward the backoff as any other. It reports whether endpoint is
+// excluded (and so will be probed).
+func (d *Detector) ProbeSoon(endpoint string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	e, ok := d.eps[endpoint]
+	if d.closed || !ok || e.state != Excluded || e.wake == nil {
+		return false
+	}
+	select {
+	case e.wake <- struct{}{}:
+	default:
+	}
+	return true
 }
 
 // claimedLocked reports whether the probe goroutine of generation gen still
@@ -309,8 +329,9 @@ func (d *Detector) claimedLocked(e *epState, gen uint64) bool {
 
 // probeLoop probes the excluded endpoint e with backoff until a probe
 // succeeds (readmission) or it is stopped (Disable, Enable, Unregister,
-// Close). Every iteration waits at least half of InitialDelay.
-func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <-chan struct{}, done chan<- struct{}) {
+// Close). Every iteration waits at least half of InitialDelay, unless
+// ProbeSoon wakes it.
+func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <-chan struct{}, done chan<- struct{}, wake <-chan struct{}) {
 	defer d.probers.Done()
 	defer close(done)
 	if prev != nil {
@@ -337,6 +358,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		case <-ctx.Done():
 			return
 		case <-timer.C:
+		case <-wake:
 		}
 
 		d.mu.Lock()

@@ -1070,3 +1070,41 @@ func TestProbeOverride(t *testing.T) {
 		t.Fatalf("state %v, want Excluded: the direct probe of a refusing port failed", st)
 	}
 }
+
+// ProbeSoon probes an excluded endpoint now instead of at its scheduled
+// time (an hour away here); the probe still decides. It does nothing to
+// an endpoint that is not excluded.
+func TestProbeSoon(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, stop := serveAndClose(ln)
+	defer stop()
+	addr := ln.Addr().String()
+	rec := newRecorder()
+	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
+	defer d.Close()
+	pc := fastProbe
+	pc.InitialDelay, pc.MaxDelay = time.Hour, time.Hour
+	d.Register(addr, pc)
+	if d.ProbeSoon(addr) {
+		t.Fatal("ProbeSoon on a healthy endpoint reported a probe")
+	}
+	d.Report(addr, "unanswered")
+	for deadline := time.Now().Add(5 * time.Second); d.Statuses()[0].NextProbe.IsZero(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no probe scheduled")
+		}
+	}
+	if st := d.Statuses()[0]; time.Until(st.NextProbe) < 30*time.Minute {
+		t.Fatalf("next probe at %v, want about an hour away", st.NextProbe)
+	}
+	if !d.ProbeSoon(addr) {
+		t.Fatal("ProbeSoon on an excluded endpoint reported none")
+	}
+	rec.waitFor(t, "readmission by the early probe", lastEventIs(Healthy, ReasonProbeOK))
+	if d.ProbeSoon("127.0.0.1:1") {
+		t.Fatal("ProbeSoon on an unregistered endpoint reported a probe")
+	}
+}

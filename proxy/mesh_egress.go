@@ -189,7 +189,8 @@ func (es *egressSession) readStatus() {
 	}
 }
 
-// applyStatus takes a status message: a port announced not ready is
+// applyStatus takes a status message: a port announced ready again gets
+// its probe at once (the probe still decides); a port announced not ready is
 // excluded at once (new links are refused; the links it still serves are
 // kept, see onHealthEvent); a port whose
 // epoch changed had its server start afresh, so links opened under the
@@ -222,6 +223,11 @@ func (pr *meshPeer) applyStatus(msg statusMsg) {
 			if n := ep.evictMeshEpoch(pr, o.epoch); n > 0 {
 				pr.p.log.Info().Str("endpoint", ep.addr).Int("links_closed", n).Msg("the server behind the peer sidecar started afresh (new epoch): links opened before are evicted")
 			}
+		}
+		if ps.ready && (!known || !o.ready) {
+			// Back (or announced for the first time): an excluded
+			// endpoint is probed now, not when its backoff says.
+			pr.p.det.ProbeSoon(ep.addr)
 		}
 	}
 }

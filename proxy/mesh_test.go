@@ -253,7 +253,24 @@ func TestMeshLocalServerDownThenBack(t *testing.T) {
 	expectRefusedSoon(t, eg.addr)
 
 	// Back on the same port: the ingress announces it ready under a new
-	// epoch, the probe through the mesh readmits it.
+	// epoch, and the probe through the mesh readmits it at once, not when
+	// the backoff (grown meanwhile, up to an hour here) says.
+	eg.p.mu.Lock()
+	ep := eg.p.endpoints[addr]
+	eg.p.mu.Unlock()
+	s2 := *ep.settings.Load()
+	s2.Detector.InitialDelay, s2.Detector.MaxDelay = policy.Duration(time.Hour), policy.Duration(time.Hour)
+	pc := probeConfig(s2)
+	pc.Override = ep.meshProbe
+	eg.p.det.Register(addr, pc) // the wait after the next failed probe is an hour
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if st := eg.p.det.Statuses(); len(st) == 1 && time.Until(st[0].NextProbe) > 30*time.Minute {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the probe schedule did not take the hour")
+		}
+	}
 	faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: addr})
 	eg.waitStateOf(addr, "healthy", 10*time.Second)
 	c2 := eg.dialWhenReadmitted(5 * time.Second)
