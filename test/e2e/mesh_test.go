@@ -137,21 +137,38 @@ func meshEcho(t *testing.T, c net.Conn, msg string) {
 	}
 }
 
+// linkEndAt is a link's end and when it was seen.
+type linkEndAt struct {
+	proxy.LinkStats
+	at time.Time
+}
+
+// endsOf waits for the ends of the links of clients cs, in whatever order
+// they come; ends of other links are passed over.
+func endsOf(t *testing.T, ended chan proxy.LinkStats, within time.Duration, cs ...net.Conn) map[net.Conn]linkEndAt {
+	t.Helper()
+	got := make(map[net.Conn]linkEndAt, len(cs))
+	deadline := time.After(within)
+	for len(got) < len(cs) {
+		select {
+		case s := <-ended:
+			for _, c := range cs {
+				if s.Client == c.LocalAddr().String() {
+					got[c] = linkEndAt{s, time.Now()}
+				}
+			}
+		case <-deadline:
+			t.Fatalf("%d of %d links ended within %v", len(got), len(cs), within)
+		}
+	}
+	return got
+}
+
 // endOf waits for the end of the link of client c.
 func endOf(t *testing.T, ended chan proxy.LinkStats, c net.Conn, within time.Duration) (proxy.LinkStats, time.Time) {
 	t.Helper()
-	deadline := time.After(within)
-	for {
-		select {
-		case s := <-ended:
-			if s.Client == c.LocalAddr().String() {
-				return s, time.Now()
-			}
-		case <-deadline:
-			t.Fatalf("the link of %v did not end within %v", c.LocalAddr(), within)
-			return proxy.LinkStats{}, time.Time{}
-		}
-	}
+	e := endsOf(t, ended, within, c)[c]
+	return e.LinkStats, e.at
 }
 
 // pingTimeout is the mesh default the tests run with.
@@ -220,12 +237,11 @@ func TestMeshBlackholeClosesLinks(t *testing.T) {
 	}()
 	defer func() { close(stopBusy); wg.Wait() }()
 	bound := pingTimeout + time.Second
-	for _, c := range []net.Conn{idle, busy} {
-		s, at := endOf(t, ended, c, 3*bound)
-		if s.Reason != proxy.CloseMeshDead {
-			t.Fatalf("link ended %s (%v), want mesh_dead", s.Reason, s.Err)
+	for _, e := range endsOf(t, ended, 3*bound, idle, busy) {
+		if e.Reason != proxy.CloseMeshDead {
+			t.Fatalf("link ended %s (%v), want mesh_dead", e.Reason, e.Err)
 		}
-		took := at.Sub(begin)
+		took := e.at.Sub(begin)
 		t.Logf("link closed %v after the blackhole (bound: ping_timeout + 1s = %v)", took.Round(time.Millisecond), bound)
 		if took > bound {
 			t.Fatalf("link closed after %v, want within %v", took, bound)
