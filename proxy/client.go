@@ -51,6 +51,33 @@ type streamConn interface {
 	Write(p []byte) (int, error)
 	Close() error
 	SetDeadline(t time.Time) error
+	Shrink()
+}
+
+// streamReader reads a mesh stream into pooled chunks. yamux gives no
+// readiness to wait on, so a read holds its chunk while it waits: a small
+// one while the stream is likely idle (the last read did not fill its
+// chunk), a full one while data streams in. Before a small read, yamux
+// drops its receive buffer if it is empty (Shrink): an idle mesh link
+// then holds a small chunk, not two 64 KiB buffers.
+type streamReader struct{ streaming bool }
+
+func (r *streamReader) read(s streamConn, limit int) (*[]byte, int, error) {
+	var bp *[]byte
+	if r.streaming {
+		bp = getChunk()
+	} else {
+		bp = smallChunkPool.Get().(*[]byte)
+		s.Shrink()
+	}
+	buf := (*bp)[:min(max(limit, 1), len(*bp))]
+	n, err := s.Read(buf)
+	r.streaming = n == len(buf)
+	if n == 0 {
+		putChunk(bp)
+		return nil, 0, err
+	}
+	return bp, n, nil
 }
 
 // streamClient is a stream a mesh ingress accepted: the client of a link
@@ -61,6 +88,7 @@ type streamClient struct {
 	s      streamConn
 	sess   interface{ IsClosed() bool }
 	remote net.Addr
+	r      streamReader
 }
 
 // errSessionClosed ends a stream whose session closed: yamux reads it as
@@ -69,16 +97,11 @@ type streamClient struct {
 var errSessionClosed = errors.New("mesh: the session to the peer sidecar closed")
 
 func (c *streamClient) read(limit int) (*[]byte, int, error) {
-	bp := getChunk()
-	n, err := c.s.Read((*bp)[:min(max(limit, 1), chunkSize)])
-	if n == 0 {
-		putChunk(bp)
-		if errors.Is(err, io.EOF) && c.sess.IsClosed() {
-			err = errSessionClosed
-		}
-		return nil, 0, err
+	bp, n, err := c.r.read(c.s, limit)
+	if n == 0 && errors.Is(err, io.EOF) && c.sess.IsClosed() {
+		err = errSessionClosed
 	}
-	return bp, n, nil
+	return bp, n, err
 }
 
 func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }

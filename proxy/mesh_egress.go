@@ -543,9 +543,9 @@ func (lk *link) meshRequests() {
 // ends every stream of a closed session the same way, and a client told
 // FIN would take a cut-short response for a whole one.
 func (lk *link) meshResponses() {
+	var r streamReader
 	for {
-		bp := getChunk()
-		n, err := lk.stream.Read(*bp)
+		bp, n, err := r.read(lk.stream, chunkSize)
 		if n > 0 {
 			lk.bytesDown.Add(int64(n))
 			_, werr := lk.client.Write((*bp)[:n])
@@ -556,7 +556,6 @@ func (lk *link) meshResponses() {
 			}
 			continue
 		}
-		putChunk(bp)
 		if errors.Is(err, io.EOF) && !lk.meshSess.closed() {
 			lk.passFinToClient()
 			return

@@ -26,10 +26,25 @@ func notsentLowat(high int64) int {
 // means "no progress for that long", not "this many bytes in that long".
 const maxBatch = 256 << 10
 
-var chunkPool = sync.Pool{New: func() any { b := make([]byte, chunkSize); return &b }}
+// smallChunkSize is the read buffer of a mesh stream that is likely idle
+// (see streamReader): a blocked read holds it.
+const smallChunkSize = 4 << 10
 
-func getChunk() *[]byte  { return chunkPool.Get().(*[]byte) }
-func putChunk(b *[]byte) { chunkPool.Put(b) }
+var (
+	chunkPool      = sync.Pool{New: func() any { b := make([]byte, chunkSize); return &b }}
+	smallChunkPool = sync.Pool{New: func() any { b := make([]byte, smallChunkSize); return &b }}
+)
+
+func getChunk() *[]byte { return chunkPool.Get().(*[]byte) }
+
+// putChunk returns a chunk of either size to its pool.
+func putChunk(b *[]byte) {
+	if cap(*b) == smallChunkSize {
+		smallChunkPool.Put(b)
+		return
+	}
+	chunkPool.Put(b)
+}
 
 // queue holds the bytes read from the client and not yet accepted by the
 // upstream kernel. The request pump appends; the writer drains. Bytes are
