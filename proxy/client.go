@@ -57,9 +57,10 @@ type streamConn interface {
 // streamReader reads a mesh stream into pooled chunks. yamux gives no
 // readiness to wait on, so a read holds its chunk while it waits: a small
 // one while the stream is likely idle (the last read did not fill its
-// chunk), a full one while data streams in. Before a small read, yamux
-// drops its receive buffer if it is empty (Shrink): an idle mesh link
-// then holds a small chunk, not two 64 KiB buffers.
+// chunk), a full one while data streams in. yamux's receive buffer is
+// dropped when empty by shrinkStreams, from the session's own periodic
+// loop: an idle mesh link then holds a small chunk, not two 64 KiB
+// buffers, and a busy one does not reallocate its buffer per read.
 type streamReader struct{ streaming bool }
 
 func (r *streamReader) read(s streamConn, limit int) (*[]byte, int, error) {
@@ -68,7 +69,6 @@ func (r *streamReader) read(s streamConn, limit int) (*[]byte, int, error) {
 		bp = getChunk()
 	} else {
 		bp = smallChunkPool.Get().(*[]byte)
-		s.Shrink()
 	}
 	buf := (*bp)[:min(max(limit, 1), len(*bp))]
 	n, err := s.Read(buf)

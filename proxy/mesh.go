@@ -213,11 +213,7 @@ type meshSession struct {
 	m        *metrics.Metrics
 	lastRead atomic.Int64 // mono
 	dead     atomic.Bool
-	// onDead runs once when the heartbeat declares the session dead: its
-	// first part before the session is closed (it must not block: the
-	// exclusions, so that a client whose link ends next finds the endpoint
-	// out already), its second after.
-	onDead [2]func()
+	hooks    meshHooks
 	// retired: no new stream goes on the session (a stream open failed on
 	// it, or its stream IDs are running out); the heartbeat closes it once
 	// its last stream has ended.
@@ -229,8 +225,21 @@ type meshSession struct {
 
 // newMeshSession wraps conn in a yamux session (client: the egress side)
 // and starts its heartbeat.
-func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, onDead [2]func()) (*meshSession, error) {
-	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, onDead: onDead}
+// meshHooks are a session owner's parts of the heartbeat; each may be nil.
+type meshHooks struct {
+	// beforeClose runs once when the heartbeat declares the session dead,
+	// before it is closed. It must not block: the exclusions, so that a
+	// client whose link ends next finds the endpoint out already.
+	beforeClose func()
+	// afterClose runs once after that (the links on it end).
+	afterClose func()
+	// tick runs on every heartbeat step: the owner drops its streams'
+	// empty receive buffers (shrinkEvery at most).
+	tick func()
+}
+
+func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks) (*meshSession, error) {
+	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(mono())
 	ac := activityConn{TCPConn: conn, last: &ms.lastRead}
 	cfg := yamuxConfig(m, hc, log)
@@ -283,6 +292,9 @@ func (ms *meshSession) heartbeat() {
 			_ = ms.sess.Close()
 			return
 		}
+		if ms.hooks.tick != nil {
+			ms.hooks.tick()
+		}
 		if now >= nextPing && ms.pinging.CompareAndSwap(false, true) {
 			nextPing = now + int64(ms.interval)
 			ms.wg.Add(1)
@@ -307,15 +319,15 @@ func (ms *meshSession) ping() {
 // mesh_dead.
 func (ms *meshSession) declareDead(silent time.Duration) {
 	ms.dead.Store(true)
-	if ms.onDead[0] != nil {
-		ms.onDead[0]()
+	if ms.hooks.beforeClose != nil {
+		ms.hooks.beforeClose()
 	}
 	_ = ms.sess.Close()
 	ms.m.MeshSessionDeaths(ms.role).Inc()
 	ms.log.Warn().Str("peer", ms.conn.RemoteAddr().String()).Dur("silent_ms", silent).
 		Msg("mesh session dead: nothing from the peer sidecar for ping_timeout; its streams are closed")
-	if ms.onDead[1] != nil {
-		ms.onDead[1]()
+	if ms.hooks.afterClose != nil {
+		ms.hooks.afterClose()
 	}
 }
 

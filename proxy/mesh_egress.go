@@ -146,7 +146,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	}
 	es := &egressSession{peer: pr, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
-	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, [2]func(){es.excludePeer, es.endLinks})
+	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams})
 	if err != nil {
 		_ = c.Close()
 		return nil, err
@@ -282,6 +282,22 @@ func (es *egressSession) excludePeer() {
 	pr.mu.Unlock()
 	for _, ep := range eps {
 		pr.p.report(ep, reasonMeshDead)
+	}
+}
+
+// shrinkStreams drops the empty receive buffers of the session's streams
+// (yamux keeps them otherwise): an idle link then holds no 64 KiB buffer
+// in yamux. A busy stream's buffer is rarely empty, and this runs every
+// heartbeat step, so it does not churn.
+func (es *egressSession) shrinkStreams() {
+	es.mu.Lock()
+	defer es.mu.Unlock()
+	for lk := range es.links {
+		lk.connMu.Lock()
+		if lk.stream != nil {
+			lk.stream.Shrink()
+		}
+		lk.connMu.Unlock()
 	}
 }
 

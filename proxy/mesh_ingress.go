@@ -145,6 +145,7 @@ func (in *ingress) checker() {
 	defer t.Stop()
 	for first := true; ; first = false {
 		in.check(min(every, time.Second))
+		in.shrinkStreams()
 		if first {
 			close(in.checked)
 		}
@@ -245,6 +246,16 @@ func (in *ingress) check(timeout time.Duration) {
 	}
 }
 
+// shrinkStreams drops the empty receive buffers of the streams the
+// ingress's links read (yamux keeps them otherwise), every check.
+func (in *ingress) shrinkStreams() {
+	for _, lk := range in.l.snapshotLinks() {
+		if sc, ok := lk.client.(*streamClient); ok {
+			sc.s.Shrink()
+		}
+	}
+}
+
 // drain announces every port not ready and tells every peer (GoAway) that
 // no new stream is taken: the listener stopped accepting, and its links
 // finish or are cut at the drain's end.
@@ -293,7 +304,7 @@ func (in *ingress) serveConn(tc *net.TCPConn) {
 	m := s.Mesh.OrDefaults()
 	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
 	is := &ingressSession{changed: make(chan struct{}, 1)}
-	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, [2]func(){})
+	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{})
 	if err != nil {
 		resetConn(tc)
 		return
