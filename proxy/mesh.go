@@ -270,7 +270,9 @@ func (ms *meshSession) close() {
 func (ms *meshSession) heartbeat() {
 	defer ms.wg.Done()
 	defer ms.m.MeshSessions(ms.role).Dec()
-	step := min(ms.interval/2, ms.timeout/4)
+	// A quarter of the ping interval: a dead session is found within
+	// ping_timeout plus this step (250 ms at the defaults).
+	step := min(ms.interval/4, ms.timeout/8)
 	t := time.NewTicker(step)
 	defer t.Stop()
 	nextPing := int64(0)
