@@ -103,6 +103,17 @@ func (in *ingress) endpointsLocked(s policy.Settings) {
 	}
 }
 
+// localEndpoints are the endpoints of the local ports.
+func (in *ingress) localEndpoints() []*endpoint {
+	eps := make([]*endpoint, 0, len(in.ports))
+	for _, port := range in.ports {
+		if ep := in.l.p.lookupEndpoint(net.JoinHostPort(in.host, strconv.Itoa(int(port)))); ep != nil {
+			eps = append(eps, ep)
+		}
+	}
+	return eps
+}
+
 // start runs the checker.
 func (in *ingress) start() {
 	in.wg.Add(1)

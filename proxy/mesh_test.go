@@ -16,6 +16,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -548,5 +549,32 @@ func TestMeshIngressDrainAnnouncesNotReady(t *testing.T) {
 	_ = c.Close()
 	if err := <-done; err != nil {
 		t.Fatalf("the ingress's drain was cut: %v", err)
+	}
+}
+
+// endpoints.disabled takes an ingress's local port out as it does any
+// endpoint: the ingress announces it not ready, so the egress refuses new
+// links to it.
+func TestMeshIngressDisabledLocalPort(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	fastMesh(&s)
+	cfg.Endpoints.Disabled = []string{srv.Addr()}
+	cfg.Listeners = []policy.Listener{{Name: "ingress", Listen: "127.0.0.2:0",
+		Ingress: policy.Ingress{Local: srv.Addr(), CheckInterval: policy.Duration(50 * time.Millisecond)}, Settings: s}}
+	in := New(cfg, Options{metrics: metrics.New()})
+	if err := in.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = in.Close() })
+	if st, _ := in.det.State(srv.Addr()); st != health.Disabled {
+		t.Fatalf("local port %v, want disabled", st)
+	}
+	eg := startEgress(t, srv.Addr(), in.Addr("ingress").(*net.TCPAddr).Port, nil)
+	expectClosedSoon(t, eg.addr)
+	eg.waitStateOf(srv.Addr(), "excluded", 5*time.Second)
+	if srv.Accepted() != 0 {
+		t.Fatalf("the disabled local port was dialled %d times (checks included)", srv.Accepted())
 	}
 }

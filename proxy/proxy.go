@@ -143,6 +143,11 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		if l.pool != nil {
 			p.syncPool(l.pool, l.pool.resolve(p.ctx, p.resolver))
 		}
+		if l.ingress != nil {
+			for _, ep := range l.ingress.localEndpoints() {
+				p.applyDisabled(ep)
+			}
+		}
 	}
 	for _, addr := range cfg.Endpoints.Disabled {
 		if _, err := p.lookup(addr); err != nil {
