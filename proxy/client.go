@@ -19,6 +19,9 @@ type clientSide interface {
 	CloseWrite() error
 	// abortive makes the next Close a reset where the transport has one.
 	abortive()
+	// upstreamConnected tells the client that the link reached its
+	// upstream, where its transport has a way to (a mesh stream's ack).
+	upstreamConnected() error
 	Close() error
 	RemoteAddr() net.Addr
 }
@@ -42,6 +45,8 @@ func (c *tcpClient) read(limit int) (*[]byte, int, error) {
 }
 
 func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
+
+func (c *tcpClient) upstreamConnected() error { return nil }
 
 // streamConn is what streamClient needs of a mesh stream (a
 // *yamux.Stream): Close is the half-close, as yamux streams have no
@@ -111,6 +116,12 @@ func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }
 func (c *streamClient) CloseWrite() error { return c.s.Close() }
 
 func (c *streamClient) abortive() {}
+
+// upstreamConnected sends the ack the egress waits for in its dial.
+func (c *streamClient) upstreamConnected() error {
+	_, err := c.s.Write([]byte{meshAck})
+	return err
+}
 
 // Close closes the stream and wakes the link's reads and writes on it
 // (yamux's Close alone is a half-close: a read would wait on). yamux has

@@ -137,12 +137,9 @@ func (lk *link) start() bool {
 	if !lk.dial() {
 		return false
 	}
-	if sc, ok := lk.client.(*streamClient); ok {
-		// A mesh ingress tells the egress that the server was reached.
-		if _, err := sc.s.Write([]byte{meshAck}); err != nil {
-			lk.abort(metrics.ReasonClientError, err)
-			return false
-		}
+	if err := lk.client.upstreamConnected(); err != nil {
+		lk.abort(metrics.ReasonClientError, err)
+		return false
 	}
 	lk.live.Store(2)
 	if lk.stream != nil {
@@ -259,10 +256,7 @@ func (lk *link) dial() bool {
 			st, es, err = lk.openMesh(ep, mport)
 			switch {
 			case err == nil:
-				lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
-				if failOpen && lk.failOpen {
-					lk.l.m.FailOpenLinks.Inc()
-				}
+				lk.countDial(start, failOpen)
 				return lk.meshConnected(ep, st, es)
 			case errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect:
 				lk.meshFallback(ep, mport)
@@ -311,10 +305,7 @@ func (lk *link) dial() bool {
 			avoid, lastErr = ep.addr, err
 			continue
 		}
-		lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
-		if failOpen && lk.failOpen {
-			lk.l.m.FailOpenLinks.Inc()
-		}
+		lk.countDial(start, failOpen)
 		return lk.connected(ep, c.(*net.TCPConn))
 	}
 	// Reset rather than close: to a client whose own failure detector
@@ -327,6 +318,15 @@ func (lk *link) dial() bool {
 	}
 	lk.resetClient()
 	return false
+}
+
+// countDial counts a successful dial that started at start, and a link
+// sent to an excluded endpoint because its pool or group fails open.
+func (lk *link) countDial(start time.Time, failOpen bool) {
+	lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
+	if failOpen && lk.failOpen {
+		lk.l.m.FailOpenLinks.Inc()
+	}
 }
 
 // connected takes over a dialled upstream connection.

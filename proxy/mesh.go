@@ -233,8 +233,8 @@ type meshHooks struct {
 	beforeClose func()
 	// afterClose runs once after that (the links on it end).
 	afterClose func()
-	// tick runs on every heartbeat step: the owner drops its streams'
-	// empty receive buffers (shrinkEvery at most).
+	// tick runs once a ping interval: the owner drops its streams'
+	// empty receive buffers.
 	tick func()
 }
 
@@ -275,7 +275,7 @@ func (ms *meshSession) heartbeat() {
 	step := min(ms.interval/4, ms.timeout/8)
 	t := time.NewTicker(step)
 	defer t.Stop()
-	nextPing := int64(0)
+	nextPing, nextTick := int64(0), int64(0)
 	prev := mono()
 	for {
 		select {
@@ -294,7 +294,8 @@ func (ms *meshSession) heartbeat() {
 			_ = ms.sess.Close()
 			return
 		}
-		if ms.hooks.tick != nil {
+		if ms.hooks.tick != nil && now >= nextTick {
+			nextTick = now + int64(ms.interval)
 			ms.hooks.tick()
 		}
 		if now >= nextPing && ms.pinging.CompareAndSwap(false, true) {

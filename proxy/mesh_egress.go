@@ -1,11 +1,14 @@
 package proxy
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -78,10 +81,7 @@ func (p *Proxy) meshPeer(host string, port int) *meshPeer {
 func (p *Proxy) closeMesh() {
 	p.meshClosed.Store(true)
 	p.meshMu.Lock()
-	peers := make([]*meshPeer, 0, len(p.peers))
-	for _, pr := range p.peers {
-		peers = append(peers, pr)
-	}
+	peers := slices.Collect(maps.Values(p.peers))
 	p.meshMu.Unlock()
 	for _, pr := range peers {
 		pr.mu.Lock()
@@ -275,10 +275,7 @@ func (es *egressSession) excludePeer() {
 	pr := es.peer
 	pr.mu.Lock()
 	pr.status = nil
-	eps := make([]*endpoint, 0, len(pr.endpoints))
-	for ep := range pr.endpoints {
-		eps = append(eps, ep)
-	}
+	eps := slices.Collect(maps.Keys(pr.endpoints))
 	pr.mu.Unlock()
 	for _, ep := range eps {
 		pr.p.report(ep, reasonMeshDead)
@@ -287,8 +284,8 @@ func (es *egressSession) excludePeer() {
 
 // shrinkStreams drops the empty receive buffers of the session's streams
 // (yamux keeps them otherwise): an idle link then holds no 64 KiB buffer
-// in yamux. A busy stream's buffer is rarely empty, and this runs every
-// heartbeat step, so it does not churn.
+// in yamux. A busy stream's buffer is rarely empty, and this runs once a
+// ping interval, so it does not churn.
 func (es *egressSession) shrinkStreams() {
 	es.mu.Lock()
 	defer es.mu.Unlock()
@@ -304,10 +301,7 @@ func (es *egressSession) shrinkStreams() {
 // endLinks ends the dead session's links (mesh_dead), once it is closed.
 func (es *egressSession) endLinks() {
 	es.mu.Lock()
-	links := make([]*link, 0, len(es.links))
-	for lk := range es.links {
-		links = append(links, lk)
-	}
+	links := slices.Collect(maps.Keys(es.links))
 	es.mu.Unlock()
 	for _, lk := range links {
 		lk.abort(metrics.ReasonMeshDead, errMeshDead)
@@ -409,7 +403,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession,
 	if until := pr.noIngressUntil.Load(); direct && until != 0 && mono() < until {
 		return nil, nil, errNoIngress
 	}
-	ctx, cancel := context.WithTimeout(lk.l.ctx, cmpDuration(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
+	ctx, cancel := context.WithTimeout(lk.l.ctx, cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
 	defer cancel()
 	for try := 0; ; try++ {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
@@ -482,14 +476,6 @@ func (lk *link) awaitAck(ctx context.Context, st *yamux.Stream, es *egressSessio
 		err = fmt.Errorf("acknowledgement %d", ack[0])
 	}
 	return nil, nil, fmt.Errorf("%w (%v)", errMeshRefused, err)
-}
-
-// cmpDuration is a, or b when a is 0 (a bound that 0 disables).
-func cmpDuration(a, b time.Duration) time.Duration {
-	if a <= 0 {
-		return b
-	}
-	return a
 }
 
 // meshFallback counts a link of l that reaches ep directly because its

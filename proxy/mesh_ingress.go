@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"maps"
 	"net"
 	"slices"
 	"strconv"
@@ -94,7 +95,7 @@ func newIngress(l *listener, cfg policy.Listener) *ingress {
 func (in *ingress) endpointsLocked(s policy.Settings) {
 	p := in.l.p
 	for _, port := range in.ports {
-		ep, _ := p.endpointForLocked(net.JoinHostPort(in.host, strconv.Itoa(int(port))), s)
+		ep, _ := p.endpointForLocked(in.addr(port), s)
 		ep.mu.Lock()
 		if !slices.Contains(ep.listeners, in.l) {
 			ep.listeners = append(ep.listeners, in.l)
@@ -103,11 +104,16 @@ func (in *ingress) endpointsLocked(s policy.Settings) {
 	}
 }
 
+// addr is the local host:port of port.
+func (in *ingress) addr(port uint16) string {
+	return net.JoinHostPort(in.host, strconv.Itoa(int(port)))
+}
+
 // localEndpoints are the endpoints of the local ports.
 func (in *ingress) localEndpoints() []*endpoint {
 	eps := make([]*endpoint, 0, len(in.ports))
 	for _, port := range in.ports {
-		if ep := in.l.p.lookupEndpoint(net.JoinHostPort(in.host, strconv.Itoa(int(port)))); ep != nil {
+		if ep := in.l.p.lookupEndpoint(in.addr(port)); ep != nil {
 			eps = append(eps, ep)
 		}
 	}
@@ -125,10 +131,7 @@ func (in *ingress) close() {
 	in.once.Do(func() { close(in.stop) })
 	in.mu.Lock()
 	in.closed = true
-	ss := make([]*ingressSession, 0, len(in.sessions))
-	for is := range in.sessions {
-		ss = append(ss, is)
-	}
+	ss := slices.Collect(maps.Keys(in.sessions))
 	in.mu.Unlock()
 	for _, is := range ss {
 		_ = is.sess.Close()
@@ -178,7 +181,7 @@ func (in *ingress) check(timeout time.Duration) {
 	}
 	results := make(map[uint16]result, len(in.ports))
 	for _, port := range in.ports {
-		addr := net.JoinHostPort(in.host, strconv.Itoa(int(port)))
+		addr := in.addr(port)
 		if st, _ := p.det.State(normalizeEndpoint(addr)); st != health.Healthy {
 			// Excluded on evidence (or disabled) by this proxy's own
 			// detector: not ready, whatever a connect says.
@@ -241,15 +244,13 @@ func (in *ingress) check(timeout time.Duration) {
 			pc.refused = false
 		}
 		in.status[port] = ns
-		in.l.log.Info().Str("local", net.JoinHostPort(in.host, strconv.Itoa(int(port)))).Bool("ready", ready).
+		in.l.log.Info().Str("local", in.addr(port)).Bool("ready", ready).
 			AnErr("cause", r.err).Msg("mesh ingress: local port readiness changed; announced to the peers")
 	}
 	var ss []*ingressSession
 	if changed {
 		in.gen++
-		for is := range in.sessions {
-			ss = append(ss, is)
-		}
+		ss = slices.Collect(maps.Keys(in.sessions))
 	}
 	in.mu.Unlock()
 	for _, is := range ss {
@@ -281,10 +282,7 @@ func (in *ingress) drain() {
 		in.status[port] = portStatus{epoch: st.epoch}
 	}
 	in.gen++
-	ss := make([]*ingressSession, 0, len(in.sessions))
-	for is := range in.sessions {
-		ss = append(ss, is)
-	}
+	ss := slices.Collect(maps.Keys(in.sessions))
 	in.mu.Unlock()
 	for _, is := range ss {
 		is.notify()
@@ -399,7 +397,7 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		l.m.Closed(metrics.ReasonNoMatch)
 		return
 	}
-	ep := l.p.lookupEndpoint(net.JoinHostPort(in.host, strconv.Itoa(int(port))))
+	ep := l.p.lookupEndpoint(in.addr(port))
 	if ep == nil {
 		_ = st.Close()
 		l.m.Closed(metrics.ReasonRefused)
