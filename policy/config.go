@@ -628,7 +628,7 @@ func DefaultSettings() Settings {
 			ByteOrder:         ByteOrderBig,
 			MaxFrameLength:    256 * MiB,
 		},
-		Unanswered: Unanswered{Track: TrackAuto, RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5},
+		Unanswered: Unanswered{Track: TrackAuto, RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 1},
 		Detector: Detector{
 			Probe:         ProbeKindAuto,
 			ProbeTimeout:  Duration(time.Second),

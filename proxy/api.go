@@ -22,6 +22,14 @@ type EndpointStatus struct {
 	LastProbeError        string    `json:"last_probe_error,omitempty"`
 	LiveLinks             int       `json:"live_links"`
 	ConsecutiveUnanswered int64     `json:"consecutive_unanswered"`
+	// EvidenceSince and Evidence: what the most recent exclusion rested on
+	// (kept after readmission): since when the endpoint had shown no sign
+	// of life or progress, and what was seen.
+	EvidenceSince time.Time `json:"evidence_since,omitzero"`
+	Evidence      string    `json:"evidence,omitempty"`
+	// ProbationUntil: a flapping endpoint whose probes pass again is
+	// readmitted at the first passing probe from then on.
+	ProbationUntil time.Time `json:"probation_until,omitzero"`
 }
 
 // Endpoints returns every endpoint's status, sorted by address.
@@ -46,6 +54,9 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 			LastProbeError:        st.LastProbeError,
 			LiveLinks:             ep.liveLinks(),
 			ConsecutiveUnanswered: ep.consecutive.Load(),
+			EvidenceSince:         st.Evidence.Since,
+			Evidence:              st.Evidence.Detail,
+			ProbationUntil:        st.ProbationUntil,
 		}
 		ep.mu.Lock()
 		for _, l := range ep.listeners {

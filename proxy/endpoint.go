@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"strconv"
 	"sync"
@@ -22,6 +23,7 @@ type endpoint struct {
 	name         string // the host:port name it was resolved from; "" for an address
 	consecutive  atomic.Int64
 	lastAnswer   atomic.Int64                    // mono time of the last answer on any link
+	silentSince  atomic.Int64                    // mono send time of the earliest unanswered request counted; 0: none
 	readmitted   atomic.Int64                    // mono time of the last readmission
 	lastUsed     atomic.Int64                    // mono time a transparent connection last resolved to it
 	settings     atomic.Pointer[policy.Settings] // the latest settings it was registered with
@@ -70,8 +72,8 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 		ep.orphans = newTracker(judgingSlack(time.Second), false, &ep.lastAnswer, func(judged []pendingRequest, _ int) {
 			// Each request keeps the threshold of the listener that sent it.
 			for _, r := range judged {
-				if !ep.orphans.covered(&r) {
-					p.countUnanswered(ep, nil, int(r.n), int(r.thr))
+				if r.verdict && !ep.orphans.covered(&r) {
+					p.countUnanswered(ep, nil, int(r.n), int(r.thr), r.at)
 				}
 			}
 		})
@@ -102,10 +104,34 @@ func (ep *endpoint) probeConfig() health.ProbeConfig {
 	s := *ep.settings.Load()
 	pc := probeConfig(s)
 	pc.Override = ep.meshProbe
+	pc.Waiting = ep.clientsWaiting
 	if ep.tls.Load() && pc.Kind == health.ProbeKafka && (s.Detector.Probe == policy.ProbeKindAuto || s.Detector.Probe == "") {
 		pc.Kind = health.ProbeConnect
 	}
 	return pc
+}
+
+// clientsWaiting reports whether clients are being turned away for want
+// of ep: a listener that routes to it refuses new links because of it (an
+// explicit listener paused, a transparent destination in the kernel's
+// excluded set, a pool with no member left to route to). Then the
+// detector probes it every second whatever its backoff, so that it is
+// back within about a second of its recovery. A pool that still routes to
+// other members turns no one away: its excluded member keeps the backoff.
+func (ep *endpoint) clientsWaiting() bool {
+	ep.mu.Lock()
+	ls := append([]*listener(nil), ep.listeners...)
+	ep.mu.Unlock()
+	for _, l := range ls {
+		target := ep
+		if l.pool != nil {
+			target = nil
+		}
+		if l.refusing(target) {
+			return true
+		}
+	}
+	return false
 }
 
 // sawTLS records that a client of ep speaks TLS, and re-registers ep's
@@ -232,7 +258,14 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		if linkEnd(ev.Reason) {
 			n++ // the link whose end was the evidence, closed before the report
 		}
-		log.Warn().Int("links_closed", n).Msg("endpoint excluded")
+		e := log.Warn().Int("links_closed", n)
+		if ev.Evidence.Detail != "" {
+			e = e.Str("evidence", ev.Evidence.Detail)
+		}
+		if !ev.Evidence.Since.IsZero() {
+			e = e.Time("evidence_since", ev.Evidence.Since).Int64("evidence_ms", ev.At.Sub(ev.Evidence.Since).Milliseconds())
+		}
+		e.Msg("endpoint excluded")
 	case health.Disabled:
 		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictDisabled)
 		log.Warn().Int("links_closed", n).Msg("endpoint disabled")
@@ -328,12 +361,29 @@ func (p *Proxy) report(ep *endpoint, reason string) {
 	p.det.Report(ep.addr, reason)
 }
 
+// reportLinkEnd passes the end of lk, evidence against its upstream (see
+// blamesUpstream), to the detector, with what was seen: since when the
+// upstream had acknowledged nothing, and the link's error.
+func (p *Proxy) reportLinkEnd(lk *link, reason string, err error) {
+	ev := health.Evidence{Since: monoToTime(lk.ackedAt.Load()), Detail: "a link ended " + reason}
+	if err != nil {
+		ev.Detail += ": " + err.Error()
+	}
+	p.det.ReportEvidence(lk.ep.addr, reason, ev)
+}
+
+// monoToTime converts a mono time to wall-clock time.
+func monoToTime(m int64) time.Time {
+	return time.Now().Add(-time.Duration(mono() - m))
+}
+
 // countUnanswered adds n unanswered requests to the endpoint's consecutive
 // count; crossing thr, the threshold of the listener that sent them, marks
-// the endpoint suspect. from is the listener whose link judged them, nil
-// for a link that had already ended (then every listener routing to the
-// endpoint counts them).
-func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int) {
+// the endpoint suspect. since is the mono send time of the earliest of
+// them: the endpoint has answered nothing since. from is the listener
+// whose link judged them, nil for a link that had already ended (then
+// they count under the endpoint's owner).
+func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since int64) {
 	if n <= 0 {
 		return
 	}
@@ -349,8 +399,20 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int) {
 	if thr <= 0 {
 		return
 	}
+	ep.noteSilence(since)
 	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && c-int64(n) < int64(thr) {
-		p.suspect(ep, thr)
+		p.suspect(ep, thr, int(c))
+	}
+}
+
+// noteSilence records that the endpoint has been silent since mono time
+// since (the earliest unanswered request counted since its last answer).
+func (ep *endpoint) noteSilence(since int64) {
+	for {
+		cur := ep.silentSince.Load()
+		if cur != 0 && cur <= since || ep.silentSince.CompareAndSwap(cur, since) {
+			return
+		}
 	}
 }
 
@@ -366,19 +428,35 @@ func (ep *endpoint) answered(now int64) {
 	}
 	if ep.consecutive.Load() != 0 {
 		ep.consecutive.Store(0)
+		ep.silentSince.Store(0)
 	}
 }
 
 // suspect handles an endpoint that reached the unanswered threshold: it is
-// excluded and every link to it closed, client sides included.
-func (p *Proxy) suspect(ep *endpoint, thr int) {
+// excluded and every link to it closed, client sides included. overdue is
+// how many requests were past their deadline with no answer since.
+func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 	if l := ep.owner(); l != nil {
 		l.m.EndpointSuspect.Inc() // once per endpoint
 	}
 	ep.consecutive.Store(0)
-	p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).
-		Msg("endpoint suspect: consecutive unanswered requests")
-	if !p.det.Report(ep.addr, metrics.ReasonUnanswered) {
+	now := mono()
+	since := ep.silentSince.Swap(0)
+	if since == 0 || since > now {
+		since = now
+	}
+	silent := time.Duration(now - since)
+	ev := health.Evidence{
+		Since:  monoToTime(since),
+		Detail: fmt.Sprintf("%d request(s) past their own deadline; no answer from the endpoint, on any link, for %v since the first was sent", overdue, silent.Round(time.Millisecond)),
+	}
+	log := p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).Int("overdue_requests", overdue).
+		Int64("silent_ms", silent.Milliseconds())
+	if last := ep.lastAnswer.Load(); last != noAnswer {
+		log = log.Int64("last_answer_ms_ago", time.Duration(now-last).Milliseconds())
+	}
+	log.Msg("endpoint suspect: requests past their deadline with the endpoint silent")
+	if !p.det.ReportEvidence(ep.addr, metrics.ReasonUnanswered, ev) {
 		// Already excluded (on_excluded: allow) or disabled: still close.
 		ep.evict(time.Time{}, metrics.ReasonUnanswered, metrics.EvictExcluded)
 	}

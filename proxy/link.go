@@ -598,10 +598,11 @@ func (lk *link) pumpResponses() {
 		if n > 0 {
 			buf := (*bp)[:n]
 			lk.bytesDown.Add(int64(n))
+			// Any byte from the upstream is an answer: the server is alive
+			// (see tracker), for the requests of every link to it, tracked
+			// by this listener or not.
+			lk.ep.answered(mono())
 			if lk.trk != nil {
-				// Any byte from the upstream is an answer: the server is
-				// alive (see tracker).
-				lk.ep.answered(mono())
 				if lk.respScan != nil {
 					if lk.conv.off.Load() {
 						lk.respScan = nil
@@ -654,22 +655,28 @@ func (lk *link) badFrame(direction string, err error) {
 // judge applies the tracker's verdict on requests whose deadline passed.
 // Unanswered ones count toward the endpoint's consecutive threshold. In
 // framed mode, a request whose bytes the upstream has not even
-// acknowledged yet (still in the queue or the kernel's send queue) is
-// stale: the link is reset so that those bytes are dropped rather than
-// delivered to a server that recovers later.
+// acknowledged by its (entry's) last deadline (still in the queue or the
+// kernel's send queue) is stale: the link is reset so that those bytes are
+// dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []pendingRequest, left int) {
-	lk.l.p.countUnanswered(lk.ep, lk.l, lk.trk.unanswered(judged), int(judged[0].thr))
+	n, since := lk.trk.unanswered(judged)
+	lk.l.p.countUnanswered(lk.ep, lk.l, n, int(judged[0].thr), since)
 	if lk.conv == nil {
 		return
 	}
 	var last int64
-	n := left
+	frames := left
 	for _, r := range judged {
-		last = max(last, r.end)
-		n += int(r.n)
+		if r.expired {
+			last = max(last, r.end)
+			frames += int(r.n)
+		}
+	}
+	if last == 0 {
+		return
 	}
 	if acked, ok := lk.ackedBytes(); ok && last > acked {
-		lk.dropStale(n)
+		lk.dropStale(frames)
 	}
 }
 

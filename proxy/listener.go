@@ -339,7 +339,7 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 	l.m.Closed(reason)
 	l.m.LinkDuration.Observe(s.Duration.Seconds())
 	if lk.blamesUpstream(reason) {
-		l.p.report(lk.ep, reason)
+		l.p.reportLinkEnd(lk, reason, s.Err)
 	}
 	if l.ingress != nil && upstreamEnded(reason) {
 		l.ingress.kickCheck() // the local server may have gone: announce it at once

@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/dnstest"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -114,6 +115,24 @@ func (h *harness) waitStateOf(addr, state string, within time.Duration) {
 	for h.stateOf(addr) != state {
 		if time.Now().After(deadline) {
 			h.t.Fatalf("%s is %s after %v, want %s", addr, h.stateOf(addr), within, state)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitReadmitted waits until addr has been excluded and readmitted by a
+// probe: an exclusion may last less than one poll of the state.
+func (h *harness) waitReadmitted(addr string, within time.Duration) {
+	h.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		for _, ep := range h.p.Endpoints() {
+			if ep.Endpoint == addr && ep.State == "healthy" && ep.Reason == health.ReasonProbeOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s is %s after %v, want readmitted by a probe", addr, h.stateOf(addr), within)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -137,14 +137,18 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 		return
 	}
 	// The broker answers a connection's requests one at a time, in order:
-	// a request may wait for every request ahead of it to be answered.
+	// a request cannot be answered before the one ahead of it, so it is
+	// not due before that one is. It is due no later either than its own
+	// deadline, or that one's: the answer to the request ahead comes after
+	// this one was sent, so it covers this one (any answer since a request
+	// was sent is life, see tracker). Queued requests therefore do not add
+	// their deadlines up: the first one past its own is the evidence.
 	due := int64(never)
 	if known {
-		start := c.sendAt
+		due = addDue(c.sendAt, int64(hold), c.rt)
 		if c.head < len(c.queue) {
-			start = max(start, c.queue[len(c.queue)-1].due)
+			due = max(due, c.queue[len(c.queue)-1].due)
 		}
-		due = addDue(start, int64(hold), c.rt)
 	}
 	if c.head > 0 && 2*c.head >= len(c.queue) {
 		// Keep the queue's memory bounded by what is outstanding.

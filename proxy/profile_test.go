@@ -6,6 +6,7 @@ import (
 	"math"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -228,9 +230,10 @@ func TestKafkaSilentBrokerExcludedAfterOwnDeadlines(t *testing.T) {
 	}
 	ep := h.waitState("excluded", 10*time.Second)
 	// The Fetch is due at max_wait + request_timeout; the Metadata behind it
-	// waits for it (the broker answers in order), then request_timeout.
-	if d := ep.Since.Sub(sent); d < 1600*time.Millisecond {
-		t.Fatalf("excluded %v after the requests, before their own deadlines (1.6s)", d)
+	// cannot be answered first (the broker answers in order), so it is due
+	// with it, not request_timeout after it: the deadlines do not add up.
+	if d := ep.Since.Sub(sent); d < 1300*time.Millisecond {
+		t.Fatalf("excluded %v after the requests, before the Fetch's own deadline (1.3s)", d)
 	}
 	if ep.Reason != metrics.ReasonUnanswered {
 		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
@@ -528,6 +531,42 @@ func TestKafkaHoldingExcusesNoProgress(t *testing.T) {
 	c.kafka = false
 	if c.holding(now) {
 		t.Fatal("holding for a protocol that reads while it works")
+	}
+}
+
+// Requests queued on one Kafka connection are each due no earlier than
+// the one ahead of them (the broker answers in order) and no later than the
+// later of their own deadline and that one's: their deadlines do not add
+// up, so the fifth of five queued requests is judged with the first.
+func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
+	var answer atomic.Int64
+	answer.Store(noAnswer)
+	lk := &link{}
+	lk.trk = newTracker(time.Millisecond, false, &answer, func([]pendingRequest, int) {})
+	defer lk.trk.stop()
+	rt := 3 * time.Second
+	c := &conv{lk: lk, kafka: true, profile: true, rt: int64(rt), thr: 1}
+	t0 := mono()
+	reqs := []struct {
+		after time.Duration
+		key   int16
+		hold  time.Duration
+		want  time.Duration // due, from t0
+	}{
+		{0, 0, 10 * time.Second, 13 * time.Second},                             // an acks=all Produce held up to 10s
+		{10 * time.Millisecond, 0, 10 * time.Second, 13010 * time.Millisecond}, // a second one behind it: its own
+		{20 * time.Millisecond, 3, 0, 13010 * time.Millisecond},                // Metadata: behind them, due with them
+		{30 * time.Millisecond, 1, 30 * time.Second, 33030 * time.Millisecond}, // a 30s Fetch: its own, later
+		{40 * time.Millisecond, 12, 5 * time.Second, 33030 * time.Millisecond}, // a heartbeat behind it
+	}
+	for i, r := range reqs {
+		c.sendAt = t0 + int64(r.after)
+		c.kafkaRequest(&kafkawire.Request{APIKey: r.key, CorrelationID: int32(i), Hold: r.hold}, int64(100*(i+1)))
+	}
+	for i, r := range reqs {
+		if got := time.Duration(c.queue[i].due - t0); got != r.want {
+			t.Fatalf("request %d due at +%v, want +%v (all: %+v)", i, got, r.want, c.queue)
+		}
 	}
 }
 

@@ -21,11 +21,27 @@ const noAnswer = math.MinInt64
 // pendingRequest is one or more requests handed on close together and not
 // yet judged.
 type pendingRequest struct {
-	at  int64 // mono time the first of them was handed on
-	due int64 // mono time by which an answer must have come: the latest of theirs
-	end int64 // stream offset just past the last byte of the last one
-	n   int32 // how many requests
-	thr int32 // consecutive_timeouts_threshold of the listener that sent them
+	at   int64 // mono time the first of them was handed on
+	due  int64 // mono time the first of their deadlines passes: the verdict
+	last int64 // mono time the last of their deadlines passes: staleness
+	end  int64 // stream offset just past the last byte of the last one
+	n    int32 // how many requests
+	thr  int32 // consecutive_timeouts_threshold of the listener that sent them
+	// judged: the verdict was given at due; the entry is kept until last
+	// for the staleness check only.
+	judged bool
+	// verdict and expired say what a judgement is about (set only on the
+	// copies handed to judge): due passed just now (count it if
+	// unanswered), last passed (check staleness; the entry is gone).
+	verdict, expired bool
+}
+
+// next is when the entry must be looked at again.
+func (r *pendingRequest) next() int64 {
+	if r.judged {
+		return r.last
+	}
+	return r.due
 }
 
 // maxPending bounds a tracker's list. Requests sent with no answer in
@@ -44,16 +60,18 @@ const maxPending = 1024
 // any request proves the server process alive and reading; whether this
 // particular request is still being worked on is the protocol's business,
 // judged by the deadline the request itself carries (a Kafka Fetch's
-// max_wait_ms, a Pinot query's timeoutMs).
+// max_wait_ms, a Pinot query's timeoutMs). One such request is the
+// evidence (the default threshold is 1): the verdict comes by the clock,
+// whatever the clients' request rate.
 //
 // Requests handed on within slack of each other, with no answer from the
-// endpoint in between, share an entry: the earliest send time and the
-// latest deadline. Since no answer came between them, any answer covers
-// all of them or none. The entry is judged at its latest deadline, so a
-// short request that shares one with a long poll is judged late (and an
-// answer meanwhile clears it): sharing only ever errs toward not
-// counting. Past maxPending entries, new requests join the newest entry
-// whatever came in between, with the same bias.
+// endpoint in between, share an entry: the earliest send time, the
+// earliest deadline (the verdict) and the latest (staleness). Since no
+// answer came between them, any answer covers all of them or none, and
+// the verdict at the earliest deadline is exactly that request's own: the
+// endpoint silent since it was sent, past its deadline. Past maxPending
+// entries, new requests join the newest entry whatever came in between;
+// that can only delay a verdict.
 //
 // A link's tracker judges the link's requests; when the link ends, its
 // unjudged requests are handed to the endpoint's tracker (adopt), so a
@@ -64,9 +82,10 @@ type tracker struct {
 	// last answer; it is recorded once.
 	perBurst bool
 	answer   *atomic.Int64 // mono time of the endpoint's last answer; noAnswer: none
-	// judge receives every request whose deadline passed, from the timer's
-	// goroutine (two may overlap when the timer was reset while one ran).
-	// left is how many requests are still pending.
+	// judge receives every entry whose first deadline (verdict) or last
+	// deadline (expired) passed, from the timer's goroutine (two may
+	// overlap when the timer was reset while one ran). left is how many
+	// requests are still pending.
 	judge func(judged []pendingRequest, left int)
 
 	mu      sync.Mutex
@@ -92,8 +111,13 @@ func judgingSlack(requestTimeout time.Duration) time.Duration {
 func (t *tracker) covered(r *pendingRequest) bool { return t.answer.Load() > r.at }
 
 // sent records r (n requests handed on at r.at, due at r.due, ending at
-// stream offset r.end).
+// stream offset r.end; r.last, when later than r.due, is when the last of
+// them is due).
 func (t *tracker) sent(r pendingRequest) {
+	if r.last == 0 || r.last < r.due { // 0: not set (mono times may be negative in tests)
+		r.last = r.due
+	}
+	r.judged = false
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.stopped {
@@ -103,15 +127,19 @@ func (t *tracker) sent(r pendingRequest) {
 		l := &t.pending[last]
 		switch {
 		case t.perBurst && !t.covered(l):
-			// Still the same burst: no answer since it began.
-			l.end, l.due = r.end, max(l.due, r.due)
+			// Still the same burst: no answer since it began. The burst is
+			// due request_timeout after its last byte.
+			l.end, l.due, l.last = r.end, max(l.due, r.due), max(l.last, r.last)
+			if !l.judged {
+				t.armLocked(l.due)
+			}
 			return
-		case !t.perBurst && l.thr == r.thr && (r.at-l.at < t.slack && !t.covered(l) || last+1 >= maxPending):
+		case !t.perBurst && l.thr == r.thr && (!l.judged && r.at-l.at < t.slack && !t.covered(l) || last+1 >= maxPending):
 			// No answer since l's first request: any later answer covers
 			// all of them or none, so sharing an entry changes no verdict.
 			l.n += r.n
-			l.end, l.due = r.end, max(l.due, r.due)
-			t.armLocked(l.due)
+			l.end, l.due, l.last = r.end, min(l.due, r.due), max(l.last, r.last)
+			t.armLocked(l.next())
 			return
 		}
 	}
@@ -132,8 +160,9 @@ func (t *tracker) adopt(rs []pendingRequest) {
 	if t.stopped {
 		return
 	}
-	t.pending = append(t.pending, rs...)
 	for _, r := range rs {
+		r.last = r.due // the link is gone: nothing can be stale
+		t.pending = append(t.pending, r)
 		t.armLocked(r.due)
 	}
 }
@@ -161,22 +190,23 @@ func (t *tracker) armLocked(due int64) {
 	}
 }
 
-// overdueEnd returns the stream end of the newest request whose deadline
-// has passed without a judgement yet (0 if none): the writer must not send
+// overdueEnd returns the stream end of the newest entry whose last
+// deadline has passed without a judgement yet (0 if none): the writer must not send
 // bytes up to there.
 func (t *tracker) overdueEnd(now int64) int64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var end int64
 	for _, r := range t.pending {
-		if r.due <= now {
+		if r.last <= now {
 			end = max(end, r.end)
 		}
 	}
 	return end
 }
 
-// expire judges every request whose deadline has passed.
+// expire judges every entry whose first deadline has passed (the
+// verdict) and hands on those whose last deadline has passed (staleness).
 func (t *tracker) expire() {
 	t.mu.Lock()
 	if t.stopped {
@@ -191,13 +221,20 @@ func (t *tracker) expire() {
 	next := int64(never)
 	left := 0
 	for _, r := range t.pending {
-		if r.due > now {
-			keep = append(keep, r)
-			next = min(next, r.due)
-			left += int(r.n)
+		if !r.judged && r.due <= now {
+			r.judged, r.verdict = true, true
+		}
+		r.expired = r.last <= now
+		if r.verdict || r.expired {
+			judged = append(judged, r)
+		}
+		if r.expired {
 			continue
 		}
-		judged = append(judged, r)
+		r.verdict = false
+		keep = append(keep, r)
+		next = min(next, r.next())
+		left += int(r.n)
 	}
 	t.pending = keep
 	t.armed = 0
@@ -208,20 +245,23 @@ func (t *tracker) expire() {
 	}
 }
 
-// unanswered returns how many of the judged requests count as unanswered,
-// per the rule above. It must be called from judge.
-func (t *tracker) unanswered(judged []pendingRequest) int {
-	n := 0
+// unanswered returns how many requests of the entries just given their
+// verdict count as unanswered, per the rule above, and the send time of
+// the earliest of them (the endpoint has been silent since). It must be
+// called from judge.
+func (t *tracker) unanswered(judged []pendingRequest) (n int, since int64) {
+	since = never
 	for i := range judged {
-		if !t.covered(&judged[i]) {
-			n += int(judged[i].n)
+		if r := &judged[i]; r.verdict && !t.covered(r) {
+			n += int(r.n)
+			since = min(since, r.at)
 		}
 	}
-	return n
+	return n, since
 }
 
-// stop ends tracking and returns the requests not yet judged that have
-// seen no answer, so that the endpoint can judge them. A judgement already
+// stop ends tracking and returns the requests not yet given their verdict
+// that have seen no answer, so that the endpoint can judge them. A judgement already
 // running finishes first.
 func (t *tracker) stop() []pendingRequest {
 	t.mu.Lock()
@@ -231,8 +271,8 @@ func (t *tracker) stop() []pendingRequest {
 	}
 	var orphans []pendingRequest
 	for i := range t.pending {
-		if !t.covered(&t.pending[i]) {
-			orphans = append(orphans, t.pending[i])
+		if r := &t.pending[i]; !r.judged && !t.covered(r) {
+			orphans = append(orphans, *r)
 		}
 	}
 	t.pending = nil

@@ -28,7 +28,8 @@ func newTrackerRig(slack time.Duration, perBurst bool) *trackerRig {
 		defer r.mu.Unlock()
 		r.verdicts = append(r.verdicts, append([]pendingRequest(nil), judged...))
 		r.left = append(r.left, left)
-		r.counted += r.t.unanswered(judged)
+		n, _ := r.t.unanswered(judged)
+		r.counted += n
 	})
 	return r
 }
@@ -147,30 +148,57 @@ func TestTrackerScenarios(t *testing.T) {
 }
 
 // Requests sent within the slack of each other share an entry: the
-// earliest send time and the latest deadline, so merging only ever errs
-// toward not counting.
+// earliest send time, the earliest deadline (the verdict: that request's
+// own, with the endpoint silent since it was sent) and the latest (when
+// the entry is checked for staleness and leaves).
 func TestTrackerMergesWithinSlack(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(100*time.Millisecond, false)
 		defer r.t.stop()
-		r.send(time.Second, 10)
+		r.send(3*time.Second, 10) // a long poll
 		time.Sleep(50 * time.Millisecond)
-		r.send(3*time.Second, 20) // within slack: same entry, later deadline
+		r.send(time.Second, 20) // within slack: same entry, an earlier deadline
 		time.Sleep(100 * time.Millisecond)
-		r.send(time.Second, 30) // past slack: its own entry
+		r.send(2*time.Second, 30) // past slack: its own entry
 		r.t.mu.Lock()
 		n := len(r.t.pending)
 		first := r.t.pending[0]
 		r.t.mu.Unlock()
-		if n != 2 || first.n != 2 || first.end != 20 {
-			t.Fatalf("%d entries, first %+v; want 2 entries, the first holding 2 requests up to offset 20", n, first)
+		if n != 2 || first.n != 2 || first.end != 20 || first.last-first.due != int64(1950*time.Millisecond) {
+			t.Fatalf("%d entries, first %+v; want 2 entries, the first holding 2 requests up to offset 20, due 1.95s before its last deadline", n, first)
 		}
-		v, left, _ := r.after(1200 * time.Millisecond)
-		if len(v) != 1 || v[0][0].end != 30 || left[0] != 2 {
-			t.Fatalf("verdicts %v left %v; want the third request judged first with 2 still pending", v, left)
+		v, _, counted := r.after(1100 * time.Millisecond)
+		if len(v) != 1 || !v[0][0].verdict || v[0][0].expired || counted != 2 {
+			t.Fatalf("verdicts %v, %d unanswered; want the first entry judged at its earliest deadline (2 requests), kept for staleness", v, counted)
 		}
-		if _, _, counted := r.after(2 * time.Second); counted != 3 {
-			t.Fatalf("%d unanswered, want 3", counted)
+		v, left, counted := r.after(time.Second)
+		if len(v) != 2 || v[1][0].end != 30 || !v[1][0].expired || left[1] != 2 || counted != 3 {
+			t.Fatalf("verdicts %v left %v, %d unanswered; want the third request judged and gone, the first entry still pending", v, left, counted)
+		}
+		v, _, counted = r.after(time.Second)
+		if len(v) != 3 || v[2][0].verdict || !v[2][0].expired || counted != 3 {
+			t.Fatalf("verdicts %v, %d unanswered; want the first entry expired at its last deadline without a second verdict", v, counted)
+		}
+	})
+}
+
+// An entry's verdict comes at its earliest deadline; an answer after that
+// cannot undo it, and one before it covers every request of the entry.
+func TestTrackerMergedVerdictAtEarliestDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(100*time.Millisecond, false)
+		defer r.t.stop()
+		r.send(5*time.Second, 10) // a Fetch parked for 5s
+		r.send(time.Second, 20)   // a Metadata request right after it
+		time.Sleep(900 * time.Millisecond)
+		r.answer.Store(mono()) // the endpoint answers something
+		if _, _, counted := r.after(5 * time.Second); counted != 0 {
+			t.Fatalf("%d unanswered: an answer after both were sent covers both", counted)
+		}
+		r.send(5*time.Second, 30)
+		r.send(time.Second, 40)
+		if _, _, counted := r.after(1150 * time.Millisecond); counted != 2 {
+			t.Fatalf("%d unanswered 1.15s after a silent 1s request, want its entry (2 requests) counted then, not at the 5s deadline", counted)
 		}
 	})
 }
