@@ -25,6 +25,7 @@ type endpoint struct {
 	lastAnswer   atomic.Int64                    // mono time of the last answer on any link
 	silentSince  atomic.Int64                    // mono send time of the earliest unanswered request counted; 0: none
 	readmitted   atomic.Int64                    // mono time of the last readmission
+	leftAt       atomic.Pointer[time.Time]       // when it last left routing (excluded or disabled)
 	lastUsed     atomic.Int64                    // mono time a transparent connection last resolved to it
 	settings     atomic.Pointer[policy.Settings] // the latest settings it was registered with
 	tls          atomic.Bool                     // a client of it spoke TLS
@@ -73,7 +74,7 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 			// Each request keeps the threshold of the listener that sent it.
 			for _, r := range judged {
 				if r.verdict && !ep.orphans.covered(&r) {
-					p.countUnanswered(ep, nil, int(r.n), int(r.thr), r.at)
+					p.countUnanswered(ep, nil, int(r.n), int(r.thr), max(r.at, ep.lastAnswer.Load()))
 				}
 			}
 		})
@@ -236,6 +237,10 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 	log := p.log.With().Str("endpoint", ev.Endpoint).Str("from", ev.From.String()).
 		Str("to", ev.To.String()).Str("reason", ev.Reason).Logger()
+	if ev.From == health.Healthy {
+		at := ev.At
+		ep.leftAt.Store(&at)
+	}
 	switch ev.To {
 	case health.Excluded:
 		ep.meshExcluded.Store(ev.Reason == reasonMeshNotReady || ev.Reason == reasonMeshDead)
@@ -276,14 +281,20 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		ep.readmitted.Store(mono())
 		ep.orphans.clear()
 		ep.consecutive.Store(0)
-		// No client keeps a connection opened before the readmission,
-		// except after a mesh exclusion, which kept them on purpose: the
-		// links of a dead session are gone already, and a server that
-		// started afresh has a new epoch, which evicts the links of the
-		// old one (evictMeshEpoch).
+		// No client keeps a connection opened before the exclusion (to
+		// the process that failed), except after a mesh exclusion, which
+		// kept them on purpose: the links of a dead session are gone
+		// already, and a server that started afresh has a new epoch,
+		// which evicts the links of the old one (evictMeshEpoch). Links
+		// opened during the exclusion (fail-open, on_excluded: allow)
+		// reach the very process the probe just found healthy: they stay.
 		n := 0
 		if !ep.meshExcluded.Swap(false) {
-			n = ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)
+			before := ev.At
+			if left := ep.leftAt.Load(); left != nil {
+				before = *left
+			}
+			n = ep.evict(before, metrics.ReasonEvicted, metrics.EvictReadmitted)
 		}
 		log.Info().Int("links_closed", n).Msg("endpoint readmitted")
 	}
@@ -448,7 +459,7 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 	silent := time.Duration(now - since)
 	ev := health.Evidence{
 		Since:  monoToTime(since),
-		Detail: fmt.Sprintf("%d request(s) past their own deadline; no answer from the endpoint, on any link, for %v since the first was sent", overdue, silent.Round(time.Millisecond)),
+		Detail: fmt.Sprintf("%d request(s) past their own deadline; no answer from the endpoint, on any link, for %v with them outstanding", overdue, silent.Round(time.Millisecond)),
 	}
 	log := p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).Int("overdue_requests", overdue).
 		Int64("silent_ms", silent.Milliseconds())

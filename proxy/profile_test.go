@@ -534,6 +534,98 @@ func TestKafkaHoldingExcusesNoProgress(t *testing.T) {
 	}
 }
 
+// A large answer that takes far longer than request_timeout to arrive is
+// life from its first byte: a request sent behind it, queued on the same
+// connection, is covered by the bytes still arriving after it was sent,
+// before the whole response is in. (Its healthy-but-slow twin of the clock
+// rule: nothing is counted, the link stays, every byte is delivered.)
+func TestKafkaLargeSlowAnswerIsLife(t *testing.T) {
+	const (
+		respLen = 1 << 20
+		chunk   = 16 << 10
+		every   = 40 * time.Millisecond // 1 MiB in about 2.6 s
+	)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	served := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			served <- err
+			return
+		}
+		defer c.Close()
+		readReq := func() (int32, error) {
+			var hdr [4]byte
+			if _, err := io.ReadFull(c, hdr[:]); err != nil {
+				return 0, err
+			}
+			p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+			if _, err := io.ReadFull(c, p); err != nil {
+				return 0, err
+			}
+			return int32(binary.BigEndian.Uint32(p[4:])), nil
+		}
+		corr, err := readReq()
+		if err != nil {
+			served <- err
+			return
+		}
+		resp := binary.BigEndian.AppendUint32(nil, uint32(respLen-4))
+		resp = binary.BigEndian.AppendUint32(resp, uint32(corr))
+		resp = append(resp, make([]byte, respLen-len(resp))...)
+		for off := 0; off < len(resp); off += chunk {
+			if _, err := c.Write(resp[off:min(off+chunk, len(resp))]); err != nil {
+				served <- err
+				return
+			}
+			time.Sleep(every)
+		}
+		corr, err = readReq() // the Metadata request, sent while the answer trickled
+		if err == nil {
+			_, err = c.Write(binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint32(nil, 8), uint32(corr)))
+			if err == nil {
+				_, err = c.Write([]byte{0, 0, 0, 0})
+			}
+		}
+		served <- err
+	}()
+	h := start(t, ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	if _, err := c.Write(fetchReq(100*time.Millisecond, 1)); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan int, 1)
+	go func() {
+		n, _ := io.CopyN(io.Discard, c, respLen+12)
+		got <- int(n)
+	}()
+	time.Sleep(time.Second) // the answer is arriving, slowly
+	if _, err := c.Write(metadataReq(2)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case n := <-got:
+		if n != respLen+12 {
+			t.Fatalf("the client received %d bytes, want %d", n, respLen+12)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the answers did not arrive within 30s")
+	}
+	if err := <-served; err != nil {
+		t.Fatalf("server: %v", err)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0: bytes arriving are life", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 1 {
+		t.Fatalf("endpoint %s (%s), %d links; want healthy with the link open", ep.State, ep.Reason, h.p.ActiveLinks())
+	}
+}
+
 // Requests queued on one Kafka connection are each due no earlier than
 // the one ahead of them (the broker answers in order) and no later than the
 // later of their own deadline and that one's: their deadlines do not add

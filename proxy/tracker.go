@@ -21,7 +21,11 @@ const noAnswer = math.MinInt64
 // pendingRequest is one or more requests handed on close together and not
 // yet judged.
 type pendingRequest struct {
-	at   int64 // mono time the first of them was handed on
+	at int64 // mono time the first of them was handed on
+	// held is the mono time until which the server may hold it by its
+	// protocol (a long poll's max_wait, an acks=all Produce's timeout_ms;
+	// at for a request that asks for no hold): an answer after it is life.
+	held int64
 	due  int64 // mono time the first of their deadlines passes: the verdict
 	last int64 // mono time the last of their deadlines passes: staleness
 	end  int64 // stream offset just past the last byte of the last one
@@ -56,20 +60,24 @@ const maxPending = 1024
 //
 // The rule (the README's "What counts as a dead upstream"): a request
 // whose deadline passed counts as unanswered only if the endpoint answered
-// nothing at all, on any link, since the request was sent. An answer to
-// any request proves the server process alive and reading; whether this
-// particular request is still being worked on is the protocol's business,
-// judged by the deadline the request itself carries (a Kafka Fetch's
-// max_wait_ms, a Pinot query's timeoutMs). One such request is the
-// evidence (the default threshold is 1): the verdict comes by the clock,
-// whatever the clients' request rate.
+// nothing at all, on any link, since the request was sent, or, for one
+// the server may hold by its protocol (a Kafka Fetch's max_wait_ms, an
+// acks=all Produce's timeout_ms), since that hold ended, unless it had its
+// own answer (answeredThrough: Kafka matches responses to requests). An answer to any request proves the server process alive
+// and reading; whether this particular request is still being worked on
+// is the protocol's business, judged by the deadline the request itself
+// carries. Answers while a request is held say the server was alive while
+// it was entitled to hold it; past the hold it owes an answer within the
+// deadline, and answering nothing at all meanwhile is a stop. One such
+// request is the evidence (the default threshold is 1): the verdict comes
+// by the clock, whatever the clients' request rate.
 //
-// Requests handed on within slack of each other, with no answer from the
-// endpoint in between, share an entry: the earliest send time, the
-// earliest deadline (the verdict) and the latest (staleness). Since no
-// answer came between them, any answer covers all of them or none, and
-// the verdict at the earliest deadline is exactly that request's own: the
-// endpoint silent since it was sent, past its deadline. Past maxPending
+// Requests handed on with holds and deadlines within slack of each other
+// share an entry (the earliest send time, hold end and deadline, the
+// latest deadline for staleness) as long as no answer came since the
+// entry's hold ended: an answer then covers all of them or none, give or
+// take the slack, and the verdict at the earliest deadline is that
+// request's own, with the bias toward not counting. Past maxPending
 // entries, new requests join the newest entry whatever came in between;
 // that can only delay a verdict.
 //
@@ -82,6 +90,10 @@ type tracker struct {
 	// last answer; it is recorded once.
 	perBurst bool
 	answer   *atomic.Int64 // mono time of the endpoint's last answer; noAnswer: none
+	// answeredEnd is the stream end of the last request known answered
+	// (Kafka: responses are matched to requests, in order): a request
+	// up to there had its own answer, whatever its hold.
+	answeredEnd atomic.Int64
 	// judge receives every entry whose first deadline (verdict) or last
 	// deadline (expired) passed, from the timer's goroutine (two may
 	// overlap when the timer was reset while one ran). left is how many
@@ -107,8 +119,23 @@ func judgingSlack(requestTimeout time.Duration) time.Duration {
 	return max(min(requestTimeout/10, 100*time.Millisecond), time.Millisecond)
 }
 
-// covered reports whether the endpoint answered anything after r was sent.
-func (t *tracker) covered(r *pendingRequest) bool { return t.answer.Load() > r.at }
+// covered reports whether the endpoint answered anything after r was sent
+// (or, for a request it may hold, after that hold ended), or r had its own
+// answer.
+func (t *tracker) covered(r *pendingRequest) bool {
+	return t.answer.Load() > r.held || t.answeredEnd.Load() >= r.end && r.end > 0
+}
+
+// answeredThrough records that every request ending at or before stream
+// offset end has had its own answer.
+func (t *tracker) answeredThrough(end int64) {
+	for {
+		cur := t.answeredEnd.Load()
+		if cur >= end || t.answeredEnd.CompareAndSwap(cur, end) {
+			return
+		}
+	}
+}
 
 // sent records r (n requests handed on at r.at, due at r.due, ending at
 // stream offset r.end; r.last, when later than r.due, is when the last of
@@ -116,6 +143,9 @@ func (t *tracker) covered(r *pendingRequest) bool { return t.answer.Load() > r.a
 func (t *tracker) sent(r pendingRequest) {
 	if r.last == 0 || r.last < r.due { // 0: not set (mono times may be negative in tests)
 		r.last = r.due
+	}
+	if r.held == 0 || r.held < r.at {
+		r.held = r.at
 	}
 	r.judged = false
 	t.mu.Lock()
@@ -134,11 +164,13 @@ func (t *tracker) sent(r pendingRequest) {
 				t.armLocked(l.due)
 			}
 			return
-		case !t.perBurst && l.thr == r.thr && (!l.judged && r.at-l.at < t.slack && !t.covered(l) || last+1 >= maxPending):
-			// No answer since l's first request: any later answer covers
-			// all of them or none, so sharing an entry changes no verdict.
+		case !t.perBurst && l.thr == r.thr && (!l.judged && within(r.held, l.held, t.slack) &&
+			within(r.due, l.due, t.slack) && !t.covered(l) || last+1 >= maxPending):
+			// No answer since l's hold ended: any later answer covers all
+			// of them or none (within the slack), so sharing an entry
+			// changes no verdict but by the slack, toward not counting.
 			l.n += r.n
-			l.end, l.due, l.last = r.end, min(l.due, r.due), max(l.last, r.last)
+			l.end, l.due, l.last, l.held = r.end, min(l.due, r.due), max(l.last, r.last), min(l.held, r.held)
 			t.armLocked(l.next())
 			return
 		}
@@ -149,6 +181,9 @@ func (t *tracker) sent(r pendingRequest) {
 	t.pending = append(t.pending, r)
 	t.armLocked(r.due)
 }
+
+// within reports whether a and b are less than d apart.
+func within(a, b, d int64) bool { return a-b < d && b-a < d }
 
 // adopt takes over requests whose link ended before they were judged.
 func (t *tracker) adopt(rs []pendingRequest) {
@@ -246,15 +281,17 @@ func (t *tracker) expire() {
 }
 
 // unanswered returns how many requests of the entries just given their
-// verdict count as unanswered, per the rule above, and the send time of
-// the earliest of them (the endpoint has been silent since). It must be
+// verdict count as unanswered, per the rule above, and since when the
+// endpoint has been silent with one of them outstanding (its send, or the
+// endpoint's last answer if that came later, during its hold). It must be
 // called from judge.
 func (t *tracker) unanswered(judged []pendingRequest) (n int, since int64) {
 	since = never
+	last := t.answer.Load()
 	for i := range judged {
 		if r := &judged[i]; r.verdict && !t.covered(r) {
 			n += int(r.n)
-			since = min(since, r.at)
+			since = min(since, max(r.at, last))
 		}
 	}
 	return n, since

@@ -48,7 +48,7 @@ func defaultParams() params {
 		queryTimeout: 2 * time.Second,
 
 		requestTimeout: 500 * time.Millisecond,
-		threshold:      3,
+		threshold:      1, // the default: the time rule
 		initialDelay:   300 * time.Millisecond,
 	}
 }
