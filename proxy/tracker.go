@@ -63,10 +63,10 @@ const maxPending = 1024
 // nothing at all, on any link, since the request was sent, or, for one
 // the server may hold by its protocol (a Kafka Fetch's max_wait_ms, an
 // acks=all Produce's timeout_ms), since that hold ended, unless it had its
-// own answer (answeredThrough: Kafka matches responses to requests). An answer to any request proves the server process alive
-// and reading; whether this particular request is still being worked on
-// is the protocol's business, judged by the deadline the request itself
-// carries. Answers while a request is held say the server was alive while
+// own answer (answeredThrough: Kafka matches responses to requests). An
+// answer to any request proves the server process alive and reading;
+// whether this particular request is still being worked on is the
+// protocol's business, judged by the deadline the request itself carries. Answers while a request is held say the server was alive while
 // it was entitled to hold it; past the hold it owes an answer within the
 // deadline, and answering nothing at all meanwhile is a stop. One such
 // request is the evidence (the default threshold is 1): the verdict comes
@@ -226,8 +226,8 @@ func (t *tracker) armLocked(due int64) {
 }
 
 // overdueEnd returns the stream end of the newest entry whose last
-// deadline has passed without a judgement yet (0 if none): the writer must not send
-// bytes up to there.
+// deadline has passed without a judgement yet (0 if none): the writer
+// must not send bytes up to there.
 func (t *tracker) overdueEnd(now int64) int64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
