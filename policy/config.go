@@ -30,6 +30,17 @@ type Config struct {
 	// after the listeners stop accepting; links still open then are closed.
 	// 0 closes them at once; negative is invalid.
 	DrainTimeout Duration `yaml:"drain_timeout"`
+	// ShutdownGrace is how long, after SIGTERM, the proxy keeps accepting
+	// and serving before it stops accepting and drains: a client in the
+	// same pod gets SIGTERM at the same moment and may still be finishing
+	// requests and opening connections. The grace ends early once no link
+	// has been open for ShutdownIdle (the client has closed its
+	// connections). 0 stops accepting at once: right for a native sidecar,
+	// which Kubernetes stops only after the app has exited.
+	ShutdownGrace Duration `yaml:"shutdown_grace"`
+	// ShutdownIdle ends ShutdownGrace early once no link has been open for
+	// this long; 0 waits out the whole grace.
+	ShutdownIdle Duration `yaml:"shutdown_idle"`
 	// Defaults are the link settings every listener starts from; a listener
 	// may override any of them.
 	Defaults Settings `yaml:"defaults"`
@@ -646,9 +657,11 @@ func DefaultSettings() Settings {
 // DefaultConfig returns a configuration with every default and no listeners.
 func DefaultConfig() Config {
 	return Config{
-		Admin:        Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
-		Log:          Log{Level: "info", Format: "json"},
-		DrainTimeout: Duration(15 * time.Second),
-		Defaults:     DefaultSettings(),
+		Admin:         Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
+		Log:           Log{Level: "info", Format: "json"},
+		DrainTimeout:  Duration(15 * time.Second),
+		ShutdownGrace: Duration(10 * time.Second),
+		ShutdownIdle:  Duration(2 * time.Second),
+		Defaults:      DefaultSettings(),
 	}
 }

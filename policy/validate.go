@@ -125,6 +125,8 @@ func (v *validator) config(c *Config) {
 	}
 
 	v.notNegative("drain_timeout", c.DrainTimeout, c.DrainTimeout < 0)
+	v.notNegative("shutdown_grace", c.ShutdownGrace, c.ShutdownGrace < 0)
+	v.notNegative("shutdown_idle", c.ShutdownIdle, c.ShutdownIdle < 0)
 	v.settings("defaults.", &c.Defaults, func(string) bool { return true })
 
 	if len(c.Listeners) == 0 {

@@ -224,8 +224,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Process) {
-		watchConfig(ctx, *config, data, hup, p, m, cfg, log)
+	run := newRunning(cfg)
+	if err := serve(ctx, run, log, func(p *proxy.Proxy, m *metrics.Process) {
+		watchConfig(ctx, *config, data, hup, p, m, run, log)
 	}); err != nil {
 		log.Error().Err(err).Msg("livenessproxy stopped")
 		return 1
@@ -352,8 +353,10 @@ func cmdVersion(args []string, stdout, stderr io.Writer) int {
 }
 
 // serve runs the proxy and the admin servers until ctx is cancelled, then
-// drains: stop accepting, let links finish up to drain_timeout, close the rest.
-func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
+// keeps serving for the shutdown grace (shutdownGrace) and drains: stop
+// accepting, let links finish up to drain_timeout, close the rest.
+func serve(ctx context.Context, run *running, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
+	cfg := run.config()
 	b := currentBuild()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -384,7 +387,9 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 	}()
 	<-ctx.Done()
 	<-watched
-	drain := p.DrainTimeout() // a reload may have changed it
+	now := run.config() // a reload may have changed the shutdown keys
+	shutdownGrace(now.ShutdownGrace.D(), now.ShutdownIdle.D(), p.ActiveLinks, log)
+	drain := p.DrainTimeout()
 	log.Info().Dur("drain_timeout_ms", drain).Int("links", p.ActiveLinks()).Msg("draining")
 	dctx, cancel := context.WithTimeout(context.Background(), max(drain, 0))
 	defer cancel()
