@@ -22,6 +22,8 @@ type EndpointStatus struct {
 	LastProbeError        string    `json:"last_probe_error,omitempty"`
 	LiveLinks             int       `json:"live_links"`
 	ConsecutiveUnanswered int64     `json:"consecutive_unanswered"`
+	// Draining: the operator drained it (no new links, open ones finish).
+	Draining bool `json:"draining"`
 }
 
 // Endpoints returns every endpoint's status, sorted by address.
@@ -46,6 +48,7 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 			LastProbeError:        st.LastProbeError,
 			LiveLinks:             ep.liveLinks(),
 			ConsecutiveUnanswered: ep.consecutive.Load(),
+			Draining:              p.isDrained(st.Endpoint),
 		}
 		ep.mu.Lock()
 		for _, l := range ep.listeners {
@@ -92,12 +95,14 @@ func (p *Proxy) Disable(addr string) (bool, error) {
 	return changed, err
 }
 
-// Enable is the operator's enable: a readmission, so links opened before
-// it are evicted. It reports whether any state changed.
+// Enable is the operator's enable: it ends a drain, and ends a disable
+// with a readmission, so links opened before it are evicted (a drain's
+// links are not). It reports whether any state changed.
 func (p *Proxy) Enable(addr string) (bool, error) {
 	eps, err := p.lookup(addr)
 	changed := false
 	for _, ep := range eps {
+		changed = p.undrain(ep) || changed
 		changed = p.det.Enable(ep.addr, health.ReasonOperatorEnable) || changed
 	}
 	return changed, err

@@ -86,6 +86,7 @@ type Proxy struct {
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
 	disabled  map[string]bool      // endpoints.disabled of the running config
+	drained   sync.Map             // endpoints the operator drained: address -> struct{} (drain.go)
 	started   bool
 	ready     atomic.Bool
 	stopOnce  sync.Once
