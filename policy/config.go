@@ -83,7 +83,7 @@ type Admin struct {
 	// address, for kubelet probes and Prometheus.
 	Listen string `yaml:"listen"`
 	// ControlListen is where the operator's actions (POST
-	// /v1/endpoints/{endpoint}/disable, enable, evict) are served: a
+	// /v1/endpoints/{endpoint}/disable, enable, evict, drain) are served: a
 	// host:port, or unix:/absolute/path for a Unix socket (made 0600).
 	// Empty disables the actions. A host:port whose host is not a loopback
 	// address (127.0.0.0/8, ::1, localhost) needs TokenFile: nobody from

@@ -49,6 +49,7 @@ type verb struct {
 var verbs = []verb{
 	{"run", "proxy the configured listeners until SIGTERM (the default verb)", cmdRun},
 	{"check", "validate a configuration file and print every problem, one per line", cmdCheck},
+	{"ctl", "talk to a running proxy's control server: endpoints, pools, disable, enable, evict, drain, config, log-level", cmdCtl},
 	{"redirect", "install the nftables rules that send outgoing TCP to the proxy (the init container)", cmdRedirect},
 	{"demo", "replay a node flap without FIN, in-process on loopback, with and without the proxy", cmdDemo},
 	{"version", "print the version (and, for a local build, the VCS revision)", cmdVersion},
@@ -215,7 +216,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 		log.Error().Str("config", *config).Strs("problems", problems(err)).Msg("invalid configuration; not starting")
 		return 1
 	}
-	log := newLogger(cfg.Log, *level, stderr)
+	log := withRunLevel(newLogger(cfg.Log, *level, stderr))
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -367,6 +368,7 @@ func serve(ctx context.Context, run *running, log zerolog.Logger, watch func(*pr
 		Listen:        cfg.Admin.Listen,
 		ControlListen: cfg.Admin.ControlListen,
 		TokenFile:     cfg.Admin.TokenFile,
+		Runtime:       admin.Runtime{Config: run.effective, Level: runLevel{}},
 	}, reg, p.Ready, p, log)
 	if err != nil {
 		return err // it names the key

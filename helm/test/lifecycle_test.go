@@ -123,3 +123,13 @@ func TestDashboardUIDPerRelease(t *testing.T) {
 		t.Errorf("uid changed between two renders of one release: %q then %q", a.UID, again.UID)
 	}
 }
+
+// Sizes in Kubernetes' spelling pass the schema and the proxy's check.
+func TestKubernetesSizes(t *testing.T) {
+	r := render(t, nil, "config.defaults.write_buffer.high_water_mark=32Mi", "config.defaults.write_buffer.low_water_mark=8Mi")
+	cfg := r.config(t)
+	if !strings.Contains(cfg, "high_water_mark: 32Mi") {
+		t.Fatalf("rendered config:\n%s", cfg)
+	}
+	checkConfig(t, cfg)
+}
