@@ -107,8 +107,8 @@ type Log struct {
 	// coloured only when stderr is a terminal).
 	Format string `yaml:"format"`
 	// Access logs one line at info for every finished link (its listener,
-	// addresses, bytes, duration and why it ended). Off: that line is at
-	// debug.
+	// client, upstream, who ended it and why, request and response bytes,
+	// connect time and attempts, duration). Off: that line is at debug.
 	Access bool `yaml:"access"`
 }
 
