@@ -40,7 +40,13 @@ func TestCheckCatchesListenClashes(t *testing.T) {
 	} else {
 		_ = ln.Close()
 	}
-	_, port, _ := net.SplitHostPort(freePort(t))
+	// A port free on every address: [::]:0 binds one dual-stack.
+	wild, err := net.Listen("tcp", ":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(wild.Addr().String())
+	_ = wild.Close()
 	p := func(host string) string { return net.JoinHostPort(host, port) }
 	for _, tc := range []struct {
 		name             string

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -122,7 +123,8 @@ listeners:
 		t.Error("the link to a disabled endpoint is still open")
 	}
 	ctlAt("enable", a.Addr())
-	if out := ctlAt("evict", b.Addr()); out != b.Addr()+": evicted, 0 links closed\n" {
+	// (The pool's links to b may still be ending: any count.)
+	if out := ctlAt("evict", b.Addr()); !regexp.MustCompile(`^` + regexp.QuoteMeta(b.Addr()) + `: evicted, \d+ links closed\n$`).MatchString(out) {
 		t.Errorf("evict: %q", out)
 	}
 	code, _, errb := ctl(t, "--control", controlAddr, "disable", "10.9.9.9:1")
@@ -137,9 +139,7 @@ listeners:
 	if out := ctlAt("log-level", "debug"); out != "log level debug (was info)\n" {
 		t.Errorf("log-level debug: %q", out)
 	}
-	if !echoes(echoAddr) {
-		t.Fatal("no echo")
-	}
+	waitFor(t, 5*time.Second, func() bool { return echoes(echoAddr) }) // the listener binds again after the enable
 	waitForLog(t, p.stderr, `"level":"debug"`, `"message":"link closed"`)
 	code, _, errb = ctl(t, "--control", controlAddr, "log-level", "trace")
 	if code != 1 || !strings.Contains(errb, `"trace" is not one of debug, info, warn, error`) {
