@@ -225,7 +225,7 @@ func TestCtlUsage(t *testing.T) {
 			t.Errorf("ctl %q: exit %d, %q; want %d with %q", tc.args, code, errb, tc.code, tc.want)
 		}
 	}
-	if code, out, _ := ctl(t, "--help"); code != 0 || !strings.Contains(out, "drain ENDPOINT") || !strings.Contains(out, "--token-file FILE") {
+	if code, out, _ := ctl(t, "--help"); code != 0 || !strings.Contains(out, "drain ENDPOINT") || !strings.Contains(out, "--token-file FILE") || !strings.Contains(out, "  -o FORMAT") {
 		t.Errorf("ctl --help: exit %d\n%s", code, out)
 	}
 }

@@ -156,6 +156,9 @@ func (c *command) printHelp(w io.Writer) {
 	c.fs.VisitAll(func(f *flag.Flag) {
 		arg, text := flag.UnquoteUsage(f)
 		head := "--" + f.Name
+		if len(f.Name) == 1 {
+			head = "-" + f.Name // -o, as people type it
+		}
 		if arg != "" {
 			head += " " + arg
 		}
