@@ -30,6 +30,17 @@ type Config struct {
 	// after the listeners stop accepting; links still open then are closed.
 	// 0 closes them at once; negative is invalid.
 	DrainTimeout Duration `yaml:"drain_timeout"`
+	// ShutdownGrace is how long, after SIGTERM, the proxy keeps accepting
+	// and serving before it stops accepting and drains: a client in the
+	// same pod gets SIGTERM at the same moment and may still be finishing
+	// requests and opening connections. The grace ends early once no link
+	// has been open for ShutdownIdle (the client has closed its
+	// connections). 0 stops accepting at once: right for a native sidecar,
+	// which Kubernetes stops only after the app has exited.
+	ShutdownGrace Duration `yaml:"shutdown_grace"`
+	// ShutdownIdle ends ShutdownGrace early once no link has been open for
+	// this long; 0 waits out the whole grace.
+	ShutdownIdle Duration `yaml:"shutdown_idle"`
 	// Defaults are the link settings every listener starts from; a listener
 	// may override any of them.
 	Defaults Settings `yaml:"defaults"`
@@ -72,7 +83,7 @@ type Admin struct {
 	// address, for kubelet probes and Prometheus.
 	Listen string `yaml:"listen"`
 	// ControlListen is where the operator's actions (POST
-	// /v1/endpoints/{endpoint}/disable, enable, evict) are served: a
+	// /v1/endpoints/{endpoint}/disable, enable, evict, drain) are served: a
 	// host:port, or unix:/absolute/path for a Unix socket (made 0600).
 	// Empty disables the actions. A host:port whose host is not a loopback
 	// address (127.0.0.0/8, ::1, localhost) needs TokenFile: nobody from
@@ -96,8 +107,8 @@ type Log struct {
 	// coloured only when stderr is a terminal).
 	Format string `yaml:"format"`
 	// Access logs one line at info for every finished link (its listener,
-	// addresses, bytes, duration and why it ended). Off: that line is at
-	// debug.
+	// client, upstream, who ended it and why, request and response bytes,
+	// connect time and attempts, duration). Off: that line is at debug.
 	Access bool `yaml:"access"`
 }
 
@@ -646,9 +657,11 @@ func DefaultSettings() Settings {
 // DefaultConfig returns a configuration with every default and no listeners.
 func DefaultConfig() Config {
 	return Config{
-		Admin:        Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
-		Log:          Log{Level: "info", Format: "json"},
-		DrainTimeout: Duration(15 * time.Second),
-		Defaults:     DefaultSettings(),
+		Admin:         Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
+		Log:           Log{Level: "info", Format: "json"},
+		DrainTimeout:  Duration(15 * time.Second),
+		ShutdownGrace: Duration(10 * time.Second),
+		ShutdownIdle:  Duration(2 * time.Second),
+		Defaults:      DefaultSettings(),
 	}
 }

@@ -121,7 +121,7 @@ func TestParseErrors(t *testing.T) {
 				"    upstream: up:2",
 				"    write_buffer: {high_water_mark: 1.5MiB}",
 			),
-			want: `listeners[0].write_buffer.high_water_mark: invalid size "1.5MiB" (use an integer with B, KiB, MiB or GiB, such as 16MiB) (line 5)`,
+			want: `listeners[0].write_buffer.high_water_mark: invalid size "1.5MiB" (use an integer with B, KiB, MiB or GiB, such as 16MiB; Kubernetes' Ki, Mi and Gi are the same units) (line 5)`,
 		},
 		{
 			name: "bad integer",
@@ -1132,6 +1132,8 @@ func TestSizes(t *testing.T) {
 	}{
 		{"16MiB", 16 << 20}, {"64KiB", 64 << 10}, {"1GiB", 1 << 30}, {"512B", 512},
 		{"1024", 1024}, {"0", 0}, {"'8MiB'", 8 << 20},
+		// Kubernetes' spelling of the same binary units.
+		{"16Mi", 16 << 20}, {"64Ki", 64 << 10}, {"1Gi", 1 << 30},
 	} {
 		c := mustParse(t, doc("defaults: {write_buffer: {high_water_mark: "+tc.in+", low_water_mark: 0}}",
 			"listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
@@ -1139,7 +1141,9 @@ func TestSizes(t *testing.T) {
 			t.Errorf("high_water_mark: %s decoded to %d, want %d", tc.in, got, tc.want)
 		}
 	}
-	for _, in := range []string{"1.5MiB", "16MB", "16 mib", "MiB", "ten", "true", "9999999999GiB"} {
+	// 16M and 1G are decimal in Kubernetes (10^6, 10^9): not taken for
+	// binary units; 16mi is no unit.
+	for _, in := range []string{"1.5MiB", "16MB", "16 mib", "MiB", "ten", "true", "9999999999GiB", "16M", "1G", "16mi", "Mi", "1.5Gi"} {
 		if s, err := ParseSize(in); err == nil {
 			t.Errorf("ParseSize(%q) = %v, want an error", in, s)
 		}
@@ -1542,5 +1546,36 @@ func TestValidateBuiltPool(t *testing.T) {
 		"listeners[3].upstream: a listener has either upstream or pool, not both"
 	if err := c.Validate(); err == nil || err.Error() != want {
 		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
+	}
+}
+
+// The configuration in force is shown as YAML (GET /v1/config): it reads
+// back, through the strict decoder, as the very same configuration, every
+// default filled in, durations and sizes in the config's own spelling.
+func TestConfigMarshalsBack(t *testing.T) {
+	for _, name := range []string{"minimal.yaml", "pinot-broker.yaml", "kafka-client.yaml"} {
+		c, err := Load(filepath.Join("..", "examples", name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := c.Effective()
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := Parse(out)
+		if err != nil {
+			t.Fatalf("%s: the marshalled config does not parse: %v\n%s", name, err, out)
+		}
+		if len(back.Endpoints.Disabled) == 0 && c.Endpoints.Disabled == nil {
+			back.Endpoints.Disabled = nil // [] and absent are the same list
+		}
+		if !reflect.DeepEqual(back, c) {
+			t.Fatalf("%s: marshalled and parsed again:\n%+v\nwant:\n%+v\n%s", name, back, c, out)
+		}
+		for _, want := range []string{"drain_timeout: 15s", "high_water_mark: 16MiB", "shutdown_grace: 10s"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("%s: marshalled config lacks %q:\n%s", name, want, out)
+			}
+		}
 	}
 }

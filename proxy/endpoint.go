@@ -216,9 +216,8 @@ func (l *listener) refusing(ep *endpoint) bool {
 		routable, _ := l.pool.routing()
 		return !routable
 	}
-	st, _ := l.p.det.State(ep.addr)
-	switch st {
-	case health.Disabled:
+	switch l.p.routingState(ep) {
+	case health.Disabled: // or drained
 		return true
 	case health.Excluded:
 		return !l.failOpen() && !l.groupFailingOpen(ep)

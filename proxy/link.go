@@ -31,6 +31,11 @@ type LinkStats struct {
 	MaxQueued int64 // the most bytes ever queued toward the upstream
 	Opened    time.Time
 	Duration  time.Duration
+	// ConnectAttempts is how many upstream connects the link made (a
+	// pool's failover retries included); ConnectTime how long the one that
+	// succeeded took (0: none did).
+	ConnectAttempts int
+	ConnectTime     time.Duration
 }
 
 // link is one client connection paired with one upstream connection.
@@ -58,6 +63,7 @@ type link struct {
 	// response pump owns it; a TCP client has its own).
 	fromUpstream sockReader
 	opened       time.Time
+	dialed       dialRecord // what the dial did (accesslog.go)
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -246,6 +252,7 @@ func (lk *link) dial() bool {
 				break // nothing eligible is left
 			}
 		}
+		lk.dialed.try(ep)
 		start := time.Now()
 		var c net.Conn
 		var err error
@@ -323,7 +330,9 @@ func (lk *link) dial() bool {
 // countDial counts a successful dial that started at start, and a link
 // sent to an excluded endpoint because its pool or group fails open.
 func (lk *link) countDial(start time.Time, failOpen bool) {
-	lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
+	took := time.Since(start)
+	lk.dialed.connect.Store(int64(took))
+	lk.l.m.DialDuration.Observe(took.Seconds())
 	if failOpen && lk.failOpen {
 		lk.l.m.FailOpenLinks.Inc()
 	}
@@ -830,8 +839,11 @@ func (lk *link) stats() LinkStats {
 		Duration:  time.Since(lk.opened),
 	}
 	s.MaxQueued = lk.q.peak()
+	s.ConnectAttempts, s.ConnectTime = int(lk.dialed.attempts.Load()), time.Duration(lk.dialed.connect.Load())
 	if lk.ep != nil {
 		s.Upstream = lk.ep.dial
+	} else if tried := lk.dialed.tried.Load(); tried != nil {
+		s.Upstream = *tried // none connected: the one that failed last
 	}
 	if r := lk.reason.Load(); r != nil {
 		s.Reason = CloseReason(*r)

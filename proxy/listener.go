@@ -345,18 +345,7 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 		l.ingress.kickCheck() // the local server may have gone: announce it at once
 	}
 
-	// The access log (log.access) is one info line per link; without it
-	// the same line is at debug.
-	e := l.log.Debug()
-	if l.p.accessLog {
-		e = l.log.Info()
-	}
-	if e.Enabled() {
-		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", reason).
-			AnErr("cause", s.Err).Int64("bytes_up", s.BytesUp).Int64("bytes_down", s.BytesDown).
-			Int64("max_queued", s.MaxQueued).Time("opened", s.Opened).Int64("duration_ms", s.Duration.Milliseconds()).
-			Msg("link closed")
-	}
+	l.logLinkEnd(s) // the access log (accesslog.go)
 	if l.p.onLinkEnd != nil {
 		l.p.onLinkEnd(s)
 	}

@@ -89,13 +89,17 @@ func TestAccessLogAndOneLinePerStateChange(t *testing.T) {
 		t.Fatalf("%d access log lines, want 1", len(lines))
 	}
 	l := lines[0]
-	for _, k := range []string{"listener", "client", "upstream", "bytes_up", "bytes_down", "opened", "duration_ms", "reason"} {
+	for _, k := range []string{"listener", "client", "upstream", "request_bytes", "response_bytes", "connect_ms", "connect_attempts", "opened", "duration_ms", "ended_by", "reason", "max_queued"} {
 		if _, ok := l[k]; !ok {
 			t.Errorf("access log line lacks %q: %v", k, l)
 		}
 	}
-	if l["level"] != "info" || l["bytes_up"] != 5.0 || l["bytes_down"] != 5.0 || l["upstream"] != peer.Addr() || l["reason"] != "client_closed" {
+	if l["level"] != "info" || l["request_bytes"] != 5.0 || l["response_bytes"] != 5.0 || l["upstream"] != peer.Addr() ||
+		l["reason"] != "client_closed" || l["ended_by"] != "client" || l["connect_attempts"] != 1.0 {
 		t.Errorf("access log line %v", l)
+	}
+	if ms, _ := l["connect_ms"].(float64); ms <= 0 {
+		t.Errorf("connect_ms %v: want the connect's time", l["connect_ms"])
 	}
 
 	// One line per state change (the detector's own is at debug).

@@ -266,12 +266,11 @@ func compareAddr(a, b string) int {
 }
 
 // candidates returns the members as the selector sees them; pl.mu held.
-func (pl *pool) candidatesLocked(det *health.Detector) []policy.Candidate {
+func (pl *pool) candidatesLocked() []policy.Candidate {
 	cs := make([]policy.Candidate, len(pl.members))
 	for i, ep := range pl.members {
-		st, _ := det.State(ep.addr)
 		c := policy.Candidate{Addr: ep.addr, Links: ep.liveLinks()}
-		switch st {
+		switch pl.l.p.routingState(ep) { // a drained member is out as a disabled one is
 		case health.Excluded:
 			c.State = policy.Excluded
 		case health.Disabled:
@@ -295,7 +294,7 @@ func (pl *pool) pick(avoid string) (*endpoint, bool) {
 	t := pl.l.spec()
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
-	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
+	ch := policy.Select(pl.candidatesLocked(), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
 	if ch.Index < 0 {
 		return nil, false
 	}
@@ -309,7 +308,7 @@ func (pl *pool) routing() (routable, failingOpen bool) {
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
 	var cursor uint64
-	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, "")
+	ch := policy.Select(pl.candidatesLocked(), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, "")
 	return ch.Index >= 0, ch.FailOpen
 }
 

@@ -37,9 +37,8 @@ type Options struct {
 	OnLinkEnd func(LinkStats)
 	// Resolver resolves upstream and pool host names; nil: net.DefaultResolver.
 	Resolver *net.Resolver
-	// AccessLog logs every finished link at info (log.access): listener,
-	// client, upstream, bytes each way, when it opened, how long it lived,
-	// why it ended. Without it the line is at debug.
+	// AccessLog logs every finished link at info (log.access; the fields:
+	// logLinkEnd). Without it the line is at debug.
 	AccessLog bool
 
 	// metrics, for the package's own tests: collectors they read directly.
@@ -86,6 +85,7 @@ type Proxy struct {
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
 	disabled  map[string]bool      // endpoints.disabled of the running config
+	drained   sync.Map             // endpoints the operator drained: address -> struct{} (drain.go)
 	started   bool
 	ready     atomic.Bool
 	stopOnce  sync.Once

@@ -49,6 +49,7 @@ type verb struct {
 var verbs = []verb{
 	{"run", "proxy the configured listeners until SIGTERM (the default verb)", cmdRun},
 	{"check", "validate a configuration file and print every problem, one per line", cmdCheck},
+	{"ctl", "talk to a running proxy's control server: endpoints, pools, disable, enable, evict, drain, config, log-level", cmdCtl},
 	{"redirect", "install the nftables rules that send outgoing TCP to the proxy (the init container)", cmdRedirect},
 	{"demo", "replay a node flap without FIN, in-process on loopback, with and without the proxy", cmdDemo},
 	{"version", "print the version (and, for a local build, the VCS revision)", cmdVersion},
@@ -155,6 +156,9 @@ func (c *command) printHelp(w io.Writer) {
 	c.fs.VisitAll(func(f *flag.Flag) {
 		arg, text := flag.UnquoteUsage(f)
 		head := "--" + f.Name
+		if len(f.Name) == 1 {
+			head = "-" + f.Name // -o, as people type it
+		}
 		if arg != "" {
 			head += " " + arg
 		}
@@ -215,7 +219,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 		log.Error().Str("config", *config).Strs("problems", problems(err)).Msg("invalid configuration; not starting")
 		return 1
 	}
-	log := newLogger(cfg.Log, *level, stderr)
+	log := withRunLevel(newLogger(cfg.Log, *level, stderr))
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -224,8 +228,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Process) {
-		watchConfig(ctx, *config, data, hup, p, m, cfg, log)
+	run := newRunning(cfg)
+	if err := serve(ctx, run, log, func(p *proxy.Proxy, m *metrics.Process) {
+		watchConfig(ctx, *config, data, hup, p, m, run, log)
 	}); err != nil {
 		log.Error().Err(err).Msg("livenessproxy stopped")
 		return 1
@@ -352,8 +357,10 @@ func cmdVersion(args []string, stdout, stderr io.Writer) int {
 }
 
 // serve runs the proxy and the admin servers until ctx is cancelled, then
-// drains: stop accepting, let links finish up to drain_timeout, close the rest.
-func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
+// keeps serving for the shutdown grace (shutdownGrace) and drains: stop
+// accepting, let links finish up to drain_timeout, close the rest.
+func serve(ctx context.Context, run *running, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
+	cfg := run.config()
 	b := currentBuild()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -364,6 +371,7 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 		Listen:        cfg.Admin.Listen,
 		ControlListen: cfg.Admin.ControlListen,
 		TokenFile:     cfg.Admin.TokenFile,
+		Runtime:       admin.Runtime{Config: run.effective, Level: runLevel{}},
 	}, reg, p.Ready, p, log)
 	if err != nil {
 		return err // it names the key
@@ -384,7 +392,9 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 	}()
 	<-ctx.Done()
 	<-watched
-	drain := p.DrainTimeout() // a reload may have changed it
+	now := run.config() // a reload may have changed the shutdown keys
+	shutdownGrace(now.ShutdownGrace.D(), now.ShutdownIdle.D(), p.ActiveLinks, log)
+	drain := p.DrainTimeout()
 	log.Info().Dur("drain_timeout_ms", drain).Int("links", p.ActiveLinks()).Msg("draining")
 	dctx, cancel := context.WithTimeout(context.Background(), max(drain, 0))
 	defer cancel()

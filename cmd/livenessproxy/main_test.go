@@ -98,6 +98,7 @@ func TestRunServesAndDrainsOnSIGTERM(t *testing.T) {
 	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 log: {level: debug}
 drain_timeout: 300ms
+shutdown_grace: 0s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
 `, adminAddr, controlAddr, listenAddr, peer.Addr()))

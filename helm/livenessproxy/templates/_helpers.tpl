@@ -61,6 +61,11 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 {{- if $defaultsMesh.port -}}{{- $_ := set $listener "mesh" (dict "port" 0) -}}{{- end -}}
 {{- $_ := set $config "listeners" (append ($config.listeners | default list) $listener) -}}
 {{- end -}}
+{{- /* A native sidecar is stopped after the broker has exited: no shutdown grace to wait out. */ -}}
+{{- if and .Values.sidecar.native (not (hasKey $config "shutdown_grace")) -}}
+{{- $config = deepCopy $config -}}
+{{- $_ := set $config "shutdown_grace" "0s" -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
 
@@ -319,6 +324,13 @@ container mounts it).
     {{- toYaml . | nindent 4 }}
   {{- end }}
   {{- if $port }}
+  {{- /* Kubernetes starts the next container once a native sidecar's startupProbe has passed (without one: as soon as it has started). */}}
+  {{- if .Values.sidecar.native }}
+  {{- with .Values.sidecar.startupProbe }}
+  startupProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- end }}
   {{- with .Values.sidecar.readinessProbe }}
   readinessProbe:
     {{- toYaml . | nindent 4 }}
