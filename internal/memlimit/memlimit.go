@@ -69,23 +69,53 @@ type mount struct {
 	point, root string
 }
 
-// cgroup returns the limit of the process's own cgroup, v2 first.
-func (r Roots) cgroup() (Limit, error) {
+// Dirs are the directories of the process's own cgroup: in the unified
+// hierarchy (v2) and in the v1 memory controller's; "" where there is none.
+type Dirs struct {
+	V2, V1Memory string
+	// V2Root and V1MemoryRoot are the mount points, where the walk up
+	// the tree ends.
+	V2Root, V1MemoryRoot string
+}
+
+// OwnDirs finds the process's own cgroup directories.
+func OwnDirs() (Dirs, error) { return DefaultRoots.OwnDirs() }
+
+// OwnDirs is the package's OwnDirs over r's files.
+func (r Roots) OwnDirs() (Dirs, error) {
+	var d Dirs
 	paths, err := r.ownCgroups()
 	if err != nil {
-		return Limit{}, err
+		return d, err
 	}
 	v2, v1, err := r.mounts()
 	if err != nil {
-		return Limit{}, err
+		return d, err
 	}
 	if p, ok := paths[""]; ok && v2 != nil {
-		if l, err := limitV2(r.Prefix+v2.point, rel(p, v2.root)); err == nil && l.Bytes > 0 {
+		d.V2Root = r.Prefix + v2.point
+		d.V2 = filepath.Join(d.V2Root, rel(p, v2.root))
+	}
+	if p, ok := paths["memory"]; ok && v1 != nil {
+		d.V1MemoryRoot = r.Prefix + v1.point
+		d.V1Memory = filepath.Join(d.V1MemoryRoot, rel(p, v1.root))
+	}
+	return d, nil
+}
+
+// cgroup returns the limit of the process's own cgroup, v2 first.
+func (r Roots) cgroup() (Limit, error) {
+	d, err := r.OwnDirs()
+	if err != nil {
+		return Limit{}, err
+	}
+	if d.V2 != "" {
+		if l, err := limitV2(d.V2Root, d.V2); err == nil && l.Bytes > 0 {
 			return l, nil
 		}
 	}
-	if p, ok := paths["memory"]; ok && v1 != nil {
-		return limitV1(r.Prefix+v1.point, rel(p, v1.root))
+	if d.V1Memory != "" {
+		return limitV1(d.V1MemoryRoot, d.V1Memory)
 	}
 	return Limit{}, errors.New("no cgroup memory limit")
 }
@@ -187,11 +217,11 @@ func unescape(s string) string {
 	return b.String()
 }
 
-// limitV2 is the smallest memory.max from the cgroup at p up to the
-// mount's root ("max" is none).
-func limitV2(mnt, p string) (Limit, error) {
+// limitV2 is the smallest memory.max from the cgroup directory own up to
+// the mount's root mnt ("max" is none).
+func limitV2(mnt, own string) (Limit, error) {
 	var best Limit
-	for dir := filepath.Join(mnt, p); ; dir = filepath.Dir(dir) {
+	for dir := own; ; dir = filepath.Dir(dir) {
 		file := filepath.Join(dir, "memory.max")
 		if b, err := os.ReadFile(file); err == nil {
 			if s := strings.TrimSpace(string(b)); s != "max" {
@@ -210,11 +240,10 @@ func limitV2(mnt, p string) (Limit, error) {
 	}
 }
 
-// limitV1 is the v1 memory controller's limit for the cgroup at p:
-// memory.stat's hierarchical_memory_limit (the smallest of its and its
-// ancestors'), else memory.limit_in_bytes.
-func limitV1(mnt, p string) (Limit, error) {
-	dir := filepath.Join(mnt, p)
+// limitV1 is the v1 memory controller's limit for the cgroup directory
+// dir: memory.stat's hierarchical_memory_limit (the smallest of its and
+// its ancestors'), else memory.limit_in_bytes.
+func limitV1(mnt, dir string) (Limit, error) {
 	if _, err := os.Stat(dir); err != nil {
 		dir = mnt // a cgroup namespace shows the container's cgroup as the root
 	}
