@@ -261,6 +261,27 @@ func TestParseErrors(t *testing.T) {
 				`log.format: "text" is not one of json, console (line 1)`,
 		},
 		{
+			name: "bad limits",
+			yaml: doc(
+				"limits: {memory: 128MiB, memory_budget: 128MiB, max_links: -1}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: up:2, max_links: -3}",
+			),
+			want: "limits.max_links: -1 is negative: use 0 to derive it (line 1)\n" +
+				"limits.memory_budget: 128MiB must be below limits.memory (128MiB): the runtime needs room beside the links' buffers (line 1)\n" +
+				"listeners[0].max_links: -3 is negative: use 0 for no limit of its own (line 3)",
+		},
+		{
+			name: "negative memory",
+			yaml: doc(
+				"limits: {memory: -1, memory_budget: -2}",
+				"listeners:",
+				okListener,
+			),
+			want: "limits.memory: -1 is negative: use 0 to derive it (line 1)\n" +
+				"limits.memory_budget: -2 is negative: use 0 to derive it (line 1)",
+		},
+		{
 			name: "bad on_overflow",
 			yaml: doc(
 				"listeners:",

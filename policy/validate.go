@@ -206,8 +206,18 @@ func (v *validator) config(c *Config) {
 
 // limits checks the limits section and the listeners' max_links.
 func (v *validator) limits(c *Config) {
-	v.notNegative("limits.memory", c.Limits.Memory, c.Limits.Memory < 0)
-	v.notNegative("limits.memory_budget", c.Limits.MemoryBudget, c.Limits.MemoryBudget < 0)
+	for _, k := range []struct {
+		key string
+		val Size
+	}{{"limits.memory", c.Limits.Memory}, {"limits.memory_budget", c.Limits.MemoryBudget}} {
+		if k.val < 0 {
+			text, ok := v.raw[k.key]
+			if !ok {
+				text = k.val.String()
+			}
+			v.add(k.key, "%s is negative: use 0 to derive it", text)
+		}
+	}
 	if c.Limits.MaxLinks < 0 {
 		v.add("limits.max_links", "%d is negative: use 0 to derive it", c.Limits.MaxLinks)
 	}

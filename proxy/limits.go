@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"runtime/debug"
+	"strconv"
 	"syscall"
 
 	"github.com/livenessproxy/livenessproxy/internal/memlimit"
@@ -44,6 +45,12 @@ const (
 	minDerivedLinks = 64
 )
 
+// MemoryLimitEnv, when it holds a positive byte count, is the memory the
+// process plans for unless limits.memory says otherwise: the Helm chart
+// sets it from the container's resources.limits.memory (the downward
+// API), so it holds even where the cgroup is not visible.
+const MemoryLimitEnv = "LIVENESSPROXY_MEMORY_LIMIT"
+
 // goMemLimitEnv is the variable with which an operator sets GOMEMLIMIT
 // himself; then the proxy leaves it alone.
 const goMemLimitEnv = "GOMEMLIMIT"
@@ -54,6 +61,8 @@ func PlanLimits(c policy.Limits) Limits {
 	var l Limits
 	if c.Memory > 0 {
 		l.Memory, l.MemorySource = int64(c.Memory), "limits.memory"
+	} else if n, err := strconv.ParseInt(os.Getenv(MemoryLimitEnv), 10, 64); err == nil && n > 0 {
+		l.Memory, l.MemorySource = n, MemoryLimitEnv+" (the container's resources.limits.memory)"
 	} else if ml, err := memlimit.Detect(); err == nil {
 		l.Memory, l.MemorySource = ml.Bytes, ml.Source
 	} else {
