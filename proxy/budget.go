@@ -130,8 +130,9 @@ func (b *budget) wakeOne() {
 
 // waitForBudget is send's path when the queue's next chunk does not fit
 // the budget: it waits until it fits, and returns push's result then. A
-// link whose upstream has bytes waiting and acknowledged nothing for
-// write_timeout gets pushStalled instead: the evidence a close needs.
+// link that has waited write_timeout while its upstream owed bytes and
+// acknowledged none of them gets pushStalled instead: the evidence a
+// close needs.
 func (lk *link) waitForBudget(p []byte, high int64) pushResult {
 	b := &lk.l.p.budget
 	b.heldBack.Add(1)
@@ -141,8 +142,12 @@ func (lk *link) waitForBudget(p []byte, high int64) pushResult {
 	wt := lk.settings.WriteTimeout.D()
 	t := time.NewTimer(budgetRecheck)
 	defer t.Stop()
+	// Evidence is measured from the wait on: the last progress sample may
+	// be from an idle spell long before these bytes were owed.
+	began := mono()
+	lk.progressed()
 	for {
-		if lk.owesUpstream(len(p)) && lk.stalled(wt) {
+		if wt > 0 && mono()-began >= int64(wt) && lk.owesUpstream(len(p)) && lk.stalled(wt) {
 			return pushStalled
 		}
 		ch := b.wait()
@@ -195,7 +200,7 @@ func (p *Proxy) reap() {
 			p.mu.Unlock()
 			for _, l := range ls {
 				for _, lk := range l.snapshotLinks() {
-					if lk.q.bytes() > 0 && lk.stalled(lk.settings.WriteTimeout.D()) {
+					if lk.holdsForNothing(mono()) {
 						lk.budgetClose()
 					}
 				}
@@ -213,6 +218,16 @@ func (p *Proxy) reap() {
 			Int64("links_closed", closed).Int32("links_waiting", b.nwait.Load()).
 			Msg("memory budget full: links toward live upstreams wait, links toward upstreams without progress for write_timeout are closed")
 	}
+}
+
+// holdsForNothing reports whether the link holds queue chunks toward an
+// upstream that acknowledged nothing for write_timeout while they waited:
+// bytes queued for at least write_timeout (so an idle spell before them
+// is not counted), and no progress for that long.
+func (lk *link) holdsForNothing(now int64) bool {
+	wt := lk.settings.WriteTimeout.D()
+	since, held := lk.q.heldSince()
+	return wt > 0 && held && now-since >= int64(wt) && lk.stalled(wt)
 }
 
 // budgetClose ends a link for the budget: its upstream has bytes waiting

@@ -329,3 +329,75 @@ func onlyLinkOf(t *testing.T, p *Proxy, name string) *link {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// A link that idled longer than write_timeout and then has to wait for
+// the budget (another link fills it) is not closed on the old idle spell:
+// its upstream is judged only on what it owed since the wait began. (On
+// loopback the upstream acknowledges at once, so this guards the rule;
+// the spell it protects against is a round trip long, on a real path.)
+func TestBudgetWaitAfterIdleIsNotEvidence(t *testing.T) {
+	stall := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	live := faultpeer.New(t, faultpeer.Paced, faultpeer.Options{})
+	live.SetRate(1 << 20)
+	cfg := policy.DefaultConfig()
+	cfg.Limits = policy.Limits{MemoryBudget: 1 << 20}
+	slow, quick := cfg.Defaults, cfg.Defaults
+	slow.WriteTimeout = policy.Duration(time.Minute) // holds the budget for the whole test
+	quick.WriteTimeout = policy.Duration(300 * time.Millisecond)
+	cfg.Listeners = []policy.Listener{
+		{Name: "stall", Listen: "127.0.0.1:0", Upstream: stall.Addr(), Settings: slow},
+		{Name: "test", Listen: "127.0.0.1:0", Upstream: live.Addr(), Settings: quick},
+	}
+	m := metrics.New()
+	p := New(cfg, Options{metrics: m, Logger: testLogger()})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	dial := func(name string) *net.TCPConn {
+		c, err := net.Dial("tcp", p.Addr(name).String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		return c.(*net.TCPConn)
+	}
+	c := dial("test")
+	if _, err := c.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	lk := onlyLinkOf(t, p, "test")
+	for a, ok := lk.ackedBytes(); !ok || a < 5; a, ok = lk.ackedBytes() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	lk.progressed()
+	time.Sleep(500 * time.Millisecond) // idle past write_timeout
+
+	writeAsync(dial("stall"), 4<<20, 64<<10)
+	deadline := time.Now().Add(10 * time.Second)
+	for p.budget.queued.Load() < 1<<20-chunkSize {
+		if time.Now().After(deadline) {
+			t.Fatalf("the stalled link never filled the budget (%d bytes)", p.budget.queued.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	waits := testutil.ToFloat64(m.BudgetWaits)
+	writeAsync(c, 4<<20, 64<<10)
+	deadline = time.Now().Add(10 * time.Second)
+	for testutil.ToFloat64(m.BudgetWaits) == waits {
+		if time.Now().After(deadline) {
+			t.Fatal("the live link never waited for the budget")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Several write_timeouts of waiting behind the other link: its
+	// upstream owes nothing it has not acknowledged, or keeps
+	// acknowledging; either way it is no evidence.
+	time.Sleep(time.Second)
+	if r := lk.reason.Load(); r != nil {
+		t.Fatalf("the live link was closed %q while it waited for the budget", *r)
+	}
+	if got := testutil.ToFloat64(m.ForListener("test").Closes(metrics.ReasonBudget)); got != 0 {
+		t.Fatalf("%v links closed for the budget", got)
+	}
+}

@@ -71,6 +71,7 @@ type queue struct {
 	inFlight  int   // bytes handed to the writer and not yet consumed
 	queued    int64 // bytes appended and not yet written
 	maxQueued int64 // the largest queued ever reached
+	since     int64 // mono time queued last went from 0 to more
 	writer    bool  // writeUpstream has been started
 	eof       bool  // the client sent FIN: flush, then CloseWrite
 	closed    bool  // the link is ending: nothing more is written
@@ -259,9 +260,20 @@ func (q *queue) putChunkLocked(c *[]byte) {
 	}
 }
 
+// heldSince reports whether bytes are queued, and since when (mono time)
+// the queue has not been empty.
+func (q *queue) heldSince() (int64, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.since, q.queued > 0
+}
+
 // appendLocked copies p to the tail of the queue; push took its new
 // chunks from the budget.
 func (q *queue) appendLocked(p []byte) {
+	if q.queued == 0 && len(p) > 0 {
+		q.since = mono()
+	}
 	q.queued += int64(len(p))
 	if q.queued > q.maxQueued {
 		q.maxQueued = q.queued
