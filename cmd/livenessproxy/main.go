@@ -376,9 +376,9 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 		_ = adm.Shutdown(context.Background())
 		return err
 	}
+	logLimits(log, p.Limits())
 	log.Info().Str("version", b.version).Str("revision", b.revision).Int("listeners", len(cfg.Listeners)).
 		Msg("livenessproxy started")
-	logLimits(log, p.Limits())
 
 	watched := make(chan struct{})
 	go func() {

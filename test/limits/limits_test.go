@@ -62,6 +62,9 @@ func execRole(args []string) int {
 // The proxy runs as the real binary (livenessproxy run), built once
 // without the race detector: its memory, in a 256 MiB cgroup, is what
 // is under test, and the race runtime alone takes several times that.
+// binaryEnv names a prebuilt proxy binary to run instead of building one.
+const binaryEnv = "LIVENESSPROXY_LIMITS_BINARY"
+
 var (
 	buildOnce sync.Once
 	binary    string
@@ -72,6 +75,10 @@ var (
 func proxyBinary(t *testing.T) string {
 	t.Helper()
 	buildOnce.Do(func() {
+		if b := os.Getenv(binaryEnv); b != "" {
+			binary = b // a binary built elsewhere (another revision, to compare)
+			return
+		}
 		goTool, err := exec.LookPath("go")
 		if err != nil {
 			goTool = filepath.Join(runtime.GOROOT(), "bin", "go")
@@ -177,7 +184,7 @@ func startProxy(t *testing.T, limit int64, yaml string) *proxyProc {
 		t.Fatal(err)
 	}
 	deadline := time.After(30 * time.Second)
-	for pp.admin == "" || len(pp.listens) < 2 || pp.limits == nil {
+	for started := false; !started; {
 		select {
 		case b, ok := <-lines:
 			if !ok {
@@ -194,6 +201,8 @@ func startProxy(t *testing.T, limit int64, yaml string) *proxyProc {
 				pp.listens[l.Listener] = l.Listen
 			case "limits":
 				_ = json.Unmarshal(b, &pp.limits)
+			case "livenessproxy started": // after the lines above (limits: from this revision on)
+				started = true
 			}
 		case <-deadline:
 			t.Fatal("the proxy process did not listen within 30 s")
