@@ -52,6 +52,29 @@ type Config struct {
 	Interception Interception `yaml:"interception"`
 	// Endpoints holds operator decisions about individual upstream endpoints.
 	Endpoints Endpoints `yaml:"endpoints"`
+	// Limits bounds the whole process: its memory and its links.
+	Limits Limits `yaml:"limits"`
+}
+
+// Limits bounds the whole process, whatever each link's own settings say.
+// Every key's 0 means "derived" (see proxy.PlanLimits): from the
+// container's memory limit and the descriptor limit.
+type Limits struct {
+	// Memory is the memory the process plans for: GOMEMLIMIT (unless the
+	// environment sets it) is 90% of it and the memory budget half of it.
+	// 0: the container's memory limit (cgroup v2 memory.max, or v1
+	// memory.limit_in_bytes), else the host's memory; negative is invalid.
+	Memory Size `yaml:"memory"`
+	// MemoryBudget is the most bytes all links together hold in their
+	// queues and read buffers. Past it, a link toward an upstream that
+	// acknowledged nothing for write_timeout is closed; any other waits
+	// (backpressure). 0: half of Memory; negative is invalid.
+	MemoryBudget Size `yaml:"memory_budget"`
+	// MaxLinks is the most links the process holds at once; past it, new
+	// connections wait in the kernel's accept queue. 0: derived from the
+	// memory left beside the budget and from the descriptor limit;
+	// negative is invalid.
+	MaxLinks int `yaml:"max_links"`
 }
 
 // Interception configures the proxy's side of transparent interception.
@@ -137,6 +160,10 @@ type Listener struct {
 	// sessions of egress sidecars (on Listen) and proxies their streams to
 	// the local server. Exclusive with Upstream, Transparent and Pool.
 	Ingress Ingress `yaml:"ingress"`
+	// MaxLinks is the most links this listener holds at once; past it,
+	// its new connections wait in the kernel's accept queue. 0: only the
+	// process's limits.max_links; negative is invalid.
+	MaxLinks int `yaml:"max_links"`
 	// Settings override the defaults for this listener's links.
 	Settings `yaml:",inline"`
 }
@@ -417,8 +444,12 @@ type WriteBuffer struct {
 	// must be below HighWaterMark. 0: resume when empty; negative is
 	// invalid.
 	LowWaterMark Size `yaml:"low_water_mark"`
-	// OnOverflow is reject (close the link: the client fails fast) or
-	// backpressure (stop reading the client until below LowWaterMark).
+	// OnOverflow is backpressure (stop reading the client until the queue
+	// is below LowWaterMark; an upstream that acknowledges nothing for
+	// write_timeout still ends the link, as write_timeout) or reject (close
+	// the link at the high watermark, whatever the upstream does: the
+	// client fails fast, and a fast upload to a live but slower server is
+	// cut too).
 	OnOverflow string `yaml:"on_overflow"`
 }
 
@@ -631,7 +662,7 @@ func DefaultSettings() Settings {
 		WriteTimeout:     Duration(10 * time.Second),
 		TCPUserTimeout:   Duration(10 * time.Second),
 		Keepalive:        Keepalive{Idle: Duration(10 * time.Second), Interval: Duration(5 * time.Second), Count: 3},
-		WriteBuffer:      WriteBuffer{HighWaterMark: 16 * MiB, LowWaterMark: 8 * MiB, OnOverflow: OverflowReject},
+		WriteBuffer:      WriteBuffer{HighWaterMark: 16 * MiB, LowWaterMark: 8 * MiB, OnOverflow: OverflowBackpressure},
 		HalfCloseTimeout: Duration(30 * time.Second),
 		Framing: Framing{
 			Type:              FramingNone,

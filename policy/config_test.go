@@ -261,6 +261,27 @@ func TestParseErrors(t *testing.T) {
 				`log.format: "text" is not one of json, console (line 1)`,
 		},
 		{
+			name: "bad limits",
+			yaml: doc(
+				"limits: {memory: 128MiB, memory_budget: 128MiB, max_links: -1}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: up:2, max_links: -3}",
+			),
+			want: "limits.max_links: -1 is negative: use 0 to derive it (line 1)\n" +
+				"limits.memory_budget: 128MiB must be below limits.memory (128MiB): the runtime needs room beside the links' buffers (line 1)\n" +
+				"listeners[0].max_links: -3 is negative: use 0 for no limit of its own (line 3)",
+		},
+		{
+			name: "negative memory",
+			yaml: doc(
+				"limits: {memory: -1, memory_budget: -2}",
+				"listeners:",
+				okListener,
+			),
+			want: "limits.memory: -1 is negative: use 0 to derive it (line 1)\n" +
+				"limits.memory_budget: -2 is negative: use 0 to derive it (line 1)",
+		},
+		{
 			name: "bad on_overflow",
 			yaml: doc(
 				"listeners:",
@@ -1189,7 +1210,7 @@ defaults:                         # any key here may be overridden per listener
   write_timeout: 10s
   tcp_user_timeout: 10s
   keepalive: {idle: 10s, interval: 5s, count: 3}
-  write_buffer: {high_water_mark: 16MiB, low_water_mark: 8MiB, on_overflow: reject}  # or backpressure
+  write_buffer: {high_water_mark: 16MiB, low_water_mark: 8MiB, on_overflow: backpressure}  # or reject
   half_close_timeout: 30s
   framing: {type: none}           # or length_field: see below
   unanswered: {request_timeout: 3s, consecutive_timeouts_threshold: 5}
@@ -1205,7 +1226,7 @@ listeners:
   - name: kafka
     listen: 127.0.0.1:19092
     upstream: kafka-headless.data.svc:9092
-    write_buffer: {on_overflow: backpressure}
+    write_buffer: {on_overflow: reject}
 endpoints:
   disabled: [10.1.2.3:8098]       # operator-disabled: never routed to, not even fail-open
 `
@@ -1220,7 +1241,7 @@ func TestDesignExample(t *testing.T) {
 		{Name: "kafka", Listen: "127.0.0.1:19092", Upstream: "kafka-headless.data.svc:9092", Settings: want.Defaults},
 	}
 	want.Listeners[0].Framing.Type = FramingLengthField
-	want.Listeners[1].WriteBuffer.OnOverflow = OverflowBackpressure
+	want.Listeners[1].WriteBuffer.OnOverflow = OverflowReject
 	want.Endpoints.Disabled = []string{"10.1.2.3:8098"}
 	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("config:\n%+v\nwant:\n%+v", c, want)

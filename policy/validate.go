@@ -197,6 +197,34 @@ func (v *validator) config(c *Config) {
 
 	v.clashes(boundAddrs(c))
 	v.endpointList("endpoints.disabled", c.Endpoints.Disabled)
+	v.limits(c)
+}
+
+// limits checks the limits section and the listeners' max_links.
+func (v *validator) limits(c *Config) {
+	for _, k := range []struct {
+		key string
+		val Size
+	}{{"limits.memory", c.Limits.Memory}, {"limits.memory_budget", c.Limits.MemoryBudget}} {
+		if k.val < 0 {
+			text, ok := v.raw[k.key]
+			if !ok {
+				text = k.val.String()
+			}
+			v.add(k.key, "%s is negative: use 0 to derive it", text)
+		}
+	}
+	if c.Limits.MaxLinks < 0 {
+		v.add("limits.max_links", "%d is negative: use 0 to derive it", c.Limits.MaxLinks)
+	}
+	if c.Limits.Memory > 0 && c.Limits.MemoryBudget >= c.Limits.Memory {
+		v.add("limits.memory_budget", "%v must be below limits.memory (%v): the runtime needs room beside the links' buffers", c.Limits.MemoryBudget, c.Limits.Memory)
+	}
+	for i, l := range c.Listeners {
+		if l.MaxLinks < 0 {
+			v.add("listeners["+strconv.Itoa(i)+"].max_links", "%d is negative: use 0 for no limit of its own", l.MaxLinks)
+		}
+	}
 }
 
 // maxUnixPath is the longest Unix socket path the kernel binds: sun_path

@@ -327,7 +327,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 // closed when the report came.
 func linkEnd(reason string) bool {
 	switch reason {
-	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark:
+	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark, metrics.ReasonBudget:
 		return true
 	}
 	return false
@@ -490,7 +490,7 @@ func (lk *link) blamesUpstream(reason string) bool {
 	switch reason {
 	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
 		return true // (a failed dial is reported by the attempt itself)
-	case metrics.ReasonWatermark:
+	case metrics.ReasonWatermark, metrics.ReasonBudget:
 		return lk.overflowStalled.Load()
 	}
 	return false

@@ -50,6 +50,7 @@ type link struct {
 	settings policy.Settings // the listener's settings when the link opened
 	frames   *frameSpec      // the listener's framing when the link opened; nil: opaque
 	failOpen bool            // the listener's pool.fail_open or group_fail_open when the link opened
+	slot     bool            // holds a max_links slot of l (given back when it ends)
 	dialer   *net.Dialer
 	client   clientSide
 	upstream *net.TCPConn
@@ -126,7 +127,7 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	t := l.spec()
 	lk := &link{l: l, ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
-	lk.q.init()
+	lk.q.init(&l.p.budget)
 	lk.rawWriteFn = func(fd uintptr) bool {
 		lk.rawN, lk.rawErr = syscall.Write(int(fd), lk.rawP)
 		return true
@@ -374,7 +375,9 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 // kernel takes them at once, through the queue otherwise.
 func (lk *link) pumpRequests() {
 	high := int64(lk.settings.WriteBuffer.HighWaterMark)
-	backpressure := high > 0 && lk.settings.WriteBuffer.OnOverflow == policy.OverflowBackpressure
+	// Backpressure unless reject is asked for ("" in a Config built in
+	// code is the default, backpressure).
+	backpressure := high > 0 && lk.settings.WriteBuffer.OnOverflow != policy.OverflowReject
 	first := true
 	for {
 		limit := chunkSize
@@ -389,6 +392,7 @@ func (lk *link) pumpRequests() {
 		}
 		bp, n, err := lk.client.read(limit)
 		if n > 0 {
+			lk.l.p.budget.reading(int64(cap(*bp)))
 			buf := (*bp)[:n]
 			end := lk.bytesUp.Add(int64(n))
 			if lk.trk != nil {
@@ -401,6 +405,7 @@ func (lk *link) pumpRequests() {
 			}
 			first = false
 			sent := lk.send(buf, high) // copies what it queues
+			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if !sent {
 				return
@@ -483,8 +488,17 @@ func (lk *link) send(p []byte, high int64) bool {
 		}
 		p = p[n:]
 	}
-	switch lk.q.push(p, high) {
+	r := lk.q.push(p, high)
+	if r == pushBudget {
+		// The process's budget is full: wait for room, unless this link's
+		// own upstream makes no progress (see budget).
+		r = lk.waitForBudget(p, high)
+	}
+	switch r {
 	case pushClosed:
+		return false
+	case pushStalled:
+		lk.budgetClose()
 		return false
 	case pushOverflow:
 		// Only reachable with on_overflow: reject; backpressure never reads
@@ -605,6 +619,7 @@ func (lk *link) pumpResponses() {
 	for {
 		bp, n, err := lk.fromUpstream.read(chunkSize)
 		if n > 0 {
+			lk.l.p.budget.reading(int64(cap(*bp)))
 			buf := (*bp)[:n]
 			lk.bytesDown.Add(int64(n))
 			// Any byte from the upstream is an answer: the server is alive
@@ -622,6 +637,7 @@ func (lk *link) pumpResponses() {
 				}
 			}
 			_, werr := lk.client.Write(buf)
+			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if werr != nil {
 				lk.abort(metrics.ReasonClientError, werr)

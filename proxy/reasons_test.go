@@ -16,7 +16,7 @@ import (
 // The exported close reasons are the label values link_closes_total uses,
 // one for one.
 func TestCloseReasonsAreTheMetricLabels(t *testing.T) {
-	exported := []CloseReason{CloseClientClosed, CloseUpstreamClosed, CloseClientError, CloseUpstreamError, CloseUpstreamTimeout, CloseWriteTimeout, CloseWatermark, CloseHalfCloseTimeout, CloseDialError, CloseLocalError, CloseShutdown, CloseBadFrame, CloseUnanswered, CloseStale, CloseEvicted, CloseRefused, CloseNoMatch, CloseLoop, CloseCapacity, CloseMeshDead}
+	exported := []CloseReason{CloseClientClosed, CloseUpstreamClosed, CloseClientError, CloseUpstreamError, CloseUpstreamTimeout, CloseWriteTimeout, CloseWatermark, CloseHalfCloseTimeout, CloseDialError, CloseLocalError, CloseShutdown, CloseBadFrame, CloseUnanswered, CloseStale, CloseEvicted, CloseRefused, CloseNoMatch, CloseLoop, CloseCapacity, CloseMeshDead, CloseBudget}
 	if len(exported) != len(metrics.Reasons) {
 		t.Fatalf("%d exported close reasons, %d metric reasons", len(exported), len(metrics.Reasons))
 	}

@@ -83,7 +83,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		if ok && sameTarget(l.cfg, lc) {
 			delete(old, lc.Name)
 			if prev := l.spec().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
-				!reflect.DeepEqual(prev.Transparent, lc.Transparent) {
+				!reflect.DeepEqual(prev.Transparent, lc.Transparent) || prev.MaxLinks != lc.MaxLinks {
 				ch.ListenersRetuned = append(ch.ListenersRetuned, lc.Name)
 			}
 			l.current.Store(newLinkSpec(lc))
@@ -103,6 +103,10 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	p.mu.Unlock()
 
 	p.drain.Store(int64(cfg.DrainTimeout))
+	// A lower budget or max_links cuts nothing (see setLimits); a higher
+	// listener max_links lets its accept loop go on.
+	p.setLimits(cfg.Limits)
+	p.slots.retuned()
 	p.mu.Lock()
 	prev := p.disabled
 	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))

@@ -296,8 +296,10 @@ func isTerminal(w io.Writer) bool {
 const checkHelp = `usage: livenessproxy check --config FILE
 
 Validates the configuration file as run would load it. Prints every problem
-on its own line, by key path and line, and exits 1; or "FILE: ok" and
-exits 0.
+on its own line, by key path and line, and exits 1; or the process limits
+it would run under here (memory and where it came from, GOMEMLIMIT, the
+memory budget, max_links, descriptors, with a warning for each problem)
+and "FILE: ok", and exits 0.
 `
 
 func cmdCheck(args []string, stdout, stderr io.Writer) int {
@@ -310,10 +312,12 @@ func cmdCheck(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "check: --config FILE is required")
 		return 2
 	}
-	if _, err := policy.Load(*config); err != nil {
+	cfg, err := policy.Load(*config)
+	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
 	}
+	printLimits(stdout, proxy.PlanLimits(cfg.Limits))
 	fmt.Fprintf(stdout, "%s: ok\n", *config)
 	return 0
 }
@@ -366,7 +370,7 @@ func serve(ctx context.Context, run *running, log zerolog.Logger, watch func(*pr
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m := metrics.NewProcess(reg)
 	m.SetBuildInfo(b.version, b.revision, b.goVersion)
-	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, AccessLog: cfg.Log.Access})
+	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, AccessLog: cfg.Log.Access, ManageRuntime: true})
 	adm, err := admin.Start(admin.Config{
 		Listen:        cfg.Admin.Listen,
 		ControlListen: cfg.Admin.ControlListen,
@@ -380,6 +384,7 @@ func serve(ctx context.Context, run *running, log zerolog.Logger, watch func(*pr
 		_ = adm.Shutdown(context.Background())
 		return err
 	}
+	logLimits(log, p.Limits())
 	log.Info().Str("version", b.version).Str("revision", b.revision).Int("listeners", len(cfg.Listeners)).
 		Msg("livenessproxy started")
 

@@ -36,6 +36,7 @@ const (
 	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
 	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations
 	ReasonMeshDead         = "mesh_dead"          // the mesh session the link ran on missed its heartbeats for ping_timeout
+	ReasonBudget           = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
 )
 
 // Eviction reasons for evictions_total{reason}.
@@ -70,7 +71,7 @@ var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
 	ReasonDialError, ReasonLocalError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
-	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity, ReasonMeshDead,
+	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity, ReasonMeshDead, ReasonBudget,
 }
 
 // Metrics owns the data plane's collectors.
@@ -98,6 +99,10 @@ type Metrics struct {
 	meshSessions        *prometheus.GaugeVec
 	meshSessionDeaths   *prometheus.CounterVec
 	meshFallbacks       *prometheus.CounterVec
+	acceptWaits         *prometheus.CounterVec
+	acceptWaiting       *prometheus.GaugeVec
+	// BudgetWaits counts reads held back by the memory budget (process-wide).
+	BudgetWaits prometheus.Counter
 }
 
 // Mesh session roles, the role label of the mesh series.
@@ -225,6 +230,18 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "mesh_fallbacks_total",
 			Help: "Links that reached their endpoint directly because its host has no ingress sidecar (mesh.fallback: direct).",
 		}, []string{"listener"}),
+		acceptWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "accept_waits_total",
+			Help: "Times the listener stopped accepting because it or the process held max_links links (new connections wait in the kernel's accept queue).",
+		}, []string{"listener"}),
+		acceptWaiting: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "accept_waiting",
+			Help: "1 while the listener does not accept because it or the process holds max_links links.",
+		}, []string{"listener"}),
+		BudgetWaits: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace, Name: "memory_budget_waits_total",
+			Help: "Reads whose bytes waited for room in the memory budget (backpressure toward the client).",
+		}),
 	}
 	for _, r := range []string{MeshEgress, MeshIngress} {
 		m.meshSessions.WithLabelValues(r)
@@ -235,6 +252,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks,
+		m.acceptWaits, m.acceptWaiting, m.BudgetWaits,
 	)
 	return m
 }
@@ -286,6 +304,8 @@ type Listener struct {
 	FailOpenLinks       prometheus.Counter
 	DNSErrors           prometheus.Counter
 	LinkDuration        prometheus.Observer
+	AcceptWaits         prometheus.Counter
+	AcceptWaiting       prometheus.Gauge
 
 	m         *Metrics
 	name      string
@@ -329,6 +349,8 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
 		StaleFramesDropped:  m.staleFramesDropped.WithLabelValues(name),
 		FailOpenLinks:       m.failOpenLinks.WithLabelValues(name),
+		AcceptWaits:         m.acceptWaits.WithLabelValues(name),
+		AcceptWaiting:       m.acceptWaiting.WithLabelValues(name),
 		closes:              make(map[string]prometheus.Counter, len(Reasons)),
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
@@ -407,7 +429,7 @@ func (m *Metrics) Forget(name string) {
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
-		m.meshFallbacks,
+		m.meshFallbacks, m.acceptWaits, m.acceptWaiting,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}

@@ -319,9 +319,18 @@ container mounts it).
       protocol: TCP
     {{- end }}
   {{- end }}
-  {{- with .Values.sidecar.env }}
+  {{- $memLimit := dig "limits" "memory" "" (.Values.sidecar.resources | default dict) }}
+  {{- if or .Values.sidecar.env $memLimit }}
   env:
+    {{- if $memLimit }}
+    {{- /* The memory budget and GOMEMLIMIT follow resources.limits.memory (the binary reads its cgroup too; this holds where that is not visible). */}}
+    - name: LIVENESSPROXY_MEMORY_LIMIT
+      valueFrom:
+        resourceFieldRef: {containerName: {{ .Values.sidecar.name }}, resource: limits.memory}
+    {{- end }}
+    {{- with .Values.sidecar.env }}
     {{- toYaml . | nindent 4 }}
+    {{- end }}
   {{- end }}
   {{- if $port }}
   {{- /* Kubernetes starts the next container once a native sidecar's startupProbe has passed (without one: as soon as it has started). */}}
