@@ -245,9 +245,9 @@ type budgetCollector struct{ b *budget }
 
 var (
 	budgetDesc = prometheus.NewDesc("livenessproxy_memory_budget_bytes",
-		"The memory budget of all links' queues and read buffers together (0: none).", nil, nil)
+		"The memory budget in force (process-wide).", nil, nil)
 	budgetUsedDesc = prometheus.NewDesc("livenessproxy_memory_budget_used_bytes",
-		"Bytes of the memory budget in use, by use: queues (chunks of bytes waiting for upstreams) or reads (read buffers in hand).",
+		"Bytes of the budget in use: queues (chunks of bytes waiting for upstreams) and reads (read buffers in hand) (process-wide).",
 		[]string{"use"}, nil)
 )
 

@@ -232,7 +232,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		acceptWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "accept_waits_total",
-			Help: "Times the listener stopped accepting because it or the process held max_links links (new connections wait in the kernel's accept queue).",
+			Help: "Times the listener stopped accepting at max_links (new connections waited in the kernel's accept queue).",
 		}, []string{"listener"}),
 		acceptWaiting: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "accept_waiting",
@@ -240,7 +240,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		BudgetWaits: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "memory_budget_waits_total",
-			Help: "Reads whose bytes waited for room in the memory budget (backpressure toward the client).",
+			Help: "Reads whose bytes waited for room in the budget: backpressure toward a client (process-wide).",
 		}),
 	}
 	for _, r := range []string{MeshEgress, MeshIngress} {
