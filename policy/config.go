@@ -262,8 +262,9 @@ type Settings struct {
 	// a queued write for this long. 0 disables; negative is invalid.
 	WriteTimeout Duration `yaml:"write_timeout"`
 	// TCPUserTimeout is TCP_USER_TIMEOUT on the upstream socket: data left
-	// unacknowledged this long makes the kernel fail the socket.
-	// 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
+	// unacknowledged this long makes the kernel fail the socket. The proxy
+	// lifts it while the peer's window is zero and its kernel answers the
+	// probes (a peer not reading: write_timeout judges it). 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
 	// invalid.
 	TCPUserTimeout Duration `yaml:"tcp_user_timeout"`
 	// Keepalive sets TCP keepalive on the upstream socket.

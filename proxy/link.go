@@ -57,7 +57,10 @@ type link struct {
 	// fromUpstream reads the upstream only when it is readable (the
 	// response pump owns it; a TCP client has its own).
 	fromUpstream sockReader
-	opened       time.Time
+	// win keeps TCP_USER_TIMEOUT off a zero window whose peer answers
+	// (see windowGuard); nil without tcp_user_timeout.
+	win    *windowGuard
+	opened time.Time
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -168,6 +171,7 @@ func (lk *link) finish() LinkStats {
 	if lk.meshSess != nil {
 		lk.meshSess.remove(lk)
 	}
+	lk.win.stop()
 	if lk.trk != nil {
 		orphans := lk.trk.stop()
 		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
@@ -357,6 +361,7 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 		_ = up.Close()
 		return false
 	}
+	lk.win = newWindowGuard(lk, lk.settings.TCPUserTimeout.D())
 	return true
 }
 
@@ -460,6 +465,7 @@ func (lk *link) send(p []byte, high int64) bool {
 	if !open {
 		return false
 	}
+	lk.win.arm() // bytes will wait for the upstream: watch its window
 	if empty {
 		// Nothing queued and nothing being written: try the kernel directly
 		// and queue only what it does not take. This keeps the common case

@@ -60,7 +60,8 @@ func readSysctl(t *testing.T, path string) int {
 	return n
 }
 
-func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
+// onlyLink is the one live link of p's first listener.
+func onlyLink(t *testing.T, p *Proxy) *link {
 	t.Helper()
 	l := p.listeners[0]
 	l.mu.Lock()
@@ -71,6 +72,12 @@ func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 	if lk == nil {
 		t.Fatal("no live link")
 	}
+	return lk
+}
+
+func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
+	t.Helper()
+	lk := onlyLink(t, p)
 	out := map[string]int{}
 	raw, err := lk.upstream.SyscallConn()
 	if err != nil {
