@@ -249,7 +249,9 @@ type MatchMesh struct {
 // overridable per listener.
 type Settings struct {
 	// ConnectTimeout bounds the upstream dial. 0: the kernel's own SYN
-	// retry limit (minutes); negative is invalid.
+	// retry limit (minutes); negative is invalid. The default, 2s, lets
+	// the SYN Linux sends again 1s after the first complete: one lost SYN
+	// costs a second, not a failed connect.
 	ConnectTimeout Duration `yaml:"connect_timeout"`
 	// ConnectAttempts is how many upstream connects a new link makes before
 	// its client is reset. Each retry, after a short backoff, goes to the
@@ -616,7 +618,7 @@ const (
 // (docs/incidents.md): each bounds how long a dead upstream can hold a link.
 func DefaultSettings() Settings {
 	return Settings{
-		ConnectTimeout:   Duration(time.Second),
+		ConnectTimeout:   Duration(2 * time.Second),
 		ConnectAttempts:  3,
 		WriteTimeout:     Duration(10 * time.Second),
 		TCPUserTimeout:   Duration(10 * time.Second),

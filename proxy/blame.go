@@ -39,6 +39,17 @@ func upstreamFault(err error) bool {
 	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
 }
 
+// dialTimedOut reports whether a failed connect ran out of
+// connect_timeout (rather than being refused, unreachable, or given up by
+// the kernel after all its SYN retransmissions).
+func dialTimedOut(err error) bool {
+	if errors.Is(err, syscall.ETIMEDOUT) {
+		return false
+	}
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
+}
+
 // closeReasonFor maps an error on an upstream socket to a close reason:
 // upstream_timeout (ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up),
 // upstream_error (any other failure of the upstream), or local_error.

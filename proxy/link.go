@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"errors"
 	"io"
 	"net"
@@ -250,7 +251,7 @@ func (lk *link) dial() bool {
 				break // nothing eligible is left
 			}
 		}
-		start := time.Now()
+		start, began := time.Now(), mono()
 		var c net.Conn
 		var err error
 		direct := true
@@ -305,10 +306,16 @@ func (lk *link) dial() bool {
 		}
 		if err != nil {
 			lk.l.m.DialErrors.Inc()
-			lk.l.p.report(ep, metrics.ReasonDialError)
+			if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
+				lk.l.p.report(ep, metrics.ReasonDialError)
+			} else {
+				lk.l.log.Debug().Err(err).Str("endpoint", ep.addr).
+					Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
+			}
 			avoid, lastErr = ep.addr, err
 			continue
 		}
+		ep.dialSucceeded()
 		lk.countDial(start, failOpen)
 		return lk.connected(ep, c.(*net.TCPConn))
 	}
@@ -604,10 +611,10 @@ func (lk *link) pumpResponses() {
 		if n > 0 {
 			buf := (*bp)[:n]
 			lk.bytesDown.Add(int64(n))
+			// Any byte from the upstream is an answer: the server is alive
+			// (see tracker), tracked link or not (see dialFailed).
+			lk.ep.answered(mono())
 			if lk.trk != nil {
-				// Any byte from the upstream is an answer: the server is
-				// alive (see tracker).
-				lk.ep.answered(mono())
 				if lk.respScan != nil {
 					if lk.conv.off.Load() {
 						lk.respScan = nil

@@ -60,8 +60,7 @@ func readSysctl(t *testing.T, path string) int {
 	return n
 }
 
-// onlyLink is the one live link of p's first listener.
-func onlyLink(t *testing.T, p *Proxy) *link {
+func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 	t.Helper()
 	l := p.listeners[0]
 	l.mu.Lock()
@@ -72,12 +71,6 @@ func onlyLink(t *testing.T, p *Proxy) *link {
 	if lk == nil {
 		t.Fatal("no live link")
 	}
-	return lk
-}
-
-func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
-	t.Helper()
-	lk := onlyLink(t, p)
 	out := map[string]int{}
 	raw, err := lk.upstream.SyscallConn()
 	if err != nil {

@@ -50,17 +50,17 @@ func smallRcvbufListener(t *testing.T, rcvbuf int) net.Listener {
 	return ln
 }
 
-// userTimeout is TCP_USER_TIMEOUT (ms) on the upstream socket of p's one
+// userTimeout is TCP_USER_TIMEOUT (ms) on the upstream socket of h's one
 // link now.
-func userTimeout(t *testing.T, p *Proxy) int {
-	t.Helper()
-	lk := onlyLink(t, p)
+func userTimeout(h *harness) int {
+	h.t.Helper()
+	lk := h.onlyLink(5 * time.Second)
 	lk.connMu.Lock()
 	raw := lk.upRaw
 	lk.connMu.Unlock()
 	ut := -1
 	if err := raw.Control(func(fd uintptr) { ut, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT) }); err != nil {
-		t.Fatal(err)
+		h.t.Fatal(err)
 	}
 	return ut
 }
@@ -104,7 +104,7 @@ func TestMutedBrokerHoldingARequestIsNotDead(t *testing.T) {
 		errc <- err
 	}()
 	time.Sleep(hold / 2)
-	if ut := userTimeout(t, h.p); ut != 0 {
+	if ut := userTimeout(h); ut != 0 {
 		t.Fatalf("TCP_USER_TIMEOUT %d ms while the broker holds, its window zero: want it lifted (0)", ut)
 	}
 	for i := range 4 {
@@ -114,9 +114,9 @@ func TestMutedBrokerHoldingARequestIsNotDead(t *testing.T) {
 	}
 	took := time.Since(sent)
 	// The window opened: the bound on unacknowledged data is back.
-	for deadline := time.Now().Add(10 * time.Second); userTimeout(t, h.p) != 2000; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); userTimeout(h) != 2000; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("TCP_USER_TIMEOUT %d ms 10s after the window opened, want 2000 again", userTimeout(t, h.p))
+			t.Fatalf("TCP_USER_TIMEOUT %d ms 10s after the window opened, want 2000 again", userTimeout(h))
 		}
 	}
 	if err := <-errc; err != nil {
