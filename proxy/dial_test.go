@@ -109,6 +109,9 @@ func TestRefusedConnectWhileAnsweringExcludesNothing(t *testing.T) {
 	time.Sleep(2500 * time.Millisecond)
 	nc := h.dial()
 	_, _ = waitClosed(t, nc, 5*time.Second)
+	if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonDialError {
+		t.Fatalf("new link ended %s, want dial_error", s.Reason)
+	}
 	ep := h.waitState("excluded", 5*time.Second)
 	if ep.Reason != metrics.ReasonDialError {
 		t.Fatalf("excluded for %s, want dial_error", ep.Reason)
