@@ -35,6 +35,12 @@ func upstreamFault(err error) bool {
 		return false
 	}
 	// A connect that did not complete within connect_timeout.
+	return deadlinePassed(err)
+}
+
+// deadlinePassed reports whether err is a deadline's of the proxy's own
+// (connect_timeout, a socket deadline).
+func deadlinePassed(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
 }
@@ -43,11 +49,7 @@ func upstreamFault(err error) bool {
 // connect_timeout (rather than being refused, unreachable, or given up by
 // the kernel after all its SYN retransmissions).
 func dialTimedOut(err error) bool {
-	if errors.Is(err, syscall.ETIMEDOUT) {
-		return false
-	}
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
+	return !errors.Is(err, syscall.ETIMEDOUT) && deadlinePassed(err)
 }
 
 // closeReasonFor maps an error on an upstream socket to a close reason:
