@@ -110,8 +110,17 @@ func (r *synRig) dialErrors(t *testing.T) float64 {
 	return counterValue(t, r.reg, "dial_errors_total", "listener", "syn")
 }
 
-// Finding 2 of issue 20: SYNs dropped for 300 ms while a link is dialled.
-// The kernel sends the SYN again 1 s after the first: with the default
+// dropOneSYN drops the first new connection's SYN to port 9000 and no
+// later one (a quota of 100 bytes: one SYN is 60): what a loss of a few
+// hundred milliseconds does to a connect, without depending on when the
+// test gets to remove a rule.
+const dropOneSYN = `table inet lpsyn {
+	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 tcp flags & (syn | ack) == syn quota until 100 bytes drop; }
+}
+`
+
+// Finding 2 of issue 20: a SYN lost while a link is dialled. The kernel
+// sends the SYN again 1 s after the first: with the default
 // connect_timeout the connect completes then, nothing is excluded, the
 // established link keeps working, and the new one works too. (On main,
 // with connect_timeout 1s, the connect timed out at 1.03 s, the endpoint
@@ -121,19 +130,19 @@ func TestLostSYNExcludesNothing(t *testing.T) {
 		return
 	}
 	r := synSetup(t, nil)
-	if err := r.peer.NFT(dropSYNs); err != nil {
+	if err := r.peer.NFT(dropOneSYN); err != nil {
 		t.Fatalf("installing the SYN drop: %v", err)
 	}
 	began := time.Now()
 	c2 := r.dial(t)
-	time.Sleep(300 * time.Millisecond)
-	if err := r.peer.NFT("delete table inet lpsyn"); err != nil {
-		t.Fatalf("removing the SYN drop: %v", err)
-	}
 	if err := r.roundTrip(t, c2, "dialled through a lost SYN"); err != nil {
-		t.Fatalf("the link dialled during the drop: %v (endpoint %+v)", err, r.state(t))
+		t.Fatalf("the link dialled through a lost SYN: %v (endpoint %+v)", err, r.state(t))
 	}
-	t.Logf("the link dialled during the 300 ms SYN drop answered %v after its connect", time.Since(began).Round(time.Millisecond))
+	took := time.Since(began)
+	t.Logf("the link whose first SYN was lost answered %v after its connect", took.Round(time.Millisecond))
+	if took < 900*time.Millisecond {
+		t.Fatalf("answered after %v: its first SYN was not dropped (the retransmission is due at 1 s)", took)
+	}
 	if err := r.roundTrip(t, r.c, "still established"); err != nil {
 		t.Fatalf("the established link after the drop: %v", err)
 	}
@@ -152,7 +161,7 @@ func TestLostSYNExcludesNothing(t *testing.T) {
 
 // A connect that times out while the endpoint answers on another link is
 // no evidence against it: every SYN is dropped for a while (connects time
-// out at connect_timeout, 500 ms here) while the established link carries
+// out at connect_timeout, 1 s here) while the established link carries
 // echoes; nothing is excluded and the established link is never reset.
 // Once the established link falls silent, the next failures exclude the
 // endpoint, and the established link, which did nothing wrong, is kept.
@@ -160,7 +169,7 @@ func TestDialTimeoutsWhileAnsweringExcludeNothing(t *testing.T) {
 	if !netns.Reexec(t, "ip", "nft") {
 		return
 	}
-	r := synSetup(t, func(s *policy.Settings) { s.ConnectTimeout = policy.Duration(500 * time.Millisecond) })
+	r := synSetup(t, func(s *policy.Settings) { s.ConnectTimeout = policy.Duration(time.Second) })
 	if err := r.peer.NFT(dropSYNs); err != nil {
 		t.Fatalf("installing the SYN drop: %v", err)
 	}
@@ -180,7 +189,7 @@ func TestDialTimeoutsWhileAnsweringExcludeNothing(t *testing.T) {
 			}
 		}
 	}()
-	for i := range 3 {
+	for i := range 2 {
 		c := r.dial(t)
 		// The proxy resets the client once its connects (connect_attempts)
 		// have all failed.
@@ -197,13 +206,13 @@ func TestDialTimeoutsWhileAnsweringExcludeNothing(t *testing.T) {
 	if ep := r.state(t); ep.State != "healthy" {
 		t.Fatalf("endpoint %s (%s) while another link answered, want healthy", ep.State, ep.Reason)
 	}
-	if failed < 3 {
-		t.Fatalf("dial_errors_total = %v, want at least 3 failed connects", failed)
+	if failed < 2 {
+		t.Fatalf("dial_errors_total = %v, want at least 2 failed connects", failed)
 	}
 	t.Logf("%v connects timed out while the established link answered: endpoint healthy", failed)
 
 	// The dead twin: no sign of life any more, connects still fail.
-	time.Sleep(time.Second) // past connect_timeout since the last answer
+	time.Sleep(1500 * time.Millisecond) // past connect_timeout since the last answer
 	c := r.dial(t)
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	_, _ = c.Read(make([]byte, 1))
