@@ -42,6 +42,14 @@ func waitReachable(t *testing.T, addr string) {
 	}
 }
 
+// blackhole9000 drops every segment to and from port 9000: in a peer
+// namespace, a remote blackhole.
+const blackhole9000 = `table inet lpfault {
+	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
+	chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
+}
+`
+
 // blackholeSetup builds: proxy and client in this namespace, an echo server
 // in a peer namespace over a veth pair, one link established through the
 // proxy, and then a drop of the server's port in the peer's namespace (a
@@ -78,11 +86,7 @@ func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan p
 	if _, err := io.ReadFull(c, make([]byte, len(msg))); err != nil {
 		t.Fatalf("round trip before the fault: %v", err)
 	}
-	if err := peer.NFT(`table inet lpfault {
-	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
-	chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
-}
-`); err != nil {
+	if err := peer.NFT(blackhole9000); err != nil {
 		t.Fatalf("installing the drop in the peer namespace: %v", err)
 	}
 	return c, ended
@@ -210,11 +214,7 @@ func TestBlackholeAtZeroWindowIsAWriteTimeout(t *testing.T) {
 		t.Fatalf("the link to a server that only stopped reading ended (%s, %v) within 2.5 tcp_user_timeouts", s.Reason, s.Err)
 	case <-time.After(2500 * time.Millisecond):
 	}
-	if err := peer.NFT(`table inet lpfault {
-	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
-	chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
-}
-`); err != nil {
+	if err := peer.NFT(blackhole9000); err != nil {
 		t.Fatalf("installing the drop in the peer namespace: %v", err)
 	}
 	dead := time.Now()
