@@ -287,7 +287,9 @@ type MatchMesh struct {
 // overridable per listener.
 type Settings struct {
 	// ConnectTimeout bounds the upstream dial. 0: the kernel's own SYN
-	// retry limit (minutes); negative is invalid.
+	// retry limit (minutes); negative is invalid. The default, 2s, lets
+	// the SYN Linux sends again 1s after the first complete: one lost SYN
+	// costs a second, not a failed connect.
 	ConnectTimeout Duration `yaml:"connect_timeout"`
 	// ConnectAttempts is how many upstream connects a new link makes before
 	// its client is reset. Each retry, after a short backoff, goes to the
@@ -300,8 +302,9 @@ type Settings struct {
 	// a queued write for this long. 0 disables; negative is invalid.
 	WriteTimeout Duration `yaml:"write_timeout"`
 	// TCPUserTimeout is TCP_USER_TIMEOUT on the upstream socket: data left
-	// unacknowledged this long makes the kernel fail the socket.
-	// 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
+	// unacknowledged this long makes the kernel fail the socket. The proxy
+	// lifts it while the peer's window is zero and its kernel answers the
+	// probes (a peer not reading: write_timeout judges it). 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
 	// invalid.
 	TCPUserTimeout Duration `yaml:"tcp_user_timeout"`
 	// Keepalive sets TCP keepalive on the upstream socket.
@@ -657,7 +660,7 @@ const (
 // (docs/incidents.md): each bounds how long a dead upstream can hold a link.
 func DefaultSettings() Settings {
 	return Settings{
-		ConnectTimeout:   Duration(time.Second),
+		ConnectTimeout:   Duration(2 * time.Second),
 		ConnectAttempts:  3,
 		WriteTimeout:     Duration(10 * time.Second),
 		TCPUserTimeout:   Duration(10 * time.Second),

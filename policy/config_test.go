@@ -1206,7 +1206,7 @@ admin:
   listen: 127.0.0.1:9901          # /metrics /healthz /readyz /v1/endpoints
 log: {level: info, format: json}  # json | console
 defaults:                         # any key here may be overridden per listener
-  connect_timeout: 1s
+  connect_timeout: 2s
   write_timeout: 10s
   tcp_user_timeout: 10s
   keepalive: {idle: 10s, interval: 5s, count: 3}

@@ -30,7 +30,8 @@ type endpoint struct {
 	settings     atomic.Pointer[policy.Settings] // the latest settings it was registered with
 	tls          atomic.Bool                     // a client of it spoke TLS
 	meshPort     atomic.Int32                    // the mesh port its last link reached it through; 0: directly
-	meshExcluded atomic.Bool                     // excluded by the mesh (not ready, dead session): its links were kept
+	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
+	dialTimeouts atomic.Int32                    // connects in a row that timed out (see dialFailed)
 	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
@@ -242,16 +243,12 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 	switch ev.To {
 	case health.Excluded:
-		ep.meshExcluded.Store(ev.Reason == reasonMeshNotReady || ev.Reason == reasonMeshDead)
-		if ep.meshExcluded.Load() {
+		ep.linksKept.Store(keepsLinks(ev.Reason))
+		if ep.linksKept.Load() {
 			// New links are refused, but this is no evidence against the
-			// links still open. Not ready: the server stopped accepting
-			// connections, and one draining for a graceful restart still
-			// finishes the links it serves. A dead session: its own links
-			// were closed already; links on another session to the same
-			// peer are judged by that session's heartbeat (a blackhole
-			// can take one path and spare another).
-			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded by the mesh")
+			// links still open (see keepsLinks): each is judged by its own
+			// rules (write and user timeouts, keepalive, unanswered).
+			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded: new links refused, open links kept")
 			break
 		}
 		closeReason := metrics.ReasonEvicted
@@ -281,14 +278,15 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		ep.orphans.clear()
 		ep.consecutive.Store(0)
 		// No client keeps a connection opened before the exclusion (to
-		// the process that failed), except after a mesh exclusion, which
-		// kept them on purpose: the links of a dead session are gone
-		// already, and a server that started afresh has a new epoch,
-		// which evicts the links of the old one (evictMeshEpoch). Links
-		// opened during the exclusion (fail-open, on_excluded: allow)
-		// reach the very process the probe just found healthy: they stay.
+		// the process that failed), except after an exclusion that kept
+		// them on purpose (keepsLinks): they were judged by their own
+		// rules meanwhile; the links of a dead session are gone already,
+		// and a server that started afresh has a new epoch, which evicts
+		// the links of the old one (evictMeshEpoch). Links opened during
+		// the exclusion (fail-open, on_excluded: allow) reach the very
+		// process the probe just found healthy: they stay.
 		n := 0
-		if !ep.meshExcluded.Swap(false) {
+		if !ep.linksKept.Swap(false) {
 			before := ev.At
 			if left := ep.leftAt.Load(); left != nil {
 				before = *left
@@ -319,6 +317,59 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		}
 		// Transparent listeners refuse per connection, never pause.
 		p.updateRouting(l)
+	}
+}
+
+// keepsLinks reports whether an exclusion for reason leaves the endpoint's
+// open links alone: it is evidence that new connections fail, not that
+// open ones make no progress. A failed connect (dial_error): a server
+// that closed its listener to drain for a graceful restart still finishes
+// the links it serves, and a connect lost on the way says nothing of the
+// established links (the failure reaches the detector only when no link
+// showed the endpoint alive, see dialFailed). The mesh's not ready: the
+// same, announced by the peer sidecar. A dead mesh session: its own links
+// were closed already; links on another session to the same peer are
+// judged by that session's heartbeat (a blackhole can take one path and
+// spare another).
+func keepsLinks(reason string) bool {
+	switch reason {
+	case metrics.ReasonDialError, reasonMeshNotReady, reasonMeshDead:
+		return true
+	}
+	return false
+}
+
+// dialTimeoutsToReport is how many connects in a row must time out before
+// a timeout is held against the endpoint: Linux sends a SYN again 1s and
+// 3s after the first, so one timeout can be one lost SYN (or two); two in
+// a row, each spanning a retransmission, are not.
+const dialTimeoutsToReport = 2
+
+// dialFailed decides whether a connect to the endpoint that failed with
+// err (an upstream fault), begun at mono time began, is evidence against
+// it, to be reported (dial_error). Not while the endpoint shows another
+// sign of life: a byte from it on any link since the connect began, or
+// within lifeWindow before: a lost SYN or a full accept queue is not a
+// dead server. Not on a timeout that a lost SYN explains: only the
+// dialTimeoutsToReport-th in a row (a connect that succeeds starts the
+// count over). A refusal or an unreachable host with no sign of life is
+// reported at once.
+func (ep *endpoint) dialFailed(began int64, lifeWindow time.Duration, err error) bool {
+	timedOut := dialTimedOut(err)
+	n := int32(0)
+	if timedOut {
+		n = ep.dialTimeouts.Add(1)
+	}
+	if ep.lastAnswer.Load() >= began-int64(lifeWindow) {
+		return false
+	}
+	return !timedOut || n >= dialTimeoutsToReport
+}
+
+// dialSucceeded starts the count of connects in a row that timed out over.
+func (ep *endpoint) dialSucceeded() {
+	if ep.dialTimeouts.Load() != 0 {
+		ep.dialTimeouts.Store(0)
 	}
 }
 

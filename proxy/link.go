@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"errors"
 	"io"
 	"net"
@@ -63,8 +64,11 @@ type link struct {
 	// fromUpstream reads the upstream only when it is readable (the
 	// response pump owns it; a TCP client has its own).
 	fromUpstream sockReader
-	opened       time.Time
-	dialed       dialRecord // what the dial did (accesslog.go)
+	// win keeps TCP_USER_TIMEOUT off a zero window whose peer answers
+	// (see windowGuard); nil without tcp_user_timeout.
+	win    *windowGuard
+	opened time.Time
+	dialed dialRecord // what the dial did (accesslog.go)
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -175,6 +179,7 @@ func (lk *link) finish() LinkStats {
 	if lk.meshSess != nil {
 		lk.meshSess.remove(lk)
 	}
+	lk.win.stop()
 	if lk.trk != nil {
 		orphans := lk.trk.stop()
 		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
@@ -254,7 +259,7 @@ func (lk *link) dial() bool {
 			}
 		}
 		lk.dialed.try(ep)
-		start := time.Now()
+		start, began := time.Now(), mono()
 		var c net.Conn
 		var err error
 		direct := true
@@ -309,10 +314,16 @@ func (lk *link) dial() bool {
 		}
 		if err != nil {
 			lk.l.m.DialErrors.Inc()
-			lk.l.p.report(ep, metrics.ReasonDialError)
+			if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
+				lk.l.p.report(ep, metrics.ReasonDialError)
+			} else {
+				lk.l.log.Debug().Err(err).Str("endpoint", ep.addr).
+					Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
+			}
 			avoid, lastErr = ep.addr, err
 			continue
 		}
+		ep.dialSucceeded()
 		lk.countDial(start, failOpen)
 		return lk.connected(ep, c.(*net.TCPConn))
 	}
@@ -367,6 +378,7 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 		_ = up.Close()
 		return false
 	}
+	lk.win = newWindowGuard(lk, lk.settings.TCPUserTimeout.D())
 	return true
 }
 
@@ -474,6 +486,7 @@ func (lk *link) send(p []byte, high int64) bool {
 	if !open {
 		return false
 	}
+	lk.win.arm() // bytes will wait for the upstream: watch its window
 	if empty {
 		// Nothing queued and nothing being written: try the kernel directly
 		// and queue only what it does not take. This keeps the common case
@@ -624,7 +637,7 @@ func (lk *link) pumpResponses() {
 			lk.bytesDown.Add(int64(n))
 			// Any byte from the upstream is an answer: the server is alive
 			// (see tracker), for the requests of every link to it, tracked
-			// by this listener or not.
+			// by this listener or not (see also dialFailed).
 			lk.ep.answered(mono())
 			if lk.trk != nil {
 				if lk.respScan != nil {

@@ -75,6 +75,13 @@ func startKafkaBroker(t *testing.T, policy func(key int16, corr int32) (time.Dur
 	if err != nil {
 		t.Fatal(err)
 	}
+	return startKafkaBrokerOn(t, ln, policy)
+}
+
+// startKafkaBrokerOn is startKafkaBroker on a listener of the test's own
+// (small receive buffers, say).
+func startKafkaBrokerOn(t *testing.T, ln net.Listener, policy func(key int16, corr int32) (time.Duration, bool)) *kafkaBroker {
+	t.Helper()
 	b := &kafkaBroker{ln: ln, policy: policy, done: make(chan struct{})}
 	b.wg.Add(1)
 	go b.accept()
