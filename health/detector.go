@@ -369,7 +369,11 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 	}
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
-	last := time.Now() // the exclusion, then the end of each probe
+	// The exclusion, then the end of each probe (the backoff counts from
+	// there) and its start (the probes while clients wait: one a second,
+	// back to back if a probe takes that long).
+	last := time.Now()
+	lastStart := last
 	for {
 		d.mu.Lock()
 		if !d.claimedLocked(e, gen) {
@@ -385,7 +389,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return
 		}
 		at := last.Add(probeDelay(pc, e.probes+e.flaps))
-		soon := last.Add(waitingDelay(pc.Jitter, rand.Float64()))
+		soon := lastStart.Add(waitingDelay(pc.Jitter, rand.Float64()))
 		if waiting || !e.passingSince.IsZero() {
 			// Clients wait, or on probation: probe often enough to see
 			// it through.
@@ -408,6 +412,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		d.mu.Unlock()
 
 		started := time.Now()
+		lastStart = started
 		err := d.probe(ctx, e.name, pc)
 		if ctx.Err() != nil {
 			return // stopped mid-probe: no verdict, not a failure

@@ -29,11 +29,12 @@ const (
 	DefaultInitialDelay = 1 * time.Second
 	DefaultFactor       = 2.0
 	DefaultMaxDelay     = 60 * time.Second
-	// WaitingInterval is the longest time between two probes of an
-	// excluded endpoint while ProbeConfig.Waiting reports clients turned
-	// away (jittered downward only): a dead endpoint gets about one probe
-	// a second from each proxy, a recovered one is readmitted within
-	// about a second plus the probe's own time.
+	// WaitingInterval is the longest time between the starts of two
+	// probes of an excluded endpoint while ProbeConfig.Waiting reports
+	// clients turned away (jittered downward only; back to back when a
+	// probe takes longer): a dead endpoint gets about one probe a second
+	// from each proxy, a recovered one is readmitted within about a
+	// second plus the probe's own time.
 	WaitingInterval = time.Second
 	// MaxJitter bounds ProbeConfig.Jitter, so that a jittered delay is
 	// never zero. policy validates jitter to [0, 1), so a validated
