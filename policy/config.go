@@ -376,7 +376,28 @@ type Ingress struct {
 	// link whose local server failed checks at once. 0 means the default,
 	// 1s; negative is invalid.
 	CheckInterval Duration `yaml:"check_interval"`
+	// Allow lists the peers (IP addresses or CIDRs) whose sessions the
+	// ingress takes; any other is refused at its handshake. Empty: any
+	// peer that reaches the port.
+	Allow []string `yaml:"allow"`
+	// MaxSessionsPerPeer is how many sessions one peer address may hold
+	// at once; 0 means the default, 16.
+	MaxSessionsPerPeer int `yaml:"max_sessions_per_peer"`
+	// MaxStreamsPerSession is how many streams (links) one session may
+	// carry at once; 0 means the default, 1000. The egress learns it at
+	// the handshake and opens no more.
+	MaxStreamsPerSession int `yaml:"max_streams_per_session"`
+	// MaxStreams is how many streams the ingress carries at once over all
+	// its sessions; 0 means the default, 10000.
+	MaxStreams int `yaml:"max_streams"`
 }
+
+// Ingress limits' defaults.
+const (
+	DefaultMaxSessionsPerPeer   = 16
+	DefaultMaxStreamsPerSession = 1000
+	DefaultMaxStreams           = 10000
+)
 
 // Keepalive is TCP keepalive on upstream sockets.
 type Keepalive struct {

@@ -588,6 +588,19 @@ func (v *validator) ingress(prefix string, in Ingress) {
 	if in.CheckInterval < 0 {
 		v.add(prefix+"check_interval", "%v must be positive", in.CheckInterval)
 	}
+	for j, a := range in.Allow {
+		if _, err := ParseAllow(a); err != nil {
+			v.add(prefix+"allow["+strconv.Itoa(j)+"]", "%q is not an IP address or CIDR", a)
+		}
+	}
+	for _, k := range []struct {
+		key string
+		val int
+	}{{"max_sessions_per_peer", in.MaxSessionsPerPeer}, {"max_streams_per_session", in.MaxStreamsPerSession}, {"max_streams", in.MaxStreams}} {
+		if k.val < 0 {
+			v.add(prefix+k.key, "%d must be positive (0: the default)", k.val)
+		}
+	}
 }
 
 // framing checks Settings.Framing; see settings for prefix, own and show.
@@ -746,4 +759,17 @@ func (v *validator) transparent(p string, t Transparent, set func(key string) bo
 	if t.ForgetExcludedAfter <= 0 && set("forget_excluded_after") {
 		v.add(p+"forget_excluded_after", "%v must be positive", t.ForgetExcludedAfter)
 	}
+}
+
+// ParseAllow parses an ingress.allow entry: an IP address (a one-address
+// prefix) or a CIDR.
+func ParseAllow(a string) (netip.Prefix, error) {
+	if ip, err := netip.ParseAddr(a); err == nil {
+		return netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(a)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	return p.Masked(), nil
 }

@@ -772,6 +772,9 @@ func (lk *link) abort(reason string, err error) bool {
 	}
 	if !lk.closed {
 		lk.client.abortive()
+		if lk.stream != nil {
+			lk.meshSess.resetStream(lk.stream) // the server behind the peer sidecar sees a reset too
+		}
 	}
 	lk.connMu.Unlock()
 	lk.closeBoth()

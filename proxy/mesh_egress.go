@@ -47,6 +47,7 @@ type meshPeer struct {
 	boot, gen uint64                // of the status applied last
 	statusCh  chan struct{}         // closed at every status change
 	endpoints map[*endpoint]struct{}
+	used      int64 // mono: when a link or probe last asked for a session
 
 	noIngressUntil atomic.Int64 // mono; 0: try the mesh port
 	fallbackLogged atomic.Bool
@@ -55,10 +56,26 @@ type meshPeer struct {
 // egressSession is one session to a peer and the links on it.
 type egressSession struct {
 	*meshSession
-	peer  *meshPeer
-	mu    sync.Mutex
-	links map[*link]struct{}
+	peer *meshPeer
+	// key is the settings the session was dialled with: a link takes a
+	// session of its own settings only.
+	key sessionKey
+	// maxStreams is what the ingress lets a session carry (its
+	// handshake said).
+	maxStreams int
+	mu         sync.Mutex
+	links      map[*link]struct{}
 }
+
+// sessionKey is what a session is dialled with.
+type sessionKey struct {
+	m  policy.Mesh
+	hc time.Duration
+}
+
+// full reports whether the session carries as many streams as the
+// ingress takes (the status stream besides).
+func (es *egressSession) full() bool { return es.sess.NumStreams() > es.maxStreams }
 
 // meshPeer returns the peer at host:port, creating it on first use.
 func (p *Proxy) meshPeer(host string, port int) *meshPeer {
@@ -94,13 +111,15 @@ func (p *Proxy) closeMesh() {
 	}
 }
 
-// session returns a live session to the peer with the fewest streams,
-// dialling one when there is none, or when every one carries streams and
-// fewer than mesh.sessions exist.
+// session returns a live session to the peer, dialled with the same
+// settings, with the fewest streams; it dials one when there is none, or
+// when every one carries streams and fewer than mesh.sessions exist.
 func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration, dialer *net.Dialer) (*egressSession, error) {
+	key := sessionKey{m, hc}
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
+		pr.used = mono()
 		live := pr.sessions[:0]
 		for _, es := range pr.sessions {
 			if !es.closed() {
@@ -111,18 +130,21 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		pr.sessions = live
 		usable := 0
 		for _, es := range live {
-			if !es.usable() {
+			if es.key != key || !es.usable() {
 				continue
 			}
 			usable++
-			if best == nil || es.sess.NumStreams() < best.sess.NumStreams() {
+			if !es.full() && (best == nil || es.sess.NumStreams() < best.sess.NumStreams()) {
 				best = es
 			}
 		}
-		return best, best == nil || (usable < m.Sessions && best.sess.NumStreams() > 0)
+		return best, usable < m.Sessions && (best == nil || best.sess.NumStreams() > 0)
 	}
 	best, grow := pick()
 	if !grow {
+		if best == nil {
+			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", errMeshStream)
+		}
 		return best, nil
 	}
 	if best != nil && !pr.dialMu.TryLock() {
@@ -132,21 +154,61 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	}
 	defer pr.dialMu.Unlock()
 	if best, grow = pick(); !grow {
+		if best == nil {
+			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", errMeshStream)
+		}
 		return best, nil
 	}
-	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
+	es, err := pr.dial(ctx, key, dialer)
 	if err != nil {
 		if best != nil {
 			return best, nil
 		}
+		return nil, err
+	}
+	return es, nil
+}
+
+// dial opens a session to the peer: the connection, the handshake, then
+// yamux.
+func (pr *meshPeer) dial(ctx context.Context, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
+	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
+	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) {
 			return nil, fmt.Errorf("%w: %s", errNoIngress, pr.addr)
 		}
 		return nil, err
 	}
-	es := &egressSession{peer: pr, links: make(map[*link]struct{})}
+	// The handshake's answer is judged as the heartbeat judges a session:
+	// nothing for ping_timeout is a dead peer sidecar.
+	_ = c.SetDeadline(time.Now().Add(key.m.PingTimeout.D()))
+	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
+	_, err = c.Write(meshPreface())
+	streams := 0
+	if err == nil {
+		streams, err = readMeshReply(c)
+	}
+	stop()
+	_ = c.SetDeadline(time.Time{})
+	if err != nil {
+		_ = c.Close()
+		var ne net.Error
+		if ctx.Err() == nil && errors.As(err, &ne) && ne.Timeout() {
+			pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
+			pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
+			pr.excludeEndpoints()
+			return nil, fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
+		}
+		return nil, fmt.Errorf("%s: %w", pr.addr, err)
+	}
+	es := &egressSession{peer: pr, key: key, maxStreams: streams, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
-	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams})
+	// The ingress opens one stream, the status stream; any other it
+	// opens is refused.
+	opened := 0
+	admit := func() bool { opened++; return opened == 1 }
+	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, key.m, key.hc, log, pr.p.metrics,
+		meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams}, admit)
 	if err != nil {
 		_ = c.Close()
 		return nil, err
@@ -271,8 +333,11 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc ti
 // excludePeer runs when the heartbeat declares the session dead, before
 // it is closed: the status it brought is forgotten, and every endpoint
 // reached through the peer is excluded; probes dial a new session.
-func (es *egressSession) excludePeer() {
-	pr := es.peer
+func (es *egressSession) excludePeer() { es.peer.excludeEndpoints() }
+
+// excludeEndpoints forgets the peer's status and excludes every endpoint
+// reached through it.
+func (pr *meshPeer) excludeEndpoints() {
 	pr.mu.Lock()
 	pr.status = nil
 	eps := slices.Collect(maps.Keys(pr.endpoints))
@@ -405,6 +470,9 @@ func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession,
 	}
 	ctx, cancel := context.WithTimeout(lk.l.ctx, cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
 	defer cancel()
+	pr.mu.Lock()
+	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
+	pr.mu.Unlock()
 	for try := 0; ; try++ {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
 		if errors.Is(err, errNoIngress) {
@@ -423,9 +491,6 @@ func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession,
 				es.retire("stream ids running out")
 			}
 			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
-				pr.mu.Lock()
-				pr.endpoints[ep] = struct{}{}
-				pr.mu.Unlock()
 				return lk.awaitAck(ctx, st, es)
 			}
 			_ = st.Close()

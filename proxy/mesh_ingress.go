@@ -4,11 +4,14 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"io"
 	"maps"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -44,11 +47,16 @@ type ingress struct {
 
 	boot uint64 // this process's id in status messages
 
+	handshakes atomic.Int64 // connections waiting for their handshake
+	streams    atomic.Int64 // streams served, over all sessions
+
 	mu       sync.Mutex
 	status   map[uint16]portStatus
 	gen      uint64                // the status's generation: one more at every change
 	checks   map[uint16]*portCheck // what the checks saw since the port's last verdict
 	sessions map[*ingressSession]struct{}
+	perPeer  map[string]int            // sessions by peer address
+	pending  map[*net.TCPConn]struct{} // connections in their handshake
 	closed   bool
 	draining bool // the listener stopped accepting: every port is announced not ready
 }
@@ -68,13 +76,17 @@ const checkFailuresForNotReady = 3
 type ingressSession struct {
 	*meshSession
 	changed chan struct{} // the status changed: send it
+	host    string        // the peer's address
+	// statusOpen is 1 once the status stream is open.
+	statusOpen atomic.Int32
 }
 
 func newIngress(l *listener, cfg policy.Listener) *ingress {
 	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
 	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
 		boot: newEpoch(), status: make(map[uint16]portStatus), checks: make(map[uint16]*portCheck),
-		sessions: make(map[*ingressSession]struct{})}
+		sessions: make(map[*ingressSession]struct{}), perPeer: make(map[string]int),
+		pending: make(map[*net.TCPConn]struct{})}
 	n, _ := strconv.Atoi(port)
 	in.ports = append(in.ports, uint16(n))
 	for _, p := range cfg.Ingress.Ports {
@@ -132,6 +144,9 @@ func (in *ingress) close() {
 	in.mu.Lock()
 	in.closed = true
 	ss := slices.Collect(maps.Keys(in.sessions))
+	for tc := range in.pending {
+		_ = tc.Close() // its handshake ends
+	}
 	in.mu.Unlock()
 	for _, is := range ss {
 		_ = is.sess.Close()
@@ -307,21 +322,146 @@ func (in *ingress) snapshot() statusMsg {
 	return m
 }
 
-// serveConn turns an accepted connection into a session.
+// maxHandshakes bounds the connections waiting for their handshake on
+// one ingress: one more is reset at once.
+const maxHandshakes = 64
+
+// serveConn takes an accepted connection: its handshake and session run
+// in a goroutine of the ingress.
 func (in *ingress) serveConn(tc *net.TCPConn) {
-	s := in.l.spec().settings
-	m := s.Mesh.OrDefaults()
-	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
-	is := &ingressSession{changed: make(chan struct{}, 1)}
-	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{})
-	if err != nil {
+	if in.handshakes.Add(1) > maxHandshakes {
+		in.handshakes.Add(-1)
+		in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitHandshakes).Inc()
 		resetConn(tc)
 		return
 	}
+	in.mu.Lock()
+	if in.closed {
+		in.mu.Unlock()
+		in.handshakes.Add(-1)
+		resetConn(tc)
+		return
+	}
+	in.pending[tc] = struct{}{}
+	in.wg.Add(1)
+	in.mu.Unlock()
+	go func() {
+		defer in.wg.Done()
+		in.handshake(tc)
+	}()
+}
+
+// limits is the ingress's limits, defaults applied.
+func (in *ingress) limits() (perPeer, perSession, total int) {
+	c := in.l.spec().cfg.Ingress
+	return cmp.Or(c.MaxSessionsPerPeer, policy.DefaultMaxSessionsPerPeer),
+		cmp.Or(c.MaxStreamsPerSession, policy.DefaultMaxStreamsPerSession),
+		cmp.Or(c.MaxStreams, policy.DefaultMaxStreams)
+}
+
+// allowed reports whether the peer at addr may hold sessions
+// (ingress.allow).
+func (in *ingress) allowed(addr net.Addr) bool {
+	allow := in.l.spec().cfg.Ingress.Allow
+	if len(allow) == 0 {
+		return true
+	}
+	ap, err := netip.ParseAddrPort(addr.String())
+	if err != nil {
+		return false
+	}
+	for _, a := range allow {
+		if p, err := policy.ParseAllow(a); err == nil && p.Contains(ap.Addr().Unmap()) {
+			return true
+		}
+	}
+	return false
+}
+
+// handshake reads the egress's preface, answers it, and turns the
+// connection into a session: a peer that is not allowed, over its
+// sessions, or of another version is answered so and closed.
+func (in *ingress) handshake(tc *net.TCPConn) {
+	refuse := func(code byte, limit string) {
+		if limit != "" {
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limit).Inc()
+		}
+		_ = tc.SetWriteDeadline(time.Now().Add(time.Second))
+		_, _ = tc.Write(meshReply(code, 0))
+		_ = tc.Close()
+	}
+	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
+	_ = tc.SetDeadline(time.Now().Add(meshHeaderTimeout))
+	var b [meshPrefaceLen]byte
+	_, err := io.ReadFull(tc, b[:])
+	in.handshakes.Add(-1)
+	in.mu.Lock()
+	delete(in.pending, tc)
+	in.mu.Unlock()
+	if err != nil || string(b[:len(meshPrefaceMagic)]) != meshPrefaceMagic {
+		// At debug: a peer could flood the log.
+		log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface: closed")
+		resetConn(tc)
+		return
+	}
+	perPeer, perSession, _ := in.limits()
+	if !in.allowed(tc.RemoteAddr()) {
+		log.Warn().Msg("mesh session refused: the peer is not in ingress.allow")
+		refuse(meshRefused, limitPeerNotAllowed)
+		return
+	}
+	if b[len(meshPrefaceMagic)] != meshVersion {
+		log.Warn().Int("version", int(b[len(meshPrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
+		refuse(meshBadVersion, "")
+		return
+	}
+	host := tc.RemoteAddr().(*net.TCPAddr).IP.String()
+	in.mu.Lock()
+	if in.closed || in.perPeer[host] >= perPeer {
+		closed := in.closed
+		in.mu.Unlock()
+		if closed {
+			resetConn(tc)
+			return
+		}
+		log.Warn().Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
+		refuse(meshRefused, limitSessionsPerPeer)
+		return
+	}
+	in.perPeer[host]++
+	in.mu.Unlock()
+	_, err = tc.Write(meshReply(meshOK, perSession))
+	_ = tc.SetDeadline(time.Time{})
+	if err != nil {
+		in.forgetPeer(host)
+		resetConn(tc)
+		return
+	}
+	s := in.l.spec().settings
+	m := s.Mesh.OrDefaults()
+	is := &ingressSession{changed: make(chan struct{}, 1), host: host}
+	var sess atomic.Pointer[yamux.Session]
+	admit := func() bool {
+		// NumStreams counts the status stream too once it is open (a
+		// moment early, the check is one stream stricter).
+		if se := sess.Load(); se != nil && se.NumStreams()-int(is.statusOpen.Load()) >= perSession {
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitStreamsPerSession).Inc()
+			return false
+		}
+		return true
+	}
+	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{}, admit)
+	if err != nil {
+		in.forgetPeer(host)
+		resetConn(tc)
+		return
+	}
+	sess.Store(ms.sess)
 	is.meshSession = ms
 	in.mu.Lock()
 	if in.closed {
 		in.mu.Unlock()
+		in.forgetPeer(host)
 		ms.close()
 		return
 	}
@@ -332,6 +472,15 @@ func (in *ingress) serveConn(tc *net.TCPConn) {
 	go in.writeStatus(is)
 }
 
+// forgetPeer counts one session of host less.
+func (in *ingress) forgetPeer(host string) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.perPeer[host]--; in.perPeer[host] <= 0 {
+		delete(in.perPeer, host)
+	}
+}
+
 // writeStatus opens the status stream and sends the status at once and
 // on every change, until the session ends.
 func (in *ingress) writeStatus(is *ingressSession) {
@@ -340,6 +489,7 @@ func (in *ingress) writeStatus(is *ingressSession) {
 	if err != nil {
 		return
 	}
+	is.statusOpen.Store(1)
 	defer st.Close()
 	select {
 	case <-in.checked: // no status before the ports were checked once
@@ -367,6 +517,7 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 		in.mu.Lock()
 		delete(in.sessions, is)
 		in.mu.Unlock()
+		in.forgetPeer(is.host)
 		is.close()
 	}()
 	for {
@@ -403,9 +554,20 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		l.m.Closed(metrics.ReasonRefused)
 		return
 	}
-	lk := newLink(l, ep, &streamClient{s: st, sess: is.sess, remote: is.conn.RemoteAddr()})
-	if !l.track(lk) {
+	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
+		in.streams.Add(-1)
+		l.p.metrics.MeshLimits(metrics.MeshIngress, limitStreams).Inc()
+		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.conn.RemoteAddr().String()).
+			Msg("mesh stream refused: the ingress carries as many streams as it may")
+		is.resetStream(st)
 		_ = st.Close()
+		l.m.Closed(metrics.ReasonCapacity)
+		return
+	}
+	sc := &streamClient{s: st, ms: is.meshSession, remote: is.conn.RemoteAddr(), done: func() { in.streams.Add(-1) }}
+	lk := newLink(l, ep, sc)
+	if !l.track(lk) {
+		_ = sc.Close()
 		return
 	}
 	l.serveLink(lk)

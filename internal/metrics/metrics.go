@@ -98,6 +98,7 @@ type Metrics struct {
 	meshSessions        *prometheus.GaugeVec
 	meshSessionDeaths   *prometheus.CounterVec
 	meshFallbacks       *prometheus.CounterVec
+	meshLimits          *prometheus.CounterVec
 }
 
 // Mesh session roles, the role label of the mesh series.
@@ -120,6 +121,13 @@ func (m *Metrics) MeshSessionDeaths(role string) prometheus.Counter {
 // directly because its host has no ingress sidecar (mesh.fallback: direct).
 func (m *Metrics) MeshFallbacks(listener string) prometheus.Counter {
 	return m.meshFallbacks.WithLabelValues(listener)
+}
+
+// MeshLimits counts what a mesh limit refused or cut, in role: limit is
+// pings, streams_per_session, streams, sessions_per_peer,
+// peer_not_allowed or handshakes.
+func (m *Metrics) MeshLimits(role, limit string) prometheus.Counter {
+	return m.meshLimits.WithLabelValues(role, limit)
 }
 
 // Process owns the process's own collectors: build_info and the
@@ -225,6 +233,10 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "mesh_fallbacks_total",
 			Help: "Links that reached their endpoint directly because its host has no ingress sidecar (mesh.fallback: direct).",
 		}, []string{"listener"}),
+		meshLimits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "mesh_limits_total",
+			Help: "What a mesh limit refused or cut, by role and limit: a session (pings, sessions_per_peer, peer_not_allowed, handshakes) or a stream (streams_per_session, streams).",
+		}, []string{"role", "limit"}),
 	}
 	for _, r := range []string{MeshEgress, MeshIngress} {
 		m.meshSessions.WithLabelValues(r)
@@ -234,7 +246,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
-		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks,
+		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
 	)
 	return m
 }
