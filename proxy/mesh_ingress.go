@@ -34,9 +34,8 @@ const defaultCheckInterval = time.Second
 // accept loop and its status writer, all owned by wg; a stream's
 // handshake goroutine becomes its link's (counted by the listener).
 type ingress struct {
-	l     *listener
-	host  string
-	ports []uint16 // the local port first, then ingress.ports
+	l    *listener
+	host string
 
 	kick      chan struct{} // check now
 	checked   chan struct{} // closed after the first check: statuses wait for it
@@ -51,6 +50,7 @@ type ingress struct {
 	streams    atomic.Int64 // streams served, over all sessions
 
 	mu       sync.Mutex
+	ports    []uint16 // the local port first, then ingress.ports
 	status   map[uint16]portStatus
 	gen      uint64                // the status's generation: one more at every change
 	checks   map[uint16]*portCheck // what the checks saw since the port's last verdict
@@ -87,13 +87,7 @@ func newIngress(l *listener, cfg policy.Listener) *ingress {
 		boot: newEpoch(), status: make(map[uint16]portStatus), checks: make(map[uint16]*portCheck),
 		sessions: make(map[*ingressSession]struct{}), perPeer: make(map[string]int),
 		pending: make(map[*net.TCPConn]struct{})}
-	n, _ := strconv.Atoi(port)
-	in.ports = append(in.ports, uint16(n))
-	for _, p := range cfg.Ingress.Ports {
-		if !slices.Contains(in.ports, uint16(p)) {
-			in.ports = append(in.ports, uint16(p))
-		}
-	}
+	in.ports = ingressPorts(port, cfg.Ingress.Ports)
 	for _, p := range in.ports {
 		in.status[p] = portStatus{} // not ready until the first check
 		in.checks[p] = &portCheck{}
@@ -101,12 +95,69 @@ func newIngress(l *listener, cfg policy.Listener) *ingress {
 	return in
 }
 
+// ingressPorts is local's port, then ports.
+func ingressPorts(local string, ports []int) []uint16 {
+	n, _ := strconv.Atoi(local)
+	ps := []uint16{uint16(n)}
+	for _, p := range ports {
+		if !slices.Contains(ps, uint16(p)) {
+			ps = append(ps, uint16(p))
+		}
+	}
+	return ps
+}
+
+// portList is the ports the ingress serves.
+func (in *ingress) portList() []uint16 {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.ports
+}
+
+// serves reports whether the ingress serves port.
+func (in *ingress) serves(port uint16) bool { return slices.Contains(in.portList(), port) }
+
+// retune takes a reload's configuration of the kept listener (the caller
+// holds p.mu): the listener, its sessions and the ports' epochs stay; a
+// port added is announced once checked, a port removed is no longer
+// announced and takes no new stream (its links finish).
+func (in *ingress) retuneLocked(lc policy.Listener) {
+	_, port, _ := net.SplitHostPort(lc.Ingress.Local)
+	ports := ingressPorts(port, lc.Ingress.Ports)
+	in.mu.Lock()
+	changed := !slices.Equal(ports, in.ports)
+	for _, p := range ports {
+		if _, ok := in.status[p]; !ok {
+			in.status[p] = portStatus{}
+			in.checks[p] = &portCheck{}
+		}
+	}
+	for p := range in.status {
+		if !slices.Contains(ports, p) {
+			delete(in.status, p)
+			delete(in.checks, p)
+		}
+	}
+	in.ports = ports
+	var ss []*ingressSession
+	if changed {
+		in.gen++
+		ss = slices.Collect(maps.Keys(in.sessions))
+	}
+	in.mu.Unlock()
+	in.endpointsLocked(lc.Settings)
+	for _, is := range ss {
+		is.notify()
+	}
+	in.kickCheck()
+}
+
 // endpoints registers the local ports as endpoints of l (the caller
 // holds p.mu), so that their links are judged, and probed when excluded,
 // like any upstream's.
 func (in *ingress) endpointsLocked(s policy.Settings) {
 	p := in.l.p
-	for _, port := range in.ports {
+	for _, port := range in.portList() {
 		ep, _ := p.endpointForLocked(in.addr(port), s)
 		ep.mu.Lock()
 		if !slices.Contains(ep.listeners, in.l) {
@@ -123,8 +174,9 @@ func (in *ingress) addr(port uint16) string {
 
 // localEndpoints are the endpoints of the local ports.
 func (in *ingress) localEndpoints() []*endpoint {
-	eps := make([]*endpoint, 0, len(in.ports))
-	for _, port := range in.ports {
+	ports := in.portList()
+	eps := make([]*endpoint, 0, len(ports))
+	for _, port := range ports {
 		if ep := in.l.p.lookupEndpoint(in.addr(port)); ep != nil {
 			eps = append(eps, ep)
 		}
@@ -169,10 +221,12 @@ func (in *ingress) kickCheck() {
 // new epoch.
 func (in *ingress) checker() {
 	defer in.wg.Done()
-	every := cmp.Or(in.l.cfg.Ingress.CheckInterval.D(), defaultCheckInterval)
-	t := time.NewTicker(every)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for first := true; ; first = false {
+		// A reload may retune it.
+		every := cmp.Or(in.l.spec().cfg.Ingress.CheckInterval.D(), defaultCheckInterval)
+		t.Reset(every)
 		in.check(min(every, time.Second))
 		in.shrinkStreams()
 		if first {
@@ -194,8 +248,9 @@ func (in *ingress) check(timeout time.Duration) {
 		ok, refused, local bool
 		err                error
 	}
-	results := make(map[uint16]result, len(in.ports))
-	for _, port := range in.ports {
+	ports := in.portList()
+	results := make(map[uint16]result, len(ports))
+	for _, port := range ports {
 		addr := in.addr(port)
 		if st, _ := p.det.State(normalizeEndpoint(addr)); st != health.Healthy {
 			// Excluded on evidence (or disabled) by this proxy's own
@@ -229,6 +284,9 @@ func (in *ingress) check(timeout time.Duration) {
 	changed := false
 	for port, r := range results {
 		old, pc := in.status[port], in.checks[port]
+		if pc == nil {
+			continue // a reload removed it meanwhile
+		}
 		ready := old.ready
 		switch {
 		case r.local || in.draining:
@@ -540,7 +598,7 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	_ = st.SetReadDeadline(time.Now().Add(meshHeaderTimeout))
 	port, err := readMeshHeader(st)
 	_ = st.SetReadDeadline(time.Time{})
-	if err != nil || !slices.Contains(in.ports, port) {
+	if err != nil || !in.serves(port) {
 		// At debug: a peer could flood the log. link_closes_total counts it.
 		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
 			Msg("mesh stream refused: bad header or a port this ingress does not serve")

@@ -47,6 +47,7 @@ type ingressProxy struct {
 	p    *Proxy
 	m    *metrics.Metrics
 	port int // the mesh port
+	cfg  policy.Config
 }
 
 func startIngress(t *testing.T, host, local string, tune func(*policy.Settings)) *ingressProxy {
@@ -72,7 +73,7 @@ func startIngressL(t *testing.T, host, local string, tune func(*policy.Listener)
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	in := &ingressProxy{m: metrics.New()}
+	in := &ingressProxy{m: metrics.New(), cfg: cfg}
 	in.p = New(cfg, Options{metrics: in.m, Logger: testLogger()})
 	if err := in.p.Start(); err != nil {
 		t.Fatal(err)
