@@ -47,7 +47,7 @@ type meshPeer struct {
 	boot, gen uint64                // of the status applied last
 	statusCh  chan struct{}         // closed at every status change
 	endpoints map[*endpoint]struct{}
-	used      int64 // mono: when a link or probe last asked for a session
+	used      atomic.Int64 // mono: when a link or probe last asked for the peer
 
 	noIngressUntil atomic.Int64 // mono; 0: try the mesh port
 	fallbackLogged atomic.Bool
@@ -73,6 +73,13 @@ type sessionKey struct {
 	hc time.Duration
 }
 
+// idle reports whether the session carries no link.
+func (es *egressSession) idle() bool {
+	es.mu.Lock()
+	defer es.mu.Unlock()
+	return len(es.links) == 0
+}
+
 // full reports whether the session carries as many streams as the
 // ingress takes (the status stream besides).
 func (es *egressSession) full() bool { return es.sess.NumStreams() > es.maxStreams }
@@ -81,16 +88,62 @@ func (es *egressSession) full() bool { return es.sess.NumStreams() > es.maxStrea
 func (p *Proxy) meshPeer(host string, port int) *meshPeer {
 	addr := net.JoinHostPort(host, strconv.Itoa(port))
 	p.meshMu.Lock()
-	defer p.meshMu.Unlock()
 	if p.peers == nil {
 		p.peers = make(map[string]*meshPeer)
 	}
+	var sweep []*meshPeer
+	now := mono()
 	pr := p.peers[addr]
 	if pr == nil {
+		if now-p.peersSwept > int64(peerSweepEvery) {
+			p.peersSwept = now
+			sweep = slices.Collect(maps.Values(p.peers))
+		}
 		pr = &meshPeer{p: p, host: host, addr: addr, statusCh: make(chan struct{}), endpoints: make(map[*endpoint]struct{})}
 		p.peers[addr] = pr
 	}
+	pr.used.Store(now)
+	p.meshMu.Unlock()
+	p.sweepPeers(now, sweep)
 	return pr
+}
+
+// A peer with no live session that no link or probe asked for in
+// peerIdleFor is forgotten (pod addresses churn); peers are swept when a
+// new one comes, at most once a peerSweepEvery.
+const (
+	peerIdleFor    = 5 * time.Minute
+	peerSweepEvery = 30 * time.Second
+)
+
+// sweepPeers forgets the idle ones of peers and, in the others, the
+// endpoints that are no longer the proxy's. It takes each lock alone.
+func (p *Proxy) sweepPeers(now int64, peers []*meshPeer) {
+	for _, pr := range peers {
+		if !pr.dialMu.TryLock() {
+			continue // a session is being dialled
+		}
+		pr.mu.Lock()
+		live := slices.ContainsFunc(pr.sessions, func(es *egressSession) bool { return !es.closed() })
+		eps := slices.Collect(maps.Keys(pr.endpoints))
+		pr.mu.Unlock()
+		pr.dialMu.Unlock()
+		if !live && now-pr.used.Load() > int64(peerIdleFor) {
+			p.meshMu.Lock()
+			if p.peers[pr.addr] == pr {
+				delete(p.peers, pr.addr)
+			}
+			p.meshMu.Unlock()
+			continue
+		}
+		for _, ep := range eps {
+			if p.lookupEndpoint(ep.addr) != ep {
+				pr.mu.Lock()
+				delete(pr.endpoints, ep) // retired
+				pr.mu.Unlock()
+			}
+		}
+	}
 }
 
 // closeMesh closes every egress session and waits for their goroutines;
@@ -119,7 +172,6 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
-		pr.used = mono()
 		live := pr.sessions[:0]
 		for _, es := range pr.sessions {
 			if !es.closed() {
@@ -130,7 +182,13 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		pr.sessions = live
 		usable := 0
 		for _, es := range live {
-			if es.key != key || !es.usable() {
+			if es.key != key {
+				if es.usable() && es.idle() {
+					es.retire("dialled with other settings, and idle") // a reload changed them
+				}
+				continue
+			}
+			if !es.usable() {
 				continue
 			}
 			usable++
