@@ -13,6 +13,7 @@ package policy
 
 import (
 	"cmp"
+	"strings"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -336,7 +337,45 @@ type Mesh struct {
 	// 256KiB): the most bytes one direction of a mesh link can have in
 	// flight, in the role of the write buffer's watermark.
 	StreamWindow Size `yaml:"stream_window"`
+	// TLS runs the sessions over mutual TLS when its files are set: on
+	// an egress listener for the sessions it dials, on an ingress for
+	// those it accepts.
+	TLS MeshTLS `yaml:"tls"`
 }
+
+// MeshTLS is mutual TLS for mesh sessions. The files are read again when
+// they change (a rotated Secret): new sessions take the new certificate,
+// open ones keep theirs.
+type MeshTLS struct {
+	// CertFile and KeyFile are this sidecar's certificate (PEM, with its
+	// chain) and key; CAFile the CA bundle a peer's certificate must chain
+	// to. All three or none.
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
+	CAFile   string `yaml:"ca_file"`
+	// Peers are the identities a peer's certificate may carry: a URI
+	// (spiffe://...) matches a URI SAN, anything else a DNS SAN, exactly.
+	// Empty: any certificate the CA signed.
+	Peers Identities `yaml:"peers"`
+}
+
+// Identities is a list of identities, kept as one string (one a line) so
+// that the settings stay comparable; in YAML, a list of strings.
+type Identities string
+
+// NewIdentities makes an Identities of ids.
+func NewIdentities(ids ...string) Identities { return Identities(strings.Join(ids, "\n")) }
+
+// List is the identities, in order.
+func (l Identities) List() []string {
+	if l == "" {
+		return nil
+	}
+	return strings.Split(string(l), "\n")
+}
+
+// Enabled reports whether sessions run over TLS.
+func (t MeshTLS) Enabled() bool { return t.CertFile != "" }
 
 // Enabled reports whether links reach their endpoints through the mesh.
 func (m Mesh) Enabled() bool { return m.Port != 0 }

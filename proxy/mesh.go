@@ -304,10 +304,12 @@ type meshHooks struct {
 // admit reports whether a stream the peer opens may be taken (see
 // meshGuard); it runs on yamux's receive loop, and may find the session
 // not yet set.
-func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks, admit func() bool) (*meshSession, error) {
+//
+// rw is what the session reads and writes: conn, or TLS over it.
+func newMeshSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks, admit func() bool) (*meshSession, error) {
 	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(mono())
-	ms.guard = newMeshGuard(conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
+	ms.guard = newMeshGuard(rw, conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
 	cfg := yamuxConfig(m, hc, log)
 	var err error
 	if client {

@@ -3,6 +3,7 @@ package proxy
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -67,10 +68,12 @@ type egressSession struct {
 	links      map[*link]struct{}
 }
 
-// sessionKey is what a session is dialled with.
-type sessionKey struct {
-	m  policy.Mesh
-	hc time.Duration
+// sessionKey is what a session is dialled with: the mesh settings and
+// the half-close timeout, printed (mesh.tls.peers is a slice).
+type sessionKey string
+
+func newSessionKey(m policy.Mesh, hc time.Duration) sessionKey {
+	return sessionKey(fmt.Sprintf("%+v %v", m, hc))
 }
 
 // idle reports whether the session carries no link.
@@ -168,7 +171,7 @@ func (p *Proxy) closeMesh() {
 // settings, with the fewest streams; it dials one when there is none, or
 // when every one carries streams and fewer than mesh.sessions exist.
 func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration, dialer *net.Dialer) (*egressSession, error) {
-	key := sessionKey{m, hc}
+	key := newSessionKey(m, hc)
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
@@ -217,7 +220,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		}
 		return best, nil
 	}
-	es, err := pr.dial(ctx, key, dialer)
+	es, err := pr.dial(ctx, m, hc, key, dialer)
 	if err != nil {
 		if best != nil {
 			return best, nil
@@ -229,7 +232,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 
 // dial opens a session to the peer: the connection, the handshake, then
 // yamux.
-func (pr *meshPeer) dial(ctx context.Context, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
+func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
 	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) {
@@ -237,20 +240,42 @@ func (pr *meshPeer) dial(ctx context.Context, key sessionKey, dialer *net.Dialer
 		}
 		return nil, err
 	}
+	tc := c.(*net.TCPConn)
 	// The handshake's answer is judged as the heartbeat judges a session:
 	// nothing for ping_timeout is a dead peer sidecar.
-	_ = c.SetDeadline(time.Now().Add(key.m.PingTimeout.D()))
+	_ = c.SetDeadline(time.Now().Add(m.PingTimeout.D()))
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
-	_, err = c.Write(meshPreface())
+	if m.TLS.Enabled() {
+		t := tls.Client(c, pr.p.meshCertsFor(m.TLS).clientConfig(m.TLS.Peers.List()))
+		if err = t.Handshake(); err != nil {
+			var ne net.Error
+			if !errors.As(err, &ne) || !ne.Timeout() {
+				// Not an ingress of this mesh (or one that refused this
+				// sidecar's certificate): as a peer without one.
+				err = fmt.Errorf("%w: TLS handshake: %v", errForeignPeer, err)
+			}
+		}
+		c = t
+	}
 	streams := 0
 	if err == nil {
-		streams, err = readMeshReply(c)
+		if _, err = c.Write(meshPreface()); err == nil {
+			streams, err = readMeshReply(c)
+		}
 	}
 	stop()
 	_ = c.SetDeadline(time.Time{})
+	var ne net.Error
+	if err != nil && !errors.Is(err, errNoIngress) && !errors.Is(err, errMeshStream) && !(errors.As(err, &ne) && ne.Timeout()) {
+		// The connection broke in the handshake (reset, closed, a TLS
+		// alert: under TLS 1.3 the ingress judges this sidecar's
+		// certificate after the client's handshake): whatever listens on
+		// the mesh port is no ingress that takes this sidecar. Nothing
+		// here involved the server.
+		err = fmt.Errorf("%w: %v", errForeignPeer, err)
+	}
 	if err != nil {
-		_ = c.Close()
-		var ne net.Error
+		_ = tc.Close()
 		if ctx.Err() == nil && errors.As(err, &ne) && ne.Timeout() {
 			pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
 			pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
@@ -265,7 +290,7 @@ func (pr *meshPeer) dial(ctx context.Context, key sessionKey, dialer *net.Dialer
 	// opens is refused.
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
-	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, key.m, key.hc, log, pr.p.metrics,
+	ms, err := newMeshSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
 		meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams}, admit)
 	if err != nil {
 		_ = c.Close()

@@ -35,7 +35,8 @@ import (
 // yamux's receive loop is the guard's only reader, its send loop and the
 // guard's flusher its writers.
 type meshGuard struct {
-	conn net.Conn
+	conn net.Conn // the session's connection: the TCP one, or TLS over it
+	tcp  *net.TCPConn
 	last *atomic.Int64 // mono: when a byte last arrived
 	// admit reports whether a stream the peer opens may be taken; it
 	// is called on yamux's receive loop.
@@ -95,12 +96,13 @@ const (
 	limitSessionsPerPeer   = "sessions_per_peer"
 	limitPeerNotAllowed    = "peer_not_allowed"
 	limitHandshakes        = "handshakes"
+	limitTLS               = "tls" // a TLS handshake failed: no valid certificate, or not one of mesh.tls.peers
 )
 
 var errPingFlood = errors.New("mesh: the peer's pings wait for answers beyond the bound (a ping flood): session closed")
 
-func newMeshGuard(c net.Conn, last *atomic.Int64, admit func() bool, hit func(string)) *meshGuard {
-	return &meshGuard{conn: c, last: last, admit: admit, hit: hit, kick: make(chan struct{}, 1)}
+func newMeshGuard(c net.Conn, tcp *net.TCPConn, last *atomic.Int64, admit func() bool, hit func(string)) *meshGuard {
+	return &meshGuard{conn: c, tcp: tcp, last: last, admit: admit, hit: hit, kick: make(chan struct{}, 1)}
 }
 
 func yamuxFrame(typ byte, flags uint16, id, length uint32) []byte {
@@ -351,6 +353,6 @@ func (g *meshGuard) inbound() (bool, error) {
 	return true, nil
 }
 
-// The rest of net.Conn is the connection's.
-
-func (g *meshGuard) Close() error { return g.conn.Close() }
+// Close closes the TCP connection: over TLS, no close_notify, which could
+// wait on a path that is dead.
+func (g *meshGuard) Close() error { return g.tcp.Close() }

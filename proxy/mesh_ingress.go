@@ -3,6 +3,7 @@ package proxy
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"maps"
@@ -440,25 +441,39 @@ func (in *ingress) allowed(addr net.Addr) bool {
 // connection into a session: a peer that is not allowed, over its
 // sessions, or of another version is answered so and closed.
 func (in *ingress) handshake(tc *net.TCPConn) {
+	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
+	s := in.l.spec().settings
+	m := s.Mesh.OrDefaults()
+	_ = tc.SetDeadline(time.Now().Add(meshHeaderTimeout))
+	var c net.Conn = tc
+	var err error
+	if m.TLS.Enabled() {
+		t := tls.Server(tc, in.l.p.meshCertsFor(m.TLS).serverConfig(m.TLS.Peers.List()))
+		if err = t.Handshake(); err != nil {
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitTLS).Inc()
+			log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
+			in.handshakeDone(tc)
+			_ = tc.Close() // not reset: the egress reads the alert that says why
+			return
+		}
+		c = t
+	}
+	var b [meshPrefaceLen]byte
+	if err == nil {
+		_, err = io.ReadFull(c, b[:])
+	}
+	in.handshakeDone(tc)
 	refuse := func(code byte, limit string) {
 		if limit != "" {
 			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limit).Inc()
 		}
 		_ = tc.SetWriteDeadline(time.Now().Add(time.Second))
-		_, _ = tc.Write(meshReply(code, 0))
+		_, _ = c.Write(meshReply(code, 0))
 		_ = tc.Close()
 	}
-	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
-	_ = tc.SetDeadline(time.Now().Add(meshHeaderTimeout))
-	var b [meshPrefaceLen]byte
-	_, err := io.ReadFull(tc, b[:])
-	in.handshakes.Add(-1)
-	in.mu.Lock()
-	delete(in.pending, tc)
-	in.mu.Unlock()
 	if err != nil || string(b[:len(meshPrefaceMagic)]) != meshPrefaceMagic {
 		// At debug: a peer could flood the log.
-		log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface: closed")
+		log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface (or a TLS handshake that failed): closed")
 		resetConn(tc)
 		return
 	}
@@ -488,15 +503,13 @@ func (in *ingress) handshake(tc *net.TCPConn) {
 	}
 	in.perPeer[host]++
 	in.mu.Unlock()
-	_, err = tc.Write(meshReply(meshOK, perSession))
+	_, err = c.Write(meshReply(meshOK, perSession))
 	_ = tc.SetDeadline(time.Time{})
 	if err != nil {
 		in.forgetPeer(host)
 		resetConn(tc)
 		return
 	}
-	s := in.l.spec().settings
-	m := s.Mesh.OrDefaults()
 	is := &ingressSession{changed: make(chan struct{}, 1), host: host}
 	var sess atomic.Pointer[yamux.Session]
 	admit := func() bool {
@@ -508,7 +521,7 @@ func (in *ingress) handshake(tc *net.TCPConn) {
 		}
 		return true
 	}
-	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{}, admit)
+	ms, err := newMeshSession(tc, c, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{}, admit)
 	if err != nil {
 		in.forgetPeer(host)
 		resetConn(tc)
@@ -528,6 +541,14 @@ func (in *ingress) handshake(tc *net.TCPConn) {
 	in.wg.Add(2)
 	go in.acceptStreams(is)
 	go in.writeStatus(is)
+}
+
+// handshakeDone counts tc's handshake as ended.
+func (in *ingress) handshakeDone(tc *net.TCPConn) {
+	in.handshakes.Add(-1)
+	in.mu.Lock()
+	delete(in.pending, tc)
+	in.mu.Unlock()
 }
 
 // forgetPeer counts one session of host less.

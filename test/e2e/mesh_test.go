@@ -192,8 +192,8 @@ func TestMeshBlackholeClosesLinks(t *testing.T) {
 	peerIP := veth.PeerIP().String()
 	srv := echoIn(t, peer, net.JoinHostPort(peerIP, "9000"))
 	waitReachable(t, srv)
-	_, port := startIngressProcess(t, peer, ingressConfig(net.JoinHostPort(peerIP, "15008"), srv))
-	if port != 15008 {
+	_, port := startIngressProcess(t, peer, ingressConfig(net.JoinHostPort(peerIP, "17400"), srv))
+	if port != 17400 {
 		t.Fatalf("ingress on port %d", port)
 	}
 	p, ended := meshEgress(t, srv, port)
@@ -212,8 +212,8 @@ func TestMeshBlackholeClosesLinks(t *testing.T) {
 	}
 
 	if err := peer.NFT(`table inet lpfault {
-	chain in { type filter hook input priority 0; policy accept; tcp dport 15008 drop; }
-	chain out { type filter hook output priority 0; policy accept; tcp sport 15008 drop; }
+	chain in { type filter hook input priority 0; policy accept; tcp dport 17400 drop; }
+	chain out { type filter hook output priority 0; policy accept; tcp sport 17400 drop; }
 }
 `); err != nil {
 		t.Fatalf("installing the drop in the peer namespace: %v", err)

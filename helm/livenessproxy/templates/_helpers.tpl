@@ -55,6 +55,7 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 {{- $ingress := dict "local" $in.local -}}
 {{- with $in.ports }}{{ $_ := set $ingress "ports" . }}{{ end -}}
 {{- with $in.checkInterval }}{{ $_ := set $ingress "check_interval" . }}{{ end -}}
+{{- with $in.allow }}{{ $_ := set $ingress "allow" . }}{{ end -}}
 {{- $listener := dict "name" "mesh-ingress" "listen" (printf "0.0.0.0:%d" (int $in.port)) "ingress" $ingress -}}
 {{- /* An ingress listener must not reach through the mesh: undo an inherited defaults.mesh.port. */ -}}
 {{- $defaultsMesh := ($config.defaults | default dict).mesh | default dict -}}
