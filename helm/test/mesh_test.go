@@ -184,3 +184,46 @@ func TestMeshOffByDefault(t *testing.T) {
 		}
 	}
 }
+
+// TestMeshTLSSecret: mesh.tls.secretName mounts the whole Secret (a
+// rotation swaps its files in place) into the sidecar and points
+// config.defaults.mesh.tls at its files, with mesh.tls.peers; the proxy
+// takes the config. Setting config.defaults.mesh.tls as well is refused.
+func TestMeshTLSSecret(t *testing.T) {
+	r := render(t, nil, "example.enabled=true", "mesh.tls.secretName=lp-mesh",
+		"mesh.tls.peers={spiffe://cluster.local/ns/pinot/sa/pinot-server}",
+		"mesh.ingress.enabled=true", "mesh.ingress.from[0].podSelector.matchLabels.app=b")
+	config := r.config(t)
+	checkConfig(t, config)
+	dir := "/var/run/secrets/livenessproxy-mesh-tls"
+	for _, want := range []string{"cert_file: " + dir + "/tls.crt", "key_file: " + dir + "/tls.key", "ca_file: " + dir + "/ca.crt",
+		"- spiffe://cluster.local/ns/pinot/sa/pinot-server"} {
+		if !strings.Contains(config, want) {
+			t.Errorf("the config lacks %q:\n%s", want, config)
+		}
+	}
+	pods := r.pods()
+	if len(pods) == 0 {
+		t.Fatal("no pod rendered")
+	}
+	mounted, volume := false, false
+	for _, c := range append(pods[0].Spec.Containers, pods[0].Spec.InitContainers...) {
+		for _, m := range c.VolumeMounts {
+			if m.Name == "livenessproxy-mesh-tls" && m.MountPath == dir && m.SubPath == "" && m.ReadOnly {
+				mounted = true
+			}
+		}
+	}
+	for _, v := range pods[0].Spec.Volumes {
+		if v.Name == "livenessproxy-mesh-tls" && v.Secret != nil && v.Secret.SecretName == "lp-mesh" && len(v.Secret.Items) == 0 {
+			volume = true
+		}
+	}
+	if !mounted || !volume {
+		t.Errorf("the Secret is mounted: %v, a volume of it: %v; want both, the whole Secret, read-only", mounted, volume)
+	}
+	if _, err := helm(t, "template", "rel", chartDir, "--set", "mesh.tls.secretName=lp-mesh", "--set", "config.defaults.mesh.tls.cert_file=/x"); err == nil ||
+		!strings.Contains(err.Error(), "config.defaults.mesh.tls is set, and mesh.tls.secretName sets it too") {
+		t.Errorf("both mesh.tls.secretName and config.defaults.mesh.tls: %v, want refused", err)
+	}
+}

@@ -49,6 +49,21 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 */}}
 {{- define "livenessproxy.config" -}}
 {{- $config := .Values.config | default dict -}}
+{{- $tls := (.Values.mesh | default dict).tls | default dict -}}
+{{- if $tls.secretName -}}
+{{- $config = deepCopy $config -}}
+{{- $defaults := $config.defaults | default dict -}}
+{{- $mesh := $defaults.mesh | default dict -}}
+{{- if $mesh.tls -}}
+{{- fail "config.defaults.mesh.tls is set, and mesh.tls.secretName sets it too: keep one" -}}
+{{- end -}}
+{{- $dir := include "livenessproxy.meshTLSDir" . -}}
+{{- $t := dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) "ca_file" (printf "%s/ca.crt" $dir) -}}
+{{- with $tls.peers }}{{ $_ := set $t "peers" . }}{{ end -}}
+{{- $_ := set $mesh "tls" $t -}}
+{{- $_ := set $defaults "mesh" $mesh -}}
+{{- $_ := set $config "defaults" $defaults -}}
+{{- end -}}
 {{- $in := include "livenessproxy.meshIngress" . | fromYaml -}}
 {{- if $in.enabled -}}
 {{- $config = deepCopy $config -}}
@@ -115,6 +130,9 @@ NetworkPolicy keeps it closed except to networkPolicy.controlFrom.
 {{- regexFind "[0-9]+$" $listen -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Where mesh.tls.secretName is mounted (the whole Secret: a rotation swaps its files in place). */}}
+{{- define "livenessproxy.meshTLSDir" -}}/var/run/secrets/livenessproxy-mesh-tls{{- end -}}
 
 {{/* Where adminToken mounts the Secret's key: set config.admin.token_file to this path. */}}
 {{- define "livenessproxy.adminTokenDir" -}}/var/run/secrets/livenessproxy{{- end -}}
@@ -278,6 +296,12 @@ container mounts it).
       - key: {{ $.Values.adminToken.key | default "token" }}
         path: {{ $.Values.adminToken.key | default "token" }}
 {{- end }}
+{{- with ((.Values.mesh | default dict).tls | default dict).secretName }}
+- name: livenessproxy-mesh-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 292  # 0444: the non-root proxy reads it; no other container mounts it
+{{- end }}
 {{- end -}}
 
 {{/* The sidecar container (a list item for containers, or initContainers when sidecar.native). */}}
@@ -342,6 +366,11 @@ container mounts it).
     {{- if .Values.adminToken.secretName }}
     - name: livenessproxy-admin-token
       mountPath: {{ include "livenessproxy.adminTokenDir" . }}
+      readOnly: true
+    {{- end }}
+    {{- if ((.Values.mesh | default dict).tls | default dict).secretName }}
+    - name: livenessproxy-mesh-tls
+      mountPath: {{ include "livenessproxy.meshTLSDir" . }}
       readOnly: true
     {{- end }}
 {{- end -}}
