@@ -1,110 +1,27 @@
 package proxy
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"math/big"
 	"net"
-	"net/url"
-	"os"
 	"path/filepath"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/testutil"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-// testCA signs certificates for the mesh TLS tests.
-type testCA struct {
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
-	pem  []byte
-}
-
-var serial = struct {
-	sync.Mutex
-	n int64
-}{n: 1}
-
-func nextSerial() *big.Int {
-	serial.Lock()
-	defer serial.Unlock()
-	serial.n++
-	return big.NewInt(serial.n)
-}
-
-func newTestCA(t *testing.T) *testCA {
+// issue has ca issue a certificate for id into dir, as mesh.tls.
+func issue(t *testing.T, ca *testutil.CA, dir, id string) (policy.MeshTLS, *big.Int) {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: nextSerial(), Subject: pkix.Name{CommonName: "mesh test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	return &testCA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
-}
-
-// issue writes a certificate for identity id (a URI SAN when it has a
-// scheme, else a DNS SAN) and its key into dir, with the CA bundle, as a
-// Kubernetes TLS Secret (cert-manager's) is mounted: tls.crt, tls.key,
-// ca.crt. It returns the files as mesh.tls and the certificate's serial.
-func (ca *testCA) issue(t *testing.T, dir, id string) (policy.MeshTLS, *big.Int) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tmpl := &x509.Certificate{SerialNumber: nextSerial(), Subject: pkix.Name{CommonName: id},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
-	if u, err := url.Parse(id); err == nil && u.Scheme != "" {
-		tmpl.URIs = []*url.URL{u}
-	} else {
-		tmpl.DNSNames = []string{id}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	kb, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	files := policy.MeshTLS{CertFile: filepath.Join(dir, "tls.crt"), KeyFile: filepath.Join(dir, "tls.key"), CAFile: filepath.Join(dir, "ca.crt")}
-	// Each written to a new file then renamed over the old: a reader never
-	// sees half a file (a Secret's update is an atomic symlink swap).
-	for f, b := range map[string][]byte{
-		files.CertFile: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		files.KeyFile:  pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kb}),
-		files.CAFile:   ca.pem,
-	} {
-		if err := os.WriteFile(f+".new", b, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Rename(f+".new", f); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return files, tmpl.SerialNumber
+	f := ca.Issue(t, dir, id)
+	return policy.MeshTLS{CertFile: f.CertFile, KeyFile: f.KeyFile, CAFile: f.CAFile}, f.Serial
 }
 
 const (
@@ -114,11 +31,11 @@ const (
 
 // tlsPair is an ingress and an egress whose sessions run over mutual
 // TLS, each allowing the other's identity.
-func tlsPair(t *testing.T, ca *testCA, egressAs string) (*faultpeer.Server, *ingressProxy, *harness, policy.MeshTLS) {
+func tlsPair(t *testing.T, ca *testutil.CA, egressAs string) (*faultpeer.Server, *ingressProxy, *harness, policy.MeshTLS) {
 	t.Helper()
 	dir := t.TempDir()
-	inFiles, _ := ca.issue(t, filepath.Join(dir, "ingress"), ingressID)
-	egFiles, _ := ca.issue(t, filepath.Join(dir, "egress"), egressAs)
+	inFiles, _ := issue(t, ca, filepath.Join(dir, "ingress"), ingressID)
+	egFiles, _ := issue(t, ca, filepath.Join(dir, "egress"), egressAs)
 	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
 	in := startIngress(t, "127.0.0.2", srv.Addr(), func(s *policy.Settings) {
 		s.Mesh.TLS = inFiles
@@ -134,11 +51,11 @@ func tlsPair(t *testing.T, ca *testCA, egressAs string) (*faultpeer.Server, *ing
 // Over mutual TLS a link round-trips as over plain TCP, and the session
 // carries the peers' certificates.
 func TestMeshTLSRoundTrip(t *testing.T) {
-	ca := newTestCA(t)
+	ca := testutil.NewCA(t)
 	srv, in, eg, _ := tlsPair(t, ca, egressID)
 	c := eg.dial()
 	roundTrip(t, c, []byte("over TLS"))
-	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
+	if got := promtest.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
 		t.Fatalf("%v ingress sessions, want 1", got)
 	}
 	pr := eg.p.meshPeer("127.0.0.2", in.port)
@@ -162,12 +79,12 @@ func TestMeshTLSRoundTrip(t *testing.T) {
 // allow, and one that speaks no TLS. Each egress, refused, falls back to
 // the server directly (mesh.fallback: direct).
 func TestMeshTLSRefusesInvalidPeers(t *testing.T) {
-	ca := newTestCA(t)
-	other := newTestCA(t)
+	ca := testutil.NewCA(t)
+	other := testutil.NewCA(t)
 	srv, in, _, _ := tlsPair(t, ca, egressID)
 	dir := t.TempDir()
-	foreign, _ := other.issue(t, filepath.Join(dir, "foreign"), egressID)
-	stranger, _ := ca.issue(t, filepath.Join(dir, "stranger"), "spiffe://cluster.local/ns/x/sa/intruder")
+	foreign, _ := issue(t, other, filepath.Join(dir, "foreign"), egressID)
+	stranger, _ := issue(t, ca, filepath.Join(dir, "stranger"), "spiffe://cluster.local/ns/x/sa/intruder")
 	for _, tc := range []struct {
 		name string
 		tls  policy.MeshTLS
@@ -176,11 +93,11 @@ func TestMeshTLSRefusesInvalidPeers(t *testing.T) {
 			before := in.limitHits(limitTLS)
 			eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) { s.Mesh.TLS = tc.tls })
 			roundTrip(t, eg.dial(), []byte("direct"))
-			if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != 1 {
+			if got := promtest.ToFloat64(eg.m.MeshFallbacks("test")); got != 1 {
 				t.Fatalf("%v fallbacks, want 1 (refused by the ingress, the link goes directly)", got)
 			}
 			waitFor(t, 5*time.Second, "the TLS refusal counted", func() bool { return in.limitHits(limitTLS) == before+1 })
-			if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 0 {
+			if got := promtest.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 0 {
 				t.Fatalf("%v ingress sessions, want none", got)
 			}
 			if n := len(in.p.listeners[0].snapshotLinks()); n != 0 {
@@ -191,11 +108,11 @@ func TestMeshTLSRefusesInvalidPeers(t *testing.T) {
 	// The egress checks the ingress too: an ingress whose identity is not
 	// the allowed one is refused by the egress.
 	eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) {
-		s.Mesh.TLS, _ = ca.issue(t, filepath.Join(dir, "picky"), egressID)
+		s.Mesh.TLS, _ = issue(t, ca, filepath.Join(dir, "picky"), egressID)
 		s.Mesh.TLS.Peers = policy.NewIdentities("spiffe://cluster.local/ns/pinot/sa/someone-else")
 	})
 	roundTrip(t, eg.dial(), []byte("direct"))
-	if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != 1 {
+	if got := promtest.ToFloat64(eg.m.MeshFallbacks("test")); got != 1 {
 		t.Fatalf("%v fallbacks, want 1 (the egress refused the ingress's identity)", got)
 	}
 }
@@ -204,10 +121,10 @@ func TestMeshTLSRefusesInvalidPeers(t *testing.T) {
 // replaced while links stream; the open sessions and their links carry on,
 // and a new session shows the new certificate.
 func TestMeshTLSRotationKeepsSessions(t *testing.T) {
-	ca := newTestCA(t)
+	ca := testutil.NewCA(t)
 	dir := t.TempDir()
-	inFiles, _ := ca.issue(t, filepath.Join(dir, "ingress"), ingressID)
-	egFiles, _ := ca.issue(t, filepath.Join(dir, "egress"), egressID)
+	inFiles, _ := issue(t, ca, filepath.Join(dir, "ingress"), ingressID)
+	egFiles, _ := issue(t, ca, filepath.Join(dir, "egress"), egressID)
 	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
 	in := startIngress(t, "127.0.0.2", srv.Addr(), func(s *policy.Settings) { s.Mesh.TLS = inFiles })
 	eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) {
@@ -248,8 +165,8 @@ func TestMeshTLSRotationKeepsSessions(t *testing.T) {
 		}()
 	}
 	time.Sleep(200 * time.Millisecond)
-	_, newInSerial := ca.issue(t, filepath.Join(dir, "ingress"), ingressID)
-	_, _ = ca.issue(t, filepath.Join(dir, "egress"), egressID)
+	_, newInSerial := issue(t, ca, filepath.Join(dir, "ingress"), ingressID)
+	_, _ = issue(t, ca, filepath.Join(dir, "egress"), egressID)
 	time.Sleep(300 * time.Millisecond)
 	close(stop)
 	wg.Wait()
@@ -260,7 +177,7 @@ func TestMeshTLSRotationKeepsSessions(t *testing.T) {
 	for _, c := range conns {
 		roundTrip(t, c, []byte("after"))
 	}
-	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
+	if got := promtest.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
 		t.Fatalf("%v ingress sessions after the rotation, want the one from before", got)
 	}
 	select {
