@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"fmt"
 	"math/big"
 	"net/url"
 	"os"
@@ -36,22 +37,31 @@ var serials atomic.Int64
 // NewCA makes a CA valid for an hour.
 func NewCA(t testing.TB) *CA {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	ca, err := MakeCA()
 	if err != nil {
 		t.Fatal(err)
+	}
+	return ca
+}
+
+// MakeCA is NewCA for a program (the bench).
+func MakeCA() (*CA, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, err
 	}
 	tmpl := &x509.Certificate{SerialNumber: big.NewInt(serials.Add(1)), Subject: pkix.Name{CommonName: "mesh test CA"},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
 		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	cert, err := x509.ParseCertificate(der)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
-	return &CA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}
+	return &CA{cert: cert, key: key, pem: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})}, nil
 }
 
 // Issue writes a certificate for identity id (a URI SAN when it has a
@@ -61,9 +71,18 @@ func NewCA(t testing.TB) *CA {
 // atomic swap too): calling it again on dir is a rotation.
 func (ca *CA) Issue(t testing.TB, dir, id string) TLSFiles {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	f, err := ca.IssueFiles(dir, id)
 	if err != nil {
 		t.Fatal(err)
+	}
+	return f
+}
+
+// IssueFiles is Issue for a program (the bench).
+func (ca *CA) IssueFiles(dir, id string) (TLSFiles, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return TLSFiles{}, err
 	}
 	tmpl := &x509.Certificate{SerialNumber: big.NewInt(serials.Add(1)), Subject: pkix.Name{CommonName: id},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
@@ -75,14 +94,14 @@ func (ca *CA) Issue(t testing.TB, dir, id string) TLSFiles {
 	}
 	der, err := x509.CreateCertificate(rand.Reader, tmpl, ca.cert, &key.PublicKey, ca.key)
 	if err != nil {
-		t.Fatal(err)
+		return TLSFiles{}, err
 	}
 	kb, err := x509.MarshalECPrivateKey(key)
 	if err != nil {
-		t.Fatal(err)
+		return TLSFiles{}, err
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
+		return TLSFiles{}, err
 	}
 	f := TLSFiles{CertFile: filepath.Join(dir, "tls.crt"), KeyFile: filepath.Join(dir, "tls.key"), CAFile: filepath.Join(dir, "ca.crt"), Serial: tmpl.SerialNumber}
 	for path, b := range map[string][]byte{
@@ -91,11 +110,23 @@ func (ca *CA) Issue(t testing.TB, dir, id string) TLSFiles {
 		f.CAFile:   ca.pem,
 	} {
 		if err := os.WriteFile(path+".new", b, 0o600); err != nil {
-			t.Fatal(err)
+			return TLSFiles{}, err
 		}
 		if err := os.Rename(path+".new", path); err != nil {
-			t.Fatal(err)
+			return TLSFiles{}, err
 		}
 	}
-	return f
+	return f, nil
+}
+
+// MeshTLSYAML is f as a listener's mesh.tls flow mapping, allowing peers.
+func (f TLSFiles) MeshTLSYAML(peers ...string) string {
+	ps := ""
+	for i, p := range peers {
+		if i > 0 {
+			ps += ", "
+		}
+		ps += fmt.Sprintf("%q", p)
+	}
+	return fmt.Sprintf("{cert_file: %q, key_file: %q, ca_file: %q, peers: [%s]}", f.CertFile, f.KeyFile, f.CAFile, ps)
 }

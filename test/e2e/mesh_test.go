@@ -60,8 +60,7 @@ func runIngressProcess(conf string) int {
 func ingressConfig(listen, local string, tls *meshTLS) string {
 	mesh := ""
 	if tls != nil {
-		f := tls.ingress
-		mesh = fmt.Sprintf("    mesh: {tls: {cert_file: %q, key_file: %q, ca_file: %q, peers: [%q]}}\n", f.CertFile, f.KeyFile, f.CAFile, egressID)
+		mesh = "    mesh: {tls: " + tls.ingress.MeshTLSYAML(egressID) + "}\n"
 	}
 	return fmt.Sprintf(`admin: {listen: "", control_listen: ""}
 listeners:
