@@ -527,3 +527,31 @@ func readMeshReplyFrom(b []byte) (int, error) {
 	go func() { _, _ = z.Write(b); _ = z.Close() }()
 	return readMeshReply(a)
 }
+
+// Connections that never send their preface hold a handshake slot for at
+// most meshHeaderTimeout; past maxHandshakes waiting at once, a new one is
+// reset at once and counted.
+func TestMeshHandshakesBounded(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	const extra = 10
+	for range maxHandshakes + extra {
+		c, err := net.Dial("tcp", in.addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+	}
+	waitFor(t, 5*time.Second, "the connections past maxHandshakes refused", func() bool {
+		return in.limitHits(limitHandshakes) == extra
+	})
+	// The slots are given back: once the silent ones timed out, a real
+	// egress gets its session.
+	ing := in.p.listeners[0].ingress
+	waitFor(t, 3*meshHeaderTimeout, "the silent connections' handshakes timed out", func() bool { return ing.handshakes.Load() == 0 })
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	roundTrip(t, eg.dial(), []byte("through the mesh"))
+	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
+		t.Fatalf("%v ingress sessions, want 1", got)
+	}
+}

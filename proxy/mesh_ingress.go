@@ -383,7 +383,7 @@ func (in *ingress) snapshot() statusMsg {
 
 // maxHandshakes bounds the connections waiting for their handshake on
 // one ingress: one more is reset at once.
-const maxHandshakes = 64
+const maxHandshakes = 128
 
 // serveConn takes an accepted connection: its handshake and session run
 // in a goroutine of the ingress.

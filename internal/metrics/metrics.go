@@ -34,7 +34,7 @@ const (
 	ReasonRefused          = "refused"            // accepted while the endpoint was excluded or disabled: reset at once
 	ReasonNoMatch          = "no_match"           // transparent: the original destination is not in the match list
 	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
-	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations
+	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations; mesh ingress: a stream past ingress.max_streams
 	ReasonMeshDead         = "mesh_dead"          // the mesh session the link ran on missed its heartbeats for ping_timeout
 )
 
