@@ -259,7 +259,7 @@ func (lk *link) dial() bool {
 				lk.countDial(start, failOpen)
 				return lk.meshConnected(ep, st, es)
 			case errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect:
-				lk.meshFallback(ep, mport)
+				lk.meshFallback(ep, mport, err)
 			case errors.Is(err, errNoIngress):
 				lk.setReason(metrics.ReasonRefused, err)
 				lk.resetClient()

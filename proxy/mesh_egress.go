@@ -627,13 +627,14 @@ func (lk *link) awaitAck(ctx context.Context, st *yamux.Stream, es *egressSessio
 }
 
 // meshFallback counts a link of l that reaches ep directly because its
-// host has no ingress sidecar, and says so once per peer.
-func (lk *link) meshFallback(ep *endpoint, port int) {
+// host has no ingress sidecar (cause says what the mesh port did), and
+// says so once per peer.
+func (lk *link) meshFallback(ep *endpoint, port int, cause error) {
 	lk.l.p.metrics.MeshFallbacks(lk.l.cfg.Name).Inc()
 	host, _, _ := net.SplitHostPort(ep.dial)
 	if pr := lk.l.p.meshPeer(host, port); pr.fallbackLogged.CompareAndSwap(false, true) {
-		lk.l.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).
-			Msg("no ingress sidecar on the peer (mesh port refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
+		lk.l.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).AnErr("cause", cause).
+			Msg("no ingress sidecar on the peer that takes this one (mesh port refused, something else answered, or TLS refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
 	}
 }
 

@@ -80,12 +80,16 @@ func (mc *meshCerts) load() (*tls.Certificate, *x509.CertPool, error) {
 	}
 	if err != nil {
 		err = fmt.Errorf("mesh.tls: %w", err)
+		again := mc.err != nil && mc.err.Error() == err.Error()
+		mc.err = err
 		if mc.cert != nil {
-			if mc.err == nil || mc.err.Error() != err.Error() {
+			if !again {
 				mc.p.log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
 			}
-			mc.err = err
 			return mc.cert, mc.pool, nil
+		}
+		if !again {
+			mc.p.log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
 		}
 		return nil, nil, err
 	}
