@@ -334,9 +334,13 @@ func TestMeshServerResetReachesClient(t *testing.T) {
 }
 
 // throttle relays both ways at about rate bytes a second, in 4 KiB
-// steps: a congested path on which bytes keep moving.
+// steps: a congested path on which bytes keep moving. Its receive buffers
+// are small (no autotuning to tens of MiB), so what the path cannot carry
+// waits in the sender, as on a real bottleneck.
 func throttle(rate int) relay.Handler {
 	return func(down, up net.Conn) {
+		_ = down.(*net.TCPConn).SetReadBuffer(32 << 10)
+		_ = up.(*net.TCPConn).SetReadBuffer(32 << 10)
 		var wg sync.WaitGroup
 		move := func(dst, src net.Conn) {
 			defer wg.Done()
@@ -362,7 +366,7 @@ func throttle(rate int) relay.Handler {
 	}
 }
 
-// Uploads that share one session over a path throttled to 256 KiB/s all
+// Uploads that share one session over a path throttled to 2 MiB/s all
 // finish: every byte keeps moving, so no link is cut for the time its
 // frames wait in the send queue (yamux's ConnectionWriteTimeout was the
 // mesh's write_timeout, 200 ms here: all 64 links of the review were cut)
@@ -370,13 +374,13 @@ func throttle(rate int) relay.Handler {
 func TestMeshCongestionKeepsLinks(t *testing.T) {
 	srv := startReadAll(t, "127.0.0.1:0")
 	in := startIngress(t, "127.0.0.2", srv.ln.Addr().String(), nil)
-	rl, err := relay.Start(in.addr(), time.Second, throttle(256<<10))
+	rl, err := relay.Start(in.addr(), time.Second, throttle(2<<20))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(rl.Close)
 	eg := startEgress(t, srv.ln.Addr().String(), portOfInt(t, rl.Addr()), func(s *policy.Settings) { s.Mesh.Sessions = 1 })
-	const uploads, size = 16, 64 << 10 // 1 MiB in all: about 4 s at 256 KiB/s
+	const uploads, size = 32, 256 << 10 // 8 MiB in all: about 4 s at 2 MiB/s, half of it more than the sender's socket holds
 	var wg sync.WaitGroup
 	errs := make(chan error, uploads)
 	for range uploads {
