@@ -2,6 +2,7 @@ package health
 
 import (
 	"context"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"slices"
@@ -78,6 +79,11 @@ type epState struct {
 	flaps        int
 	readmittedAt time.Time
 	lastErr      string
+	evidence     Evidence
+	// passingSince: a flapping endpoint's probes have passed since then,
+	// without a failure; it is readmitted once that has lasted
+	// holdDown(flaps). Zero when no probe passed since the last failure.
+	passingSince time.Time
 
 	// gen identifies the current probe goroutine; it changes whenever one is
 	// started or stopped, so a stopped one recognizes it lost its claim even
@@ -152,6 +158,12 @@ func (d *Detector) Unregister(endpoint string) {
 // or Disabled endpoint, an unregistered one, or after Close it changes
 // nothing and returns false. An empty reason is recorded as "reported".
 func (d *Detector) Report(endpoint, reason string) bool {
+	return d.ReportEvidence(endpoint, reason, Evidence{})
+}
+
+// ReportEvidence is Report with what the report rests on, shown in
+// Statuses and carried by the exclusion's Event.
+func (d *Detector) ReportEvidence(endpoint, reason string, ev Evidence) bool {
 	if reason == "" {
 		reason = "reported"
 	}
@@ -171,6 +183,7 @@ func (d *Detector) Report(endpoint, reason string) bool {
 	} else {
 		e.flaps = 0
 	}
+	e.evidence, e.passingSince = ev, time.Time{}
 	d.transitionLocked(e, Excluded, reason)
 	e.probes, e.lastErr = 0, ""
 	d.startProberLocked(e)
@@ -210,7 +223,7 @@ func (d *Detector) operator(endpoint string, to State, reason string) bool {
 		return false
 	}
 	d.transitionLocked(e, to, reason)
-	e.flaps, e.readmittedAt = 0, time.Time{} // the operator's word resets the history
+	e.flaps, e.readmittedAt, e.passingSince = 0, time.Time{}, time.Time{} // the operator's word resets the history
 	d.mu.Unlock()
 	d.deliver()
 	return true
@@ -233,7 +246,7 @@ func (d *Detector) Statuses() []Status {
 	d.mu.Lock()
 	out := make([]Status, 0, len(d.eps))
 	for _, e := range d.eps {
-		out = append(out, Status{
+		st := Status{
 			Endpoint:       e.name,
 			State:          e.state,
 			Reason:         e.reason,
@@ -241,7 +254,12 @@ func (d *Detector) Statuses() []Status {
 			NextProbe:      e.nextProbe,
 			FailedProbes:   e.probes,
 			LastProbeError: e.lastErr,
-		})
+			Evidence:       e.evidence,
+		}
+		if e.state == Excluded && !e.passingSince.IsZero() {
+			st.ProbationUntil = e.passingSince.Add(holdDown(e.pc, e.flaps))
+		}
+		out = append(out, st)
 	}
 	d.mu.Unlock()
 	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Endpoint, b.Endpoint) })
@@ -272,7 +290,11 @@ func (d *Detector) Close() {
 // calls deliver after unlocking.
 func (d *Detector) transitionLocked(e *epState, to State, reason string) {
 	now := time.Now()
-	d.pending = append(d.pending, Event{Endpoint: e.name, From: e.state, To: to, Reason: reason, At: now})
+	ev := Event{Endpoint: e.name, From: e.state, To: to, Reason: reason, At: now}
+	if to == Excluded {
+		ev.Evidence = e.evidence
+	}
+	d.pending = append(d.pending, ev)
 	e.state, e.reason, e.since = to, reason, now
 	if to != Excluded {
 		d.stopProberLocked(e)
@@ -327,10 +349,14 @@ func (d *Detector) claimedLocked(e *epState, gen uint64) bool {
 	return !d.closed && e.gen == gen && e.state == Excluded && d.eps[e.name] == e
 }
 
-// probeLoop probes the excluded endpoint e with backoff until a probe
-// succeeds (readmission) or it is stopped (Disable, Enable, Unregister,
-// Close). Every iteration waits at least half of InitialDelay, unless
-// ProbeSoon wakes it.
+// probeLoop probes the excluded endpoint e until a probe readmits it or
+// it is stopped (Disable, Enable, Unregister, Close). A probe comes at
+// the earliest of: the backoff's delay; WaitingInterval after the last
+// one, while ProbeConfig.Waiting reports clients turned away; a
+// ProbeSoon. An endpoint that flapped (excluded again soon after a
+// readmission) is readmitted only once its probes have passed, without a
+// failure, for holdDown(flaps); its probes meanwhile come every
+// WaitingInterval at most.
 func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <-chan struct{}, done chan<- struct{}, wake <-chan struct{}) {
 	defer d.probers.Done()
 	defer close(done)
@@ -343,22 +369,33 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 	}
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	last := time.Now() // the exclusion, then the end of each probe
 	for {
 		d.mu.Lock()
 		if !d.claimedLocked(e, gen) {
 			d.mu.Unlock()
 			return
 		}
-		delay := probeDelay(e.pc, e.probes+e.flaps)
-		e.nextProbe = time.Now().Add(delay)
+		pc := e.pc
+		d.mu.Unlock()
+		waiting := pc.Waiting != nil && pc.Waiting() // without the lock: it asks the data plane
+		d.mu.Lock()
+		if !d.claimedLocked(e, gen) {
+			d.mu.Unlock()
+			return
+		}
+		at := last.Add(probeDelay(pc, e.probes+e.flaps))
+		soon := last.Add(waitingDelay(pc.Jitter, rand.Float64()))
+		if waiting || !e.passingSince.IsZero() {
+			// Clients wait, or on probation: probe often enough to see
+			// it through.
+			at = minTime(at, soon)
+		}
+		e.nextProbe = at
 		d.mu.Unlock()
 
-		timer.Reset(delay)
-		select {
-		case <-ctx.Done():
+		if !d.sleepUntil(ctx, timer, wake, at, soon, pc.Waiting) {
 			return
-		case <-timer.C:
-		case <-wake:
 		}
 
 		d.mu.Lock()
@@ -367,13 +404,15 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return
 		}
 		e.nextProbe = time.Time{}
-		pc := e.pc // Register may have changed it while we slept
+		pc = e.pc // Register may have changed it while we slept
 		d.mu.Unlock()
 
+		started := time.Now()
 		err := d.probe(ctx, e.name, pc)
 		if ctx.Err() != nil {
 			return // stopped mid-probe: no verdict, not a failure
 		}
+		last = time.Now()
 
 		// Record the verdict first, so that OnProbe and OnEvent observers
 		// see a Status that already reflects it.
@@ -383,7 +422,20 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return // stopped as the probe ended: the verdict is stale
 		}
 		if err == nil {
-			e.readmittedAt = time.Now()
+			if e.flaps > 0 {
+				if e.passingSince.IsZero() {
+					e.passingSince = started
+				}
+				if last.Sub(e.passingSince) < holdDown(pc, e.flaps) {
+					passing := e.passingSince
+					d.mu.Unlock()
+					d.reportProbe(e.name, true)
+					d.log.Debug().Str("endpoint", e.name).Int("flaps", e.flaps).Time("passing_since", passing).
+						Msg("probe passed; readmission held down: the endpoint flapped")
+					continue
+				}
+			}
+			e.readmittedAt, e.passingSince = time.Now(), time.Time{}
 			d.transitionLocked(e, Healthy, ReasonProbeOK)
 			d.mu.Unlock()
 			d.reportProbe(e.name, true)
@@ -392,11 +444,59 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		}
 		e.probes++
 		e.lastErr = err.Error()
+		e.passingSince = time.Time{}
 		failed := e.probes
 		d.mu.Unlock()
 		d.reportProbe(e.name, false)
 		d.log.Debug().Err(err).Str("endpoint", e.name).Int("failed_probes", failed).Msg("probe failed")
 	}
+}
+
+// sleepUntil waits until at, or until soon (or later) once waiting
+// reports clients turned away, or a wake; it reports false if ctx ended.
+// waiting is asked at soon, then every WaitingInterval/2.
+func (d *Detector) sleepUntil(ctx context.Context, timer *time.Timer, wake <-chan struct{}, at, soon time.Time, waiting func() bool) bool {
+	for {
+		next := at
+		if waiting != nil && soon.Before(at) {
+			next = soon
+		}
+		timer.Reset(max(time.Until(next), 0))
+		select {
+		case <-ctx.Done():
+			return false
+		case <-wake:
+			return true
+		case <-timer.C:
+		}
+		if !next.Before(at) || waiting() {
+			return true
+		}
+		soon = time.Now().Add(WaitingInterval / 2)
+	}
+}
+
+// waitingDelay is the delay between probes while clients wait:
+// WaitingInterval, jittered downward only (r is in [0, 1)).
+func waitingDelay(jitter, r float64) time.Duration {
+	return time.Duration(float64(WaitingInterval) * (1 - jitter*r/2))
+}
+
+// holdDown is how long a flapping endpoint's probes must pass before it is
+// readmitted: the backoff's delay at the step of its flaps (without
+// jitter), so each flap doubles it, up to MaxDelay.
+func holdDown(pc ProbeConfig, flaps int) time.Duration {
+	if flaps <= 0 {
+		return 0
+	}
+	return baseDelay(pc, flaps)
+}
+
+func minTime(a, b time.Time) time.Time {
+	if b.Before(a) {
+		return b
+	}
+	return a
 }
 
 // deliver hands queued events to OnEvent in order. Only one goroutine

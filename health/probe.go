@@ -29,6 +29,12 @@ const (
 	DefaultInitialDelay = 1 * time.Second
 	DefaultFactor       = 2.0
 	DefaultMaxDelay     = 60 * time.Second
+	// WaitingInterval is the longest time between two probes of an
+	// excluded endpoint while ProbeConfig.Waiting reports clients turned
+	// away (jittered downward only): a dead endpoint gets about one probe
+	// a second from each proxy, a recovered one is readmitted within
+	// about a second plus the probe's own time.
+	WaitingInterval = time.Second
 	// MaxJitter bounds ProbeConfig.Jitter, so that a jittered delay is
 	// never zero. policy validates jitter to [0, 1), so a validated
 	// configuration is passed through unchanged.
@@ -79,6 +85,14 @@ type ProbeConfig struct {
 	// direct probe; it reports not handled where it falls back to a
 	// direct connection (no sidecar there).
 	Override func(ctx context.Context, endpoint string) (handled bool, err error)
+	// Waiting, when set, reports whether clients are being turned away
+	// for want of this endpoint (its listener paused, links refused).
+	// While it does, the endpoint is probed every WaitingInterval at
+	// least, whatever the backoff has grown to, so that a recovered
+	// endpoint is back within about a second while its clients wait;
+	// otherwise the backoff spares a dead server. It is called without
+	// the detector's lock held, at most every WaitingInterval/2.
+	Waiting func() bool
 }
 
 // normalized returns pc with every default and bound applied.

@@ -76,12 +76,20 @@ const (
 	ReasonConfig          = "config"           // Disable or Enable by the configuration (endpoints.disabled)
 )
 
+// Evidence is what a report rests on: since when the endpoint had shown
+// no sign of life or progress, and what was seen, in words.
+type Evidence struct {
+	Since  time.Time // zero: not known
+	Detail string
+}
+
 // Event is one real state transition of one endpoint.
 type Event struct {
 	Endpoint string    // host:port
 	From, To State     // From != To, always
 	Reason   string    // why: "dial_error", "write_timeout", "unanswered", "probe_ok", "operator_disable", ...
 	At       time.Time // when the transition happened
+	Evidence Evidence  // an exclusion's evidence, as reported
 }
 
 // Status is a snapshot of one endpoint. The admin API serves the proxy's
@@ -103,4 +111,11 @@ type Status struct {
 	// most recent exclusion ("" if none), with the same lifetime as
 	// FailedProbes.
 	LastProbeError string
+	// Evidence is what the most recent exclusion rested on, kept after
+	// readmission like FailedProbes.
+	Evidence Evidence
+	// ProbationUntil: a flapping endpoint whose probes pass again is
+	// readmitted by the first passing probe at or after this time, if
+	// none fails meanwhile (zero when not on probation).
+	ProbationUntil time.Time
 }

@@ -31,6 +31,17 @@ type Config struct {
 	// after the listeners stop accepting; links still open then are closed.
 	// 0 closes them at once; negative is invalid.
 	DrainTimeout Duration `yaml:"drain_timeout"`
+	// ShutdownGrace is how long, after SIGTERM, the proxy keeps accepting
+	// and serving before it stops accepting and drains: a client in the
+	// same pod gets SIGTERM at the same moment and may still be finishing
+	// requests and opening connections. The grace ends early once no link
+	// has been open for ShutdownIdle (the client has closed its
+	// connections). 0 stops accepting at once: right for a native sidecar,
+	// which Kubernetes stops only after the app has exited.
+	ShutdownGrace Duration `yaml:"shutdown_grace"`
+	// ShutdownIdle ends ShutdownGrace early once no link has been open for
+	// this long; 0 waits out the whole grace.
+	ShutdownIdle Duration `yaml:"shutdown_idle"`
 	// Defaults are the link settings every listener starts from; a listener
 	// may override any of them.
 	Defaults Settings `yaml:"defaults"`
@@ -42,6 +53,29 @@ type Config struct {
 	Interception Interception `yaml:"interception"`
 	// Endpoints holds operator decisions about individual upstream endpoints.
 	Endpoints Endpoints `yaml:"endpoints"`
+	// Limits bounds the whole process: its memory and its links.
+	Limits Limits `yaml:"limits"`
+}
+
+// Limits bounds the whole process, whatever each link's own settings say.
+// Every key's 0 means "derived" (see proxy.PlanLimits): from the
+// container's memory limit and the descriptor limit.
+type Limits struct {
+	// Memory is the memory the process plans for: GOMEMLIMIT (unless the
+	// environment sets it) is 90% of it and the memory budget half of it.
+	// 0: the container's memory limit (cgroup v2 memory.max, or v1
+	// memory.limit_in_bytes), else the host's memory; negative is invalid.
+	Memory Size `yaml:"memory"`
+	// MemoryBudget is the most bytes all links together hold in their
+	// queues and read buffers. Past it, a link toward an upstream that
+	// acknowledged nothing for write_timeout is closed; any other waits
+	// (backpressure). 0: half of Memory; negative is invalid.
+	MemoryBudget Size `yaml:"memory_budget"`
+	// MaxLinks is the most links the process holds at once; past it, new
+	// connections wait in the kernel's accept queue. 0: derived from the
+	// memory left beside the budget and from the descriptor limit;
+	// negative is invalid.
+	MaxLinks int `yaml:"max_links"`
 }
 
 // Interception configures the proxy's side of transparent interception.
@@ -73,7 +107,7 @@ type Admin struct {
 	// address, for kubelet probes and Prometheus.
 	Listen string `yaml:"listen"`
 	// ControlListen is where the operator's actions (POST
-	// /v1/endpoints/{endpoint}/disable, enable, evict) are served: a
+	// /v1/endpoints/{endpoint}/disable, enable, evict, drain) are served: a
 	// host:port, or unix:/absolute/path for a Unix socket (made 0600).
 	// Empty disables the actions. A host:port whose host is not a loopback
 	// address (127.0.0.0/8, ::1, localhost) needs TokenFile: nobody from
@@ -97,8 +131,8 @@ type Log struct {
 	// coloured only when stderr is a terminal).
 	Format string `yaml:"format"`
 	// Access logs one line at info for every finished link (its listener,
-	// addresses, bytes, duration and why it ended). Off: that line is at
-	// debug.
+	// client, upstream, who ended it and why, request and response bytes,
+	// connect time and attempts, duration). Off: that line is at debug.
 	Access bool `yaml:"access"`
 }
 
@@ -127,6 +161,10 @@ type Listener struct {
 	// sessions of egress sidecars (on Listen) and proxies their streams to
 	// the local server. Exclusive with Upstream, Transparent and Pool.
 	Ingress Ingress `yaml:"ingress"`
+	// MaxLinks is the most links this listener holds at once; past it,
+	// its new connections wait in the kernel's accept queue. 0: only the
+	// process's limits.max_links; negative is invalid.
+	MaxLinks int `yaml:"max_links"`
 	// Settings override the defaults for this listener's links.
 	Settings `yaml:",inline"`
 }
@@ -250,7 +288,9 @@ type MatchMesh struct {
 // overridable per listener.
 type Settings struct {
 	// ConnectTimeout bounds the upstream dial. 0: the kernel's own SYN
-	// retry limit (minutes); negative is invalid.
+	// retry limit (minutes); negative is invalid. The default, 2s, lets
+	// the SYN Linux sends again 1s after the first complete: one lost SYN
+	// costs a second, not a failed connect.
 	ConnectTimeout Duration `yaml:"connect_timeout"`
 	// ConnectAttempts is how many upstream connects a new link makes before
 	// its client is reset. Each retry, after a short backoff, goes to the
@@ -263,8 +303,9 @@ type Settings struct {
 	// a queued write for this long. 0 disables; negative is invalid.
 	WriteTimeout Duration `yaml:"write_timeout"`
 	// TCPUserTimeout is TCP_USER_TIMEOUT on the upstream socket: data left
-	// unacknowledged this long makes the kernel fail the socket.
-	// 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
+	// unacknowledged this long makes the kernel fail the socket. The proxy
+	// lifts it while the peer's window is zero and its kernel answers the
+	// probes (a peer not reading: write_timeout judges it). 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
 	// invalid.
 	TCPUserTimeout Duration `yaml:"tcp_user_timeout"`
 	// Keepalive sets TCP keepalive on the upstream socket.
@@ -366,6 +407,9 @@ type Identities string
 // NewIdentities makes an Identities of ids.
 func NewIdentities(ids ...string) Identities { return Identities(strings.Join(ids, "\n")) }
 
+// MarshalYAML writes the identities as the list they are read from.
+func (l Identities) MarshalYAML() (any, error) { return l.List(), nil }
+
 // List is the identities, in order.
 func (l Identities) List() []string {
 	if l == "" {
@@ -466,8 +510,12 @@ type WriteBuffer struct {
 	// must be below HighWaterMark. 0: resume when empty; negative is
 	// invalid.
 	LowWaterMark Size `yaml:"low_water_mark"`
-	// OnOverflow is reject (close the link: the client fails fast) or
-	// backpressure (stop reading the client until below LowWaterMark).
+	// OnOverflow is backpressure (stop reading the client until the queue
+	// is below LowWaterMark; an upstream that acknowledges nothing for
+	// write_timeout still ends the link, as write_timeout) or reject (close
+	// the link at the high watermark, whatever the upstream does: the
+	// client fails fast, and a fast upload to a live but slower server is
+	// cut too).
 	OnOverflow string `yaml:"on_overflow"`
 }
 
@@ -675,12 +723,12 @@ const (
 // (docs/incidents.md): each bounds how long a dead upstream can hold a link.
 func DefaultSettings() Settings {
 	return Settings{
-		ConnectTimeout:   Duration(time.Second),
+		ConnectTimeout:   Duration(2 * time.Second),
 		ConnectAttempts:  3,
 		WriteTimeout:     Duration(10 * time.Second),
 		TCPUserTimeout:   Duration(10 * time.Second),
 		Keepalive:        Keepalive{Idle: Duration(10 * time.Second), Interval: Duration(5 * time.Second), Count: 3},
-		WriteBuffer:      WriteBuffer{HighWaterMark: 16 * MiB, LowWaterMark: 8 * MiB, OnOverflow: OverflowReject},
+		WriteBuffer:      WriteBuffer{HighWaterMark: 16 * MiB, LowWaterMark: 8 * MiB, OnOverflow: OverflowBackpressure},
 		HalfCloseTimeout: Duration(30 * time.Second),
 		Framing: Framing{
 			Type:              FramingNone,
@@ -688,7 +736,7 @@ func DefaultSettings() Settings {
 			ByteOrder:         ByteOrderBig,
 			MaxFrameLength:    256 * MiB,
 		},
-		Unanswered: Unanswered{Track: TrackAuto, RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5},
+		Unanswered: Unanswered{Track: TrackAuto, RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 1},
 		Detector: Detector{
 			Probe:         ProbeKindAuto,
 			ProbeTimeout:  Duration(time.Second),
@@ -706,9 +754,11 @@ func DefaultSettings() Settings {
 // DefaultConfig returns a configuration with every default and no listeners.
 func DefaultConfig() Config {
 	return Config{
-		Admin:        Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
-		Log:          Log{Level: "info", Format: "json"},
-		DrainTimeout: Duration(15 * time.Second),
-		Defaults:     DefaultSettings(),
+		Admin:         Admin{Listen: "127.0.0.1:9901", ControlListen: "127.0.0.1:9902"},
+		Log:           Log{Level: "info", Format: "json"},
+		DrainTimeout:  Duration(15 * time.Second),
+		ShutdownGrace: Duration(10 * time.Second),
+		ShutdownIdle:  Duration(2 * time.Second),
+		Defaults:      DefaultSettings(),
 	}
 }

@@ -121,7 +121,7 @@ func TestParseErrors(t *testing.T) {
 				"    upstream: up:2",
 				"    write_buffer: {high_water_mark: 1.5MiB}",
 			),
-			want: `listeners[0].write_buffer.high_water_mark: invalid size "1.5MiB" (use an integer with B, KiB, MiB or GiB, such as 16MiB) (line 5)`,
+			want: `listeners[0].write_buffer.high_water_mark: invalid size "1.5MiB" (use an integer with B, KiB, MiB or GiB, such as 16MiB; Kubernetes' Ki, Mi and Gi are the same units) (line 5)`,
 		},
 		{
 			name: "bad integer",
@@ -259,6 +259,27 @@ func TestParseErrors(t *testing.T) {
 			),
 			want: `log.level: "verbose" is not one of debug, info, warn, error (line 1)` + "\n" +
 				`log.format: "text" is not one of json, console (line 1)`,
+		},
+		{
+			name: "bad limits",
+			yaml: doc(
+				"limits: {memory: 128MiB, memory_budget: 128MiB, max_links: -1}",
+				"listeners:",
+				"  - {name: a, listen: 127.0.0.1:2, upstream: up:2, max_links: -3}",
+			),
+			want: "limits.max_links: -1 is negative: use 0 to derive it (line 1)\n" +
+				"limits.memory_budget: 128MiB must be below limits.memory (128MiB): the runtime needs room beside the links' buffers (line 1)\n" +
+				"listeners[0].max_links: -3 is negative: use 0 for no limit of its own (line 3)",
+		},
+		{
+			name: "negative memory",
+			yaml: doc(
+				"limits: {memory: -1, memory_budget: -2}",
+				"listeners:",
+				okListener,
+			),
+			want: "limits.memory: -1 is negative: use 0 to derive it (line 1)\n" +
+				"limits.memory_budget: -2 is negative: use 0 to derive it (line 1)",
 		},
 		{
 			name: "bad on_overflow",
@@ -1033,7 +1054,7 @@ func TestNewKeyDefaults(t *testing.T) {
 		if s.Framing != wantFraming {
 			t.Errorf("framing = %+v, want %+v", s.Framing, wantFraming)
 		}
-		wantUnanswered := Unanswered{Track: "auto", RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 5}
+		wantUnanswered := Unanswered{Track: "auto", RequestTimeout: Duration(3 * time.Second), ConsecutiveTimeoutsThreshold: 1}
 		if s.Unanswered != wantUnanswered {
 			t.Errorf("unanswered = %+v, want %+v", s.Unanswered, wantUnanswered)
 		}
@@ -1152,6 +1173,8 @@ func TestSizes(t *testing.T) {
 	}{
 		{"16MiB", 16 << 20}, {"64KiB", 64 << 10}, {"1GiB", 1 << 30}, {"512B", 512},
 		{"1024", 1024}, {"0", 0}, {"'8MiB'", 8 << 20},
+		// Kubernetes' spelling of the same binary units.
+		{"16Mi", 16 << 20}, {"64Ki", 64 << 10}, {"1Gi", 1 << 30},
 	} {
 		c := mustParse(t, doc("defaults: {write_buffer: {high_water_mark: "+tc.in+", low_water_mark: 0}}",
 			"listeners:", "  - {name: a, listen: 127.0.0.1:1, upstream: up:1}"))
@@ -1159,7 +1182,9 @@ func TestSizes(t *testing.T) {
 			t.Errorf("high_water_mark: %s decoded to %d, want %d", tc.in, got, tc.want)
 		}
 	}
-	for _, in := range []string{"1.5MiB", "16MB", "16 mib", "MiB", "ten", "true", "9999999999GiB"} {
+	// 16M and 1G are decimal in Kubernetes (10^6, 10^9): not taken for
+	// binary units; 16mi is no unit.
+	for _, in := range []string{"1.5MiB", "16MB", "16 mib", "MiB", "ten", "true", "9999999999GiB", "16M", "1G", "16mi", "Mi", "1.5Gi"} {
 		if s, err := ParseSize(in); err == nil {
 			t.Errorf("ParseSize(%q) = %v, want an error", in, s)
 		}
@@ -1201,11 +1226,11 @@ admin:
   listen: 127.0.0.1:9901          # /metrics /healthz /readyz /v1/endpoints
 log: {level: info, format: json}  # json | console
 defaults:                         # any key here may be overridden per listener
-  connect_timeout: 1s
+  connect_timeout: 2s
   write_timeout: 10s
   tcp_user_timeout: 10s
   keepalive: {idle: 10s, interval: 5s, count: 3}
-  write_buffer: {high_water_mark: 16MiB, low_water_mark: 8MiB, on_overflow: reject}  # or backpressure
+  write_buffer: {high_water_mark: 16MiB, low_water_mark: 8MiB, on_overflow: backpressure}  # or reject
   half_close_timeout: 30s
   framing: {type: none}           # or length_field: see below
   unanswered: {request_timeout: 3s, consecutive_timeouts_threshold: 5}
@@ -1221,7 +1246,7 @@ listeners:
   - name: kafka
     listen: 127.0.0.1:19092
     upstream: kafka-headless.data.svc:9092
-    write_buffer: {on_overflow: backpressure}
+    write_buffer: {on_overflow: reject}
 endpoints:
   disabled: [10.1.2.3:8098]       # operator-disabled: never routed to, not even fail-open
 `
@@ -1230,12 +1255,13 @@ func TestDesignExample(t *testing.T) {
 	c := mustParse(t, designExample)
 	want := DefaultConfig()
 	want.Defaults.Detector.Probe = health.ProbeConnect
+	want.Defaults.Unanswered.ConsecutiveTimeoutsThreshold = 5 // DESIGN.md's starting value; the default is 1 now
 	want.Listeners = []Listener{
 		{Name: "pinot-server-0", Listen: "127.0.0.1:18098", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: want.Defaults},
 		{Name: "kafka", Listen: "127.0.0.1:19092", Upstream: "kafka-headless.data.svc:9092", Settings: want.Defaults},
 	}
 	want.Listeners[0].Framing.Type = FramingLengthField
-	want.Listeners[1].WriteBuffer.OnOverflow = OverflowBackpressure
+	want.Listeners[1].WriteBuffer.OnOverflow = OverflowReject
 	want.Endpoints.Disabled = []string{"10.1.2.3:8098"}
 	if !reflect.DeepEqual(c, want) {
 		t.Fatalf("config:\n%+v\nwant:\n%+v", c, want)
@@ -1561,5 +1587,36 @@ func TestValidateBuiltPool(t *testing.T) {
 		"listeners[3].upstream: a listener has either upstream or pool, not both"
 	if err := c.Validate(); err == nil || err.Error() != want {
 		t.Fatalf("Validate:\n%v\nwant:\n%s", err, want)
+	}
+}
+
+// The configuration in force is shown as YAML (GET /v1/config): it reads
+// back, through the strict decoder, as the very same configuration, every
+// default filled in, durations and sizes in the config's own spelling.
+func TestConfigMarshalsBack(t *testing.T) {
+	for _, name := range []string{"minimal.yaml", "pinot-broker.yaml", "kafka-client.yaml"} {
+		c, err := Load(filepath.Join("..", "examples", name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := c.Effective()
+		if err != nil {
+			t.Fatal(err)
+		}
+		back, err := Parse(out)
+		if err != nil {
+			t.Fatalf("%s: the marshalled config does not parse: %v\n%s", name, err, out)
+		}
+		if len(back.Endpoints.Disabled) == 0 && c.Endpoints.Disabled == nil {
+			back.Endpoints.Disabled = nil // [] and absent are the same list
+		}
+		if !reflect.DeepEqual(back, c) {
+			t.Fatalf("%s: marshalled and parsed again:\n%+v\nwant:\n%+v\n%s", name, back, c, out)
+		}
+		for _, want := range []string{"drain_timeout: 15s", "high_water_mark: 16MiB", "shutdown_grace: 10s"} {
+			if !strings.Contains(string(out), want) {
+				t.Errorf("%s: marshalled config lacks %q:\n%s", name, want, out)
+			}
+		}
 	}
 }

@@ -331,7 +331,10 @@ func TestAdminAndLogKeys(t *testing.T) {
 		{"unix socket", "admin: {control_listen: 'unix:/run/livenessproxy/control.sock'}", ""},
 		{"pod address with a token", "admin: {control_listen: '10.1.2.3:9902', token_file: token}", ""},
 		{"port 0 on both", "admin: {listen: '127.0.0.1:0', control_listen: '127.0.0.1:0'}", ""},
-		{"same port, other address families", "admin: {listen: '0.0.0.0:9901', control_listen: '[::1]:9901'}", ""},
+		{"same port, other address families", "admin: {listen: '127.0.0.1:9901', control_listen: '[::1]:9901'}", ""},
+		// Go opens [::1] with IPV6_V6ONLY off: the kernel refuses it beside 0.0.0.0.
+		{"same port as 0.0.0.0, on ::1", "admin: {listen: '0.0.0.0:9901', control_listen: '[::1]:9901'}",
+			`admin.control_listen: "[::1]:9901" is the address of admin.listen (0.0.0.0:9901): the control server needs its own port (line 1)`},
 		{"token file that does not exist yet", "admin: {control_listen: '0.0.0.0:9902', token_file: /nonexistent/mounted/later}", ""},
 		{
 			"every address without a token", "admin: {control_listen: '0.0.0.0:9902'}",

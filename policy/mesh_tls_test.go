@@ -40,6 +40,18 @@ func TestMeshTLSAndAllowParse(t *testing.T) {
 			t.Errorf("%s: %v", a, err)
 		}
 	}
+	// GET /v1/config's YAML parses back, the identities a list again.
+	b, err := c.Effective()
+	if err != nil {
+		t.Fatal(err)
+	}
+	back, err := Parse(b)
+	if err != nil {
+		t.Fatalf("the effective config does not parse back: %v\n%s", err, b)
+	}
+	if back.Defaults.Mesh.TLS != c.Defaults.Mesh.TLS || back.Listeners[0].Mesh.TLS != a {
+		t.Fatalf("mesh.tls %+v / %+v after the round trip, want %+v / %+v", back.Defaults.Mesh.TLS, back.Listeners[0].Mesh.TLS, c.Defaults.Mesh.TLS, a)
+	}
 	_, err = Parse([]byte(doc("defaults:", "  mesh: {tls: {cert_file: /c, key_file: /k, ca_file: /ca, peers: spiffe://x}}")))
 	if err == nil || !strings.Contains(err.Error(), "defaults.mesh.tls.peers: expected a list") {
 		t.Fatalf("peers as a string: %v, want an error naming the key", err)

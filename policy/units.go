@@ -21,6 +21,9 @@ func (d Duration) Enabled() bool { return d > 0 }
 
 func (d Duration) String() string { return time.Duration(d).String() }
 
+// MarshalYAML writes the duration as the config does: 10s, 1m30s.
+func (d Duration) MarshalYAML() (any, error) { return d.String(), nil }
+
 // ParseDuration parses a duration as written in the config.
 func ParseDuration(s string) (Duration, error) {
 	s = strings.TrimSpace(s)
@@ -48,10 +51,13 @@ const (
 	GiB Size = 1 << 30
 )
 
+// sizeUnits are the suffixes ParseSize takes, longest first within a
+// unit: the IEC ones, then Kubernetes' spelling of the same binary units
+// (16Mi is 16MiB), then plain bytes. String writes the first three.
 var sizeUnits = []struct {
 	suffix string
 	mult   Size
-}{{"GiB", GiB}, {"MiB", MiB}, {"KiB", KiB}, {"B", B}}
+}{{"GiB", GiB}, {"MiB", MiB}, {"KiB", KiB}, {"Gi", GiB}, {"Mi", MiB}, {"Ki", KiB}, {"B", B}}
 
 func (s Size) String() string {
 	for _, u := range sizeUnits[:3] {
@@ -61,6 +67,9 @@ func (s Size) String() string {
 	}
 	return strconv.FormatInt(int64(s), 10) + "B"
 }
+
+// MarshalYAML writes the size as the config does: 16MiB.
+func (s Size) MarshalYAML() (any, error) { return s.String(), nil }
 
 // ParseSize parses a size as written in the config.
 func ParseSize(str string) (Size, error) {
@@ -74,7 +83,7 @@ func ParseSize(str string) (Size, error) {
 	}
 	n, err := strconv.ParseInt(t, 10, 64)
 	if err != nil || n > int64((1<<62)/mult) || n < -int64((1<<62)/mult) {
-		return 0, fmt.Errorf("invalid size %q (use an integer with B, KiB, MiB or GiB, such as 16MiB)", str)
+		return 0, fmt.Errorf("invalid size %q (use an integer with B, KiB, MiB or GiB, such as 16MiB; Kubernetes' Ki, Mi and Gi are the same units)", str)
 	}
 	return Size(n) * mult, nil
 }

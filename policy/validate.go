@@ -125,13 +125,14 @@ func (v *validator) config(c *Config) {
 	}
 
 	v.notNegative("drain_timeout", c.DrainTimeout, c.DrainTimeout < 0)
+	v.notNegative("shutdown_grace", c.ShutdownGrace, c.ShutdownGrace < 0)
+	v.notNegative("shutdown_idle", c.ShutdownIdle, c.ShutdownIdle < 0)
 	v.settings("defaults.", &c.Defaults, func(string) bool { return true })
 
 	if len(c.Listeners) == 0 {
 		v.add("listeners", "at least one listener is required")
 	}
 	names := map[string]int{}
-	listens := map[string]int{}
 	for i := range c.Listeners {
 		l := &c.Listeners[i]
 		p := "listeners[" + strconv.Itoa(i) + "]."
@@ -150,15 +151,9 @@ func (v *validator) config(c *Config) {
 
 		if l.Listen == "" {
 			v.add(p+"listen", "required")
-		} else if norm, why := hostPort(l.Listen, false); why != "" {
+		} else if _, why := hostPort(l.Listen, false); why != "" {
 			v.add(p+"listen", "%q is not a host:port address: %s", l.Listen, why)
-		} else if !strings.HasSuffix(norm, ":0") { // port 0 picks a free port: never a clash
-			if j, dup := listens[norm]; dup {
-				v.add(p+"listen", "duplicate listen address %q (also listeners[%d])", l.Listen, j)
-			} else {
-				listens[norm] = i
-			}
-		}
+		} // clashes between addresses: v.clashes, below
 
 		// Exactly one of upstream, transparent and pool; the listener's
 		// target is checked only when it is unambiguous.
@@ -200,23 +195,49 @@ func (v *validator) config(c *Config) {
 		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
 	}
 
+	v.clashes(boundAddrs(c))
 	v.endpointList("endpoints.disabled", c.Endpoints.Disabled)
+	v.limits(c)
+}
+
+// limits checks the limits section and the listeners' max_links.
+func (v *validator) limits(c *Config) {
+	for _, k := range []struct {
+		key string
+		val Size
+	}{{"limits.memory", c.Limits.Memory}, {"limits.memory_budget", c.Limits.MemoryBudget}} {
+		if k.val < 0 {
+			text, ok := v.raw[k.key]
+			if !ok {
+				text = k.val.String()
+			}
+			v.add(k.key, "%s is negative: use 0 to derive it", text)
+		}
+	}
+	if c.Limits.MaxLinks < 0 {
+		v.add("limits.max_links", "%d is negative: use 0 to derive it", c.Limits.MaxLinks)
+	}
+	if c.Limits.Memory > 0 && c.Limits.MemoryBudget >= c.Limits.Memory {
+		v.add("limits.memory_budget", "%v must be below limits.memory (%v): the runtime needs room beside the links' buffers", c.Limits.MemoryBudget, c.Limits.Memory)
+	}
+	for i, l := range c.Listeners {
+		if l.MaxLinks < 0 {
+			v.add("listeners["+strconv.Itoa(i)+"].max_links", "%d is negative: use 0 for no limit of its own", l.MaxLinks)
+		}
+	}
 }
 
 // maxUnixPath is the longest Unix socket path the kernel binds: sun_path
 // is 108 bytes, with the terminating NUL.
 const maxUnixPath = 107
 
-// admin checks the admin section: both addresses, the control server off
-// loopback only with a token, and the two servers on different addresses.
+// admin checks the admin section: both addresses, and the control server
+// off loopback only with a token (clashes: v.clashes).
 func (v *validator) admin(a Admin) {
-	var listen string
 	if a.Listen != "" {
-		norm, why := hostPort(a.Listen, false)
-		if why != "" {
+		if _, why := hostPort(a.Listen, false); why != "" {
 			v.add("admin.listen", "%q is not a host:port address: %s (leave it empty to disable the admin server)", a.Listen, why)
 		}
-		listen = norm
 	}
 	if a.ControlListen == "" {
 		return
@@ -234,9 +255,6 @@ func (v *validator) admin(a Admin) {
 	if why != "" {
 		v.add("admin.control_listen", "%q is not a host:port or unix:/path address: %s (leave it empty to disable the operator actions)", a.ControlListen, why)
 		return
-	}
-	if listen != "" && sameListen(norm, listen) {
-		v.add("admin.control_listen", "%q is the address of admin.listen (%s): the control server needs its own port", a.ControlListen, a.Listen)
 	}
 	if host, _, _ := net.SplitHostPort(norm); !isLoopback(host) && a.TokenFile == "" {
 		v.addAt("admin.token_file", "admin.control_listen",
@@ -257,25 +275,18 @@ func isLoopback(host string) bool {
 
 // sameListen reports whether two normalised host:port listen addresses
 // would clash: the same port (not 0, which picks a free one) and the same
-// host, or a wildcard host that covers the other (every address, or
-// 0.0.0.0 and a host that is not an IPv6 address).
+// host, or a wildcard host ("", "::" or "0.0.0.0"). A wildcard takes the
+// port on every address as Go binds on Linux: "" and "::" are dual-stack,
+// and an IPv6 socket, even on ::1, is opened with IPV6_V6ONLY off, so it
+// clashes with 0.0.0.0 too.
 func sameListen(a, b string) bool {
 	ha, pa, _ := net.SplitHostPort(a)
 	hb, pb, _ := net.SplitHostPort(b)
 	if pa != pb || pa == "0" {
 		return false
 	}
-	covers := func(wild, h string) bool {
-		switch wild {
-		case "", "::":
-			return true
-		case "0.0.0.0":
-			addr, err := netip.ParseAddr(h)
-			return err != nil || addr.Is4() || addr.Is4In6()
-		}
-		return false
-	}
-	return ha == hb || covers(ha, hb) || covers(hb, ha)
+	wild := func(h string) bool { return h == "" || h == "::" || h == "0.0.0.0" }
+	return ha == hb || wild(ha) || wild(hb)
 }
 
 // endpointList checks a list of endpoints at path: each a host:port with a

@@ -22,6 +22,16 @@ type EndpointStatus struct {
 	LastProbeError        string    `json:"last_probe_error,omitempty"`
 	LiveLinks             int       `json:"live_links"`
 	ConsecutiveUnanswered int64     `json:"consecutive_unanswered"`
+	// EvidenceSince and Evidence: what the most recent exclusion rested on
+	// (kept after readmission): since when the endpoint had shown no sign
+	// of life or progress, and what was seen.
+	EvidenceSince time.Time `json:"evidence_since,omitzero"`
+	Evidence      string    `json:"evidence,omitempty"`
+	// ProbationUntil: a flapping endpoint whose probes pass again is
+	// readmitted at the first passing probe from then on.
+	ProbationUntil time.Time `json:"probation_until,omitzero"`
+	// Draining: the operator drained it (no new links, open ones finish).
+	Draining bool `json:"draining"`
 }
 
 // Endpoints returns every endpoint's status, sorted by address.
@@ -46,6 +56,10 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 			LastProbeError:        st.LastProbeError,
 			LiveLinks:             ep.liveLinks(),
 			ConsecutiveUnanswered: ep.consecutive.Load(),
+			EvidenceSince:         st.Evidence.Since,
+			Evidence:              st.Evidence.Detail,
+			ProbationUntil:        st.ProbationUntil,
+			Draining:              p.isDrained(st.Endpoint),
 		}
 		ep.mu.Lock()
 		for _, l := range ep.listeners {
@@ -92,12 +106,14 @@ func (p *Proxy) Disable(addr string) (bool, error) {
 	return changed, err
 }
 
-// Enable is the operator's enable: a readmission, so links opened before
-// it are evicted. It reports whether any state changed.
+// Enable is the operator's enable: it ends a drain, and ends a disable
+// with a readmission, so links opened before it are evicted (a drain's
+// links are not). It reports whether any state changed.
 func (p *Proxy) Enable(addr string) (bool, error) {
 	eps, err := p.lookup(addr)
 	changed := false
 	for _, ep := range eps {
+		changed = p.undrain(ep) || changed
 		changed = p.det.Enable(ep.addr, health.ReasonOperatorEnable) || changed
 	}
 	return changed, err

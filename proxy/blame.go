@@ -35,8 +35,21 @@ func upstreamFault(err error) bool {
 		return false
 	}
 	// A connect that did not complete within connect_timeout.
+	return deadlinePassed(err)
+}
+
+// deadlinePassed reports whether err is a deadline's of the proxy's own
+// (connect_timeout, a socket deadline).
+func deadlinePassed(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout() || errors.Is(err, os.ErrDeadlineExceeded) || errors.Is(err, context.DeadlineExceeded)
+}
+
+// dialTimedOut reports whether a failed connect ran out of
+// connect_timeout (rather than being refused, unreachable, or given up by
+// the kernel after all its SYN retransmissions).
+func dialTimedOut(err error) bool {
+	return !errors.Is(err, syscall.ETIMEDOUT) && deadlinePassed(err)
 }
 
 // closeReasonFor maps an error on an upstream socket to a close reason:

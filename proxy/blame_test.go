@@ -70,6 +70,11 @@ func TestUpstreamFaultClassification(t *testing.T) {
 		if got := closeReasonFor(c.err); got != c.reason {
 			t.Errorf("%s (%v): close reason %s, want %s", c.name, c.err, got, c.reason)
 		}
+		// Only a connect that ran out of connect_timeout is a timeout a
+		// lost SYN may explain (see dialFailed).
+		if got, want := dialTimedOut(c.err), c.name == "connect timeout"; got != want {
+			t.Errorf("%s (%v): dialTimedOut = %v, want %v", c.name, c.err, got, want)
+		}
 	}
 }
 

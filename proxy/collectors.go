@@ -11,7 +11,7 @@ import (
 type queuedCollector struct{ p *Proxy }
 
 var queuedDesc = prometheus.NewDesc("livenessproxy_queued_bytes",
-	"Bytes read from clients and waiting in the proxy's queues for their upstreams now (the kernel's own send buffers not included).",
+	"Bytes waiting in the proxy's queues for the upstream now (the kernel's send buffers not included).",
 	[]string{"listener"}, nil)
 
 func (c *queuedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- queuedDesc }
@@ -34,7 +34,7 @@ func (c *queuedCollector) Collect(ch chan<- prometheus.Metric) {
 type bytesCollector struct{ p *Proxy }
 
 var bytesDesc = prometheus.NewDesc("livenessproxy_bytes_total",
-	"Bytes proxied: request is client to upstream, response is upstream to client.",
+	"Bytes proxied, request (client→upstream) and response; computed at scrape time from live links, so the data path never touches a shared metric.",
 	[]string{"listener", "direction"}, nil)
 
 func (c *bytesCollector) Describe(ch chan<- *prometheus.Desc) { ch <- bytesDesc }
@@ -62,7 +62,7 @@ func (c *bytesCollector) Collect(ch chan<- prometheus.Metric) {
 type stateCollector struct{ p *Proxy }
 
 var stateDesc = prometheus.NewDesc("livenessproxy_endpoint_state",
-	"Endpoint state: 1 for the current one of healthy, excluded, disabled.",
+	"1 for the endpoint's current state (healthy, excluded, disabled), 0 for the others.",
 	[]string{"listener", "endpoint", "state"}, nil)
 
 var allStates = []health.State{health.Healthy, health.Excluded, health.Disabled}

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"strconv"
 	"sync"
@@ -22,12 +23,15 @@ type endpoint struct {
 	name         string // the host:port name it was resolved from; "" for an address
 	consecutive  atomic.Int64
 	lastAnswer   atomic.Int64                    // mono time of the last answer on any link
+	silentSince  atomic.Int64                    // mono send time of the earliest unanswered request counted; 0: none
 	readmitted   atomic.Int64                    // mono time of the last readmission
+	leftAt       atomic.Pointer[time.Time]       // when it last left routing (excluded or disabled)
 	lastUsed     atomic.Int64                    // mono time a transparent connection last resolved to it
 	settings     atomic.Pointer[policy.Settings] // the latest settings it was registered with
 	tls          atomic.Bool                     // a client of it spoke TLS
 	meshPort     atomic.Int32                    // the mesh port its last link reached it through; 0: directly
-	meshExcluded atomic.Bool                     // excluded by the mesh (not ready, dead session): its links were kept
+	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
+	dialTimeouts atomic.Int32                    // connects in a row that timed out (see dialFailed)
 	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
@@ -70,8 +74,8 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 		ep.orphans = newTracker(judgingSlack(time.Second), false, &ep.lastAnswer, func(judged []pendingRequest, _ int) {
 			// Each request keeps the threshold of the listener that sent it.
 			for _, r := range judged {
-				if !ep.orphans.covered(&r) {
-					p.countUnanswered(ep, nil, int(r.n), int(r.thr))
+				if r.verdict && !ep.orphans.covered(&r) {
+					p.countUnanswered(ep, nil, int(r.n), int(r.thr), max(r.at, ep.lastAnswer.Load()))
 				}
 			}
 		})
@@ -102,10 +106,34 @@ func (ep *endpoint) probeConfig() health.ProbeConfig {
 	s := *ep.settings.Load()
 	pc := probeConfig(s)
 	pc.Override = ep.meshProbe
+	pc.Waiting = ep.clientsWaiting
 	if ep.tls.Load() && pc.Kind == health.ProbeKafka && (s.Detector.Probe == policy.ProbeKindAuto || s.Detector.Probe == "") {
 		pc.Kind = health.ProbeConnect
 	}
 	return pc
+}
+
+// clientsWaiting reports whether clients are being turned away for want
+// of ep: a listener that routes to it refuses new links because of it (an
+// explicit listener paused, a transparent destination in the kernel's
+// excluded set, a pool with no member left to route to). Then the
+// detector probes it every second whatever its backoff, so that it is
+// back within about a second of its recovery. A pool that still routes to
+// other members turns no one away: its excluded member keeps the backoff.
+func (ep *endpoint) clientsWaiting() bool {
+	ep.mu.Lock()
+	ls := append([]*listener(nil), ep.listeners...)
+	ep.mu.Unlock()
+	for _, l := range ls {
+		target := ep
+		if l.pool != nil {
+			target = nil
+		}
+		if l.refusing(target) {
+			return true
+		}
+	}
+	return false
 }
 
 // sawTLS records that a client of ep speaks TLS, and re-registers ep's
@@ -189,9 +217,8 @@ func (l *listener) refusing(ep *endpoint) bool {
 		routable, _ := l.pool.routing()
 		return !routable
 	}
-	st, _ := l.p.det.State(ep.addr)
-	switch st {
-	case health.Disabled:
+	switch l.p.routingState(ep) {
+	case health.Disabled: // or drained
 		return true
 	case health.Excluded:
 		return !l.failOpen() && !l.groupFailingOpen(ep)
@@ -210,18 +237,18 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 	log := p.log.With().Str("endpoint", ev.Endpoint).Str("from", ev.From.String()).
 		Str("to", ev.To.String()).Str("reason", ev.Reason).Logger()
+	if ev.From == health.Healthy {
+		at := ev.At
+		ep.leftAt.Store(&at)
+	}
 	switch ev.To {
 	case health.Excluded:
-		ep.meshExcluded.Store(ev.Reason == reasonMeshNotReady || ev.Reason == reasonMeshDead)
-		if ep.meshExcluded.Load() {
+		ep.linksKept.Store(keepsLinks(ev.Reason))
+		if ep.linksKept.Load() {
 			// New links are refused, but this is no evidence against the
-			// links still open. Not ready: the server stopped accepting
-			// connections, and one draining for a graceful restart still
-			// finishes the links it serves. A dead session: its own links
-			// were closed already; links on another session to the same
-			// peer are judged by that session's heartbeat (a blackhole
-			// can take one path and spare another).
-			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded by the mesh")
+			// links still open (see keepsLinks): each is judged by its own
+			// rules (write and user timeouts, keepalive, unanswered).
+			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded: new links refused, open links kept")
 			break
 		}
 		closeReason := metrics.ReasonEvicted
@@ -232,7 +259,14 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		if linkEnd(ev.Reason) {
 			n++ // the link whose end was the evidence, closed before the report
 		}
-		log.Warn().Int("links_closed", n).Msg("endpoint excluded")
+		e := log.Warn().Int("links_closed", n)
+		if ev.Evidence.Detail != "" {
+			e = e.Str("evidence", ev.Evidence.Detail)
+		}
+		if !ev.Evidence.Since.IsZero() {
+			e = e.Time("evidence_since", ev.Evidence.Since).Int64("evidence_ms", ev.At.Sub(ev.Evidence.Since).Milliseconds())
+		}
+		e.Msg("endpoint excluded")
 	case health.Disabled:
 		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictDisabled)
 		log.Warn().Int("links_closed", n).Msg("endpoint disabled")
@@ -243,14 +277,21 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		ep.readmitted.Store(mono())
 		ep.orphans.clear()
 		ep.consecutive.Store(0)
-		// No client keeps a connection opened before the readmission,
-		// except after a mesh exclusion, which kept them on purpose: the
-		// links of a dead session are gone already, and a server that
-		// started afresh has a new epoch, which evicts the links of the
-		// old one (evictMeshEpoch).
+		// No client keeps a connection opened before the exclusion (to
+		// the process that failed), except after an exclusion that kept
+		// them on purpose (keepsLinks): they were judged by their own
+		// rules meanwhile; the links of a dead session are gone already,
+		// and a server that started afresh has a new epoch, which evicts
+		// the links of the old one (evictMeshEpoch). Links opened during
+		// the exclusion (fail-open, on_excluded: allow) reach the very
+		// process the probe just found healthy: they stay.
 		n := 0
-		if !ep.meshExcluded.Swap(false) {
-			n = ep.evict(ev.At, metrics.ReasonEvicted, metrics.EvictReadmitted)
+		if !ep.linksKept.Swap(false) {
+			before := ev.At
+			if left := ep.leftAt.Load(); left != nil {
+				before = *left
+			}
+			n = ep.evict(before, metrics.ReasonEvicted, metrics.EvictReadmitted)
 		}
 		log.Info().Int("links_closed", n).Msg("endpoint readmitted")
 	}
@@ -279,12 +320,65 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 }
 
+// keepsLinks reports whether an exclusion for reason leaves the endpoint's
+// open links alone: it is evidence that new connections fail, not that
+// open ones make no progress. A failed connect (dial_error): a server
+// that closed its listener to drain for a graceful restart still finishes
+// the links it serves, and a connect lost on the way says nothing of the
+// established links (the failure reaches the detector only when no link
+// showed the endpoint alive, see dialFailed). The mesh's not ready: the
+// same, announced by the peer sidecar. A dead mesh session: its own links
+// were closed already; links on another session to the same peer are
+// judged by that session's heartbeat (a blackhole can take one path and
+// spare another).
+func keepsLinks(reason string) bool {
+	switch reason {
+	case metrics.ReasonDialError, reasonMeshNotReady, reasonMeshDead:
+		return true
+	}
+	return false
+}
+
+// dialTimeoutsToReport is how many connects in a row must time out before
+// a timeout is held against the endpoint: Linux sends a SYN again 1s and
+// 3s after the first, so one timeout can be one lost SYN (or two); two in
+// a row, each spanning a retransmission, are not.
+const dialTimeoutsToReport = 2
+
+// dialFailed decides whether a connect to the endpoint that failed with
+// err (an upstream fault), begun at mono time began, is evidence against
+// it, to be reported (dial_error). Not while the endpoint shows another
+// sign of life: a byte from it on any link since the connect began, or
+// within lifeWindow before: a lost SYN or a full accept queue is not a
+// dead server. Not on a timeout that a lost SYN explains: only the
+// dialTimeoutsToReport-th in a row (a connect that succeeds starts the
+// count over). A refusal or an unreachable host with no sign of life is
+// reported at once.
+func (ep *endpoint) dialFailed(began int64, lifeWindow time.Duration, err error) bool {
+	timedOut := dialTimedOut(err)
+	n := int32(0)
+	if timedOut {
+		n = ep.dialTimeouts.Add(1)
+	}
+	if ep.lastAnswer.Load() >= began-int64(lifeWindow) {
+		return false
+	}
+	return !timedOut || n >= dialTimeoutsToReport
+}
+
+// dialSucceeded starts the count of connects in a row that timed out over.
+func (ep *endpoint) dialSucceeded() {
+	if ep.dialTimeouts.Load() != 0 {
+		ep.dialTimeouts.Store(0)
+	}
+}
+
 // linkEnd reports whether an exclusion reason is the end of a link (a
 // write timeout, ETIMEDOUT, a stalled overflow): that link was already
 // closed when the report came.
 func linkEnd(reason string) bool {
 	switch reason {
-	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark:
+	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark, metrics.ReasonBudget:
 		return true
 	}
 	return false
@@ -328,12 +422,29 @@ func (p *Proxy) report(ep *endpoint, reason string) {
 	p.det.Report(ep.addr, reason)
 }
 
+// reportLinkEnd passes the end of lk, evidence against its upstream (see
+// blamesUpstream), to the detector, with what was seen: since when the
+// upstream had acknowledged nothing, and the link's error.
+func (p *Proxy) reportLinkEnd(lk *link, reason string, err error) {
+	ev := health.Evidence{Since: monoToTime(lk.ackedAt.Load()), Detail: "a link ended " + reason}
+	if err != nil {
+		ev.Detail += ": " + err.Error()
+	}
+	p.det.ReportEvidence(lk.ep.addr, reason, ev)
+}
+
+// monoToTime converts a mono time to wall-clock time.
+func monoToTime(m int64) time.Time {
+	return time.Now().Add(-time.Duration(mono() - m))
+}
+
 // countUnanswered adds n unanswered requests to the endpoint's consecutive
 // count; crossing thr, the threshold of the listener that sent them, marks
-// the endpoint suspect. from is the listener whose link judged them, nil
-// for a link that had already ended (then every listener routing to the
-// endpoint counts them).
-func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int) {
+// the endpoint suspect. since is the mono send time of the earliest of
+// them: the endpoint has answered nothing since. from is the listener
+// whose link judged them, nil for a link that had already ended (then
+// they count under the endpoint's owner).
+func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since int64) {
 	if n <= 0 {
 		return
 	}
@@ -349,8 +460,20 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int) {
 	if thr <= 0 {
 		return
 	}
+	ep.noteSilence(since)
 	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && c-int64(n) < int64(thr) {
-		p.suspect(ep, thr)
+		p.suspect(ep, thr, int(c))
+	}
+}
+
+// noteSilence records that the endpoint has been silent since mono time
+// since (the earliest unanswered request counted since its last answer).
+func (ep *endpoint) noteSilence(since int64) {
+	for {
+		cur := ep.silentSince.Load()
+		if cur != 0 && cur <= since || ep.silentSince.CompareAndSwap(cur, since) {
+			return
+		}
 	}
 }
 
@@ -366,19 +489,35 @@ func (ep *endpoint) answered(now int64) {
 	}
 	if ep.consecutive.Load() != 0 {
 		ep.consecutive.Store(0)
+		ep.silentSince.Store(0)
 	}
 }
 
 // suspect handles an endpoint that reached the unanswered threshold: it is
-// excluded and every link to it closed, client sides included.
-func (p *Proxy) suspect(ep *endpoint, thr int) {
+// excluded and every link to it closed, client sides included. overdue is
+// how many requests were past their deadline with no answer since.
+func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 	if l := ep.owner(); l != nil {
 		l.m.EndpointSuspect.Inc() // once per endpoint
 	}
 	ep.consecutive.Store(0)
-	p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).
-		Msg("endpoint suspect: consecutive unanswered requests")
-	if !p.det.Report(ep.addr, metrics.ReasonUnanswered) {
+	now := mono()
+	since := ep.silentSince.Swap(0)
+	if since == 0 || since > now {
+		since = now
+	}
+	silent := time.Duration(now - since)
+	ev := health.Evidence{
+		Since:  monoToTime(since),
+		Detail: fmt.Sprintf("%d request(s) past their own deadline; no answer from the endpoint, on any link, for %v with them outstanding", overdue, silent.Round(time.Millisecond)),
+	}
+	log := p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).Int("overdue_requests", overdue).
+		Int64("silent_ms", silent.Milliseconds())
+	if last := ep.lastAnswer.Load(); last != noAnswer {
+		log = log.Int64("last_answer_ms_ago", time.Duration(now-last).Milliseconds())
+	}
+	log.Msg("endpoint suspect: requests past their deadline with the endpoint silent")
+	if !p.det.ReportEvidence(ep.addr, metrics.ReasonUnanswered, ev) {
 		// Already excluded (on_excluded: allow) or disabled: still close.
 		ep.evict(time.Time{}, metrics.ReasonUnanswered, metrics.EvictExcluded)
 	}
@@ -402,7 +541,7 @@ func (lk *link) blamesUpstream(reason string) bool {
 	switch reason {
 	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
 		return true // (a failed dial is reported by the attempt itself)
-	case metrics.ReasonWatermark:
+	case metrics.ReasonWatermark, metrics.ReasonBudget:
 		return lk.overflowStalled.Load()
 	}
 	return false

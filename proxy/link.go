@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"cmp"
 	"errors"
 	"io"
 	"net"
@@ -31,6 +32,11 @@ type LinkStats struct {
 	MaxQueued int64 // the most bytes ever queued toward the upstream
 	Opened    time.Time
 	Duration  time.Duration
+	// ConnectAttempts is how many upstream connects the link made (a
+	// pool's failover retries included); ConnectTime how long the one that
+	// succeeded took (0: none did).
+	ConnectAttempts int
+	ConnectTime     time.Duration
 }
 
 // link is one client connection paired with one upstream connection.
@@ -45,6 +51,7 @@ type link struct {
 	settings policy.Settings // the listener's settings when the link opened
 	frames   *frameSpec      // the listener's framing when the link opened; nil: opaque
 	failOpen bool            // the listener's pool.fail_open or group_fail_open when the link opened
+	slot     bool            // holds a max_links slot of l (given back when it ends)
 	dialer   *net.Dialer
 	client   clientSide
 	upstream *net.TCPConn
@@ -57,7 +64,11 @@ type link struct {
 	// fromUpstream reads the upstream only when it is readable (the
 	// response pump owns it; a TCP client has its own).
 	fromUpstream sockReader
-	opened       time.Time
+	// win keeps TCP_USER_TIMEOUT off a zero window whose peer answers
+	// (see windowGuard); nil without tcp_user_timeout.
+	win    *windowGuard
+	opened time.Time
+	dialed dialRecord // what the dial did (accesslog.go)
 
 	// connMu orders the dial's assignment of upstream against closeBoth
 	// called from another goroutine (eviction, shutdown) during the dial.
@@ -120,7 +131,7 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	t := l.spec()
 	lk := &link{l: l, ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
-	lk.q.init()
+	lk.q.init(&l.p.budget)
 	lk.rawWriteFn = func(fd uintptr) bool {
 		lk.rawN, lk.rawErr = syscall.Write(int(fd), lk.rawP)
 		return true
@@ -168,6 +179,7 @@ func (lk *link) finish() LinkStats {
 	if lk.meshSess != nil {
 		lk.meshSess.remove(lk)
 	}
+	lk.win.stop()
 	if lk.trk != nil {
 		orphans := lk.trk.stop()
 		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
@@ -246,7 +258,8 @@ func (lk *link) dial() bool {
 				break // nothing eligible is left
 			}
 		}
-		start := time.Now()
+		lk.dialed.try(ep)
+		start, began := time.Now(), mono()
 		var c net.Conn
 		var err error
 		direct := true
@@ -301,10 +314,16 @@ func (lk *link) dial() bool {
 		}
 		if err != nil {
 			lk.l.m.DialErrors.Inc()
-			lk.l.p.report(ep, metrics.ReasonDialError)
+			if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
+				lk.l.p.report(ep, metrics.ReasonDialError)
+			} else {
+				lk.l.log.Debug().Err(err).Str("endpoint", ep.addr).
+					Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
+			}
 			avoid, lastErr = ep.addr, err
 			continue
 		}
+		ep.dialSucceeded()
 		lk.countDial(start, failOpen)
 		return lk.connected(ep, c.(*net.TCPConn))
 	}
@@ -323,7 +342,9 @@ func (lk *link) dial() bool {
 // countDial counts a successful dial that started at start, and a link
 // sent to an excluded endpoint because its pool or group fails open.
 func (lk *link) countDial(start time.Time, failOpen bool) {
-	lk.l.m.DialDuration.Observe(time.Since(start).Seconds())
+	took := time.Since(start)
+	lk.dialed.connect.Store(int64(took))
+	lk.l.m.DialDuration.Observe(took.Seconds())
 	if failOpen && lk.failOpen {
 		lk.l.m.FailOpenLinks.Inc()
 	}
@@ -357,6 +378,7 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 		_ = up.Close()
 		return false
 	}
+	lk.win = newWindowGuard(lk, lk.settings.TCPUserTimeout.D())
 	return true
 }
 
@@ -365,7 +387,9 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 // kernel takes them at once, through the queue otherwise.
 func (lk *link) pumpRequests() {
 	high := int64(lk.settings.WriteBuffer.HighWaterMark)
-	backpressure := high > 0 && lk.settings.WriteBuffer.OnOverflow == policy.OverflowBackpressure
+	// Backpressure unless reject is asked for ("" in a Config built in
+	// code is the default, backpressure).
+	backpressure := high > 0 && lk.settings.WriteBuffer.OnOverflow != policy.OverflowReject
 	first := true
 	for {
 		limit := chunkSize
@@ -380,6 +404,7 @@ func (lk *link) pumpRequests() {
 		}
 		bp, n, err := lk.client.read(limit)
 		if n > 0 {
+			lk.l.p.budget.reading(int64(cap(*bp)))
 			buf := (*bp)[:n]
 			end := lk.bytesUp.Add(int64(n))
 			if lk.trk != nil {
@@ -392,6 +417,7 @@ func (lk *link) pumpRequests() {
 			}
 			first = false
 			sent := lk.send(buf, high) // copies what it queues
+			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if !sent {
 				return
@@ -460,6 +486,7 @@ func (lk *link) send(p []byte, high int64) bool {
 	if !open {
 		return false
 	}
+	lk.win.arm() // bytes will wait for the upstream: watch its window
 	if empty {
 		// Nothing queued and nothing being written: try the kernel directly
 		// and queue only what it does not take. This keeps the common case
@@ -474,8 +501,17 @@ func (lk *link) send(p []byte, high int64) bool {
 		}
 		p = p[n:]
 	}
-	switch lk.q.push(p, high) {
+	r := lk.q.push(p, high)
+	if r == pushBudget {
+		// The process's budget is full: wait for room, unless this link's
+		// own upstream makes no progress (see budget).
+		r = lk.waitForBudget(p, high)
+	}
+	switch r {
 	case pushClosed:
+		return false
+	case pushStalled:
+		lk.budgetClose()
 		return false
 	case pushOverflow:
 		// Only reachable with on_overflow: reject; backpressure never reads
@@ -596,12 +632,14 @@ func (lk *link) pumpResponses() {
 	for {
 		bp, n, err := lk.fromUpstream.read(chunkSize)
 		if n > 0 {
+			lk.l.p.budget.reading(int64(cap(*bp)))
 			buf := (*bp)[:n]
 			lk.bytesDown.Add(int64(n))
+			// Any byte from the upstream is an answer: the server is alive
+			// (see tracker), for the requests of every link to it, tracked
+			// by this listener or not (see also dialFailed).
+			lk.ep.answered(mono())
 			if lk.trk != nil {
-				// Any byte from the upstream is an answer: the server is
-				// alive (see tracker).
-				lk.ep.answered(mono())
 				if lk.respScan != nil {
 					if lk.conv.off.Load() {
 						lk.respScan = nil
@@ -612,6 +650,7 @@ func (lk *link) pumpResponses() {
 				}
 			}
 			_, werr := lk.client.Write(buf)
+			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if werr != nil {
 				lk.abort(metrics.ReasonClientError, werr)
@@ -654,22 +693,28 @@ func (lk *link) badFrame(direction string, err error) {
 // judge applies the tracker's verdict on requests whose deadline passed.
 // Unanswered ones count toward the endpoint's consecutive threshold. In
 // framed mode, a request whose bytes the upstream has not even
-// acknowledged yet (still in the queue or the kernel's send queue) is
-// stale: the link is reset so that those bytes are dropped rather than
-// delivered to a server that recovers later.
+// acknowledged by its (entry's) last deadline (still in the queue or the
+// kernel's send queue) is stale: the link is reset so that those bytes are
+// dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []pendingRequest, left int) {
-	lk.l.p.countUnanswered(lk.ep, lk.l, lk.trk.unanswered(judged), int(judged[0].thr))
+	n, since := lk.trk.unanswered(judged)
+	lk.l.p.countUnanswered(lk.ep, lk.l, n, int(judged[0].thr), since)
 	if lk.conv == nil {
 		return
 	}
 	var last int64
-	n := left
+	frames := left
 	for _, r := range judged {
-		last = max(last, r.end)
-		n += int(r.n)
+		if r.expired {
+			last = max(last, r.end)
+			frames += int(r.n)
+		}
+	}
+	if last == 0 {
+		return
 	}
 	if acked, ok := lk.ackedBytes(); ok && last > acked {
-		lk.dropStale(n)
+		lk.dropStale(frames)
 	}
 }
 
@@ -826,8 +871,11 @@ func (lk *link) stats() LinkStats {
 		Duration:  time.Since(lk.opened),
 	}
 	s.MaxQueued = lk.q.peak()
+	s.ConnectAttempts, s.ConnectTime = int(lk.dialed.attempts.Load()), time.Duration(lk.dialed.connect.Load())
 	if lk.ep != nil {
 		s.Upstream = lk.ep.dial
+	} else if tried := lk.dialed.tried.Load(); tried != nil {
+		s.Upstream = *tried // none connected: the one that failed last
 	}
 	if r := lk.reason.Load(); r != nil {
 		s.Reason = CloseReason(*r)

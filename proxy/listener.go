@@ -54,6 +54,7 @@ type listener struct {
 	links    map[*link]struct{}
 	closedUp int64 // bytes of links that ended, for bytes_total
 	closedDn int64
+	slots    int // max_links slots its links hold (under p.slots.mu)
 	stopping bool
 	paused   bool          // refusing: the endpoint is excluded or disabled
 	changed  chan struct{} // signalled when paused or stopping changes
@@ -234,9 +235,18 @@ func (l *listener) waitToListen() bool {
 // acceptLoop accepts until ln is closed (pause or stop).
 func (l *listener) acceptLoop(ln net.Listener) {
 	var backoff time.Duration
+	// A mesh ingress's connections are sessions; every other connection
+	// is a link and takes a max_links slot before it is accepted.
+	gated := l.ingress == nil
 	for {
+		if gated && !l.p.slots.acquire(l) {
+			return
+		}
 		c, err := ln.Accept()
 		if err != nil {
+			if gated {
+				l.p.slots.release(l)
+			}
 			if errors.Is(err, net.ErrClosed) {
 				return
 			}
@@ -267,6 +277,7 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			if ep, why = l.resolve(tc); ep == nil {
 				resetConn(tc)
 				l.m.Closed(why)
+				l.p.slots.release(l)
 				continue
 			}
 		}
@@ -275,11 +286,14 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			// pause took effect): reset before reading.
 			resetConn(tc)
 			l.m.Closed(metrics.ReasonRefused)
+			l.p.slots.release(l)
 			continue
 		}
 		lk := newLink(l, ep, newTCPClient(tc))
+		lk.slot = true
 		if !l.track(lk) {
 			_ = c.Close()
+			l.p.slots.release(l)
 			continue
 		}
 		go l.serveLink(lk)
@@ -326,6 +340,9 @@ func (l *listener) serveLink(lk *link) {
 func (l *listener) linkEnded(lk *link, s LinkStats) {
 	defer l.linkWG.Done()
 
+	if lk.slot {
+		l.p.slots.release(l)
+	}
 	if lk.ep != nil {
 		lk.ep.remove(lk)
 	}
@@ -339,24 +356,13 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 	l.m.Closed(reason)
 	l.m.LinkDuration.Observe(s.Duration.Seconds())
 	if lk.blamesUpstream(reason) {
-		l.p.report(lk.ep, reason)
+		l.p.reportLinkEnd(lk, reason, s.Err)
 	}
 	if l.ingress != nil && upstreamEnded(reason) {
 		l.ingress.kickCheck() // the local server may have gone: announce it at once
 	}
 
-	// The access log (log.access) is one info line per link; without it
-	// the same line is at debug.
-	e := l.log.Debug()
-	if l.p.accessLog {
-		e = l.log.Info()
-	}
-	if e.Enabled() {
-		e.Str("client", s.Client).Str("upstream", s.Upstream).Str("reason", reason).
-			AnErr("cause", s.Err).Int64("bytes_up", s.BytesUp).Int64("bytes_down", s.BytesDown).
-			Int64("max_queued", s.MaxQueued).Time("opened", s.Opened).Int64("duration_ms", s.Duration.Milliseconds()).
-			Msg("link closed")
-	}
+	l.logLinkEnd(s) // the access log (accesslog.go)
 	if l.p.onLinkEnd != nil {
 		l.p.onLinkEnd(s)
 	}

@@ -669,8 +669,10 @@ func (lk *link) meshRequests() {
 	for {
 		bp, n, err := lk.client.read(chunkSize)
 		if n > 0 {
+			lk.l.p.budget.reading(int64(cap(*bp)))
 			lk.bytesUp.Add(int64(n))
 			_, werr := lk.stream.Write((*bp)[:n])
+			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if werr != nil {
 				lk.meshFail(werr)
@@ -698,8 +700,10 @@ func (lk *link) meshResponses() {
 	for {
 		bp, n, err := r.read(lk.stream, chunkSize)
 		if n > 0 {
+			lk.l.p.budget.reading(int64(cap(*bp)))
 			lk.bytesDown.Add(int64(n))
 			_, werr := lk.client.Write((*bp)[:n])
+			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if werr != nil {
 				lk.abort(metrics.ReasonClientError, werr)

@@ -89,13 +89,17 @@ func TestAccessLogAndOneLinePerStateChange(t *testing.T) {
 		t.Fatalf("%d access log lines, want 1", len(lines))
 	}
 	l := lines[0]
-	for _, k := range []string{"listener", "client", "upstream", "bytes_up", "bytes_down", "opened", "duration_ms", "reason"} {
+	for _, k := range []string{"listener", "client", "upstream", "request_bytes", "response_bytes", "connect_ms", "connect_attempts", "opened", "duration_ms", "ended_by", "reason", "max_queued"} {
 		if _, ok := l[k]; !ok {
 			t.Errorf("access log line lacks %q: %v", k, l)
 		}
 	}
-	if l["level"] != "info" || l["bytes_up"] != 5.0 || l["bytes_down"] != 5.0 || l["upstream"] != peer.Addr() || l["reason"] != "client_closed" {
+	if l["level"] != "info" || l["request_bytes"] != 5.0 || l["response_bytes"] != 5.0 || l["upstream"] != peer.Addr() ||
+		l["reason"] != "client_closed" || l["ended_by"] != "client" || l["connect_attempts"] != 1.0 {
 		t.Errorf("access log line %v", l)
+	}
+	if ms, _ := l["connect_ms"].(float64); ms <= 0 {
+		t.Errorf("connect_ms %v: want the connect's time", l["connect_ms"])
 	}
 
 	// One line per state change (the detector's own is at debug).
@@ -215,5 +219,54 @@ func TestQueuedBytesGauge(t *testing.T) {
 			t.Fatal("queued_bytes stayed 0 with a stalled upstream")
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// An unanswered exclusion says what it rests on: the status carries when
+// the silence began and, in words, how many requests were overdue; the
+// suspect line gives the silence and the count as fields; the exclusion's
+// line carries the evidence.
+func TestUnansweredExclusionShowsItsEvidence(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, false })
+	var sink syncBuffer
+	log := zerolog.New(&sink).Level(zerolog.InfoLevel)
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	kafkaProfile(300*time.Millisecond, 1)(&s)
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: broker.ln.Addr().String(), Settings: s}}
+	sent := time.Now()
+	p, c := startConfig(t, cfg, Options{Logger: &log})
+	if _, err := c.Write(metadataReq(1)); err != nil {
+		t.Fatal(err)
+	}
+	var ep EndpointStatus
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if eps := p.Endpoints(); len(eps) == 1 && eps[0].State == "excluded" {
+			ep = eps[0]
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not excluded within 10s: %+v", p.Endpoints())
+		}
+	}
+	if ep.EvidenceSince.Before(sent) || !ep.EvidenceSince.Before(ep.Since) ||
+		!strings.Contains(ep.Evidence, "1 request(s) past their own deadline") {
+		t.Fatalf("status %+v: want evidence since the request was sent (after %v), before the exclusion, naming one overdue request", ep, sent)
+	}
+	if silence := ep.Since.Sub(ep.EvidenceSince); silence < 300*time.Millisecond {
+		t.Fatalf("evidence since %v before the exclusion, want at least the request's deadline (300ms)", silence)
+	}
+	for deadline := time.Now().Add(5 * time.Second); len(sink.lines(t, "endpoint excluded")) == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no exclusion line logged")
+		}
+	}
+	sus := sink.lines(t, "endpoint suspect: requests past their deadline with the endpoint silent")
+	if len(sus) != 1 || sus[0]["overdue_requests"] != float64(1) || sus[0]["silent_ms"].(float64) < 300 {
+		t.Fatalf("suspect lines %v: want one with overdue_requests 1 and silent_ms >= 300", sus)
+	}
+	ex := sink.lines(t, "endpoint excluded")
+	if len(ex) != 1 || ex[0]["evidence"] != ep.Evidence || ex[0]["evidence_ms"].(float64) < 300 {
+		t.Fatalf("exclusion lines %v: want one carrying the evidence %q", ex, ep.Evidence)
 	}
 }

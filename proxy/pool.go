@@ -38,12 +38,15 @@ type pool struct {
 	cursor      uint64              // round-robin position
 	failingOpen bool                // last logged: no routable member, links go to excluded ones
 	looping     bool                // the refresh loop runs
+	// draining are the members that left, while their links finish (see
+	// drainMember): closed when one comes back, which ends its drain.
+	draining map[*endpoint]chan struct{}
 
 	wake chan struct{} // a reload changed the specs: resolve now
 }
 
 func newPool(l *listener, cfg policy.Listener) *pool {
-	pl := &pool{l: l, last: map[string][]string{}, wake: make(chan struct{}, 1)}
+	pl := &pool{l: l, last: map[string][]string{}, draining: map[*endpoint]chan struct{}{}, wake: make(chan struct{}, 1)}
 	pl.setSpecs(cfg)
 	return pl
 }
@@ -196,9 +199,10 @@ func (pl *pool) refreshLoop(r *net.Resolver) {
 
 // syncPool makes the pool's members the resolved addresses: new ones are
 // admitted (healthy, or disabled if endpoints.disabled names them or
-// their name); those that left have their links evicted (reason removed)
-// and, routed to by no other listener, are forgotten. One that comes back
-// after leaving starts afresh.
+// their name); those that left take no new link and are drained (see
+// drainMember): one that comes back before its drain ends is a member as
+// before, with its links and its state; one that comes back later starts
+// afresh.
 func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 	l := pl.l
 	settings := l.spec().settings
@@ -230,6 +234,21 @@ func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 	pl.mu.Lock()
 	old := pl.members
 	pl.members = members
+	var back []*endpoint
+	for _, ep := range members {
+		if stop, ok := pl.draining[ep]; ok {
+			close(stop)
+			delete(pl.draining, ep)
+			back = append(back, ep)
+		}
+	}
+	leaving := map[*endpoint]chan struct{}{}
+	for _, ep := range old {
+		if !slices.Contains(members, ep) {
+			leaving[ep] = make(chan struct{})
+			pl.draining[ep] = leaving[ep]
+		}
+	}
 	pl.mu.Unlock()
 	p.mu.Unlock()
 
@@ -237,15 +256,107 @@ func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 		p.applyDisabled(ep)
 		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Msg("endpoint admitted")
 	}
-	for _, ep := range old {
-		if slices.Contains(members, ep) {
-			continue
-		}
-		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictRemoved)
-		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Int("links_closed", n).Msg("endpoint removed")
-		p.detachFrom(l, ep)
+	for _, ep := range back {
+		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Msg("endpoint back before its drain ended: a member again, its links kept")
+	}
+	for ep, stop := range leaving {
+		p.drainMember(pl, ep, stop)
 	}
 	p.updateRouting(l)
+}
+
+// drainPoll is how often a draining member is checked for links left.
+const drainPoll = 100 * time.Millisecond
+
+// drainMember lets a member that left the pool's names finish its links:
+// it takes no new link (it is no longer a member), its open links go on
+// for drain_timeout and are then closed (evictions_total{reason="removed"}),
+// and it is forgotten once none is left, or at once when it has none.
+// Kubernetes takes a terminating pod out of a headless Service's records
+// at the start of its grace period, while it still serves; a resolver
+// that answers with a subset of the records (Consul, multi-value DNS)
+// drops members that are there: neither is a reason to cut a link, and a
+// member back before its drain ends keeps its links (stop is closed).
+// The drain runs in a goroutine the proxy owns (Shutdown waits for it).
+func (p *Proxy) drainMember(pl *pool, ep *endpoint, stop chan struct{}) {
+	l := pl.l
+	drain := max(p.DrainTimeout(), 0)
+	l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Int("links", ep.linksOf(l)).
+		Dur("drain_timeout_ms", drain).Msg("endpoint left the pool: no new links, open ones may finish")
+	p.bg.Add(1)
+	go func() {
+		defer p.bg.Done()
+		t := time.NewTimer(drain)
+		defer t.Stop()
+		tick := time.NewTicker(drainPoll)
+		defer tick.Stop()
+	wait:
+		for ep.linksOf(l) > 0 {
+			select {
+			case <-stop:
+				return
+			case <-p.ctx.Done():
+				return // Shutdown ends the links
+			case <-tick.C:
+			case <-t.C:
+				break wait
+			}
+		}
+		// Under p.mu, as syncPool: a member that comes back now finds
+		// either this endpoint still attached, or none (a fresh start).
+		p.mu.Lock()
+		pl.mu.Lock()
+		mine := pl.draining[ep] == stop
+		if mine {
+			delete(pl.draining, ep)
+		}
+		pl.mu.Unlock()
+		orphan := mine && p.detachFromLocked(l, ep)
+		p.mu.Unlock()
+		if !mine {
+			return // back, and its drain ended with it
+		}
+		n := ep.evictOf(l, metrics.ReasonEvicted, metrics.EvictRemoved)
+		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Int("links_closed", n).Msg("endpoint removed")
+		if orphan {
+			p.forget(ep)
+		}
+	}()
+}
+
+// linksOf counts the endpoint's links of listener l.
+func (ep *endpoint) linksOf(l *listener) int {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	n := 0
+	for lk := range ep.links {
+		if lk.l == l {
+			n++
+		}
+	}
+	return n
+}
+
+// evictOf closes the endpoint's links of listener l, counting them as
+// evictions for evictReason: a member that left one pool may still be a
+// member of another.
+func (ep *endpoint) evictOf(l *listener, closeReason, evictReason string) int {
+	ep.mu.Lock()
+	var ks []*link
+	for lk := range ep.links {
+		if lk.l == l {
+			ks = append(ks, lk)
+		}
+	}
+	ep.mu.Unlock()
+	n := 0
+	for _, lk := range ks {
+		if lk.abort(closeReason, nil) {
+			l.m.Evicted(evictReason, 1)
+			n++
+		}
+	}
+	return n
 }
 
 // compareAddr orders host:port strings (numeric addresses first by
@@ -266,12 +377,11 @@ func compareAddr(a, b string) int {
 }
 
 // candidates returns the members as the selector sees them; pl.mu held.
-func (pl *pool) candidatesLocked(det *health.Detector) []policy.Candidate {
+func (pl *pool) candidatesLocked() []policy.Candidate {
 	cs := make([]policy.Candidate, len(pl.members))
 	for i, ep := range pl.members {
-		st, _ := det.State(ep.addr)
 		c := policy.Candidate{Addr: ep.addr, Links: ep.liveLinks()}
-		switch st {
+		switch pl.l.p.routingState(ep) { // a drained member is out as a disabled one is
 		case health.Excluded:
 			c.State = policy.Excluded
 		case health.Disabled:
@@ -295,7 +405,7 @@ func (pl *pool) pick(avoid string) (*endpoint, bool) {
 	t := pl.l.spec()
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
-	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
+	ch := policy.Select(pl.candidatesLocked(), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
 	if ch.Index < 0 {
 		return nil, false
 	}
@@ -309,7 +419,7 @@ func (pl *pool) routing() (routable, failingOpen bool) {
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
 	var cursor uint64
-	ch := policy.Select(pl.candidatesLocked(pl.l.p.det), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, "")
+	ch := policy.Select(pl.candidatesLocked(), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, "")
 	return ch.Index >= 0, ch.FailOpen
 }
 

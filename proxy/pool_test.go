@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/dnstest"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -114,6 +115,24 @@ func (h *harness) waitStateOf(addr, state string, within time.Duration) {
 	for h.stateOf(addr) != state {
 		if time.Now().After(deadline) {
 			h.t.Fatalf("%s is %s after %v, want %s", addr, h.stateOf(addr), within, state)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitReadmitted waits until addr has been excluded and readmitted by a
+// probe: an exclusion may last less than one poll of the state.
+func (h *harness) waitReadmitted(addr string, within time.Duration) {
+	h.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		for _, ep := range h.p.Endpoints() {
+			if ep.Endpoint == addr && ep.State == "healthy" && ep.Reason == health.ReasonProbeOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s is %s after %v, want readmitted by a probe", addr, h.stateOf(addr), within)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -282,7 +301,10 @@ func TestPoolFollowsDNS(t *testing.T) {
 	if got := acceptedBy(peers); got[0] != 1 {
 		t.Fatalf("accepts %v, want the first link on 127.0.0.2", got)
 	}
+	h.p.drain.Store(int64(500 * time.Millisecond))
 	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.3")) // the pod restarted with a new address
+	// The address that left is drained (see drain_test.go): its link is
+	// closed at drain_timeout.
 	if err, _ := waitClosed(t, old, 3*time.Second); !isCloseSignal(err) {
 		t.Fatalf("link to the removed address saw %v, want it evicted", err)
 	}
@@ -324,15 +346,14 @@ func TestUpstreamNameFollowsDNS(t *testing.T) {
 	}
 	defer p.Close()
 	h := &harness{t: t, p: p, addr: p.Addr("test").String()}
-	roundTrip(t, h.dial(), []byte("first"))
+	first := h.dial()
+	roundTrip(t, first, []byte("first"))
 	dns.Set("pinot-server-0.pinot-server-headless", netip.MustParseAddr("127.0.0.3"))
 	deadline := time.Now().Add(15 * time.Second) // the default refresh is 5s
 	for acceptedBy(peers)[1] == 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("the new address took no link within 15s: %v", acceptedBy(peers))
 		}
-		// A link to the old address may be evicted mid-exchange when the
-		// new answer lands: that is the behaviour under test, not a failure.
 		if c, err := net.Dial("tcp", h.addr); err == nil {
 			_, _ = c.Write([]byte("next"))
 			_ = c.SetReadDeadline(time.Now().Add(time.Second))
@@ -341,7 +362,13 @@ func TestUpstreamNameFollowsDNS(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
+	// The old address is drained: forgotten once its last link ends.
+	roundTrip(t, first, []byte("still served while drained"))
+	_ = first.Close()
 	eps := p.Endpoints()
+	for deadline := time.Now().Add(3 * time.Second); len(eps) != 1 && time.Now().Before(deadline); eps = p.Endpoints() {
+		time.Sleep(10 * time.Millisecond)
+	}
 	if len(eps) != 1 || eps[0].Endpoint != addrs[1] || eps[0].Name != name {
 		t.Fatalf("endpoints %+v, want only %s, named %s", eps, addrs[1], name)
 	}

@@ -35,6 +35,7 @@ const pinotFirstWindow = 2 << 10
 type outstanding struct {
 	id  int32 // correlation id
 	due int64 // mono deadline; never: not judged
+	end int64 // stream offset just past its last byte
 }
 
 // conv is a link's protocol state under a profile: what the request pump
@@ -91,10 +92,11 @@ func (c *conv) untrackFor(err error) {
 	}
 }
 
-// track records one request that expects an answer by due; c.mu is held.
-func (c *conv) trackLocked(due, end int64, n int32) {
+// track records one request that the server may hold until held and that
+// expects an answer by due; c.mu is held.
+func (c *conv) trackLocked(held, due, end int64, n int32) {
 	if due != never {
-		c.lk.trk.sent(pendingRequest{at: c.sendAt, due: due, end: end, n: n, thr: c.thr})
+		c.lk.trk.sent(pendingRequest{at: c.sendAt, held: held, due: due, end: end, n: n, thr: c.thr})
 	}
 }
 
@@ -104,7 +106,7 @@ func (c *conv) frames(n int, end int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.off.Load() {
-		c.trackLocked(c.sendAt+c.rt, end, int32(n))
+		c.trackLocked(c.sendAt, c.sendAt+c.rt, end, int32(n))
 	}
 }
 
@@ -137,22 +139,28 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 		return
 	}
 	// The broker answers a connection's requests one at a time, in order:
-	// a request may wait for every request ahead of it to be answered.
+	// a request cannot be answered before the one ahead of it, so it is
+	// not due before that one is. It is due no later either than its own
+	// deadline, or that one's: the answer to the request ahead comes after
+	// this one was sent, so it covers this one (any answer since a request
+	// was sent is life, see tracker). Queued requests therefore do not add
+	// their deadlines up: the first one past its own is the evidence.
 	due := int64(never)
 	if known {
-		start := c.sendAt
+		due = addDue(c.sendAt, int64(hold), c.rt)
 		if c.head < len(c.queue) {
-			start = max(start, c.queue[len(c.queue)-1].due)
+			due = max(due, c.queue[len(c.queue)-1].due)
 		}
-		due = addDue(start, int64(hold), c.rt)
 	}
 	if c.head > 0 && 2*c.head >= len(c.queue) {
 		// Keep the queue's memory bounded by what is outstanding.
 		c.queue = c.queue[:copy(c.queue, c.queue[c.head:])]
 		c.head = 0
 	}
-	c.queue = append(c.queue, outstanding{id: r.CorrelationID, due: due})
-	c.trackLocked(due, end, 1)
+	c.queue = append(c.queue, outstanding{id: r.CorrelationID, due: due, end: end})
+	// The broker may hold it until request_timeout before it is due;
+	// its own response (matched in order) covers it before that.
+	c.trackLocked(due-c.rt, due, end, 1)
 	c.mu.Unlock()
 }
 
@@ -178,6 +186,7 @@ func (c *conv) kafkaResponse(id int32) {
 		c.untrack(metrics.UntrackedDesync, nil)
 		return
 	}
+	c.lk.trk.answeredThrough(c.queue[c.head].end)
 	c.head++
 	if c.head == len(c.queue) {
 		c.queue, c.head = c.queue[:0], 0
@@ -195,7 +204,10 @@ func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.off.Load() {
-		c.trackLocked(due, end, 1)
+		// Covered by any answer after it was sent: Pinot servers answer
+		// out of order and answers are not matched to requests, so an
+		// answer to this one could not be told from another's.
+		c.trackLocked(c.sendAt, due, end, 1)
 	}
 }
 

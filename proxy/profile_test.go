@@ -6,6 +6,7 @@ import (
 	"math"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -73,6 +75,13 @@ func startKafkaBroker(t *testing.T, policy func(key int16, corr int32) (time.Dur
 	if err != nil {
 		t.Fatal(err)
 	}
+	return startKafkaBrokerOn(t, ln, policy)
+}
+
+// startKafkaBrokerOn is startKafkaBroker on a listener of the test's own
+// (small receive buffers, say).
+func startKafkaBrokerOn(t *testing.T, ln net.Listener, policy func(key int16, corr int32) (time.Duration, bool)) *kafkaBroker {
+	t.Helper()
 	b := &kafkaBroker{ln: ln, policy: policy, done: make(chan struct{})}
 	b.wg.Add(1)
 	go b.accept()
@@ -228,9 +237,10 @@ func TestKafkaSilentBrokerExcludedAfterOwnDeadlines(t *testing.T) {
 	}
 	ep := h.waitState("excluded", 10*time.Second)
 	// The Fetch is due at max_wait + request_timeout; the Metadata behind it
-	// waits for it (the broker answers in order), then request_timeout.
-	if d := ep.Since.Sub(sent); d < 1600*time.Millisecond {
-		t.Fatalf("excluded %v after the requests, before their own deadlines (1.6s)", d)
+	// cannot be answered first (the broker answers in order), so it is due
+	// with it, not request_timeout after it: the deadlines do not add up.
+	if d := ep.Since.Sub(sent); d < 1300*time.Millisecond {
+		t.Fatalf("excluded %v after the requests, before the Fetch's own deadline (1.3s)", d)
 	}
 	if ep.Reason != metrics.ReasonUnanswered {
 		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
@@ -528,6 +538,134 @@ func TestKafkaHoldingExcusesNoProgress(t *testing.T) {
 	c.kafka = false
 	if c.holding(now) {
 		t.Fatal("holding for a protocol that reads while it works")
+	}
+}
+
+// A large answer that takes far longer than request_timeout to arrive is
+// life from its first byte: a request sent behind it, queued on the same
+// connection, is covered by the bytes still arriving after it was sent,
+// before the whole response is in. (Its healthy-but-slow twin of the clock
+// rule: nothing is counted, the link stays, every byte is delivered.)
+func TestKafkaLargeSlowAnswerIsLife(t *testing.T) {
+	const (
+		respLen = 1 << 20
+		chunk   = 16 << 10
+		every   = 40 * time.Millisecond // 1 MiB in about 2.6 s
+	)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	served := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			served <- err
+			return
+		}
+		defer c.Close()
+		readReq := func() (int32, error) {
+			var hdr [4]byte
+			if _, err := io.ReadFull(c, hdr[:]); err != nil {
+				return 0, err
+			}
+			p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+			if _, err := io.ReadFull(c, p); err != nil {
+				return 0, err
+			}
+			return int32(binary.BigEndian.Uint32(p[4:])), nil
+		}
+		corr, err := readReq()
+		if err != nil {
+			served <- err
+			return
+		}
+		resp := binary.BigEndian.AppendUint32(nil, uint32(respLen-4))
+		resp = binary.BigEndian.AppendUint32(resp, uint32(corr))
+		resp = append(resp, make([]byte, respLen-len(resp))...)
+		for off := 0; off < len(resp); off += chunk {
+			if _, err := c.Write(resp[off:min(off+chunk, len(resp))]); err != nil {
+				served <- err
+				return
+			}
+			time.Sleep(every)
+		}
+		corr, err = readReq() // the Metadata request, sent while the answer trickled
+		if err == nil {
+			_, err = c.Write(binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint32(nil, 8), uint32(corr)))
+			if err == nil {
+				_, err = c.Write([]byte{0, 0, 0, 0})
+			}
+		}
+		served <- err
+	}()
+	h := start(t, ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	if _, err := c.Write(fetchReq(100*time.Millisecond, 1)); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan int, 1)
+	go func() {
+		n, _ := io.CopyN(io.Discard, c, respLen+12)
+		got <- int(n)
+	}()
+	time.Sleep(time.Second) // the answer is arriving, slowly
+	if _, err := c.Write(metadataReq(2)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case n := <-got:
+		if n != respLen+12 {
+			t.Fatalf("the client received %d bytes, want %d", n, respLen+12)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the answers did not arrive within 30s")
+	}
+	if err := <-served; err != nil {
+		t.Fatalf("server: %v", err)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0: bytes arriving are life", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" || h.p.ActiveLinks() != 1 {
+		t.Fatalf("endpoint %s (%s), %d links; want healthy with the link open", ep.State, ep.Reason, h.p.ActiveLinks())
+	}
+}
+
+// Requests queued on one Kafka connection are each due no earlier than
+// the one ahead of them (the broker answers in order) and no later than the
+// later of their own deadline and that one's: their deadlines do not add
+// up, so the fifth of five queued requests is judged with the first.
+func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
+	var answer atomic.Int64
+	answer.Store(noAnswer)
+	lk := &link{}
+	lk.trk = newTracker(time.Millisecond, false, &answer, func([]pendingRequest, int) {})
+	defer lk.trk.stop()
+	rt := 3 * time.Second
+	c := &conv{lk: lk, kafka: true, profile: true, rt: int64(rt), thr: 1}
+	t0 := mono()
+	reqs := []struct {
+		after time.Duration
+		key   int16
+		hold  time.Duration
+		want  time.Duration // due, from t0
+	}{
+		{0, 0, 10 * time.Second, 13 * time.Second},                             // an acks=all Produce held up to 10s
+		{10 * time.Millisecond, 0, 10 * time.Second, 13010 * time.Millisecond}, // a second one behind it: its own
+		{20 * time.Millisecond, 3, 0, 13010 * time.Millisecond},                // Metadata: behind them, due with them
+		{30 * time.Millisecond, 1, 30 * time.Second, 33030 * time.Millisecond}, // a 30s Fetch: its own, later
+		{40 * time.Millisecond, 12, 5 * time.Second, 33030 * time.Millisecond}, // a heartbeat behind it
+	}
+	for i, r := range reqs {
+		c.sendAt = t0 + int64(r.after)
+		c.kafkaRequest(&kafkawire.Request{APIKey: r.key, CorrelationID: int32(i), Hold: r.hold}, int64(100*(i+1)))
+	}
+	for i, r := range reqs {
+		if got := time.Duration(c.queue[i].due - t0); got != r.want {
+			t.Fatalf("request %d due at +%v, want +%v (all: %+v)", i, got, r.want, c.queue)
+		}
 	}
 }
 

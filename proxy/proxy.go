@@ -37,10 +37,15 @@ type Options struct {
 	OnLinkEnd func(LinkStats)
 	// Resolver resolves upstream and pool host names; nil: net.DefaultResolver.
 	Resolver *net.Resolver
-	// AccessLog logs every finished link at info (log.access): listener,
-	// client, upstream, bytes each way, when it opened, how long it lived,
-	// why it ended. Without it the line is at debug.
+	// AccessLog logs every finished link at info (log.access; the fields:
+	// logLinkEnd). Without it the line is at debug.
 	AccessLog bool
+	// ManageRuntime lets the proxy set process-wide limits: it raises the
+	// soft RLIMIT_NOFILE to the hard limit and, unless the environment
+	// sets GOMEMLIMIT, sets the runtime's memory limit from limits.memory
+	// (or the container's limit), at New and at each Reload. The binary
+	// sets it; a library user may leave the process alone.
+	ManageRuntime bool
 
 	// metrics, for the package's own tests: collectors they read directly.
 	metrics *metrics.Metrics
@@ -68,6 +73,14 @@ type Proxy struct {
 	resolver *net.Resolver
 	drain    atomic.Int64 // drain_timeout of the running config, nanoseconds
 
+	// budget is the memory budget of every link's queue and read buffers;
+	// slots is max_links; limits is how both were derived.
+	budget        budget
+	slots         linkSlots
+	manageRuntime bool
+	limitsMu      sync.Mutex
+	limits        Limits
+
 	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
 	excludedSet *intercept.ExcludedSet // nil: excluded destinations are reset after accept
 	ownUp       sync.Map               // local addresses of upstream sockets, for the loop guard
@@ -88,6 +101,7 @@ type Proxy struct {
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
 	disabled  map[string]bool      // endpoints.disabled of the running config
+	drained   sync.Map             // endpoints the operator drained: address -> struct{} (drain.go)
 	started   bool
 	ready     atomic.Bool
 	stopOnce  sync.Once
@@ -109,7 +123,9 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, accessLog: opts.AccessLog, ctx: ctx, cancel: cancel,
-		endpoints: make(map[string]*endpoint)}
+		endpoints: make(map[string]*endpoint), manageRuntime: opts.ManageRuntime}
+	p.budget.waits = m.BudgetWaits
+	p.setLimits(cfg.Limits)
 	if cfg.Interception.ExcludedSet {
 		excluded, err := intercept.OpenSet()
 		if err != nil {
@@ -159,7 +175,33 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	m.Register(&bytesCollector{p: p})
 	m.Register(&queuedCollector{p: p})
 	m.Register(&stateCollector{p: p})
+	m.Register(&budgetCollector{b: &p.budget})
 	return p
+}
+
+// setLimits derives the process's limits from c (and, with
+// ManageRuntime, applies them to the runtime) and puts the budget and
+// max_links in force. Lowering either cuts nothing: queues give chunks
+// back as they drain, listeners accept again once enough links ended.
+func (p *Proxy) setLimits(c policy.Limits) Limits {
+	l := PlanLimits(c)
+	if p.manageRuntime {
+		l = ApplyRuntime(l)
+	}
+	p.limitsMu.Lock()
+	p.limits = l
+	p.limitsMu.Unlock()
+	p.budget.setLimit(l.Budget)
+	p.slots.setMax(l.MaxLinks)
+	return l
+}
+
+// Limits returns the process limits in force: the memory budget, max_links,
+// GOMEMLIMIT and the descriptors, each with where it came from.
+func (p *Proxy) Limits() Limits {
+	p.limitsMu.Lock()
+	defer p.limitsMu.Unlock()
+	return p.limits
 }
 
 // Start binds every listener and starts accepting. If one fails to bind,
@@ -204,8 +246,9 @@ func (p *Proxy) Start() error {
 		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
 	}
 	p.ready.Store(true)
-	p.bg.Add(1)
+	p.bg.Add(2)
 	go p.sweepLoop()
+	go p.reap()
 	p.mu.Unlock()
 	return nil
 }

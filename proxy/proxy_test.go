@@ -538,14 +538,14 @@ func TestBytesTotal(t *testing.T) {
 	want := "\nlivenessproxy_bytes_total{direction=\"request\",listener=\"test\"} 1000\n" +
 		"livenessproxy_bytes_total{direction=\"response\",listener=\"test\"} 1000\n"
 	if err := testutil.GatherAndCompare(h.m.Registry, strings.NewReader(
-		"# HELP livenessproxy_bytes_total Bytes proxied: request is client to upstream, response is upstream to client.\n"+
+		"# HELP livenessproxy_bytes_total Bytes proxied, request (client→upstream) and response; computed at scrape time from live links, so the data path never touches a shared metric.\n"+
 			"# TYPE livenessproxy_bytes_total counter"+want), "livenessproxy_bytes_total"); err != nil {
 		t.Fatal(err)
 	}
 	_ = c.Close()
 	h.linkEnd(2 * time.Second)
 	if err := testutil.GatherAndCompare(h.m.Registry, strings.NewReader(
-		"# HELP livenessproxy_bytes_total Bytes proxied: request is client to upstream, response is upstream to client.\n"+
+		"# HELP livenessproxy_bytes_total Bytes proxied, request (client→upstream) and response; computed at scrape time from live links, so the data path never touches a shared metric.\n"+
 			"# TYPE livenessproxy_bytes_total counter"+want), "livenessproxy_bytes_total"); err != nil {
 		t.Fatal(err)
 	}

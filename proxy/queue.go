@@ -59,6 +59,8 @@ func putChunk(b *[]byte) {
 // waitForRoom for the request pump; next, batch, consume for the writer;
 // close, release): its lock and conditions are used only in this file.
 type queue struct {
+	b         *budget       // the process's, which the queue's chunks count against; nil: none
+	done      chan struct{} // closed by close: wakes a pump waiting for the budget
 	mu        sync.Mutex
 	dataReady sync.Cond // the writer waits here for bytes, EOF or close
 	drained   sync.Cond // the request pump waits here under backpressure
@@ -69,12 +71,15 @@ type queue struct {
 	inFlight  int   // bytes handed to the writer and not yet consumed
 	queued    int64 // bytes appended and not yet written
 	maxQueued int64 // the largest queued ever reached
+	since     int64 // mono time queued last went from 0 to more
 	writer    bool  // writeUpstream has been started
 	eof       bool  // the client sent FIN: flush, then CloseWrite
 	closed    bool  // the link is ending: nothing more is written
 }
 
-func (q *queue) init() {
+func (q *queue) init(b *budget) {
+	q.b = b
+	q.done = make(chan struct{})
 	q.dataReady.L = &q.mu
 	q.drained.L = &q.mu
 }
@@ -111,11 +116,14 @@ const (
 	pushedStartWriter                   // queued; the caller starts the writer
 	pushOverflow                        // would pass the high watermark: nothing queued
 	pushClosed                          // the queue is closed: nothing queued
+	pushBudget                          // its new chunks do not fit the memory budget: nothing queued
+	pushStalled                         // (waitForBudget) no room, and the upstream makes no progress
 )
 
 // push copies p to the tail of the queue, unless that would take it past
-// high (high > 0) or the queue is closed. The first push asks the caller
-// to start the writer; later ones wake it.
+// high (high > 0), the chunks it needs do not fit the budget, or the queue
+// is closed. The first push asks the caller to start the writer; later
+// ones wake it.
 func (q *queue) push(p []byte, high int64) pushResult {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -124,6 +132,9 @@ func (q *queue) push(p []byte, high int64) pushResult {
 		return pushClosed
 	case high > 0 && q.queued+int64(len(p)) > high:
 		return pushOverflow
+	}
+	if need := q.chunksFor(len(p)); need > 0 && q.b != nil && !q.b.take(int64(need)*chunkSize) {
+		return pushBudget
 	}
 	q.appendLocked(p)
 	if !q.writer {
@@ -214,6 +225,9 @@ func (q *queue) consume(n, handed int, low int64) {
 func (q *queue) close() {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	if !q.closed {
+		close(q.done)
+	}
 	q.closed = true
 	q.dataReady.Broadcast()
 	q.drained.Broadcast()
@@ -226,8 +240,40 @@ func (q *queue) release() {
 	q.releaseLocked()
 }
 
-// appendLocked copies p to the tail of the queue.
+// chunksFor is how many new chunks appending n bytes takes.
+func (q *queue) chunksFor(n int) int {
+	if last := len(q.chunks) - 1; last >= 0 {
+		n -= chunkSize - q.lens[last]
+	}
+	if n <= 0 {
+		return 0
+	}
+	return (n + chunkSize - 1) / chunkSize
+}
+
+// putChunkLocked returns a chunk of the queue to the pool and its bytes
+// to the budget.
+func (q *queue) putChunkLocked(c *[]byte) {
+	putChunk(c)
+	if q.b != nil {
+		q.b.give(chunkSize)
+	}
+}
+
+// heldSince reports whether bytes are queued, and since when (mono time)
+// the queue has not been empty.
+func (q *queue) heldSince() (int64, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.since, q.queued > 0
+}
+
+// appendLocked copies p to the tail of the queue; push took its new
+// chunks from the budget.
 func (q *queue) appendLocked(p []byte) {
+	if q.queued == 0 && len(p) > 0 {
+		q.since = mono()
+	}
 	q.queued += int64(len(p))
 	if q.queued > q.maxQueued {
 		q.maxQueued = q.queued
@@ -292,12 +338,12 @@ func (q *queue) consumeLocked(n, handed int) {
 		if len(q.chunks) == 1 {
 			// Empty: the last chunk goes back to the pool too, so that a
 			// link whose queue drained holds no chunk while it idles.
-			putChunk(q.chunks[0])
+			q.putChunkLocked(q.chunks[0])
 			q.chunks[0] = nil
 			q.chunks, q.lens = q.chunks[:0], q.lens[:0]
 			return
 		}
-		putChunk(q.chunks[0])
+		q.putChunkLocked(q.chunks[0])
 		q.chunks[0] = nil
 		q.chunks = q.chunks[1:]
 		q.lens = q.lens[1:]
@@ -307,7 +353,7 @@ func (q *queue) consumeLocked(n, handed int) {
 // releaseLocked returns every chunk to the pool once the link has ended.
 func (q *queue) releaseLocked() {
 	for i, c := range q.chunks {
-		putChunk(c)
+		q.putChunkLocked(c)
 		q.chunks[i] = nil
 	}
 	q.chunks, q.lens, q.head = nil, nil, 0

@@ -8,7 +8,7 @@ import (
 
 func TestQueuePushBatchConsume(t *testing.T) {
 	var q queue
-	q.init()
+	q.init(nil)
 	data := bytes.Repeat([]byte("0123456789abcdef"), (chunkSize+chunkSize/2)/16) // a chunk and a half
 	if r := q.push(data, 0); r != pushedStartWriter {
 		t.Fatalf("first push: %v, want pushedStartWriter", r)
@@ -45,7 +45,7 @@ func TestQueuePushBatchConsume(t *testing.T) {
 
 func TestQueueBatchIsBounded(t *testing.T) {
 	var q queue
-	q.init()
+	q.init(nil)
 	q.push(make([]byte, 3*maxBatch/2), 0)
 	_, handed := q.batch(nil)
 	if handed != maxBatch {
@@ -58,7 +58,7 @@ func TestQueueBatchIsBounded(t *testing.T) {
 
 func TestQueueOverflowQueuesNothing(t *testing.T) {
 	var q queue
-	q.init()
+	q.init(nil)
 	const high = 64 << 10
 	if r := q.push(make([]byte, high-10), high); r != pushedStartWriter {
 		t.Fatalf("push within the mark: %v", r)
@@ -76,12 +76,12 @@ func TestQueueOverflowQueuesNothing(t *testing.T) {
 
 func TestQueueEndOfInput(t *testing.T) {
 	var q queue
-	q.init()
+	q.init(nil)
 	if q.endOfInput() {
 		t.Fatal("endOfInput with no writer ever started: the caller must pass the FIN on")
 	}
 	var w queue
-	w.init()
+	w.init(nil)
 	w.push([]byte("abc"), 0)
 	if !w.endOfInput() {
 		t.Fatal("endOfInput with a writer: the writer passes the FIN on")
@@ -101,7 +101,7 @@ func TestQueueEndOfInput(t *testing.T) {
 func TestQueueWaitForRoom(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		var q queue
-		q.init()
+		q.init(nil)
 		const high, low = 100, 40
 		q.push(make([]byte, high), high)
 		room := make(chan int64, 1)
@@ -130,12 +130,12 @@ func TestQueueWaitForRoom(t *testing.T) {
 		}
 
 		var c queue
-		c.init()
+		c.init(nil)
 		c.push(make([]byte, high), high)
 		open := make(chan bool, 1)
 		go func() { _, o := c.waitForRoom(high, low); open <- o }()
 		var e queue // empty: its writer waits for bytes
-		e.init()
+		e.init(nil)
 		step := make(chan writerStep, 1)
 		go func() { s, _ := e.next(); step <- s }()
 		synctest.Wait()

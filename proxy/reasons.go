@@ -27,4 +27,5 @@ const (
 	CloseLoop             CloseReason = "loop"               // transparent: the connection is the proxy's own
 	CloseCapacity         CloseReason = "capacity"           // transparent: a new destination past max_destinations
 	CloseMeshDead         CloseReason = "mesh_dead"          // the mesh session the link ran on missed its heartbeats
+	CloseBudget           CloseReason = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
 )

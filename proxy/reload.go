@@ -85,7 +85,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		if ok && sameTarget(l.cfg, lc) {
 			delete(old, lc.Name)
 			if prev := l.spec().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
-				!reflect.DeepEqual(prev.Transparent, lc.Transparent) || !reflect.DeepEqual(prev.Ingress, lc.Ingress) {
+				!reflect.DeepEqual(prev.Transparent, lc.Transparent) || prev.MaxLinks != lc.MaxLinks || !reflect.DeepEqual(prev.Ingress, lc.Ingress) {
 				ch.ListenersRetuned = append(ch.ListenersRetuned, lc.Name)
 			}
 			l.current.Store(newLinkSpec(lc))
@@ -108,6 +108,10 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	p.mu.Unlock()
 
 	p.drain.Store(int64(cfg.DrainTimeout))
+	// A lower budget or max_links cuts nothing (see setLimits); a higher
+	// listener max_links lets its accept loop go on.
+	p.setLimits(cfg.Limits)
+	p.slots.retuned()
 	p.mu.Lock()
 	prev := p.disabled
 	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
@@ -118,7 +122,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	p.mu.Unlock()
 	// Members from the new entries (names resolved now), each admitted one
 	// disabled if the new endpoints.disabled names it: a kept pool's
-	// members that left are evicted (reason removed), every member's probe
+	// members that left are drained (drainMember), every member's probe
 	// configuration is the new one.
 	for _, l := range pools {
 		p.syncPool(l.pool, l.pool.resolve(p.ctx, p.resolver))
@@ -242,25 +246,37 @@ func (p *Proxy) detachFrom(l *listener, ep *endpoint) {
 	// p.mu then ep.mu, as everywhere: a listener attaching to ep holds
 	// p.mu too, so an orphan seen here stays one until it is deleted.
 	p.mu.Lock()
+	orphan := p.detachFromLocked(l, ep)
+	p.mu.Unlock()
+	if orphan {
+		p.forget(ep)
+	}
+}
+
+// detachFromLocked removes l from ep's listeners and reports whether ep
+// is left an orphan, deleted from the proxy's endpoints (the caller then
+// calls forget, outside p.mu); p.mu is held.
+func (p *Proxy) detachFromLocked(l *listener, ep *endpoint) (orphan bool) {
 	ep.mu.Lock()
 	if !slices.Contains(ep.listeners, l) {
 		ep.mu.Unlock()
-		p.mu.Unlock()
-		return
+		return false
 	}
 	ep.listeners = slices.DeleteFunc(ep.listeners, func(x *listener) bool { return x == l })
 	if l.matches != nil {
 		l.destinations--
 	}
-	orphan := len(ep.listeners) == 0
+	orphan = len(ep.listeners) == 0
 	ep.mu.Unlock()
 	if orphan && p.endpoints[ep.addr] == ep {
 		delete(p.endpoints, ep.addr)
 	}
-	p.mu.Unlock()
-	if !orphan {
-		return
-	}
+	return orphan
+}
+
+// forget drops what the detector and the excluded set hold for an
+// endpoint no listener routes to any more.
+func (p *Proxy) forget(ep *endpoint) {
 	p.det.Unregister(ep.addr)
 	p.unexclude(ep.addr)
 	ep.orphans.stop()

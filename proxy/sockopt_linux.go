@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/netip"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -151,4 +152,48 @@ func unreadBytes(c *net.TCPConn) int {
 		}
 	})
 	return n
+}
+
+// sendWindow is what an upstream socket's kernel is doing with the bytes
+// it holds for the peer.
+type sendWindow struct {
+	// zero: the peer advertises a zero window, bytes wait for it and none
+	// is in flight: the kernel is probing the window (the peer reads
+	// nothing), not retransmitting.
+	zero bool
+	// answered: no zero-window probe is outstanding (the peer's kernel
+	// answered the last one).
+	answered bool
+	// idle: nothing unsent, nothing unacknowledged.
+	idle bool
+}
+
+// sampleSendWindow reads TCP_INFO for a sendWindow; false when the kernel
+// does not say (the socket is closed).
+func sampleSendWindow(raw syscall.RawConn) (sendWindow, bool) {
+	var w sendWindow
+	ok := false
+	_ = raw.Control(func(fd uintptr) {
+		ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		if err != nil {
+			return
+		}
+		ok = true
+		w.zero = ti.Snd_wnd == 0 && ti.Notsent_bytes > 0 && ti.Unacked == 0
+		w.answered = ti.Probes == 0
+		w.idle = ti.Notsent_bytes == 0 && ti.Unacked == 0
+	})
+	return w, ok
+}
+
+// setUserTimeout sets TCP_USER_TIMEOUT on an open socket (0: the kernel's
+// default, no bound of its own).
+func setUserTimeout(raw syscall.RawConn, d time.Duration) error {
+	var serr error
+	if err := raw.Control(func(fd uintptr) {
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(d.Milliseconds()))
+	}); err != nil {
+		return err
+	}
+	return serr
 }

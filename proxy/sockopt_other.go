@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"syscall"
+	"time"
 
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -30,3 +31,11 @@ func originalDst(*net.TCPConn) (netip.AddrPort, error) {
 
 // unreadBytes is unknown outside Linux.
 func unreadBytes(*net.TCPConn) int { return 0 }
+
+// sendWindow is unknown outside Linux (and TCP_USER_TIMEOUT is not set
+// there): the window guard never starts.
+type sendWindow struct{ zero, answered, idle bool }
+
+func sampleSendWindow(syscall.RawConn) (sendWindow, bool) { return sendWindow{}, false }
+
+func setUserTimeout(syscall.RawConn, time.Duration) error { return nil }

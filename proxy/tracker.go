@@ -21,11 +21,31 @@ const noAnswer = math.MinInt64
 // pendingRequest is one or more requests handed on close together and not
 // yet judged.
 type pendingRequest struct {
-	at  int64 // mono time the first of them was handed on
-	due int64 // mono time by which an answer must have come: the latest of theirs
-	end int64 // stream offset just past the last byte of the last one
-	n   int32 // how many requests
-	thr int32 // consecutive_timeouts_threshold of the listener that sent them
+	at int64 // mono time the first of them was handed on
+	// held is the mono time until which the server may hold it by its
+	// protocol (a long poll's max_wait, an acks=all Produce's timeout_ms;
+	// at for a request that asks for no hold): an answer after it is life.
+	held int64
+	due  int64 // mono time the first of their deadlines passes: the verdict
+	last int64 // mono time the last of their deadlines passes: staleness
+	end  int64 // stream offset just past the last byte of the last one
+	n    int32 // how many requests
+	thr  int32 // consecutive_timeouts_threshold of the listener that sent them
+	// judged: the verdict was given at due; the entry is kept until last
+	// for the staleness check only.
+	judged bool
+	// verdict and expired say what a judgement is about (set only on the
+	// copies handed to judge): due passed just now (count it if
+	// unanswered), last passed (check staleness; the entry is gone).
+	verdict, expired bool
+}
+
+// next is when the entry must be looked at again.
+func (r *pendingRequest) next() int64 {
+	if r.judged {
+		return r.last
+	}
+	return r.due
 }
 
 // maxPending bounds a tracker's list. Requests sent with no answer in
@@ -40,20 +60,26 @@ const maxPending = 1024
 //
 // The rule (the README's "What counts as a dead upstream"): a request
 // whose deadline passed counts as unanswered only if the endpoint answered
-// nothing at all, on any link, since the request was sent. An answer to
-// any request proves the server process alive and reading; whether this
-// particular request is still being worked on is the protocol's business,
-// judged by the deadline the request itself carries (a Kafka Fetch's
-// max_wait_ms, a Pinot query's timeoutMs).
+// nothing at all, on any link, since the request was sent, or, for one
+// the server may hold by its protocol (a Kafka Fetch's max_wait_ms, an
+// acks=all Produce's timeout_ms), since that hold ended, unless it had its
+// own answer (answeredThrough: Kafka matches responses to requests). An
+// answer to any request proves the server process alive and reading;
+// whether this particular request is still being worked on is the
+// protocol's business, judged by the deadline the request itself carries. Answers while a request is held say the server was alive while
+// it was entitled to hold it; past the hold it owes an answer within the
+// deadline, and answering nothing at all meanwhile is a stop. One such
+// request is the evidence (the default threshold is 1): the verdict comes
+// by the clock, whatever the clients' request rate.
 //
-// Requests handed on within slack of each other, with no answer from the
-// endpoint in between, share an entry: the earliest send time and the
-// latest deadline. Since no answer came between them, any answer covers
-// all of them or none. The entry is judged at its latest deadline, so a
-// short request that shares one with a long poll is judged late (and an
-// answer meanwhile clears it): sharing only ever errs toward not
-// counting. Past maxPending entries, new requests join the newest entry
-// whatever came in between, with the same bias.
+// Requests handed on with holds and deadlines within slack of each other
+// share an entry (the earliest send time, hold end and deadline, the
+// latest deadline for staleness) as long as no answer came since the
+// entry's hold ended: an answer then covers all of them or none, give or
+// take the slack, and the verdict at the earliest deadline is that
+// request's own, with the bias toward not counting. Past maxPending
+// entries, new requests join the newest entry whatever came in between;
+// that can only delay a verdict.
 //
 // A link's tracker judges the link's requests; when the link ends, its
 // unjudged requests are handed to the endpoint's tracker (adopt), so a
@@ -64,9 +90,14 @@ type tracker struct {
 	// last answer; it is recorded once.
 	perBurst bool
 	answer   *atomic.Int64 // mono time of the endpoint's last answer; noAnswer: none
-	// judge receives every request whose deadline passed, from the timer's
-	// goroutine (two may overlap when the timer was reset while one ran).
-	// left is how many requests are still pending.
+	// answeredEnd is the stream end of the last request known answered
+	// (Kafka: responses are matched to requests, in order): a request
+	// up to there had its own answer, whatever its hold.
+	answeredEnd atomic.Int64
+	// judge receives every entry whose first deadline (verdict) or last
+	// deadline (expired) passed, from the timer's goroutine (two may
+	// overlap when the timer was reset while one ran). left is how many
+	// requests are still pending.
 	judge func(judged []pendingRequest, left int)
 
 	mu      sync.Mutex
@@ -88,12 +119,35 @@ func judgingSlack(requestTimeout time.Duration) time.Duration {
 	return max(min(requestTimeout/10, 100*time.Millisecond), time.Millisecond)
 }
 
-// covered reports whether the endpoint answered anything after r was sent.
-func (t *tracker) covered(r *pendingRequest) bool { return t.answer.Load() > r.at }
+// covered reports whether the endpoint answered anything after r was sent
+// (or, for a request it may hold, after that hold ended), or r had its own
+// answer.
+func (t *tracker) covered(r *pendingRequest) bool {
+	return t.answer.Load() > r.held || t.answeredEnd.Load() >= r.end && r.end > 0
+}
+
+// answeredThrough records that every request ending at or before stream
+// offset end has had its own answer.
+func (t *tracker) answeredThrough(end int64) {
+	for {
+		cur := t.answeredEnd.Load()
+		if cur >= end || t.answeredEnd.CompareAndSwap(cur, end) {
+			return
+		}
+	}
+}
 
 // sent records r (n requests handed on at r.at, due at r.due, ending at
-// stream offset r.end).
+// stream offset r.end; r.last, when later than r.due, is when the last of
+// them is due).
 func (t *tracker) sent(r pendingRequest) {
+	if r.last == 0 || r.last < r.due { // 0: not set (mono times may be negative in tests)
+		r.last = r.due
+	}
+	if r.held == 0 || r.held < r.at {
+		r.held = r.at
+	}
+	r.judged = false
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.stopped {
@@ -103,15 +157,21 @@ func (t *tracker) sent(r pendingRequest) {
 		l := &t.pending[last]
 		switch {
 		case t.perBurst && !t.covered(l):
-			// Still the same burst: no answer since it began.
-			l.end, l.due = r.end, max(l.due, r.due)
+			// Still the same burst: no answer since it began. The burst is
+			// due request_timeout after its last byte.
+			l.end, l.due, l.last = r.end, max(l.due, r.due), max(l.last, r.last)
+			if !l.judged {
+				t.armLocked(l.due)
+			}
 			return
-		case !t.perBurst && l.thr == r.thr && (r.at-l.at < t.slack && !t.covered(l) || last+1 >= maxPending):
-			// No answer since l's first request: any later answer covers
-			// all of them or none, so sharing an entry changes no verdict.
+		case !t.perBurst && l.thr == r.thr && (!l.judged && within(r.held, l.held, t.slack) &&
+			within(r.due, l.due, t.slack) && !t.covered(l) || last+1 >= maxPending):
+			// No answer since l's hold ended: any later answer covers all
+			// of them or none (within the slack), so sharing an entry
+			// changes no verdict but by the slack, toward not counting.
 			l.n += r.n
-			l.end, l.due = r.end, max(l.due, r.due)
-			t.armLocked(l.due)
+			l.end, l.due, l.last, l.held = r.end, min(l.due, r.due), max(l.last, r.last), min(l.held, r.held)
+			t.armLocked(l.next())
 			return
 		}
 	}
@@ -121,6 +181,9 @@ func (t *tracker) sent(r pendingRequest) {
 	t.pending = append(t.pending, r)
 	t.armLocked(r.due)
 }
+
+// within reports whether a and b are less than d apart.
+func within(a, b, d int64) bool { return a-b < d && b-a < d }
 
 // adopt takes over requests whose link ended before they were judged.
 func (t *tracker) adopt(rs []pendingRequest) {
@@ -132,8 +195,9 @@ func (t *tracker) adopt(rs []pendingRequest) {
 	if t.stopped {
 		return
 	}
-	t.pending = append(t.pending, rs...)
 	for _, r := range rs {
+		r.last = r.due // the link is gone: nothing can be stale
+		t.pending = append(t.pending, r)
 		t.armLocked(r.due)
 	}
 }
@@ -161,22 +225,23 @@ func (t *tracker) armLocked(due int64) {
 	}
 }
 
-// overdueEnd returns the stream end of the newest request whose deadline
-// has passed without a judgement yet (0 if none): the writer must not send
-// bytes up to there.
+// overdueEnd returns the stream end of the newest entry whose last
+// deadline has passed without a judgement yet (0 if none): the writer
+// must not send bytes up to there.
 func (t *tracker) overdueEnd(now int64) int64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var end int64
 	for _, r := range t.pending {
-		if r.due <= now {
+		if r.last <= now {
 			end = max(end, r.end)
 		}
 	}
 	return end
 }
 
-// expire judges every request whose deadline has passed.
+// expire judges every entry whose first deadline has passed (the
+// verdict) and hands on those whose last deadline has passed (staleness).
 func (t *tracker) expire() {
 	t.mu.Lock()
 	if t.stopped {
@@ -191,13 +256,20 @@ func (t *tracker) expire() {
 	next := int64(never)
 	left := 0
 	for _, r := range t.pending {
-		if r.due > now {
-			keep = append(keep, r)
-			next = min(next, r.due)
-			left += int(r.n)
+		if !r.judged && r.due <= now {
+			r.judged, r.verdict = true, true
+		}
+		r.expired = r.last <= now
+		if r.verdict || r.expired {
+			judged = append(judged, r)
+		}
+		if r.expired {
 			continue
 		}
-		judged = append(judged, r)
+		r.verdict = false
+		keep = append(keep, r)
+		next = min(next, r.next())
+		left += int(r.n)
 	}
 	t.pending = keep
 	t.armed = 0
@@ -208,20 +280,25 @@ func (t *tracker) expire() {
 	}
 }
 
-// unanswered returns how many of the judged requests count as unanswered,
-// per the rule above. It must be called from judge.
-func (t *tracker) unanswered(judged []pendingRequest) int {
-	n := 0
+// unanswered returns how many requests of the entries just given their
+// verdict count as unanswered, per the rule above, and since when the
+// endpoint has been silent with one of them outstanding (its send, or the
+// endpoint's last answer if that came later, during its hold). It must be
+// called from judge.
+func (t *tracker) unanswered(judged []pendingRequest) (n int, since int64) {
+	since = never
+	last := t.answer.Load()
 	for i := range judged {
-		if !t.covered(&judged[i]) {
-			n += int(judged[i].n)
+		if r := &judged[i]; r.verdict && !t.covered(r) {
+			n += int(r.n)
+			since = min(since, max(r.at, last))
 		}
 	}
-	return n
+	return n, since
 }
 
-// stop ends tracking and returns the requests not yet judged that have
-// seen no answer, so that the endpoint can judge them. A judgement already
+// stop ends tracking and returns the requests not yet given their verdict
+// that have seen no answer, so that the endpoint can judge them. A judgement already
 // running finishes first.
 func (t *tracker) stop() []pendingRequest {
 	t.mu.Lock()
@@ -231,8 +308,8 @@ func (t *tracker) stop() []pendingRequest {
 	}
 	var orphans []pendingRequest
 	for i := range t.pending {
-		if !t.covered(&t.pending[i]) {
-			orphans = append(orphans, t.pending[i])
+		if r := &t.pending[i]; !r.judged && !t.covered(r) {
+			orphans = append(orphans, *r)
 		}
 	}
 	t.pending = nil

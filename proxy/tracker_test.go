@@ -28,7 +28,8 @@ func newTrackerRig(slack time.Duration, perBurst bool) *trackerRig {
 		defer r.mu.Unlock()
 		r.verdicts = append(r.verdicts, append([]pendingRequest(nil), judged...))
 		r.left = append(r.left, left)
-		r.counted += r.t.unanswered(judged)
+		n, _ := r.t.unanswered(judged)
+		r.counted += n
 	})
 	return r
 }
@@ -146,31 +147,105 @@ func TestTrackerScenarios(t *testing.T) {
 	}
 }
 
-// Requests sent within the slack of each other share an entry: the
-// earliest send time and the latest deadline, so merging only ever errs
-// toward not counting.
+// Requests sent within the slack of each other, with deadlines within
+// the slack too, share an entry: the earliest send time, the earliest
+// deadline (the verdict) and the latest (when the entry is checked for
+// staleness and leaves).
 func TestTrackerMergesWithinSlack(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(100*time.Millisecond, false)
 		defer r.t.stop()
 		r.send(time.Second, 10)
 		time.Sleep(50 * time.Millisecond)
-		r.send(3*time.Second, 20) // within slack: same entry, later deadline
+		r.send(time.Second, 20) // within slack: same entry, due 50ms later
 		time.Sleep(100 * time.Millisecond)
-		r.send(time.Second, 30) // past slack: its own entry
+		r.send(2*time.Second, 30) // past slack: its own entry
 		r.t.mu.Lock()
 		n := len(r.t.pending)
 		first := r.t.pending[0]
 		r.t.mu.Unlock()
-		if n != 2 || first.n != 2 || first.end != 20 {
-			t.Fatalf("%d entries, first %+v; want 2 entries, the first holding 2 requests up to offset 20", n, first)
+		if n != 2 || first.n != 2 || first.end != 20 || first.last-first.due != int64(50*time.Millisecond) {
+			t.Fatalf("%d entries, first %+v; want 2 entries, the first holding 2 requests up to offset 20, due 50ms before its last deadline", n, first)
 		}
-		v, left, _ := r.after(1200 * time.Millisecond)
-		if len(v) != 1 || v[0][0].end != 30 || left[0] != 2 {
-			t.Fatalf("verdicts %v left %v; want the third request judged first with 2 still pending", v, left)
+		v, _, counted := r.after(1100 * time.Millisecond) // +1.25s: the first entry's verdict (at 1s + slack)
+		if len(v) != 1 || !v[0][0].verdict || !v[0][0].expired || counted != 2 {
+			t.Fatalf("verdicts %v, %d unanswered; want the first entry judged at its earliest deadline (2 requests)", v, counted)
 		}
-		if _, _, counted := r.after(2 * time.Second); counted != 3 {
-			t.Fatalf("%d unanswered, want 3", counted)
+		v, left, counted := r.after(time.Second) // +2.25s
+		if len(v) != 2 || v[1][0].end != 30 || !v[1][0].expired || left[1] != 0 || counted != 3 {
+			t.Fatalf("verdicts %v left %v, %d unanswered; want the third request judged and gone", v, left, counted)
+		}
+	})
+}
+
+// Requests with deadlines further apart than the slack keep their own
+// entries, even sent together: each is judged at its own deadline.
+func TestTrackerDistinctDeadlinesNotMerged(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(100*time.Millisecond, false)
+		defer r.t.stop()
+		r.send(3*time.Second, 10)
+		r.send(time.Second, 20)
+		r.t.mu.Lock()
+		n := len(r.t.pending)
+		r.t.mu.Unlock()
+		if n != 2 {
+			t.Fatalf("%d entries, want 2", n)
+		}
+		if _, _, counted := r.after(1200 * time.Millisecond); counted != 1 {
+			t.Fatalf("%d unanswered at 1.2s, want the 1s request alone", counted)
+		}
+		if _, _, counted := r.after(2 * time.Second); counted != 2 {
+			t.Fatalf("%d unanswered at 3.2s, want both", counted)
+		}
+	})
+}
+
+// A long poll and a short request sent together keep their own entries
+// (their deadlines are far apart): the short one's verdict is not
+// delayed to the long poll's deadline.
+func TestTrackerShortRequestNotDelayedByLongPoll(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(100*time.Millisecond, false)
+		defer r.t.stop()
+		r.send(5*time.Second, 10) // a Fetch parked for 5s
+		r.send(time.Second, 20)   // a Metadata request right after it
+		time.Sleep(900 * time.Millisecond)
+		r.answer.Store(mono()) // the endpoint answers something
+		if _, _, counted := r.after(5 * time.Second); counted != 0 {
+			t.Fatalf("%d unanswered: an answer after both were sent covers both", counted)
+		}
+		r.send(5*time.Second, 30)
+		r.send(time.Second, 40)
+		if _, _, counted := r.after(1150 * time.Millisecond); counted != 1 {
+			t.Fatalf("%d unanswered 1.15s after a silent 1s request, want it counted then, not at the 5s deadline", counted)
+		}
+	})
+}
+
+// A request the server may hold (a long poll) is covered by an answer
+// after its hold ended, not by one during it: answers while it is held say
+// the server was alive while entitled to hold it; past the hold it owes an
+// answer within its deadline.
+func TestTrackerHeldRequestCoveredOnlyAfterItsHold(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(10*time.Millisecond, false)
+		defer r.t.stop()
+		held := func(hold, rt time.Duration, end int64) {
+			now := mono()
+			r.t.sent(pendingRequest{at: now, held: now + int64(hold), due: now + int64(hold+rt), end: end, n: 1, thr: 1})
+		}
+		held(5*time.Second, 3*time.Second, 10)
+		time.Sleep(4 * time.Second)
+		r.answer.Store(mono()) // another connection answered, during the hold
+		if _, _, counted := r.after(4100 * time.Millisecond); counted != 1 {
+			t.Fatalf("%d unanswered: a held request with no answer since its hold ended must count at its deadline", counted)
+		}
+		held(5*time.Second, 3*time.Second, 20)
+		time.Sleep(6 * time.Second)
+		r.answer.Store(mono()) // an answer after the hold, before the deadline
+		if _, _, counted := r.after(3 * time.Second); counted != 1 {
+			t.Fatalf("%d unanswered: an answer after the hold ended covers the request", counted)
 		}
 	})
 }

@@ -127,20 +127,45 @@ func (l *listener) group(ep *endpoint) []*endpoint {
 
 // isOwn reports whether a connection is the proxy's own: its original
 // destination is one of the proxy's listeners, or it comes from one of the
-// proxy's upstream sockets (a redirect rule that does not exempt them).
+// proxy's upstream sockets (a redirect rule that does not exempt them). A
+// listener bound to a wildcard address (0.0.0.0, ::) answers on every
+// address of the host: a destination on its port is the proxy's own when
+// the address is one of the host's.
 func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 	if _, ok := p.ownUp.Load(from.String()); ok {
 		return true
 	}
+	addr := dst.Addr().Unmap()
+	wildcard := false
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	for _, l := range p.listeners {
 		ap, err := netip.ParseAddrPort(l.addr)
 		if err != nil || ap.Port() != dst.Port() {
 			continue
 		}
-		if ap.Addr() == dst.Addr().Unmap() || dst.Addr().IsLoopback() {
+		if ap.Addr().Unmap() == addr || addr.IsLoopback() {
+			p.mu.Unlock()
 			return true
+		}
+		wildcard = wildcard || ap.Addr().IsUnspecified()
+	}
+	p.mu.Unlock()
+	return wildcard && isLocalAddr(addr)
+}
+
+// isLocalAddr reports whether a is an address of one of the host's
+// interfaces (read now: addresses come and go). An error reading them
+// says nothing.
+func isLocalAddr(a netip.Addr) bool {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return false
+	}
+	for _, ia := range addrs {
+		if ipn, ok := ia.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(ipn.IP); ok && ip.Unmap() == a {
+				return true
+			}
 		}
 	}
 	return false

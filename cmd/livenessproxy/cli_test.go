@@ -21,6 +21,8 @@ import (
 // and what it says.
 func TestHelpVersionAndFlags(t *testing.T) {
 	good := writeConfig(t, "listeners:\n  - {name: a, listen: 127.0.0.1:18098, upstream: pinot:8098}\n")
+	// More links than any descriptor limit here allows: check says so.
+	tooMany := writeConfig(t, "limits: {max_links: 100000000}\nlisteners:\n  - {name: a, listen: 127.0.0.1:18098, upstream: pinot:8098}\n")
 	versionOut := "livenessproxy " + currentBuild().String() + "\n"
 	verbLines := []string{
 		"  run       proxy the configured listeners",
@@ -74,6 +76,10 @@ func TestHelpVersionAndFlags(t *testing.T) {
 		{name: "demo with a flag", args: []string{"demo", "--fast"}, code: 2, stderr: []string{"flag provided but not defined: -fast"}},
 		{name: "demo with an argument", args: []string{"demo", "now"}, code: 2, stderr: []string{`demo: unexpected argument "now"`}},
 		{name: "version with an argument", args: []string{"version", "--short"}, code: 2, stderr: []string{"flag provided but not defined: -short"}},
+		{name: "check prints the limits", args: []string{"check", "--config", good},
+			stdout: []string{"memory: ", "GOMEMLIMIT: ", "memory budget: ", "(half of memory)", "max_links: ", "descriptors: RLIMIT_NOFILE hard", ": ok\n"}},
+		{name: "check warns about descriptors", args: []string{"check", "--config", tooMany},
+			stdout: []string{"max_links: 100000000 (limits.max_links)", "warning: RLIMIT_NOFILE hard limit", "is below the 200000600 descriptors", ": ok\n"}},
 		{name: "unknown verb", args: []string{"frobnicate"}, code: 2, stderr: []string{`unknown verb "frobnicate"`, "  check     validate"}},
 		{name: "help for an unknown verb", args: []string{"help", "frobnicate"}, code: 2, stderr: []string{`unknown verb "frobnicate"`}},
 		{name: "unknown flag of run", args: []string{"--confg", good}, code: 2, stderr: []string{"flag provided but not defined: -confg", `run "livenessproxy run --help"`}},

@@ -49,6 +49,7 @@ type verb struct {
 var verbs = []verb{
 	{"run", "proxy the configured listeners until SIGTERM (the default verb)", cmdRun},
 	{"check", "validate a configuration file and print every problem, one per line", cmdCheck},
+	{"ctl", "talk to a running proxy's control server: endpoints, pools, disable, enable, evict, drain, config, log-level", cmdCtl},
 	{"redirect", "install the nftables rules that send outgoing TCP to the proxy (the init container)", cmdRedirect},
 	{"demo", "replay a node flap without FIN, in-process on loopback, with and without the proxy", cmdDemo},
 	{"version", "print the version (and, for a local build, the VCS revision)", cmdVersion},
@@ -155,6 +156,9 @@ func (c *command) printHelp(w io.Writer) {
 	c.fs.VisitAll(func(f *flag.Flag) {
 		arg, text := flag.UnquoteUsage(f)
 		head := "--" + f.Name
+		if len(f.Name) == 1 {
+			head = "-" + f.Name // -o, as people type it
+		}
 		if arg != "" {
 			head += " " + arg
 		}
@@ -215,7 +219,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 		log.Error().Str("config", *config).Strs("problems", problems(err)).Msg("invalid configuration; not starting")
 		return 1
 	}
-	log := newLogger(cfg.Log, *level, stderr)
+	log := withRunLevel(newLogger(cfg.Log, *level, stderr))
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -224,8 +228,9 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
-	if err := serve(ctx, cfg, log, func(p *proxy.Proxy, m *metrics.Process) {
-		watchConfig(ctx, *config, data, hup, p, m, cfg, log)
+	run := newRunning(cfg)
+	if err := serve(ctx, run, log, func(p *proxy.Proxy, m *metrics.Process) {
+		watchConfig(ctx, *config, data, hup, p, m, run, log)
 	}); err != nil {
 		log.Error().Err(err).Msg("livenessproxy stopped")
 		return 1
@@ -291,8 +296,10 @@ func isTerminal(w io.Writer) bool {
 const checkHelp = `usage: livenessproxy check --config FILE
 
 Validates the configuration file as run would load it. Prints every problem
-on its own line, by key path and line, and exits 1; or "FILE: ok" and
-exits 0.
+on its own line, by key path and line, and exits 1; or the process limits
+it would run under here (memory and where it came from, GOMEMLIMIT, the
+memory budget, max_links, descriptors, with a warning for each problem)
+and "FILE: ok", and exits 0.
 `
 
 func cmdCheck(args []string, stdout, stderr io.Writer) int {
@@ -305,10 +312,12 @@ func cmdCheck(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "check: --config FILE is required")
 		return 2
 	}
-	if _, err := policy.Load(*config); err != nil {
+	cfg, err := policy.Load(*config)
+	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
 	}
+	printLimits(stdout, proxy.PlanLimits(cfg.Limits))
 	fmt.Fprintf(stdout, "%s: ok\n", *config)
 	return 0
 }
@@ -352,18 +361,21 @@ func cmdVersion(args []string, stdout, stderr io.Writer) int {
 }
 
 // serve runs the proxy and the admin servers until ctx is cancelled, then
-// drains: stop accepting, let links finish up to drain_timeout, close the rest.
-func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
+// keeps serving for the shutdown grace (shutdownGrace) and drains: stop
+// accepting, let links finish up to drain_timeout, close the rest.
+func serve(ctx context.Context, run *running, log zerolog.Logger, watch func(*proxy.Proxy, *metrics.Process)) error {
+	cfg := run.config()
 	b := currentBuild()
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m := metrics.NewProcess(reg)
 	m.SetBuildInfo(b.version, b.revision, b.goVersion)
-	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, AccessLog: cfg.Log.Access})
+	p := proxy.New(cfg, proxy.Options{Logger: &log, Registerer: reg, AccessLog: cfg.Log.Access, ManageRuntime: true})
 	adm, err := admin.Start(admin.Config{
 		Listen:        cfg.Admin.Listen,
 		ControlListen: cfg.Admin.ControlListen,
 		TokenFile:     cfg.Admin.TokenFile,
+		Runtime:       admin.Runtime{Config: run.effective, Level: runLevel{}},
 	}, reg, p.Ready, p, log)
 	if err != nil {
 		return err // it names the key
@@ -372,6 +384,7 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 		_ = adm.Shutdown(context.Background())
 		return err
 	}
+	logLimits(log, p.Limits())
 	log.Info().Str("version", b.version).Str("revision", b.revision).Int("listeners", len(cfg.Listeners)).
 		Msg("livenessproxy started")
 
@@ -384,7 +397,9 @@ func serve(ctx context.Context, cfg policy.Config, log zerolog.Logger, watch fun
 	}()
 	<-ctx.Done()
 	<-watched
-	drain := p.DrainTimeout() // a reload may have changed it
+	now := run.config() // a reload may have changed the shutdown keys
+	shutdownGrace(now.ShutdownGrace.D(), now.ShutdownIdle.D(), p.ActiveLinks, log)
+	drain := p.DrainTimeout()
 	log.Info().Dur("drain_timeout_ms", drain).Int("links", p.ActiveLinks()).Msg("draining")
 	dctx, cancel := context.WithTimeout(context.Background(), max(drain, 0))
 	defer cancel()

@@ -98,6 +98,7 @@ func TestRunServesAndDrainsOnSIGTERM(t *testing.T) {
 	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 log: {level: debug}
 drain_timeout: 300ms
+shutdown_grace: 0s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
 `, adminAddr, controlAddr, listenAddr, peer.Addr()))
@@ -189,7 +190,7 @@ listeners:
 	if _, err := c.Read(got); err == nil {
 		t.Fatal("link still open after exit")
 	}
-	var sawDrain bool
+	var sawDrain, sawLimits bool
 	for _, l := range jsonLines(t, stderr.String()) {
 		if ts, _ := l["time"].(string); !msTime.MatchString(ts) {
 			t.Errorf("log line %v: time is not RFC 3339 with milliseconds", l)
@@ -197,11 +198,18 @@ listeners:
 		switch l["message"] {
 		case "draining":
 			sawDrain = l["drain_timeout_ms"] == 300.0
+		case "limits":
+			// The budget in force and where it came from, at start.
+			sawLimits = l["memory_budget_bytes"].(float64) > 0 && l["memory_budget_source"] == "half of memory" &&
+				l["memory_source"] != nil && l["max_links"].(float64) > 0
 		case "livenessproxy started":
 			if l["version"] != b.version || l["revision"] != b.revision {
 				t.Errorf("start line %v: want version %s, revision %s", l, b.version, b.revision)
 			}
 		}
+	}
+	if !sawLimits {
+		t.Errorf("no limits log line with the budget and its source in:\n%s", stderr.String())
 	}
 	if !sawDrain {
 		t.Errorf("no drain log line with drain_timeout_ms 300 in:\n%s", stderr.String())

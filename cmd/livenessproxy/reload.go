@@ -30,7 +30,8 @@ const (
 // with every problem by key path and the last good one keeps serving.
 // started is the configuration the process started with: the keys that
 // need a restart keep its values.
-func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Process, started policy.Config, log zerolog.Logger) {
+func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Process, run *running, log zerolog.Logger) {
+	started := run.config()
 	tick := time.NewTicker(watchInterval)
 	defer tick.Stop()
 	last := applied
@@ -55,26 +56,33 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 			continue
 		}
 		last = data
-		reload(data, trigger, p, m, started, log)
+		if cfg, ok := reload(data, trigger, p, m, started, log); ok {
+			run.applied(cfg)
+		}
 	}
 }
 
 // reload applies data, a new configuration file, and logs what trigger
-// caused it and what changed.
-func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Process, started policy.Config, log zerolog.Logger) {
+// caused it and what changed. It returns the configuration now in force
+// and true when the proxy applied it (in part too: the keys beyond the
+// listener that failed are in force), with the keys that need a restart
+// kept at their started values.
+func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Process, started policy.Config, log zerolog.Logger) (policy.Config, bool) {
 	cfg, err := policy.Parse(data)
 	if err != nil {
 		log.Error().Str("trigger", trigger).Strs("problems", problems(err)).
 			Msg("config reload rejected; keeping the last good config")
 		m.ConfigReload("error")
-		return
+		return cfg, false
 	}
+	inForce := cfg
+	inForce.Admin, inForce.Log, inForce.Interception = started.Admin, started.Log, started.Interception
 	ch, err := p.Apply(cfg)
 	if err != nil {
 		ev := log.Error().Err(err).Str("trigger", trigger)
 		changes(ev, ch).Msg("config reload applied in part")
 		m.ConfigReload("error")
-		return
+		return inForce, true
 	}
 	m.ConfigReload("ok")
 	ev := log.Info().Str("trigger", trigger).Int("listeners", len(cfg.Listeners))
@@ -82,6 +90,7 @@ func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Process, sta
 		ev = ev.Strs("restart_needed", keys)
 	}
 	changes(ev, ch).Msg("config reloaded")
+	return inForce, true
 }
 
 // changes adds to ev the parts of ch that are not empty.

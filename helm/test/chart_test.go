@@ -497,6 +497,27 @@ func dashboards(r rendered) int {
 
 // checkPod checks a pod template that carries the sidecar: security
 // contexts, probes, ports, annotations and the config volume.
+// checkMemoryLimitEnv: a sidecar with a memory limit passes it to the
+// binary (LIVENESSPROXY_MEMORY_LIMIT from the downward API), from which
+// it derives GOMEMLIMIT, the memory budget and max_links; one without
+// passes nothing.
+func checkMemoryLimitEnv(t *testing.T, owner string, c *corev1.Container) {
+	t.Helper()
+	var ref *corev1.ResourceFieldSelector
+	for _, e := range c.Env {
+		if e.Name == "LIVENESSPROXY_MEMORY_LIMIT" && e.ValueFrom != nil {
+			ref = e.ValueFrom.ResourceFieldRef
+		}
+	}
+	_, limited := c.Resources.Limits[corev1.ResourceMemory]
+	switch {
+	case limited && (ref == nil || ref.Resource != "limits.memory" || ref.ContainerName != c.Name):
+		t.Errorf("%s: the sidecar has a memory limit but LIVENESSPROXY_MEMORY_LIMIT is %+v, want its limits.memory", owner, ref)
+	case !limited && ref != nil:
+		t.Errorf("%s: the sidecar has no memory limit but passes LIVENESSPROXY_MEMORY_LIMIT", owner)
+	}
+}
+
 func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[string]*corev1.ConfigMap, config string, checksum bool) {
 	t.Helper()
 	spec := &pt.Spec
@@ -519,6 +540,7 @@ func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[st
 	if len(sidecar.Args) < 3 || sidecar.Args[0] != "run" || sidecar.Args[1] != "--config" || sidecar.Args[2] != "/etc/livenessproxy/config.yaml" {
 		t.Errorf("%s: sidecar args %q", owner, sidecar.Args)
 	}
+	checkMemoryLimitEnv(t, owner, sidecar)
 	sc := sidecar.SecurityContext
 	if sc == nil || sc.RunAsNonRoot == nil || !*sc.RunAsNonRoot || sc.RunAsUser == nil || *sc.RunAsUser != proxyUID ||
 		sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem ||

@@ -5,13 +5,16 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,6 +25,7 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
@@ -31,11 +35,35 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 var client = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 5 * time.Second}
 
 type fixture struct {
-	t    *testing.T
-	url  string // the read-only server
-	ctl  string // the control server
-	p    *proxy.Proxy
-	peer *faultpeer.Server
+	t     *testing.T
+	url   string // the read-only server
+	ctl   string // the control server
+	p     *proxy.Proxy
+	peer  *faultpeer.Server
+	level *testLevel
+	audit *testutil.SyncBuffer // the control server's log
+}
+
+// testLevel is a run-time log level for the handlers' tests.
+type testLevel struct {
+	mu   sync.Mutex
+	name string
+}
+
+func (l *testLevel) Get() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.name
+}
+
+func (l *testLevel) Set(name string) error {
+	if !slices.Contains([]string{"debug", "info", "warn", "error"}, name) {
+		return fmt.Errorf("log level %q is not one of debug, info, warn, error", name)
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.name = name
+	return nil
 }
 
 func setup(t *testing.T) *fixture {
@@ -46,12 +74,15 @@ func setup(t *testing.T) *fixture {
 	reg := prometheus.NewRegistry()
 	p := proxy.New(cfg, proxy.Options{Registerer: reg})
 	var ready atomic.Bool
-	ts := httptest.NewServer(ReadHandler(reg, ready.Load, p))
+	level := &testLevel{name: "info"}
+	rt := Runtime{Level: level, Config: cfg.Effective}
+	ts := httptest.NewServer(ReadHandler(reg, ready.Load, p, rt))
 	t.Cleanup(ts.Close)
-	cs := httptest.NewServer(ControlHandler(p, ""))
+	audit := &testutil.SyncBuffer{}
+	cs := httptest.NewServer(ControlHandler(p, ControlOptions{Loopback: true, Ready: ready.Load, Runtime: rt, Log: zerolog.New(audit)}))
 	t.Cleanup(cs.Close)
 	t.Cleanup(func() { _ = p.Close() })
-	f := &fixture{t: t, url: ts.URL, ctl: cs.URL, p: p, peer: peer}
+	f := &fixture{t: t, url: ts.URL, ctl: cs.URL, p: p, peer: peer, level: level, audit: audit}
 	if code, _ := f.do("GET", "/readyz"); code != http.StatusServiceUnavailable {
 		t.Fatalf("/readyz before start = %d, want 503", code)
 	}
@@ -75,14 +106,29 @@ func (f *fixture) control(method, path string) (int, string) {
 
 func (f *fixture) doAt(base, method, path string) (int, string) {
 	f.t.Helper()
-	req, _ := http.NewRequest(method, base+path, nil)
+	code, body, _ := f.send(base, method, path, "", http.Header{ControlHeader: {"1"}})
+	return code, body
+}
+
+// send sends one request with header and body and returns the status,
+// body and headers of the answer.
+func (f *fixture) send(base, method, path, body string, header http.Header) (int, string, http.Header) {
+	f.t.Helper()
+	req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
+	for k, vs := range header {
+		if k == "Host" {
+			req.Host = vs[0]
+			continue
+		}
+		req.Header[k] = vs
+	}
 	resp, err := client.Do(req)
 	if err != nil {
 		f.t.Fatal(err)
 	}
 	defer resp.Body.Close()
 	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, string(b)
+	return resp.StatusCode, string(b), resp.Header
 }
 
 func (f *fixture) endpoints() []proxy.EndpointStatus {
@@ -114,17 +160,7 @@ func TestHealthAndReadiness(t *testing.T) {
 func TestEndpointsAPI(t *testing.T) {
 	f := setup(t)
 	ep := f.peer.Addr()
-	c, err := net.Dial("tcp", f.p.Addr("echo").String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	if _, err := c.Write([]byte("x")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
-		t.Fatal(err)
-	}
+	c := f.link()
 
 	eps := f.endpoints()
 	if len(eps) != 1 || eps[0].Endpoint != ep || eps[0].State != "healthy" || eps[0].LiveLinks != 1 ||
@@ -185,6 +221,10 @@ func TestReadServerRefusesActions(t *testing.T) {
 	}
 }
 
+// startLog is the admin servers' log in startAdmin: a test that reads it
+// sets it (none runs in parallel).
+var startLog = zerolog.Nop()
+
 // startAdmin starts the admin servers for a real proxy in front of an echo
 // peer; it returns them and the proxy.
 func startAdmin(t *testing.T, cfg Config) (*Server, *proxy.Proxy, string) {
@@ -195,7 +235,7 @@ func startAdmin(t *testing.T, cfg Config) (*Server, *proxy.Proxy, string) {
 	reg := prometheus.NewRegistry()
 	p := proxy.New(pc, proxy.Options{Registerer: reg})
 	t.Cleanup(func() { _ = p.Close() })
-	s, err := Start(cfg, reg, func() bool { return true }, p, zerolog.Nop())
+	s, err := Start(cfg, reg, func() bool { return true }, p, startLog)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -216,7 +256,9 @@ func TestControlOnUnixSocket(t *testing.T) {
 			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
 		}}}
 	defer c.CloseIdleConnections()
-	resp, err := c.Post("http://control/v1/endpoints/"+ep+"/disable", "", nil)
+	req, _ := http.NewRequest("POST", "http://control/v1/endpoints/"+ep+"/disable", nil)
+	req.Header.Set(ControlHeader, "1")
+	resp, err := c.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -309,6 +351,7 @@ func TestControlOffLoopbackNeedsToken(t *testing.T) {
 		{"Bearer s3cret", http.StatusOK},
 	} {
 		req, _ := http.NewRequest("POST", url, nil)
+		req.Header.Set(ControlHeader, "1")
 		if tc.auth != "" {
 			req.Header.Set("Authorization", tc.auth)
 		}

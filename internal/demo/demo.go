@@ -18,6 +18,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -48,7 +49,7 @@ func defaultParams() params {
 		queryTimeout: 2 * time.Second,
 
 		requestTimeout: 500 * time.Millisecond,
-		threshold:      3,
+		threshold:      1, // the default: the time rule
 		initialDelay:   300 * time.Millisecond,
 	}
 }
@@ -239,7 +240,25 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	srv = restarted
 	out.line(flapAt, "flap: the network drops the %d open connections (no FIN, no reset); the server dies, a new one starts on %s", n, srvAddr)
 
-	if err := sleep(ctx, time.Until(flapAt.Add(p.observe))); err != nil {
+	// Each event is printed as it happens (within a poll), not at the end.
+	w8 := watcher{flapAt: flapAt, out: out, proxied: proxied}
+	w8.ends = func() ([]proxy.LinkStats, []time.Time) {
+		endsMu.Lock()
+		defer endsMu.Unlock()
+		return slices.Clone(ends), slices.Clone(endAt)
+	}
+	w8.states = func() []stateChange {
+		statesMu.Lock()
+		defer statesMu.Unlock()
+		var cs []stateChange
+		for _, c := range states {
+			if c.at.After(flapAt) {
+				cs = append(cs, stateChange{At: c.at.Sub(flapAt), State: c.state, Reason: c.reason})
+			}
+		}
+		return cs
+	}
+	if err := w8.until(ctx, flapAt.Add(p.observe)); err != nil {
 		return nil, err
 	}
 	obsEnd := time.Now()
@@ -274,33 +293,6 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	}
 	statesMu.Unlock()
 
-	// The timeline after the flap, in order.
-	var events []event
-	if len(res.LinkEnds) > 0 {
-		first := res.LinkEnds[0]
-		var preFlap []string
-		for _, e := range res.LinkEnds {
-			if e.Stats.Opened.Before(flapAt) {
-				preFlap = append(preFlap, string(e.Stats.Reason))
-			}
-		}
-		events = append(events, event{first.At, fmt.Sprintf("proxy closes the %d dead link(s) (%s): the brokers' in-flight queries fail at once",
-			len(preFlap), strings.Join(dedup(preFlap), ", "))})
-	}
-	for _, c := range res.States {
-		what := map[string]string{"excluded": "endpoint excluded: new connections refused", "healthy": "endpoint readmitted"}[c.State]
-		if what == "" {
-			what = "endpoint " + c.State
-		}
-		events = append(events, event{c.At, fmt.Sprintf("%s (%s)", what, c.Reason)})
-	}
-	if res.Proxied.Recovered {
-		events = append(events, event{res.Proxied.Recovery, "proxied: every connection answered again, by the new server"})
-	}
-	sortEvents(events)
-	for _, e := range events {
-		out.line(flapAt.Add(e.at), "%s", e.text)
-	}
 	state := fmt.Sprintf("%d of %d connections still open", res.Direct.OpenAtEnd, p.conns)
 	out.line(time.Now(), "direct: %d queries sent since the flap, %d answered, %d timed out; %s (the kernel retransmits for ~15 min)",
 		res.Direct.Sent, res.Direct.OK, res.Direct.TimedOut, state)
@@ -323,29 +315,63 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	return res, ctx.Err()
 }
 
-type event struct {
-	at   time.Duration
-	text string
+// watcher prints the events after the flap as they happen: each dead
+// link the proxy closes, each state change of the endpoint, and the
+// proxied path's recovery.
+type watcher struct {
+	flapAt  time.Time
+	out     *printer
+	proxied []*pinotsim.Load
+	ends    func() ([]proxy.LinkStats, []time.Time) // the links ended so far, and when
+	states  func() []stateChange                    // the state changes after the flap so far
+
+	endsSeen, statesSeen int
+	recovered            bool
 }
 
-func sortEvents(es []event) {
-	for i := 1; i < len(es); i++ {
-		for j := i; j > 0 && es[j].at < es[j-1].at; j-- {
-			es[j], es[j-1] = es[j-1], es[j]
+// watchEvery is how often the watcher looks for new events.
+const watchEvery = 20 * time.Millisecond
+
+// until prints events as they come until end (or ctx ends).
+func (w *watcher) until(ctx context.Context, end time.Time) error {
+	tick := time.NewTicker(watchEvery)
+	defer tick.Stop()
+	for {
+		w.poll()
+		if !time.Now().Before(end) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-tick.C:
 		}
 	}
 }
 
-func dedup(ss []string) []string {
-	seen := map[string]bool{}
-	var out []string
-	for _, s := range ss {
-		if !seen[s] {
-			seen[s] = true
-			out = append(out, s)
+func (w *watcher) poll() {
+	ends, at := w.ends()
+	for ; w.endsSeen < len(ends); w.endsSeen++ {
+		e, when := ends[w.endsSeen], at[w.endsSeen]
+		if when.After(w.flapAt) && e.Opened.Before(w.flapAt) {
+			w.out.line(when, "proxy closes a dead link (%s): its broker's in-flight queries fail at once", e.Reason)
 		}
 	}
-	return out
+	states := w.states()
+	for ; w.statesSeen < len(states); w.statesSeen++ {
+		c := states[w.statesSeen]
+		what := map[string]string{"excluded": "endpoint excluded: new connections refused", "healthy": "endpoint readmitted"}[c.State]
+		if what == "" {
+			what = "endpoint " + c.State
+		}
+		w.out.line(w.flapAt.Add(c.At), "%s (%s)", what, c.Reason)
+	}
+	if !w.recovered {
+		if rec, ok := pinotsim.Recovery(w.proxied, w.flapAt); ok {
+			w.recovered = true
+			w.out.line(w.flapAt.Add(rec), "proxied: every connection answered again, by the new server")
+		}
+	}
 }
 
 // sleep waits for d or until ctx ends.

@@ -26,7 +26,7 @@ func TestRun(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute) // hang detector
 	defer cancel()
 	p := defaultParams()
-	var buf bytes.Buffer
+	var buf timedWriter
 	start := time.Now()
 	res, err := run(ctx, &buf, p)
 	took := time.Since(start)
@@ -89,9 +89,21 @@ func TestRun(t *testing.T) {
 	if n := strings.Count(out, "\n"); n >= 25 {
 		t.Errorf("output has %d lines, want under 25", n)
 	}
-	for _, want := range []string{"flap:", "proxy closes the", "still open", "time to recovery"} {
+	for _, want := range []string{"flap:", "proxy closes a dead link", "endpoint excluded", "every connection answered again", "still open", "time to recovery"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q", want)
+		}
+	}
+	// Each event after the flap is printed as it happens: during the
+	// observation, not in a batch at its end.
+	obsEnd := start.Add(res.FlapAt + p.observe)
+	for _, want := range []string{"proxy closes a dead link", "endpoint excluded", "every connection answered again"} {
+		at, ok := buf.writtenAt(want)
+		if !ok {
+			continue // reported above
+		}
+		if !at.Before(obsEnd) {
+			t.Errorf("%q was printed %v after the observation ended, not as it happened", want, at.Sub(obsEnd))
 		}
 	}
 	for name, r := range map[string]pathResult{"direct ": d, "via proxy ": px} {
@@ -110,6 +122,32 @@ func TestRun(t *testing.T) {
 			t.Errorf("row %q recovery = %q, want none", name, strings.Join(fields[4:], " "))
 		}
 	}
+}
+
+// timedWriter keeps what was written and when each write came.
+type timedWriter struct {
+	bytes.Buffer
+	writes []timedWrite
+}
+
+type timedWrite struct {
+	at   time.Time
+	text string
+}
+
+func (w *timedWriter) Write(p []byte) (int, error) {
+	w.writes = append(w.writes, timedWrite{time.Now(), string(p)})
+	return w.Buffer.Write(p)
+}
+
+// writtenAt returns when the first write containing s came.
+func (w *timedWriter) writtenAt(s string) (time.Time, bool) {
+	for _, wr := range w.writes {
+		if strings.Contains(wr.text, s) {
+			return wr.at, true
+		}
+	}
+	return time.Time{}, false
 }
 
 // rowFields returns the cells after the name of the table row starting with name.

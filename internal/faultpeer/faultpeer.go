@@ -7,6 +7,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"sync"
@@ -43,6 +44,10 @@ const (
 	// each with the same frame, after the delay SetAnswer's policy gives
 	// it (or not at all), in completion order.
 	Framed
+	// Paced reads steadily at SetRate's bytes per second per connection
+	// (unpaced at 0), up to 64 KiB a read; on EOF it answers the count of
+	// bytes it read, in decimal and a newline, then closes.
+	Paced
 )
 
 // AnswerPolicy decides, for the n-th request frame the server reads
@@ -55,6 +60,8 @@ type Server struct {
 	ln        net.Listener
 	behavior  atomic.Int32
 	readDelay atomic.Int64 // pause between reads for HashOnEOF, nanoseconds
+	rate      atomic.Int64 // bytes per second per connection for Paced
+	bytesRead atomic.Int64 // bytes Paced connections read
 	startHold atomic.Int64 // pause before the first read for HashOnEOF
 	accepted  atomic.Int64
 	requests  atomic.Int64
@@ -128,6 +135,13 @@ func (s *Server) SetReadDelay(hold, each time.Duration) {
 // SetAnswer sets the answer policy of Framed connections (default:
 // answer every request at once).
 func (s *Server) SetAnswer(p AnswerPolicy) { s.policy.Store(&p) }
+
+// SetRate sets the rate, in bytes per second, at which Paced connections
+// accepted from now on read; 0: as fast as they can.
+func (s *Server) SetRate(bytesPerSecond int64) { s.rate.Store(bytesPerSecond) }
+
+// BytesRead returns the bytes every Paced connection read so far.
+func (s *Server) BytesRead() int64 { return s.bytesRead.Load() }
 
 // Requests is the number of request frames Framed connections have read.
 func (s *Server) Requests() int64 { return s.requests.Load() }
@@ -218,6 +232,31 @@ func (s *Server) serveConn(c *net.TCPConn, b Behavior) {
 		<-s.stop
 	case Framed:
 		s.serveFramed(c)
+	case Paced:
+		s.servePaced(c, s.rate.Load())
+	}
+}
+
+// servePaced reads c at rate bytes per second on average (0: unpaced),
+// and on EOF answers how many bytes it read.
+func (s *Server) servePaced(c *net.TCPConn, rate int64) {
+	buf := make([]byte, 64<<10)
+	var total int64
+	began := time.Now()
+	for {
+		n, err := c.Read(buf)
+		total += int64(n)
+		s.bytesRead.Add(int64(n))
+		if err == io.EOF {
+			_, _ = fmt.Fprintf(c, "%d\n", total)
+			return
+		}
+		if err != nil {
+			return
+		}
+		if rate > 0 {
+			s.sleep(time.Until(began.Add(time.Duration(float64(total) / float64(rate) * float64(time.Second)))))
+		}
 	}
 }
 

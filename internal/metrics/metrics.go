@@ -36,6 +36,7 @@ const (
 	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
 	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations; mesh ingress: a stream past ingress.max_streams
 	ReasonMeshDead         = "mesh_dead"          // the mesh session the link ran on missed its heartbeats for ping_timeout
+	ReasonBudget           = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
 )
 
 // Eviction reasons for evictions_total{reason}.
@@ -70,7 +71,7 @@ var Reasons = []string{
 	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
 	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
 	ReasonDialError, ReasonLocalError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
-	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity, ReasonMeshDead,
+	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity, ReasonMeshDead, ReasonBudget,
 }
 
 // Metrics owns the data plane's collectors.
@@ -99,6 +100,10 @@ type Metrics struct {
 	meshSessionDeaths   *prometheus.CounterVec
 	meshFallbacks       *prometheus.CounterVec
 	meshLimits          *prometheus.CounterVec
+	acceptWaits         *prometheus.CounterVec
+	acceptWaiting       *prometheus.GaugeVec
+	// BudgetWaits counts reads held back by the memory budget (process-wide).
+	BudgetWaits prometheus.Counter
 }
 
 // Mesh session roles, the role label of the mesh series.
@@ -125,7 +130,7 @@ func (m *Metrics) MeshFallbacks(listener string) prometheus.Counter {
 
 // MeshLimits counts what a mesh limit refused or cut, in role: limit is
 // pings, streams_per_session, streams, sessions_per_peer,
-// peer_not_allowed or handshakes.
+// peer_not_allowed, handshakes or tls.
 func (m *Metrics) MeshLimits(role, limit string) prometheus.Counter {
 	return m.meshLimits.WithLabelValues(role, limit)
 }
@@ -157,7 +162,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		reg: reg,
 		linksActive: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "links_active",
-			Help: "Links (client connection plus upstream connection) currently open.",
+			Help: "Links open now.",
 		}, []string{"listener"}),
 		linksTotal: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "links_total",
@@ -165,7 +170,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		linkCloses: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "link_closes_total",
-			Help: "Links ended, by the first reason that ended them.",
+			Help: "Links ended, by the first reason that ended them (reason: the close-reason table).",
 		}, []string{"listener", "reason"}),
 		dialErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "dial_errors_total",
@@ -173,44 +178,44 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		dialDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "dial_duration_seconds",
-			Help:    "Time to establish the upstream connection, successful dials only.",
+			Help:    "Time to connect upstream (successful dials).",
 			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
 		}, []string{"listener"}),
 		writeTimeouts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "write_timeouts_total",
-			Help: "Links closed because the upstream kernel did not accept a write within write_timeout.",
+			Help: "Links closed by write_timeout; the same as link_closes_total{reason=\"write_timeout\"}, kept for existing dashboards.",
 		}, []string{"listener"}),
 		watermarkRejections: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "watermark_rejections_total",
-			Help: "Links closed because their upstream queue would pass high_water_mark (on_overflow: reject).",
+			Help: "Links closed by the high watermark (reject); the same as link_closes_total{reason=\"watermark\"}, kept for existing dashboards.",
 		}, []string{"listener"}),
 		unansweredTimeouts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "unanswered_timeouts_total",
-			Help: "Requests that saw no answer from their upstream within request_timeout.",
+			Help: "Requests past their own deadline with no answer from the endpoint since they were sent.",
 		}, []string{"listener"}),
 		endpointSuspect: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "endpoint_suspect_total",
-			Help: "Times an endpoint reached consecutive_timeouts_threshold and was marked suspect.",
+			Help: "Times an endpoint reached the unanswered threshold.",
 		}, []string{"listener"}),
 		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "evictions_total",
-			Help: "Links closed by the registry, by why the endpoint's links were evicted.",
+			Help: "Links closed by the registry: excluded, disabled, readmitted, operator, removed (left its pool).",
 		}, []string{"listener", "reason"}),
 		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "probes_total",
-			Help: "Probes of excluded endpoints over fresh connections, by result (ok, fail).",
+			Help: "Probes of excluded endpoints, ok or fail (once per endpoint).",
 		}, []string{"listener", "result"}),
 		staleFramesDropped: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "stale_frames_dropped_total",
-			Help: "Request frames older than request_timeout that were dropped instead of being delivered.",
+			Help: "Request frames dropped because they were past request_timeout before the upstream acknowledged them.",
 		}, []string{"listener"}),
 		untrackedLinks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "untracked_links_total",
-			Help: "Links whose requests stopped being tracked (still proxied), by why: tls, sasl, not_protocol, desync, unknown_version, limit.",
+			Help: "Links no longer tracked, still proxied: tls, sasl, limit, desync, not_protocol, unknown_version.",
 		}, []string{"listener", "reason"}),
 		failOpenLinks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "fail_open_links_total",
-			Help: "Links sent to an excluded endpoint because every enabled endpoint of their pool (or transparent group) was excluded (fail_open, group_fail_open).",
+			Help: "Links sent to an excluded endpoint because every enabled member of their pool (or transparent group) was excluded.",
 		}, []string{"listener"}),
 		dnsErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "dns_errors_total",
@@ -218,16 +223,16 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		linkDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: namespace, Name: "link_duration_seconds",
-			Help:    "How long links lived, from accept to end.",
+			Help:    "How long links lived.",
 			Buckets: []float64{.001, .01, .1, 1, 10, 60, 600, 3600, 6 * 3600, 24 * 3600},
 		}, []string{"listener"}),
 		meshSessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "mesh_sessions",
-			Help: "Live mesh sessions, by role: egress (dialled to a peer's ingress) or ingress (accepted from a peer).",
+			Help: "Live mesh sessions: egress (dialled to peers) or ingress (accepted from them) (process-wide).",
 		}, []string{"role"}),
 		meshSessionDeaths: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "mesh_session_deaths_total",
-			Help: "Mesh sessions closed because nothing arrived from the peer sidecar for ping_timeout, by role.",
+			Help: "Sessions closed because nothing arrived from the peer for ping_timeout (process-wide).",
 		}, []string{"role"}),
 		meshFallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "mesh_fallbacks_total",
@@ -235,8 +240,20 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		meshLimits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "mesh_limits_total",
-			Help: "What a mesh limit refused or cut, by role and limit: a session (pings, sessions_per_peer, peer_not_allowed, handshakes) or a stream (streams_per_session, streams).",
+			Help: "What a mesh limit refused or cut: sessions (pings: a ping flood cut, sessions_per_peer, peer_not_allowed, handshakes, tls: a failed TLS handshake) and streams (streams_per_session, streams) (process-wide).",
 		}, []string{"role", "limit"}),
+		acceptWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "accept_waits_total",
+			Help: "Times the listener stopped accepting at max_links (new connections waited in the kernel's accept queue).",
+		}, []string{"listener"}),
+		acceptWaiting: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "accept_waiting",
+			Help: "1 while the listener does not accept because it or the process holds max_links links.",
+		}, []string{"listener"}),
+		BudgetWaits: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace, Name: "memory_budget_waits_total",
+			Help: "Reads whose bytes waited for room in the budget: backpressure toward a client (process-wide).",
+		}),
 	}
 	for _, r := range []string{MeshEgress, MeshIngress} {
 		m.meshSessions.WithLabelValues(r)
@@ -247,6 +264,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
+		m.acceptWaits, m.acceptWaiting, m.BudgetWaits,
 	)
 	return m
 }
@@ -257,19 +275,19 @@ func NewProcess(reg prometheus.Registerer) *Process {
 	m := &Process{
 		lastReloadOK: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "config_last_reload_successful",
-			Help: "1 if the last configuration load (at start, or a reload) succeeded, 0 while the file on disk is rejected.",
+			Help: "1 when the last load (the start, or a reload) succeeded, 0 while the file on disk is rejected: alert on it (process-wide).",
 		}),
 		lastReloadAt: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "config_last_reload_success_timestamp_seconds",
-			Help: "Unix time of the last successful configuration load (at start, or a reload).",
+			Help: "When the last successful load happened (process-wide).",
 		}),
 		buildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "build_info",
-			Help: "1, labelled with the running binary's version, VCS revision and Go version.",
+			Help: "1, with the binary's version, VCS revision and Go version (process-wide).",
 		}, []string{"version", "revision", "goversion"}),
 		configReloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "config_reloads_total",
-			Help: "Configuration reloads (file change or SIGHUP): ok, or error (the last good config keeps serving).",
+			Help: "Config reloads, ok or error (process-wide: no listener label).",
 		}, []string{"result"}),
 	}
 	m.configReloads.WithLabelValues("ok")
@@ -298,6 +316,8 @@ type Listener struct {
 	FailOpenLinks       prometheus.Counter
 	DNSErrors           prometheus.Counter
 	LinkDuration        prometheus.Observer
+	AcceptWaits         prometheus.Counter
+	AcceptWaiting       prometheus.Gauge
 
 	m         *Metrics
 	name      string
@@ -341,6 +361,8 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
 		StaleFramesDropped:  m.staleFramesDropped.WithLabelValues(name),
 		FailOpenLinks:       m.failOpenLinks.WithLabelValues(name),
+		AcceptWaits:         m.acceptWaits.WithLabelValues(name),
+		AcceptWaiting:       m.acceptWaiting.WithLabelValues(name),
 		closes:              make(map[string]prometheus.Counter, len(Reasons)),
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
@@ -419,7 +441,7 @@ func (m *Metrics) Forget(name string) {
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
-		m.meshFallbacks,
+		m.meshFallbacks, m.acceptWaits, m.acceptWaiting,
 	} {
 		v.DeletePartialMatch(prometheus.Labels{"listener": name})
 	}

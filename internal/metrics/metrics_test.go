@@ -35,7 +35,7 @@ func TestReloadGaugesAndBuildInfo(t *testing.T) {
 	m.SetBuildInfo("1.2.3", "abc123", "go1.26.8")
 	m.SetBuildInfo("1.2.4", "def456", "go1.26.8") // replaces, never two series
 	want := `
-# HELP livenessproxy_build_info 1, labelled with the running binary's version, VCS revision and Go version.
+# HELP livenessproxy_build_info 1, with the binary's version, VCS revision and Go version (process-wide).
 # TYPE livenessproxy_build_info gauge
 livenessproxy_build_info{goversion="go1.26.8",revision="def456",version="1.2.4"} 1
 `

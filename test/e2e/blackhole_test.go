@@ -12,10 +12,12 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -39,6 +41,14 @@ func waitReachable(t *testing.T, addr string) {
 		t.Fatal(err)
 	}
 }
+
+// blackhole9000 drops every segment to and from port 9000: in a peer
+// namespace, a remote blackhole.
+const blackhole9000 = `table inet lpfault {
+	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
+	chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
+}
+`
 
 // blackholeSetup builds: proxy and client in this namespace, an echo server
 // in a peer namespace over a veth pair, one link established through the
@@ -76,11 +86,7 @@ func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan p
 	if _, err := io.ReadFull(c, make([]byte, len(msg))); err != nil {
 		t.Fatalf("round trip before the fault: %v", err)
 	}
-	if err := peer.NFT(`table inet lpfault {
-	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
-	chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
-}
-`); err != nil {
+	if err := peer.NFT(blackhole9000); err != nil {
 		t.Fatalf("installing the drop in the peer namespace: %v", err)
 	}
 	return c, ended
@@ -146,5 +152,79 @@ func TestBlackholedUpstreamStaysOpenWithoutUserTimeout(t *testing.T) {
 	case s := <-ended:
 		t.Fatal(fmt.Sprintf("link ended without tcp_user_timeout: %+v", s))
 	default:
+	}
+}
+
+// A path that dies while the upstream's window is zero (a server that
+// stopped reading, then its node went away): the proxy has lifted
+// TCP_USER_TIMEOUT from the socket while the server's kernel answered the
+// window probes (a peer not reading is not a dead one), so what ends the
+// link is the write-progress rule: nothing acknowledged for write_timeout.
+// Never a hang: the kernel alone would probe the window for many minutes.
+func TestBlackholeAtZeroWindowIsAWriteTimeout(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.12.1/24", "10.231.12.2/24")
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) }); err != nil {
+			return err
+		}
+		return serr
+	}}
+	ln, err := peer.ListenConfig(t.Context(), &lc, "tcp", net.JoinHostPort(link.PeerIP().String(), "9000"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan net.Conn, 1)
+	go func() { // accepts one connection and never reads it
+		if c, err := ln.Accept(); err == nil {
+			held <- c
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		select {
+		case c := <-held:
+			_ = c.Close()
+		default:
+		}
+	})
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	s.TCPUserTimeout = policy.Duration(time.Second)
+	s.WriteTimeout = policy.Duration(4 * time.Second)
+	cfg.Listeners = []policy.Listener{{Name: "zw", Listen: "127.0.0.1:0", Upstream: ln.Addr().String(), Settings: s}}
+	ended := make(chan proxy.LinkStats, 4)
+	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	c, err := net.Dial("tcp", p.Addr("zw").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	go func() { _, _ = c.Write(make([]byte, 1<<20)) }() // fills the window
+	select {
+	case s := <-ended:
+		t.Fatalf("the link to a server that only stopped reading ended (%s, %v) within 2.5 tcp_user_timeouts", s.Reason, s.Err)
+	case <-time.After(2500 * time.Millisecond):
+	}
+	if err := peer.NFT(blackhole9000); err != nil {
+		t.Fatalf("installing the drop in the peer namespace: %v", err)
+	}
+	dead := time.Now()
+	select {
+	case s := <-ended:
+		t.Logf("ended %s %v after the path died", s.Reason, time.Since(dead).Round(time.Millisecond))
+		if s.Reason != proxy.CloseWriteTimeout {
+			t.Fatalf("reason %s (%v), want write_timeout", s.Reason, s.Err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the link to a dead path at a zero window is still open 20s on")
 	}
 }

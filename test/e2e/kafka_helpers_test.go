@@ -19,6 +19,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -107,6 +108,21 @@ func runKafkaBrokerProcess(spec string) int {
 	fmt.Printf("kfake-broker listening %s\n", ln.Listener.Addr())
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
+		if d, ok := strings.CutPrefix(sc.Text(), "hold-produce "); ok {
+			// Hold every Produce for d before answering it, as a broker
+			// waiting for its replicas (acks=all) does.
+			hold, err := time.ParseDuration(d)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "kfake broker: hold-produce %q: %v\n", d, err)
+				return 1
+			}
+			c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+				c.SleepControl(func() { time.Sleep(hold) })
+				return nil, nil, false // then handled as usual
+			})
+			fmt.Printf("kfake-broker holding produce %s\n", hold)
+			continue
+		}
 		a, ok := strings.CutPrefix(sc.Text(), "advertise ")
 		if !ok {
 			continue
@@ -173,6 +189,16 @@ func (kb *kafkaBroker) advertise(t *testing.T, addr string) {
 		t.Fatalf("telling the broker to advertise %s: %v", addr, err)
 	}
 	kb.expect(t, "kfake-broker advertising "+addr, 10*time.Second)
+}
+
+// holdProduce makes the broker hold every Produce for d before it
+// answers, as one waiting for its replicas does.
+func (kb *kafkaBroker) holdProduce(t *testing.T, d time.Duration) {
+	t.Helper()
+	if _, err := fmt.Fprintf(kb.stdin, "hold-produce %s\n", d); err != nil {
+		t.Fatalf("telling the broker to hold produce requests: %v", err)
+	}
+	kb.expect(t, "kfake-broker holding produce "+d.String(), 10*time.Second)
 }
 
 // kafkaMode is one framing mode the Kafka tests run under.

@@ -13,7 +13,7 @@ import (
 // divided so that each replay runs in seconds.
 const (
 	requestTimeout = 500 * time.Millisecond // unanswered.request_timeout (default 3s)
-	threshold      = 3                      // unanswered.consecutive_timeouts_threshold (default 5)
+	threshold      = 1                      // unanswered.consecutive_timeouts_threshold (the default: the time rule)
 	initialDelay   = 300 * time.Millisecond // detector.initial_delay (default 1s)
 	maxDelay       = 2 * time.Second        // detector.max_delay (default 60s)
 	probeTimeout   = 300 * time.Millisecond // detector.probe_timeout (default 1s)

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/admin"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -287,7 +288,12 @@ func (p *proxyProc) endpoint(addr string) (proxy.EndpointStatus, error) {
 
 // action POSTs /v1/endpoints/{addr}/{action} and returns the JSON answer.
 func (p *proxyProc) action(addr, action string) (map[string]any, error) {
-	resp, err := p.http.Post("http://"+p.control+"/v1/endpoints/"+addr+"/"+action, "application/json", nil)
+	req, err := http.NewRequest("POST", "http://"+p.control+"/v1/endpoints/"+addr+"/"+action, nil)
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set(admin.ControlHeader, "1") // the control server refuses a change without it
+	resp, err := p.http.Do(req)
 	if err != nil {
 		return nil, err
 	}

@@ -23,9 +23,10 @@ import (
 // connections pass.
 //
 // Targets through the proxy: queries succeed again on every connection
-// within request_timeout + 2 s; the queries lost are at most threshold per
-// connection plus those in flight on the dead connections when the proxy
-// closed them. Control: the direct brokers keep their connections, and
+// within request_timeout + 2 s; the queries lost are at most those in
+// flight on the dead connections when the proxy closed them plus one
+// request_timeout and one initial_delay of queries per connection (refused
+// while the endpoint is out of routing), and none times out. Control: the direct brokers keep their connections, and
 // every query they send after the flap times out.
 func replayFlap(r *rig) (*Report, error) {
 	const (
@@ -137,9 +138,16 @@ func replayFlap(r *rig) (*Report, error) {
 	rep.check(pOK && pRec <= bound, "recovered within request_timeout + 2s",
 		"every proxied connection had a query succeed %s after the flap (bound %s)", secs(pRec), secs(bound))
 	pAll := count(prs, time.Time{}, obsEnd)
-	rep.check(pAll.Lost()-inflight <= threshold*k, "queries lost <= threshold per connection + in flight",
+	// Beyond those in flight when the proxy closed the dead links, a query
+	// is lost only while the endpoint is out of routing (refused at
+	// connect: failed fast), from the first request's deadline until the
+	// probe readmits the new server: one request_timeout and one
+	// initial_delay of queries per connection at most.
+	perConn := int((requestTimeout + initialDelay + queryEvery - 1) / queryEvery)
+	rep.check(pAll.Lost()-inflight <= perConn*k && pAll.TimedOut == 0,
+		"queries lost <= in flight + one request_timeout and initial_delay of queries per connection, none timed out",
 		"lost %d (%d failed fast, %d timed out), of which %d were in flight on the dead connections when the proxy closed them; %d <= %d x %d",
-		pAll.Lost(), pAll.FailedFast, pAll.TimedOut, inflight, pAll.Lost()-inflight, threshold, k)
+		pAll.Lost(), pAll.FailedFast, pAll.TimedOut, inflight, pAll.Lost()-inflight, perConn, k)
 	// A readmission is a fresh start: requests sent before it (on links
 	// that had already ended) must not exclude the endpoint again before
 	// the readmitted server could answer anything.

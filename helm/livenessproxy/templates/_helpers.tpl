@@ -77,6 +77,11 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 {{- if $defaultsMesh.port -}}{{- $_ := set $listener "mesh" (dict "port" 0) -}}{{- end -}}
 {{- $_ := set $config "listeners" (append ($config.listeners | default list) $listener) -}}
 {{- end -}}
+{{- /* A native sidecar is stopped after the broker has exited: no shutdown grace to wait out. */ -}}
+{{- if and .Values.sidecar.native (not (hasKey $config "shutdown_grace")) -}}
+{{- $config = deepCopy $config -}}
+{{- $_ := set $config "shutdown_grace" "0s" -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
 
@@ -339,11 +344,27 @@ container mounts it).
       protocol: TCP
     {{- end }}
   {{- end }}
-  {{- with .Values.sidecar.env }}
+  {{- $memLimit := dig "limits" "memory" "" (.Values.sidecar.resources | default dict) }}
+  {{- if or .Values.sidecar.env $memLimit }}
   env:
+    {{- if $memLimit }}
+    {{- /* The memory budget and GOMEMLIMIT follow resources.limits.memory (the binary reads its cgroup too; this holds where that is not visible). */}}
+    - name: LIVENESSPROXY_MEMORY_LIMIT
+      valueFrom:
+        resourceFieldRef: {containerName: {{ .Values.sidecar.name }}, resource: limits.memory}
+    {{- end }}
+    {{- with .Values.sidecar.env }}
     {{- toYaml . | nindent 4 }}
+    {{- end }}
   {{- end }}
   {{- if $port }}
+  {{- /* Kubernetes starts the next container once a native sidecar's startupProbe has passed (without one: as soon as it has started). */}}
+  {{- if .Values.sidecar.native }}
+  {{- with .Values.sidecar.startupProbe }}
+  startupProbe:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- end }}
   {{- with .Values.sidecar.readinessProbe }}
   readinessProbe:
     {{- toYaml . | nindent 4 }}

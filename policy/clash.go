@@ -1,0 +1,82 @@
+package policy
+
+import (
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+)
+
+// boundAddr is an address the process binds, for the clash check.
+type boundAddr struct {
+	key  string // the key path, such as listeners[2].listen
+	raw  string // as written
+	norm string // canonical host:port (listenCanonical)
+}
+
+// listenCanonical returns a normalised listen host:port with its host
+// canonical: an IP address in its shortest form, localhost as 127.0.0.1
+// (what Go binds for it), a wildcard as written ("" or 0.0.0.0 or ::).
+func listenCanonical(norm string) string {
+	host, port, _ := net.SplitHostPort(norm)
+	switch {
+	case strings.EqualFold(host, "localhost"):
+		host = "127.0.0.1"
+	default:
+		if a, err := netip.ParseAddr(host); err == nil {
+			host = a.Unmap().String()
+		}
+	}
+	return net.JoinHostPort(host, port)
+}
+
+// clashes checks that no two of the addresses the process binds (the
+// listeners', admin.listen and a host:port admin.control_listen) take the
+// same port on a common address, so that a config `check` passes never
+// fails in `run` with "address already in use" for its own settings: the
+// same address twice, or a wildcard beside any address on its port
+// (sameListen). Port 0 picks a free port and never clashes. Each clash is
+// reported once, at the later key.
+func (v *validator) clashes(addrs []boundAddr) {
+	for i, b := range addrs {
+		for _, a := range addrs[:i] {
+			if !sameListen(a.norm, b.norm) {
+				continue
+			}
+			switch {
+			case a.key == "admin.listen" && b.key == "admin.control_listen":
+				v.add(b.key, "%q is the address of admin.listen (%s): the control server needs its own port", b.raw, a.raw)
+			case a.norm == b.norm && strings.HasPrefix(a.key, "listeners[") && strings.HasPrefix(b.key, "listeners["):
+				v.add(b.key, "duplicate listen address %q (also %s)", b.raw, strings.TrimSuffix(a.key, ".listen"))
+			case a.norm == b.norm:
+				v.add(b.key, "%q is also %s: each needs its own address", b.raw, a.key)
+			default:
+				v.add(b.key, "%q clashes with %s %q: a wildcard address takes the port on every address it covers, so run would fail with \"address already in use\"", b.raw, a.key, a.raw)
+			}
+			break
+		}
+	}
+}
+
+// boundAddrs lists the addresses c binds that are valid host:ports (the
+// others are reported by their own checks): admin.listen, a host:port
+// admin.control_listen, then each listener's listen.
+func boundAddrs(c *Config) []boundAddr {
+	var out []boundAddr
+	add := func(key, raw string) {
+		if raw == "" {
+			return
+		}
+		if norm, why := hostPort(raw, false); why == "" {
+			out = append(out, boundAddr{key: key, raw: raw, norm: listenCanonical(norm)})
+		}
+	}
+	add("admin.listen", c.Admin.Listen)
+	if !strings.HasPrefix(c.Admin.ControlListen, "unix:") {
+		add("admin.control_listen", c.Admin.ControlListen)
+	}
+	for i, l := range c.Listeners {
+		add("listeners["+strconv.Itoa(i)+"].listen", l.Listen)
+	}
+	return out
+}

@@ -1,0 +1,263 @@
+package proxy
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+)
+
+// budget is the process's memory budget: the bytes every link holds in
+// its queue's chunks and in the read buffers its pumps have in hand.
+//
+// A queue takes its chunks from the budget (take) and gives them back as
+// they drain (give). A read buffer is counted (reading) but never refused:
+// it is held for one read and one hand-off, and there are at most two per
+// link, which max_links bounds. When a queue's chunk does not fit, the
+// link waits (backpressure: its request pump stops reading the client)
+// until a chunk is given back; only a link whose own upstream has bytes
+// waiting and acknowledged nothing for write_timeout is closed instead
+// (reason budget), and while links wait, the reaper closes such links
+// among those that hold the budget: the ones holding memory for nothing
+// give way first. A link toward a live upstream is never closed for it.
+type budget struct {
+	limit  atomic.Int64 // 0: no budget
+	queued atomic.Int64 // bytes of queue chunks held
+	reads  atomic.Int64 // bytes of read buffers in hand
+
+	mu      sync.Mutex
+	waiters []chan struct{} // links waiting for a chunk, oldest first
+	nwait   atomic.Int32    // len(waiters), read without the lock
+
+	// heldBack counts reads held back since the last log line; closed
+	// counts links the budget closed since then (the reaper logs both at
+	// most once a second).
+	heldBack atomic.Int64
+	closed   atomic.Int64
+	waits    prometheus.Counter // memory_budget_waits_total
+}
+
+// budgetRecheck is how often a link waiting for the budget checks its own
+// upstream for progress, and the reaper the links that hold the budget.
+const budgetRecheck = 250 * time.Millisecond
+
+// setLimit sets the budget; a lower one takes effect as chunks are given
+// back (nothing is taken away from a queue).
+func (b *budget) setLimit(n int64) {
+	b.limit.Store(max(n, 0))
+	b.wakeOne()
+}
+
+// used is the bytes counted now.
+func (b *budget) used() int64 { return b.queued.Load() + b.reads.Load() }
+
+// take counts n bytes of queue chunks, unless the budget has no room.
+func (b *budget) take(n int64) bool {
+	lim := b.limit.Load()
+	for {
+		q := b.queued.Load()
+		if lim > 0 && q+n+b.reads.Load() > lim {
+			return false
+		}
+		if b.queued.CompareAndSwap(q, q+n) {
+			return true
+		}
+	}
+}
+
+// give returns n bytes of queue chunks and wakes a waiting link.
+func (b *budget) give(n int64) {
+	b.queued.Add(-n)
+	b.wakeOne()
+}
+
+// reading counts (n > 0) or returns (n < 0) a read buffer.
+func (b *budget) reading(n int64) {
+	b.reads.Add(n)
+	if n < 0 {
+		b.wakeOne()
+	}
+}
+
+// wait registers a waiting link; its channel is signalled once when room
+// may have been given back. The caller retries, then calls unwait.
+func (b *budget) wait() chan struct{} {
+	ch := make(chan struct{}, 1)
+	b.mu.Lock()
+	b.waiters = append(b.waiters, ch)
+	b.nwait.Store(int32(len(b.waiters)))
+	b.mu.Unlock()
+	return ch
+}
+
+// unwait removes ch from the waiters; if ch had been signalled, the
+// signal passes to the next waiter (the room may still be there).
+func (b *budget) unwait(ch chan struct{}) {
+	b.mu.Lock()
+	for i, w := range b.waiters {
+		if w == ch {
+			b.waiters = append(b.waiters[:i], b.waiters[i+1:]...)
+			break
+		}
+	}
+	b.nwait.Store(int32(len(b.waiters)))
+	b.mu.Unlock()
+	select {
+	case <-ch:
+		b.wakeOne()
+	default:
+	}
+}
+
+// wakeOne signals the oldest waiter not signalled yet.
+func (b *budget) wakeOne() {
+	if b.nwait.Load() == 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, w := range b.waiters {
+		select {
+		case w <- struct{}{}:
+			return
+		default: // already signalled: try the next
+		}
+	}
+}
+
+// waitForBudget is send's path when the queue's next chunk does not fit
+// the budget: it waits until it fits, and returns push's result then. A
+// link that has waited write_timeout while its upstream owed bytes and
+// acknowledged none of them gets pushStalled instead: the evidence a
+// close needs.
+func (lk *link) waitForBudget(p []byte, high int64) pushResult {
+	b := &lk.l.p.budget
+	b.heldBack.Add(1)
+	if b.waits != nil {
+		b.waits.Inc()
+	}
+	wt := lk.settings.WriteTimeout.D()
+	t := time.NewTimer(budgetRecheck)
+	defer t.Stop()
+	// Evidence is measured from the wait on: the last progress sample may
+	// be from an idle spell long before these bytes were owed.
+	began := mono()
+	lk.progressed()
+	for {
+		if wt > 0 && mono()-began >= int64(wt) && lk.owesUpstream(len(p)) && lk.stalled(wt) {
+			return pushStalled
+		}
+		ch := b.wait()
+		r := lk.q.push(p, high)
+		if r != pushBudget {
+			b.unwait(ch)
+			return r
+		}
+		t.Reset(budgetRecheck)
+		select {
+		case <-ch:
+		case <-t.C:
+		case <-lk.q.done:
+		}
+		b.unwait(ch)
+	}
+}
+
+// owesUpstream reports whether bytes handed toward the upstream wait for
+// it: in the queue, or sent to the kernel and not acknowledged (inHand is
+// what the pump read and has not handed on). Without that, an upstream
+// that acknowledged nothing lately simply had nothing to acknowledge.
+func (lk *link) owesUpstream(inHand int) bool {
+	if lk.q.bytes() > 0 {
+		return true
+	}
+	acked, ok := lk.ackedBytes()
+	return ok && lk.bytesUp.Load()-int64(inHand) > acked
+}
+
+// reap runs while the proxy does: every budgetRecheck, while links wait
+// for the budget, it closes the links that hold queue chunks toward an
+// upstream that acknowledged nothing for write_timeout, and it logs what
+// the budget did at most once a second.
+func (p *Proxy) reap() {
+	defer p.bg.Done()
+	t := time.NewTicker(budgetRecheck)
+	defer t.Stop()
+	var logged time.Time
+	for {
+		select {
+		case <-t.C:
+		case <-p.ctx.Done():
+			return
+		}
+		b := &p.budget
+		if b.nwait.Load() > 0 {
+			p.mu.Lock()
+			ls := append([]*listener(nil), p.listeners...)
+			p.mu.Unlock()
+			for _, l := range ls {
+				for _, lk := range l.snapshotLinks() {
+					if lk.holdsForNothing(mono()) {
+						lk.budgetClose()
+					}
+				}
+			}
+		}
+		if time.Since(logged) < time.Second {
+			continue
+		}
+		held, closed := b.heldBack.Swap(0), b.closed.Swap(0)
+		if held == 0 && closed == 0 {
+			continue
+		}
+		logged = time.Now()
+		p.log.Warn().Int64("budget_bytes", b.limit.Load()).Int64("used_bytes", b.used()).Int64("reads_held_back", held).
+			Int64("links_closed", closed).Int32("links_waiting", b.nwait.Load()).
+			Msg("memory budget full: links toward live upstreams wait, links toward upstreams without progress for write_timeout are closed")
+	}
+}
+
+// holdsForNothing reports whether the link holds queue chunks toward an
+// upstream that acknowledged nothing for write_timeout while they waited:
+// bytes queued for at least write_timeout (so an idle spell before them
+// is not counted), and no progress for that long.
+func (lk *link) holdsForNothing(now int64) bool {
+	wt := lk.settings.WriteTimeout.D()
+	since, held := lk.q.heldSince()
+	return wt > 0 && held && now-since >= int64(wt) && lk.stalled(wt)
+}
+
+// budgetClose ends a link for the budget: its upstream has bytes waiting
+// and acknowledged nothing for write_timeout (the caller checked), so it
+// is blamed, as a write_timeout would blame it.
+func (lk *link) budgetClose() {
+	lk.overflowStalled.Store(true)
+	if lk.abort(metrics.ReasonBudget, nil) {
+		lk.l.p.budget.closed.Add(1)
+	}
+}
+
+// budgetCollector exports memory_budget_bytes and memory_budget_used_bytes.
+type budgetCollector struct{ b *budget }
+
+var (
+	budgetDesc = prometheus.NewDesc("livenessproxy_memory_budget_bytes",
+		"The memory budget in force (process-wide).", nil, nil)
+	budgetUsedDesc = prometheus.NewDesc("livenessproxy_memory_budget_used_bytes",
+		"Bytes of the budget in use: queues (chunks of bytes waiting for upstreams) and reads (read buffers in hand) (process-wide).",
+		[]string{"use"}, nil)
+)
+
+func (c *budgetCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- budgetDesc
+	ch <- budgetUsedDesc
+}
+
+func (c *budgetCollector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(budgetDesc, prometheus.GaugeValue, float64(c.b.limit.Load()))
+	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.queued.Load()), "queues")
+	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.reads.Load()), "reads")
+}

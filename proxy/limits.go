@@ -1,0 +1,148 @@
+package proxy
+
+import (
+	"fmt"
+	"os"
+	"runtime/debug"
+	"strconv"
+	"syscall"
+
+	"github.com/livenessproxy/livenessproxy/internal/memlimit"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// Limits is what the whole process runs under: the memory it plans for,
+// GOMEMLIMIT, the memory budget of the links' buffers, max_links and the
+// descriptors. PlanLimits derives it; each Source says where a value came
+// from, for check and the log at start.
+type Limits struct {
+	Memory       int64  // bytes the process plans for
+	MemorySource string // "limits.memory", or the cgroup file, or the host's MemTotal
+	// GoMemLimit is the Go runtime's soft memory limit: GOMEMLIMIT from
+	// the environment when set, else 90% of Memory (ApplyRuntime sets it).
+	GoMemLimit       int64
+	GoMemLimitSource string
+	Budget           int64 // the links' buffers together; 0: none
+	BudgetSource     string
+	MaxLinks         int // links the process holds at once
+	MaxLinksSource   string
+	// NoFileSoft and NoFileHard are RLIMIT_NOFILE (ApplyRuntime raises the
+	// soft limit to the hard one); NoFileNeeded is what MaxLinks needs.
+	NoFileSoft, NoFileHard, NoFileNeeded uint64
+}
+
+// Sizing rules: the budget is half the memory; the rest holds the Go
+// runtime's own needs (runtimeReserve), each link's state and stacks
+// (linkOverhead) and the read buffers in use beyond the budget (two per
+// link at most, the budget counts them but never refuses one).
+const (
+	runtimeReserve = 32 << 20
+	linkOverhead   = 16<<10 + 2*chunkSize
+	// fdReserve is the descriptors beside the links': listeners, the admin
+	// servers (256 connections each), probes, DNS, the config watcher.
+	fdReserve = 600
+	// minDerivedLinks is the least max_links the derivation gives.
+	minDerivedLinks = 64
+)
+
+// MemoryLimitEnv, when it holds a positive byte count, is the memory the
+// process plans for unless limits.memory says otherwise: the Helm chart
+// sets it from the container's resources.limits.memory (the downward
+// API), so it holds even where the cgroup is not visible.
+const MemoryLimitEnv = "LIVENESSPROXY_MEMORY_LIMIT"
+
+// goMemLimitEnv is the variable with which an operator sets GOMEMLIMIT
+// himself; then the proxy leaves it alone.
+const goMemLimitEnv = "GOMEMLIMIT"
+
+// PlanLimits derives the process's limits from c (a key's 0 means
+// derived), the cgroup's memory limit and RLIMIT_NOFILE as they are now.
+func PlanLimits(c policy.Limits) Limits {
+	var l Limits
+	if c.Memory > 0 {
+		l.Memory, l.MemorySource = int64(c.Memory), "limits.memory"
+	} else if n, err := strconv.ParseInt(os.Getenv(MemoryLimitEnv), 10, 64); err == nil && n > 0 {
+		l.Memory, l.MemorySource = n, MemoryLimitEnv+" (the container's resources.limits.memory)"
+	} else if ml, err := memlimit.Detect(); err == nil {
+		l.Memory, l.MemorySource = ml.Bytes, ml.Source
+	} else {
+		l.MemorySource = "unknown (" + err.Error() + ")"
+	}
+	if v := os.Getenv(goMemLimitEnv); v != "" {
+		l.GoMemLimit, l.GoMemLimitSource = debug.SetMemoryLimit(-1), goMemLimitEnv+"="+v+" (environment)"
+	} else if l.Memory > 0 {
+		l.GoMemLimit, l.GoMemLimitSource = l.Memory/10*9, "90% of memory"
+	}
+	switch {
+	case c.MemoryBudget > 0:
+		l.Budget, l.BudgetSource = int64(c.MemoryBudget), "limits.memory_budget"
+	case l.Memory > 0:
+		l.Budget, l.BudgetSource = l.Memory/2, "half of memory"
+	default:
+		l.BudgetSource = "none: the memory limit is unknown"
+	}
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err == nil {
+		l.NoFileSoft, l.NoFileHard = rl.Cur, rl.Max
+	}
+	if c.MaxLinks > 0 {
+		l.MaxLinks, l.MaxLinksSource = c.MaxLinks, "limits.max_links"
+	} else {
+		l.MaxLinks, l.MaxLinksSource = derivedMaxLinks(l)
+	}
+	l.NoFileNeeded = uint64(l.MaxLinks)*2 + fdReserve
+	return l
+}
+
+// derivedMaxLinks is max_links when limits.max_links is 0: what the
+// memory beside the budget holds at linkOverhead a link, and what the
+// descriptor limit allows at two a link, the smaller.
+func derivedMaxLinks(l Limits) (int, string) {
+	n, src := 0, ""
+	if room := min(l.GoMemLimit, l.Memory/10*9) - l.Budget - runtimeReserve; l.Memory > 0 {
+		n, src = int(max(room, 0)/linkOverhead), fmt.Sprintf("memory beside the budget at %d KiB a link", linkOverhead>>10)
+	}
+	if l.NoFileHard > fdReserve {
+		if fd := int((l.NoFileHard - fdReserve) / 2); n == 0 || fd < n {
+			n, src = fd, "RLIMIT_NOFILE at two descriptors a link"
+		}
+	}
+	if n < minDerivedLinks {
+		n, src = minDerivedLinks, src+fmt.Sprintf(", raised to the minimum %d", minDerivedLinks)
+	}
+	return n, src
+}
+
+// Warnings are the problems of l worth saying at start and in check: a
+// descriptor limit below what max_links needs.
+func (l Limits) Warnings() []string {
+	var w []string
+	if l.NoFileHard > 0 && l.NoFileHard < l.NoFileNeeded {
+		w = append(w, fmt.Sprintf("RLIMIT_NOFILE hard limit %d is below the %d descriptors max_links %d needs (two a link, plus %d): raise it (ulimit -n, the container runtime's nofile) or lower limits.max_links",
+			l.NoFileHard, l.NoFileNeeded, l.MaxLinks, fdReserve))
+	}
+	if l.Memory > 0 && l.Budget >= l.Memory {
+		w = append(w, fmt.Sprintf("memory budget %d is not below the memory %d (%s): the runtime has no room beside the links' buffers", l.Budget, l.Memory, l.MemorySource))
+	}
+	return w
+}
+
+// ApplyRuntime raises the soft RLIMIT_NOFILE to the hard limit and, unless
+// the environment sets GOMEMLIMIT, sets the runtime's memory limit to
+// l.GoMemLimit. It returns the limits with the descriptor limit as it is
+// now. Process-wide: the binary calls it, a library user may not want to.
+func ApplyRuntime(l Limits) Limits {
+	var rl syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err == nil {
+		if rl.Cur < rl.Max {
+			rl.Cur = rl.Max
+			_ = syscall.Setrlimit(syscall.RLIMIT_NOFILE, &rl)
+			_ = syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl)
+		}
+		l.NoFileSoft, l.NoFileHard = rl.Cur, rl.Max
+	}
+	if os.Getenv(goMemLimitEnv) == "" && l.GoMemLimit > 0 {
+		debug.SetMemoryLimit(l.GoMemLimit)
+	}
+	return l
+}

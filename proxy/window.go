@@ -1,0 +1,128 @@
+package proxy
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// windowGuard keeps TCP_USER_TIMEOUT to what it is for: the bound on data
+// the upstream has not acknowledged (the path or the host is dead).
+//
+// Linux applies TCP_USER_TIMEOUT to zero-window probing too (since 5.11):
+// a peer whose window stays zero for tcp_user_timeout has its connection
+// failed with ETIMEDOUT, although its kernel answers every probe. That is
+// a peer that is not reading, which is the write-progress rule's and the
+// holding rule's to judge (write_timeout, and the kafka profile's
+// broker holding a request within its own deadline), not a dead path: a
+// Kafka broker mutes a connection while it works on one of its requests,
+// and a client that pipelines fills its receive buffer meanwhile.
+//
+// So, while the link has bytes waiting for its upstream, the guard samples
+// TCP_INFO every quarter tcp_user_timeout. When the peer's window is zero
+// with nothing in flight and no probe outstanding (its kernel answered the
+// last one), it lifts TCP_USER_TIMEOUT from the socket; as soon as the
+// window opens (or something is in flight again, or nothing waits any
+// more) it sets it back. The kernel counts unacknowledged data from its
+// first retransmission, so a bound set back late still counts from then.
+// A zero window the guard did not see in time (its sample ran more than
+// three quarters of tcp_user_timeout late) ends as before.
+//
+// Its timer runs only while bytes wait: the request pump arms it on a send
+// when it is not armed, and it stops once the socket is idle. It costs no
+// goroutine; the timer's callback is the only one to touch the socket
+// option.
+type windowGuard struct {
+	lk     *link
+	ut     time.Duration
+	period time.Duration
+	armed  atomic.Bool
+
+	mu      sync.Mutex // the callback; a Reset from arm may overlap one
+	timer   *time.Timer
+	lifted  bool // TCP_USER_TIMEOUT is lifted from the socket
+	stopped bool
+}
+
+// newWindowGuard returns the guard of a link whose upstream socket carries
+// tcp_user_timeout ut; nil when there is none to guard.
+func newWindowGuard(lk *link, ut time.Duration) *windowGuard {
+	if ut <= 0 || lk.upRaw == nil {
+		return nil
+	}
+	if _, ok := sampleSendWindow(lk.upRaw); !ok {
+		return nil // the kernel does not say (not Linux)
+	}
+	return &windowGuard{lk: lk, ut: ut, period: max(ut/4, 10*time.Millisecond)}
+}
+
+// arm starts the guard's samples after a send, unless they run already.
+func (g *windowGuard) arm() {
+	if g == nil || g.armed.Load() || !g.armed.CompareAndSwap(false, true) {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.stopped {
+		return
+	}
+	if g.timer == nil {
+		g.timer = time.AfterFunc(g.period, g.check)
+		return
+	}
+	g.timer.Reset(g.period)
+}
+
+// stop ends the samples for good (the link ended).
+func (g *windowGuard) stop() {
+	if g == nil {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.stopped = true
+	if g.timer != nil {
+		g.timer.Stop()
+	}
+}
+
+// isLifted reports whether TCP_USER_TIMEOUT is lifted from the socket now.
+func (g *windowGuard) isLifted() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.lifted
+}
+
+// check is one sample: lift or set back the bound, and sample again while
+// bytes wait.
+func (g *windowGuard) check() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.stopped {
+		return
+	}
+	g.armed.Store(false) // a send from now on arms it again
+	raw := g.lk.upRaw
+	w, ok := sampleSendWindow(raw)
+	if !ok {
+		return // closed
+	}
+	switch {
+	case w.zero && w.answered && !g.lifted:
+		if setUserTimeout(raw, 0) == nil {
+			g.lifted = true
+			g.lk.l.log.Debug().Str("endpoint", g.lk.ep.addr).Dur("tcp_user_timeout", g.ut).
+				Msg("upstream's window is zero and its kernel answers: tcp_user_timeout lifted while it reads nothing (write_timeout judges)")
+		}
+	case !w.zero && g.lifted:
+		if setUserTimeout(raw, g.ut) == nil {
+			g.lifted = false
+		}
+	}
+	if w.idle && !g.lifted {
+		return
+	}
+	if g.armed.CompareAndSwap(false, true) {
+		g.timer.Reset(g.period)
+	}
+}
