@@ -199,7 +199,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		evictions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "evictions_total",
-			Help: "Links closed by the registry: excluded, disabled, readmitted, operator, removed (left its pool).",
+			Help: "Links closed by the registry: excluded, disabled, readmitted, operator, removed (left its pool, closed at the end of its drain).",
 		}, []string{"listener", "reason"}),
 		probes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "probes_total",
