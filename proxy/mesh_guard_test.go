@@ -562,3 +562,30 @@ func TestMeshHandshakesBounded(t *testing.T) {
 		t.Fatalf("%v ingress sessions, want 1", got)
 	}
 }
+
+// The egress keeps to the streams per session the handshake granted: with
+// mesh.sessions 2 and 3 streams a session, the fourth and fifth links go
+// on a second session, the seventh finds both full and is refused by the
+// egress itself (upstream_error, the server not blamed); the ingress never
+// has to reset one.
+func TestMeshEgressKeepsToGrantedStreams(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxStreamsPerSession = 3 })
+	eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) { s.Mesh.Sessions = 2 })
+	for i := range 6 {
+		roundTrip(t, eg.dial(), []byte("link "+strconv.Itoa(i)))
+	}
+	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 2 {
+		t.Fatalf("%v ingress sessions for 6 links at 3 a session, want 2", got)
+	}
+	expectClosedSoon(t, eg.addr)
+	if s := eg.linkEnd(5 * time.Second); s.Reason != CloseUpstreamError {
+		t.Fatalf("the seventh link ended %s (%v), want upstream_error", s.Reason, s.Err)
+	}
+	if got := in.limitHits(limitStreamsPerSession); got != 0 {
+		t.Fatalf("the ingress refused %v streams, want none: the egress keeps to the grant", got)
+	}
+	if st := eg.stateOf(srv.Addr()); st != "healthy" {
+		t.Fatalf("endpoint %s, want healthy", st)
+	}
+}
