@@ -13,6 +13,7 @@ package policy
 
 import (
 	"cmp"
+	"strings"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -377,7 +378,48 @@ type Mesh struct {
 	// 256KiB): the most bytes one direction of a mesh link can have in
 	// flight, in the role of the write buffer's watermark.
 	StreamWindow Size `yaml:"stream_window"`
+	// TLS runs the sessions over mutual TLS when its files are set: on
+	// an egress listener for the sessions it dials, on an ingress for
+	// those it accepts.
+	TLS MeshTLS `yaml:"tls"`
 }
+
+// MeshTLS is mutual TLS for mesh sessions. The files are read again when
+// they change (a rotated Secret): new sessions take the new certificate,
+// open ones keep theirs.
+type MeshTLS struct {
+	// CertFile and KeyFile are this sidecar's certificate (PEM, with its
+	// chain) and key; CAFile the CA bundle a peer's certificate must chain
+	// to. All three or none.
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
+	CAFile   string `yaml:"ca_file"`
+	// Peers are the identities a peer's certificate may carry: a URI
+	// (spiffe://...) matches a URI SAN, anything else a DNS SAN, exactly.
+	// Empty: any certificate the CA signed.
+	Peers Identities `yaml:"peers"`
+}
+
+// Identities is a list of identities, kept as one string (one a line) so
+// that the settings stay comparable; in YAML, a list of strings.
+type Identities string
+
+// NewIdentities makes an Identities of ids.
+func NewIdentities(ids ...string) Identities { return Identities(strings.Join(ids, "\n")) }
+
+// MarshalYAML writes the identities as the list they are read from.
+func (l Identities) MarshalYAML() (any, error) { return l.List(), nil }
+
+// List is the identities, in order.
+func (l Identities) List() []string {
+	if l == "" {
+		return nil
+	}
+	return strings.Split(string(l), "\n")
+}
+
+// Enabled reports whether sessions run over TLS.
+func (t MeshTLS) Enabled() bool { return t.CertFile != "" }
 
 // Enabled reports whether links reach their endpoints through the mesh.
 func (m Mesh) Enabled() bool { return m.Port != 0 }
@@ -417,7 +459,28 @@ type Ingress struct {
 	// link whose local server failed checks at once. 0 means the default,
 	// 1s; negative is invalid.
 	CheckInterval Duration `yaml:"check_interval"`
+	// Allow lists the peers (IP addresses or CIDRs) whose sessions the
+	// ingress takes; any other is refused at its handshake. Empty: any
+	// peer that reaches the port.
+	Allow []string `yaml:"allow"`
+	// MaxSessionsPerPeer is how many sessions one peer address may hold
+	// at once; 0 means the default, 16.
+	MaxSessionsPerPeer int `yaml:"max_sessions_per_peer"`
+	// MaxStreamsPerSession is how many streams (links) one session may
+	// carry at once; 0 means the default, 1000. The egress learns it at
+	// the handshake and opens no more.
+	MaxStreamsPerSession int `yaml:"max_streams_per_session"`
+	// MaxStreams is how many streams the ingress carries at once over all
+	// its sessions; 0 means the default, 10000.
+	MaxStreams int `yaml:"max_streams"`
 }
+
+// Ingress limits' defaults.
+const (
+	DefaultMaxSessionsPerPeer   = 16
+	DefaultMaxStreamsPerSession = 1000
+	DefaultMaxStreams           = 10000
+)
 
 // Keepalive is TCP keepalive on upstream sockets.
 type Keepalive struct {

@@ -669,6 +669,26 @@ func TestParseErrors(t *testing.T) {
 				"listeners[1].upstream: a listener has one of upstream, transparent, pool and ingress, not upstream, transparent, ingress (line 8)",
 		},
 		{
+			name: "ingress limits, allow and mesh tls",
+			yaml: doc(
+				"defaults:",
+				"  mesh: {tls: {cert_file: /c, key_file: /k}}",
+				"listeners:",
+				"  - name: a",
+				"    listen: 0.0.0.0:17400",
+				"    ingress: {local: 127.0.0.1:1, allow: [10.0.0.0/8, nope, 1.2.3.4], max_sessions_per_peer: -1, max_streams: -2}",
+				"  - name: b",
+				"    listen: 127.0.0.1:3",
+				"    upstream: db:1",
+				"    mesh: {tls: {peers: [\"spiffe://x/y\", \"\"]}}",
+			),
+			want: "defaults.mesh.tls: cert_file, key_file and ca_file go together: all three or none (line 2)\n" +
+				"listeners[0].ingress.allow[1]: \"nope\" is not an IP address or CIDR (line 6)\n" +
+				"listeners[0].ingress.max_sessions_per_peer: -1 is negative (0: the default) (line 6)\n" +
+				"listeners[0].ingress.max_streams: -2 is negative (0: the default) (line 6)\n" +
+				"listeners[1].mesh.tls.peers[1]: \"\" is not an identity (a spiffe:// URI or a DNS name) (line 10)",
+		},
+		{
 			name: "empty pools",
 			yaml: doc(
 				"listeners:",

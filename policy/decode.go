@@ -397,9 +397,32 @@ func (d *decoder) mapping(n *yaml.Node, v reflect.Value, path string, hook func(
 }
 
 var (
-	durationType = reflect.TypeFor[Duration]()
-	sizeType     = reflect.TypeFor[Size]()
+	durationType   = reflect.TypeFor[Duration]()
+	sizeType       = reflect.TypeFor[Size]()
+	identitiesType = reflect.TypeFor[Identities]()
 )
+
+// identities decodes a list of strings into an Identities value.
+func (d *decoder) identities(n *yaml.Node, v reflect.Value, path string) {
+	switch {
+	case isNull(n):
+		v.SetString("")
+	case n.Kind == yaml.SequenceNode:
+		ids := make([]string, 0, len(n.Content))
+		for i, item := range n.Content {
+			p := path + "[" + strconv.Itoa(i) + "]"
+			d.lines[p] = item.Line
+			if item = resolve(item); item.Kind != yaml.ScalarNode || isNull(item) {
+				d.fail(p, item, "expected a string, got %s", describe(item))
+				continue
+			}
+			ids = append(ids, item.Value)
+		}
+		v.SetString(strings.Join(ids, "\n"))
+	default:
+		d.fail(path, n, "expected a list, got %s", describe(n))
+	}
+}
 
 // value decodes n into v, which holds the value to overlay (a default).
 func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
@@ -431,6 +454,11 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 		default:
 			d.fail(path, n, "expected a list, got %s", describe(n))
 		}
+		return
+	}
+
+	if t == identitiesType {
+		d.identities(n, v, path)
 		return
 	}
 

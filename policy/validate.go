@@ -538,6 +538,22 @@ func (v *validator) mesh(prefix string, m *Mesh, own func(string) bool, show fun
 		write    = "mesh.write_timeout"
 		window   = "mesh.stream_window"
 	)
+	tls := m.TLS
+	files := []string{tls.CertFile, tls.KeyFile, tls.CAFile}
+	if set := len(slices.DeleteFunc(slices.Clone(files), func(f string) bool { return f == "" })); set != 0 && set != 3 && (own("mesh.tls.cert_file") || own("mesh.tls.key_file") || own("mesh.tls.ca_file")) {
+		v.add(prefix+"mesh.tls", "cert_file, key_file and ca_file go together: all three or none")
+	}
+	if tls.Peers != "" && !tls.Enabled() && own("mesh.tls.peers") {
+		v.add(prefix+"mesh.tls.peers", "identities need cert_file, key_file and ca_file: without TLS no peer shows one")
+	}
+	for j, id := range tls.Peers.List() {
+		if !own("mesh.tls.peers") {
+			break
+		}
+		if strings.TrimSpace(id) == "" || strings.ContainsAny(id, " \t") {
+			v.add(prefix+"mesh.tls.peers["+strconv.Itoa(j)+"]", "%q is not an identity (a spiffe:// URI or a DNS name)", id)
+		}
+	}
 	if *m == (Mesh{}) {
 		return // a Config built in code: the defaults (DefaultMesh)
 	}
@@ -598,6 +614,19 @@ func (v *validator) ingress(prefix string, in Ingress) {
 	}
 	if in.CheckInterval < 0 {
 		v.add(prefix+"check_interval", "%v must be positive", in.CheckInterval)
+	}
+	for j, a := range in.Allow {
+		if _, err := ParseAllow(a); err != nil {
+			v.add(prefix+"allow["+strconv.Itoa(j)+"]", "%q is not an IP address or CIDR", a)
+		}
+	}
+	for _, k := range []struct {
+		key string
+		val int
+	}{{"max_sessions_per_peer", in.MaxSessionsPerPeer}, {"max_streams_per_session", in.MaxStreamsPerSession}, {"max_streams", in.MaxStreams}} {
+		if k.val < 0 {
+			v.add(prefix+k.key, "%d is negative (0: the default)", k.val)
+		}
 	}
 }
 
@@ -757,4 +786,17 @@ func (v *validator) transparent(p string, t Transparent, set func(key string) bo
 	if t.ForgetExcludedAfter <= 0 && set("forget_excluded_after") {
 		v.add(p+"forget_excluded_after", "%v must be positive", t.ForgetExcludedAfter)
 	}
+}
+
+// ParseAllow parses an ingress.allow entry: an IP address (a one-address
+// prefix) or a CIDR.
+func ParseAllow(a string) (netip.Prefix, error) {
+	if ip, err := netip.ParseAddr(a); err == nil {
+		return netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen()), nil
+	}
+	p, err := netip.ParsePrefix(a)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	return p.Masked(), nil
 }

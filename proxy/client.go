@@ -5,7 +5,10 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/hashicorp/yamux"
 )
 
 // clientSide is a link's client: a TCP connection its listener accepted,
@@ -90,10 +93,13 @@ func (r *streamReader) read(s streamConn, limit int) (*[]byte, int, error) {
 // holds a chunk while it waits; the peer's egress link holds the other
 // end.
 type streamClient struct {
-	s      streamConn
-	sess   interface{ IsClosed() bool }
+	s      *yamux.Stream
+	ms     *meshSession
 	remote net.Addr
 	r      streamReader
+	rst    atomic.Bool // the link aborts: Close resets the stream
+	once   sync.Once
+	done   func() // once, at Close: the ingress's stream count
 }
 
 // errSessionClosed ends a stream whose session closed: yamux reads it as
@@ -103,7 +109,7 @@ var errSessionClosed = errors.New("mesh: the session to the peer sidecar closed"
 
 func (c *streamClient) read(limit int) (*[]byte, int, error) {
 	bp, n, err := c.r.read(c.s, limit)
-	if n == 0 && errors.Is(err, io.EOF) && c.sess.IsClosed() {
+	if n == 0 && errors.Is(err, io.EOF) && c.ms.closed() {
 		err = errSessionClosed
 	}
 	return bp, n, err
@@ -115,7 +121,9 @@ func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }
 // reading.
 func (c *streamClient) CloseWrite() error { return c.s.Close() }
 
-func (c *streamClient) abortive() {}
+// abortive has Close reset the stream: the egress link's client then
+// sees a reset, as it would from the server itself.
+func (c *streamClient) abortive() { c.rst.Store(true) }
 
 // upstreamConnected sends the ack the egress waits for in its dial.
 func (c *streamClient) upstreamConnected() error {
@@ -123,13 +131,19 @@ func (c *streamClient) upstreamConnected() error {
 	return err
 }
 
-// Close closes the stream and wakes the link's reads and writes on it
-// (yamux's Close alone is a half-close: a read would wait on). yamux has
-// no reset: the egress reads the end of the stream, and the session
-// frees it once the egress closes its side (or after half_close_timeout).
+// Close closes the stream, with a reset after abortive, and wakes the
+// link's reads and writes on it (yamux's Close alone is a half-close: a
+// read would wait on). A stream closed without reset is freed once the
+// egress closes its side (or after half_close_timeout).
 func (c *streamClient) Close() error {
+	if c.rst.Load() {
+		c.ms.resetStream(c.s)
+	}
 	err := c.s.Close()
 	_ = c.s.SetDeadline(pastDeadline)
+	if c.done != nil {
+		c.once.Do(c.done)
+	}
 	return err
 }
 

@@ -272,7 +272,7 @@ func (lk *link) dial() bool {
 				lk.countDial(start, failOpen)
 				return lk.meshConnected(ep, st, es)
 			case errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect:
-				lk.meshFallback(ep, mport)
+				lk.meshFallback(ep, mport, err)
 			case errors.Is(err, errNoIngress):
 				lk.setReason(metrics.ReasonRefused, err)
 				lk.resetClient()
@@ -817,6 +817,9 @@ func (lk *link) abort(reason string, err error) bool {
 	}
 	if !lk.closed {
 		lk.client.abortive()
+		if lk.stream != nil {
+			lk.meshSess.resetStream(lk.stream) // the server behind the peer sidecar sees a reset too
+		}
 	}
 	lk.connMu.Unlock()
 	lk.closeBoth()

@@ -9,6 +9,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/hashicorp/yamux"
@@ -35,6 +36,15 @@ import (
 //     that a message that arrives late on a busy session, after a newer
 //     one on another, is known stale.
 //
+// Before yamux, a session starts with a handshake: the egress sends the
+// preface, meshPrefaceMagic then the protocol version (1 byte); the
+// ingress answers with the same magic, its own version, a code (meshOK,
+// meshRefused: the peer is not allowed or over a limit, meshBadVersion)
+// and the most streams a session may carry (4 bytes, big-endian). A peer
+// on the mesh port whose first bytes are not the magic is not an ingress
+// (another mesh's port, another server): the egress knows at once and
+// falls back as for a refused port.
+//
 // A port's epoch is random, drawn again whenever the port turns ready
 // after being not ready: a new epoch tells the egress that the server
 // behind it started afresh, so links opened under the old one are stale.
@@ -53,6 +63,63 @@ const (
 	// stream's header.
 	meshHeaderTimeout = 5 * time.Second
 )
+
+// The session handshake.
+const (
+	meshPrefaceMagic = "LPMESH\x00"
+	meshVersion      = 1
+	meshPrefaceLen   = len(meshPrefaceMagic) + 1
+	meshReplyLen     = meshPrefaceLen + 1 + 4
+	meshOK           = 0
+	meshRefused      = 1
+	meshBadVersion   = 2
+)
+
+func meshPreface() []byte { return append([]byte(meshPrefaceMagic), meshVersion) }
+
+func meshReply(code byte, streams int) []byte {
+	b := append(meshPreface(), code)
+	return binary.BigEndian.AppendUint32(b, uint32(streams))
+}
+
+// errForeignPeer: something that is not an ingress answered on the mesh
+// port; fallback treats it as errNoIngress.
+var errForeignPeer = fmt.Errorf("%w, or something else answers on it", errNoIngress)
+
+// errSessionRefused: the ingress refused the session (this peer is not
+// allowed, or over a limit).
+var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session", errMeshStream)
+
+// readMeshReply reads the ingress's answer to the preface from c, byte by
+// byte as it arrives, so that a foreign peer is known at its first wrong
+// byte. It returns the streams a session may carry.
+func readMeshReply(c net.Conn) (int, error) {
+	var b [meshReplyLen]byte
+	for n := 0; n < len(b); {
+		k, err := c.Read(b[n:])
+		for i := n; i < n+k && i < len(meshPrefaceMagic); i++ {
+			if b[i] != meshPrefaceMagic[i] {
+				return 0, fmt.Errorf("%w: its first bytes are %q", errForeignPeer, b[:n+k])
+			}
+		}
+		n += k
+		if err != nil && n < len(b) {
+			if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
+				return 0, fmt.Errorf("%w: it closed the connection after %d bytes of an answer (%v)", errForeignPeer, n, err)
+			}
+			return 0, fmt.Errorf("mesh: no answer to the session handshake: %w", err)
+		}
+	}
+	switch ver, code := b[len(meshPrefaceMagic)], b[meshPrefaceLen]; {
+	case ver != meshVersion || code == meshBadVersion:
+		return 0, fmt.Errorf("%w: it speaks mesh protocol version %d, this sidecar %d", errForeignPeer, ver, meshVersion)
+	case code == meshRefused:
+		return 0, errSessionRefused
+	case code != meshOK:
+		return 0, fmt.Errorf("%w: handshake code %d", errSessionRefused, code)
+	}
+	return int(binary.BigEndian.Uint32(b[meshPrefaceLen+1:])), nil
+}
 
 var (
 	errNoIngress    = errors.New("mesh: the peer has no ingress sidecar (connection refused on the mesh port)")
@@ -153,7 +220,12 @@ func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Con
 	c := yamux.DefaultConfig()
 	c.EnableKeepAlive = false
 	c.KeepAliveInterval = m.PingInterval.D() // unused with keepalive off; must be positive
-	c.ConnectionWriteTimeout = m.WriteTimeout.D()
+	// A frame waits in the send queue for as long as the path takes to
+	// carry what is ahead of it: on a congested path where bytes keep
+	// moving that is no fault, and a write that gave up would lose its
+	// frame (a window update, a FIN). The heartbeat judges the session;
+	// when it closes it, every waiting write ends.
+	c.ConnectionWriteTimeout = noWriteTimeout
 	c.MaxStreamWindowSize = uint32(m.StreamWindow)
 	c.StreamCloseTimeout = hc
 	if hc <= 0 {
@@ -170,6 +242,10 @@ func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Con
 	return c
 }
 
+// noWriteTimeout stands for no bound on a frame's time in yamux's send
+// queue (yamux needs a duration).
+const noWriteTimeout = 100 * 365 * 24 * time.Hour
+
 // yamuxLogger passes yamux's log lines on at debug level: the session's
 // owner logs what matters (a dead session, a refused stream) itself.
 type yamuxLogger struct{ log zerolog.Logger }
@@ -178,28 +254,15 @@ func (l yamuxLogger) Print(v ...any)                 { l.log.Debug().Msg(fmt.Spr
 func (l yamuxLogger) Printf(format string, v ...any) { l.log.Debug().Msgf(format, v...) }
 func (l yamuxLogger) Println(v ...any)               { l.log.Debug().Msg(fmt.Sprint(v...)) }
 
-// activityConn records when a byte last arrived from the peer: any byte,
-// a ping's answer or data, proves the peer sidecar alive.
-type activityConn struct {
-	*net.TCPConn
-	last *atomic.Int64 // mono
-}
-
-func (c activityConn) Read(p []byte) (int, error) {
-	n, err := c.TCPConn.Read(p)
-	if n > 0 {
-		c.last.Store(mono())
-	}
-	return n, err
-}
-
 // meshSession is one yamux session and its heartbeat, on either side.
 //
-// The heartbeat pings the peer every ping_interval (one ping in flight at
-// a time) and declares the session dead when nothing at all has arrived
-// from the peer for ping_timeout. Data counts as much as a ping's answer,
-// so a session busy with a large transfer whose pings queue behind data
-// is not judged on its pings. Two guards keep the proxy's own stalls from
+// The heartbeat pings the peer every ping_interval, whether or not the
+// last ping was answered, and declares the session dead when nothing at
+// all has arrived from the peer for ping_timeout. Data counts as much as
+// a ping or its answer. Pings and answers go out ahead of yamux's send
+// queue (see meshGuard), and each side pings on its own: on a path
+// congested one way, the other way carries the pings that prove the
+// peer alive, while the congested way carries data that does. Two guards keep the proxy's own stalls from
 // being blamed on the peer: bytes waiting unread in the socket are life,
 // and a check that itself ran late (this process was descheduled) is not
 // trusted; the next one decides.
@@ -219,8 +282,8 @@ type meshSession struct {
 	// its last stream has ended.
 	retired atomic.Bool
 
-	wg      sync.WaitGroup // the heartbeat and its ping
-	pinging atomic.Bool
+	guard *meshGuard
+	wg    sync.WaitGroup // the heartbeat and the guard's flusher
 }
 
 // newMeshSession wraps conn in a yamux session (client: the egress side)
@@ -238,25 +301,38 @@ type meshHooks struct {
 	tick func()
 }
 
-func newMeshSession(conn *net.TCPConn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks) (*meshSession, error) {
+// admit reports whether a stream the peer opens may be taken (see
+// meshGuard); it runs on yamux's receive loop, and may find the session
+// not yet set.
+//
+// rw is what the session reads and writes: conn, or TLS over it.
+func newMeshSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks, admit func() bool) (*meshSession, error) {
 	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(mono())
-	ac := activityConn{TCPConn: conn, last: &ms.lastRead}
+	ms.guard = newMeshGuard(rw, conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
 	cfg := yamuxConfig(m, hc, log)
 	var err error
 	if client {
-		ms.sess, err = yamux.Client(ac, cfg)
+		ms.sess, err = yamux.Client(ms.guard, cfg)
 	} else {
-		ms.sess, err = yamux.Server(ac, cfg)
+		ms.sess, err = yamux.Server(ms.guard, cfg)
 	}
 	if err != nil {
 		return nil, err
 	}
 	mt.MeshSessions(role).Inc()
-	ms.wg.Add(1)
+	ms.wg.Add(2)
 	go ms.heartbeat()
+	go func() {
+		defer ms.wg.Done()
+		ms.guard.flusher(ms.sess.CloseChan())
+	}()
 	return ms, nil
 }
+
+// resetStream ends st as reset on both sides (see meshGuard): the peer's
+// end reads a reset, not the end of the stream.
+func (ms *meshSession) resetStream(st *yamux.Stream) { ms.guard.reset(st.StreamID()) }
 
 // closed reports whether the session has ended.
 func (ms *meshSession) closed() bool { return ms.sess.IsClosed() }
@@ -298,21 +374,11 @@ func (ms *meshSession) heartbeat() {
 			nextTick = now + int64(ms.interval)
 			ms.hooks.tick()
 		}
-		if now >= nextPing && ms.pinging.CompareAndSwap(false, true) {
+		if now >= nextPing {
 			nextPing = now + int64(ms.interval)
-			ms.wg.Add(1)
-			go ms.ping()
+			ms.guard.ping()
 		}
 	}
-}
-
-// ping sends one ping; the heartbeat judges by what arrives, not by the
-// ping's own result. It ends within write_timeout, or when the session
-// closes.
-func (ms *meshSession) ping() {
-	defer ms.wg.Done()
-	defer ms.pinging.Store(false)
-	_, _ = ms.sess.Ping()
 }
 
 // declareDead has the owner exclude what the session served, closes the

@@ -3,6 +3,7 @@ package proxy
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -47,6 +48,7 @@ type meshPeer struct {
 	boot, gen uint64                // of the status applied last
 	statusCh  chan struct{}         // closed at every status change
 	endpoints map[*endpoint]struct{}
+	used      atomic.Int64 // mono: when a link or probe last asked for the peer
 
 	noIngressUntil atomic.Int64 // mono; 0: try the mesh port
 	fallbackLogged atomic.Bool
@@ -55,25 +57,96 @@ type meshPeer struct {
 // egressSession is one session to a peer and the links on it.
 type egressSession struct {
 	*meshSession
-	peer  *meshPeer
-	mu    sync.Mutex
-	links map[*link]struct{}
+	peer *meshPeer
+	// key is the settings the session was dialled with: a link takes a
+	// session of its own settings only.
+	key sessionKey
+	// maxStreams is what the ingress lets a session carry (its
+	// handshake said).
+	maxStreams int
+	mu         sync.Mutex
+	links      map[*link]struct{}
 }
+
+// sessionKey is what a session is dialled with: the mesh settings and
+// the half-close timeout, printed (mesh.tls.peers is a slice).
+type sessionKey string
+
+func newSessionKey(m policy.Mesh, hc time.Duration) sessionKey {
+	return sessionKey(fmt.Sprintf("%+v %v", m, hc))
+}
+
+// idle reports whether the session carries no link.
+func (es *egressSession) idle() bool {
+	es.mu.Lock()
+	defer es.mu.Unlock()
+	return len(es.links) == 0
+}
+
+// full reports whether the session carries as many streams as the
+// ingress takes (the status stream besides).
+func (es *egressSession) full() bool { return es.sess.NumStreams() > es.maxStreams }
 
 // meshPeer returns the peer at host:port, creating it on first use.
 func (p *Proxy) meshPeer(host string, port int) *meshPeer {
 	addr := net.JoinHostPort(host, strconv.Itoa(port))
 	p.meshMu.Lock()
-	defer p.meshMu.Unlock()
 	if p.peers == nil {
 		p.peers = make(map[string]*meshPeer)
 	}
+	var sweep []*meshPeer
+	now := mono()
 	pr := p.peers[addr]
 	if pr == nil {
+		if now-p.peersSwept > int64(peerSweepEvery) {
+			p.peersSwept = now
+			sweep = slices.Collect(maps.Values(p.peers))
+		}
 		pr = &meshPeer{p: p, host: host, addr: addr, statusCh: make(chan struct{}), endpoints: make(map[*endpoint]struct{})}
 		p.peers[addr] = pr
 	}
+	pr.used.Store(now)
+	p.meshMu.Unlock()
+	p.sweepPeers(now, sweep)
 	return pr
+}
+
+// A peer with no live session that no link or probe asked for in
+// peerIdleFor is forgotten (pod addresses churn); peers are swept when a
+// new one comes, at most once a peerSweepEvery.
+const (
+	peerIdleFor    = 5 * time.Minute
+	peerSweepEvery = 30 * time.Second
+)
+
+// sweepPeers forgets the idle ones of peers and, in the others, the
+// endpoints that are no longer the proxy's. It takes each lock alone.
+func (p *Proxy) sweepPeers(now int64, peers []*meshPeer) {
+	for _, pr := range peers {
+		if !pr.dialMu.TryLock() {
+			continue // a session is being dialled
+		}
+		pr.mu.Lock()
+		live := slices.ContainsFunc(pr.sessions, func(es *egressSession) bool { return !es.closed() })
+		eps := slices.Collect(maps.Keys(pr.endpoints))
+		pr.mu.Unlock()
+		pr.dialMu.Unlock()
+		if !live && now-pr.used.Load() > int64(peerIdleFor) {
+			p.meshMu.Lock()
+			if p.peers[pr.addr] == pr {
+				delete(p.peers, pr.addr)
+			}
+			p.meshMu.Unlock()
+			continue
+		}
+		for _, ep := range eps {
+			if p.lookupEndpoint(ep.addr) != ep {
+				pr.mu.Lock()
+				delete(pr.endpoints, ep) // retired
+				pr.mu.Unlock()
+			}
+		}
+	}
 }
 
 // closeMesh closes every egress session and waits for their goroutines;
@@ -94,10 +167,11 @@ func (p *Proxy) closeMesh() {
 	}
 }
 
-// session returns a live session to the peer with the fewest streams,
-// dialling one when there is none, or when every one carries streams and
-// fewer than mesh.sessions exist.
+// session returns a live session to the peer, dialled with the same
+// settings, with the fewest streams; it dials one when there is none, or
+// when every one carries streams and fewer than mesh.sessions exist.
 func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration, dialer *net.Dialer) (*egressSession, error) {
+	key := newSessionKey(m, hc)
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
@@ -111,18 +185,27 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		pr.sessions = live
 		usable := 0
 		for _, es := range live {
+			if es.key != key {
+				if es.usable() && es.idle() {
+					es.retire("dialled with other settings, and idle") // a reload changed them
+				}
+				continue
+			}
 			if !es.usable() {
 				continue
 			}
 			usable++
-			if best == nil || es.sess.NumStreams() < best.sess.NumStreams() {
+			if !es.full() && (best == nil || es.sess.NumStreams() < best.sess.NumStreams()) {
 				best = es
 			}
 		}
-		return best, best == nil || (usable < m.Sessions && best.sess.NumStreams() > 0)
+		return best, usable < m.Sessions && (best == nil || best.sess.NumStreams() > 0)
 	}
 	best, grow := pick()
 	if !grow {
+		if best == nil {
+			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", errMeshStream)
+		}
 		return best, nil
 	}
 	if best != nil && !pr.dialMu.TryLock() {
@@ -132,21 +215,83 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	}
 	defer pr.dialMu.Unlock()
 	if best, grow = pick(); !grow {
+		if best == nil {
+			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", errMeshStream)
+		}
 		return best, nil
 	}
-	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
+	es, err := pr.dial(ctx, m, hc, key, dialer)
 	if err != nil {
 		if best != nil {
 			return best, nil
 		}
+		return nil, err
+	}
+	return es, nil
+}
+
+// dial opens a session to the peer: the connection, the handshake, then
+// yamux.
+func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
+	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
+	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) {
 			return nil, fmt.Errorf("%w: %s", errNoIngress, pr.addr)
 		}
 		return nil, err
 	}
-	es := &egressSession{peer: pr, links: make(map[*link]struct{})}
+	tc := c.(*net.TCPConn)
+	// The handshake's answer is judged as the heartbeat judges a session:
+	// nothing for ping_timeout is a dead peer sidecar.
+	_ = c.SetDeadline(time.Now().Add(m.PingTimeout.D()))
+	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
+	if m.TLS.Enabled() {
+		t := tls.Client(c, pr.p.meshCertsFor(m.TLS).clientConfig(m.TLS.Peers.List()))
+		if err = t.Handshake(); err != nil {
+			var ne net.Error
+			if !errors.As(err, &ne) || !ne.Timeout() {
+				// Not an ingress of this mesh (or one that refused this
+				// sidecar's certificate): as a peer without one.
+				err = fmt.Errorf("%w: TLS handshake: %v", errForeignPeer, err)
+			}
+		}
+		c = t
+	}
+	streams := 0
+	if err == nil {
+		if _, err = c.Write(meshPreface()); err == nil {
+			streams, err = readMeshReply(c)
+		}
+	}
+	stop()
+	_ = c.SetDeadline(time.Time{})
+	var ne net.Error
+	if err != nil && !errors.Is(err, errNoIngress) && !errors.Is(err, errMeshStream) && !(errors.As(err, &ne) && ne.Timeout()) {
+		// The connection broke in the handshake (reset, closed, a TLS
+		// alert: under TLS 1.3 the ingress judges this sidecar's
+		// certificate after the client's handshake): whatever listens on
+		// the mesh port is no ingress that takes this sidecar. Nothing
+		// here involved the server.
+		err = fmt.Errorf("%w: %v", errForeignPeer, err)
+	}
+	if err != nil {
+		_ = tc.Close()
+		if ctx.Err() == nil && errors.As(err, &ne) && ne.Timeout() {
+			pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
+			pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
+			pr.excludeEndpoints()
+			return nil, fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
+		}
+		return nil, fmt.Errorf("%s: %w", pr.addr, err)
+	}
+	es := &egressSession{peer: pr, key: key, maxStreams: streams, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
-	ms, err := newMeshSession(c.(*net.TCPConn), true, metrics.MeshEgress, m, hc, log, pr.p.metrics, meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams})
+	// The ingress opens one stream, the status stream; any other it
+	// opens is refused.
+	opened := 0
+	admit := func() bool { opened++; return opened == 1 }
+	ms, err := newMeshSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
+		meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams}, admit)
 	if err != nil {
 		_ = c.Close()
 		return nil, err
@@ -271,8 +416,11 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc ti
 // excludePeer runs when the heartbeat declares the session dead, before
 // it is closed: the status it brought is forgotten, and every endpoint
 // reached through the peer is excluded; probes dial a new session.
-func (es *egressSession) excludePeer() {
-	pr := es.peer
+func (es *egressSession) excludePeer() { es.peer.excludeEndpoints() }
+
+// excludeEndpoints forgets the peer's status and excludes every endpoint
+// reached through it.
+func (pr *meshPeer) excludeEndpoints() {
 	pr.mu.Lock()
 	pr.status = nil
 	eps := slices.Collect(maps.Keys(pr.endpoints))
@@ -405,6 +553,9 @@ func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession,
 	}
 	ctx, cancel := context.WithTimeout(lk.l.ctx, cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
 	defer cancel()
+	pr.mu.Lock()
+	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
+	pr.mu.Unlock()
 	for try := 0; ; try++ {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
 		if errors.Is(err, errNoIngress) {
@@ -423,9 +574,6 @@ func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession,
 				es.retire("stream ids running out")
 			}
 			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
-				pr.mu.Lock()
-				pr.endpoints[ep] = struct{}{}
-				pr.mu.Unlock()
 				return lk.awaitAck(ctx, st, es)
 			}
 			_ = st.Close()
@@ -479,13 +627,14 @@ func (lk *link) awaitAck(ctx context.Context, st *yamux.Stream, es *egressSessio
 }
 
 // meshFallback counts a link of l that reaches ep directly because its
-// host has no ingress sidecar, and says so once per peer.
-func (lk *link) meshFallback(ep *endpoint, port int) {
+// host has no ingress sidecar (cause says what the mesh port did), and
+// says so once per peer.
+func (lk *link) meshFallback(ep *endpoint, port int, cause error) {
 	lk.l.p.metrics.MeshFallbacks(lk.l.cfg.Name).Inc()
 	host, _, _ := net.SplitHostPort(ep.dial)
 	if pr := lk.l.p.meshPeer(host, port); pr.fallbackLogged.CompareAndSwap(false, true) {
-		lk.l.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).
-			Msg("no ingress sidecar on the peer (mesh port refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
+		lk.l.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).AnErr("cause", cause).
+			Msg("no ingress sidecar on the peer that takes this one (mesh port refused, something else answered, or TLS refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
 	}
 }
 

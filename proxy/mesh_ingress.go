@@ -3,12 +3,16 @@ package proxy
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
+	"io"
 	"maps"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -31,9 +35,8 @@ const defaultCheckInterval = time.Second
 // accept loop and its status writer, all owned by wg; a stream's
 // handshake goroutine becomes its link's (counted by the listener).
 type ingress struct {
-	l     *listener
-	host  string
-	ports []uint16 // the local port first, then ingress.ports
+	l    *listener
+	host string
 
 	kick      chan struct{} // check now
 	checked   chan struct{} // closed after the first check: statuses wait for it
@@ -44,11 +47,17 @@ type ingress struct {
 
 	boot uint64 // this process's id in status messages
 
+	handshakes atomic.Int64 // connections waiting for their handshake
+	streams    atomic.Int64 // streams served, over all sessions
+
 	mu       sync.Mutex
+	ports    []uint16 // the local port first, then ingress.ports
 	status   map[uint16]portStatus
 	gen      uint64                // the status's generation: one more at every change
 	checks   map[uint16]*portCheck // what the checks saw since the port's last verdict
 	sessions map[*ingressSession]struct{}
+	perPeer  map[string]int            // sessions by peer address
+	pending  map[*net.TCPConn]struct{} // connections in their handshake
 	closed   bool
 	draining bool // the listener stopped accepting: every port is announced not ready
 }
@@ -68,20 +77,18 @@ const checkFailuresForNotReady = 3
 type ingressSession struct {
 	*meshSession
 	changed chan struct{} // the status changed: send it
+	host    string        // the peer's address
+	// statusOpen is 1 once the status stream is open.
+	statusOpen atomic.Int32
 }
 
 func newIngress(l *listener, cfg policy.Listener) *ingress {
 	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
 	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
 		boot: newEpoch(), status: make(map[uint16]portStatus), checks: make(map[uint16]*portCheck),
-		sessions: make(map[*ingressSession]struct{})}
-	n, _ := strconv.Atoi(port)
-	in.ports = append(in.ports, uint16(n))
-	for _, p := range cfg.Ingress.Ports {
-		if !slices.Contains(in.ports, uint16(p)) {
-			in.ports = append(in.ports, uint16(p))
-		}
-	}
+		sessions: make(map[*ingressSession]struct{}), perPeer: make(map[string]int),
+		pending: make(map[*net.TCPConn]struct{})}
+	in.ports = ingressPorts(port, cfg.Ingress.Ports)
 	for _, p := range in.ports {
 		in.status[p] = portStatus{} // not ready until the first check
 		in.checks[p] = &portCheck{}
@@ -89,12 +96,69 @@ func newIngress(l *listener, cfg policy.Listener) *ingress {
 	return in
 }
 
+// ingressPorts is local's port, then ports.
+func ingressPorts(local string, ports []int) []uint16 {
+	n, _ := strconv.Atoi(local)
+	ps := []uint16{uint16(n)}
+	for _, p := range ports {
+		if !slices.Contains(ps, uint16(p)) {
+			ps = append(ps, uint16(p))
+		}
+	}
+	return ps
+}
+
+// portList is the ports the ingress serves.
+func (in *ingress) portList() []uint16 {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	return in.ports
+}
+
+// serves reports whether the ingress serves port.
+func (in *ingress) serves(port uint16) bool { return slices.Contains(in.portList(), port) }
+
+// retune takes a reload's configuration of the kept listener (the caller
+// holds p.mu): the listener, its sessions and the ports' epochs stay; a
+// port added is announced once checked, a port removed is no longer
+// announced and takes no new stream (its links finish).
+func (in *ingress) retuneLocked(lc policy.Listener) {
+	_, port, _ := net.SplitHostPort(lc.Ingress.Local)
+	ports := ingressPorts(port, lc.Ingress.Ports)
+	in.mu.Lock()
+	changed := !slices.Equal(ports, in.ports)
+	for _, p := range ports {
+		if _, ok := in.status[p]; !ok {
+			in.status[p] = portStatus{}
+			in.checks[p] = &portCheck{}
+		}
+	}
+	for p := range in.status {
+		if !slices.Contains(ports, p) {
+			delete(in.status, p)
+			delete(in.checks, p)
+		}
+	}
+	in.ports = ports
+	var ss []*ingressSession
+	if changed {
+		in.gen++
+		ss = slices.Collect(maps.Keys(in.sessions))
+	}
+	in.mu.Unlock()
+	in.endpointsLocked(lc.Settings)
+	for _, is := range ss {
+		is.notify()
+	}
+	in.kickCheck()
+}
+
 // endpoints registers the local ports as endpoints of l (the caller
 // holds p.mu), so that their links are judged, and probed when excluded,
 // like any upstream's.
 func (in *ingress) endpointsLocked(s policy.Settings) {
 	p := in.l.p
-	for _, port := range in.ports {
+	for _, port := range in.portList() {
 		ep, _ := p.endpointForLocked(in.addr(port), s)
 		ep.mu.Lock()
 		if !slices.Contains(ep.listeners, in.l) {
@@ -111,8 +175,9 @@ func (in *ingress) addr(port uint16) string {
 
 // localEndpoints are the endpoints of the local ports.
 func (in *ingress) localEndpoints() []*endpoint {
-	eps := make([]*endpoint, 0, len(in.ports))
-	for _, port := range in.ports {
+	ports := in.portList()
+	eps := make([]*endpoint, 0, len(ports))
+	for _, port := range ports {
 		if ep := in.l.p.lookupEndpoint(in.addr(port)); ep != nil {
 			eps = append(eps, ep)
 		}
@@ -132,6 +197,9 @@ func (in *ingress) close() {
 	in.mu.Lock()
 	in.closed = true
 	ss := slices.Collect(maps.Keys(in.sessions))
+	for tc := range in.pending {
+		_ = tc.Close() // its handshake ends
+	}
 	in.mu.Unlock()
 	for _, is := range ss {
 		_ = is.sess.Close()
@@ -154,10 +222,12 @@ func (in *ingress) kickCheck() {
 // new epoch.
 func (in *ingress) checker() {
 	defer in.wg.Done()
-	every := cmp.Or(in.l.cfg.Ingress.CheckInterval.D(), defaultCheckInterval)
-	t := time.NewTicker(every)
+	t := time.NewTimer(0)
 	defer t.Stop()
 	for first := true; ; first = false {
+		// A reload may retune it.
+		every := cmp.Or(in.l.spec().cfg.Ingress.CheckInterval.D(), defaultCheckInterval)
+		t.Reset(every)
 		in.check(min(every, time.Second))
 		in.shrinkStreams()
 		if first {
@@ -179,8 +249,9 @@ func (in *ingress) check(timeout time.Duration) {
 		ok, refused, local bool
 		err                error
 	}
-	results := make(map[uint16]result, len(in.ports))
-	for _, port := range in.ports {
+	ports := in.portList()
+	results := make(map[uint16]result, len(ports))
+	for _, port := range ports {
 		addr := in.addr(port)
 		if st, _ := p.det.State(normalizeEndpoint(addr)); st != health.Healthy {
 			// Excluded on evidence (or disabled) by this proxy's own
@@ -214,6 +285,9 @@ func (in *ingress) check(timeout time.Duration) {
 	changed := false
 	for port, r := range results {
 		old, pc := in.status[port], in.checks[port]
+		if pc == nil {
+			continue // a reload removed it meanwhile
+		}
 		ready := old.ready
 		switch {
 		case r.local || in.draining:
@@ -307,21 +381,158 @@ func (in *ingress) snapshot() statusMsg {
 	return m
 }
 
-// serveConn turns an accepted connection into a session.
+// maxHandshakes bounds the connections waiting for their handshake on
+// one ingress: one more is reset at once.
+const maxHandshakes = 128
+
+// serveConn takes an accepted connection: its handshake and session run
+// in a goroutine of the ingress.
 func (in *ingress) serveConn(tc *net.TCPConn) {
-	s := in.l.spec().settings
-	m := s.Mesh.OrDefaults()
-	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
-	is := &ingressSession{changed: make(chan struct{}, 1)}
-	ms, err := newMeshSession(tc, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{})
-	if err != nil {
+	if in.handshakes.Add(1) > maxHandshakes {
+		in.handshakes.Add(-1)
+		in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitHandshakes).Inc()
 		resetConn(tc)
 		return
 	}
+	in.mu.Lock()
+	if in.closed {
+		in.mu.Unlock()
+		in.handshakes.Add(-1)
+		resetConn(tc)
+		return
+	}
+	in.pending[tc] = struct{}{}
+	in.wg.Add(1)
+	in.mu.Unlock()
+	go func() {
+		defer in.wg.Done()
+		in.handshake(tc)
+	}()
+}
+
+// limits is the ingress's limits, defaults applied.
+func (in *ingress) limits() (perPeer, perSession, total int) {
+	c := in.l.spec().cfg.Ingress
+	return cmp.Or(c.MaxSessionsPerPeer, policy.DefaultMaxSessionsPerPeer),
+		cmp.Or(c.MaxStreamsPerSession, policy.DefaultMaxStreamsPerSession),
+		cmp.Or(c.MaxStreams, policy.DefaultMaxStreams)
+}
+
+// allowed reports whether the peer at addr may hold sessions
+// (ingress.allow).
+func (in *ingress) allowed(addr net.Addr) bool {
+	allow := in.l.spec().cfg.Ingress.Allow
+	if len(allow) == 0 {
+		return true
+	}
+	ap, err := netip.ParseAddrPort(addr.String())
+	if err != nil {
+		return false
+	}
+	for _, a := range allow {
+		if p, err := policy.ParseAllow(a); err == nil && p.Contains(ap.Addr().Unmap()) {
+			return true
+		}
+	}
+	return false
+}
+
+// handshake reads the egress's preface, answers it, and turns the
+// connection into a session: a peer that is not allowed, over its
+// sessions, or of another version is answered so and closed.
+func (in *ingress) handshake(tc *net.TCPConn) {
+	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
+	s := in.l.spec().settings
+	m := s.Mesh.OrDefaults()
+	_ = tc.SetDeadline(time.Now().Add(meshHeaderTimeout))
+	var c net.Conn = tc
+	var err error
+	if m.TLS.Enabled() {
+		t := tls.Server(tc, in.l.p.meshCertsFor(m.TLS).serverConfig(m.TLS.Peers.List()))
+		if err = t.Handshake(); err != nil {
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitTLS).Inc()
+			log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
+			in.handshakeDone(tc)
+			_ = tc.Close() // not reset: the egress reads the alert that says why
+			return
+		}
+		c = t
+	}
+	var b [meshPrefaceLen]byte
+	if err == nil {
+		_, err = io.ReadFull(c, b[:])
+	}
+	in.handshakeDone(tc)
+	refuse := func(code byte, limit string) {
+		if limit != "" {
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limit).Inc()
+		}
+		_ = tc.SetWriteDeadline(time.Now().Add(time.Second))
+		_, _ = c.Write(meshReply(code, 0))
+		_ = tc.Close()
+	}
+	if err != nil || string(b[:len(meshPrefaceMagic)]) != meshPrefaceMagic {
+		// At debug: a peer could flood the log.
+		log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface (or a TLS handshake that failed): closed")
+		resetConn(tc)
+		return
+	}
+	perPeer, perSession, _ := in.limits()
+	if !in.allowed(tc.RemoteAddr()) {
+		log.Warn().Msg("mesh session refused: the peer is not in ingress.allow")
+		refuse(meshRefused, limitPeerNotAllowed)
+		return
+	}
+	if b[len(meshPrefaceMagic)] != meshVersion {
+		log.Warn().Int("version", int(b[len(meshPrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
+		refuse(meshBadVersion, "")
+		return
+	}
+	host := tc.RemoteAddr().(*net.TCPAddr).IP.String()
+	in.mu.Lock()
+	if in.closed || in.perPeer[host] >= perPeer {
+		closed := in.closed
+		in.mu.Unlock()
+		if closed {
+			resetConn(tc)
+			return
+		}
+		log.Warn().Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
+		refuse(meshRefused, limitSessionsPerPeer)
+		return
+	}
+	in.perPeer[host]++
+	in.mu.Unlock()
+	_, err = c.Write(meshReply(meshOK, perSession))
+	_ = tc.SetDeadline(time.Time{})
+	if err != nil {
+		in.forgetPeer(host)
+		resetConn(tc)
+		return
+	}
+	is := &ingressSession{changed: make(chan struct{}, 1), host: host}
+	var sess atomic.Pointer[yamux.Session]
+	admit := func() bool {
+		// NumStreams counts the status stream too once it is open (a
+		// moment early, the check is one stream stricter).
+		if se := sess.Load(); se != nil && se.NumStreams()-int(is.statusOpen.Load()) >= perSession {
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitStreamsPerSession).Inc()
+			return false
+		}
+		return true
+	}
+	ms, err := newMeshSession(tc, c, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{}, admit)
+	if err != nil {
+		in.forgetPeer(host)
+		resetConn(tc)
+		return
+	}
+	sess.Store(ms.sess)
 	is.meshSession = ms
 	in.mu.Lock()
 	if in.closed {
 		in.mu.Unlock()
+		in.forgetPeer(host)
 		ms.close()
 		return
 	}
@@ -332,6 +543,23 @@ func (in *ingress) serveConn(tc *net.TCPConn) {
 	go in.writeStatus(is)
 }
 
+// handshakeDone counts tc's handshake as ended.
+func (in *ingress) handshakeDone(tc *net.TCPConn) {
+	in.handshakes.Add(-1)
+	in.mu.Lock()
+	delete(in.pending, tc)
+	in.mu.Unlock()
+}
+
+// forgetPeer counts one session of host less.
+func (in *ingress) forgetPeer(host string) {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.perPeer[host]--; in.perPeer[host] <= 0 {
+		delete(in.perPeer, host)
+	}
+}
+
 // writeStatus opens the status stream and sends the status at once and
 // on every change, until the session ends.
 func (in *ingress) writeStatus(is *ingressSession) {
@@ -340,6 +568,7 @@ func (in *ingress) writeStatus(is *ingressSession) {
 	if err != nil {
 		return
 	}
+	is.statusOpen.Store(1)
 	defer st.Close()
 	select {
 	case <-in.checked: // no status before the ports were checked once
@@ -367,6 +596,7 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 		in.mu.Lock()
 		delete(in.sessions, is)
 		in.mu.Unlock()
+		in.forgetPeer(is.host)
 		is.close()
 	}()
 	for {
@@ -389,7 +619,7 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	_ = st.SetReadDeadline(time.Now().Add(meshHeaderTimeout))
 	port, err := readMeshHeader(st)
 	_ = st.SetReadDeadline(time.Time{})
-	if err != nil || !slices.Contains(in.ports, port) {
+	if err != nil || !in.serves(port) {
 		// At debug: a peer could flood the log. link_closes_total counts it.
 		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
 			Msg("mesh stream refused: bad header or a port this ingress does not serve")
@@ -403,9 +633,20 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		l.m.Closed(metrics.ReasonRefused)
 		return
 	}
-	lk := newLink(l, ep, &streamClient{s: st, sess: is.sess, remote: is.conn.RemoteAddr()})
-	if !l.track(lk) {
+	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
+		in.streams.Add(-1)
+		l.p.metrics.MeshLimits(metrics.MeshIngress, limitStreams).Inc()
+		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.conn.RemoteAddr().String()).
+			Msg("mesh stream refused: the ingress carries as many streams as it may")
+		is.resetStream(st)
 		_ = st.Close()
+		l.m.Closed(metrics.ReasonCapacity)
+		return
+	}
+	sc := &streamClient{s: st, ms: is.meshSession, remote: is.conn.RemoteAddr(), done: func() { in.streams.Add(-1) }}
+	lk := newLink(l, ep, sc)
+	if !l.track(lk) {
+		_ = sc.Close()
 		return
 	}
 	l.serveLink(lk)

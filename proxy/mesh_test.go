@@ -47,22 +47,33 @@ type ingressProxy struct {
 	p    *Proxy
 	m    *metrics.Metrics
 	port int // the mesh port
+	cfg  policy.Config
 }
 
 func startIngress(t *testing.T, host, local string, tune func(*policy.Settings)) *ingressProxy {
 	t.Helper()
+	return startIngressL(t, host, local, func(l *policy.Listener) {
+		if tune != nil {
+			tune(&l.Settings)
+		}
+	})
+}
+
+// startIngressL is startIngress with the whole listener to tune.
+func startIngressL(t *testing.T, host, local string, tune func(*policy.Listener)) *ingressProxy {
+	t.Helper()
 	cfg := policy.DefaultConfig()
 	s := cfg.Defaults
 	fastMesh(&s)
-	if tune != nil {
-		tune(&s)
-	}
 	cfg.Listeners = []policy.Listener{{Name: "ingress", Listen: net.JoinHostPort(host, "0"),
 		Ingress: policy.Ingress{Local: local, CheckInterval: policy.Duration(50 * time.Millisecond)}, Settings: s}}
+	if tune != nil {
+		tune(&cfg.Listeners[0])
+	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	in := &ingressProxy{m: metrics.New()}
+	in := &ingressProxy{m: metrics.New(), cfg: cfg}
 	in.p = New(cfg, Options{metrics: in.m, Logger: testLogger()})
 	if err := in.p.Start(); err != nil {
 		t.Fatal(err)

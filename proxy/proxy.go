@@ -93,7 +93,9 @@ type Proxy struct {
 	// the mesh, by host:mesh port. It is taken alone.
 	meshMu     sync.Mutex
 	peers      map[string]*meshPeer
-	meshClosed atomic.Bool // Shutdown closed the mesh: no session opens
+	peersSwept int64                 // mono: the last sweep of idle peers
+	certs      map[string]*meshCerts // mesh.tls file sets, by their paths
+	meshClosed atomic.Bool           // Shutdown closed the mesh: no session opens
 
 	mu        sync.Mutex
 	listeners []*listener

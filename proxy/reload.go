@@ -23,7 +23,9 @@ func sameTarget(a, b policy.Listener) bool {
 	}
 	switch {
 	case b.IsIngress():
-		return reflect.DeepEqual(a.Ingress, b.Ingress)
+		// Its tuning and ports are retuned in place: the listener, its
+		// sessions and its ports' epochs stay.
+		return a.Ingress.Local == b.Ingress.Local
 	case b.IsPool():
 		return true
 	case b.IsTransparent():
@@ -83,10 +85,13 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		if ok && sameTarget(l.cfg, lc) {
 			delete(old, lc.Name)
 			if prev := l.spec().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
-				!reflect.DeepEqual(prev.Transparent, lc.Transparent) || prev.MaxLinks != lc.MaxLinks {
+				!reflect.DeepEqual(prev.Transparent, lc.Transparent) || prev.MaxLinks != lc.MaxLinks || !reflect.DeepEqual(prev.Ingress, lc.Ingress) {
 				ch.ListenersRetuned = append(ch.ListenersRetuned, lc.Name)
 			}
 			l.current.Store(newLinkSpec(lc))
+			if l.ingress != nil {
+				l.ingress.retuneLocked(lc)
+			}
 			if l.pool != nil {
 				l.pool.setSpecs(lc) // members follow below
 				pools = append(pools, l)

@@ -103,7 +103,7 @@ var valueSets = []valueSet{
 	// the mesh port open like the pod's other ports).
 	{name: "mesh", files: []string{"testdata/values-mesh.yaml"}, want: want{
 		deployments: 1, networkPolicies: 1, dashboards: 1, meshPeer: &pinotBroker}},
-	{name: "mesh-ingress-only", set: []string{"example.enabled=true", "mesh.ingress.enabled=true", "config.listeners=null"},
+	{name: "mesh-ingress-only", set: []string{"example.enabled=true", "mesh.ingress.enabled=true", "mesh.ingress.openToAll=true", "config.listeners=null"},
 		want: want{deployments: 1, networkPolicies: 1, dashboards: 1}},
 	// The server side guide of helm/README.md ("Mesh ingress").
 	{name: "pinot-server", files: []string{"testdata/values-pinot-server.yaml"}, want: want{
@@ -754,7 +754,7 @@ func TestSchemaRejects(t *testing.T) {
 		"mesh.ingress.check_interval=2s",                                  // the values are camelCase
 		"mesh.ingress.from[0].podSelector.app=x",                          // a label selector, not labels
 		"mesh.ingress.from[0].pods.matchLabels.app=x",                     // not a NetworkPolicyPeer field
-		"mesh.egress.port=15008",                                          // the egress side is config's mesh.port
+		"mesh.egress.port=17400",                                          // the egress side is config's mesh.port
 	} {
 		if out, err := helm(t, "template", "rel", chartDir, "--set", set); err == nil {
 			t.Errorf("--set %s: rendered, want a schema error\n%s", set, out)
@@ -776,9 +776,9 @@ func TestSchemaRejects(t *testing.T) {
 		{"transparent.forget_excluded_after=10", "transparent.forget_excluded_after=10m,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
 		{"mesh.ping_timeout=fast", "mesh.ping_timeout=5s,config.listeners[0].upstream=db:1"},
 		{"mesh.sessions=0", "mesh.sessions=1,config.listeners[0].upstream=db:1"},
-		{"mesh.port=-1", "mesh.port=15008,config.listeners[0].upstream=db:1"},
+		{"mesh.port=-1", "mesh.port=17400,config.listeners[0].upstream=db:1"},
 		{"transparent.match[0].mesh.port=70000,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8",
-			"transparent.match[0].mesh.port=15008,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
+			"transparent.match[0].mesh.port=17400,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
 		{"transparent.match[0].mesh.sessions=2,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8",
 			"transparent.match[0].ports={8098},config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
 		{"ingress.lokal=127.0.0.1:8098", "ingress.local=127.0.0.1:8098"},
@@ -803,8 +803,9 @@ func TestSchemaRejects(t *testing.T) {
 		"networkPolicy.servingPorts={8099,http}",
 		"serviceMonitor.enabled=true,serviceMonitor.interval=1m30s",
 		"podMonitor.enabled=true,podMonitor.podSelector.matchExpressions[0].key=app,podMonitor.podSelector.matchExpressions[0].operator=Exists",
-		"config.defaults.mesh.port=15008,config.defaults.mesh.stream_window=1MiB,config.defaults.mesh.fallback=refuse",
-		"mesh.ingress.enabled=true,mesh.ingress.ports={8097},mesh.ingress.checkInterval=500ms",
+		"config.defaults.mesh.port=17400,config.defaults.mesh.stream_window=1MiB,config.defaults.mesh.fallback=refuse",
+		"mesh.ingress.enabled=true,mesh.ingress.ports={8097},mesh.ingress.checkInterval=500ms,mesh.ingress.openToAll=true",
+		"mesh.ingress.enabled=true,mesh.ingress.allow={10.0.0.0/8},mesh.ingress.from[0].podSelector.matchLabels.app=b",
 		"mesh.ingress.enabled=true,mesh.ingress.from[0].namespaceSelector.matchLabels.team=pinot,mesh.ingress.from[1].ipBlock.cidr=10.0.0.0/8",
 	} {
 		if _, err := helm(t, "template", "rel", chartDir, "--set", set); err != nil {
@@ -858,12 +859,14 @@ func TestTemplateFails(t *testing.T) {
 			want: "mesh.ingress.port 9911 is the control server's port"},
 		{name: "mesh port is the local server's", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=8098"},
 			want: "mesh.ingress.port 8098 is the port of mesh.ingress.local"},
-		{name: "mesh port among the local ports", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.ports={8097,15008}"},
-			want: "mesh.ingress.ports lists 15008, the mesh port itself"},
+		{name: "mesh port among the local ports", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.ports={8097,17400}"},
+			want: "mesh.ingress.ports lists 17400, the mesh port itself"},
 		{name: "mesh port is a listener's", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.port=18098"},
 			want: "mesh.ingress.port 18098 is the port of listener pinot-server-0 (127.0.0.1:18098)"},
 		{name: "a listener named mesh-ingress", set: []string{"mesh.ingress.enabled=true", "config.listeners[0].name=mesh-ingress", "config.listeners[0].listen=127.0.0.1:1", "config.listeners[0].upstream=db:1"},
 			want: "config.listeners has a listener named mesh-ingress"},
+		{name: "mesh port open to all by default", set: []string{"mesh.ingress.enabled=true"},
+			want: "mesh.ingress.from is empty: set the peers that may reach the mesh port"},
 		{name: "mesh port as a serving port with mesh.ingress.from", set: []string{"mesh.ingress.enabled=true", "mesh.ingress.from[0].podSelector.matchLabels.app=b", "networkPolicy.servingPorts={mesh}"},
 			want: "networkPolicy.servingPorts lists mesh, the mesh ingress port"},
 	} {
@@ -946,7 +949,7 @@ spec:
 		nil,
 		{"-f", nested},
 		{"--set", "livenessproxy.adminToken.secretName=lp-admin", "--set", "livenessproxy.podAnnotations.configChecksum=true"},
-		{"--set", "livenessproxy.mesh.ingress.enabled=true"},
+		{"--set", "livenessproxy.mesh.ingress.enabled=true", "--set", "livenessproxy.mesh.ingress.openToAll=true"},
 	} {
 		redirect := slices.Contains(extra, nested)
 		if out, err := helm(t, append([]string{"lint", "--strict", parent}, extra...)...); err != nil {

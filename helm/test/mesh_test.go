@@ -84,7 +84,7 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 			t.Fatalf("listeners %s, want pinot-servers,out and mesh-ingress appended:\n%s", got, config)
 		}
 		for what, got := range map[string]map[string]any{
-			fmt.Sprint(map[string]any{"port": 15008, "fallback": "refuse", "sessions": 3, "ping_interval": "500ms",
+			fmt.Sprint(map[string]any{"port": 17400, "fallback": "refuse", "sessions": 3, "ping_interval": "500ms",
 				"ping_timeout": "2s", "write_timeout": "1s", "stream_window": "512KiB"}): c.Defaults.Mesh,
 			fmt.Sprint(map[string]any{"port": 15009, "fallback": "direct", "ping_timeout": "4s"}):               c.Listeners[0].Mesh,
 			fmt.Sprint(map[string]any{"port": 15010}):                                                           c.Listeners[1].Transparent.Match[0].Mesh,
@@ -102,7 +102,7 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 		// The rule for the mesh port: from the brokers only.
 		var rules int
 		for _, rule := range r.networkPolicies[0].Spec.Ingress {
-			if len(rule.Ports) == 1 && rule.Ports[0].Port != nil && rule.Ports[0].Port.IntVal == 15008 {
+			if len(rule.Ports) == 1 && rule.Ports[0].Port != nil && rule.Ports[0].Port.IntVal == 17400 {
 				rules++
 				if len(rule.From) != 1 || rule.From[0].PodSelector == nil || fmt.Sprint(rule.From[0].PodSelector.MatchLabels) != "map[app:pinot-broker]" ||
 					rule.From[0].NamespaceSelector != nil {
@@ -111,7 +111,7 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 			}
 		}
 		if rules != 1 {
-			t.Errorf("want one NetworkPolicy rule for the mesh port 15008, got %d", rules)
+			t.Errorf("want one NetworkPolicy rule for the mesh port 17400, got %d", rules)
 		}
 	case "mesh-ingress-only", "pinot-server":
 		if got := strings.Join(names, ","); got != "mesh-ingress" {
@@ -121,8 +121,8 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 			t.Errorf("mesh-ingress ingress %v, mesh %v: want the values' local server only, no mesh key:\n%s", in.Ingress, in.Mesh, config)
 		}
 	}
-	if in.Name != "mesh-ingress" || in.Listen != "0.0.0.0:15008" {
-		t.Errorf("last listener %s on %s, want mesh-ingress on 0.0.0.0:15008", in.Name, in.Listen)
+	if in.Name != "mesh-ingress" || in.Listen != "0.0.0.0:17400" {
+		t.Errorf("last listener %s on %s, want mesh-ingress on 0.0.0.0:17400", in.Name, in.Listen)
 	}
 	for _, pt := range r.pods() {
 		var port int32
@@ -133,8 +133,8 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 				}
 			}
 		}
-		if port != 15008 {
-			t.Errorf("the sidecar's container port mesh is %d, want 15008", port)
+		if port != 17400 {
+			t.Errorf("the sidecar's container port mesh is %d, want 17400", port)
 		}
 	}
 }
@@ -176,11 +176,54 @@ func TestMeshOffByDefault(t *testing.T) {
 		for _, np := range r.networkPolicies {
 			for _, rule := range np.Spec.Ingress {
 				for _, p := range rule.Ports {
-					if p.Port != nil && p.Port.IntVal == 15008 && p.EndPort == nil {
+					if p.Port != nil && p.Port.IntVal == 17400 && p.EndPort == nil {
 						t.Errorf("--set %v: the NetworkPolicy lists the mesh port: %+v", set, rule)
 					}
 				}
 			}
 		}
+	}
+}
+
+// TestMeshTLSSecret: mesh.tls.secretName mounts the whole Secret (a
+// rotation swaps its files in place) into the sidecar and points
+// config.defaults.mesh.tls at its files, with mesh.tls.peers; the proxy
+// takes the config. Setting config.defaults.mesh.tls as well is refused.
+func TestMeshTLSSecret(t *testing.T) {
+	r := render(t, nil, "example.enabled=true", "mesh.tls.secretName=lp-mesh",
+		"mesh.tls.peers={spiffe://cluster.local/ns/pinot/sa/pinot-server}",
+		"mesh.ingress.enabled=true", "mesh.ingress.from[0].podSelector.matchLabels.app=b")
+	config := r.config(t)
+	checkConfig(t, config)
+	dir := "/var/run/secrets/livenessproxy-mesh-tls"
+	for _, want := range []string{"cert_file: " + dir + "/tls.crt", "key_file: " + dir + "/tls.key", "ca_file: " + dir + "/ca.crt",
+		"- spiffe://cluster.local/ns/pinot/sa/pinot-server"} {
+		if !strings.Contains(config, want) {
+			t.Errorf("the config lacks %q:\n%s", want, config)
+		}
+	}
+	pods := r.pods()
+	if len(pods) == 0 {
+		t.Fatal("no pod rendered")
+	}
+	mounted, volume := false, false
+	for _, c := range append(pods[0].Spec.Containers, pods[0].Spec.InitContainers...) {
+		for _, m := range c.VolumeMounts {
+			if m.Name == "livenessproxy-mesh-tls" && m.MountPath == dir && m.SubPath == "" && m.ReadOnly {
+				mounted = true
+			}
+		}
+	}
+	for _, v := range pods[0].Spec.Volumes {
+		if v.Name == "livenessproxy-mesh-tls" && v.Secret != nil && v.Secret.SecretName == "lp-mesh" && len(v.Secret.Items) == 0 {
+			volume = true
+		}
+	}
+	if !mounted || !volume {
+		t.Errorf("the Secret is mounted: %v, a volume of it: %v; want both, the whole Secret, read-only", mounted, volume)
+	}
+	if _, err := helm(t, "template", "rel", chartDir, "--set", "mesh.tls.secretName=lp-mesh", "--set", "config.defaults.mesh.tls.cert_file=/x"); err == nil ||
+		!strings.Contains(err.Error(), "config.defaults.mesh.tls is set, and mesh.tls.secretName sets it too") {
+		t.Errorf("both mesh.tls.secretName and config.defaults.mesh.tls: %v, want refused", err)
 	}
 }

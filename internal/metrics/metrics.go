@@ -34,7 +34,7 @@ const (
 	ReasonRefused          = "refused"            // accepted while the endpoint was excluded or disabled: reset at once
 	ReasonNoMatch          = "no_match"           // transparent: the original destination is not in the match list
 	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
-	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations
+	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations; mesh ingress: a stream past ingress.max_streams
 	ReasonMeshDead         = "mesh_dead"          // the mesh session the link ran on missed its heartbeats for ping_timeout
 	ReasonBudget           = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
 )
@@ -99,6 +99,7 @@ type Metrics struct {
 	meshSessions        *prometheus.GaugeVec
 	meshSessionDeaths   *prometheus.CounterVec
 	meshFallbacks       *prometheus.CounterVec
+	meshLimits          *prometheus.CounterVec
 	acceptWaits         *prometheus.CounterVec
 	acceptWaiting       *prometheus.GaugeVec
 	// BudgetWaits counts reads held back by the memory budget (process-wide).
@@ -125,6 +126,13 @@ func (m *Metrics) MeshSessionDeaths(role string) prometheus.Counter {
 // directly because its host has no ingress sidecar (mesh.fallback: direct).
 func (m *Metrics) MeshFallbacks(listener string) prometheus.Counter {
 	return m.meshFallbacks.WithLabelValues(listener)
+}
+
+// MeshLimits counts what a mesh limit refused or cut, in role: limit is
+// pings, streams_per_session, streams, sessions_per_peer,
+// peer_not_allowed, handshakes or tls.
+func (m *Metrics) MeshLimits(role, limit string) prometheus.Counter {
+	return m.meshLimits.WithLabelValues(role, limit)
 }
 
 // Process owns the process's own collectors: build_info and the
@@ -230,6 +238,10 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "mesh_fallbacks_total",
 			Help: "Links that reached their endpoint directly because its host has no ingress sidecar (mesh.fallback: direct).",
 		}, []string{"listener"}),
+		meshLimits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "mesh_limits_total",
+			Help: "What a mesh limit refused or cut: sessions (pings: a ping flood cut, sessions_per_peer, peer_not_allowed, handshakes, tls: a failed TLS handshake) and streams (streams_per_session, streams) (process-wide).",
+		}, []string{"role", "limit"}),
 		acceptWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "accept_waits_total",
 			Help: "Times the listener stopped accepting at max_links (new connections waited in the kernel's accept queue).",
@@ -251,7 +263,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
-		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks,
+		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
 		m.acceptWaits, m.acceptWaiting, m.BudgetWaits,
 	)
 	return m

@@ -51,7 +51,7 @@ func main() {
 	flag.StringVar(&o.pin, "pin", "none", "CPU affinity: "+pinPresetNames())
 	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
 	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
-	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, haproxy, mesh (two livenessproxy sidecars; direct is always measured: ratios need it)")
+	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS; direct is always measured: ratios need it)")
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
@@ -89,7 +89,7 @@ func (o options) validate() error {
 		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
 	for p := range strings.SplitSeq(o.paths, ",") {
-		if p != pathDirect && p != pathLP && p != pathHA && p != pathMesh {
+		if p != pathDirect && p != pathLP && p != pathHA && p != pathMesh && p != pathMeshTLS {
 			return fmt.Errorf("-paths: unknown path %q", p)
 		}
 	}
@@ -158,7 +158,11 @@ func run(ctx context.Context, o options) error {
 	}
 	if o.wants(pathMesh) {
 		logf("setting up the mesh (two livenessproxy sidecars) ...")
-		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
+		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, pin.setFor("proxy"), false))
+	}
+	if o.wants(pathMeshTLS) {
+		logf("setting up the mesh over mutual TLS ...")
+		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, pin.setFor("proxy"), true))
 	}
 	if o.wants(pathHA) {
 		logf("setting up haproxy ...")

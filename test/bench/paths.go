@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // path is one way from the client to the server.
@@ -33,7 +35,9 @@ const (
 	pathLP     = "livenessproxy"
 	pathHA     = "haproxy"
 	pathMesh   = "mesh" // livenessproxy egress and ingress sidecars
-	readyWait  = 15 * time.Second
+	// pathMeshTLS is the mesh with its sessions over mutual TLS.
+	pathMeshTLS = "mesh-tls"
+	readyWait   = 15 * time.Second
 )
 
 // setupLivenessproxy builds (unless -proxy-bin is given) and starts
@@ -52,8 +56,32 @@ func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, 
 // egress one that the client dials, reaching serverAddr through the
 // ingress one beside the server (mesh.port on the server's address). Both
 // count as the proxy: their CPU is added.
-func setupMesh(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) path {
+//
+// With withTLS both run the sessions over mutual TLS, with certificates
+// made for the run.
+func setupMesh(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet, withTLS bool) path {
 	p := path{Name: pathMesh}
+	inTLS, egTLS := "", ""
+	if withTLS {
+		p.Name = pathMeshTLS
+		ca, err := testutil.MakeCA()
+		if err != nil {
+			p.Skipped = err.Error()
+			return p
+		}
+		const inID, egID = "spiffe://bench/ingress", "spiffe://bench/egress"
+		in, err := ca.IssueFiles(filepath.Join(tmp, "tls-ingress"), inID)
+		if err != nil {
+			p.Skipped = err.Error()
+			return p
+		}
+		eg, err := ca.IssueFiles(filepath.Join(tmp, "tls-egress"), egID)
+		if err != nil {
+			p.Skipped = err.Error()
+			return p
+		}
+		inTLS, egTLS = ", tls: "+in.MeshTLSYAML(egID), ", tls: "+eg.MeshTLSYAML(inID)
+	}
 	bin, err := lpBinary(ctx, o, tmp)
 	if err != nil {
 		p.Skipped = err.Error()
@@ -67,14 +95,15 @@ func setupMesh(ctx context.Context, o options, tmp, serverAddr string, cpus *uni
 	_, meshPort, _ := strings.Cut(meshAddr, ":")
 	// The ingress sidecar listens on the mesh port; a TCP probe of it
 	// answers like any listener's.
-	in := startLPAt(ctx, path{Name: pathMesh + "-ingress"}, bin, tmp, meshAddr,
-		fmt.Sprintf("ingress: {local: %s}\n", serverAddr)+lpFraming(o), cpus, false)
+	in := startLPAt(ctx, path{Name: p.Name + "-ingress"}, bin, tmp, meshAddr,
+		fmt.Sprintf("ingress: {local: %s}\n", serverAddr)+lpFraming(o)+
+			fmt.Sprintf("    mesh: {port: 0%s}\n", inTLS), cpus, false)
 	if in.Skipped != "" {
 		p.Skipped = "ingress: " + in.Skipped
 		return p
 	}
 	eg := startLP(ctx, p, bin, tmp, "upstream: "+serverAddr+"\n"+
-		fmt.Sprintf("    mesh: {port: %s}\n", meshPort)+lpFraming(o), cpus)
+		fmt.Sprintf("    mesh: {port: %s%s}\n", meshPort, egTLS)+lpFraming(o), cpus)
 	if eg.Skipped != "" {
 		in.proc.stop()
 		return eg

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -54,14 +55,33 @@ func runIngressProcess(conf string) int {
 }
 
 // ingressConfig is an ingress sidecar on listen serving the server at
-// local, with the mesh defaults (ping every 1s, dead after 3s).
-func ingressConfig(listen, local string) string {
+// local, with the mesh defaults (ping every 1s, dead after 3s), over
+// mutual TLS when tls is set.
+func ingressConfig(listen, local string, tls *meshTLS) string {
+	mesh := ""
+	if tls != nil {
+		mesh = "    mesh: {tls: " + tls.ingress.MeshTLSYAML(egressID) + "}\n"
+	}
 	return fmt.Sprintf(`admin: {listen: "", control_listen: ""}
 listeners:
   - name: ingress
     listen: %q
     ingress: {local: %q, check_interval: 200ms}
-`, listen, local)
+`, listen, local) + mesh
+}
+
+// meshTLS is the certificates of both sides, from one CA.
+type meshTLS struct{ ingress, egress testutil.TLSFiles }
+
+const (
+	egressID  = "spiffe://cluster.local/ns/pinot/sa/pinot-broker"
+	ingressID = "spiffe://cluster.local/ns/pinot/sa/pinot-server"
+)
+
+func newMeshTLS(t *testing.T) *meshTLS {
+	ca := testutil.NewCA(t)
+	dir := t.TempDir()
+	return &meshTLS{ingress: ca.Issue(t, filepath.Join(dir, "ingress"), ingressID), egress: ca.Issue(t, filepath.Join(dir, "egress"), egressID)}
 }
 
 // startIngressProcess starts the ingress sidecar as a child process, in ns
@@ -88,11 +108,15 @@ func startIngressProcess(t *testing.T, ns *netns.NS, conf string) (*serverProces
 
 // meshEgress starts the egress side in this process: a listener in front
 // of upstream, reached through the mesh port.
-func meshEgress(t *testing.T, upstream string, meshPort int) (*proxy.Proxy, chan proxy.LinkStats) {
+func meshEgress(t *testing.T, upstream string, meshPort int, tls *meshTLS) (*proxy.Proxy, chan proxy.LinkStats) {
 	t.Helper()
 	cfg := policy.DefaultConfig()
 	s := cfg.Defaults
 	s.Mesh.Port = meshPort
+	if tls != nil {
+		f := tls.egress
+		s.Mesh.TLS = policy.MeshTLS{CertFile: f.CertFile, KeyFile: f.KeyFile, CAFile: f.CAFile, Peers: policy.NewIdentities(ingressID)}
+	}
 	s.Detector.InitialDelay = policy.Duration(200 * time.Millisecond)
 	s.Detector.MaxDelay = policy.Duration(time.Second)
 	cfg.Listeners = []policy.Listener{{Name: "egress", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
@@ -181,9 +205,19 @@ var pingTimeout = policy.DefaultMesh().PingTimeout.D()
 // TCP_USER_TIMEOUT to judge; the mesh heartbeat closes both links, the
 // idle one and the one carrying traffic, within ping_timeout + 1 s, with
 // no query needed.
-func TestMeshBlackholeClosesLinks(t *testing.T) {
+func TestMeshBlackholeClosesLinks(t *testing.T) { meshBlackhole(t, false) }
+
+// TestMeshBlackholeClosesLinksTLS is the blackhole over mutual TLS, with
+// the same bound.
+func TestMeshBlackholeClosesLinksTLS(t *testing.T) { meshBlackhole(t, true) }
+
+func meshBlackhole(t *testing.T, withTLS bool) {
 	if !netns.Reexec(t) {
 		return
+	}
+	var tls *meshTLS
+	if withTLS {
+		tls = newMeshTLS(t)
 	}
 	testutil.RequireCommand(t, "ip")
 	testutil.RequireCommand(t, "nft")
@@ -192,11 +226,13 @@ func TestMeshBlackholeClosesLinks(t *testing.T) {
 	peerIP := veth.PeerIP().String()
 	srv := echoIn(t, peer, net.JoinHostPort(peerIP, "9000"))
 	waitReachable(t, srv)
-	_, port := startIngressProcess(t, peer, ingressConfig(net.JoinHostPort(peerIP, "15008"), srv))
-	if port != 15008 {
+	_, port := startIngressProcess(t, peer, ingressConfig(net.JoinHostPort(peerIP, "17400"), srv, tls))
+	if port != 17400 {
 		t.Fatalf("ingress on port %d", port)
 	}
-	p, ended := meshEgress(t, srv, port)
+	// Over TLS the ingress takes no session without a valid certificate:
+	// a link that did not run on one would fall back and not end mesh_dead.
+	p, ended := meshEgress(t, srv, port, tls)
 
 	idle := meshDial(t, p, "idle from now on")
 	busy := meshDial(t, p, "busy")
@@ -212,8 +248,8 @@ func TestMeshBlackholeClosesLinks(t *testing.T) {
 	}
 
 	if err := peer.NFT(`table inet lpfault {
-	chain in { type filter hook input priority 0; policy accept; tcp dport 15008 drop; }
-	chain out { type filter hook output priority 0; policy accept; tcp sport 15008 drop; }
+	chain in { type filter hook input priority 0; policy accept; tcp dport 17400 drop; }
+	chain out { type filter hook output priority 0; policy accept; tcp sport 17400 drop; }
 }
 `); err != nil {
 		t.Fatalf("installing the drop in the peer namespace: %v", err)
@@ -270,14 +306,20 @@ func waitClientClosed(c net.Conn, within time.Duration) (error, bool) {
 // no ping. The egress closes the idle link within ping_timeout + 1 s and
 // refuses new links until the sidecar answers again (SIGCONT); then the
 // probe through the mesh readmits the endpoint and a new link works.
-func TestMeshStoppedIngressClosesLinks(t *testing.T) {
+func TestMeshStoppedIngressClosesLinks(t *testing.T) { meshStoppedIngress(t, nil) }
+
+// TestMeshStoppedIngressClosesLinksTLS is the SIGSTOP test over mutual
+// TLS, with the same bound.
+func TestMeshStoppedIngressClosesLinksTLS(t *testing.T) { meshStoppedIngress(t, newMeshTLS(t)) }
+
+func meshStoppedIngress(t *testing.T, tls *meshTLS) {
 	srvLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	srv, _ := serveEcho(t, srvLn)
-	ing, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv))
-	p, ended := meshEgress(t, srv, port)
+	ing, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv, tls))
+	p, ended := meshEgress(t, srv, port, tls)
 	idle := meshDial(t, p, "hello")
 	time.Sleep(2 * pingTimeout) // the healthy twin: idle, answered pings
 	meshEcho(t, idle, "idle but alive")
@@ -355,8 +397,8 @@ func TestMeshServerRestartBehindIngress(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv, stop := serveEcho(t, ln)
-	_, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv))
-	p, ended := meshEgress(t, srv, port)
+	_, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv, nil))
+	p, ended := meshEgress(t, srv, port, nil)
 	old := meshDial(t, p, "before the restart")
 
 	stop()

@@ -49,12 +49,28 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 */}}
 {{- define "livenessproxy.config" -}}
 {{- $config := .Values.config | default dict -}}
+{{- $tls := (.Values.mesh | default dict).tls | default dict -}}
+{{- if $tls.secretName -}}
+{{- $config = deepCopy $config -}}
+{{- $defaults := $config.defaults | default dict -}}
+{{- $mesh := $defaults.mesh | default dict -}}
+{{- if $mesh.tls -}}
+{{- fail "config.defaults.mesh.tls is set, and mesh.tls.secretName sets it too: keep one" -}}
+{{- end -}}
+{{- $dir := include "livenessproxy.meshTLSDir" . -}}
+{{- $t := dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) "ca_file" (printf "%s/ca.crt" $dir) -}}
+{{- with $tls.peers }}{{ $_ := set $t "peers" . }}{{ end -}}
+{{- $_ := set $mesh "tls" $t -}}
+{{- $_ := set $defaults "mesh" $mesh -}}
+{{- $_ := set $config "defaults" $defaults -}}
+{{- end -}}
 {{- $in := include "livenessproxy.meshIngress" . | fromYaml -}}
 {{- if $in.enabled -}}
 {{- $config = deepCopy $config -}}
 {{- $ingress := dict "local" $in.local -}}
 {{- with $in.ports }}{{ $_ := set $ingress "ports" . }}{{ end -}}
 {{- with $in.checkInterval }}{{ $_ := set $ingress "check_interval" . }}{{ end -}}
+{{- with $in.allow }}{{ $_ := set $ingress "allow" . }}{{ end -}}
 {{- $listener := dict "name" "mesh-ingress" "listen" (printf "0.0.0.0:%d" (int $in.port)) "ingress" $ingress -}}
 {{- /* An ingress listener must not reach through the mesh: undo an inherited defaults.mesh.port. */ -}}
 {{- $defaultsMesh := ($config.defaults | default dict).mesh | default dict -}}
@@ -119,6 +135,9 @@ NetworkPolicy keeps it closed except to networkPolicy.controlFrom.
 {{- regexFind "[0-9]+$" $listen -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Where mesh.tls.secretName is mounted (the whole Secret: a rotation swaps its files in place). */}}
+{{- define "livenessproxy.meshTLSDir" -}}/var/run/secrets/livenessproxy-mesh-tls{{- end -}}
 
 {{/* Where adminToken mounts the Secret's key: set config.admin.token_file to this path. */}}
 {{- define "livenessproxy.adminTokenDir" -}}/var/run/secrets/livenessproxy{{- end -}}
@@ -282,6 +301,12 @@ container mounts it).
       - key: {{ $.Values.adminToken.key | default "token" }}
         path: {{ $.Values.adminToken.key | default "token" }}
 {{- end }}
+{{- with ((.Values.mesh | default dict).tls | default dict).secretName }}
+- name: livenessproxy-mesh-tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 292  # 0444: the non-root proxy reads it; no other container mounts it
+{{- end }}
 {{- end -}}
 
 {{/* The sidecar container (a list item for containers, or initContainers when sidecar.native). */}}
@@ -362,6 +387,11 @@ container mounts it).
     {{- if .Values.adminToken.secretName }}
     - name: livenessproxy-admin-token
       mountPath: {{ include "livenessproxy.adminTokenDir" . }}
+      readOnly: true
+    {{- end }}
+    {{- if ((.Values.mesh | default dict).tls | default dict).secretName }}
+    - name: livenessproxy-mesh-tls
+      mountPath: {{ include "livenessproxy.meshTLSDir" . }}
       readOnly: true
     {{- end }}
 {{- end -}}

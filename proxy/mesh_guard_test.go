@@ -1,0 +1,591 @@
+package proxy
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"runtime"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/yamux"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/relay"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// rawHandshake dials an ingress's mesh port as an egress would and does
+// the handshake; it returns the connection and the answer's code and
+// streams per session.
+func rawHandshake(t *testing.T, addr string) (*net.TCPConn, byte, int) {
+	t.Helper()
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(meshPreface()); err != nil {
+		t.Fatal(err)
+	}
+	var b [meshReplyLen]byte
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		t.Fatalf("handshake answer: %v", err)
+	}
+	if !bytes.Equal(b[:meshPrefaceLen], meshPreface()) {
+		t.Fatalf("handshake answer %q, want the preface", b[:])
+	}
+	_ = c.SetDeadline(time.Time{})
+	return c.(*net.TCPConn), b[meshPrefaceLen], int(binary.BigEndian.Uint32(b[meshPrefaceLen+1:]))
+}
+
+func (in *ingressProxy) addr() string { return in.p.Addr("ingress").String() }
+
+func (in *ingressProxy) limitHits(limit string) float64 {
+	return testutil.ToFloat64(in.m.MeshLimits(metrics.MeshIngress, limit))
+}
+
+func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for end := time.Now().Add(within); !cond(); {
+		if time.Now().After(end) {
+			t.Fatalf("not within %v: %s", within, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A peer that sends pings without end and never reads its answers is cut
+// off: yamux would start a goroutine for each ping (the review saw 12 to
+// 91,139 goroutines in 3 s); the guard lets at most maxPendingPings wait.
+func TestMeshPingFloodCut(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	runtime.GC()
+	base := runtime.NumGoroutine()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	baseMem := ms.StackInuse + ms.HeapInuse
+
+	c, _, _ := rawHandshake(t, in.addr())
+	var ping [yamuxHeaderLen]byte
+	ping[1] = yamuxTypePing
+	binary.BigEndian.PutUint16(ping[2:], yamuxFlagSYN)
+	batch := bytes.Repeat(ping[:], 1000)
+	peakG, peakMem, sent := 0, uint64(0), 0
+	end := time.Now().Add(3 * time.Second)
+	cut := false
+	for i := 0; i < 2000 && time.Now().Before(end); i++ { // at most 2 million pings, 3 s
+		_ = c.SetWriteDeadline(time.Now().Add(time.Second))
+		if _, err := c.Write(batch); err != nil {
+			cut = true
+			break
+		}
+		sent += len(batch) / yamuxHeaderLen
+		if i%20 == 0 {
+			peakG = max(peakG, runtime.NumGoroutine())
+			runtime.ReadMemStats(&ms)
+			peakMem = max(peakMem, ms.StackInuse+ms.HeapInuse)
+		}
+	}
+	t.Logf("ping flood: %d pings sent, cut=%v; goroutines %d at the start, at most %d during; stack+heap %d KiB at the start, at most %d KiB during",
+		sent, cut, base, peakG, baseMem>>10, peakMem>>10)
+	waitFor(t, 5*time.Second, "the flood's session cut", func() bool {
+		return in.limitHits(limitPings) == 1 && testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)) == 0
+	})
+	if peakG > base+50 {
+		t.Fatalf("goroutines rose from %d to %d under the ping flood, want at most %d more", base, peakG, 50)
+	}
+}
+
+// The heartbeat's own pings, one in flight at a time, are never taken
+// for a flood (the twin of TestMeshPingFloodCut).
+func TestMeshHeartbeatIsNoPingFlood(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	c := eg.dial()
+	roundTrip(t, c, []byte("hello"))
+	time.Sleep(20 * 50 * time.Millisecond) // 20 ping intervals each way
+	roundTrip(t, c, []byte("still here"))
+	if got := in.limitHits(limitPings); got != 0 {
+		t.Fatalf("%v ping-flood cuts of a heartbeat, want none", got)
+	}
+	if got := testutil.ToFloat64(eg.m.MeshLimits(metrics.MeshEgress, limitPings)); got != 0 {
+		t.Fatalf("%v ping-flood cuts on the egress, want none", got)
+	}
+}
+
+// openRaw opens a stream for port on a raw session and waits for the
+// ingress's answer: true when it acknowledged (a link to the server).
+func openRaw(sess *yamux.Session, port uint16) (*yamux.Stream, bool) {
+	st, err := sess.OpenStream()
+	if err != nil {
+		return nil, false
+	}
+	if _, err := st.Write(meshHeader(port)); err != nil {
+		return st, false
+	}
+	_ = st.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var ack [1]byte
+	_, err = io.ReadFull(st, ack[:])
+	_ = st.SetReadDeadline(time.Time{})
+	return st, err == nil && ack[0] == meshAck
+}
+
+func rawSession(t *testing.T, in *ingressProxy) (*yamux.Session, int) {
+	t.Helper()
+	c, code, streams := rawHandshake(t, in.addr())
+	if code != meshOK {
+		t.Fatalf("handshake code %d, want ok", code)
+	}
+	cfg := yamux.DefaultConfig()
+	cfg.EnableKeepAlive = false
+	cfg.LogOutput = io.Discard
+	sess, err := yamux.Client(c, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sess.Close() })
+	return sess, streams
+}
+
+func portOf(t *testing.T, addr string) uint16 {
+	_, p, _ := net.SplitHostPort(addr)
+	n, err := strconv.Atoi(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return uint16(n)
+}
+
+// A session that opens streams without end gets max_streams_per_session
+// of them (the handshake says how many), the others reset before they
+// reach the server; and the ingress as a whole carries max_streams.
+func TestMeshStreamLimits(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) {
+		l.Ingress.MaxStreamsPerSession = 20
+		l.Ingress.MaxStreams = 30
+	})
+	port := portOf(t, srv.Addr())
+	waitFor(t, 5*time.Second, "the local port ready", func() bool { return in.p.listeners[0].ingress.snapshot().ports[port].ready })
+
+	sess, granted := rawSession(t, in)
+	if granted != 20 {
+		t.Fatalf("the handshake grants %d streams per session, want 20", granted)
+	}
+	acked := 0
+	for range 100 {
+		if _, ok := openRaw(sess, port); ok {
+			acked++
+		}
+	}
+	if acked > 20 || acked < 19 { // 19: the one-stream-stricter moment before the status stream counts
+		t.Fatalf("%d of 100 streams on one session reached the server, want 20 (max_streams_per_session)", acked)
+	}
+	if in.limitHits(limitStreamsPerSession) < 1 {
+		t.Fatalf("no streams_per_session limit counted")
+	}
+	if sess.IsClosed() {
+		t.Fatalf("the session was closed: a refused stream is reset, its session lives")
+	}
+	// A second session: the ingress stops at 30 in all.
+	sess2, _ := rawSession(t, in)
+	acked2 := 0
+	for range 20 {
+		if _, ok := openRaw(sess2, port); ok {
+			acked2++
+		}
+	}
+	if acked+acked2 != 30 {
+		t.Fatalf("%d+%d streams reached the server, want 30 (max_streams)", acked, acked2)
+	}
+	if in.limitHits(limitStreams) < 1 {
+		t.Fatalf("no streams limit counted")
+	}
+	if n := len(in.p.listeners[0].snapshotLinks()); n != 30 {
+		t.Fatalf("the ingress carries %d links, want 30", n)
+	}
+}
+
+// A peer address holds at most max_sessions_per_peer sessions; a peer
+// outside ingress.allow gets none.
+func TestMeshSessionLimitsAndAllow(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxSessionsPerPeer = 3 })
+	var codes []byte
+	for range 5 {
+		_, code, _ := rawHandshake(t, in.addr())
+		codes = append(codes, code)
+	}
+	if !bytes.Equal(codes, []byte{meshOK, meshOK, meshOK, meshRefused, meshRefused}) {
+		t.Fatalf("handshake codes %v, want three ok then refused", codes)
+	}
+	if got := in.limitHits(limitSessionsPerPeer); got != 2 {
+		t.Fatalf("%v sessions_per_peer refusals, want 2", got)
+	}
+
+	allowed := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.Allow = []string{"127.0.0.3", "10.0.0.0/8"} })
+	if _, code, _ := rawHandshake(t, allowed.addr()); code != meshRefused {
+		t.Fatalf("a peer outside ingress.allow got code %d, want refused", code)
+	}
+	if got := allowed.limitHits(limitPeerNotAllowed); got != 1 {
+		t.Fatalf("%v peer_not_allowed refusals, want 1", got)
+	}
+	ok := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.Allow = []string{"127.0.0.0/8"} })
+	if _, code, _ := rawHandshake(t, ok.addr()); code != meshOK {
+		t.Fatalf("a peer inside ingress.allow got code %d, want ok", code)
+	}
+}
+
+// readAll is a server that reads each connection to its end and reports
+// how it ended and how many bytes came.
+type readAll struct {
+	ln    net.Listener
+	ended chan error
+	n     chan int
+	wg    sync.WaitGroup
+}
+
+func startReadAll(t *testing.T, addr string) *readAll {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &readAll{ln: ln, ended: make(chan error, 100), n: make(chan int, 100)}
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			r.wg.Add(1)
+			go func() {
+				defer r.wg.Done()
+				defer c.Close()
+				n, err := io.Copy(io.Discard, c)
+				if n == 0 && err == nil {
+					return // an ingress's readiness check
+				}
+				r.n <- int(n)
+				r.ended <- err // nil: a clean end of stream
+			}()
+		}
+	}()
+	t.Cleanup(func() { _ = ln.Close(); r.wg.Wait() })
+	return r
+}
+
+// A client that sends 100 kB and then resets: the server behind the
+// ingress sees a reset, as it would through a plain link, not a clean
+// end after 100,000 bytes (a truncated upload taken for a whole one).
+func TestMeshClientResetReachesServer(t *testing.T) {
+	srv := startReadAll(t, "127.0.0.2:0")
+	in := startIngress(t, "127.0.0.2", srv.ln.Addr().String(), nil)
+	eg := startEgress(t, srv.ln.Addr().String(), in.port, nil)
+	c := eg.dial()
+	if _, err := c.Write(bytes.Repeat([]byte("x"), 100000)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // the bytes go first, as in the review
+	_ = c.SetLinger(0)
+	_ = c.Close()
+	select {
+	case err := <-srv.ended:
+		if !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatalf("the server saw %v after %d bytes, want a reset", err, <-srv.n)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server's connection did not end")
+	}
+}
+
+// A server that resets its connection: the client before the egress sees
+// a reset, not a FIN (a cut-short response taken for a whole one).
+func TestMeshServerResetReachesClient(t *testing.T) {
+	addr := serveEach(t, "127.0.0.2", func(c *net.TCPConn) {
+		var b [5]byte
+		if _, err := io.ReadFull(c, b[:]); err == nil { // not a readiness check
+			_, _ = c.Write([]byte("partial"))
+			_ = c.SetLinger(0)
+		}
+	})
+	in := startIngress(t, "127.0.0.2", addr, nil)
+	eg := startEgress(t, addr, in.port, nil)
+	c := eg.dial()
+	if _, err := c.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	err, _ := waitClosed(t, c, 10*time.Second)
+	if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("client saw %v, want a reset", err)
+	}
+}
+
+// throttle relays both ways at about rate bytes a second, in 4 KiB
+// steps: a congested path on which bytes keep moving. Its receive buffers
+// are small (no autotuning to tens of MiB), so what the path cannot carry
+// waits in the sender, as on a real bottleneck.
+func throttle(rate int) relay.Handler {
+	return func(down, up net.Conn) {
+		_ = down.(*net.TCPConn).SetReadBuffer(32 << 10)
+		_ = up.(*net.TCPConn).SetReadBuffer(32 << 10)
+		var wg sync.WaitGroup
+		move := func(dst, src net.Conn) {
+			defer wg.Done()
+			defer func() { _ = dst.Close(); _ = src.Close() }()
+			buf := make([]byte, 4096)
+			for {
+				n, err := src.Read(buf)
+				if n > 0 {
+					if _, werr := dst.Write(buf[:n]); werr != nil {
+						return
+					}
+					time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
+				}
+				if err != nil {
+					return
+				}
+			}
+		}
+		wg.Add(2)
+		go move(up, down)
+		go move(down, up)
+		wg.Wait()
+	}
+}
+
+// Uploads that share one session over a path throttled to 2 MiB/s all
+// finish: every byte keeps moving, so no link is cut for the time its
+// frames wait in the send queue (yamux's ConnectionWriteTimeout was the
+// mesh's write_timeout, 200 ms here: all 64 links of the review were cut)
+// and no frame is lost.
+func TestMeshCongestionKeepsLinks(t *testing.T) {
+	srv := startReadAll(t, "127.0.0.1:0")
+	in := startIngress(t, "127.0.0.2", srv.ln.Addr().String(), nil)
+	rl, err := relay.Start(in.addr(), time.Second, throttle(2<<20))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(rl.Close)
+	eg := startEgress(t, srv.ln.Addr().String(), portOfInt(t, rl.Addr()), func(s *policy.Settings) { s.Mesh.Sessions = 1 })
+	const uploads, size = 32, 256 << 10 // 8 MiB in all: about 4 s at 2 MiB/s, half of it more than the sender's socket holds
+	var wg sync.WaitGroup
+	errs := make(chan error, uploads)
+	for range uploads {
+		c := eg.dial()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := c.Write(bytes.Repeat([]byte("u"), size)); err != nil {
+				errs <- err
+				return
+			}
+			_ = c.CloseWrite()
+			_ = c.SetReadDeadline(time.Now().Add(60 * time.Second))
+			if _, err := io.Copy(io.Discard, c); err != nil {
+				errs <- err
+			}
+			_ = c.Close()
+		}()
+	}
+	total := 0
+	for i := range uploads {
+		select {
+		case err := <-srv.ended:
+			if err != nil {
+				t.Fatalf("upload %d ended %v at the server, want a clean end", i, err)
+			}
+			total += <-srv.n
+		case <-time.After(60 * time.Second):
+			t.Fatalf("%d of %d uploads ended at the server in 60 s", i, uploads)
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("a client saw %v", err)
+	}
+	if total != uploads*size {
+		t.Fatalf("the server got %d bytes, want %d", total, uploads*size)
+	}
+	for range uploads {
+		if s := eg.linkEnd(10 * time.Second); s.Reason != CloseClientClosed && s.Reason != CloseUpstreamClosed {
+			t.Fatalf("link ended %s (%v), want a clean end", s.Reason, s.Err)
+		}
+	}
+	if got := testutil.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
+		t.Fatalf("%v session deaths on a congested path, want none", got)
+	}
+}
+
+func portOfInt(t *testing.T, addr string) int { return int(portOf(t, addr)) }
+
+// foreignPeer accepts on host and answers whatever comes with another
+// protocol's bytes, as a port of another mesh (an HTTP/2 server's
+// settings frame here) would.
+func foreignPeer(t *testing.T, host string) int {
+	addr := serveEach(t, host, func(c *net.TCPConn) {
+		_, _ = c.Write([]byte("\x00\x00\x00\x04\x00\x00\x00\x00\x00")) // an HTTP/2 SETTINGS frame
+	})
+	return portOfInt(t, addr)
+}
+
+// serveEach listens on host and runs serve for each connection, one at
+// a time, then closes it; it returns the address.
+func serveEach(t *testing.T, host string, serve func(*net.TCPConn)) string {
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			serve(c.(*net.TCPConn))
+			_ = c.Close()
+		}
+	}()
+	t.Cleanup(func() { _ = ln.Close(); wg.Wait() })
+	return ln.Addr().String()
+}
+
+// A peer whose mesh port answers with another protocol is no ingress:
+// the link falls back at once (mesh.fallback: direct), as for a refused
+// port, and under fallback: refuse the client is refused.
+func TestMeshForeignPeerFallsBack(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	port := foreignPeer(t, "127.0.0.2")
+	eg := startEgress(t, srv.Addr(), port, nil)
+	t0 := time.Now()
+	c := eg.dial()
+	roundTrip(t, c, []byte("direct"))
+	t.Logf("a link to a foreign peer's mesh port fell back and round-tripped in %v", time.Since(t0).Round(time.Microsecond))
+	if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != 1 {
+		t.Fatalf("%v fallbacks, want 1", got)
+	}
+	if st := eg.stateOf(srv.Addr()); st != "healthy" {
+		t.Fatalf("endpoint %s, want healthy: a foreign peer is no fault of the server", st)
+	}
+	refusing := startEgress(t, srv.Addr(), port, func(s *policy.Settings) { s.Mesh.Fallback = policy.MeshFallbackRefuse })
+	expectClosedSoon(t, refusing.addr)
+	if s := refusing.linkEnd(5 * time.Second); s.Reason != CloseRefused {
+		t.Fatalf("link ended %s, want refused", s.Reason)
+	}
+}
+
+// An ingress answers a preface of another version with its own version,
+// and a connection that is no egress (no preface) is closed.
+func TestMeshHandshakeVersion(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	c, err := net.Dial("tcp", in.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	_, _ = c.Write(append([]byte(meshPrefaceMagic), 2))
+	var b [meshReplyLen]byte
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		t.Fatal(err)
+	}
+	if b[len(meshPrefaceMagic)] != meshVersion || b[meshPrefaceLen] != meshBadVersion {
+		t.Fatalf("answer %q, want version %d and code bad version", b[:], meshVersion)
+	}
+	// The egress side reads it as no ingress of its version.
+	if _, err := readMeshReplyFrom(b[:]); !errors.Is(err, errNoIngress) {
+		t.Fatalf("the egress reads %v, want no ingress (fallback)", err)
+	}
+
+	d, err := net.Dial("tcp", in.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	_, _ = d.Write([]byte("GET / HTTP/1.1\r\n\r\n"))
+	if err, _ := waitClosed(t, d, 5*time.Second); !isCloseSignal(err) {
+		t.Fatalf("a client without preface saw %v, want its connection closed", err)
+	}
+}
+
+func readMeshReplyFrom(b []byte) (int, error) {
+	a, z := net.Pipe()
+	defer a.Close()
+	go func() { _, _ = z.Write(b); _ = z.Close() }()
+	return readMeshReply(a)
+}
+
+// Connections that never send their preface hold a handshake slot for at
+// most meshHeaderTimeout; past maxHandshakes waiting at once, a new one is
+// reset at once and counted.
+func TestMeshHandshakesBounded(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	const extra = 10
+	for range maxHandshakes + extra {
+		c, err := net.Dial("tcp", in.addr())
+		if errors.Is(err, syscall.ECONNRESET) {
+			continue // one past the bound, reset before the connect returned
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+	}
+	waitFor(t, 5*time.Second, "the connections past maxHandshakes refused", func() bool {
+		return in.limitHits(limitHandshakes) == extra
+	})
+	// The slots are given back: once the silent ones timed out, a real
+	// egress gets its session.
+	ing := in.p.listeners[0].ingress
+	waitFor(t, 3*meshHeaderTimeout, "the silent connections' handshakes timed out", func() bool { return ing.handshakes.Load() == 0 })
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	roundTrip(t, eg.dial(), []byte("through the mesh"))
+	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
+		t.Fatalf("%v ingress sessions, want 1", got)
+	}
+}
+
+// The egress keeps to the streams per session the handshake granted: with
+// mesh.sessions 2 and 3 streams a session, the fourth and fifth links go
+// on a second session, the seventh finds both full and is refused by the
+// egress itself (upstream_error, the server not blamed); the ingress never
+// has to reset one.
+func TestMeshEgressKeepsToGrantedStreams(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxStreamsPerSession = 3 })
+	eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) { s.Mesh.Sessions = 2 })
+	for i := range 6 {
+		roundTrip(t, eg.dial(), []byte("link "+strconv.Itoa(i)))
+	}
+	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 2 {
+		t.Fatalf("%v ingress sessions for 6 links at 3 a session, want 2", got)
+	}
+	expectClosedSoon(t, eg.addr)
+	if s := eg.linkEnd(5 * time.Second); s.Reason != CloseUpstreamError {
+		t.Fatalf("the seventh link ended %s (%v), want upstream_error", s.Reason, s.Err)
+	}
+	if got := in.limitHits(limitStreamsPerSession); got != 0 {
+		t.Fatalf("the ingress refused %v streams, want none: the egress keeps to the grant", got)
+	}
+	if st := eg.stateOf(srv.Addr()); st != "healthy" {
+		t.Fatalf("endpoint %s, want healthy", st)
+	}
+}

@@ -1,0 +1,184 @@
+package proxy
+
+import (
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"sync"
+
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// Mesh sessions over mutual TLS (mesh.tls): TLS 1.3, each side presents
+// its certificate and checks the peer's against the CA bundle and, when
+// mesh.tls.peers is set, its identity (a URI SAN such as a SPIFFE id, or
+// a DNS SAN). Peers are dialled by address, so no host name is checked:
+// the identity list is what names the peers.
+//
+// The files are looked at again at every handshake (a stat of each): when
+// one changed (a rotated Secret or cert-manager renewal), they are read
+// again and new sessions take the new certificate and CA; open sessions
+// keep theirs (TLS 1.3 has no renegotiation), so a rotation drops nothing.
+// A set that fails to load keeps the last good one (logged).
+
+// meshCerts is one mesh.tls file set, shared by every session that uses
+// it.
+type meshCerts struct {
+	files policy.MeshTLS
+	p     *Proxy
+
+	mu    sync.Mutex
+	stamp string // the files' sizes and modification times at the last read
+	cert  *tls.Certificate
+	pool  *x509.CertPool
+	err   error
+}
+
+// meshCertsFor is the shared file set of t.
+func (p *Proxy) meshCertsFor(t policy.MeshTLS) *meshCerts {
+	key := t.CertFile + "\x00" + t.KeyFile + "\x00" + t.CAFile
+	p.meshMu.Lock()
+	defer p.meshMu.Unlock()
+	if p.certs == nil {
+		p.certs = make(map[string]*meshCerts)
+	}
+	mc := p.certs[key]
+	if mc == nil {
+		mc = &meshCerts{files: t, p: p}
+		p.certs[key] = mc
+	}
+	return mc
+}
+
+func stampOf(files ...string) (string, error) {
+	s := ""
+	for _, f := range files {
+		fi, err := os.Stat(f)
+		if err != nil {
+			return "", err
+		}
+		s += fmt.Sprintf("%d:%d;", fi.Size(), fi.ModTime().UnixNano())
+	}
+	return s, nil
+}
+
+// load returns the current certificate and CA pool, reading the files
+// again when they changed.
+func (mc *meshCerts) load() (*tls.Certificate, *x509.CertPool, error) {
+	mc.mu.Lock()
+	defer mc.mu.Unlock()
+	f := mc.files
+	stamp, err := stampOf(f.CertFile, f.KeyFile, f.CAFile)
+	if err == nil && stamp != mc.stamp {
+		err = mc.readLocked()
+		if err == nil {
+			mc.stamp = stamp
+		}
+	}
+	if err != nil {
+		err = fmt.Errorf("mesh.tls: %w", err)
+		again := mc.err != nil && mc.err.Error() == err.Error()
+		mc.err = err
+		if mc.cert != nil {
+			if !again {
+				mc.p.log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
+			}
+			return mc.cert, mc.pool, nil
+		}
+		if !again {
+			mc.p.log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
+		}
+		return nil, nil, err
+	}
+	mc.err = nil
+	return mc.cert, mc.pool, nil
+}
+
+func (mc *meshCerts) readLocked() error {
+	f := mc.files
+	cert, err := tls.LoadX509KeyPair(f.CertFile, f.KeyFile)
+	if err != nil {
+		return err
+	}
+	ca, err := os.ReadFile(f.CAFile)
+	if err != nil {
+		return err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		return fmt.Errorf("%s: no PEM certificate in it", f.CAFile)
+	}
+	mc.cert, mc.pool = &cert, pool
+	return nil
+}
+
+// errPeerIdentity: the peer's certificate chains to the CA but names none
+// of mesh.tls.peers.
+var errPeerIdentity = errors.New("mesh.tls: the peer's certificate names none of mesh.tls.peers")
+
+// verify checks the peer's certificate chain against the current CA, and
+// its identity against peers.
+func (mc *meshCerts) verify(cs tls.ConnectionState, peers []string) error {
+	if len(cs.PeerCertificates) == 0 {
+		return errors.New("mesh.tls: the peer presented no certificate")
+	}
+	_, pool, err := mc.load()
+	if err != nil {
+		return err
+	}
+	leaf := cs.PeerCertificates[0]
+	inter := x509.NewCertPool()
+	for _, c := range cs.PeerCertificates[1:] {
+		inter.AddCert(c)
+	}
+	if _, err := leaf.Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter, KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageAny}}); err != nil {
+		return fmt.Errorf("mesh.tls: %w", err)
+	}
+	if len(peers) == 0 {
+		return nil
+	}
+	for _, u := range leaf.URIs {
+		if slices.Contains(peers, u.String()) {
+			return nil
+		}
+	}
+	for _, d := range leaf.DNSNames {
+		if slices.Contains(peers, d) {
+			return nil
+		}
+	}
+	return fmt.Errorf("%w (it names URIs %v, DNS names %v)", errPeerIdentity, leaf.URIs, leaf.DNSNames)
+}
+
+// clientConfig is the egress side's TLS configuration.
+func (mc *meshCerts) clientConfig(peers []string) *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		// The chain and identity are checked in VerifyConnection, against
+		// the CA as it is now and without a host name (peers are dialled
+		// by address).
+		InsecureSkipVerify: true, //nolint:gosec // verified in VerifyConnection
+		GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+			c, _, err := mc.load()
+			return c, err
+		},
+		VerifyConnection: func(cs tls.ConnectionState) error { return mc.verify(cs, peers) },
+	}
+}
+
+// serverConfig is the ingress side's TLS configuration: a client
+// certificate is required.
+func (mc *meshCerts) serverConfig(peers []string) *tls.Config {
+	return &tls.Config{
+		MinVersion: tls.VersionTLS13,
+		ClientAuth: tls.RequireAnyClientCert, // verified in VerifyConnection, as above
+		GetCertificate: func(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+			c, _, err := mc.load()
+			return c, err
+		},
+		VerifyConnection: func(cs tls.ConnectionState) error { return mc.verify(cs, peers) },
+	}
+}
