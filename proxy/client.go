@@ -14,6 +14,9 @@ type clientSide interface {
 	// read waits for bytes and reads at most limit (1 to chunkSize) into a
 	// pooled chunk, as sockReader.read does.
 	read(limit int) (*[]byte, int, error)
+	// readEach reads as sockReader.readEach does; a transport without
+	// readiness returns each chunk it reads to the caller unhandled.
+	readEach(limitOf func() int, handle handleFunc) (*[]byte, int, error)
 	Write(p []byte) (int, error)
 	// CloseWrite passes the end of the responses on (a FIN).
 	CloseWrite() error
@@ -42,6 +45,14 @@ func (c *tcpClient) read(limit int) (*[]byte, int, error) {
 		return nil, 0, c.err
 	}
 	return c.r.read(limit)
+}
+
+func (c *tcpClient) readEach(limitOf func() int, handle handleFunc) (*[]byte, int, error) {
+	c.once.Do(func() { c.err = c.r.init(c.TCPConn) })
+	if c.err != nil {
+		return nil, 0, c.err
+	}
+	return c.r.readEach(limitOf, handle)
 }
 
 func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
@@ -107,6 +118,14 @@ func (c *streamClient) read(limit int) (*[]byte, int, error) {
 		err = errSessionClosed
 	}
 	return bp, n, err
+}
+
+func (c *streamClient) readEach(limitOf func() int, _ handleFunc) (*[]byte, int, error) {
+	limit := limitOf()
+	if limit <= 0 {
+		return nil, 0, nil
+	}
+	return c.read(limit)
 }
 
 func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }

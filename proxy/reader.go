@@ -17,22 +17,46 @@ import (
 // net.Conn.Read does: the callback tries a read, and on EAGAIN returns
 // the chunk to the pool and asks the runtime to wait for readiness.
 type sockReader struct {
-	rc syscall.RawConn
-	fn func(fd uintptr) bool // try, bound once so a read allocates nothing
+	rc     syscall.RawConn
+	fn     func(fd uintptr) bool // try, bound once so a read allocates nothing
+	eachFn func(fd uintptr) bool // tryEach, likewise
 
-	// try's argument and results.
-	limit int
-	bp    *[]byte
-	n     int
-	err   error
+	// try's and tryEach's arguments and results.
+	limit   int
+	limitOf func() int
+	handle  func(bp *[]byte, n int) handled
+	bp      *[]byte
+	n       int
+	err     error
+
+	// waits counts the reads that found nothing (up to inqAfter); inq is
+	// set once TCP_INQ is on (see tryEach).
+	waits uint8
+	inq   bool
 }
+
+// handled is what a readEach handler did with a chunk.
+type handled int8
+
+const (
+	handledMore handled = iota // consumed it: read on
+	handledStop                // consumed it; readEach returns (nil, 0, nil)
+	handledKeep                // readEach returns the chunk to its caller, which returns it with putChunk
+)
+
+// inqAfter is how many reads of a socket find nothing before TCP_INQ is
+// turned on for it: a connection that makes one request and closes (two
+// waits at most, one each way) never pays the setsockopt; one that waits
+// for a third time is a connection that lives, and saves a read per
+// request from then on.
+const inqAfter = 2
 
 func (r *sockReader) init(c *net.TCPConn) error {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return err
 	}
-	r.rc, r.fn = rc, r.try
+	r.rc, r.fn, r.eachFn = rc, r.try, r.tryEach
 	return nil
 }
 
@@ -61,9 +85,17 @@ func (r *sockReader) read(limit int) (*[]byte, int, error) {
 	if err := r.rc.Read(r.fn); err != nil {
 		return nil, 0, err
 	}
+	return r.result()
+}
+
+// result takes the outcome a callback left and turns a failed or empty
+// read into its error.
+func (r *sockReader) result() (*[]byte, int, error) {
 	bp, n, err := r.bp, r.n, r.err
-	r.bp, r.err = nil, nil
+	r.bp, r.n, r.err = nil, 0, nil
 	switch {
+	case bp == nil:
+		return nil, 0, nil
 	case err != nil:
 		putChunk(bp)
 		return nil, 0, os.NewSyscallError("read", err)
@@ -72,4 +104,83 @@ func (r *sockReader) read(limit int) (*[]byte, int, error) {
 		return nil, 0, io.EOF
 	}
 	return bp, n, nil
+}
+
+// readEach reads the socket and hands each chunk read to handle, inside
+// one wait on the poller, for as long as handle consumes them
+// (handledMore). Before each read it asks limitOf how many bytes it may
+// read (up to chunkSize); 0 ends it. It returns (nil, 0, nil) when limitOf
+// said 0 or handle said handledStop; the chunk when handle said
+// handledKeep; io.EOF once the peer has sent FIN; or the socket's error.
+//
+// handle runs while this goroutine holds the socket's read lock, so it
+// must not close this socket nor wait for anything that does (abort and
+// closeBoth do): it says handledStop or handledKeep and leaves that to
+// the caller. It may block on the other socket of the link, which
+// closeBoth closes first.
+//
+// Why a read is not followed by one that finds nothing: when the kernel
+// says (TCP_INQ) that a read left nothing in the receive queue and no FIN
+// behind it, the callback asks the poller to wait instead of reading
+// again. That loses no wake-up: whatever arrives after the read (bytes,
+// FIN, an error) makes a new edge on the runtime's epoll, which it
+// records for this descriptor until the next wait, and the wait comes
+// within this same RawConn.Read call. (Each RawConn.Read starts by
+// clearing the recorded readiness, which is why the handling happens
+// inside the callback and not after it returns.) A read that leaves bytes
+// or a FIN (TCP_INQ says 1 then: the next read returns 0, which is how
+// EOF is seen), or a socket without TCP_INQ, is followed by another read
+// at once, as net.Conn.Read would.
+func (r *sockReader) readEach(limitOf func() int, handle func(bp *[]byte, n int) handled) (*[]byte, int, error) {
+	r.limitOf, r.handle = limitOf, handle
+	err := r.rc.Read(r.eachFn)
+	r.limitOf, r.handle = nil, nil
+	if err != nil {
+		if r.bp != nil {
+			putChunk(r.bp)
+			r.bp = nil
+		}
+		return nil, 0, err
+	}
+	return r.result()
+}
+
+func (r *sockReader) tryEach(fd uintptr) bool {
+	for {
+		limit := min(r.limitOf(), chunkSize)
+		if limit <= 0 {
+			return true
+		}
+		bp := getChunk()
+		n, queued, err := readInq(int(fd), (*bp)[:limit], r.inq)
+		switch err {
+		case syscall.EINTR:
+			putChunk(bp)
+			continue
+		case syscall.EAGAIN:
+			putChunk(bp)
+			if !r.inq && r.waits < inqAfter {
+				if r.waits++; r.waits == inqAfter {
+					r.inq = enableInq(int(fd))
+				}
+			}
+			return false
+		}
+		if err != nil || n == 0 {
+			r.bp, r.n, r.err = bp, n, err
+			return true
+		}
+		switch r.handle(bp, n) {
+		case handledStop:
+			putChunk(bp)
+			return true
+		case handledKeep:
+			r.bp, r.n = bp, n
+			return true
+		}
+		putChunk(bp)
+		if queued == 0 {
+			return false // drained, no FIN: wait (see readEach)
+		}
+	}
 }
