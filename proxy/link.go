@@ -755,7 +755,7 @@ func (lk *link) passFinToClient() {
 // reset, after whatever the kernel still has to send.
 func (lk *link) passFin(closeWrite func() error) error {
 	lk.finMu.Lock()
-	last := false
+	last := lk.fins == 1 && lk.stream == nil
 	lk.finMu.Unlock()
 	if last {
 		lk.passedFin()
