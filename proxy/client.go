@@ -16,7 +16,7 @@ type clientSide interface {
 	read(limit int) (*[]byte, int, error)
 	// readEach reads as sockReader.readEach does; a transport without
 	// readiness returns each chunk it reads to the caller unhandled.
-	readEach(limitOf func() int, handle handleFunc) (*[]byte, int, error)
+	readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr error)
 	Write(p []byte) (int, error)
 	// CloseWrite passes the end of the responses on (a FIN).
 	CloseWrite() error
@@ -47,12 +47,12 @@ func (c *tcpClient) read(limit int) (*[]byte, int, error) {
 	return c.r.read(limit)
 }
 
-func (c *tcpClient) readEach(limitOf func() int, handle handleFunc) (*[]byte, int, error) {
+func (c *tcpClient) readEach(sink chunkSink) (*[]byte, int, error, error) {
 	c.once.Do(func() { c.err = c.r.init(c.TCPConn) })
 	if c.err != nil {
-		return nil, 0, c.err
+		return nil, 0, c.err, nil
 	}
-	return c.r.readEach(limitOf, handle)
+	return c.r.readEach(sink)
 }
 
 func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
@@ -120,12 +120,13 @@ func (c *streamClient) read(limit int) (*[]byte, int, error) {
 	return bp, n, err
 }
 
-func (c *streamClient) readEach(limitOf func() int, _ handleFunc) (*[]byte, int, error) {
-	limit := limitOf()
+func (c *streamClient) readEach(sink chunkSink) (*[]byte, int, error, error) {
+	limit := sink.limit()
 	if limit <= 0 {
-		return nil, 0, nil
+		return nil, 0, nil, nil
 	}
-	return c.read(limit)
+	bp, n, err := c.read(limit)
+	return bp, n, err, nil
 }
 
 func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }

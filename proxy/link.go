@@ -88,17 +88,12 @@ type link struct {
 	rawErr     error
 	rawWriteFn func(fd uintptr) bool
 
-	// The pumps' readEach handlers and limits, bound once per link, and
-	// what a handler leaves for its pump to do outside the read (see
-	// sockReader.readEach): the error it met, and for a request chunk it
-	// began to send, how much of it went out (reqSent, with reqBegun).
-	reqFn, respFn handleFunc
-	reqLimitFn    func() int
-	reqErr        error
-	respErr       error
-	reqSent       int
-	reqBegun      bool
-	readAny       bool // the request pump has read bytes before
+	// What handleRequest leaves for pumpRequests to do outside the read
+	// (see sockReader.readEach): a chunk it began to send, of which the
+	// kernel took reqSent bytes (with reqBegun).
+	reqSent  int32
+	reqBegun bool
+	readAny  bool // the request pump has read bytes before
 
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
@@ -144,15 +139,27 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 		lk.rawN, lk.rawErr = syscall.Write(int(fd), lk.rawP)
 		return true
 	}
-	lk.reqFn, lk.respFn, lk.reqLimitFn = lk.handleRequest, lk.handleResponse, lk.requestLimit
 	return lk
 }
 
-// handleFunc is a readEach handler.
-type handleFunc = func(bp *[]byte, n int) handled
+// requests and responses are a link as the chunkSink of its request and
+// response pumps (a pointer conversion: nothing is allocated).
+type (
+	requests  link
+	responses link
+)
 
-// fullChunk is the response pump's read limit: a whole chunk.
-func fullChunk() int { return chunkSize }
+func (s *requests) limit() int { return (*link)(s).requestLimit() }
+
+func (s *requests) handle(bp *[]byte, n int) (handled, error) {
+	return (*link)(s).handleRequest(bp, n)
+}
+
+func (*responses) limit() int { return chunkSize }
+
+func (s *responses) handle(bp *[]byte, n int) (handled, error) {
+	return (*link)(s).handleResponse(bp, n)
+}
 
 // start dials the upstream and starts the link's pumps; it reports false
 // when the link ended at its dial. The goroutine that dialled returns
@@ -402,9 +409,9 @@ func (lk *link) pumpRequests() {
 				return
 			}
 		}
-		bp, n, err := lk.client.readEach(lk.reqLimitFn, lk.reqFn)
-		if lk.reqErr != nil {
-			lk.fail(lk.reqErr)
+		bp, n, err, werr := lk.client.readEach((*requests)(lk))
+		if werr != nil {
+			lk.fail(werr)
 			return
 		}
 		if n > 0 {
@@ -412,7 +419,7 @@ func (lk *link) pumpRequests() {
 			if lk.reqBegun {
 				// handleRequest counted and recorded these bytes, and the
 				// kernel took reqSent of them.
-				buf = buf[lk.reqSent:]
+				buf = buf[int(lk.reqSent):]
 				lk.reqBegun, lk.reqSent = false, 0
 			} else {
 				lk.l.p.budget.reading(int64(cap(*bp)))
@@ -487,29 +494,28 @@ func (lk *link) countRequest(buf []byte) {
 // queued it writes the chunk to the upstream without waiting. Whatever
 // would have to wait or close the link (a queue in use, a partial write,
 // an error) is left to pumpRequests.
-func (lk *link) handleRequest(bp *[]byte, n int) handled {
+func (lk *link) handleRequest(bp *[]byte, n int) (handled, error) {
 	if !lk.readAny && lk.conv != nil {
 		// The first bytes of a profiled link are checked for TLS, which
 		// may register the endpoint's probe anew: outside the read.
-		return handledKeep
+		return handledKeep, nil
 	}
 	if empty, open := lk.q.idle(); !empty || !open {
-		return handledKeep
+		return handledKeep, nil
 	}
 	buf := (*bp)[:n]
 	lk.l.p.budget.reading(int64(cap(*bp)))
 	lk.countRequest(buf)
 	w, err := lk.tryWrite(buf)
 	if err == nil && w < n {
-		lk.reqBegun, lk.reqSent = true, w // the rest is queued by pumpRequests
-		return handledKeep
+		lk.reqBegun, lk.reqSent = true, int32(w) // the rest is queued by pumpRequests
+		return handledKeep, nil
 	}
 	lk.l.p.budget.reading(-int64(cap(*bp)))
 	if err != nil {
-		lk.reqErr = err
-		return handledStop
+		return handledStop, err
 	}
-	return handledMore
+	return handledMore, nil
 }
 
 // recordRequests scans p, the bytes of one read from the client ending at
@@ -693,8 +699,8 @@ func (lk *link) writeUpstream() {
 // pumpResponses copies the upstream to the client (handleResponse, inside
 // the read).
 func (lk *link) pumpResponses() {
-	_, _, err := lk.fromUpstream.readEach(fullChunk, lk.respFn)
-	if werr := lk.respErr; werr != nil {
+	_, _, err, werr := lk.fromUpstream.readEach((*responses)(lk))
+	if werr != nil {
 		lk.abort(metrics.ReasonClientError, werr)
 		return
 	}
@@ -712,7 +718,7 @@ func (lk *link) pumpResponses() {
 // handleResponse is the response pump's readEach handler: it passes a
 // chunk read from the upstream on to the client. A failed write is left
 // to pumpResponses (handledStop).
-func (lk *link) handleResponse(bp *[]byte, n int) handled {
+func (lk *link) handleResponse(bp *[]byte, n int) (handled, error) {
 	lk.l.p.budget.reading(int64(cap(*bp)))
 	buf := (*bp)[:n]
 	lk.bytesDown.Add(int64(n))
@@ -733,10 +739,9 @@ func (lk *link) handleResponse(bp *[]byte, n int) handled {
 	_, werr := lk.client.Write(buf)
 	lk.l.p.budget.reading(-int64(cap(*bp)))
 	if werr != nil {
-		lk.respErr = werr
-		return handledStop
+		return handledStop, werr
 	}
-	return handledMore
+	return handledMore, nil
 }
 
 // passFinToClient passes the upstream's FIN on to the client.

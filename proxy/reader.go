@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"io"
+	"math"
 	"net"
 	"os"
 	"syscall"
@@ -17,22 +18,31 @@ import (
 // net.Conn.Read does: the callback tries a read, and on EAGAIN returns
 // the chunk to the pool and asks the runtime to wait for readiness.
 type sockReader struct {
-	rc     syscall.RawConn
-	fn     func(fd uintptr) bool // try, bound once so a read allocates nothing
-	eachFn func(fd uintptr) bool // tryEach, likewise
+	rc syscall.RawConn
+	fn func(fd uintptr) bool // call, bound once so a read allocates nothing
 
-	// try's and tryEach's arguments and results.
-	limit   int
-	limitOf func() int
-	handle  func(bp *[]byte, n int) handled
+	// call's arguments and results: try's when sink is nil (n is its limit
+	// going in), tryEach's otherwise. sinkErr marks err as sink's.
+	sink    chunkSink
 	bp      *[]byte
-	n       int
 	err     error
+	n       int32
+	sinkErr bool
 
-	// waits counts the reads that found nothing (up to inqAfter); inq is
-	// set once TCP_INQ is on (see tryEach).
+	// waits counts the reads that found nothing (up to 255); inq is set
+	// once TCP_INQ is on (see tryEach).
 	waits uint8
 	inq   bool
+}
+
+// chunkSink is what readEach hands chunks to.
+type chunkSink interface {
+	// limit is how many bytes the next read may take (up to chunkSize; 0:
+	// none now, readEach returns).
+	limit() int
+	// handle does what the chunk's bytes are read for. An error (of the
+	// link's other socket) goes back to readEach's caller.
+	handle(bp *[]byte, n int) (handled, error)
 }
 
 // handled is what a readEach handler did with a chunk.
@@ -56,14 +66,21 @@ func (r *sockReader) init(c *net.TCPConn) error {
 	if err != nil {
 		return err
 	}
-	r.rc, r.fn, r.eachFn = rc, r.try, r.tryEach
+	r.rc, r.fn = rc, r.call
 	return nil
+}
+
+func (r *sockReader) call(fd uintptr) bool {
+	if r.sink != nil {
+		return r.tryEach(fd)
+	}
+	return r.try(fd)
 }
 
 func (r *sockReader) try(fd uintptr) bool {
 	bp := getChunk()
 	for {
-		n, err := syscall.Read(int(fd), (*bp)[:r.limit])
+		n, err := syscall.Read(int(fd), (*bp)[:r.n])
 		switch err {
 		case syscall.EINTR:
 			continue
@@ -71,7 +88,7 @@ func (r *sockReader) try(fd uintptr) bool {
 			putChunk(bp)
 			return false
 		}
-		r.bp, r.n, r.err = bp, n, err
+		r.bp, r.n, r.err = bp, int32(n), err
 		return true
 	}
 }
@@ -81,7 +98,7 @@ func (r *sockReader) try(fd uintptr) bool {
 // caller returns with putChunk, and the count; or io.EOF once the peer
 // has sent FIN; or the socket's error (a closed socket's is net.ErrClosed).
 func (r *sockReader) read(limit int) (*[]byte, int, error) {
-	r.limit = min(max(limit, 1), chunkSize)
+	r.n = int32(min(max(limit, 1), chunkSize))
 	if err := r.rc.Read(r.fn); err != nil {
 		return nil, 0, err
 	}
@@ -91,11 +108,11 @@ func (r *sockReader) read(limit int) (*[]byte, int, error) {
 // result takes the outcome a callback left and turns a failed or empty
 // read into its error.
 func (r *sockReader) result() (*[]byte, int, error) {
-	bp, n, err := r.bp, r.n, r.err
+	bp, n, err := r.bp, int(r.n), r.err
 	r.bp, r.n, r.err = nil, 0, nil
 	switch {
 	case bp == nil:
-		return nil, 0, nil
+		return nil, 0, err
 	case err != nil:
 		putChunk(bp)
 		return nil, 0, os.NewSyscallError("read", err)
@@ -106,12 +123,13 @@ func (r *sockReader) result() (*[]byte, int, error) {
 	return bp, n, nil
 }
 
-// readEach reads the socket and hands each chunk read to handle, inside
-// one wait on the poller, for as long as handle consumes them
-// (handledMore). Before each read it asks limitOf how many bytes it may
-// read (up to chunkSize); 0 ends it. It returns (nil, 0, nil) when limitOf
-// said 0 or handle said handledStop; the chunk when handle said
-// handledKeep; io.EOF once the peer has sent FIN; or the socket's error.
+// readEach reads the socket and hands each chunk read to sink.handle,
+// inside one wait on the poller, for as long as it consumes them
+// (handledMore). Before each read it asks sink.limit how many bytes it
+// may read; 0 ends it. It returns (nil, 0, nil, nil) when the limit was 0
+// or handle said handledStop without an error; handle's error as sinkErr;
+// the chunk when handle said handledKeep; io.EOF once the peer has sent
+// FIN; or the socket's error.
 //
 // handle runs while this goroutine holds the socket's read lock, so it
 // must not close this socket nor wait for anything that does (abort and
@@ -131,23 +149,30 @@ func (r *sockReader) result() (*[]byte, int, error) {
 // or a FIN (TCP_INQ says 1 then: the next read returns 0, which is how
 // EOF is seen), or a socket without TCP_INQ, is followed by another read
 // at once, as net.Conn.Read would.
-func (r *sockReader) readEach(limitOf func() int, handle func(bp *[]byte, n int) handled) (*[]byte, int, error) {
-	r.limitOf, r.handle = limitOf, handle
-	err := r.rc.Read(r.eachFn)
-	r.limitOf, r.handle = nil, nil
+func (r *sockReader) readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr error) {
+	r.sink = sink
+	err = r.rc.Read(r.fn)
+	r.sink = nil
+	fromSink := r.sinkErr
+	r.sinkErr = false
 	if err != nil {
 		if r.bp != nil {
 			putChunk(r.bp)
 			r.bp = nil
 		}
-		return nil, 0, err
+		return nil, 0, err, nil
 	}
-	return r.result()
+	if fromSink {
+		err, r.err = r.err, nil
+		return nil, 0, nil, err
+	}
+	bp, n, err = r.result()
+	return bp, n, err, nil
 }
 
 func (r *sockReader) tryEach(fd uintptr) bool {
 	for {
-		limit := min(r.limitOf(), chunkSize)
+		limit := min(r.sink.limit(), chunkSize)
 		if limit <= 0 {
 			return true
 		}
@@ -159,23 +184,26 @@ func (r *sockReader) tryEach(fd uintptr) bool {
 			continue
 		case syscall.EAGAIN:
 			putChunk(bp)
-			if !r.inq && r.waits < inqAfter {
-				if r.waits++; r.waits == inqAfter {
-					r.inq = enableInq(int(fd))
-				}
+			if r.waits < math.MaxUint8 {
+				r.waits++
+			}
+			if r.waits == inqAfter && !r.inq {
+				r.inq = enableInq(int(fd))
 			}
 			return false
 		}
 		if err != nil || n == 0 {
-			r.bp, r.n, r.err = bp, n, err
+			r.bp, r.n, r.err = bp, int32(n), err
 			return true
 		}
-		switch r.handle(bp, n) {
+		h, herr := r.sink.handle(bp, n)
+		switch h {
 		case handledStop:
 			putChunk(bp)
+			r.err, r.sinkErr = herr, herr != nil
 			return true
 		case handledKeep:
-			r.bp, r.n = bp, n
+			r.bp, r.n = bp, int32(n)
 			return true
 		}
 		putChunk(bp)

@@ -119,8 +119,28 @@ func waitCloseWait(t *testing.T, s *net.TCPConn) {
 	}
 }
 
-// echoEach runs readEach on s with a handler that writes each chunk back,
-// until readEach returns; it reports the bytes it saw and the error.
+// echoSink writes each chunk back to s; with a gate it first says it is
+// there (a send on gate) and waits to be let go (a receive).
+type echoSink struct {
+	s    *net.TCPConn
+	gate chan struct{}
+}
+
+func (*echoSink) limit() int { return chunkSize }
+
+func (e *echoSink) handle(bp *[]byte, n int) (handled, error) {
+	if e.gate != nil {
+		e.gate <- struct{}{}
+		<-e.gate
+	}
+	if _, err := e.s.Write((*bp)[:n]); err != nil {
+		return handledStop, err
+	}
+	return handledMore, nil
+}
+
+// echoEach runs readEach on s with an echoSink in a goroutine, whose
+// error it reports.
 func echoEach(t *testing.T, r *sockReader, s *net.TCPConn, gate chan struct{}) <-chan error {
 	t.Helper()
 	if err := r.init(s); err != nil {
@@ -128,16 +148,10 @@ func echoEach(t *testing.T, r *sockReader, s *net.TCPConn, gate chan struct{}) <
 	}
 	done := make(chan error, 1)
 	go func() {
-		_, _, err := r.readEach(fullChunk, func(bp *[]byte, n int) handled {
-			if gate != nil {
-				gate <- struct{}{} // here
-				<-gate             // go on
-			}
-			if _, err := s.Write((*bp)[:n]); err != nil {
-				return handledStop
-			}
-			return handledMore
-		})
+		_, _, err, werr := r.readEach(&echoSink{s: s, gate: gate})
+		if werr != nil {
+			err = werr
+		}
 		done <- err
 	}()
 	return done
