@@ -88,7 +88,7 @@ type link struct {
 	rawErr     error
 	rawWriteFn func(fd uintptr) bool
 
-	// What handleRequest leaves for pumpRequests to do outside the read
+	// What requests.handle leaves for pumpRequests to do outside the read
 	// (see sockReader.readEach): a chunk it began to send, of which the
 	// kernel took reqSent bytes (with reqBegun).
 	reqSent  int32
@@ -151,15 +151,7 @@ type (
 
 func (s *requests) limit() int { return (*link)(s).requestLimit() }
 
-func (s *requests) handle(bp *[]byte, n int) (handled, error) {
-	return (*link)(s).handleRequest(bp, n)
-}
-
 func (*responses) limit() int { return chunkSize }
-
-func (s *responses) handle(bp *[]byte, n int) (handled, error) {
-	return (*link)(s).handleResponse(bp, n)
-}
 
 // start dials the upstream and starts the link's pumps; it reports false
 // when the link ended at its dial. The goroutine that dialled returns
@@ -398,7 +390,7 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 
 // pumpRequests reads the client for as long as the link lives and hands
 // the bytes to the upstream: directly when nothing is queued and the
-// kernel takes them at once (handleRequest, inside the read), through the
+// kernel takes them at once (requests.handle, inside the read), through the
 // queue otherwise (here, outside it: the queue may wait, or close the
 // link).
 func (lk *link) pumpRequests() {
@@ -417,7 +409,7 @@ func (lk *link) pumpRequests() {
 		if n > 0 {
 			buf := (*bp)[:n]
 			if lk.reqBegun {
-				// handleRequest counted and recorded these bytes, and the
+				// requests.handle counted and recorded these bytes, and the
 				// kernel took reqSent of them.
 				buf = buf[int(lk.reqSent):]
 				lk.reqBegun, lk.reqSent = false, 0
@@ -490,11 +482,13 @@ func (lk *link) countRequest(buf []byte) {
 	lk.readAny = true
 }
 
-// handleRequest is the request pump's readEach handler: with nothing
-// queued it writes the chunk to the upstream without waiting. Whatever
-// would have to wait or close the link (a queue in use, a partial write,
-// an error) is left to pumpRequests.
-func (lk *link) handleRequest(bp *[]byte, n int) (handled, error) {
+// handle is the request pump's readEach handler: with nothing queued it
+// writes the chunk to the upstream without waiting. Whatever would have
+// to wait or close the link (a queue in use, a partial write, an error)
+// is left to pumpRequests. (A method of requests itself, not a wrapper:
+// a frame less on the pump's stack.)
+func (s *requests) handle(bp *[]byte, n int) (handled, error) {
+	lk := (*link)(s)
 	if !lk.readAny && lk.conv != nil {
 		// The first bytes of a profiled link are checked for TLS, which
 		// may register the endpoint's probe anew: outside the read.
@@ -696,8 +690,8 @@ func (lk *link) writeUpstream() {
 	}
 }
 
-// pumpResponses copies the upstream to the client (handleResponse, inside
-// the read).
+// pumpResponses copies the upstream to the client (responses.handle,
+// inside the read).
 func (lk *link) pumpResponses() {
 	_, _, err, werr := lk.fromUpstream.readEach((*responses)(lk))
 	if werr != nil {
@@ -715,10 +709,11 @@ func (lk *link) pumpResponses() {
 	lk.fail(err)
 }
 
-// handleResponse is the response pump's readEach handler: it passes a
-// chunk read from the upstream on to the client. A failed write is left
-// to pumpResponses (handledStop).
-func (lk *link) handleResponse(bp *[]byte, n int) (handled, error) {
+// handle is the response pump's readEach handler: it passes a chunk read
+// from the upstream on to the client. A failed write is left to
+// pumpResponses (handledStop).
+func (s *responses) handle(bp *[]byte, n int) (handled, error) {
+	lk := (*link)(s)
 	lk.l.p.budget.reading(int64(cap(*bp)))
 	buf := (*bp)[:n]
 	lk.bytesDown.Add(int64(n))
@@ -934,7 +929,7 @@ func (lk *link) setReason(reason string, err error) bool {
 
 // closeBoth closes both connections and wakes every goroutine of the link.
 // The client goes first: a response pump blocked in a client write inside
-// its read of the upstream (handleResponse) holds the upstream's read
+// its read of the upstream (responses.handle) holds the upstream's read
 // lock, and the upstream's Close waits for that write to give up.
 func (lk *link) closeBoth() {
 	lk.closeOnce.Do(func() {

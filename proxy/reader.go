@@ -22,7 +22,7 @@ type sockReader struct {
 	fn func(fd uintptr) bool // call, bound once so a read allocates nothing
 
 	// call's arguments and results: try's when sink is nil (n is its limit
-	// going in), tryEach's otherwise. sinkErr marks err as sink's.
+	// going in), call's loop otherwise. sinkErr marks err as sink's.
 	sink    chunkSink
 	bp      *[]byte
 	err     error
@@ -30,7 +30,7 @@ type sockReader struct {
 	sinkErr bool
 
 	// waits counts the reads that found nothing (up to 255); inq is set
-	// once TCP_INQ is on (see tryEach).
+	// once TCP_INQ is on (see call).
 	waits uint8
 	inq   bool
 }
@@ -68,13 +68,6 @@ func (r *sockReader) init(c *net.TCPConn) error {
 	}
 	r.rc, r.fn = rc, r.call
 	return nil
-}
-
-func (r *sockReader) call(fd uintptr) bool {
-	if r.sink != nil {
-		return r.tryEach(fd)
-	}
-	return r.try(fd)
 }
 
 func (r *sockReader) try(fd uintptr) bool {
@@ -170,7 +163,14 @@ func (r *sockReader) readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr e
 	return bp, n, err, nil
 }
 
-func (r *sockReader) tryEach(fd uintptr) bool {
+// call is the RawConn.Read callback: try for read, and for readEach the
+// loop below (in this frame, not one more: it runs under the sink's
+// handler, and a pump's stack should stay within its first 2 KiB; see
+// the idle figures in docs/performance.md).
+func (r *sockReader) call(fd uintptr) bool {
+	if r.sink == nil {
+		return r.try(fd)
+	}
 	for {
 		limit := min(r.sink.limit(), chunkSize)
 		if limit <= 0 {
