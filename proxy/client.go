@@ -17,6 +17,9 @@ type clientSide interface {
 	// read waits for bytes and reads at most limit (1 to chunkSize) into a
 	// pooled chunk, as sockReader.read does.
 	read(limit int) (*[]byte, int, error)
+	// readEach reads as sockReader.readEach does; a transport without
+	// readiness returns each chunk it reads to the caller unhandled.
+	readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr error)
 	Write(p []byte) (int, error)
 	// CloseWrite passes the end of the responses on (a FIN).
 	CloseWrite() error
@@ -45,6 +48,14 @@ func (c *tcpClient) read(limit int) (*[]byte, int, error) {
 		return nil, 0, c.err
 	}
 	return c.r.read(limit)
+}
+
+func (c *tcpClient) readEach(sink chunkSink) (*[]byte, int, error, error) {
+	c.once.Do(func() { c.err = c.r.init(c.TCPConn) })
+	if c.err != nil {
+		return nil, 0, c.err, nil
+	}
+	return c.r.readEach(sink)
 }
 
 func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
@@ -113,6 +124,15 @@ func (c *streamClient) read(limit int) (*[]byte, int, error) {
 		err = errSessionClosed
 	}
 	return bp, n, err
+}
+
+func (c *streamClient) readEach(sink chunkSink) (*[]byte, int, error, error) {
+	limit := sink.limit()
+	if limit <= 0 {
+		return nil, 0, nil, nil
+	}
+	bp, n, err := c.read(limit)
+	return bp, n, err, nil
 }
 
 func (c *streamClient) Write(p []byte) (int, error) { return c.s.Write(p) }

@@ -92,6 +92,13 @@ type link struct {
 	rawErr     error
 	rawWriteFn func(fd uintptr) bool
 
+	// What requests.handle leaves for pumpRequests to do outside the read
+	// (see sockReader.readEach): a chunk it began to send, of which the
+	// kernel took reqSent bytes (with reqBegun).
+	reqSent  int32
+	reqBegun bool
+	readAny  bool // the request pump has read bytes before
+
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
 
@@ -138,6 +145,17 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	}
 	return lk
 }
+
+// requests and responses are a link as the chunkSink of its request and
+// response pumps (a pointer conversion: nothing is allocated).
+type (
+	requests  link
+	responses link
+)
+
+func (s *requests) limit() int { return (*link)(s).requestLimit() }
+
+func (*responses) limit() int { return chunkSize }
 
 // start dials the upstream and starts the link's pumps; it reports false
 // when the link ended at its dial. The goroutine that dialled returns
@@ -384,38 +402,33 @@ func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
 
 // pumpRequests reads the client for as long as the link lives and hands
 // the bytes to the upstream: directly when nothing is queued and the
-// kernel takes them at once, through the queue otherwise.
+// kernel takes them at once (requests.handle, inside the read), through the
+// queue otherwise (here, outside it: the queue may wait, or close the
+// link).
 func (lk *link) pumpRequests() {
 	high := int64(lk.settings.WriteBuffer.HighWaterMark)
-	// Backpressure unless reject is asked for ("" in a Config built in
-	// code is the default, backpressure).
-	backpressure := high > 0 && lk.settings.WriteBuffer.OnOverflow != policy.OverflowReject
-	first := true
 	for {
-		limit := chunkSize
-		if backpressure {
-			room, ok := lk.q.waitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark))
-			if !ok {
+		if lk.backpressure() {
+			if _, ok := lk.q.waitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark)); !ok {
 				return
 			}
-			if room < int64(limit) {
-				limit = int(room)
-			}
 		}
-		bp, n, err := lk.client.read(limit)
+		bp, n, err, werr := lk.client.readEach((*requests)(lk))
+		if werr != nil {
+			lk.fail(werr)
+			return
+		}
 		if n > 0 {
-			lk.l.p.budget.reading(int64(cap(*bp)))
 			buf := (*bp)[:n]
-			end := lk.bytesUp.Add(int64(n))
-			if lk.trk != nil {
-				// Recorded before the bytes go out, so that no answer can
-				// arrive before its request is known. Timed from now, not
-				// from the accept: the upstream could not answer before
-				// the connection to it existed, so a slow dial is no
-				// evidence against it.
-				lk.recordRequests(buf, mono(), end, first)
+			if lk.reqBegun {
+				// requests.handle counted and recorded these bytes, and the
+				// kernel took reqSent of them.
+				buf = buf[int(lk.reqSent):]
+				lk.reqBegun, lk.reqSent = false, 0
+			} else {
+				lk.l.p.budget.reading(int64(cap(*bp)))
+				lk.countRequest(buf)
 			}
-			first = false
 			sent := lk.send(buf, high) // copies what it queues
 			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
@@ -423,6 +436,9 @@ func (lk *link) pumpRequests() {
 				return
 			}
 			continue
+		}
+		if err == nil {
+			continue // no room below the high watermark, or the queue closed
 		}
 		if errors.Is(err, io.EOF) {
 			if lk.reqScan != nil && !lk.conv.off.Load() && lk.reqScan.midFrame() {
@@ -434,16 +450,78 @@ func (lk *link) pumpRequests() {
 				return // the writer passes the FIN on after the queued bytes
 			}
 			// No writer means nothing was ever queued: pass it on now.
-			if cerr := lk.upstream.CloseWrite(); cerr != nil {
+			if cerr := lk.passFin(lk.upstream.CloseWrite); cerr != nil {
 				lk.fail(cerr)
-				return
 			}
-			lk.passedFin()
 		} else {
 			lk.abort(metrics.ReasonClientError, err)
 		}
 		return
 	}
+}
+
+// backpressure: the request pump reads no more than the room below the
+// high watermark, unless reject is asked for ("" in a Config built in
+// code is the default, backpressure).
+func (lk *link) backpressure() bool {
+	return lk.settings.WriteBuffer.HighWaterMark > 0 && lk.settings.WriteBuffer.OnOverflow != policy.OverflowReject
+}
+
+// requestLimit is how many bytes the request pump may read now: a chunk,
+// or under backpressure the room below the high watermark (0 when there
+// is none or the queue is closed: the pump then waits outside the read).
+func (lk *link) requestLimit() int {
+	if !lk.backpressure() {
+		return chunkSize
+	}
+	room, open := lk.q.room(int64(lk.settings.WriteBuffer.HighWaterMark))
+	if !open {
+		return 0
+	}
+	return int(min(room, chunkSize))
+}
+
+// countRequest counts and records the requests in buf, bytes just read
+// from the client. Recorded before the bytes go out, so that no answer
+// can arrive before its request is known. Timed from now, not from the
+// accept: the upstream could not answer before the connection to it
+// existed, so a slow dial is no evidence against it.
+func (lk *link) countRequest(buf []byte) {
+	end := lk.bytesUp.Add(int64(len(buf)))
+	if lk.trk != nil {
+		lk.recordRequests(buf, mono(), end, !lk.readAny)
+	}
+	lk.readAny = true
+}
+
+// handle is the request pump's readEach handler: with nothing queued it
+// writes the chunk to the upstream without waiting. Whatever would have
+// to wait or close the link (a queue in use, a partial write, an error)
+// is left to pumpRequests. (A method of requests itself, not a wrapper:
+// a frame less on the pump's stack.)
+func (s *requests) handle(bp *[]byte, n int) (handled, error) {
+	lk := (*link)(s)
+	if !lk.readAny && lk.conv != nil {
+		// The first bytes of a profiled link are checked for TLS, which
+		// may register the endpoint's probe anew: outside the read.
+		return handledKeep, nil
+	}
+	if empty, open := lk.q.idle(); !empty || !open {
+		return handledKeep, nil
+	}
+	buf := (*bp)[:n]
+	lk.l.p.budget.reading(int64(cap(*bp)))
+	lk.countRequest(buf)
+	w, err := lk.tryWrite(buf)
+	if err == nil && w < n {
+		lk.reqBegun, lk.reqSent = true, int32(w) // the rest is queued by pumpRequests
+		return handledKeep, nil
+	}
+	lk.l.p.budget.reading(-int64(cap(*bp)))
+	if err != nil {
+		return handledStop, err
+	}
+	return handledMore, nil
 }
 
 // recordRequests scans p, the bytes of one read from the client ending at
@@ -574,11 +652,9 @@ func (lk *link) writeUpstream() {
 		case stopWriting:
 			return
 		case passFin:
-			if err := lk.upstream.CloseWrite(); err != nil {
+			if err := lk.passFin(lk.upstream.CloseWrite); err != nil {
 				lk.fail(err)
-				return
 			}
-			lk.passedFin()
 			return
 		}
 		// The pump adds to bytesUp before it pushes: the oldest queued byte
@@ -627,58 +703,83 @@ func (lk *link) writeUpstream() {
 	}
 }
 
-// pumpResponses copies the upstream to the client.
+// pumpResponses copies the upstream to the client (responses.handle,
+// inside the read).
 func (lk *link) pumpResponses() {
-	for {
-		bp, n, err := lk.fromUpstream.read(chunkSize)
-		if n > 0 {
-			lk.l.p.budget.reading(int64(cap(*bp)))
-			buf := (*bp)[:n]
-			lk.bytesDown.Add(int64(n))
-			// Any byte from the upstream is an answer: the server is alive
-			// (see tracker), for the requests of every link to it, tracked
-			// by this listener or not (see also dialFailed).
-			lk.ep.answered(mono())
-			if lk.trk != nil {
-				if lk.respScan != nil {
-					if lk.conv.off.Load() {
-						lk.respScan = nil
-					} else if _, _, ferr := lk.respScan.scan(buf); ferr != nil {
-						lk.conv.untrack(metrics.UntrackedLimit, ferr)
-						lk.respScan = nil
-					}
-				}
-			}
-			_, werr := lk.client.Write(buf)
-			lk.l.p.budget.reading(-int64(cap(*bp)))
-			putChunk(bp)
-			if werr != nil {
-				lk.abort(metrics.ReasonClientError, werr)
-				return
-			}
-			continue
-		}
-		if errors.Is(err, io.EOF) {
-			if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.midFrame() {
-				lk.badFrame("response", errTruncated)
-				return
-			}
-			lk.passFinToClient()
-			return
-		}
-		lk.fail(err)
+	_, _, err, werr := lk.fromUpstream.readEach((*responses)(lk))
+	if werr != nil {
+		lk.abort(metrics.ReasonClientError, werr)
 		return
 	}
+	if errors.Is(err, io.EOF) {
+		if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.midFrame() {
+			lk.badFrame("response", errTruncated)
+			return
+		}
+		lk.passFinToClient()
+		return
+	}
+	lk.fail(err)
+}
+
+// handle is the response pump's readEach handler: it passes a chunk read
+// from the upstream on to the client. A failed write is left to
+// pumpResponses (handledStop).
+func (s *responses) handle(bp *[]byte, n int) (handled, error) {
+	lk := (*link)(s)
+	lk.l.p.budget.reading(int64(cap(*bp)))
+	buf := (*bp)[:n]
+	lk.bytesDown.Add(int64(n))
+	// Any byte from the upstream is an answer: the server is alive (see
+	// tracker), for the requests of every link to it, tracked by this
+	// listener or not (see also dialFailed).
+	lk.ep.answered(mono())
+	if lk.trk != nil {
+		if lk.respScan != nil {
+			if lk.conv.off.Load() {
+				lk.respScan = nil
+			} else if _, _, ferr := lk.respScan.scan(buf); ferr != nil {
+				lk.conv.untrack(metrics.UntrackedLimit, ferr)
+				lk.respScan = nil
+			}
+		}
+	}
+	_, werr := lk.client.Write(buf)
+	lk.l.p.budget.reading(-int64(cap(*bp)))
+	if werr != nil {
+		return handledStop, werr
+	}
+	return handledMore, nil
 }
 
 // passFinToClient passes the upstream's FIN on to the client.
 func (lk *link) passFinToClient() {
 	lk.sawFin(metrics.ReasonUpstreamClosed)
-	if cerr := lk.client.CloseWrite(); cerr != nil {
+	if cerr := lk.passFin(lk.client.CloseWrite); cerr != nil {
 		lk.abort(metrics.ReasonClientError, cerr)
-		return
+	}
+}
+
+// passFin passes a FIN on with closeWrite (a shutdown), and records it.
+// When the other direction has passed its FIN already, this one ends the
+// link, and closing both sockets passes the FIN instead of a shutdown
+// before the close: the socket it goes to has delivered its own FIN, so
+// nothing is left in its receive queue and the close is a FIN, not a
+// reset, after whatever the kernel still has to send.
+func (lk *link) passFin(closeWrite func() error) error {
+	lk.finMu.Lock()
+	last := lk.fins == 1 && lk.stream == nil
+	lk.finMu.Unlock()
+	if last {
+		lk.passedFin()
+		lk.closeBoth()
+		return nil
+	}
+	if err := closeWrite(); err != nil {
+		return err
 	}
 	lk.passedFin()
+	return nil
 }
 
 // badFrame ends the link on a frame the proxy cannot follow. It is not a
@@ -843,6 +944,9 @@ func (lk *link) setReason(reason string, err error) bool {
 }
 
 // closeBoth closes both connections and wakes every goroutine of the link.
+// The client goes first: a response pump blocked in a client write inside
+// its read of the upstream (responses.handle) holds the upstream's read
+// lock, and the upstream's Close waits for that write to give up.
 func (lk *link) closeBoth() {
 	lk.closeOnce.Do(func() {
 		lk.q.close()

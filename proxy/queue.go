@@ -159,6 +159,15 @@ func (q *queue) endOfInput() bool {
 	return true
 }
 
+// room is how many bytes may be pushed now without passing high (0 at
+// or above it), and whether the queue is open: waitForRoom's answer
+// without the wait.
+func (q *queue) room(high int64) (int64, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return max(high-q.queued, 0), !q.closed
+}
+
 // waitForRoom blocks while the queue holds high bytes or more, until it
 // drains to low, and returns how many bytes may be pushed now and whether
 // the queue is open.

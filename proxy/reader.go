@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"io"
+	"math"
 	"net"
 	"os"
 	"syscall"
@@ -18,28 +19,61 @@ import (
 // the chunk to the pool and asks the runtime to wait for readiness.
 type sockReader struct {
 	rc syscall.RawConn
-	fn func(fd uintptr) bool // try, bound once so a read allocates nothing
+	fn func(fd uintptr) bool // call, bound once so a read allocates nothing
 
-	// try's argument and results.
-	limit int
-	bp    *[]byte
-	n     int
-	err   error
+	// call's arguments and results: try's when sink is nil (n is its limit
+	// going in), call's loop otherwise. sinkErr marks err as sink's.
+	sink    chunkSink
+	bp      *[]byte
+	err     error
+	n       int32
+	sinkErr bool
+
+	// waits counts the reads that found nothing (up to 255); inq is set
+	// once TCP_INQ is on (see call).
+	waits uint8
+	inq   bool
 }
+
+// chunkSink is what readEach hands chunks to.
+type chunkSink interface {
+	// limit is how many bytes the next read may take (up to chunkSize; 0:
+	// none now, readEach returns).
+	limit() int
+	// handle does what the chunk's bytes are read for. An error (of the
+	// link's other socket) goes back to readEach's caller.
+	handle(bp *[]byte, n int) (handled, error)
+}
+
+// handled is what a readEach handler did with a chunk.
+type handled int8
+
+const (
+	handledMore handled = iota // consumed it: read on
+	handledStop                // consumed it; readEach returns (nil, 0, nil)
+	handledKeep                // readEach returns the chunk to its caller, which returns it with putChunk
+)
+
+// inqAfter is how many reads of a socket find nothing before TCP_INQ is
+// turned on for it: a connection that makes one request and closes (two
+// waits at most, one each way) never pays the setsockopt; one that waits
+// for a third time is a connection that lives, and saves a read per
+// request from then on.
+const inqAfter = 2
 
 func (r *sockReader) init(c *net.TCPConn) error {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return err
 	}
-	r.rc, r.fn = rc, r.try
+	r.rc, r.fn = rc, r.call
 	return nil
 }
 
 func (r *sockReader) try(fd uintptr) bool {
 	bp := getChunk()
 	for {
-		n, err := syscall.Read(int(fd), (*bp)[:r.limit])
+		n, err := syscall.Read(int(fd), (*bp)[:r.n])
 		switch err {
 		case syscall.EINTR:
 			continue
@@ -47,7 +81,7 @@ func (r *sockReader) try(fd uintptr) bool {
 			putChunk(bp)
 			return false
 		}
-		r.bp, r.n, r.err = bp, n, err
+		r.bp, r.n, r.err = bp, int32(n), err
 		return true
 	}
 }
@@ -57,13 +91,21 @@ func (r *sockReader) try(fd uintptr) bool {
 // caller returns with putChunk, and the count; or io.EOF once the peer
 // has sent FIN; or the socket's error (a closed socket's is net.ErrClosed).
 func (r *sockReader) read(limit int) (*[]byte, int, error) {
-	r.limit = min(max(limit, 1), chunkSize)
+	r.n = int32(min(max(limit, 1), chunkSize))
 	if err := r.rc.Read(r.fn); err != nil {
 		return nil, 0, err
 	}
-	bp, n, err := r.bp, r.n, r.err
-	r.bp, r.err = nil, nil
+	return r.result()
+}
+
+// result takes the outcome a callback left and turns a failed or empty
+// read into its error.
+func (r *sockReader) result() (*[]byte, int, error) {
+	bp, n, err := r.bp, int(r.n), r.err
+	r.bp, r.n, r.err = nil, 0, nil
 	switch {
+	case bp == nil:
+		return nil, 0, err
 	case err != nil:
 		putChunk(bp)
 		return nil, 0, os.NewSyscallError("read", err)
@@ -72,4 +114,101 @@ func (r *sockReader) read(limit int) (*[]byte, int, error) {
 		return nil, 0, io.EOF
 	}
 	return bp, n, nil
+}
+
+// readEach reads the socket and hands each chunk read to sink.handle,
+// inside one wait on the poller, for as long as it consumes them
+// (handledMore). Before each read it asks sink.limit how many bytes it
+// may read; 0 ends it. It returns (nil, 0, nil, nil) when the limit was 0
+// or handle said handledStop without an error; handle's error as sinkErr;
+// the chunk when handle said handledKeep; io.EOF once the peer has sent
+// FIN; or the socket's error.
+//
+// handle runs while this goroutine holds the socket's read lock, so it
+// must not close this socket nor wait for anything that does (abort and
+// closeBoth do): it says handledStop or handledKeep and leaves that to
+// the caller. It may block on the other socket of the link, which
+// closeBoth closes first.
+//
+// Why a read is not followed by one that finds nothing: when the kernel
+// says (TCP_INQ) that a read left nothing in the receive queue and no FIN
+// behind it, the callback asks the poller to wait instead of reading
+// again. That loses no wake-up: whatever arrives after the read (bytes,
+// FIN, an error) makes a new edge on the runtime's epoll, which it
+// records for this descriptor until the next wait, and the wait comes
+// within this same RawConn.Read call. (Each RawConn.Read starts by
+// clearing the recorded readiness, which is why the handling happens
+// inside the callback and not after it returns.) A read that leaves bytes
+// or a FIN (TCP_INQ says 1 then: the next read returns 0, which is how
+// EOF is seen), or a socket without TCP_INQ, is followed by another read
+// at once, as net.Conn.Read would.
+func (r *sockReader) readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr error) {
+	r.sink = sink
+	err = r.rc.Read(r.fn)
+	r.sink = nil
+	fromSink := r.sinkErr
+	r.sinkErr = false
+	if err != nil {
+		if r.bp != nil {
+			putChunk(r.bp)
+			r.bp = nil
+		}
+		return nil, 0, err, nil
+	}
+	if fromSink {
+		err, r.err = r.err, nil
+		return nil, 0, nil, err
+	}
+	bp, n, err = r.result()
+	return bp, n, err, nil
+}
+
+// call is the RawConn.Read callback: try for read, and for readEach the
+// loop below (in this frame, not one more: it runs under the sink's
+// handler, and a pump's stack should stay within its first 2 KiB; see
+// the idle figures in docs/performance.md).
+func (r *sockReader) call(fd uintptr) bool {
+	if r.sink == nil {
+		return r.try(fd)
+	}
+	for {
+		limit := min(r.sink.limit(), chunkSize)
+		if limit <= 0 {
+			return true
+		}
+		bp := getChunk()
+		n, queued, err := readInq(int(fd), (*bp)[:limit], r.inq)
+		switch err {
+		case syscall.EINTR:
+			putChunk(bp)
+			continue
+		case syscall.EAGAIN:
+			putChunk(bp)
+			if r.waits < math.MaxUint8 {
+				r.waits++
+			}
+			if r.waits == inqAfter && !r.inq {
+				r.inq = enableInq(int(fd))
+			}
+			return false
+		}
+		if err != nil || n == 0 {
+			r.bp, r.n, r.err = bp, int32(n), err
+			return true
+		}
+		h, herr := r.sink.handle(bp, n)
+		switch h {
+		case handledStop:
+			putChunk(bp)
+			r.err, r.sinkErr = herr, herr != nil
+			return true
+		case handledKeep:
+			r.bp, r.n = bp, int32(n)
+			return true
+		}
+		putChunk(bp)
+		if queued == 0 {
+			return false // drained, no FIN: wait (see readEach)
+		}
+	}
 }

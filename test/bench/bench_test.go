@@ -7,6 +7,8 @@ import (
 	"errors"
 	"net"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -145,5 +147,59 @@ func TestParsePinning(t *testing.T) {
 		if _, err := parsePinning(bad); err == nil {
 			t.Errorf("%q: no error", bad)
 		}
+	}
+}
+
+// The parser takes `strace -c` output apart: calls and errors per system
+// call, the total line left out. When strace is installed the sample is
+// strace's own, from tracing a command that fails some calls.
+func TestParseStraceSummary(t *testing.T) {
+	sample := `% time     seconds  usecs/call     calls    errors syscall
+------ ----------- ----------- --------- --------- ----------------
+ 64.49    0.000207           5        39        19 openat
+ 12.77    0.000041           1        30           mmap
+  2.49    0.000008           4         2         2 statx
+------ ----------- ----------- --------- --------- ----------------
+100.00    0.000321           2        71        21 total
+`
+	got, err := parseStraceSummary(strings.NewReader(sample))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][2]int64{"openat": {39, 19}, "mmap": {30, 0}, "statx": {2, 2}}
+	if len(got) != len(want) {
+		t.Fatalf("parsed %v, want %v", got, want)
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Fatalf("parsed %v, want %v", got, want)
+		}
+	}
+	if _, err := parseStraceSummary(strings.NewReader("strace: attach: ptrace(PTRACE_SEIZE, 1): Operation not permitted\n")); err == nil {
+		t.Fatal("no calls parsed from an error message, want an error")
+	}
+	bin := straceBin()
+	if bin == "" {
+		return
+	}
+	out := filepath.Join(t.TempDir(), "s.txt")
+	// ls of a path that does not exist: its stat fails (an error counted).
+	_ = exec.Command(bin, "-c", "-f", "-q", "-o", out, "ls", filepath.Join(t.TempDir(), "none")).Run()
+	f, err := os.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	real, err := parseStraceSummary(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls, errs int64
+	for _, v := range real {
+		calls += v[0]
+		errs += v[1]
+	}
+	if calls == 0 || errs == 0 {
+		t.Fatalf("strace's own summary parsed to %d calls, %d failed; want some of each", calls, errs)
 	}
 }

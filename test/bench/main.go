@@ -37,6 +37,7 @@ type options struct {
 	maxOps     int64
 	lpFraming  string
 	idleLinks  int
+	syscalls   bool
 }
 
 func main() {
@@ -57,6 +58,7 @@ func main() {
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
 	flag.StringVar(&o.lpFraming, "lp-framing", "none", "livenessproxy listener framing: none | length_field (4-byte big-endian, like the bench protocol) | kafka | pinot (requests carry a Kafka or Pinot header that the profile reads)")
 	flag.IntVar(&o.idleLinks, "idle", 0, "after the scenarios, hold N idle links through each proxy (one 64 KiB exchange each way) and report memory per link; -1: as many as the descriptor limit allows")
+	flag.BoolVar(&o.syscalls, "syscalls", false, "after round 1 of each scenario, one more run per proxy with strace -c attached: system calls per operation (skipped when strace is not on PATH)")
 	flag.Parse()
 	if err := o.validate(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -203,6 +205,9 @@ func run(ctx context.Context, o options) error {
 				doc.Runs = append(doc.Runs, r)
 				// Let the previous run's sockets and goroutines settle.
 				sleepUntil(ctx, time.Now().Add(200*time.Millisecond))
+			}
+			if o.syscalls && round == 1 {
+				doc.Syscalls = append(doc.Syscalls, traceScenario(ctx, o, sc, paths, tmp)...)
 			}
 		}
 	}

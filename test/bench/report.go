@@ -18,6 +18,9 @@ type cpuMeter struct {
 	pids           map[string]int // role -> pid
 	atStart, atEnd map[string]time.Duration
 	failed         map[string]bool
+	// onBegin and onEnd, when set, run at the window's edges after the
+	// snapshots (a traced run attaches strace there).
+	onBegin, onEnd func()
 }
 
 func newCPUMeter(pids map[string]int) *cpuMeter {
@@ -35,8 +38,19 @@ func (m *cpuMeter) snap(into map[string]time.Duration) {
 	}
 }
 
-func (m *cpuMeter) begin() { m.snap(m.atStart) }
-func (m *cpuMeter) end()   { m.snap(m.atEnd) }
+func (m *cpuMeter) begin() {
+	m.snap(m.atStart)
+	if m.onBegin != nil {
+		m.onBegin()
+	}
+}
+
+func (m *cpuMeter) end() {
+	m.snap(m.atEnd)
+	if m.onEnd != nil {
+		m.onEnd()
+	}
+}
 
 // used returns the CPU time role spent in the window.
 func (m *cpuMeter) used(role string) (time.Duration, bool) {
@@ -251,15 +265,16 @@ func summarize(runs []runResult) []summary {
 
 // document is what -json prints.
 type document struct {
-	Started   time.Time    `json:"started"`
-	Host      hostInfo     `json:"host"`
-	Settings  settings     `json:"settings"`
-	Pinning   pinning      `json:"pinning"`
-	Paths     []path       `json:"paths"`
-	Scenarios []scenInfo   `json:"scenarios"`
-	Summary   []summary    `json:"summary"`
-	Runs      []runResult  `json:"runs"`
-	Idle      []idleResult `json:"idle,omitempty"`
+	Started   time.Time       `json:"started"`
+	Host      hostInfo        `json:"host"`
+	Settings  settings        `json:"settings"`
+	Pinning   pinning         `json:"pinning"`
+	Paths     []path          `json:"paths"`
+	Scenarios []scenInfo      `json:"scenarios"`
+	Summary   []summary       `json:"summary"`
+	Runs      []runResult     `json:"runs"`
+	Idle      []idleResult    `json:"idle,omitempty"`
+	Syscalls  []syscallResult `json:"syscalls,omitempty"`
 }
 
 type hostInfo struct {
@@ -339,6 +354,7 @@ func writeTable(w io.Writer, d document) {
 		}
 	}
 	writeSideBySide(w, d.Summary)
+	writeSyscallTable(w, d.Syscalls)
 	writeIdleTable(w, d.Idle)
 }
 

@@ -1,0 +1,313 @@
+//go:build linux
+
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// tcpPair is a connected loopback pair: c dialled, s accepted.
+func tcpPair(t *testing.T) (c, s *net.TCPConn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	dc, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ac, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = dc.Close(); _ = ac.Close() })
+	return dc.(*net.TCPConn), ac.(*net.TCPConn)
+}
+
+// waitRead reads s once it is readable: what readInq returned.
+func waitRead(t *testing.T, s *net.TCPConn, p []byte) (n, queued int) {
+	t.Helper()
+	rc, err := s.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = s.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var rerr error
+	if err := rc.Read(func(fd uintptr) bool {
+		n, queued, rerr = readInq(int(fd), p, true)
+		return rerr != syscall.EAGAIN
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if rerr != nil {
+		t.Fatal(rerr)
+	}
+	return n, queued
+}
+
+// With TCP_INQ on, a read says what it left behind: nothing (wait for
+// the poller), bytes (read on), or a FIN (1: the next read returns 0).
+// This is what lets readEach skip the read that would find nothing.
+func TestReadInqSaysWhatIsLeft(t *testing.T) {
+	c, s := tcpPair(t)
+	rc, err := s.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok := false
+	_ = rc.Control(func(fd uintptr) { ok = enableInq(int(fd)) })
+	if !ok {
+		t.Fatal("TCP_INQ refused (Linux has had it since 4.18)")
+	}
+	buf := make([]byte, 64)
+	if _, err := c.Write([]byte("0123456789")); err != nil {
+		t.Fatal(err)
+	}
+	if n, q := waitRead(t, s, buf); n != 10 || q != 0 {
+		t.Fatalf("read %d, left %d; want 10 and nothing left", n, q)
+	}
+	if _, err := c.Write([]byte("0123456789")); err != nil {
+		t.Fatal(err)
+	}
+	if n, q := waitRead(t, s, buf[:4]); n != 4 || q != 6 {
+		t.Fatalf("read %d of 10, left %d; want 4 and 6 left", n, q)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	waitCloseWait(t, s) // the FIN has arrived, behind the 6 bytes
+	if n, q := waitRead(t, s, buf[:6]); n != 6 || q != 1 {
+		t.Fatalf("read %d, left %d; want the last 6 bytes and 1 (the FIN)", n, q)
+	}
+	if n, _ := waitRead(t, s, buf); n != 0 {
+		t.Fatalf("read %d after the FIN, want 0 (EOF)", n)
+	}
+}
+
+// waitCloseWait waits until s has received its peer's FIN (CLOSE_WAIT).
+func waitCloseWait(t *testing.T, s *net.TCPConn) {
+	t.Helper()
+	rc, err := s.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var state uint8
+		_ = rc.Control(func(fd uintptr) {
+			if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+				state = ti.State
+			}
+		})
+		if state == unix.BPF_TCP_CLOSE_WAIT {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no FIN within 5 s (state %d)", state)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// echoSink writes each chunk back to s; with a gate it first says it is
+// there (a send on gate) and waits to be let go (a receive).
+type echoSink struct {
+	s    *net.TCPConn
+	gate chan struct{}
+}
+
+func (*echoSink) limit() int { return chunkSize }
+
+func (e *echoSink) handle(bp *[]byte, n int) (handled, error) {
+	if e.gate != nil {
+		e.gate <- struct{}{}
+		<-e.gate
+	}
+	if _, err := e.s.Write((*bp)[:n]); err != nil {
+		return handledStop, err
+	}
+	return handledMore, nil
+}
+
+// echoEach runs readEach on s with an echoSink in a goroutine, whose
+// error it reports.
+func echoEach(t *testing.T, r *sockReader, s *net.TCPConn, gate chan struct{}) <-chan error {
+	t.Helper()
+	if err := r.init(s); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, _, err, werr := r.readEach(&echoSink{s: s, gate: gate})
+		if werr != nil {
+			err = werr
+		}
+		done <- err
+	}()
+	return done
+}
+
+// endOf waits for the readEach goroutine; if it is stuck, closing s ends
+// it (so the test fails instead of hanging, and leaks nothing).
+func endOf(t *testing.T, done <-chan error, s *net.TCPConn) error {
+	t.Helper()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(20 * time.Second):
+		_ = s.Close()
+		<-done
+		t.Fatal("readEach did not return within 20 s")
+		return nil
+	}
+}
+
+// Once a socket has waited for data twice, TCP_INQ is on and a read that
+// drains it is not followed by one that finds nothing: the reader waits
+// for the poller in the same RawConn.Read instead. No wake-up is lost
+// (every round trip completes) and EOF is still seen. The reader's own
+// count of reads that found nothing stays near inqAfter, where it would
+// be one per round trip without TCP_INQ.
+func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
+	c, s := tcpPair(t)
+	var r sockReader
+	done := echoEach(t, &r, s, nil)
+	const rounds = 200
+	msg := []byte("sixteen bytes..")
+	got := make([]byte, len(msg))
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	for i := range rounds {
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatalf("round %d: %v", i, err)
+		}
+		if !bytes.Equal(got, msg) {
+			t.Fatalf("round %d: %q", i, got)
+		}
+	}
+	endsAtEOF(t, c, s, done, &r)
+	if r.waits > inqAfter+rounds/4 {
+		t.Fatalf("%d reads found nothing in %d round trips: the read after a drained one is still made", r.waits, rounds)
+	}
+}
+
+// A FIN that came in the same segment as the last bytes is seen: the read
+// that takes the bytes also says a FIN is behind them (TCP_INQ says 1),
+// so the reader reads again instead of waiting for an edge that will
+// never come. The client corks its socket so that the kernel tacks the
+// FIN onto the unsent bytes.
+func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
+	c, s := tcpPair(t)
+	var r sockReader
+	done := echoEach(t, &r, s, nil)
+	msg := []byte("ping")
+	got := make([]byte, len(msg))
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	for range 10 { // TCP_INQ on after inqAfter waits
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 1) })
+	if _, err := c.Write([]byte("last")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if err := endOf(t, done, s); !errors.Is(err, io.EOF) {
+		t.Fatalf("readEach ended with %v, want io.EOF", err)
+	}
+	if _, err := io.ReadFull(c, got); err != nil || string(got) != "last" {
+		t.Fatalf("echo of the last bytes: %q, %v", got, err)
+	}
+	if !r.inq {
+		t.Fatal("TCP_INQ never turned on")
+	}
+}
+
+// Bytes that arrive while the handler is still busy with the previous
+// chunk (after the read that drained the socket, before the wait) wake
+// the wait at once: the runtime recorded the edge.
+func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
+	c, s := tcpPair(t)
+	var r sockReader
+	gate := make(chan struct{})
+	done := echoEach(t, &r, s, gate)
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	msg := []byte("ping")
+	got := make([]byte, 2*len(msg))
+	for range 10 { // TCP_INQ on after inqAfter waits
+		if _, err := c.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		<-gate
+		gate <- struct{}{}
+		if _, err := io.ReadFull(c, got[:len(msg)]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// "ping" is read (the socket drained) and its handler held; "pong"
+	// arrives and waits in the receive queue before the handler ends.
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	<-gate
+	if _, err := c.Write([]byte("pong")); err != nil {
+		t.Fatal(err)
+	}
+	waitQueued(t, s, len("pong"))
+	gate <- struct{}{}
+	<-gate // the handler of "pong": the wait woke
+	gate <- struct{}{}
+	if _, err := io.ReadFull(c, got); err != nil || string(got) != "pingpong" {
+		t.Fatalf("echo %q, %v; want both writes back", got, err)
+	}
+	endsAtEOF(t, c, s, done, &r)
+}
+
+// endsAtEOF half-closes c and checks that the readEach on s ends at the
+// FIN, with TCP_INQ on by then.
+func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *sockReader) {
+	t.Helper()
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if err := endOf(t, done, s); !errors.Is(err, io.EOF) {
+		t.Fatalf("readEach ended with %v, want io.EOF", err)
+	}
+	if !r.inq {
+		t.Fatal("TCP_INQ never turned on")
+	}
+}
+
+// waitQueued waits until s's receive queue holds n bytes (SIOCINQ).
+func waitQueued(t *testing.T, s *net.TCPConn, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for unreadBytes(s) != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("receive queue holds %d bytes, want %d", unreadBytes(s), n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
