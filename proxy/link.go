@@ -512,6 +512,7 @@ func (s *requests) handle(bp *[]byte, n int) (handled, error) {
 	buf := (*bp)[:n]
 	lk.l.p.budget.reading(int64(cap(*bp)))
 	lk.countRequest(buf)
+	lk.win.arm() // bytes may wait for the upstream in the kernel: watch its window (see send)
 	w, err := lk.tryWrite(buf)
 	if err == nil && w < n {
 		lk.reqBegun, lk.reqSent = true, int32(w) // the rest is queued by pumpRequests
