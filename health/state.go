@@ -15,7 +15,10 @@
 // An excluded endpoint is probed over a fresh connection, never an existing
 // one, with exponential backoff: ProbeConfig.InitialDelay after the exclusion,
 // then that delay multiplied by ProbeConfig.Factor for every failed probe, up
-// to ProbeConfig.MaxDelay, each delay jittered by ProbeConfig.Jitter. Every
+// to ProbeConfig.MaxDelay, each delay jittered by ProbeConfig.Jitter; while
+// ProbeConfig.Waiting reports clients turned away, a probe starts at least
+// every WaitingInterval whatever the backoff, and an endpoint that flapped
+// is readmitted only after its probes passed for a hold-down. Every
 // probe gives a verdict: an error of any kind is a failure, and there is no
 // path on which "nothing to check" counts as healthy. Only a successful probe
 // or the operator readmits an endpoint. A Disabled endpoint is never probed.
