@@ -2,8 +2,6 @@ package proxy
 
 import (
 	"sync/atomic"
-
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
 // dialRecord is what a link's dial did, for its stats and the access log:
@@ -27,10 +25,10 @@ func (d *dialRecord) try(ep *endpoint) {
 // an error on its socket), or the proxy (every other reason: a timeout,
 // the watermark, an eviction, a dial that failed, shutdown, ...).
 func endedBy(reason CloseReason) string {
-	switch string(reason) {
-	case metrics.ReasonClientClosed, metrics.ReasonClientError:
+	switch reason {
+	case CloseClientClosed, CloseClientError:
 		return "client"
-	case metrics.ReasonUpstreamClosed, metrics.ReasonUpstreamError:
+	case CloseUpstreamClosed, CloseUpstreamError:
 		return "upstream"
 	case "":
 		return ""

@@ -125,7 +125,7 @@ func (p *Proxy) Evict(addr string) (int, error) {
 	eps, err := p.lookup(addr)
 	n := 0
 	for _, ep := range eps {
-		n += ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictOperator)
+		n += ep.evict(time.Time{}, CloseEvicted, metrics.EvictOperator)
 	}
 	return n, err
 }

@@ -7,8 +7,6 @@ import (
 	"os"
 	"syscall"
 	"time"
-
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
 // upstreamFault reports whether err, from a dial or an upstream socket,
@@ -55,14 +53,14 @@ func dialTimedOut(err error) bool {
 // closeReasonFor maps an error on an upstream socket to a close reason:
 // upstream_timeout (ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up),
 // upstream_error (any other failure of the upstream), or local_error.
-func closeReasonFor(err error) string {
+func closeReasonFor(err error) CloseReason {
 	switch {
 	case errors.Is(err, syscall.ETIMEDOUT):
-		return metrics.ReasonUpstreamTimeout
+		return CloseUpstreamTimeout
 	case upstreamFault(err):
-		return metrics.ReasonUpstreamError
+		return CloseUpstreamError
 	}
-	return metrics.ReasonLocalError
+	return CloseLocalError
 }
 
 // localErrorLogEvery bounds the log lines about the proxy's own failures:

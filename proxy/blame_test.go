@@ -19,7 +19,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -50,16 +49,16 @@ func TestUpstreamFaultClassification(t *testing.T) {
 		name     string
 		err      error
 		upstream bool
-		reason   string
+		reason   CloseReason
 	}{
-		{"connection refused", refused, true, metrics.ReasonUpstreamError},
-		{"connect timeout", timedOut, true, metrics.ReasonUpstreamError},
-		{"ETIMEDOUT", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ETIMEDOUT)}, true, metrics.ReasonUpstreamTimeout},
-		{"reset", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)}, true, metrics.ReasonUpstreamError},
-		{"EMFILE", &net.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.EMFILE)}, false, metrics.ReasonLocalError},
-		{"ENOBUFS", &net.OpError{Op: "write", Err: os.NewSyscallError("write", syscall.ENOBUFS)}, false, metrics.ReasonLocalError},
-		{"a socket option the kernel refused", badOption, false, metrics.ReasonLocalError},
-		{"a name that does not resolve", unresolved, false, metrics.ReasonLocalError},
+		{"connection refused", refused, true, CloseUpstreamError},
+		{"connect timeout", timedOut, true, CloseUpstreamError},
+		{"ETIMEDOUT", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ETIMEDOUT)}, true, CloseUpstreamTimeout},
+		{"reset", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)}, true, CloseUpstreamError},
+		{"EMFILE", &net.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.EMFILE)}, false, CloseLocalError},
+		{"ENOBUFS", &net.OpError{Op: "write", Err: os.NewSyscallError("write", syscall.ENOBUFS)}, false, CloseLocalError},
+		{"a socket option the kernel refused", badOption, false, CloseLocalError},
+		{"a name that does not resolve", unresolved, false, CloseLocalError},
 	} {
 		if c.err == nil {
 			t.Fatalf("%s: no error to classify", c.name)
@@ -158,13 +157,13 @@ func TestOutOfDescriptorsIsALocalError(t *testing.T) {
 	s := h.linkEnd(5 * time.Second)
 	restore()
 
-	if s.Reason != metrics.ReasonLocalError || !errors.Is(s.Err, syscall.EMFILE) {
+	if s.Reason != CloseLocalError || !errors.Is(s.Err, syscall.EMFILE) {
 		t.Fatalf("link ended %q (%v), want local_error from EMFILE", s.Reason, s.Err)
 	}
 	if !errors.Is(rerr, syscall.ECONNRESET) {
 		t.Fatalf("client saw %v, want a reset", rerr)
 	}
-	if got := testutil.ToFloat64(h.m.ForListener("test").Closes(metrics.ReasonLocalError)); got != 1 {
+	if got := testutil.ToFloat64(h.m.ForListener("test").Closes(string(CloseLocalError))); got != 1 {
 		t.Fatalf("link_closes_total{reason=local_error} = %v, want 1", got)
 	}
 	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 0 {
@@ -269,7 +268,7 @@ func TestShortPauseUnderUploadExcludesNothing(t *testing.T) {
 	sent := writeAsync(up, 16<<20, 64<<10)
 	s := h.linkEnd(5 * time.Second)
 	<-sent
-	if s.Reason != metrics.ReasonWatermark {
+	if s.Reason != CloseWatermark {
 		t.Fatalf("uploading link ended %q (%v), want watermark", s.Reason, s.Err)
 	}
 	time.Sleep(100 * time.Millisecond) // a report would have excluded it by now
@@ -306,7 +305,7 @@ func TestOverflowAfterNoProgressExcludes(t *testing.T) {
 	s := h.linkEnd(10 * time.Second)
 	// Whichever comes first, the writer's own write_timeout or the
 	// overflow after write_timeout without progress, is evidence.
-	if s.Reason != metrics.ReasonWriteTimeout && s.Reason != metrics.ReasonWatermark {
+	if s.Reason != CloseWriteTimeout && s.Reason != CloseWatermark {
 		t.Fatalf("link ended %q (%v), want write_timeout or watermark", s.Reason, s.Err)
 	}
 	h.waitState("excluded", 2*time.Second)
@@ -336,7 +335,7 @@ func TestSteadySlowReaderNeverTimesOut(t *testing.T) {
 	if err != nil || !bytes.Equal(got, want[:]) {
 		t.Fatalf("steady slow reader got a cut stream: %x, %v", got, err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonClientClosed {
+	if s := h.linkEnd(time.Second); s.Reason != CloseClientClosed {
 		t.Fatalf("reason %q (%v), want client_closed", s.Reason, s.Err)
 	}
 	if ep := h.endpoint(); ep.State != "healthy" {

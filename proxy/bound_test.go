@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"golang.org/x/sys/unix"
 )
@@ -24,7 +23,7 @@ func TestStalledUpstreamHoldsAtMostTheWatermark(t *testing.T) {
 	h, _, sent := stalledUpstream(t, high, policy.OverflowReject)
 	s := h.linkEnd(10 * time.Second)
 	<-sent
-	if s.Reason != metrics.ReasonWatermark {
+	if s.Reason != CloseWatermark {
 		t.Fatalf("link ended %q (%v), want watermark", s.Reason, s.Err)
 	}
 	// The peer's receive buffer: 4 KiB asked, doubled by the kernel, and

@@ -6,8 +6,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
 // budget is the process's memory budget: the bytes every link holds in
@@ -235,7 +233,7 @@ func (lk *link) holdsForNothing(now int64) bool {
 // is blamed, as a write_timeout would blame it.
 func (lk *link) budgetClose() {
 	lk.overflowStalled.Store(true)
-	if lk.abort(metrics.ReasonBudget, nil) {
+	if lk.abort(CloseBudget, nil) {
 		lk.l.p.budget.closed.Add(1)
 	}
 }

@@ -61,7 +61,7 @@ func TestDefaultWatermarkKeepsAHealthyUpload(t *testing.T) {
 	}
 	_ = c.Close()
 	s := h.linkEnd(10 * time.Second)
-	if s.Reason != metrics.ReasonClientClosed && s.Reason != metrics.ReasonUpstreamClosed {
+	if s.Reason != CloseClientClosed && s.Reason != CloseUpstreamClosed {
 		t.Fatalf("link ended %q (%v), want a clean end", s.Reason, s.Err)
 	}
 	// The situation of the finding: the queue reached the watermark.
@@ -90,7 +90,7 @@ func TestDefaultWatermarkStoppedReaderStillTrips(t *testing.T) {
 	sent := writeAsync(c, 64<<20, 64<<10)
 	s := h.linkEnd(10 * time.Second)
 	<-sent
-	if s.Reason != metrics.ReasonWriteTimeout {
+	if s.Reason != CloseWriteTimeout {
 		t.Fatalf("link ended %q (%v), want write_timeout", s.Reason, s.Err)
 	}
 	if s.MaxQueued > 16<<20 {
@@ -210,7 +210,7 @@ func TestBudgetHoldsAndStalledLinksGiveWay(t *testing.T) {
 		t.Fatalf("queues held %d bytes, past the %d budget", peakQueued, budget)
 	}
 	for reason, n := range ends {
-		if reason != metrics.ReasonBudget && reason != metrics.ReasonWriteTimeout {
+		if reason != string(CloseBudget) && reason != string(CloseWriteTimeout) {
 			t.Fatalf("%d stalled links ended %q, want budget or write_timeout", n, reason)
 		}
 	}
@@ -265,7 +265,7 @@ func TestBudgetSlowSteadyUploadsAllFinish(t *testing.T) {
 	for range links {
 		select {
 		case s := <-r.ended:
-			if s.Reason != metrics.ReasonClientClosed && s.Reason != metrics.ReasonUpstreamClosed {
+			if s.Reason != CloseClientClosed && s.Reason != CloseUpstreamClosed {
 				t.Errorf("a link ended %q (%v), want a clean end", s.Reason, s.Err)
 			}
 		case <-time.After(10 * time.Second):
@@ -367,7 +367,7 @@ func TestBudgetWaitAfterIdleIsNotEvidence(t *testing.T) {
 	if r := lk.reason.Load(); r != nil {
 		t.Fatalf("the live link was closed %q while it waited for the budget", *r)
 	}
-	if got := testutil.ToFloat64(m.ForListener("test").Closes(metrics.ReasonBudget)); got != 0 {
+	if got := testutil.ToFloat64(m.ForListener("test").Closes(string(CloseBudget))); got != 0 {
 		t.Fatalf("%v links closed for the budget", got)
 	}
 }
@@ -432,7 +432,7 @@ func TestBudgetClosesAWaiterWhoseUpstreamStopped(t *testing.T) {
 	fillBudget(t, p, dial)
 	writeAsync(dial("test"), 16<<20, 64<<10)
 	deadline := time.Now().Add(10 * time.Second)
-	for testutil.ToFloat64(m.ForListener("test").Closes(metrics.ReasonBudget)) == 0 {
+	for testutil.ToFloat64(m.ForListener("test").Closes(string(CloseBudget))) == 0 {
 		if time.Now().After(deadline) {
 			t.Fatalf("the link toward the stopped upstream was not closed for the budget within 10 s (waits %v)", testutil.ToFloat64(m.BudgetWaits))
 		}
@@ -451,7 +451,7 @@ func TestBudgetClosesAWaiterWhoseUpstreamStopped(t *testing.T) {
 	}
 	// The link that holds the budget is not the one that was closed: its
 	// own upstream is judged by its own write_timeout (a minute).
-	if got := testutil.ToFloat64(m.ForListener("stall").Closes(metrics.ReasonBudget)); got != 0 {
+	if got := testutil.ToFloat64(m.ForListener("stall").Closes(string(CloseBudget))); got != 0 {
 		t.Fatalf("the holder was closed for the budget %v times within its minute", got)
 	}
 }

@@ -135,12 +135,12 @@ func TestUnansweredThresholdExcludesEndpoint(t *testing.T) {
 		t.Fatalf("second link saw %v", err)
 	}
 	for range 2 {
-		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonUnanswered {
+		if s := h.linkEnd(time.Second); s.Reason != CloseUnanswered {
 			t.Fatalf("reason %q, want unanswered", s.Reason)
 		}
 	}
 	ep := h.waitState("excluded", time.Second)
-	if ep.Reason != metrics.ReasonUnanswered {
+	if ep.Reason != string(CloseUnanswered) {
 		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
 	}
 	expectRefused(t, h.addr)
@@ -335,7 +335,7 @@ func TestTruncatedFrameClosesOnlyItsLink(t *testing.T) {
 	if err, _ := waitClosed(t, bad, 2*time.Second); !isCloseSignal(err) {
 		t.Fatalf("bad link saw %v", err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonBadFrame {
+	if s := h.linkEnd(time.Second); s.Reason != CloseBadFrame {
 		t.Fatalf("reason %q (%v), want bad_frame", s.Reason, s.Err)
 	}
 	roundTripFrame(t, good, "after")
@@ -384,12 +384,12 @@ func TestUnansweredCountsAfterClientCloses(t *testing.T) {
 		sendFrame(t, c, "q")
 		time.Sleep(100 * time.Millisecond) // the client gives up first
 		_ = c.Close()
-		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonClientClosed && s.Reason != metrics.ReasonClientError {
+		if s := h.linkEnd(time.Second); s.Reason != CloseClientClosed && s.Reason != CloseClientError {
 			t.Fatalf("link %d ended with %q", i, s.Reason)
 		}
 	}
 	ep := h.waitState("excluded", time.Second)
-	if ep.Reason != metrics.ReasonUnanswered {
+	if ep.Reason != string(CloseUnanswered) {
 		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
 	}
 }
@@ -432,7 +432,7 @@ func TestShutdownDuringDialsDoesNotExclude(t *testing.T) {
 	defer cancel()
 	_ = h.p.Shutdown(ctx)
 	for range 20 {
-		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonShutdown {
+		if s := h.linkEnd(time.Second); s.Reason != CloseShutdown {
 			t.Fatalf("reason %q, want shutdown", s.Reason)
 		}
 	}
@@ -462,7 +462,7 @@ func TestSlowReaderIsNotAWriteTimeout(t *testing.T) {
 	if err != nil || !bytes.Equal(got, want[:]) {
 		t.Fatalf("slow reader got a cut stream: %x, %v", got, err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonClientClosed {
+	if s := h.linkEnd(time.Second); s.Reason != CloseClientClosed {
 		t.Fatalf("reason %q, want client_closed", s.Reason)
 	}
 }

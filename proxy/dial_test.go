@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
-
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
 // drainingServer is an echo server that can close its listener while it
@@ -90,7 +88,7 @@ func TestRefusedConnectWhileAnsweringExcludesNothing(t *testing.T) {
 		if err, _ := waitClosed(t, nc, 5*time.Second); err == nil {
 			t.Fatal("a new link to a closed listener was not reset")
 		}
-		if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonDialError {
+		if s := h.linkEnd(5 * time.Second); s.Reason != CloseDialError {
 			t.Fatalf("new link ended %s, want dial_error", s.Reason)
 		}
 	}
@@ -109,11 +107,11 @@ func TestRefusedConnectWhileAnsweringExcludesNothing(t *testing.T) {
 	time.Sleep(2500 * time.Millisecond)
 	nc := h.dial()
 	_, _ = waitClosed(t, nc, 5*time.Second)
-	if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonDialError {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseDialError {
 		t.Fatalf("new link ended %s, want dial_error", s.Reason)
 	}
 	ep := h.waitState("excluded", 5*time.Second)
-	if ep.Reason != metrics.ReasonDialError {
+	if ep.Reason != string(CloseDialError) {
 		t.Fatalf("excluded for %s, want dial_error", ep.Reason)
 	}
 	roundTrip(t, c, []byte("kept through the exclusion"))

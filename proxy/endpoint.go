@@ -185,7 +185,7 @@ func (ep *endpoint) remove(lk *link) {
 // evict closes every link to the endpoint opened before `before` (all of
 // them when before is zero) with the given close reason, and counts them
 // per listener as evictions for evictReason.
-func (ep *endpoint) evict(before time.Time, closeReason, evictReason string) int {
+func (ep *endpoint) evict(before time.Time, closeReason CloseReason, evictReason string) int {
 	ep.mu.Lock()
 	var ks []*link
 	for lk := range ep.links {
@@ -243,7 +243,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 	switch ev.To {
 	case health.Excluded:
-		ep.linksKept.Store(keepsLinks(ev.Reason))
+		ep.linksKept.Store(keepsLinks(CloseReason(ev.Reason)))
 		if ep.linksKept.Load() {
 			// New links are refused, but this is no evidence against the
 			// links still open (see keepsLinks): each is judged by its own
@@ -251,12 +251,12 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded: new links refused, open links kept")
 			break
 		}
-		closeReason := metrics.ReasonEvicted
-		if ev.Reason == metrics.ReasonUnanswered {
-			closeReason = metrics.ReasonUnanswered
+		closeReason := CloseEvicted
+		if CloseReason(ev.Reason) == CloseUnanswered {
+			closeReason = CloseUnanswered
 		}
 		n := ep.evict(time.Time{}, closeReason, metrics.EvictExcluded)
-		if linkEnd(ev.Reason) {
+		if linkEnd(CloseReason(ev.Reason)) {
 			n++ // the link whose end was the evidence, closed before the report
 		}
 		e := log.Warn().Int("links_closed", n)
@@ -268,7 +268,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 		}
 		e.Msg("endpoint excluded")
 	case health.Disabled:
-		n := ep.evict(time.Time{}, metrics.ReasonEvicted, metrics.EvictDisabled)
+		n := ep.evict(time.Time{}, CloseEvicted, metrics.EvictDisabled)
 		log.Warn().Int("links_closed", n).Msg("endpoint disabled")
 	case health.Healthy:
 		// A fresh start: requests sent before the readmission (on links
@@ -291,7 +291,7 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 			if left := ep.leftAt.Load(); left != nil {
 				before = *left
 			}
-			n = ep.evict(before, metrics.ReasonEvicted, metrics.EvictReadmitted)
+			n = ep.evict(before, CloseEvicted, metrics.EvictReadmitted)
 		}
 		log.Info().Int("links_closed", n).Msg("endpoint readmitted")
 	}
@@ -331,9 +331,9 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 // were closed already; links on another session to the same peer are
 // judged by that session's heartbeat (a blackhole can take one path and
 // spare another).
-func keepsLinks(reason string) bool {
+func keepsLinks(reason CloseReason) bool {
 	switch reason {
-	case metrics.ReasonDialError, reasonMeshNotReady, reasonMeshDead:
+	case CloseDialError, reasonMeshNotReady, reasonMeshDead:
 		return true
 	}
 	return false
@@ -376,9 +376,9 @@ func (ep *endpoint) dialSucceeded() {
 // linkEnd reports whether an exclusion reason is the end of a link (a
 // write timeout, ETIMEDOUT, a stalled overflow): that link was already
 // closed when the report came.
-func linkEnd(reason string) bool {
+func linkEnd(reason CloseReason) bool {
 	switch reason {
-	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout, metrics.ReasonWatermark, metrics.ReasonBudget:
+	case CloseWriteTimeout, CloseUpstreamTimeout, CloseWatermark, CloseBudget:
 		return true
 	}
 	return false
@@ -418,19 +418,19 @@ func (ep *endpoint) owner() *listener {
 }
 
 // report passes a data-plane failure to the detector.
-func (p *Proxy) report(ep *endpoint, reason string) {
-	p.det.Report(ep.addr, reason)
+func (p *Proxy) report(ep *endpoint, reason CloseReason) {
+	p.det.Report(ep.addr, string(reason))
 }
 
 // reportLinkEnd passes the end of lk, evidence against its upstream (see
 // blamesUpstream), to the detector, with what was seen: since when the
 // upstream had acknowledged nothing, and the link's error.
-func (p *Proxy) reportLinkEnd(lk *link, reason string, err error) {
-	ev := health.Evidence{Since: monoToTime(lk.ackedAt.Load()), Detail: "a link ended " + reason}
+func (p *Proxy) reportLinkEnd(lk *link, reason CloseReason, err error) {
+	ev := health.Evidence{Since: monoToTime(lk.ackedAt.Load()), Detail: "a link ended " + string(reason)}
 	if err != nil {
 		ev.Detail += ": " + err.Error()
 	}
-	p.det.ReportEvidence(lk.ep.addr, reason, ev)
+	p.det.ReportEvidence(lk.ep.addr, string(reason), ev)
 }
 
 // monoToTime converts a mono time to wall-clock time.
@@ -517,9 +517,9 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 		log = log.Int64("last_answer_ms_ago", time.Duration(now-last).Milliseconds())
 	}
 	log.Msg("endpoint suspect: requests past their deadline with the endpoint silent")
-	if !p.det.ReportEvidence(ep.addr, metrics.ReasonUnanswered, ev) {
+	if !p.det.ReportEvidence(ep.addr, string(CloseUnanswered), ev) {
 		// Already excluded (on_excluded: allow) or disabled: still close.
-		ep.evict(time.Time{}, metrics.ReasonUnanswered, metrics.EvictExcluded)
+		ep.evict(time.Time{}, CloseUnanswered, metrics.EvictExcluded)
 	}
 }
 
@@ -528,20 +528,20 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 // endpoint, and why, is in the README ("What counts as a dead upstream").
 // upstreamEnded reports whether a link's end came from its upstream's
 // side: a local server behind a mesh ingress may have gone.
-func upstreamEnded(reason string) bool {
+func upstreamEnded(reason CloseReason) bool {
 	switch reason {
-	case metrics.ReasonUpstreamClosed, metrics.ReasonUpstreamError, metrics.ReasonUpstreamTimeout,
-		metrics.ReasonWriteTimeout, metrics.ReasonDialError, metrics.ReasonUnanswered, metrics.ReasonRefused:
+	case CloseUpstreamClosed, CloseUpstreamError, CloseUpstreamTimeout,
+		CloseWriteTimeout, CloseDialError, CloseUnanswered, CloseRefused:
 		return true
 	}
 	return false
 }
 
-func (lk *link) blamesUpstream(reason string) bool {
+func (lk *link) blamesUpstream(reason CloseReason) bool {
 	switch reason {
-	case metrics.ReasonWriteTimeout, metrics.ReasonUpstreamTimeout:
+	case CloseWriteTimeout, CloseUpstreamTimeout:
 		return true // (a failed dial is reported by the attempt itself)
-	case metrics.ReasonWatermark, metrics.ReasonBudget:
+	case CloseWatermark, CloseBudget:
 		return lk.overflowStalled.Load()
 	}
 	return false

@@ -6,8 +6,6 @@ import (
 	"net"
 	"testing"
 	"time"
-
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 )
 
 // oneUpstream accepts one connection on loopback and runs serve on it in
@@ -76,8 +74,8 @@ func TestLastFINAfterAllBytesClientFirst(t *testing.T) {
 		t.Fatalf("read %d bytes, want the %d of the response", len(got), len(resp))
 	}
 	wait()
-	if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonClientClosed {
-		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonClientClosed)
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseClientClosed {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseClientClosed)
 	}
 }
 
@@ -114,7 +112,7 @@ func TestLastFINAfterAllBytesUpstreamFirst(t *testing.T) {
 	if !bytes.Equal(got, last) {
 		t.Fatalf("upstream read %d bytes, want the %d the client sent", len(got), len(last))
 	}
-	if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonUpstreamClosed {
-		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonUpstreamClosed)
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseUpstreamClosed {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseUpstreamClosed)
 	}
 }

@@ -121,13 +121,13 @@ type link struct {
 	// was set.
 	conv *conv
 
-	reason    atomic.Pointer[string] // first reason that ended the link
+	reason    atomic.Pointer[CloseReason] // first reason that ended the link
 	endErr    atomic.Pointer[error]
 	closeOnce sync.Once
 
 	finMu     sync.Mutex
-	fins      int    // directions whose FIN has been passed on
-	firstFin  string // reason if the link ends cleanly
+	fins      int         // directions whose FIN has been passed on
+	firstFin  CloseReason // reason if the link ends cleanly
 	halfTimer *time.Timer
 }
 
@@ -167,7 +167,7 @@ func (lk *link) start() bool {
 		return false
 	}
 	if err := lk.client.upstreamConnected(); err != nil {
-		lk.abort(metrics.ReasonClientError, err)
+		lk.abort(CloseClientError, err)
 		return false
 	}
 	lk.live.Store(2)
@@ -292,7 +292,7 @@ func (lk *link) dial() bool {
 			case errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect:
 				lk.meshFallback(ep, mport, err)
 			case errors.Is(err, errNoIngress):
-				lk.setReason(metrics.ReasonRefused, err)
+				lk.setReason(CloseRefused, err)
 				lk.resetClient()
 				return false
 			case errors.Is(err, errMeshRefused):
@@ -302,11 +302,11 @@ func (lk *link) dial() bool {
 				avoid, lastErr = ep.addr, err
 				continue
 			case errors.Is(err, errMeshDead):
-				lk.setReason(metrics.ReasonMeshDead, err)
+				lk.setReason(CloseMeshDead, err)
 				lk.resetClient()
 				return false
 			case errors.Is(err, errMeshStream):
-				lk.setReason(metrics.ReasonUpstreamError, err)
+				lk.setReason(CloseUpstreamError, err)
 				lk.resetClient()
 				return false
 			default:
@@ -318,14 +318,14 @@ func (lk *link) dial() bool {
 		}
 		if err != nil && lk.l.ctx.Err() != nil {
 			// The proxy is shutting down: not the upstream's fault.
-			lk.setReason(metrics.ReasonShutdown, err)
+			lk.setReason(CloseShutdown, err)
 			lk.resetClient()
 			return false
 		}
 		if err != nil && !upstreamFault(err) {
 			// Out of descriptors, a socket option refused: the proxy's own
 			// failure, never the upstream's; another endpoint would not help.
-			lk.setReason(metrics.ReasonLocalError, err)
+			lk.setReason(CloseLocalError, err)
 			lk.l.localError(ep, err)
 			lk.resetClient()
 			return false
@@ -333,7 +333,7 @@ func (lk *link) dial() bool {
 		if err != nil {
 			lk.l.m.DialErrors.Inc()
 			if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
-				lk.l.p.report(ep, metrics.ReasonDialError)
+				lk.l.p.report(ep, CloseDialError)
 			} else {
 				lk.l.log.Debug().Err(err).Str("endpoint", ep.addr).
 					Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
@@ -349,9 +349,9 @@ func (lk *link) dial() bool {
 	// treats a completed close as a live server, a reset looks like the
 	// refused connection it stands for.
 	if lastErr != nil {
-		lk.setReason(metrics.ReasonDialError, lastErr)
+		lk.setReason(CloseDialError, lastErr)
 	} else {
-		lk.setReason(metrics.ReasonRefused, nil)
+		lk.setReason(CloseRefused, nil)
 	}
 	lk.resetClient()
 	return false
@@ -445,7 +445,7 @@ func (lk *link) pumpRequests() {
 				lk.badFrame("request", errTruncated)
 				return
 			}
-			lk.sawFin(metrics.ReasonClientClosed)
+			lk.sawFin(CloseClientClosed)
 			if lk.q.endOfInput() {
 				return // the writer passes the FIN on after the queued bytes
 			}
@@ -454,7 +454,7 @@ func (lk *link) pumpRequests() {
 				lk.fail(cerr)
 			}
 		} else {
-			lk.abort(metrics.ReasonClientError, err)
+			lk.abort(CloseClientError, err)
 		}
 		return
 	}
@@ -600,7 +600,7 @@ func (lk *link) send(p []byte, high int64) bool {
 		// that writes faster than a live server reads is not a dead server.
 		lk.l.m.WatermarkRejections.Inc()
 		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()))
-		lk.abort(metrics.ReasonWatermark, nil)
+		lk.abort(CloseWatermark, nil)
 		return false
 	case pushedStartWriter:
 		lk.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
@@ -693,7 +693,7 @@ func (lk *link) writeUpstream() {
 					// meanwhile: not a stall either.
 					continue
 				}
-				if lk.abort(metrics.ReasonWriteTimeout, err) {
+				if lk.abort(CloseWriteTimeout, err) {
 					lk.l.m.WriteTimeouts.Inc()
 				}
 			} else {
@@ -709,7 +709,7 @@ func (lk *link) writeUpstream() {
 func (lk *link) pumpResponses() {
 	_, _, err, werr := lk.fromUpstream.readEach((*responses)(lk))
 	if werr != nil {
-		lk.abort(metrics.ReasonClientError, werr)
+		lk.abort(CloseClientError, werr)
 		return
 	}
 	if errors.Is(err, io.EOF) {
@@ -755,9 +755,9 @@ func (s *responses) handle(bp *[]byte, n int) (handled, error) {
 
 // passFinToClient passes the upstream's FIN on to the client.
 func (lk *link) passFinToClient() {
-	lk.sawFin(metrics.ReasonUpstreamClosed)
+	lk.sawFin(CloseUpstreamClosed)
 	if cerr := lk.passFin(lk.client.CloseWrite); cerr != nil {
-		lk.abort(metrics.ReasonClientError, cerr)
+		lk.abort(CloseClientError, cerr)
 	}
 }
 
@@ -786,7 +786,7 @@ func (lk *link) passFin(closeWrite func() error) error {
 // badFrame ends the link on a frame the proxy cannot follow. It is not a
 // server failure: the detector hears nothing of it.
 func (lk *link) badFrame(direction string, err error) {
-	if lk.abort(metrics.ReasonBadFrame, err) {
+	if lk.abort(CloseBadFrame, err) {
 		lk.l.log.Warn().Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
 			Str("client", lk.client.RemoteAddr().String()).Msg("bad frame: link closed")
 	}
@@ -821,7 +821,7 @@ func (lk *link) judge(judged []pendingRequest, left int) {
 }
 
 func (lk *link) dropStale(frames int) {
-	if lk.abort(metrics.ReasonStale, nil) {
+	if lk.abort(CloseStale, nil) {
 		lk.l.m.StaleFramesDropped.Add(float64(frames))
 	}
 }
@@ -876,7 +876,7 @@ func (lk *link) ackedBytes() (int64, bool) {
 
 // sawFin records which side sent FIN first, when it is read: passing it
 // on lets the other side answer with its own FIN, which must not win.
-func (lk *link) sawFin(reason string) {
+func (lk *link) sawFin(reason CloseReason) {
 	lk.finMu.Lock()
 	defer lk.finMu.Unlock()
 	if lk.firstFin == "" {
@@ -893,7 +893,7 @@ func (lk *link) passedFin() {
 	if lk.fins == 1 {
 		if hc := lk.settings.HalfCloseTimeout.D(); hc > 0 {
 			lk.halfTimer = time.AfterFunc(hc, func() {
-				lk.abort(metrics.ReasonHalfCloseTimeout, nil)
+				lk.abort(CloseHalfCloseTimeout, nil)
 			})
 		}
 		return
@@ -911,7 +911,7 @@ func (lk *link) passedFin() {
 // (the upstream reset it, or timed out), or where the proxy cut it: a FIN
 // would tell the client that a cut-short response was complete. A clean
 // end (a FIN read on one side) is passed on as a FIN, not through here.
-func (lk *link) abort(reason string, err error) bool {
+func (lk *link) abort(reason CloseReason, err error) bool {
 	first := lk.setReason(reason, err)
 	lk.connMu.Lock()
 	if lk.upstream != nil && !lk.closed {
@@ -934,7 +934,7 @@ func (lk *link) resetClient() {
 	_ = lk.client.Close()
 }
 
-func (lk *link) setReason(reason string, err error) bool {
+func (lk *link) setReason(reason CloseReason, err error) bool {
 	if !lk.reason.CompareAndSwap(nil, &reason) {
 		return false
 	}
@@ -995,14 +995,14 @@ func (lk *link) stats() LinkStats {
 // first, or an error on its socket).
 func (lk *link) clientEnded() bool {
 	r := lk.reason.Load()
-	return r != nil && (*r == metrics.ReasonClientClosed || *r == metrics.ReasonClientError)
+	return r != nil && (*r == CloseClientClosed || *r == CloseClientError)
 }
 
 // fail ends the link on an error of its upstream socket, with the reason
 // closeReasonFor gives it; a local error is logged as the proxy's own.
 func (lk *link) fail(err error) {
 	reason := closeReasonFor(err)
-	if lk.abort(reason, err) && reason == metrics.ReasonLocalError {
+	if lk.abort(reason, err) && reason == CloseLocalError {
 		lk.l.localError(lk.ep, err)
 	}
 }

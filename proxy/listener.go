@@ -117,6 +117,7 @@ func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 		changed: make(chan struct{}, 1),
 		stopped: make(chan struct{}),
 	}
+	l.m.PrecreateCloses(closeLabels(listenerKind(cfg)))
 	l.current.Store(newLinkSpec(cfg))
 	if cfg.IsIngress() {
 		l.ingress = newIngress(l, cfg)
@@ -273,10 +274,10 @@ func (l *listener) acceptLoop(ln net.Listener) {
 		l.m.LinksTotal.Inc()
 		var ep *endpoint // a pool listener's link picks its endpoint when it dials
 		if l.matches != nil {
-			var why string
+			var why CloseReason
 			if ep, why = l.resolve(tc); ep == nil {
 				resetConn(tc)
-				l.m.Closed(why)
+				l.m.Closed(string(why))
 				l.p.slots.release(l)
 				continue
 			}
@@ -285,7 +286,7 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			// Out of routing (a pool listener: in the moment before its
 			// pause took effect): reset before reading.
 			resetConn(tc)
-			l.m.Closed(metrics.ReasonRefused)
+			l.m.Closed(string(CloseRefused))
 			l.p.slots.release(l)
 			continue
 		}
@@ -326,7 +327,7 @@ func (l *listener) serveLink(lk *link) {
 		// The destination left routing between accept and registration;
 		// the eviction may have missed this link, so refuse it here.
 		lk.client.abortive()
-		lk.setReason(metrics.ReasonRefused, nil)
+		lk.setReason(CloseRefused, nil)
 		lk.closeBoth()
 		l.linkEnded(lk, lk.stats())
 		return
@@ -352,8 +353,8 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 	l.closedDn += s.BytesDown
 	l.mu.Unlock()
 	l.m.LinksActive.Dec()
-	reason := string(s.Reason)
-	l.m.Closed(reason)
+	reason := s.Reason
+	l.m.Closed(string(reason))
 	l.m.LinkDuration.Observe(s.Duration.Seconds())
 	if lk.blamesUpstream(reason) {
 		l.p.reportLinkEnd(lk, reason, s.Err)
@@ -387,7 +388,7 @@ func (l *listener) stopAccepting() {
 	l.acceptWG.Wait()
 }
 
-func (l *listener) abortAll(reason string) {
+func (l *listener) abortAll(reason CloseReason) {
 	for _, lk := range l.snapshotLinks() {
 		lk.abort(reason, nil)
 	}

@@ -213,7 +213,7 @@ func TestReloadLowersLimitsCutsNothing(t *testing.T) {
 	if got := testutil.ToFloat64(r.m.ForListener("test").LinksActive); got > 2 {
 		t.Fatalf("links_active %v after the waiting connection was served, max_links 2", got)
 	}
-	for _, reason := range []string{metrics.ReasonBudget, metrics.ReasonWatermark, metrics.ReasonShutdown} {
+	for _, reason := range []string{string(CloseBudget), string(CloseWatermark), string(CloseShutdown)} {
 		if got := testutil.ToFloat64(r.m.ForListener("test").Closes(reason)); got != 0 {
 			t.Fatalf("%v links closed %s after the reload", got, reason)
 		}

@@ -24,8 +24,8 @@ import (
 
 // Detector reasons of the mesh.
 const (
-	reasonMeshDead     = metrics.ReasonMeshDead // the session to the peer sidecar missed its heartbeats
-	reasonMeshNotReady = "mesh_not_ready"       // the peer sidecar announced the port not ready
+	reasonMeshDead     = CloseMeshDead    // the session to the peer sidecar missed its heartbeats
+	reasonMeshNotReady = "mesh_not_ready" // the peer sidecar announced the port not ready
 )
 
 // noIngressFor is how long a peer whose mesh port refused is reached
@@ -452,7 +452,7 @@ func (es *egressSession) endLinks() {
 	links := slices.Collect(maps.Keys(es.links))
 	es.mu.Unlock()
 	for _, lk := range links {
-		lk.abort(metrics.ReasonMeshDead, errMeshDead)
+		lk.abort(CloseMeshDead, errMeshDead)
 	}
 }
 
@@ -490,7 +490,7 @@ func (ep *endpoint) evictMeshEpoch(pr *meshPeer, epoch uint64) int {
 	ep.mu.Unlock()
 	n := 0
 	for _, lk := range ks {
-		if lk.abort(metrics.ReasonEvicted, nil) {
+		if lk.abort(CloseEvicted, nil) {
 			lk.l.m.Evicted(metrics.EvictReadmitted, 1)
 			n++
 		}
@@ -681,11 +681,11 @@ func (lk *link) meshRequests() {
 			continue
 		}
 		if errors.Is(err, io.EOF) {
-			lk.sawFin(metrics.ReasonClientClosed)
+			lk.sawFin(CloseClientClosed)
 			_ = lk.stream.Close() // yamux's Close is the half-close
 			lk.passedFin()
 		} else {
-			lk.abort(metrics.ReasonClientError, err)
+			lk.abort(CloseClientError, err)
 		}
 		return
 	}
@@ -706,7 +706,7 @@ func (lk *link) meshResponses() {
 			lk.l.p.budget.reading(-int64(cap(*bp)))
 			putChunk(bp)
 			if werr != nil {
-				lk.abort(metrics.ReasonClientError, werr)
+				lk.abort(CloseClientError, werr)
 				return
 			}
 			continue
@@ -728,10 +728,10 @@ func (lk *link) meshFail(err error) {
 		err = errors.New("mesh: the session to the peer sidecar closed")
 	}
 	if lk.meshSess.dead.Load() {
-		lk.abort(metrics.ReasonMeshDead, err)
+		lk.abort(CloseMeshDead, err)
 		return
 	}
-	lk.abort(metrics.ReasonUpstreamError, err)
+	lk.abort(CloseUpstreamError, err)
 }
 
 func (lk *link) meshRequestsOwned() {

@@ -624,13 +624,13 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
 			Msg("mesh stream refused: bad header or a port this ingress does not serve")
 		_ = st.Close()
-		l.m.Closed(metrics.ReasonNoMatch)
+		l.m.Closed(string(CloseNoMatch))
 		return
 	}
 	ep := l.p.lookupEndpoint(in.addr(port))
 	if ep == nil {
 		_ = st.Close()
-		l.m.Closed(metrics.ReasonRefused)
+		l.m.Closed(string(CloseRefused))
 		return
 	}
 	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
@@ -640,7 +640,7 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 			Msg("mesh stream refused: the ingress carries as many streams as it may")
 		is.resetStream(st)
 		_ = st.Close()
-		l.m.Closed(metrics.ReasonCapacity)
+		l.m.Closed(string(CloseCapacity))
 		return
 	}
 	sc := &streamClient{s: st, ms: is.meshSession, remote: is.conn.RemoteAddr(), done: func() { in.streams.Add(-1) }}

@@ -103,7 +103,7 @@ func TestAccessLogAndOneLinePerStateChange(t *testing.T) {
 	}
 
 	// One line per state change (the detector's own is at debug).
-	p.det.Report(p.Endpoints()[0].Endpoint, metrics.ReasonWriteTimeout)
+	p.det.Report(p.Endpoints()[0].Endpoint, string(CloseWriteTimeout))
 	deadline = time.Now().Add(5 * time.Second)
 	for len(sink.lines(t, "endpoint excluded")) == 0 && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
@@ -138,7 +138,7 @@ func TestEndpointCountersOncePerEndpoint(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.Close()
-	p.det.Report(p.Endpoints()[0].Endpoint, metrics.ReasonDialError)
+	p.det.Report(p.Endpoints()[0].Endpoint, string(CloseDialError))
 	deadline := time.Now().Add(5 * time.Second)
 	for p.Endpoints()[0].FailedProbes < 3 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)

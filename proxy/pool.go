@@ -316,7 +316,7 @@ func (p *Proxy) drainMember(pl *pool, ep *endpoint, stop chan struct{}) {
 		if !mine {
 			return // back, and its drain ended with it
 		}
-		n := ep.evictOf(l, metrics.ReasonEvicted, metrics.EvictRemoved)
+		n := ep.evictOf(l, CloseEvicted, metrics.EvictRemoved)
 		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Int("links_closed", n).Msg("endpoint removed")
 		if orphan {
 			p.forget(ep)
@@ -340,7 +340,7 @@ func (ep *endpoint) linksOf(l *listener) int {
 // evictOf closes the endpoint's links of listener l, counting them as
 // evictions for evictReason: a member that left one pool may still be a
 // member of another.
-func (ep *endpoint) evictOf(l *listener, closeReason, evictReason string) int {
+func (ep *endpoint) evictOf(l *listener, closeReason CloseReason, evictReason string) int {
 	ep.mu.Lock()
 	var ks []*link
 	for lk := range ep.links {

@@ -221,7 +221,7 @@ func TestPoolFailoverNeverPins(t *testing.T) {
 	if !errors.Is(err, syscall.ECONNRESET) {
 		t.Fatalf("client saw %v, want a reset", err)
 	}
-	if s := h.linkEnd(5 * time.Second); s.Reason != metrics.ReasonDialError {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseDialError {
 		t.Fatalf("link ended %q, want dial_error", s.Reason)
 	}
 	for _, a := range addrs {

@@ -242,7 +242,7 @@ func TestKafkaSilentBrokerExcludedAfterOwnDeadlines(t *testing.T) {
 	if d := ep.Since.Sub(sent); d < 1300*time.Millisecond {
 		t.Fatalf("excluded %v after the requests, before the Fetch's own deadline (1.3s)", d)
 	}
-	if ep.Reason != metrics.ReasonUnanswered {
+	if ep.Reason != string(CloseUnanswered) {
 		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
 	}
 }
@@ -511,7 +511,7 @@ func TestKafkaTLSEndpointProbedByConnect(t *testing.T) {
 	})
 	c := h.dial()
 	roundTrip(t, c, []byte{0x16, 0x03, 0x01, 0x00, 0x05, 1, 2, 3, 4, 5}) // a TLS record
-	h.p.det.Report(h.endpoint().Endpoint, metrics.ReasonDialError)
+	h.p.det.Report(h.endpoint().Endpoint, string(CloseDialError))
 	h.waitState("healthy", 3*time.Second)
 }
 

@@ -328,7 +328,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 			// Links first, so that a dial cut short reads as shutdown and
 			// is never reported against a healthy upstream.
 			for _, l := range ls {
-				l.abortAll(metrics.ReasonShutdown)
+				l.abortAll(CloseShutdown)
 			}
 			p.cancel() // dials in progress give up
 			<-done

@@ -199,8 +199,8 @@ func TestWriteTimeoutClosesStalledLink(t *testing.T) {
 		t.Fatalf("link closed after %v, want write_timeout (500ms) plus a small slack", elapsed)
 	}
 	s := h.linkEnd(time.Second)
-	if s.Reason != metrics.ReasonWriteTimeout {
-		t.Fatalf("reason %q, want %q (err %v)", s.Reason, metrics.ReasonWriteTimeout, s.Err)
+	if s.Reason != CloseWriteTimeout {
+		t.Fatalf("reason %q, want %q (err %v)", s.Reason, CloseWriteTimeout, s.Err)
 	}
 	<-sent
 	if got := testutil.ToFloat64(h.m.ForListener("test").WriteTimeouts); got != 1 {
@@ -260,8 +260,8 @@ func TestWatermarkRejectBoundsQueue(t *testing.T) {
 		t.Fatalf("client saw %v, want EOF or reset", err)
 	}
 	s := h.linkEnd(time.Second)
-	if s.Reason != metrics.ReasonWatermark {
-		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonWatermark)
+	if s.Reason != CloseWatermark {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseWatermark)
 	}
 	if s.MaxQueued > high {
 		t.Fatalf("queue reached %d bytes, above the %d high watermark", s.MaxQueued, high)
@@ -312,7 +312,7 @@ func TestBackpressureLosesNothing(t *testing.T) {
 		t.Fatalf("upstream hashed something else: bytes lost or reordered")
 	}
 	s := h.linkEnd(5 * time.Second)
-	if s.Reason != metrics.ReasonClientClosed && s.Reason != metrics.ReasonUpstreamClosed {
+	if s.Reason != CloseClientClosed && s.Reason != CloseUpstreamClosed {
 		t.Fatalf("reason %q, want a clean close", s.Reason)
 	}
 	if s.MaxQueued > high {
@@ -347,8 +347,8 @@ func TestHalfCloseCarriesResponse(t *testing.T) {
 	if !bytes.Equal(got, want[:]) {
 		t.Fatalf("response %x, want %x", got, want)
 	}
-	if s := h.linkEnd(2 * time.Second); s.Reason != metrics.ReasonClientClosed {
-		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonClientClosed)
+	if s := h.linkEnd(2 * time.Second); s.Reason != CloseClientClosed {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseClientClosed)
 	}
 }
 
@@ -370,8 +370,8 @@ func TestHalfCloseTimeout(t *testing.T) {
 	if d := at.Sub(begin); d < 250*time.Millisecond || d > 1500*time.Millisecond {
 		t.Fatalf("closed after %v, want about the 300ms half_close_timeout", d)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonHalfCloseTimeout {
-		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonHalfCloseTimeout)
+	if s := h.linkEnd(time.Second); s.Reason != CloseHalfCloseTimeout {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseHalfCloseTimeout)
 	}
 }
 
@@ -381,8 +381,8 @@ func TestUpstreamEndReachesClient(t *testing.T) {
 		b      faultpeer.Behavior
 		reason string
 	}{
-		{faultpeer.Reset, metrics.ReasonUpstreamError},
-		{faultpeer.CloseAtOnce, metrics.ReasonUpstreamClosed},
+		{faultpeer.Reset, string(CloseUpstreamError)},
+		{faultpeer.CloseAtOnce, string(CloseUpstreamClosed)},
 	} {
 		t.Run(tc.reason, func(t *testing.T) {
 			peer := faultpeer.New(t, tc.b, faultpeer.Options{})
@@ -405,7 +405,7 @@ func TestUpstreamEndReachesClient(t *testing.T) {
 			s := h.linkEnd(2 * time.Second)
 			// A reset at accept can reach the proxy before its connect
 			// completes: then the dial itself failed with the reset.
-			resetAtDial := tc.b == faultpeer.Reset && s.Reason == metrics.ReasonDialError && errors.Is(s.Err, syscall.ECONNRESET)
+			resetAtDial := tc.b == faultpeer.Reset && s.Reason == CloseDialError && errors.Is(s.Err, syscall.ECONNRESET)
 			if string(s.Reason) != tc.reason && !resetAtDial {
 				t.Fatalf("reason %q, want %q (err %v)", s.Reason, tc.reason, s.Err)
 			}
@@ -431,8 +431,8 @@ func TestDialErrorResetsClient(t *testing.T) {
 	if !errors.Is(err, syscall.ECONNRESET) {
 		t.Fatalf("client saw %v, want a reset", err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonDialError {
-		t.Fatalf("reason %q, want %q", s.Reason, metrics.ReasonDialError)
+	if s := h.linkEnd(time.Second); s.Reason != CloseDialError {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseDialError)
 	}
 	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 1 {
 		t.Fatalf("dial_errors_total = %v, want 1", got)
@@ -483,7 +483,7 @@ func TestBlackholedDialDoesNotStallAccept(t *testing.T) {
 	// The first dial error excludes the endpoint, which may evict the
 	// other link still dialling.
 	for range 2 {
-		if s := h.linkEnd(time.Second); s.Reason != metrics.ReasonDialError && s.Reason != metrics.ReasonEvicted {
+		if s := h.linkEnd(time.Second); s.Reason != CloseDialError && s.Reason != CloseEvicted {
 			t.Fatalf("reason %q, want dial_error or evicted", s.Reason)
 		}
 	}
@@ -523,7 +523,7 @@ func TestShutdownDrainsThenCuts(t *testing.T) {
 	}
 	// A probe dial above may have been accepted just before the listener
 	// closed; its link ends client_closed and is passed over.
-	if s := h.linkEndOf(c, time.Second); s.Reason != metrics.ReasonShutdown {
+	if s := h.linkEndOf(c, time.Second); s.Reason != CloseShutdown {
 		t.Fatalf("reason %q, want shutdown", s.Reason)
 	}
 }

@@ -1,5 +1,7 @@
 package proxy
 
+import "github.com/livenessproxy/livenessproxy/internal/metrics"
+
 // CloseReason is why a link ended: LinkStats.Reason, and the reason label
 // of livenessproxy_link_closes_total. The first reason that ended a link
 // is the one recorded.
@@ -29,3 +31,31 @@ const (
 	CloseMeshDead         CloseReason = "mesh_dead"          // the mesh session the link ran on missed its heartbeats
 	CloseBudget           CloseReason = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
 )
+
+// closeReasons lists every reason once, for the series the metrics create
+// at zero (link_closes_total takes its label values from here). transparent:
+// only a transparent listener produces it.
+var closeReasons = []struct {
+	r           CloseReason
+	transparent bool
+}{
+	{r: CloseClientClosed}, {r: CloseUpstreamClosed}, {r: CloseClientError}, {r: CloseUpstreamError},
+	{r: CloseUpstreamTimeout}, {r: CloseWriteTimeout}, {r: CloseWatermark}, {r: CloseHalfCloseTimeout},
+	{r: CloseDialError}, {r: CloseLocalError}, {r: CloseShutdown}, {r: CloseBadFrame}, {r: CloseUnanswered},
+	{r: CloseStale}, {r: CloseEvicted}, {r: CloseRefused},
+	{r: CloseNoMatch, transparent: true}, {r: CloseLoop, transparent: true}, {r: CloseCapacity, transparent: true},
+	{r: CloseMeshDead}, {r: CloseBudget},
+}
+
+// closeLabels returns the close reasons a listener of kind (metrics.Kind*,
+// "": any) can produce, as label values.
+func closeLabels(kind string) []string {
+	ls := make([]string, 0, len(closeReasons))
+	for _, c := range closeReasons {
+		if kind == metrics.KindPool && c.transparent {
+			continue
+		}
+		ls = append(ls, string(c.r))
+	}
+	return ls
+}

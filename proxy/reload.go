@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/health"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -210,7 +209,7 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 		case <-t.C:
 		case <-p.ctx.Done():
 		}
-		l.abortAll(metrics.ReasonShutdown)
+		l.abortAll(CloseShutdown)
 		<-done
 		if l.ingress != nil {
 			l.ingress.close()

@@ -86,7 +86,7 @@ func TestReloadAddsRetunesAndRemovesListeners(t *testing.T) {
 	if !isCloseSignal(err) || at.Sub(begin) < 150*time.Millisecond {
 		t.Fatalf("b's link ended with %v after %v, want a close after the 200ms drain", err, at.Sub(begin))
 	}
-	if s := <-ended; s.Reason != metrics.ReasonShutdown || s.Listener != "b" {
+	if s := <-ended; s.Reason != CloseShutdown || s.Listener != "b" {
 		t.Fatalf("link end %+v, want b's link closed by the drain", s)
 	}
 	roundTrip(t, ca, []byte("a is untouched"))
@@ -243,7 +243,7 @@ func TestIdleTransparentDestinationsAreForgotten(t *testing.T) {
 	l := p.listeners[0]
 	p.transparentEndpoint("10.9.0.1:8098", l)
 	p.transparentEndpoint("10.9.0.2:8098", l)
-	p.det.Report("10.9.0.2:8098", metrics.ReasonDialError)
+	p.det.Report("10.9.0.2:8098", string(CloseDialError))
 	if n := len(p.Endpoints()); n != 2 {
 		t.Fatalf("%d endpoints, want 2", n)
 	}
@@ -296,11 +296,11 @@ func TestGroupFailOpen(t *testing.T) {
 			a3 := p.transparentEndpoint("10.9.0.3:8098", l)
 			b1 := p.transparentEndpoint("10.8.0.1:9092", l) // another group, healthy throughout
 			p.det.Disable(a3.addr, "operator_disable")
-			p.det.Report(a1.addr, metrics.ReasonDialError)
+			p.det.Report(a1.addr, string(CloseDialError))
 			if !l.refusing(a1) {
 				t.Fatal("an excluded destination with a healthy one in its group was let through")
 			}
-			p.det.Report(a2.addr, metrics.ReasonDialError)
+			p.det.Report(a2.addr, string(CloseDialError))
 			if got := l.refusing(a1); got == flag {
 				t.Fatalf("every destination of the group out of routing: refusing=%v, want %v", got, !flag)
 			}
@@ -337,7 +337,7 @@ func TestExcludedDestinationsAreForgotten(t *testing.T) {
 	p, l := transparentProxy(t, func(tr *policy.Transparent) { tr.ForgetExcludedAfter = policy.Duration(50 * time.Millisecond) })
 	p.transparentEndpoint("10.9.0.1:8098", l)
 	p.transparentEndpoint("10.9.0.2:8098", l)
-	p.det.Report("10.9.0.2:8098", metrics.ReasonDialError)
+	p.det.Report("10.9.0.2:8098", string(CloseDialError))
 	if n := p.sweepIdle(); n != 0 {
 		t.Fatalf("swept %d endpoints, none is due", n)
 	}

@@ -9,7 +9,6 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/health"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -49,24 +48,24 @@ func (l *listener) matchesDst(dst netip.AddrPort) bool {
 // accepted: its original destination, if the match list covers it. It
 // returns nil and the close reason otherwise: the proxy is never an open
 // relay, and never proxies to itself.
-func (l *listener) resolve(c *net.TCPConn) (*endpoint, string) {
+func (l *listener) resolve(c *net.TCPConn) (*endpoint, CloseReason) {
 	dst, err := originalDst(c)
 	if err != nil {
 		l.log.Debug().Err(err).Str("client", c.RemoteAddr().String()).Msg("no original destination: refused")
-		return nil, metrics.ReasonNoMatch
+		return nil, CloseNoMatch
 	}
 	if l.p.isOwn(dst, c.RemoteAddr()) {
 		l.log.Error().Str("destination", dst.String()).Str("client", c.RemoteAddr().String()).
 			Msg("interception loop: the proxy's own connection came back; exempt its uid or upstream_mark in the rules")
-		return nil, metrics.ReasonLoop
+		return nil, CloseLoop
 	}
 	if !l.matchesDst(dst) {
 		l.log.Debug().Str("destination", dst.String()).Msg("destination not in the match list: refused")
-		return nil, metrics.ReasonNoMatch
+		return nil, CloseNoMatch
 	}
 	ep := l.p.transparentEndpoint(dst.String(), l)
 	if ep == nil {
-		return nil, metrics.ReasonCapacity
+		return nil, CloseCapacity
 	}
 	return ep, ""
 }

@@ -16,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -166,7 +165,7 @@ func TestStoppedBrokerWithFullWindowExcluded(t *testing.T) {
 	ep := h.waitState("excluded", 30*time.Second)
 	took := ep.Since.Sub(sent)
 	t.Logf("excluded for %s %v after the first request", ep.Reason, took.Round(time.Millisecond))
-	if ep.Reason != metrics.ReasonUnanswered && ep.Reason != metrics.ReasonWriteTimeout {
+	if ep.Reason != string(CloseUnanswered) && ep.Reason != string(CloseWriteTimeout) {
 		t.Fatalf("excluded for %s, want unanswered or write_timeout (not TCP_USER_TIMEOUT)", ep.Reason)
 	}
 	if took < 5*time.Second {
@@ -194,10 +193,10 @@ func TestNonReaderWithFullWindowIsAWriteTimeout(t *testing.T) {
 		}
 	}()
 	ep := h.waitState("excluded", 20*time.Second)
-	if ep.Reason != metrics.ReasonWriteTimeout {
+	if ep.Reason != string(CloseWriteTimeout) {
 		t.Fatalf("excluded for %s, want write_timeout", ep.Reason)
 	}
-	if got := testutil.ToFloat64(h.m.ForListener("test").Closes(metrics.ReasonUpstreamTimeout)); got != 0 {
+	if got := testutil.ToFloat64(h.m.ForListener("test").Closes(string(CloseUpstreamTimeout))); got != 0 {
 		t.Fatalf("link_closes_total{upstream_timeout} = %v: TCP_USER_TIMEOUT cut a peer whose kernel answers", got)
 	}
 }

@@ -11,7 +11,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -56,7 +56,7 @@ func TestRun(t *testing.T) {
 		if e.Stats.Opened.Before(start.Add(res.FlapAt)) {
 			dead++
 			switch e.Stats.Reason {
-			case metrics.ReasonUnanswered, metrics.ReasonStale, metrics.ReasonUpstreamTimeout, metrics.ReasonWriteTimeout, metrics.ReasonEvicted:
+			case proxy.CloseUnanswered, proxy.CloseStale, proxy.CloseUpstreamTimeout, proxy.CloseWriteTimeout, proxy.CloseEvicted:
 			default:
 				t.Errorf("a dead link ended for %q, want the proxy to have closed it", e.Stats.Reason)
 			}

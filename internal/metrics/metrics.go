@@ -4,7 +4,6 @@
 package metrics
 
 import (
-	"slices"
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -12,32 +11,6 @@ import (
 )
 
 const namespace = "livenessproxy"
-
-// Close reasons for link_closes_total{reason}. A small fixed set, like
-// HAProxy's termination flags, so dashboards can rely on it.
-const (
-	ReasonClientClosed     = "client_closed"      // client sent FIN first, both directions finished
-	ReasonUpstreamClosed   = "upstream_closed"    // upstream sent FIN first, both directions finished
-	ReasonClientError      = "client_error"       // reset or error on the client socket
-	ReasonUpstreamError    = "upstream_error"     // reset or error on the upstream socket
-	ReasonUpstreamTimeout  = "upstream_timeout"   // ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up
-	ReasonWriteTimeout     = "write_timeout"      // upstream kernel did not accept a write in time
-	ReasonWatermark        = "watermark"          // queue above the high watermark with on_overflow: reject
-	ReasonHalfCloseTimeout = "half_close_timeout" // other direction still open half_close_timeout after a FIN
-	ReasonDialError        = "dial_error"         // upstream dial failed (refused, unreachable, timeout)
-	ReasonLocalError       = "local_error"        // the proxy's own failure: descriptors, memory, a refused socket option
-	ReasonShutdown         = "shutdown"           // still open when the drain timeout ran out
-	ReasonBadFrame         = "bad_frame"          // a frame longer than max_frame_length or with a negative length
-	ReasonUnanswered       = "unanswered"         // the endpoint reached consecutive_timeouts_threshold
-	ReasonStale            = "stale"              // a request older than request_timeout was still unsent or unacknowledged
-	ReasonEvicted          = "evicted"            // closed by the registry: endpoint excluded, disabled, readmitted, or an operator evict
-	ReasonRefused          = "refused"            // accepted while the endpoint was excluded or disabled: reset at once
-	ReasonNoMatch          = "no_match"           // transparent: the original destination is not in the match list
-	ReasonLoop             = "loop"               // transparent: the connection is the proxy's own (interception loop)
-	ReasonCapacity         = "capacity"           // transparent: a new destination past transparent.max_destinations; mesh ingress: a stream past ingress.max_streams
-	ReasonMeshDead         = "mesh_dead"          // the mesh session the link ran on missed its heartbeats for ping_timeout
-	ReasonBudget           = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
-)
 
 // Eviction reasons for evictions_total{reason}.
 const (
@@ -65,14 +38,6 @@ var UntrackedReasons = []string{UntrackedTLS, UntrackedSASL, UntrackedProtocol, 
 
 // EvictReasons lists every eviction reason, for pre-creating series.
 var EvictReasons = []string{EvictExcluded, EvictDisabled, EvictReadmitted, EvictOperator, EvictRemoved}
-
-// Reasons lists every close reason, for pre-creating series.
-var Reasons = []string{
-	ReasonClientClosed, ReasonUpstreamClosed, ReasonClientError, ReasonUpstreamError,
-	ReasonUpstreamTimeout, ReasonWriteTimeout, ReasonWatermark, ReasonHalfCloseTimeout,
-	ReasonDialError, ReasonLocalError, ReasonShutdown, ReasonBadFrame, ReasonUnanswered, ReasonStale,
-	ReasonEvicted, ReasonRefused, ReasonNoMatch, ReasonLoop, ReasonCapacity, ReasonMeshDead, ReasonBudget,
-}
 
 // Metrics owns the data plane's collectors.
 type Metrics struct {
@@ -333,17 +298,14 @@ const (
 	KindTransparent = "transparent" // a transparent listener
 )
 
-// transparentOnly are close reasons only a transparent listener produces.
-var transparentOnly = []string{ReasonNoMatch, ReasonLoop, ReasonCapacity}
-
 // ForListener resolves (and so pre-creates at zero) every series of one
 // listener, of any kind.
 func (m *Metrics) ForListener(name string) *Listener { return m.ForListenerKind(name, "") }
 
 // ForListenerKind resolves, and so pre-creates at zero, the series a
-// listener of kind can produce ("": every series): a pool listener has no
-// no_match, loop or capacity closes, a transparent one no dns errors.
-// Others are created if they ever count.
+// listener of kind can produce ("": every series): a transparent one has
+// no dns errors. Close reasons are pre-created by PrecreateCloses. Others
+// are created if they ever count.
 func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 	l := &Listener{
 		m:                   m,
@@ -363,7 +325,7 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		FailOpenLinks:       m.failOpenLinks.WithLabelValues(name),
 		AcceptWaits:         m.acceptWaits.WithLabelValues(name),
 		AcceptWaiting:       m.acceptWaiting.WithLabelValues(name),
-		closes:              make(map[string]prometheus.Counter, len(Reasons)),
+		closes:              make(map[string]prometheus.Counter),
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
 	}
@@ -374,12 +336,6 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 	}
 	for _, r := range UntrackedReasons {
 		l.untracked[r] = m.untrackedLinks.WithLabelValues(name, r)
-	}
-	for _, r := range Reasons {
-		if kind == KindPool && slices.Contains(transparentOnly, r) {
-			continue
-		}
-		l.closes[r] = m.linkCloses.WithLabelValues(name, r)
 	}
 	for _, r := range EvictReasons {
 		l.evictions[r] = m.evictions.WithLabelValues(name, r)
@@ -408,6 +364,15 @@ func (l *Listener) series(m map[string]prometheus.Counter, vec *prometheus.Count
 		m[reason] = c
 	}
 	return c
+}
+
+// PrecreateCloses resolves, and so creates at zero, the link_closes_total
+// series of reasons: the close reasons are the data plane's (proxy's
+// CloseReason), and it says which a listener can produce.
+func (l *Listener) PrecreateCloses(reasons []string) {
+	for _, r := range reasons {
+		l.Closes(r)
+	}
 }
 
 // Closes returns the link_closes_total counter of one reason.

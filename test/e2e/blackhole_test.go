@@ -20,7 +20,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/harness"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -119,8 +118,8 @@ func TestBlackholedUpstreamClosesWithinUserTimeout(t *testing.T) {
 	}
 	select {
 	case s := <-ended:
-		if s.Reason != metrics.ReasonUpstreamTimeout {
-			t.Fatalf("reason %q (%v), want %q", s.Reason, s.Err, metrics.ReasonUpstreamTimeout)
+		if s.Reason != proxy.CloseUpstreamTimeout {
+			t.Fatalf("reason %q (%v), want %q", s.Reason, s.Err, proxy.CloseUpstreamTimeout)
 		}
 	case <-time.After(2 * time.Second):
 		t.Fatal("link did not end")

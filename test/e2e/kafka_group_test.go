@@ -11,7 +11,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // TestKafkaGroupJoinWaitsOnSlowMember: a consumer group rebalance that
@@ -176,7 +176,7 @@ func kafkaGroupJoinWaitsOnSlowMember(t *testing.T, mode kafkaMode) {
 	// connection to abandon the fetch in flight when the eager revoke
 	// takes A's partitions away, and dials again afterwards. The proxy
 	// cutting one (any other reason) is what must not happen.
-	r.assertProxyStayedOut(t, end, metrics.ReasonClientClosed)
+	r.assertProxyStayedOut(t, end, string(proxy.CloseClientClosed))
 	ca.hooks.assertNoFailedConnects(t, end, start)
 	cb.hooks.assertNoFailedConnects(t, end, start)
 }

@@ -14,7 +14,7 @@ import (
 
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // TestKafkaStoppedBrokerExcluded (kafka profile only) stops the broker
@@ -179,7 +179,7 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	}
 	// (franz-go closes a fetch connection itself to abandon the fetch in
 	// flight when a rebalance revokes partitions: client_closed.)
-	if reasons, _ := pp.links.Before(time.Now()); len(reasons) > 0 && (len(reasons) > 1 || reasons[metrics.ReasonClientClosed] == 0) {
+	if reasons, _ := pp.links.Before(time.Now()); len(reasons) > 0 && (len(reasons) > 1 || reasons[string(proxy.CloseClientClosed)] == 0) {
 		t.Fatalf("links cut before the stop: %v", reasons)
 	}
 
@@ -219,8 +219,8 @@ func kafkaStoppedBrokerExcluded(t *testing.T, mode kafkaMode) {
 	if excludedAfter < rt-time.Second {
 		t.Errorf("excluded %v after SIGSTOP, before any request outstanding at the stop reached its deadline (>= %v)", ms(excludedAfter), rt-time.Second)
 	}
-	if ex.Reason != metrics.ReasonUnanswered {
-		t.Errorf("excluded for %q, want %q", ex.Reason, metrics.ReasonUnanswered)
+	if ex.Reason != string(proxy.CloseUnanswered) {
+		t.Errorf("excluded for %q, want %q", ex.Reason, proxy.CloseUnanswered)
 	}
 
 	// Refused while excluded: the listener stops listening once the

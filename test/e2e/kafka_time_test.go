@@ -13,7 +13,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/livenessproxy/livenessproxy/health"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // Issue 19: detection by the clock a client waits by, whatever the
@@ -151,7 +151,7 @@ func TestKafkaStoppedBrokerExcludedByTheClock(t *testing.T) {
 			if after < rt-judgingInterval {
 				t.Errorf("excluded %v after SIGSTOP, before any outstanding request could be due (request_timeout %v)", ms(after), rt)
 			}
-			if ex.Reason != metrics.ReasonUnanswered {
+			if ex.Reason != string(proxy.CloseUnanswered) {
 				t.Errorf("excluded for %q, want unanswered", ex.Reason)
 			}
 			if st.Evidence == "" || st.EvidenceSince.IsZero() || st.EvidenceSince.After(ex.At) {

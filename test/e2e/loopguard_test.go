@@ -9,7 +9,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -72,10 +71,10 @@ func TestLoopGuardKnowsWildcardAddresses(t *testing.T) {
 		t.Fatalf("a connection to the pod's own address on the proxy's port: %v, want it reset as a loop", err)
 	}
 	deadline := time.Now().Add(2 * time.Second)
-	for counter("link_closes_total", "reason", metrics.ReasonLoop) == 0 && time.Now().Before(deadline) {
+	for counter("link_closes_total", "reason", string(proxy.CloseLoop)) == 0 && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
-	if got := counter("link_closes_total", "reason", metrics.ReasonLoop); got != 1 {
+	if got := counter("link_closes_total", "reason", string(proxy.CloseLoop)); got != 1 {
 		t.Fatalf("link_closes_total{reason=loop} = %v, want 1", got)
 	}
 	// Refused at the first hop: the proxy accepted one connection, not a

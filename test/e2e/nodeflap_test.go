@@ -10,10 +10,10 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/harness"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // startPinotIn starts a pinotsim server listening inside ns (the listening
@@ -160,7 +160,7 @@ func TestNodeFlapWithoutFIN(t *testing.T) {
 	t.Logf("dead link closed %v after the flap, reason %q (err %v), %d B up / %d B down",
 		ms(d.At.Sub(flapAt)), d.Reason, d.Err, d.BytesUp, d.BytesDown)
 	switch d.Reason {
-	case metrics.ReasonStale, metrics.ReasonUnanswered, metrics.ReasonUpstreamTimeout, metrics.ReasonWriteTimeout:
+	case string(proxy.CloseStale), string(proxy.CloseUnanswered), string(proxy.CloseUpstreamTimeout), string(proxy.CloseWriteTimeout):
 	default:
 		t.Errorf("dead link ended for %q, want the proxy to have closed it (stale, unanswered, upstream_timeout, write_timeout)", d.Reason)
 	}

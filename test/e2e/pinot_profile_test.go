@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // pinotQueryTimeout is Pinot's default broker query timeout
@@ -126,7 +126,7 @@ func TestPinotStoppedServerExcludedAtQueryTimeout(t *testing.T) {
 		t.Errorf("excluded %v after the queries, want between %v and %v", ms(after),
 			pinotQueryTimeout+time.Second, pinotQueryTimeout+3*time.Second)
 	}
-	if ex.Reason != metrics.ReasonUnanswered {
+	if ex.Reason != string(proxy.CloseUnanswered) {
 		t.Errorf("excluded for %q, want unanswered", ex.Reason)
 	}
 	// The http probe needs the process: it fails (each after its own

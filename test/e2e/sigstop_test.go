@@ -19,10 +19,10 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // pinotServerEnv makes the test binary, re-executed as a child process, run
@@ -280,8 +280,8 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 		t.Errorf("excluded %v after SIGSTOP, want <= %v (threshold %d x %v + request_timeout %v + %v)",
 			ms(excludedAfter), excludeBound, threshold, queryEvery, requestTimeout, slack)
 	}
-	if ex.Reason != metrics.ReasonUnanswered {
-		t.Errorf("excluded for %q, want %q", ex.Reason, metrics.ReasonUnanswered)
+	if ex.Reason != string(proxy.CloseUnanswered) {
+		t.Errorf("excluded for %q, want %q", ex.Reason, proxy.CloseUnanswered)
 	}
 
 	time.Sleep(time.Until(stopAt.Add(stopFor)))
@@ -396,7 +396,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	t.Logf("links ended by reason: %v; unanswered_timeouts_total=%v endpoint_suspect_total=%v probes ok=%v fail=%v",
 		reasons, pp.counter(t, "unanswered_timeouts_total", "", ""), pp.counter(t, "endpoint_suspect_total", "", ""),
 		pp.counter(t, "probes_total", "result", "ok"), pp.counter(t, "probes_total", "result", "fail"))
-	if reasons[metrics.ReasonUnanswered] == 0 {
-		t.Errorf("no link ended with reason %q", metrics.ReasonUnanswered)
+	if reasons[string(proxy.CloseUnanswered)] == 0 {
+		t.Errorf("no link ended with reason %q", proxy.CloseUnanswered)
 	}
 }

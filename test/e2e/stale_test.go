@@ -6,10 +6,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // TestNoStaleBacklogAfterPathStall replays the ending of incident 2, the
@@ -120,7 +120,7 @@ func TestNoStaleBacklogAfterPathStall(t *testing.T) {
 	if pb.Executed-pb0.Executed == 0 {
 		t.Errorf("the server executed no proxied request after the stall began")
 	}
-	if reasons[metrics.ReasonStale] == 0 || dropped == 0 {
+	if reasons[string(proxy.CloseStale)] == 0 || dropped == 0 {
 		t.Errorf("the proxy dropped no stale frames (links %v, stale_frames_dropped_total %v): the stall was not seen", reasons, dropped)
 	}
 	// The control: without the proxy the healed path delivers the backlog.

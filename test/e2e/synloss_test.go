@@ -11,7 +11,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -216,7 +215,7 @@ func TestDialTimeoutsWhileAnsweringExcludeNothing(t *testing.T) {
 	c := r.dial(t)
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	_, _ = c.Read(make([]byte, 1))
-	if ep := r.waitExcluded(t, 10*time.Second); ep.Reason != metrics.ReasonDialError {
+	if ep := r.waitExcluded(t, 10*time.Second); ep.Reason != string(proxy.CloseDialError) {
 		t.Fatalf("excluded for %s, want dial_error", ep.Reason)
 	}
 	if err := r.peer.NFT("delete table inet lpsyn"); err != nil {
@@ -245,7 +244,7 @@ func TestEndpointWhoseConnectsAllFailIsExcluded(t *testing.T) {
 	_, _ = c.Read(make([]byte, 1))
 	ep := r.waitExcluded(t, 20*time.Second)
 	t.Logf("excluded for %s %v after the first connect began", ep.Reason, ep.Since.Sub(began).Round(time.Millisecond))
-	if ep.Reason != metrics.ReasonDialError {
+	if ep.Reason != string(proxy.CloseDialError) {
 		t.Fatalf("excluded for %s, want dial_error", ep.Reason)
 	}
 }

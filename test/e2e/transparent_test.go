@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/intercept"
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -179,7 +178,7 @@ func TestTransparentInterception(t *testing.T) {
 		t.Fatalf("a looping connection was not cut: %v", err)
 	}
 	loops := func() float64 {
-		return counterValue(t, reg, "link_closes_total", "listener", "loopy", "reason", metrics.ReasonLoop)
+		return counterValue(t, reg, "link_closes_total", "listener", "loopy", "reason", string(proxy.CloseLoop))
 	}
 	deadline := time.Now().Add(2 * time.Second)
 	for loops() == 0 && time.Now().Before(deadline) {

@@ -9,7 +9,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
 // replayStop is replay 3, the stopped server (incident 3: a server that
@@ -138,7 +138,7 @@ func replayStop(r *rig) (*Report, error) {
 
 	// Targets.
 	excludeBound := threshold*queryEvery + requestTimeout + slack
-	rep.check(!excludedAt.IsZero() && excludedReason == metrics.ReasonUnanswered && excludedAt.Sub(stopAt) <= excludeBound,
+	rep.check(!excludedAt.IsZero() && excludedReason == string(proxy.CloseUnanswered) && excludedAt.Sub(stopAt) <= excludeBound,
 		"excluded after the threshold", "excluded %s after SIGSTOP for %q (bound: %d x %v + request_timeout + %v = %s)",
 		secs(excludedAt.Sub(stopAt)), excludedReason, threshold, queryEvery, slack, secs(excludeBound))
 	rep.check(readmitsWhileStopped == 0 && atCont.State == "excluded", "not readmitted while stopped",
