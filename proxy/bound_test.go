@@ -94,7 +94,7 @@ func (h *harness) onlyLink(within time.Duration) *link {
 		l.mu.Lock()
 		for lk := range l.links {
 			lk.connMu.Lock()
-			up := lk.upRaw
+			up := lk.upRaw()
 			lk.connMu.Unlock()
 			if up != nil {
 				l.mu.Unlock()
@@ -114,7 +114,7 @@ func sockQueue(t *testing.T, lk *link, req uint) int {
 	t.Helper()
 	var n int
 	var err error
-	if cerr := lk.upRaw.Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), req) }); cerr != nil {
+	if cerr := lk.upRaw().Control(func(fd uintptr) { n, err = unix.IoctlGetInt(int(fd), req) }); cerr != nil {
 		t.Fatal(cerr)
 	}
 	if err != nil {

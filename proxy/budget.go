@@ -132,7 +132,7 @@ func (b *budget) wakeOne() {
 // acknowledged none of them gets pushStalled instead: the evidence a
 // close needs.
 func (lk *link) waitForBudget(p []byte, high int64) pushResult {
-	b := &lk.l.p.budget
+	b := lk.budget
 	b.heldBack.Add(1)
 	if b.waits != nil {
 		b.waits.Inc()
@@ -234,7 +234,7 @@ func (lk *link) holdsForNothing(now int64) bool {
 func (lk *link) budgetClose() {
 	lk.overflowStalled.Store(true)
 	if lk.abort(CloseBudget, nil) {
-		lk.l.p.budget.closed.Add(1)
+		lk.budget.closed.Add(1)
 	}
 }
 

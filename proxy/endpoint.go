@@ -197,7 +197,7 @@ func (ep *endpoint) evict(before time.Time, closeReason CloseReason, evictReason
 	n := 0
 	for _, lk := range ks {
 		if lk.abort(closeReason, nil) {
-			lk.l.m.Evicted(evictReason, 1)
+			lk.m.Evicted(evictReason, 1)
 			n++
 		}
 	}

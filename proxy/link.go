@@ -1,22 +1,16 @@
 package proxy
 
 import (
-	"cmp"
-	"errors"
-	"io"
 	"net"
-	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
-	"github.com/hashicorp/yamux"
-	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/rs/zerolog"
 )
 
 // LinkStats describes a link that ended. It is what the debug log line
@@ -41,63 +35,44 @@ type LinkStats struct {
 
 // link is one client connection paired with one upstream connection.
 //
-// Goroutines: start (the caller's) dials and starts pumpRequests and
-// pumpResponses; pumpRequests starts writeUpstream when bytes must queue.
-// Every goroutine ends once both connections are closed, which abort
-// guarantees, and the last one to end finishes the link.
+// Goroutines: start (the caller's) dials and has the upstream end run the
+// two pumps (a TCP end's request pump starts its writer when bytes must
+// queue). Every goroutine ends once both connections are closed, which
+// abort guarantees, and the last one to end finishes the link.
 type link struct {
-	l        *listener
-	ep       *endpoint       // set at accept (transparent) or when the dial succeeds (pool)
-	settings policy.Settings // the listener's settings when the link opened
-	frames   *frameSpec      // the listener's framing when the link opened; nil: opaque
-	failOpen bool            // the listener's pool.fail_open or group_fail_open when the link opened
-	slot     bool            // holds a max_links slot of l (given back when it ends)
+	host     linkHost          // the listener that accepted the link (linkhost.go)
+	name     string            // the listener's
+	m        *metrics.Listener // the listener's series
+	log      *zerolog.Logger   // the listener's
+	budget   *budget           // the process's memory budget
+	ep       *endpoint         // set at accept (transparent) or when the dial succeeds (pool)
+	settings policy.Settings   // the listener's settings when the link opened
+	frames   *frameSpec        // the listener's framing when the link opened; nil: opaque
+	failOpen bool              // the listener's pool.fail_open or group_fail_open when the link opened
+	slot     bool              // holds a max_links slot of l (given back when it ends)
 	dialer   *net.Dialer
 	client   clientSide
-	upstream *net.TCPConn
-	upRaw    syscall.RawConn
-	// stream replaces upstream for a link through the mesh (egress side):
-	// a stream on meshSess, opened under the peer's meshEpoch.
-	stream    *yamux.Stream
-	meshSess  *egressSession
-	meshEpoch uint64
-	// fromUpstream reads the upstream only when it is readable (the
-	// response pump owns it; a TCP client has its own).
-	fromUpstream sockReader
-	// win keeps TCP_USER_TIMEOUT off a zero window whose peer answers
-	// (see windowGuard); nil without tcp_user_timeout.
-	win    *windowGuard
+	// up is the upstream end (upstream.go): set once the dial succeeded,
+	// under connMu.
+	up     upstreamEnd
 	opened time.Time
 	dialed dialRecord // what the dial did (accesslog.go)
 
-	// connMu orders the dial's assignment of upstream against closeBoth
-	// called from another goroutine (eviction, shutdown) during the dial.
+	// connMu orders the dial's assignment of up against closeBoth called
+	// from another goroutine (eviction, shutdown) during the dial.
 	connMu sync.Mutex
 	closed bool
 
+	// q holds what the upstream did not take at once (a TCP end's writer
+	// drains it).
 	q queue
-	// batch and toWrite are the writer's views of queued bytes, kept here
-	// so that a batch costs no allocation.
-	batch, toWrite net.Buffers
 	// live counts the link's goroutines: the two pumps and, once started,
-	// writeUpstream. The writer starts on the first byte the kernel does
-	// not take at once: most request/response links never need it. The
-	// last to end finishes the link.
+	// a TCP end's writer. The writer starts on the first byte the kernel
+	// does not take at once: most request/response links never need it.
+	// The last to end finishes the link.
 	live atomic.Int32
 
-	// rawP, rawN, rawErr and rawWriteFn carry tryWrite's arguments so the
-	// per-write callback is allocated once per link, not once per write.
-	rawP       []byte
-	rawN       int
-	rawErr     error
-	rawWriteFn func(fd uintptr) bool
-
-	// What requests.handle leaves for pumpRequests to do outside the read
-	// (see sockReader.readEach): a chunk it began to send, of which the
-	// kernel took reqSent bytes (with reqBegun).
-	reqSent  int32
-	reqBegun bool
-	readAny  bool // the request pump has read bytes before
+	readAny bool // the request pump has read bytes before
 
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
@@ -136,26 +111,12 @@ type link struct {
 // dials (nil here).
 func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	t := l.spec()
-	lk := &link{l: l, ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
+	lk := &link{host: l, name: l.cfg.Name, m: l.m, log: &l.log, budget: &l.p.budget,
+		ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
 	lk.q.init(&l.p.budget)
-	lk.rawWriteFn = func(fd uintptr) bool {
-		lk.rawN, lk.rawErr = syscall.Write(int(fd), lk.rawP)
-		return true
-	}
 	return lk
 }
-
-// requests and responses are a link as the chunkSink of its request and
-// response pumps (a pointer conversion: nothing is allocated).
-type (
-	requests  link
-	responses link
-)
-
-func (s *requests) limit() int { return (*link)(s).requestLimit() }
-
-func (*responses) limit() int { return chunkSize }
 
 // start dials the upstream and starts the link's pumps; it reports false
 // when the link ended at its dial. The goroutine that dialled returns
@@ -171,33 +132,26 @@ func (lk *link) start() bool {
 		return false
 	}
 	lk.live.Store(2)
-	if lk.stream != nil {
-		go lk.meshResponsesOwned()
-		go lk.meshRequestsOwned()
-		return true
-	}
-	go lk.pumpResponsesOwned()
-	go lk.pumpRequestsOwned()
+	lk.up.run()
 	return true
 }
 
 // exit ends one of the link's goroutines; the last one finishes the link.
 func (lk *link) exit() {
 	if lk.live.Add(-1) == 0 {
-		lk.l.linkEnded(lk, lk.finish())
+		lk.host.linkEnded(lk, lk.finish())
 	}
 }
 
 // finish releases what the link holds once its goroutines have ended.
 func (lk *link) finish() LinkStats {
 	lk.closeBoth()
-	if lk.l.p.transparent.Load() && lk.upstream != nil {
-		lk.l.p.ownUp.Delete(lk.upstream.LocalAddr().String())
+	lk.connMu.Lock()
+	up := lk.up
+	lk.connMu.Unlock()
+	if up != nil {
+		up.release()
 	}
-	if lk.meshSess != nil {
-		lk.meshSess.remove(lk)
-	}
-	lk.win.stop()
 	if lk.trk != nil {
 		orphans := lk.trk.stop()
 		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
@@ -235,228 +189,35 @@ func (lk *link) attach(ep *endpoint) {
 			lk.conv = newConv(lk)
 		}
 	}
-	if lk.l.pool != nil {
+	if lk.host.routing() != nil {
 		ep.add(lk)
 	}
 }
 
-// connectBackoff is the pause before the n-th retry of a link's connect:
-// short, since each retry goes to another endpoint.
-func connectBackoff(n int) time.Duration {
-	return min(25*time.Millisecond<<(n-1), 200*time.Millisecond)
-}
-
-// dial connects the link's upstream. A pool listener's link makes up to
-// connect_attempts attempts, each to the next endpoint in the balance
-// order and never to the one that just failed while another can serve;
-// every refusal or timeout is reported to the detector at once. A
-// transparent link's destination is fixed: one attempt.
-func (lk *link) dial() bool {
-	attempts := max(lk.settings.ConnectAttempts, 1)
-	if lk.l.pool == nil {
-		attempts = 1
-	}
-	var avoid string
-	var lastErr error
-	for i := range attempts {
-		if i > 0 {
-			select {
-			case <-time.After(connectBackoff(i)):
-			case <-lk.l.ctx.Done():
-			}
-		}
-		ep, failOpen := lk.ep, false
-		if lk.l.pool == nil {
-			// A transparent destination let through while excluded: its
-			// group is failing open (group_fail_open).
-			st, _ := lk.l.p.det.State(ep.addr)
-			failOpen = st == health.Excluded
-		} else {
-			if ep, failOpen = lk.l.pool.pick(avoid); ep == nil {
-				break // nothing eligible is left
-			}
-		}
-		lk.dialed.try(ep)
-		start, began := time.Now(), mono()
-		var c net.Conn
-		var err error
-		direct := true
-		if mport := lk.meshPortFor(ep); mport != 0 {
-			var st *yamux.Stream
-			var es *egressSession
-			st, es, err = lk.openMesh(ep, mport)
-			switch {
-			case err == nil:
-				lk.countDial(start, failOpen)
-				return lk.meshConnected(ep, st, es)
-			case errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect:
-				lk.meshFallback(ep, mport, err)
-			case errors.Is(err, errNoIngress):
-				lk.setReason(CloseRefused, err)
-				lk.resetClient()
-				return false
-			case errors.Is(err, errMeshRefused):
-				// The peer sidecar judges its server and says so in its
-				// status; this endpoint is not reported, the next is tried.
-				lk.l.m.DialErrors.Inc()
-				avoid, lastErr = ep.addr, err
-				continue
-			case errors.Is(err, errMeshDead):
-				lk.setReason(CloseMeshDead, err)
-				lk.resetClient()
-				return false
-			case errors.Is(err, errMeshStream):
-				lk.setReason(CloseUpstreamError, err)
-				lk.resetClient()
-				return false
-			default:
-				direct = false
-			}
-		}
-		if direct {
-			c, err = lk.dialer.DialContext(lk.l.ctx, "tcp", ep.dial)
-		}
-		if err != nil && lk.l.ctx.Err() != nil {
-			// The proxy is shutting down: not the upstream's fault.
-			lk.setReason(CloseShutdown, err)
-			lk.resetClient()
-			return false
-		}
-		if err != nil && !upstreamFault(err) {
-			// Out of descriptors, a socket option refused: the proxy's own
-			// failure, never the upstream's; another endpoint would not help.
-			lk.setReason(CloseLocalError, err)
-			lk.l.localError(ep, err)
-			lk.resetClient()
-			return false
-		}
-		if err != nil {
-			lk.l.m.DialErrors.Inc()
-			if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
-				lk.l.p.report(ep, CloseDialError)
-			} else {
-				lk.l.log.Debug().Err(err).Str("endpoint", ep.addr).
-					Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
-			}
-			avoid, lastErr = ep.addr, err
-			continue
-		}
-		ep.dialSucceeded()
-		lk.countDial(start, failOpen)
-		return lk.connected(ep, c.(*net.TCPConn))
-	}
-	// Reset rather than close: to a client whose own failure detector
-	// treats a completed close as a live server, a reset looks like the
-	// refused connection it stands for.
-	if lastErr != nil {
-		lk.setReason(CloseDialError, lastErr)
-	} else {
-		lk.setReason(CloseRefused, nil)
-	}
-	lk.resetClient()
-	return false
-}
-
-// countDial counts a successful dial that started at start, and a link
-// sent to an excluded endpoint because its pool or group fails open.
-func (lk *link) countDial(start time.Time, failOpen bool) {
-	took := time.Since(start)
-	lk.dialed.connect.Store(int64(took))
-	lk.l.m.DialDuration.Observe(took.Seconds())
-	if failOpen && lk.failOpen {
-		lk.l.m.FailOpenLinks.Inc()
-	}
-}
-
-// connected takes over a dialled upstream connection.
-func (lk *link) connected(ep *endpoint, up *net.TCPConn) bool {
-	raw, err := up.SyscallConn()
-	if err == nil {
-		err = lk.fromUpstream.init(up)
-	}
-	if err != nil {
-		_ = up.Close()
-		lk.attach(ep)
-		lk.fail(err)
-		return false
-	}
-	if lk.l.p.transparent.Load() {
-		lk.l.p.ownUp.Store(up.LocalAddr().String(), struct{}{})
-	}
-	lk.ackedAt.Store(mono()) // progress is measured from the connect on
-	lk.attach(ep)
+// adopt makes up the link's upstream end. It reports false when the link
+// was closed meanwhile (aborted during the dial): up is the caller's to
+// close then.
+func (lk *link) adopt(up upstreamEnd) bool {
 	lk.connMu.Lock()
-	lk.upstream, lk.upRaw = up, raw
-	closed := lk.closed
-	lk.connMu.Unlock()
-	if closed {
-		// Aborted while dialling: the reason is already set.
-		lk.l.p.ownUp.Delete(up.LocalAddr().String())
-		_ = up.SetLinger(0)
-		_ = up.Close()
-		return false
-	}
-	lk.win = newWindowGuard(lk, lk.settings.TCPUserTimeout.D())
-	return true
+	defer lk.connMu.Unlock()
+	lk.up = up
+	return !lk.closed
 }
 
-// pumpRequests reads the client for as long as the link lives and hands
-// the bytes to the upstream: directly when nothing is queued and the
-// kernel takes them at once (requests.handle, inside the read), through the
-// queue otherwise (here, outside it: the queue may wait, or close the
-// link).
-func (lk *link) pumpRequests() {
-	high := int64(lk.settings.WriteBuffer.HighWaterMark)
-	for {
-		if lk.backpressure() {
-			if _, ok := lk.q.waitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark)); !ok {
-				return
-			}
+// answered accounts for buf, bytes of the upstream's on their way to the
+// client. Any byte from the upstream is an answer: the server is alive
+// (see tracker), for the requests of every link to it, tracked by this
+// listener or not (see also dialFailed).
+func (lk *link) answered(buf []byte) {
+	lk.bytesDown.Add(int64(len(buf)))
+	lk.ep.answered(mono())
+	if lk.trk != nil && lk.respScan != nil {
+		if lk.conv.off.Load() {
+			lk.respScan = nil
+		} else if _, _, ferr := lk.respScan.scan(buf); ferr != nil {
+			lk.conv.untrack(metrics.UntrackedLimit, ferr)
+			lk.respScan = nil
 		}
-		bp, n, err, werr := lk.client.readEach((*requests)(lk))
-		if werr != nil {
-			lk.fail(werr)
-			return
-		}
-		if n > 0 {
-			buf := (*bp)[:n]
-			if lk.reqBegun {
-				// requests.handle counted and recorded these bytes, and the
-				// kernel took reqSent of them.
-				buf = buf[int(lk.reqSent):]
-				lk.reqBegun, lk.reqSent = false, 0
-			} else {
-				lk.l.p.budget.reading(int64(cap(*bp)))
-				lk.countRequest(buf)
-			}
-			sent := lk.send(buf, high) // copies what it queues
-			lk.l.p.budget.reading(-int64(cap(*bp)))
-			putChunk(bp)
-			if !sent {
-				return
-			}
-			continue
-		}
-		if err == nil {
-			continue // no room below the high watermark, or the queue closed
-		}
-		if errors.Is(err, io.EOF) {
-			if lk.reqScan != nil && !lk.conv.off.Load() && lk.reqScan.midFrame() {
-				lk.badFrame("request", errTruncated)
-				return
-			}
-			lk.sawFin(CloseClientClosed)
-			if lk.q.endOfInput() {
-				return // the writer passes the FIN on after the queued bytes
-			}
-			// No writer means nothing was ever queued: pass it on now.
-			if cerr := lk.passFin(lk.upstream.CloseWrite); cerr != nil {
-				lk.fail(cerr)
-			}
-		} else {
-			lk.abort(CloseClientError, err)
-		}
-		return
 	}
 }
 
@@ -494,37 +255,6 @@ func (lk *link) countRequest(buf []byte) {
 	lk.readAny = true
 }
 
-// handle is the request pump's readEach handler: with nothing queued it
-// writes the chunk to the upstream without waiting. Whatever would have
-// to wait or close the link (a queue in use, a partial write, an error)
-// is left to pumpRequests. (A method of requests itself, not a wrapper:
-// a frame less on the pump's stack.)
-func (s *requests) handle(bp *[]byte, n int) (handled, error) {
-	lk := (*link)(s)
-	if !lk.readAny && lk.conv != nil {
-		// The first bytes of a profiled link are checked for TLS, which
-		// may register the endpoint's probe anew: outside the read.
-		return handledKeep, nil
-	}
-	if empty, open := lk.q.idle(); !empty || !open {
-		return handledKeep, nil
-	}
-	buf := (*bp)[:n]
-	lk.l.p.budget.reading(int64(cap(*bp)))
-	lk.countRequest(buf)
-	lk.win.arm() // bytes may wait for the upstream in the kernel: watch its window (see send)
-	w, err := lk.tryWrite(buf)
-	if err == nil && w < n {
-		lk.reqBegun, lk.reqSent = true, int32(w) // the rest is queued by pumpRequests
-		return handledKeep, nil
-	}
-	lk.l.p.budget.reading(-int64(cap(*bp)))
-	if err != nil {
-		return handledStop, err
-	}
-	return handledMore, nil
-}
-
 // recordRequests scans p, the bytes of one read from the client ending at
 // stream offset end and handed on at mono time at, and records the
 // requests in them. The first read of a link is checked for a TLS
@@ -559,200 +289,6 @@ func (lk *link) recordRequests(p []byte, at, end int64, first bool) {
 	}
 }
 
-// send hands p to the upstream. It reports false when the link has ended.
-func (lk *link) send(p []byte, high int64) bool {
-	empty, open := lk.q.idle()
-	if !open {
-		return false
-	}
-	lk.win.arm() // bytes will wait for the upstream: watch its window
-	if empty {
-		// Nothing queued and nothing being written: try the kernel directly
-		// and queue only what it does not take. This keeps the common case
-		// free of a goroutine hand-off.
-		n, err := lk.tryWrite(p)
-		if err != nil {
-			lk.fail(err)
-			return false
-		}
-		if n == len(p) {
-			return true
-		}
-		p = p[n:]
-	}
-	r := lk.q.push(p, high)
-	if r == pushBudget {
-		// The process's budget is full: wait for room, unless this link's
-		// own upstream makes no progress (see budget).
-		r = lk.waitForBudget(p, high)
-	}
-	switch r {
-	case pushClosed:
-		return false
-	case pushStalled:
-		lk.budgetClose()
-		return false
-	case pushOverflow:
-		// Only reachable with on_overflow: reject; backpressure never reads
-		// more than the room left. The link is closed: it cannot keep its
-		// memory bound otherwise. The upstream is blamed only with evidence
-		// that it stopped: nothing acknowledged for write_timeout. A client
-		// that writes faster than a live server reads is not a dead server.
-		lk.l.m.WatermarkRejections.Inc()
-		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()))
-		lk.abort(CloseWatermark, nil)
-		return false
-	case pushedStartWriter:
-		lk.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
-		go lk.writeUpstreamOwned()
-	}
-	return true
-}
-
-func (lk *link) writeUpstreamOwned() {
-	defer lk.exit()
-	lk.writeUpstream()
-}
-
-func (lk *link) pumpResponsesOwned() {
-	defer lk.exit()
-	lk.pumpResponses()
-}
-
-func (lk *link) pumpRequestsOwned() {
-	defer lk.exit()
-	lk.pumpRequests()
-}
-
-// tryWrite writes p to the upstream without waiting: it returns what the
-// kernel accepted at once (possibly 0).
-func (lk *link) tryWrite(p []byte) (int, error) {
-	lk.rawP = p
-	werr := lk.upRaw.Write(lk.rawWriteFn)
-	n, err := lk.rawN, lk.rawErr
-	lk.rawP, lk.rawErr = nil, nil
-	if werr != nil {
-		return 0, werr
-	}
-	if err == syscall.EAGAIN || err == syscall.EINTR {
-		return 0, nil
-	}
-	if n < 0 {
-		n = 0
-	}
-	return n, err
-}
-
-// writeUpstream drains the queue into the upstream with a write deadline.
-func (lk *link) writeUpstream() {
-	wt := lk.settings.WriteTimeout.D()
-	low := int64(lk.settings.WriteBuffer.LowWaterMark)
-	for {
-		step, queued := lk.q.next()
-		switch step {
-		case stopWriting:
-			return
-		case passFin:
-			if err := lk.passFin(lk.upstream.CloseWrite); err != nil {
-				lk.fail(err)
-			}
-			return
-		}
-		// The pump adds to bytesUp before it pushes: the oldest queued byte
-		// is at this stream offset or later.
-		head := lk.bytesUp.Load() - queued
-		if lk.conv != nil {
-			// A request past its deadline is never written, even in the
-			// moment before the tracker's timer judges it.
-			if overdue := lk.trk.overdueEnd(mono()); overdue > head {
-				lk.dropStale(1)
-				return
-			}
-		}
-		var handed int
-		lk.batch, handed = lk.q.batch(lk.batch[:0])
-		if wt > 0 {
-			lk.progressed()
-			_ = lk.upstream.SetWriteDeadline(time.Now().Add(wt))
-		}
-		lk.toWrite = lk.batch
-		n, err := lk.toWrite.WriteTo(lk.upstream)
-		lk.toWrite = nil
-
-		lk.q.consume(int(n), handed, low)
-		if err != nil {
-			if errors.Is(err, os.ErrDeadlineExceeded) {
-				if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(mono()) {
-					// The upstream acknowledged bytes within write_timeout:
-					// a slow reader, not a stall (the kernel wakes a writer
-					// only once a good part of its send buffer is free, so
-					// a write can wait longer than any one ACK). Without
-					// TCP_INFO, bytes the kernel took stand in. The next
-					// batch gets a fresh deadline. A Kafka broker holding
-					// a request within its own deadline reads nothing more
-					// meanwhile: not a stall either.
-					continue
-				}
-				if lk.abort(CloseWriteTimeout, err) {
-					lk.l.m.WriteTimeouts.Inc()
-				}
-			} else {
-				lk.fail(err)
-			}
-			return
-		}
-	}
-}
-
-// pumpResponses copies the upstream to the client (responses.handle,
-// inside the read).
-func (lk *link) pumpResponses() {
-	_, _, err, werr := lk.fromUpstream.readEach((*responses)(lk))
-	if werr != nil {
-		lk.abort(CloseClientError, werr)
-		return
-	}
-	if errors.Is(err, io.EOF) {
-		if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.midFrame() {
-			lk.badFrame("response", errTruncated)
-			return
-		}
-		lk.passFinToClient()
-		return
-	}
-	lk.fail(err)
-}
-
-// handle is the response pump's readEach handler: it passes a chunk read
-// from the upstream on to the client. A failed write is left to
-// pumpResponses (handledStop).
-func (s *responses) handle(bp *[]byte, n int) (handled, error) {
-	lk := (*link)(s)
-	lk.l.p.budget.reading(int64(cap(*bp)))
-	buf := (*bp)[:n]
-	lk.bytesDown.Add(int64(n))
-	// Any byte from the upstream is an answer: the server is alive (see
-	// tracker), for the requests of every link to it, tracked by this
-	// listener or not (see also dialFailed).
-	lk.ep.answered(mono())
-	if lk.trk != nil {
-		if lk.respScan != nil {
-			if lk.conv.off.Load() {
-				lk.respScan = nil
-			} else if _, _, ferr := lk.respScan.scan(buf); ferr != nil {
-				lk.conv.untrack(metrics.UntrackedLimit, ferr)
-				lk.respScan = nil
-			}
-		}
-	}
-	_, werr := lk.client.Write(buf)
-	lk.l.p.budget.reading(-int64(cap(*bp)))
-	if werr != nil {
-		return handledStop, werr
-	}
-	return handledMore, nil
-}
-
 // passFinToClient passes the upstream's FIN on to the client.
 func (lk *link) passFinToClient() {
 	lk.sawFin(CloseUpstreamClosed)
@@ -769,7 +305,7 @@ func (lk *link) passFinToClient() {
 // reset, after whatever the kernel still has to send.
 func (lk *link) passFin(closeWrite func() error) error {
 	lk.finMu.Lock()
-	last := lk.fins == 1 && lk.stream == nil
+	last := lk.fins == 1 && lk.up.finByClose()
 	lk.finMu.Unlock()
 	if last {
 		lk.passedFin()
@@ -787,7 +323,7 @@ func (lk *link) passFin(closeWrite func() error) error {
 // server failure: the detector hears nothing of it.
 func (lk *link) badFrame(direction string, err error) {
 	if lk.abort(CloseBadFrame, err) {
-		lk.l.log.Warn().Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
+		lk.log.Warn().Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
 			Str("client", lk.client.RemoteAddr().String()).Msg("bad frame: link closed")
 	}
 }
@@ -800,7 +336,7 @@ func (lk *link) badFrame(direction string, err error) {
 // dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []pendingRequest, left int) {
 	n, since := lk.trk.unanswered(judged)
-	lk.l.p.countUnanswered(lk.ep, lk.l, n, int(judged[0].thr), since)
+	lk.host.countUnanswered(lk.ep, n, int(judged[0].thr), since)
 	if lk.conv == nil {
 		return
 	}
@@ -822,7 +358,7 @@ func (lk *link) judge(judged []pendingRequest, left int) {
 
 func (lk *link) dropStale(frames int) {
 	if lk.abort(CloseStale, nil) {
-		lk.l.m.StaleFramesDropped.Add(float64(frames))
+		lk.m.StaleFramesDropped.Add(float64(frames))
 	}
 }
 
@@ -866,12 +402,12 @@ func (lk *link) stalled(d time.Duration) bool {
 // ackedBytes is how many bytes of the stream the upstream has acknowledged.
 func (lk *link) ackedBytes() (int64, bool) {
 	lk.connMu.Lock()
-	raw := lk.upRaw
+	up := lk.up
 	lk.connMu.Unlock()
-	if raw == nil {
+	if up == nil {
 		return 0, false
 	}
-	return bytesAcked(raw)
+	return up.acked()
 }
 
 // sawFin records which side sent FIN first, when it is read: passing it
@@ -914,14 +450,11 @@ func (lk *link) passedFin() {
 func (lk *link) abort(reason CloseReason, err error) bool {
 	first := lk.setReason(reason, err)
 	lk.connMu.Lock()
-	if lk.upstream != nil && !lk.closed {
-		_ = lk.upstream.SetLinger(0)
-	}
 	if !lk.closed {
-		lk.client.abortive()
-		if lk.stream != nil {
-			lk.meshSess.resetStream(lk.stream) // the server behind the peer sidecar sees a reset too
+		if lk.up != nil {
+			lk.up.abortive()
 		}
+		lk.client.abortive()
 	}
 	lk.connMu.Unlock()
 	lk.closeBoth()
@@ -954,21 +487,17 @@ func (lk *link) closeBoth() {
 		_ = lk.client.Close()
 		lk.connMu.Lock()
 		lk.closed = true
-		up, st := lk.upstream, lk.stream
+		up := lk.up
 		lk.connMu.Unlock()
 		if up != nil {
-			_ = up.Close()
-		}
-		if st != nil {
-			_ = st.Close()                   // the half-close yamux has
-			_ = st.SetDeadline(pastDeadline) // wakes the pumps' reads and writes
+			up.close()
 		}
 	})
 }
 
 func (lk *link) stats() LinkStats {
 	s := LinkStats{
-		Listener:  lk.l.cfg.Name,
+		Listener:  lk.name,
 		Client:    lk.client.RemoteAddr().String(),
 		BytesUp:   lk.bytesUp.Load(),
 		BytesDown: lk.bytesDown.Load(),
@@ -1003,6 +532,6 @@ func (lk *link) clientEnded() bool {
 func (lk *link) fail(err error) {
 	reason := closeReasonFor(err)
 	if lk.abort(reason, err) && reason == CloseLocalError {
-		lk.l.localError(lk.ep, err)
+		lk.host.localError(lk.ep, err)
 	}
 }

@@ -1,12 +1,10 @@
 package proxy
 
 import (
-	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"net"
 	"slices"
@@ -15,8 +13,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-
-	"github.com/hashicorp/yamux"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -439,8 +435,8 @@ func (es *egressSession) shrinkStreams() {
 	defer es.mu.Unlock()
 	for lk := range es.links {
 		lk.connMu.Lock()
-		if lk.stream != nil {
-			lk.stream.Shrink()
+		if e, ok := lk.up.(*meshEnd); ok {
+			e.st.Shrink()
 		}
 		lk.connMu.Unlock()
 	}
@@ -481,9 +477,9 @@ func (ep *endpoint) evictMeshEpoch(pr *meshPeer, epoch uint64) int {
 	var ks []*link
 	for lk := range ep.links {
 		lk.connMu.Lock()
-		es, e := lk.meshSess, lk.meshEpoch
+		e, _ := lk.up.(*meshEnd)
 		lk.connMu.Unlock()
-		if es != nil && es.peer == pr && (e == epoch || e == 0) {
+		if e != nil && e.sess.peer == pr && (e.epoch == epoch || e.epoch == 0) {
 			ks = append(ks, lk)
 		}
 	}
@@ -491,7 +487,7 @@ func (ep *endpoint) evictMeshEpoch(pr *meshPeer, epoch uint64) int {
 	n := 0
 	for _, lk := range ks {
 		if lk.abort(CloseEvicted, nil) {
-			lk.l.m.Evicted(metrics.EvictReadmitted, 1)
+			lk.m.Evicted(metrics.EvictReadmitted, 1)
 			n++
 		}
 	}
@@ -520,226 +516,4 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 		return false, nil
 	}
 	return true, err
-}
-
-// meshPortFor is the mesh port through which the link reaches ep, 0 for
-// none: a transparent match entry's own, else the listener's mesh.port.
-func (lk *link) meshPortFor(ep *endpoint) int {
-	port := lk.settings.Mesh.Port
-	if lk.l.matches != nil {
-		if i := lk.l.matchIndex(ep.addr); i >= 0 && lk.l.matches[i].meshPort != 0 {
-			port = lk.l.matches[i].meshPort
-		}
-	}
-	ep.meshPort.Store(int32(port))
-	return port
-}
-
-// openMesh opens a stream to ep through the peer sidecar at its mesh port.
-func (lk *link) openMesh(ep *endpoint, port int) (*yamux.Stream, *egressSession, error) {
-	host, eport, err := net.SplitHostPort(ep.dial)
-	if err != nil {
-		return nil, nil, err
-	}
-	n, err := strconv.Atoi(eport)
-	if err != nil {
-		return nil, nil, err
-	}
-	pr := lk.l.p.meshPeer(host, port)
-	m := lk.settings.Mesh.OrDefaults()
-	direct := m.Fallback == policy.MeshFallbackDirect
-	if until := pr.noIngressUntil.Load(); direct && until != 0 && mono() < until {
-		return nil, nil, errNoIngress
-	}
-	ctx, cancel := context.WithTimeout(lk.l.ctx, cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
-	defer cancel()
-	pr.mu.Lock()
-	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
-	pr.mu.Unlock()
-	for try := 0; ; try++ {
-		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
-		if errors.Is(err, errNoIngress) {
-			if direct {
-				pr.noIngressUntil.Store(mono() + int64(noIngressFor))
-			}
-			return nil, nil, err
-		}
-		if err != nil {
-			return nil, nil, err // the session dial: evidence as any dial's
-		}
-		pr.noIngressUntil.Store(0)
-		st, err := es.sess.OpenStream()
-		if err == nil {
-			if st.StreamID() > retireAfterStreams {
-				es.retire("stream ids running out")
-			}
-			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
-				return lk.awaitAck(ctx, st, es)
-			}
-			_ = st.Close()
-		}
-		// A stream that cannot open on a live session is no evidence
-		// against the server: the session is retired, another takes the
-		// link.
-		if !es.dead.Load() {
-			es.retire("stream open failed: " + err.Error())
-		}
-		if try == 1 || ctx.Err() != nil {
-			return nil, nil, fmt.Errorf("%w: %v", errMeshStream, err)
-		}
-	}
-}
-
-// errMeshStream: no stream could be opened on a session to the peer. Not
-// held against the endpoint: the link ends upstream_error, unreported.
-var errMeshStream = errors.New("mesh: no stream could be opened to the peer sidecar")
-
-// errMeshRefused: the peer sidecar could not connect the stream to its
-// server (refused, not served, out of routing there). The peer sidecar
-// judges its own server and announces it; the egress tries the next
-// endpoint without reporting this one.
-var errMeshRefused = errors.New("mesh: the peer sidecar could not reach the server")
-
-// awaitAck waits for the ingress's acknowledgement that it reached the
-// server, within the link's connect budget (ctx) plus a ping_timeout for
-// the way there and back.
-func (lk *link) awaitAck(ctx context.Context, st *yamux.Stream, es *egressSession) (*yamux.Stream, *egressSession, error) {
-	deadline, _ := ctx.Deadline()
-	_ = st.SetReadDeadline(deadline.Add(es.timeout))
-	var ack [1]byte
-	_, err := io.ReadFull(st, ack[:])
-	_ = st.SetReadDeadline(time.Time{})
-	if err == nil && ack[0] == meshAck {
-		return st, es, nil
-	}
-	_ = st.Close()
-	_ = st.SetDeadline(pastDeadline)
-	if es.dead.Load() {
-		return nil, nil, errMeshDead
-	}
-	if es.closed() {
-		return nil, nil, fmt.Errorf("%w: the session closed", errMeshStream)
-	}
-	if err == nil {
-		err = fmt.Errorf("acknowledgement %d", ack[0])
-	}
-	return nil, nil, fmt.Errorf("%w (%v)", errMeshRefused, err)
-}
-
-// meshFallback counts a link of l that reaches ep directly because its
-// host has no ingress sidecar (cause says what the mesh port did), and
-// says so once per peer.
-func (lk *link) meshFallback(ep *endpoint, port int, cause error) {
-	lk.l.p.metrics.MeshFallbacks(lk.l.cfg.Name).Inc()
-	host, _, _ := net.SplitHostPort(ep.dial)
-	if pr := lk.l.p.meshPeer(host, port); pr.fallbackLogged.CompareAndSwap(false, true) {
-		lk.l.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).AnErr("cause", cause).
-			Msg("no ingress sidecar on the peer that takes this one (mesh port refused, something else answered, or TLS refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
-	}
-}
-
-// meshConnected takes over a stream opened for the link.
-func (lk *link) meshConnected(ep *endpoint, st *yamux.Stream, es *egressSession) bool {
-	_, eport, _ := net.SplitHostPort(ep.dial)
-	n, _ := strconv.Atoi(eport)
-	epoch := es.peer.epochOf(uint16(n))
-	lk.ep = ep
-	lk.connMu.Lock()
-	lk.stream, lk.meshSess, lk.meshEpoch = st, es, epoch
-	closed := lk.closed
-	lk.connMu.Unlock()
-	if lk.l.pool != nil {
-		ep.add(lk)
-	}
-	if closed {
-		_ = st.Close()
-		return false
-	}
-	if !es.add(lk) {
-		lk.meshFail(errors.New("mesh: the session closed under the open"))
-		return false
-	}
-	return true
-}
-
-// meshRequests copies the client to the stream. The stream's flow-control
-// window bounds what is in flight: a write waits while the peer's window
-// is full, so the client is read no faster than the far side drains.
-func (lk *link) meshRequests() {
-	for {
-		bp, n, err := lk.client.read(chunkSize)
-		if n > 0 {
-			lk.l.p.budget.reading(int64(cap(*bp)))
-			lk.bytesUp.Add(int64(n))
-			_, werr := lk.stream.Write((*bp)[:n])
-			lk.l.p.budget.reading(-int64(cap(*bp)))
-			putChunk(bp)
-			if werr != nil {
-				lk.meshFail(werr)
-				return
-			}
-			continue
-		}
-		if errors.Is(err, io.EOF) {
-			lk.sawFin(CloseClientClosed)
-			_ = lk.stream.Close() // yamux's Close is the half-close
-			lk.passedFin()
-		} else {
-			lk.abort(CloseClientError, err)
-		}
-		return
-	}
-}
-
-// meshResponses copies the stream to the client. The end of the stream
-// is the server's FIN, passed on as one, unless the session closed: yamux
-// ends every stream of a closed session the same way, and a client told
-// FIN would take a cut-short response for a whole one.
-func (lk *link) meshResponses() {
-	var r streamReader
-	for {
-		bp, n, err := r.read(lk.stream, chunkSize)
-		if n > 0 {
-			lk.l.p.budget.reading(int64(cap(*bp)))
-			lk.bytesDown.Add(int64(n))
-			_, werr := lk.client.Write((*bp)[:n])
-			lk.l.p.budget.reading(-int64(cap(*bp)))
-			putChunk(bp)
-			if werr != nil {
-				lk.abort(CloseClientError, werr)
-				return
-			}
-			continue
-		}
-		if errors.Is(err, io.EOF) && !lk.meshSess.closed() {
-			lk.passFinToClient()
-			return
-		}
-		lk.meshFail(err)
-		return
-	}
-}
-
-// meshFail ends a mesh link on a stream error: mesh_dead when its session
-// was declared dead, else upstream_error (the stream was reset or its
-// session closed).
-func (lk *link) meshFail(err error) {
-	if err == nil || errors.Is(err, io.EOF) {
-		err = errors.New("mesh: the session to the peer sidecar closed")
-	}
-	if lk.meshSess.dead.Load() {
-		lk.abort(CloseMeshDead, err)
-		return
-	}
-	lk.abort(CloseUpstreamError, err)
-}
-
-func (lk *link) meshRequestsOwned() {
-	defer lk.exit()
-	lk.meshRequests()
-}
-
-func (lk *link) meshResponsesOwned() {
-	defer lk.exit()
-	lk.meshResponses()
 }

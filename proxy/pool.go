@@ -330,7 +330,7 @@ func (ep *endpoint) linksOf(l *listener) int {
 	defer ep.mu.Unlock()
 	n := 0
 	for lk := range ep.links {
-		if lk.l == l {
+		if lk.host == l {
 			n++
 		}
 	}
@@ -344,7 +344,7 @@ func (ep *endpoint) evictOf(l *listener, closeReason CloseReason, evictReason st
 	ep.mu.Lock()
 	var ks []*link
 	for lk := range ep.links {
-		if lk.l == l {
+		if lk.host == l {
 			ks = append(ks, lk)
 		}
 	}

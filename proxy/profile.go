@@ -74,9 +74,9 @@ func (c *conv) untrack(reason string, err error) {
 	c.queue, c.head = nil, 0
 	c.mu.Unlock()
 	c.lk.trk.clear()
-	c.lk.l.p.untracked(c.lk, reason, err)
+	c.lk.host.untracked(c.lk, reason, err)
 	if reason == metrics.UntrackedTLS {
-		c.lk.l.p.sawTLS(c.lk.ep)
+		c.lk.host.sawTLS(c.lk.ep)
 	}
 }
 
@@ -309,8 +309,7 @@ func newConv(lk *link) *conv {
 
 // untracked counts a link that stopped being tracked and says so in the
 // log: once per listener and reason at info, every link at debug.
-func (p *Proxy) untracked(lk *link, reason string, err error) {
-	l := lk.l
+func (l *listener) untracked(lk *link, reason string, err error) {
 	if c := l.m.Untracked(reason); c != nil {
 		c.Inc()
 	}

@@ -72,7 +72,7 @@ func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 		t.Fatal("no live link")
 	}
 	out := map[string]int{}
-	raw, err := lk.upstream.SyscallConn()
+	raw, err := lk.upstreamConn().SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -3,6 +3,7 @@ package proxy
 import (
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -34,6 +35,7 @@ import (
 // option.
 type windowGuard struct {
 	lk     *link
+	raw    syscall.RawConn // the link's upstream socket
 	ut     time.Duration
 	period time.Duration
 	armed  atomic.Bool
@@ -46,14 +48,14 @@ type windowGuard struct {
 
 // newWindowGuard returns the guard of a link whose upstream socket carries
 // tcp_user_timeout ut; nil when there is none to guard.
-func newWindowGuard(lk *link, ut time.Duration) *windowGuard {
-	if ut <= 0 || lk.upRaw == nil {
+func newWindowGuard(lk *link, raw syscall.RawConn, ut time.Duration) *windowGuard {
+	if ut <= 0 || raw == nil {
 		return nil
 	}
-	if _, ok := sampleSendWindow(lk.upRaw); !ok {
+	if _, ok := sampleSendWindow(raw); !ok {
 		return nil // the kernel does not say (not Linux)
 	}
-	return &windowGuard{lk: lk, ut: ut, period: max(ut/4, 10*time.Millisecond)}
+	return &windowGuard{lk: lk, raw: raw, ut: ut, period: max(ut/4, 10*time.Millisecond)}
 }
 
 // arm starts the guard's samples after a send, unless they run already.
@@ -102,7 +104,7 @@ func (g *windowGuard) check() {
 		return
 	}
 	g.armed.Store(false) // a send from now on arms it again
-	raw := g.lk.upRaw
+	raw := g.raw
 	w, ok := sampleSendWindow(raw)
 	if !ok {
 		return // closed
@@ -111,7 +113,7 @@ func (g *windowGuard) check() {
 	case w.zero && w.answered && !g.lifted:
 		if setUserTimeout(raw, 0) == nil {
 			g.lifted = true
-			g.lk.l.log.Debug().Str("endpoint", g.lk.ep.addr).Dur("tcp_user_timeout", g.ut).
+			g.lk.log.Debug().Str("endpoint", g.lk.ep.addr).Dur("tcp_user_timeout", g.ut).
 				Msg("upstream's window is zero and its kernel answers: tcp_user_timeout lifted while it reads nothing (write_timeout judges)")
 		}
 	case !w.zero && g.lifted:

@@ -55,7 +55,7 @@ func userTimeout(h *harness) int {
 	h.t.Helper()
 	lk := h.onlyLink(5 * time.Second)
 	lk.connMu.Lock()
-	raw := lk.upRaw
+	raw := lk.upRaw()
 	lk.connMu.Unlock()
 	ut := -1
 	if err := raw.Control(func(fd uintptr) { ut, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT) }); err != nil {

@@ -1,0 +1,171 @@
+package proxy
+
+import (
+	"cmp"
+	"errors"
+	"net"
+	"time"
+)
+
+// A dialer makes a link's upstream end to one endpoint, as
+// golang.org/x/net/proxy's Dialer connects to an address: dialers compose
+// by wrapping. The chain of every link is a mesh dialer with the direct
+// one as its fallback (meshDialer passes through when the link has no
+// mesh port); link.dial, the failover, wraps the chain: a pool's link
+// tries the next endpoint on a failure that another endpoint could cure.
+// A new transport is one more dialer in the chain and one more
+// upstreamEnd.
+type dialer interface {
+	dial(lk *link, ep *endpoint) (upstreamEnd, error)
+}
+
+// chain is the dialer of every link.
+var chain dialer = meshDialer{next: directDialer{}}
+
+// directDialer connects to the endpoint over TCP with the listener's
+// dialer (its connect timeout and socket options).
+type directDialer struct{}
+
+func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
+	c, err := lk.dialer.DialContext(lk.host.dialContext(), "tcp", ep.dial)
+	if err != nil {
+		return nil, err
+	}
+	ep.dialSucceeded()
+	e, err := newTCPEnd(lk, c.(*net.TCPConn))
+	if err != nil {
+		return nil, errLocal{err}
+	}
+	return e, nil
+}
+
+// errLocal is an error of the proxy itself after a connect succeeded
+// (the socket could not be taken over): the link ends on it as on any
+// error of its upstream socket, with the endpoint already its own.
+type errLocal struct{ error }
+
+func (e errLocal) Unwrap() error { return e.error }
+
+// connectBackoff is the pause before the n-th retry of a link's connect:
+// short, since each retry goes to another endpoint.
+func connectBackoff(n int) time.Duration {
+	return min(25*time.Millisecond<<(n-1), 200*time.Millisecond)
+}
+
+// dial connects the link's upstream through the chain. A pool listener's
+// link makes up to connect_attempts attempts, each to the next endpoint in
+// the balance order and never to the one that just failed while another
+// can serve; every refusal or timeout is reported to the detector at
+// once. A transparent link's destination is fixed: one attempt.
+func (lk *link) dial() bool {
+	attempts := max(lk.settings.ConnectAttempts, 1)
+	if lk.host.routing() == nil {
+		attempts = 1
+	}
+	var avoid string
+	var lastErr error
+	for i := range attempts {
+		if i > 0 {
+			select {
+			case <-time.After(connectBackoff(i)):
+			case <-lk.host.dialContext().Done():
+			}
+		}
+		ep, failOpen := lk.target(avoid)
+		if ep == nil {
+			break // nothing eligible is left
+		}
+		lk.dialed.try(ep)
+		start, began := time.Now(), mono()
+		end, err := chain.dial(lk, ep)
+		if err == nil {
+			lk.countDial(start, failOpen)
+			return end.attach(ep)
+		}
+		if l := (errLocal{}); errors.As(err, &l) {
+			lk.countDial(start, failOpen)
+			lk.attach(ep)
+			lk.fail(l.error)
+			return false
+		}
+		if !lk.dialFailed(ep, began, err) {
+			return false
+		}
+		avoid, lastErr = ep.addr, err
+	}
+	// Reset rather than close: to a client whose own failure detector
+	// treats a completed close as a live server, a reset looks like the
+	// refused connection it stands for.
+	if lastErr != nil {
+		lk.setReason(CloseDialError, lastErr)
+	} else {
+		lk.setReason(CloseRefused, nil)
+	}
+	lk.resetClient()
+	return false
+}
+
+// target is the endpoint of the link's next attempt: a pool's pick (never
+// avoid while another can serve; nil when nothing eligible is left) or
+// the transparent link's destination. failOpen: it is excluded, let
+// through because its pool or group fails open.
+func (lk *link) target(avoid string) (ep *endpoint, failOpen bool) {
+	if lk.host.routing() != nil {
+		return lk.host.routing().pick(avoid)
+	}
+	// A transparent destination let through while excluded: its group is
+	// failing open (group_fail_open).
+	return lk.ep, lk.host.excluded(lk.ep)
+}
+
+// dialFailed judges a failed attempt to ep (started at mono time began):
+// it reports true when the next endpoint may be tried, and otherwise ends
+// the link with the reason the failure gives it.
+func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
+	end := func(reason CloseReason) bool {
+		lk.setReason(reason, err)
+		lk.resetClient()
+		return false
+	}
+	switch {
+	case errors.Is(err, errNoIngress):
+		return end(CloseRefused) // mesh.fallback: refuse
+	case errors.Is(err, errMeshRefused):
+		// The peer sidecar judges its server and says so in its status;
+		// this endpoint is not reported, the next is tried.
+		lk.m.DialErrors.Inc()
+		return true
+	case errors.Is(err, errMeshDead):
+		return end(CloseMeshDead)
+	case errors.Is(err, errMeshStream):
+		return end(CloseUpstreamError)
+	case lk.host.dialContext().Err() != nil:
+		return end(CloseShutdown) // the proxy is shutting down: not the upstream's fault
+	case !upstreamFault(err):
+		// Out of descriptors, a socket option refused: the proxy's own
+		// failure, never the upstream's; another endpoint would not help.
+		lk.setReason(CloseLocalError, err)
+		lk.host.localError(ep, err)
+		lk.resetClient()
+		return false
+	}
+	lk.m.DialErrors.Inc()
+	if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
+		lk.host.report(ep, CloseDialError)
+	} else {
+		lk.log.Debug().Err(err).Str("endpoint", ep.addr).
+			Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
+	}
+	return true
+}
+
+// countDial counts a successful dial that started at start, and a link
+// sent to an excluded endpoint because its pool or group fails open.
+func (lk *link) countDial(start time.Time, failOpen bool) {
+	took := time.Since(start)
+	lk.dialed.connect.Store(int64(took))
+	lk.m.DialDuration.Observe(took.Seconds())
+	if failOpen && lk.failOpen {
+		lk.m.FailOpenLinks.Inc()
+	}
+}

@@ -1,0 +1,91 @@
+package proxy
+
+import (
+	"context"
+
+	"github.com/livenessproxy/livenessproxy/health"
+)
+
+// linkHost is what a link needs from its owner: its listener, and
+// through it, without the link reaching there itself, the proxy's
+// detector, its registry of the proxy's own connections and its mesh
+// peers. The link holds the rest it needs directly (its settings, the
+// listener's metrics and log, the process's budget). *listener implements
+// it.
+type linkHost interface {
+	// dialContext ends when the link's listener stops for good.
+	dialContext() context.Context
+	// pool is the listener's pool; nil for a transparent listener.
+	routing() *pool
+	// meshPort is the mesh port through which the link reaches ep, given
+	// the settings' own (port): a transparent match entry's, if it has one.
+	meshPort(ep *endpoint, port int) int
+
+	// excluded reports whether the detector has ep excluded.
+	excluded(ep *endpoint) bool
+	// report passes a data-plane failure of ep to the detector.
+	report(ep *endpoint, reason CloseReason)
+	// countUnanswered counts n requests of a link to ep past their
+	// deadline, unanswered since mono time since (thr: the listener's
+	// consecutive threshold).
+	countUnanswered(ep *endpoint, n, thr int, since int64)
+	// untracked counts a link that stopped being tracked, and logs it.
+	untracked(lk *link, reason string, err error)
+	// sawTLS tells the detector that ep's clients speak TLS.
+	sawTLS(ep *endpoint)
+	// localError logs an error of the proxy's own, never the endpoint's.
+	localError(ep *endpoint, err error)
+
+	// ownConn registers (add) or forgets the local address of an upstream
+	// connection the proxy dialled: a transparent listener refuses it if
+	// it comes back (an interception loop).
+	ownConn(local string, add bool)
+	// meshPeer is the ingress sidecar at host:port.
+	meshPeer(host string, port int) *meshPeer
+	// meshFallback counts a link that reached its endpoint directly
+	// because the peer has no ingress sidecar.
+	meshFallback()
+
+	// linkEnded accounts for a link that has ended with stats s.
+	linkEnded(lk *link, s LinkStats)
+}
+
+func (l *listener) dialContext() context.Context { return l.ctx }
+
+func (l *listener) routing() *pool { return l.pool }
+
+func (l *listener) meshPort(ep *endpoint, port int) int {
+	if l.matches != nil {
+		if i := l.matchIndex(ep.addr); i >= 0 && l.matches[i].meshPort != 0 {
+			port = l.matches[i].meshPort
+		}
+	}
+	return port
+}
+
+func (l *listener) excluded(ep *endpoint) bool {
+	st, _ := l.p.det.State(ep.addr)
+	return st == health.Excluded
+}
+
+func (l *listener) report(ep *endpoint, reason CloseReason) { l.p.report(ep, reason) }
+
+func (l *listener) countUnanswered(ep *endpoint, n, thr int, since int64) {
+	l.p.countUnanswered(ep, l, n, thr, since)
+}
+
+func (l *listener) sawTLS(ep *endpoint) { l.p.sawTLS(ep) }
+
+func (l *listener) ownConn(local string, add bool) {
+	switch {
+	case !l.p.transparent.Load():
+	case add:
+		l.p.ownUp.Store(local, struct{}{})
+	default:
+		l.p.ownUp.Delete(local)
+	}
+}
+
+func (l *listener) meshPeer(host string, port int) *meshPeer { return l.p.meshPeer(host, port) }
+
+func (l *listener) meshFallback() { l.p.metrics.MeshFallbacks(l.cfg.Name).Inc() }

@@ -1,0 +1,39 @@
+package proxy
+
+// upstreamEnd is what a link does with its upstream, one implementation
+// per transport: a TCP connection (tcpEnd, upstream_tcp.go) or a stream
+// through the mesh to a peer sidecar (meshEnd, upstream_mesh.go). The
+// client side has the same shape (clientSide, client.go). The link keeps
+// the state machine (start, FINs, finish, abort, stats) and asks its end
+// for everything that depends on the transport; a dialer (dial.go) makes
+// the end.
+//
+// Methods other than attach are called only after attach returned true.
+type upstreamEnd interface {
+	// attach takes the end over for the link it was dialled for, as the
+	// way to ep: the link's endpoint from now on. It reports false when the
+	// link ended meanwhile (aborted during the dial: the end is closed, the
+	// reason is set).
+	attach(ep *endpoint) bool
+	// run starts the link's two pumps, each in a goroutine counted in
+	// link.live that ends with link.exit.
+	run()
+	// closeWrite passes the client's FIN on to the upstream.
+	closeWrite() error
+	// finByClose reports whether closing the end passes a FIN (a TCP
+	// socket whose peer has sent its own); a transport without that needs
+	// closeWrite even for the last direction.
+	finByClose() bool
+	// abortive makes the coming close a reset where the transport has one;
+	// called under the link's connMu, before close.
+	abortive()
+	// close closes the end and wakes every pump waiting on it.
+	close()
+	// acked is how many bytes of the stream the upstream has acknowledged
+	// (false: the transport does not say). Progress is what the upstream
+	// acknowledged, not what the kernel took.
+	acked() (int64, bool)
+	// release gives back what the end holds once the link's goroutines
+	// have ended.
+	release()
+}

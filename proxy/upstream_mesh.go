@@ -1,0 +1,289 @@
+package proxy
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/hashicorp/yamux"
+
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// meshDialer reaches an endpoint through the ingress sidecar on its host
+// (a stream on a session to the peer's mesh port) when the link's
+// listener or match entry has a mesh port, and through next otherwise,
+// or when the peer has no ingress sidecar and mesh.fallback is direct.
+type meshDialer struct{ next dialer }
+
+func (d meshDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
+	port := lk.meshPortFor(ep)
+	if port == 0 {
+		return d.next.dial(lk, ep)
+	}
+	end, err := lk.openMesh(ep, port)
+	if errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect {
+		lk.meshFallback(ep, port, err)
+		return d.next.dial(lk, ep)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return end, nil
+}
+
+// meshPortFor is the mesh port through which the link reaches ep, 0 for
+// none: a transparent match entry's own, else the listener's mesh.port.
+func (lk *link) meshPortFor(ep *endpoint) int {
+	port := lk.host.meshPort(ep, lk.settings.Mesh.Port)
+	ep.meshPort.Store(int32(port))
+	return port
+}
+
+// openMesh opens a stream to ep through the peer sidecar at its mesh port.
+func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
+	host, eport, err := net.SplitHostPort(ep.dial)
+	if err != nil {
+		return nil, err
+	}
+	n, err := strconv.Atoi(eport)
+	if err != nil {
+		return nil, err
+	}
+	pr := lk.host.meshPeer(host, port)
+	m := lk.settings.Mesh.OrDefaults()
+	direct := m.Fallback == policy.MeshFallbackDirect
+	if until := pr.noIngressUntil.Load(); direct && until != 0 && mono() < until {
+		return nil, errNoIngress
+	}
+	ctx, cancel := context.WithTimeout(lk.host.dialContext(), cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
+	defer cancel()
+	pr.mu.Lock()
+	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
+	pr.mu.Unlock()
+	for try := 0; ; try++ {
+		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
+		if errors.Is(err, errNoIngress) {
+			if direct {
+				pr.noIngressUntil.Store(mono() + int64(noIngressFor))
+			}
+			return nil, err
+		}
+		if err != nil {
+			return nil, err // the session dial: evidence as any dial's
+		}
+		pr.noIngressUntil.Store(0)
+		st, err := es.sess.OpenStream()
+		if err == nil {
+			if st.StreamID() > retireAfterStreams {
+				es.retire("stream ids running out")
+			}
+			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
+				return es.awaitAck(ctx, lk, st, uint16(n))
+			}
+			_ = st.Close()
+		}
+		// A stream that cannot open on a live session is no evidence
+		// against the server: the session is retired, another takes the
+		// link.
+		if !es.dead.Load() {
+			es.retire("stream open failed: " + err.Error())
+		}
+		if try == 1 || ctx.Err() != nil {
+			return nil, fmt.Errorf("%w: %v", errMeshStream, err)
+		}
+	}
+}
+
+// errMeshStream: no stream could be opened on a session to the peer. Not
+// held against the endpoint: the link ends upstream_error, unreported.
+var errMeshStream = errors.New("mesh: no stream could be opened to the peer sidecar")
+
+// errMeshRefused: the peer sidecar could not connect the stream to its
+// server (refused, not served, out of routing there). The peer sidecar
+// judges its own server and announces it; the egress tries the next
+// endpoint without reporting this one.
+var errMeshRefused = errors.New("mesh: the peer sidecar could not reach the server")
+
+// awaitAck waits for the ingress's acknowledgement that it reached the
+// server (port, on the peer), within the link's connect budget (ctx) plus
+// a ping_timeout for the way there and back.
+func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Stream, port uint16) (*meshEnd, error) {
+	deadline, _ := ctx.Deadline()
+	_ = st.SetReadDeadline(deadline.Add(es.timeout))
+	var ack [1]byte
+	_, err := io.ReadFull(st, ack[:])
+	_ = st.SetReadDeadline(time.Time{})
+	if err == nil && ack[0] == meshAck {
+		return &meshEnd{lk: lk, st: st, sess: es, port: port}, nil
+	}
+	_ = st.Close()
+	_ = st.SetDeadline(pastDeadline)
+	if es.dead.Load() {
+		return nil, errMeshDead
+	}
+	if es.closed() {
+		return nil, fmt.Errorf("%w: the session closed", errMeshStream)
+	}
+	if err == nil {
+		err = fmt.Errorf("acknowledgement %d", ack[0])
+	}
+	return nil, fmt.Errorf("%w (%v)", errMeshRefused, err)
+}
+
+// meshFallback counts a link of l that reaches ep directly because its
+// host has no ingress sidecar (cause says what the mesh port did), and
+// says so once per peer.
+func (lk *link) meshFallback(ep *endpoint, port int, cause error) {
+	lk.host.meshFallback()
+	host, _, _ := net.SplitHostPort(ep.dial)
+	if pr := lk.host.meshPeer(host, port); pr.fallbackLogged.CompareAndSwap(false, true) {
+		lk.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).AnErr("cause", cause).
+			Msg("no ingress sidecar on the peer that takes this one (mesh port refused, something else answered, or TLS refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
+	}
+}
+
+// meshEnd is a link's upstream through the mesh (egress side): a stream
+// on sess, to the server at port on the peer's host, opened under the
+// peer's epoch of that port. The stream's flow-control window bounds what
+// is in flight, so the link needs no queue of its own; the peer sidecar
+// enforces the plain link rules on its connection to the server.
+type meshEnd struct {
+	lk    *link
+	st    *yamux.Stream
+	sess  *egressSession
+	port  uint16
+	epoch uint64 // set by attach
+}
+
+func (e *meshEnd) attach(ep *endpoint) bool {
+	lk := e.lk
+	e.epoch = e.sess.peer.epochOf(e.port)
+	lk.ep = ep
+	open := lk.adopt(e)
+	if lk.host.routing() != nil {
+		ep.add(lk)
+	}
+	if !open {
+		_ = e.st.Close()
+		return false
+	}
+	if !e.sess.add(lk) {
+		e.fail(errors.New("mesh: the session closed under the open"))
+		return false
+	}
+	return true
+}
+
+func (e *meshEnd) run() {
+	go e.responsesOwned()
+	go e.requestsOwned()
+}
+
+// closeWrite half-closes the stream: yamux's Close sends FIN and keeps
+// reading.
+func (e *meshEnd) closeWrite() error { return e.st.Close() }
+
+func (*meshEnd) finByClose() bool { return false }
+
+// abortive resets the stream at once: the server behind the peer sidecar
+// sees a reset too.
+func (e *meshEnd) abortive() { e.sess.resetStream(e.st) }
+
+func (e *meshEnd) close() {
+	_ = e.st.Close()                   // the half-close yamux has
+	_ = e.st.SetDeadline(pastDeadline) // wakes the pumps' reads and writes
+}
+
+func (*meshEnd) acked() (int64, bool) { return 0, false }
+
+func (e *meshEnd) release() { e.sess.remove(e.lk) }
+
+func (e *meshEnd) requestsOwned() {
+	defer e.lk.exit()
+	e.requests()
+}
+
+func (e *meshEnd) responsesOwned() {
+	defer e.lk.exit()
+	e.responses()
+}
+
+// requests copies the client to the stream. The stream's flow-control
+// window bounds what is in flight: a write waits while the peer's window
+// is full, so the client is read no faster than the far side drains.
+func (e *meshEnd) requests() {
+	lk := e.lk
+	for {
+		bp, n, err := lk.client.read(chunkSize)
+		if n > 0 {
+			lk.budget.reading(int64(cap(*bp)))
+			lk.bytesUp.Add(int64(n))
+			_, werr := e.st.Write((*bp)[:n])
+			lk.budget.reading(-int64(cap(*bp)))
+			putChunk(bp)
+			if werr != nil {
+				e.fail(werr)
+				return
+			}
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			lk.sawFin(CloseClientClosed)
+			_ = e.st.Close() // yamux's Close is the half-close
+			lk.passedFin()
+		} else {
+			lk.abort(CloseClientError, err)
+		}
+		return
+	}
+}
+
+// responses copies the stream to the client. The end of the stream is
+// the server's FIN, passed on as one, unless the session closed: yamux
+// ends every stream of a closed session the same way, and a client told
+// FIN would take a cut-short response for a whole one.
+func (e *meshEnd) responses() {
+	lk := e.lk
+	var r streamReader
+	for {
+		bp, n, err := r.read(e.st, chunkSize)
+		if n > 0 {
+			lk.budget.reading(int64(cap(*bp)))
+			lk.bytesDown.Add(int64(n))
+			_, werr := lk.client.Write((*bp)[:n])
+			lk.budget.reading(-int64(cap(*bp)))
+			putChunk(bp)
+			if werr != nil {
+				lk.abort(CloseClientError, werr)
+				return
+			}
+			continue
+		}
+		if errors.Is(err, io.EOF) && !e.sess.closed() {
+			lk.passFinToClient()
+			return
+		}
+		e.fail(err)
+		return
+	}
+}
+
+// fail ends a mesh link on a stream error: mesh_dead when its session
+// was declared dead, else upstream_error (the stream was reset or its
+// session closed).
+func (e *meshEnd) fail(err error) {
+	if err == nil || errors.Is(err, io.EOF) {
+		err = errors.New("mesh: the session to the peer sidecar closed")
+	}
+	if e.sess.dead.Load() {
+		e.lk.abort(CloseMeshDead, err)
+		return
+	}
+	e.lk.abort(CloseUpstreamError, err)
+}

@@ -1,0 +1,418 @@
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+)
+
+// tcpEnd is a link's upstream over a TCP connection it dialled: the
+// request pump writes to the socket without waiting, queueing only what
+// the kernel does not take (a writer drains the queue under the write
+// deadline), and the response pump reads the socket only when it is
+// readable.
+type tcpEnd struct {
+	lk   *link
+	conn *net.TCPConn
+	raw  syscall.RawConn
+	// r reads the upstream only when it is readable (the response pump
+	// owns it).
+	r sockReader
+	// win keeps TCP_USER_TIMEOUT off a zero window whose peer answers
+	// (see windowGuard); nil without tcp_user_timeout.
+	win *windowGuard
+
+	// batch and toWrite are the writer's views of queued bytes, kept here
+	// so that a batch costs no allocation.
+	batch, toWrite net.Buffers
+
+	// rawP, rawN, rawErr and rawWriteFn carry tryWrite's arguments so the
+	// per-write callback is allocated once per link, not once per write.
+	rawP       []byte
+	rawN       int
+	rawErr     error
+	rawWriteFn func(fd uintptr) bool
+
+	// What requests.handle leaves for pumpRequests to do outside the read
+	// (see sockReader.readEach): a chunk it began to send, of which the
+	// kernel took reqSent bytes (with reqBegun).
+	reqSent  int32
+	reqBegun bool
+}
+
+// newTCPEnd makes the end of lk over c, a connection just dialled; on an
+// error c is closed.
+func newTCPEnd(lk *link, c *net.TCPConn) (*tcpEnd, error) {
+	e := &tcpEnd{lk: lk, conn: c}
+	raw, err := c.SyscallConn()
+	if err == nil {
+		err = e.r.init(c)
+	}
+	if err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	e.raw = raw
+	e.rawWriteFn = func(fd uintptr) bool {
+		e.rawN, e.rawErr = syscall.Write(int(fd), e.rawP)
+		return true
+	}
+	return e, nil
+}
+
+// requests and responses are a TCP end as the chunkSink of its request
+// and response pumps (a pointer conversion: nothing is allocated).
+type (
+	requests  tcpEnd
+	responses tcpEnd
+)
+
+func (s *requests) limit() int { return s.lk.requestLimit() }
+
+func (*responses) limit() int { return chunkSize }
+
+func (e *tcpEnd) attach(ep *endpoint) bool {
+	lk := e.lk
+	lk.host.ownConn(e.conn.LocalAddr().String(), true)
+	lk.ackedAt.Store(mono()) // progress is measured from the connect on
+	lk.attach(ep)
+	if !lk.adopt(e) {
+		// Aborted while dialling: the reason is already set.
+		lk.host.ownConn(e.conn.LocalAddr().String(), false)
+		_ = e.conn.SetLinger(0)
+		_ = e.conn.Close()
+		return false
+	}
+	e.win = newWindowGuard(lk, e.raw, lk.settings.TCPUserTimeout.D())
+	return true
+}
+
+func (e *tcpEnd) run() {
+	go e.pumpResponsesOwned()
+	go e.pumpRequestsOwned()
+}
+
+func (e *tcpEnd) closeWrite() error { return e.conn.CloseWrite() }
+
+func (*tcpEnd) finByClose() bool { return true }
+
+func (e *tcpEnd) abortive() { _ = e.conn.SetLinger(0) }
+
+func (e *tcpEnd) close() { _ = e.conn.Close() }
+
+func (e *tcpEnd) acked() (int64, bool) { return bytesAcked(e.raw) }
+
+func (e *tcpEnd) release() {
+	e.lk.host.ownConn(e.conn.LocalAddr().String(), false)
+	e.win.stop()
+}
+
+func (e *tcpEnd) writeUpstreamOwned() {
+	defer e.lk.exit()
+	e.writeUpstream()
+}
+
+func (e *tcpEnd) pumpResponsesOwned() {
+	defer e.lk.exit()
+	e.pumpResponses()
+}
+
+func (e *tcpEnd) pumpRequestsOwned() {
+	defer e.lk.exit()
+	e.pumpRequests()
+}
+
+// pumpRequests reads the client for as long as the link lives and hands
+// the bytes to the upstream: directly when nothing is queued and the
+// kernel takes them at once (requests.handle, inside the read), through the
+// queue otherwise (here, outside it: the queue may wait, or close the
+// link).
+func (e *tcpEnd) pumpRequests() {
+	lk := e.lk
+	high := int64(lk.settings.WriteBuffer.HighWaterMark)
+	for {
+		if lk.backpressure() {
+			if _, ok := lk.q.waitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark)); !ok {
+				return
+			}
+		}
+		bp, n, err, werr := lk.client.readEach((*requests)(e))
+		if werr != nil {
+			lk.fail(werr)
+			return
+		}
+		if n > 0 {
+			if !e.sendRead(bp, n, high) {
+				return
+			}
+			continue
+		}
+		if err == nil {
+			continue // no room below the high watermark, or the queue closed
+		}
+		e.requestsEnded(err)
+		return
+	}
+}
+
+// sendRead sends the n bytes of *bp, a chunk read from the client that
+// requests.handle did not send whole, and gives the chunk back. It
+// reports false when the link has ended.
+func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
+	lk := e.lk
+	buf := (*bp)[:n]
+	if e.reqBegun {
+		// requests.handle counted and recorded these bytes, and the
+		// kernel took reqSent of them.
+		buf = buf[int(e.reqSent):]
+		e.reqBegun, e.reqSent = false, 0
+	} else {
+		lk.budget.reading(int64(cap(*bp)))
+		lk.countRequest(buf)
+	}
+	sent := e.send(buf, high) // copies what it queues
+	lk.budget.reading(-int64(cap(*bp)))
+	putChunk(bp)
+	return sent
+}
+
+// requestsEnded ends the request pump on err, the client's read error:
+// a FIN is passed on after whatever is queued, anything else aborts.
+func (e *tcpEnd) requestsEnded(err error) {
+	lk := e.lk
+	if !errors.Is(err, io.EOF) {
+		lk.abort(CloseClientError, err)
+		return
+	}
+	if lk.reqScan != nil && !lk.conv.off.Load() && lk.reqScan.midFrame() {
+		lk.badFrame("request", errTruncated)
+		return
+	}
+	lk.sawFin(CloseClientClosed)
+	if lk.q.endOfInput() {
+		return // the writer passes the FIN on after the queued bytes
+	}
+	// No writer means nothing was ever queued: pass it on now.
+	if cerr := lk.passFin(e.conn.CloseWrite); cerr != nil {
+		lk.fail(cerr)
+	}
+}
+
+// handle is the request pump's readEach handler: with nothing queued it
+// writes the chunk to the upstream without waiting. Whatever would have
+// to wait or close the link (a queue in use, a partial write, an error)
+// is left to pumpRequests. (A method of requests itself, not a wrapper:
+// a frame less on the pump's stack.)
+func (s *requests) handle(bp *[]byte, n int) (handled, error) {
+	e := (*tcpEnd)(s)
+	lk := e.lk
+	if !lk.readAny && lk.conv != nil {
+		// The first bytes of a profiled link are checked for TLS, which
+		// may register the endpoint's probe anew: outside the read.
+		return handledKeep, nil
+	}
+	if empty, open := lk.q.idle(); !empty || !open {
+		return handledKeep, nil
+	}
+	buf := (*bp)[:n]
+	lk.budget.reading(int64(cap(*bp)))
+	lk.countRequest(buf)
+	e.win.arm() // bytes may wait for the upstream in the kernel: watch its window (see send)
+	w, err := e.tryWrite(buf)
+	if err == nil && w < n {
+		e.reqBegun, e.reqSent = true, int32(w) // the rest is queued by pumpRequests
+		return handledKeep, nil
+	}
+	lk.budget.reading(-int64(cap(*bp)))
+	if err != nil {
+		return handledStop, err
+	}
+	return handledMore, nil
+}
+
+// send hands p to the upstream. It reports false when the link has ended.
+func (e *tcpEnd) send(p []byte, high int64) bool {
+	lk := e.lk
+	empty, open := lk.q.idle()
+	if !open {
+		return false
+	}
+	e.win.arm() // bytes will wait for the upstream: watch its window
+	if empty {
+		// Nothing queued and nothing being written: try the kernel directly
+		// and queue only what it does not take. This keeps the common case
+		// free of a goroutine hand-off.
+		n, err := e.tryWrite(p)
+		if err != nil {
+			lk.fail(err)
+			return false
+		}
+		if n == len(p) {
+			return true
+		}
+		p = p[n:]
+	}
+	return e.queue(p, high)
+}
+
+// queue pushes p, bytes the kernel did not take, to the link's queue and
+// starts the writer when it is the first to wait. It reports false when
+// the link has ended.
+func (e *tcpEnd) queue(p []byte, high int64) bool {
+	lk := e.lk
+	r := lk.q.push(p, high)
+	if r == pushBudget {
+		// The process's budget is full: wait for room, unless this link's
+		// own upstream makes no progress (see budget).
+		r = lk.waitForBudget(p, high)
+	}
+	switch r {
+	case pushClosed:
+		return false
+	case pushStalled:
+		lk.budgetClose()
+		return false
+	case pushOverflow:
+		// Only reachable with on_overflow: reject; backpressure never reads
+		// more than the room left. The link is closed: it cannot keep its
+		// memory bound otherwise. The upstream is blamed only with evidence
+		// that it stopped: nothing acknowledged for write_timeout. A client
+		// that writes faster than a live server reads is not a dead server.
+		lk.m.WatermarkRejections.Inc()
+		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()))
+		lk.abort(CloseWatermark, nil)
+		return false
+	case pushedStartWriter:
+		lk.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
+		go e.writeUpstreamOwned()
+	}
+	return true
+}
+
+// tryWrite writes p to the upstream without waiting: it returns what the
+// kernel accepted at once (possibly 0).
+func (e *tcpEnd) tryWrite(p []byte) (int, error) {
+	e.rawP = p
+	werr := e.raw.Write(e.rawWriteFn)
+	n, err := e.rawN, e.rawErr
+	e.rawP, e.rawErr = nil, nil
+	if werr != nil {
+		return 0, werr
+	}
+	if err == syscall.EAGAIN || err == syscall.EINTR {
+		return 0, nil
+	}
+	if n < 0 {
+		n = 0
+	}
+	return n, err
+}
+
+// writeUpstream drains the queue into the upstream with a write deadline.
+func (e *tcpEnd) writeUpstream() {
+	lk := e.lk
+	wt := lk.settings.WriteTimeout.D()
+	low := int64(lk.settings.WriteBuffer.LowWaterMark)
+	for {
+		step, queued := lk.q.next()
+		switch step {
+		case stopWriting:
+			return
+		case passFin:
+			if err := lk.passFin(e.conn.CloseWrite); err != nil {
+				lk.fail(err)
+			}
+			return
+		}
+		// The pump adds to bytesUp before it pushes: the oldest queued byte
+		// is at this stream offset or later.
+		head := lk.bytesUp.Load() - queued
+		if lk.conv != nil {
+			// A request past its deadline is never written, even in the
+			// moment before the tracker's timer judges it.
+			if overdue := lk.trk.overdueEnd(mono()); overdue > head {
+				lk.dropStale(1)
+				return
+			}
+		}
+		var handed int
+		e.batch, handed = lk.q.batch(e.batch[:0])
+		if wt > 0 {
+			lk.progressed()
+			_ = e.conn.SetWriteDeadline(time.Now().Add(wt))
+		}
+		e.toWrite = e.batch
+		n, err := e.toWrite.WriteTo(e.conn)
+		e.toWrite = nil
+
+		lk.q.consume(int(n), handed, low)
+		if err != nil && !e.writeFailed(err, n) {
+			return
+		}
+	}
+}
+
+// writeFailed judges a failed write of the queue, of which n bytes went
+// out: it reports true when the upstream made progress within
+// write_timeout and the writer goes on, and otherwise ends the link.
+func (e *tcpEnd) writeFailed(err error, n int64) bool {
+	lk := e.lk
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		lk.fail(err)
+		return false
+	}
+	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(mono()) {
+		// The upstream acknowledged bytes within write_timeout:
+		// a slow reader, not a stall (the kernel wakes a writer
+		// only once a good part of its send buffer is free, so
+		// a write can wait longer than any one ACK). Without
+		// TCP_INFO, bytes the kernel took stand in. The next
+		// batch gets a fresh deadline. A Kafka broker holding
+		// a request within its own deadline reads nothing more
+		// meanwhile: not a stall either.
+		return true
+	}
+	if lk.abort(CloseWriteTimeout, err) {
+		lk.m.WriteTimeouts.Inc()
+	}
+	return false
+}
+
+// pumpResponses copies the upstream to the client (responses.handle,
+// inside the read).
+func (e *tcpEnd) pumpResponses() {
+	lk := e.lk
+	_, _, err, werr := e.r.readEach((*responses)(e))
+	if werr != nil {
+		lk.abort(CloseClientError, werr)
+		return
+	}
+	if errors.Is(err, io.EOF) {
+		if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.midFrame() {
+			lk.badFrame("response", errTruncated)
+			return
+		}
+		lk.passFinToClient()
+		return
+	}
+	lk.fail(err)
+}
+
+// handle is the response pump's readEach handler: it passes a chunk read
+// from the upstream on to the client. A failed write is left to
+// pumpResponses (handledStop).
+func (s *responses) handle(bp *[]byte, n int) (handled, error) {
+	lk := s.lk
+	lk.budget.reading(int64(cap(*bp)))
+	buf := (*bp)[:n]
+	lk.answered(buf)
+	_, werr := lk.client.Write(buf)
+	lk.budget.reading(-int64(cap(*bp)))
+	if werr != nil {
+		return handledStop, werr
+	}
+	return handledMore, nil
+}
