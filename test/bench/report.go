@@ -265,18 +265,18 @@ func summarize(runs []runResult) []summary {
 
 // document is what -json prints.
 type document struct {
-	Started   time.Time  `json:"started"`
-	Host      hostInfo   `json:"host"`
-	Settings  settings   `json:"settings"`
-	Pinning   pinning    `json:"pinning"`
-	Paths     []path     `json:"paths"`
-	Scenarios []scenInfo `json:"scenarios"`
-	Summary   []summary  `json:"summary"`
+	Started   time.Time       `json:"started"`
+	Host      hostInfo        `json:"host"`
+	Settings  settings        `json:"settings"`
+	Pinning   pinning         `json:"pinning"`
+	Paths     []path          `json:"paths"`
+	Scenarios []scenInfo      `json:"scenarios"`
+	Summary   []summary       `json:"summary"`
+	Runs      []runResult     `json:"runs"`
+	Idle      []idleResult    `json:"idle,omitempty"`
+	Syscalls  []syscallResult `json:"syscalls,omitempty"`
 	// VsBaseline is livenessproxy over the baseline build, per scenario.
 	VsBaseline []baselineRatios `json:"livenessproxy_vs_baseline,omitempty"`
-	Runs       []runResult      `json:"runs"`
-	Idle       []idleResult     `json:"idle,omitempty"`
-	Syscalls   []syscallResult  `json:"syscalls,omitempty"`
 }
 
 type hostInfo struct {
