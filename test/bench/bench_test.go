@@ -5,10 +5,15 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
+	"math"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -21,23 +26,13 @@ import (
 // ended (the bench itself runs the server as a child process).
 func TestScenariosDirect(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go acceptLoopInto(ln, served)
-	defer func() {
-		_ = ln.Close()
-		if err := <-served; !errors.Is(err, net.ErrClosed) {
-			t.Errorf("accept loop: %v", err)
-		}
-	}()
+	addr, stop := serveInProcess(t)
+	defer stop()
 
 	for _, sc := range scenarios(2) {
 		t.Run(sc.name, func(t *testing.T) {
 			meter := newCPUMeter(map[string]int{"client": os.Getpid()})
-			lr, win, err := runLoad(context.Background(), ln.Addr().String(), sc, 50*time.Millisecond, 200*time.Millisecond, 1_000_000, meter)
+			lr, win, err := runLoad(context.Background(), addr, sc, 50*time.Millisecond, 200*time.Millisecond, 1_000_000, meter)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -55,18 +50,13 @@ func TestScenariosDirect(t *testing.T) {
 // TestMaxOpsBoundsRun checks that the operation bound ends a run early.
 func TestMaxOpsBoundsRun(t *testing.T) {
 	defer goleak.VerifyNone(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	served := make(chan error, 1)
-	go acceptLoopInto(ln, served)
-	defer func() { _ = ln.Close(); <-served }()
+	addr, stop := serveInProcess(t)
+	defer stop()
 
 	sc := scenarios(1)[0] // rr1
 	meter := newCPUMeter(map[string]int{})
 	start := time.Now()
-	lr, _, err := runLoad(context.Background(), ln.Addr().String(), sc, 0, 2*time.Second, 10, meter)
+	lr, _, err := runLoad(context.Background(), addr, sc, 0, 2*time.Second, 10, meter)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,6 +67,24 @@ func TestMaxOpsBoundsRun(t *testing.T) {
 	}
 	if d := time.Since(start); d > 4*time.Second {
 		t.Fatalf("run took %v", d)
+	}
+}
+
+// serveInProcess runs the bench server's accept loop on a loopback
+// listener; stop closes it and checks that the loop ended for that reason.
+func serveInProcess(t *testing.T) (addr string, stop func()) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go acceptLoopInto(ln, served)
+	return ln.Addr().String(), func() {
+		_ = ln.Close()
+		if err := <-served; !errors.Is(err, net.ErrClosed) {
+			t.Errorf("accept loop: %v", err)
+		}
 	}
 }
 
@@ -202,4 +210,245 @@ func TestParseStraceSummary(t *testing.T) {
 	if calls == 0 || errs == 0 {
 		t.Fatalf("strace's own summary parsed to %d calls, %d failed; want some of each", calls, errs)
 	}
+}
+
+// TestBaselinePathLikeLivenessproxy starts the livenessproxy and baseline
+// paths from one build in front of an in-process server, as the bench
+// does: the two get the same config but for their addresses (framing
+// included), each carries a connect-per-request run through its own
+// process (its links_total grows by at least the operations counted), and
+// the comparison pairs the runs of the two by round.
+func TestBaselinePathLikeLivenessproxy(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	serverAddr, stop := serveInProcess(t)
+	defer stop()
+
+	ctx := context.Background()
+	tmp := t.TempDir()
+	bin, err := buildLivenessproxy(ctx, tmp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The baseline binary is a copy: each path must run its own file.
+	baseBin := filepath.Join(t.TempDir(), "livenessproxy-baseline")
+	if b, err := os.ReadFile(bin); err != nil || os.WriteFile(baseBin, b, 0o755) != nil {
+		t.Fatalf("copy %s: %v", bin, err)
+	}
+	o := options{duration: 300 * time.Millisecond, warmup: 50 * time.Millisecond, rounds: 2, pin: "one-core",
+		paths: "direct,livenessproxy,baseline", scenarios: "cps", cpsWorkers: 2, maxOps: 1_000_000,
+		lpFraming: "length_field", proxyBin: bin, baselineBin: baseBin}
+	if err := o.validate(); err != nil {
+		t.Fatal(err)
+	}
+	pin, err := parsePinning(o.pin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	paths := setupPaths(ctx, o, tmp, serverAddr, pin.setFor("proxy"))
+	for _, p := range paths {
+		if p.proc != nil {
+			defer p.proc.stop()
+		}
+	}
+	if len(paths) != 3 || paths[1].Name != pathLP || paths[2].Name != pathBase {
+		t.Fatalf("paths %+v, want direct, livenessproxy, baseline", paths)
+	}
+	for i, want := range []string{bin, baseBin} {
+		p := paths[1+i]
+		if p.Skipped != "" || p.proc == nil || p.metricsAddr == "" {
+			t.Fatalf("path %+v: not started, or without its /metrics", p)
+		}
+		if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", p.proc.pid)); err != nil || exe != want || p.Bin != want {
+			t.Fatalf("path %s runs %q (%v), reports %q; want %s", p.Name, exe, err, p.Bin, want)
+		}
+		if want := pin.CPUs["proxy"]; p.Affinity != want {
+			t.Fatalf("path %s on CPUs %s, want the proxy's %s", p.Name, p.Affinity, want)
+		}
+	}
+	if lp, base := configOf(t, tmp, paths[1]), configOf(t, tmp, paths[2]); lp != base ||
+		!strings.Contains(lp, "upstream: "+serverAddr) || !strings.Contains(lp, "type: length_field") {
+		t.Fatalf("configs differ or lack the upstream and framing:\nlivenessproxy:\n%s\nbaseline:\n%s", lp, base)
+	}
+
+	runs := measureThrough(t, o, scenarios(o.cpsWorkers)[4], paths)
+	vs := compareBaseline(runs)
+	if len(vs) != 1 || vs[0].Scenario != "cps" || vs[0].Rounds != 2 || vs[0].Throughput.Median <= 0 {
+		t.Fatalf("livenessproxy vs baseline %+v, want cps over 2 rounds", vs)
+	}
+	for _, s := range summarize(runs) {
+		if s.Path != pathDirect && s.VsDirect.Throughput <= 0 {
+			t.Fatalf("%s has no throughput ratio to direct: %+v", s.Path, s)
+		}
+	}
+}
+
+// measureThrough runs sc on every path, round after round as the bench
+// does, and checks that each run went through its path's proxy process:
+// the proxy's links_total grew by at least the operations counted (sc
+// opens a connection per operation).
+func measureThrough(t *testing.T, o options, sc scenario, paths []path) []runResult {
+	t.Helper()
+	var runs []runResult
+	for round := 1; round <= o.rounds; round++ {
+		for _, p := range roundOrder(paths, round) {
+			var before float64
+			if p.proc != nil {
+				before = linksTotal(t, p.metricsAddr)
+			}
+			r := measure(context.Background(), o, sc, p, round, os.Getpid())
+			if r.Skipped != "" || r.Ops == 0 || r.Errors != 0 {
+				t.Fatalf("round %d on %s: %+v", round, p.Name, r)
+			}
+			if p.proc != nil {
+				if got := linksTotal(t, p.metricsAddr) - before; got < float64(r.Ops) {
+					t.Fatalf("round %d on %s: %d operations counted, but its links_total grew by %v", round, p.Name, r.Ops, got)
+				}
+			}
+			runs = append(runs, r)
+		}
+	}
+	return runs
+}
+
+// configOf is the config path p was started with, its own addresses
+// replaced by placeholders.
+func configOf(t *testing.T, tmp string, p path) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(tmp, p.Name+".yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.NewReplacer(p.Addr, "LISTEN", p.metricsAddr, "ADMIN").Replace(string(b))
+}
+
+// linksTotal is the sum of livenessproxy_links_total on a /metrics page.
+func linksTotal(t *testing.T, addr string) float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum, found := 0.0, false
+	for line := range strings.SplitSeq(string(body), "\n") {
+		if !strings.HasPrefix(line, "livenessproxy_links_total{") {
+			continue
+		}
+		_, val, _ := strings.Cut(line, "} ")
+		v, err := strconv.ParseFloat(val, 64)
+		if err != nil {
+			t.Fatalf("%q: %v", line, err)
+		}
+		sum, found = sum+v, true
+	}
+	if !found {
+		t.Fatalf("no livenessproxy_links_total on %s/metrics", addr)
+	}
+	return sum
+}
+
+// -paths baseline and -baseline-bin come together; the binary must exist.
+func TestValidateBaseline(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := options{duration: time.Second, rounds: 1, cpsWorkers: 1, maxOps: 1, lpFraming: "none", scenarios: "rr1"}
+	for _, c := range []struct {
+		paths, bin, want string // want: a part of the error; "" for none
+	}{
+		{"direct,livenessproxy", "", ""},
+		{"direct,livenessproxy,baseline", exe, ""},
+		{"direct,baseline", "", "-paths has baseline but -baseline-bin is not set"},
+		{"direct,livenessproxy", exe, "-baseline-bin is set but -paths has no baseline"},
+		{"direct,baseline", filepath.Join(t.TempDir(), "none"), "-baseline-bin: stat "},
+		{"direct,baseline", t.TempDir(), "is not an executable file"},
+	} {
+		o := base
+		o.paths, o.baselineBin = c.paths, c.bin
+		err := o.validate()
+		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("-paths %s -baseline-bin %q: error %v, want %q", c.paths, c.bin, err, c.want)
+		}
+	}
+}
+
+// The two builds trade places in even rounds; the other paths keep theirs.
+func TestRoundOrder(t *testing.T) {
+	paths := []path{{Name: pathDirect}, {Name: pathLP}, {Name: pathBase}, {Name: pathHA}}
+	names := func(ps []path) string {
+		var s []string
+		for _, p := range ps {
+			s = append(s, p.Name)
+		}
+		return strings.Join(s, ",")
+	}
+	for round, want := range map[int]string{
+		1: "direct,livenessproxy,baseline,haproxy",
+		2: "direct,baseline,livenessproxy,haproxy",
+		3: "direct,livenessproxy,baseline,haproxy",
+	} {
+		if got := names(roundOrder(paths, round)); got != want {
+			t.Errorf("round %d: %s, want %s", round, got, want)
+		}
+	}
+	if got := names(paths); got != "direct,livenessproxy,baseline,haproxy" {
+		t.Errorf("roundOrder changed its argument: %s", got)
+	}
+	noBase := paths[:2]
+	if got := names(roundOrder(noBase, 2)); got != "direct,livenessproxy" {
+		t.Errorf("without baseline, round 2: %s", got)
+	}
+}
+
+// livenessproxy / baseline is taken within each round; the table gives
+// the median and the range, and a figure one side lacks is left out.
+func TestCompareBaseline(t *testing.T) {
+	runs := []runResult{
+		{Scenario: "rr1", Path: pathDirect, Round: 1, Throughput: 500},
+		{Scenario: "rr1", Path: pathLP, Round: 1, Throughput: 100, P50us: 10, ProxyCPUus: 50},
+		{Scenario: "rr1", Path: pathBase, Round: 1, Throughput: 100, P50us: 10, ProxyCPUus: 40},
+		{Scenario: "rr1", Path: pathBase, Round: 2, Throughput: 400, P50us: 5, ProxyCPUus: 50},
+		{Scenario: "rr1", Path: pathLP, Round: 2, Throughput: 360, P50us: 6, ProxyCPUus: 50},
+		{Scenario: "rr1", Path: pathLP, Round: 3, Throughput: 110, P50us: 9, ProxyCPUus: 60},
+		{Scenario: "rr1", Path: pathBase, Round: 3, Throughput: 100, P50us: 10, ProxyCPUus: 50},
+		{Scenario: "bulk", Path: pathLP, Round: 1, Throughput: 90, ProxyCPUus: 600},
+		{Scenario: "bulk", Path: pathBase, Round: 1, Throughput: 100, ProxyCPUus: 500},
+		{Scenario: "cps", Path: pathLP, Round: 1, Throughput: 90}, // no baseline run: left out
+	}
+	got := compareBaseline(runs)
+	want := []baselineRatios{
+		{Scenario: "rr1", Rounds: 3, Throughput: spread{1, 0.9, 1.1}, P50: spread{1, 0.9, 1.2}, ProxyCPU: spread{1.2, 1, 1.25}},
+		{Scenario: "bulk", Rounds: 1, Throughput: spread{0.9, 0.9, 0.9}, ProxyCPU: spread{1.2, 1.2, 1.2}},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("got %+v\nwant %+v", got, want)
+	}
+	for i := range want {
+		if !closeRatios(got[i], want[i]) {
+			t.Fatalf("got %+v\nwant %+v", got[i], want[i])
+		}
+	}
+	var b strings.Builder
+	writeBaseline(&b, got)
+	for _, line := range []string{
+		"rr1            3 1.000 [0.90-1.10] 1.000 [0.90-1.20] 1.200 [1.00-1.25]\n",
+		"bulk           1 0.900             -                 1.200\n",
+	} {
+		if !strings.Contains(b.String(), line) {
+			t.Errorf("table:\n%s\nwant the line\n%q", b.String(), line)
+		}
+	}
+}
+
+func closeRatios(a, b baselineRatios) bool {
+	near := func(x, y spread) bool {
+		return math.Abs(x.Median-y.Median) < 1e-9 && math.Abs(x.Min-y.Min) < 1e-9 && math.Abs(x.Max-y.Max) < 1e-9
+	}
+	return a.Scenario == b.Scenario && a.Rounds == b.Rounds &&
+		near(a.Throughput, b.Throughput) && near(a.P50, b.P50) && near(a.ProxyCPU, b.ProxyCPU)
 }

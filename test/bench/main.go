@@ -2,7 +2,8 @@
 
 // Command bench measures, on loopback, what a proxy hop costs: the same
 // workloads go client -> server directly, through livenessproxy, and through
-// HAProxy (when installed), interleaved per scenario. See README.md.
+// HAProxy (when installed), interleaved per scenario; with -baseline-bin,
+// also through a livenessproxy built from another commit. See README.md.
 //
 //	go run ./test/bench [-duration 3s] [-rounds N] [-pin proxy-core] [-json]
 package main
@@ -38,6 +39,9 @@ type options struct {
 	lpFraming  string
 	idleLinks  int
 	syscalls   bool
+	// baselineBin is the livenessproxy of the baseline path (another
+	// commit's build); "" leaves the path out.
+	baselineBin string
 }
 
 func main() {
@@ -51,8 +55,9 @@ func main() {
 	flag.BoolVar(&o.jsonOut, "json", false, "print a JSON document instead of the table")
 	flag.StringVar(&o.pin, "pin", "none", "CPU affinity: "+pinPresetNames())
 	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
+	flag.StringVar(&o.baselineBin, "baseline-bin", "", "prebuilt livenessproxy binary of another commit, measured as the baseline path (with -paths ...,baseline) exactly like livenessproxy")
 	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
-	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS; direct is always measured: ratios need it)")
+	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, baseline (the -baseline-bin livenessproxy), haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS; direct is always measured: ratios need it)")
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
@@ -91,12 +96,36 @@ func (o options) validate() error {
 		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
 	for p := range strings.SplitSeq(o.paths, ",") {
-		if p != pathDirect && p != pathLP && p != pathHA && p != pathMesh && p != pathMeshTLS {
+		if !slices.Contains([]string{pathDirect, pathLP, pathBase, pathHA, pathMesh, pathMeshTLS}, p) {
 			return fmt.Errorf("-paths: unknown path %q", p)
 		}
 	}
+	if err := o.validateBaseline(); err != nil {
+		return err
+	}
 	_, err := o.selectedScenarios()
 	return err
+}
+
+// validateBaseline checks that -paths baseline and -baseline-bin come
+// together, and that the binary is there to run.
+func (o options) validateBaseline() error {
+	switch {
+	case o.wants(pathBase) && o.baselineBin == "":
+		return errors.New("-paths has baseline but -baseline-bin is not set: give the livenessproxy binary to compare against (go build -o FILE ./cmd/livenessproxy at that commit)")
+	case !o.wants(pathBase) && o.baselineBin != "":
+		return errors.New("-baseline-bin is set but -paths has no baseline: add baseline to -paths to measure it")
+	case o.baselineBin == "":
+		return nil
+	}
+	fi, err := os.Stat(o.baselineBin)
+	if err != nil {
+		return fmt.Errorf("-baseline-bin: %w", err)
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return fmt.Errorf("-baseline-bin: %s is not an executable file", o.baselineBin)
+	}
+	return nil
 }
 
 func (o options) selectedScenarios() ([]scenario, error) {
@@ -153,23 +182,7 @@ func run(ctx context.Context, o options) error {
 	defer server.stop()
 	logf("server pid %d on %s, CPUs %s", server.pid, serverAddr, affinityOf(server.pid))
 
-	paths := []path{{Name: pathDirect, Addr: serverAddr}}
-	if o.wants(pathLP) {
-		logf("setting up livenessproxy ...")
-		paths = append(paths, setupLivenessproxy(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
-	}
-	if o.wants(pathMesh) {
-		logf("setting up the mesh (two livenessproxy sidecars) ...")
-		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, pin.setFor("proxy"), false))
-	}
-	if o.wants(pathMeshTLS) {
-		logf("setting up the mesh over mutual TLS ...")
-		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, pin.setFor("proxy"), true))
-	}
-	if o.wants(pathHA) {
-		logf("setting up haproxy ...")
-		paths = append(paths, setupHAProxy(ctx, o, tmp, serverAddr, pin.setFor("proxy")))
-	}
+	paths := setupPaths(ctx, o, tmp, serverAddr, pin.setFor("proxy"))
 	for _, p := range paths {
 		if p.peer != nil {
 			defer p.peer.stop()
@@ -191,27 +204,11 @@ func run(ctx context.Context, o options) error {
 	doc.Host.ClientProc = runtime.GOMAXPROCS(0)
 	doc.Paths = paths
 
-	for round := 1; round <= o.rounds; round++ {
-		for _, sc := range scs {
-			for _, p := range paths {
-				if p.Skipped != "" {
-					continue
-				}
-				if err := ctx.Err(); err != nil {
-					return err
-				}
-				r := measure(ctx, o, sc, p, round, server.pid)
-				logf("round %d %-9s %-13s %s", round, sc.name, p.Name, oneLine(r))
-				doc.Runs = append(doc.Runs, r)
-				// Let the previous run's sockets and goroutines settle.
-				sleepUntil(ctx, time.Now().Add(200*time.Millisecond))
-			}
-			if o.syscalls && round == 1 {
-				doc.Syscalls = append(doc.Syscalls, traceScenario(ctx, o, sc, paths, tmp)...)
-			}
-		}
+	if err := measureRounds(ctx, o, scs, paths, tmp, server.pid, &doc); err != nil {
+		return err
 	}
 	doc.Summary = summarize(doc.Runs)
+	doc.VsBaseline = compareBaseline(doc.Runs)
 	if o.idleLinks > 0 {
 		for _, p := range paths {
 			if p.proc == nil || p.Skipped != "" {
@@ -229,6 +226,75 @@ func run(ctx context.Context, o options) error {
 	}
 	writeTable(os.Stdout, doc)
 	return nil
+}
+
+// setupPaths starts the proxies -paths asks for, each on cpus; direct,
+// client straight to the server, comes first.
+func setupPaths(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) []path {
+	paths := []path{{Name: pathDirect, Addr: serverAddr}}
+	if o.wants(pathLP) {
+		logf("setting up livenessproxy ...")
+		paths = append(paths, setupLivenessproxy(ctx, o, tmp, serverAddr, cpus))
+	}
+	if o.wants(pathBase) {
+		logf("setting up the baseline livenessproxy (%s) ...", o.baselineBin)
+		paths = append(paths, setupBaseline(ctx, o, tmp, serverAddr, cpus))
+	}
+	if o.wants(pathMesh) {
+		logf("setting up the mesh (two livenessproxy sidecars) ...")
+		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, cpus, false))
+	}
+	if o.wants(pathMeshTLS) {
+		logf("setting up the mesh over mutual TLS ...")
+		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, cpus, true))
+	}
+	if o.wants(pathHA) {
+		logf("setting up haproxy ...")
+		paths = append(paths, setupHAProxy(ctx, o, tmp, serverAddr, cpus))
+	}
+	return paths
+}
+
+// measureRounds runs every scenario on every path, round after round, into
+// doc.Runs (and, with -syscalls, the traced runs after round 1 into
+// doc.Syscalls).
+func measureRounds(ctx context.Context, o options, scs []scenario, paths []path, tmp string, serverPID int, doc *document) error {
+	for round := 1; round <= o.rounds; round++ {
+		for _, sc := range scs {
+			for _, p := range roundOrder(paths, round) {
+				if p.Skipped != "" {
+					continue
+				}
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				r := measure(ctx, o, sc, p, round, serverPID)
+				logf("round %d %-9s %-13s %s", round, sc.name, p.Name, oneLine(r))
+				doc.Runs = append(doc.Runs, r)
+				// Let the previous run's sockets and goroutines settle.
+				sleepUntil(ctx, time.Now().Add(200*time.Millisecond))
+			}
+			if o.syscalls && round == 1 {
+				doc.Syscalls = append(doc.Syscalls, traceScenario(ctx, o, sc, paths, tmp)...)
+			}
+		}
+	}
+	return nil
+}
+
+// roundOrder is the order of the paths in a round: as set up, except that
+// livenessproxy and baseline trade places in every even round, so that
+// neither of the two builds always runs first (a drift within a scenario's
+// runs then moves their ratio both ways instead of one).
+func roundOrder(paths []path, round int) []path {
+	lp := slices.IndexFunc(paths, func(p path) bool { return p.Name == pathLP })
+	base := slices.IndexFunc(paths, func(p path) bool { return p.Name == pathBase })
+	if round%2 == 1 || lp < 0 || base < 0 {
+		return paths
+	}
+	out := slices.Clone(paths)
+	out[lp], out[base] = out[base], out[lp]
+	return out
 }
 
 // measure runs one scenario on one path and turns it into a runResult.

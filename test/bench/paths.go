@@ -22,6 +22,7 @@ type path struct {
 	Name     string `json:"name"`
 	Addr     string `json:"addr,omitempty"`
 	Version  string `json:"version,omitempty"`
+	Bin      string `json:"bin,omitempty"`      // the livenessproxy binary run (livenessproxy and baseline)
 	Affinity string `json:"affinity,omitempty"` // the proxy's CPU list, read back
 	Skipped  string `json:"skipped,omitempty"`
 	proc     *child // nil for direct
@@ -37,19 +38,33 @@ const (
 	pathMesh   = "mesh" // livenessproxy egress and ingress sidecars
 	// pathMeshTLS is the mesh with its sessions over mutual TLS.
 	pathMeshTLS = "mesh-tls"
-	readyWait   = 15 * time.Second
+	// pathBase is a second livenessproxy, -baseline-bin (another commit's
+	// build), run exactly like pathLP: the two builds side by side.
+	pathBase  = "baseline"
+	readyWait = 15 * time.Second
 )
 
 // setupLivenessproxy builds (unless -proxy-bin is given) and starts
 // livenessproxy in front of serverAddr. Any failure skips the path.
 func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) path {
-	p := path{Name: pathLP}
 	bin, err := lpBinary(ctx, o, tmp)
 	if err != nil {
-		p.Skipped = err.Error()
-		return p
+		return path{Name: pathLP, Skipped: err.Error()}
 	}
-	return startLP(ctx, p, bin, tmp, "upstream: "+serverAddr+"\n"+lpFraming(o), cpus)
+	return startLPInFront(ctx, o, path{Name: pathLP, Bin: bin}, tmp, serverAddr, cpus)
+}
+
+// setupBaseline starts the -baseline-bin livenessproxy as setupLivenessproxy
+// starts the one under test: the same config (-lp-framing included), on
+// the same CPUs. Any failure skips the path.
+func setupBaseline(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) path {
+	return startLPInFront(ctx, o, path{Name: pathBase, Bin: o.baselineBin}, tmp, serverAddr, cpus)
+}
+
+// startLPInFront starts p.Bin with one listener whose upstream is
+// serverAddr, framed as -lp-framing says.
+func startLPInFront(ctx context.Context, o options, p path, tmp, serverAddr string, cpus *unix.CPUSet) path {
+	return startLP(ctx, p, p.Bin, tmp, "upstream: "+serverAddr+"\n"+lpFraming(o), cpus)
 }
 
 // setupMesh starts two livenessproxy processes, as two sidecars: the

@@ -275,6 +275,8 @@ type document struct {
 	Runs      []runResult     `json:"runs"`
 	Idle      []idleResult    `json:"idle,omitempty"`
 	Syscalls  []syscallResult `json:"syscalls,omitempty"`
+	// VsBaseline is livenessproxy over the baseline build, per scenario.
+	VsBaseline []baselineRatios `json:"livenessproxy_vs_baseline,omitempty"`
 }
 
 type hostInfo struct {
@@ -320,6 +322,8 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintf(w, "path %-13s SKIPPED: %s\n", p.Name, p.Skipped)
 		case p.Name == pathDirect:
 			fmt.Fprintf(w, "path %-13s client -> server %s\n", p.Name, p.Addr)
+		case p.Bin != "":
+			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin)
 		default:
 			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
 		}
@@ -353,6 +357,7 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintf(w, "note: %s/%s: %d error(s), first: %s\n", s.Scenario, s.Path, s.Errors, s.FirstError)
 		}
 	}
+	writeBaseline(w, d.VsBaseline)
 	writeSideBySide(w, d.Summary)
 	writeSyscallTable(w, d.Syscalls)
 	writeIdleTable(w, d.Idle)
@@ -432,4 +437,112 @@ func writeSideBySide(w io.Writer, ss []summary) {
 		fmt.Fprintf(w, "%-9s %11sx %11sx %12s %12s %9s\n", s.Scenario, fmtF(ha.VsDirect.Throughput, 2), fmtF(s.VsDirect.Throughput, 2),
 			fmtUs(ha.ProxyCPUus), fmtUs(s.ProxyCPUus), fmtF(ratio(s.ProxyCPUus, ha.ProxyCPUus), 2))
 	}
+}
+
+// spread is one figure of livenessproxy over the baseline: the median of
+// its per-round ratios, and their lowest and highest.
+type spread struct {
+	Median float64 `json:"median"`
+	Min    float64 `json:"min"`
+	Max    float64 `json:"max"`
+}
+
+// baselineRatios is livenessproxy / baseline in one scenario. Each ratio
+// is taken within a round (the two builds ran minutes apart at most, one
+// right after the other), so drift that hits a round hits both; the spread
+// over rounds is the noise a difference has to stand out of. Two equal
+// builds read about 1: a regression is throughput below 1, p50 or proxy
+// CPU per op above 1.
+type baselineRatios struct {
+	Scenario   string `json:"scenario"`
+	Rounds     int    `json:"rounds"` // rounds in which both ran
+	Throughput spread `json:"throughput"`
+	P50        spread `json:"p50"`
+	ProxyCPU   spread `json:"proxy_cpu_per_op"`
+}
+
+// compareBaseline pairs the livenessproxy and baseline runs of each
+// scenario by round (scenarios in first-seen order). A figure one of the
+// two did not measure (zero) is left out of its ratios.
+func compareBaseline(runs []runResult) []baselineRatios {
+	type key struct {
+		sc    string
+		round int
+	}
+	base := map[key]runResult{}
+	for _, r := range runs {
+		if r.Path == pathBase {
+			base[key{r.Scenario, r.Round}] = r
+		}
+	}
+	var out []baselineRatios
+	pairs := map[string][][2]runResult{}
+	for _, r := range runs {
+		b, ok := base[key{r.Scenario, r.Round}]
+		if r.Path != pathLP || !ok {
+			continue
+		}
+		if _, seen := pairs[r.Scenario]; !seen {
+			out = append(out, baselineRatios{Scenario: r.Scenario})
+		}
+		pairs[r.Scenario] = append(pairs[r.Scenario], [2]runResult{r, b})
+	}
+	for i := range out {
+		ps := pairs[out[i].Scenario]
+		of := func(f func(runResult) float64) spread {
+			xs := make([]float64, len(ps))
+			for j, p := range ps {
+				xs[j] = ratio(f(p[0]), f(p[1]))
+			}
+			return spreadOf(xs)
+		}
+		out[i].Rounds = len(ps)
+		out[i].Throughput = of(func(r runResult) float64 { return r.Throughput })
+		out[i].P50 = of(func(r runResult) float64 { return r.P50us })
+		out[i].ProxyCPU = of(func(r runResult) float64 { return r.ProxyCPUus })
+	}
+	return out
+}
+
+// spreadOf is the median, lowest and highest of the measured (non-zero)
+// values; all zero when none was measured.
+func spreadOf(xs []float64) spread {
+	s := spread{Median: median(xs)}
+	if s.Median == 0 {
+		return s
+	}
+	for _, x := range xs {
+		if x == 0 || math.IsNaN(x) || math.IsInf(x, 0) {
+			continue
+		}
+		if s.Min == 0 || x < s.Min {
+			s.Min = x
+		}
+		s.Max = max(s.Max, x)
+	}
+	return s
+}
+
+// writeBaseline prints livenessproxy over the baseline build per scenario:
+// the median of the per-round ratios and, over more than one round, their
+// range.
+func writeBaseline(w io.Writer, bs []baselineRatios) {
+	if len(bs) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "\nlivenessproxy / baseline (per-round ratios, median [min-max]): a regression is thr below 1, p50 or proxyCPU/op above 1")
+	fmt.Fprintf(w, "%-9s %6s %-17s %-17s %s\n", "scenario", "rounds", "thr", "p50", "proxyCPU/op")
+	for _, b := range bs {
+		fmt.Fprintf(w, "%-9s %6d %-17s %-17s %s\n", b.Scenario, b.Rounds, fmtSpread(b.Throughput), fmtSpread(b.P50), fmtSpread(b.ProxyCPU))
+	}
+}
+
+func fmtSpread(s spread) string {
+	if s.Median == 0 {
+		return "-"
+	}
+	if s.Min == s.Max {
+		return fmtF(s.Median, 3)
+	}
+	return fmt.Sprintf("%s [%s-%s]", fmtF(s.Median, 3), fmtF(s.Min, 2), fmtF(s.Max, 2))
 }
