@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rs/zerolog"
+
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -243,58 +245,77 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 	switch ev.To {
 	case health.Excluded:
-		ep.linksKept.Store(keepsLinks(CloseReason(ev.Reason)))
-		if ep.linksKept.Load() {
-			// New links are refused, but this is no evidence against the
-			// links still open (see keepsLinks): each is judged by its own
-			// rules (write and user timeouts, keepalive, unanswered).
-			log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded: new links refused, open links kept")
-			break
-		}
-		closeReason := CloseEvicted
-		if CloseReason(ev.Reason) == CloseUnanswered {
-			closeReason = CloseUnanswered
-		}
-		n := ep.evict(time.Time{}, closeReason, metrics.EvictExcluded)
-		if linkEnd(CloseReason(ev.Reason)) {
-			n++ // the link whose end was the evidence, closed before the report
-		}
-		e := log.Warn().Int("links_closed", n)
-		if ev.Evidence.Detail != "" {
-			e = e.Str("evidence", ev.Evidence.Detail)
-		}
-		if !ev.Evidence.Since.IsZero() {
-			e = e.Time("evidence_since", ev.Evidence.Since).Int64("evidence_ms", ev.At.Sub(ev.Evidence.Since).Milliseconds())
-		}
-		e.Msg("endpoint excluded")
+		ep.onExcluded(ev, &log)
 	case health.Disabled:
 		n := ep.evict(time.Time{}, CloseEvicted, metrics.EvictDisabled)
 		log.Warn().Int("links_closed", n).Msg("endpoint disabled")
 	case health.Healthy:
-		// A fresh start: requests sent before the readmission (on links
-		// about to be evicted, or already ended) are not judged against
-		// the server now admitted.
-		ep.readmitted.Store(mono())
-		ep.orphans.clear()
-		ep.consecutive.Store(0)
-		// No client keeps a connection opened before the exclusion (to
-		// the process that failed), except after an exclusion that kept
-		// them on purpose (keepsLinks): they were judged by their own
-		// rules meanwhile; the links of a dead session are gone already,
-		// and a server that started afresh has a new epoch, which evicts
-		// the links of the old one (evictMeshEpoch). Links opened during
-		// the exclusion (fail-open, on_excluded: allow) reach the very
-		// process the probe just found healthy: they stay.
-		n := 0
-		if !ep.linksKept.Swap(false) {
-			before := ev.At
-			if left := ep.leftAt.Load(); left != nil {
-				before = *left
-			}
-			n = ep.evict(before, CloseEvicted, metrics.EvictReadmitted)
-		}
-		log.Info().Int("links_closed", n).Msg("endpoint readmitted")
+		ep.onReadmitted(ev, &log)
 	}
+	p.followRouting(ep)
+}
+
+// onExcluded refuses new links to ep and evicts its open ones, unless
+// the exclusion's reason is no evidence against them (keepsLinks).
+func (ep *endpoint) onExcluded(ev health.Event, log *zerolog.Logger) {
+	ep.linksKept.Store(keepsLinks(CloseReason(ev.Reason)))
+	if ep.linksKept.Load() {
+		// New links are refused, but this is no evidence against the
+		// links still open (see keepsLinks): each is judged by its own
+		// rules (write and user timeouts, keepalive, unanswered).
+		log.Warn().Int("links_kept", ep.liveLinks()).Msg("endpoint excluded: new links refused, open links kept")
+		return
+	}
+	closeReason := CloseEvicted
+	if CloseReason(ev.Reason) == CloseUnanswered {
+		closeReason = CloseUnanswered
+	}
+	n := ep.evict(time.Time{}, closeReason, metrics.EvictExcluded)
+	if linkEnd(CloseReason(ev.Reason)) {
+		n++ // the link whose end was the evidence, closed before the report
+	}
+	e := log.Warn().Int("links_closed", n)
+	if ev.Evidence.Detail != "" {
+		e = e.Str("evidence", ev.Evidence.Detail)
+	}
+	if !ev.Evidence.Since.IsZero() {
+		e = e.Time("evidence_since", ev.Evidence.Since).Int64("evidence_ms", ev.At.Sub(ev.Evidence.Since).Milliseconds())
+	}
+	e.Msg("endpoint excluded")
+}
+
+// onReadmitted starts ep afresh and evicts the links opened before it
+// left routing, unless its exclusion kept them.
+func (ep *endpoint) onReadmitted(ev health.Event, log *zerolog.Logger) {
+	// A fresh start: requests sent before the readmission (on links
+	// about to be evicted, or already ended) are not judged against
+	// the server now admitted.
+	ep.readmitted.Store(mono())
+	ep.orphans.clear()
+	ep.consecutive.Store(0)
+	// No client keeps a connection opened before the exclusion (to
+	// the process that failed), except after an exclusion that kept
+	// them on purpose (keepsLinks): they were judged by their own
+	// rules meanwhile; the links of a dead session are gone already,
+	// and a server that started afresh has a new epoch, which evicts
+	// the links of the old one (evictMeshEpoch). Links opened during
+	// the exclusion (fail-open, on_excluded: allow) reach the very
+	// process the probe just found healthy: they stay.
+	n := 0
+	if !ep.linksKept.Swap(false) {
+		before := ev.At
+		if left := ep.leftAt.Load(); left != nil {
+			before = *left
+		}
+		n = ep.evict(before, CloseEvicted, metrics.EvictReadmitted)
+	}
+	log.Info().Int("links_closed", n).Msg("endpoint readmitted")
+}
+
+// followRouting brings the listeners routing to ep in line with its new
+// state: the kernel's excluded set, the ingress's readiness, the pause of
+// a listener that refuses.
+func (p *Proxy) followRouting(ep *endpoint) {
 	ep.mu.Lock()
 	ls := append([]*listener(nil), ep.listeners...)
 	ep.mu.Unlock()

@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -190,6 +191,48 @@ func (l *listener) serve() {
 	}
 }
 
+// listenTCP binds addr for a listener. The connections it accepts get no
+// keepalive of the runtime's: a link sets its own (or leaves the
+// kernel's).
+func listenTCP(ctx context.Context, addr string) (net.Listener, error) {
+	return (&net.ListenConfig{KeepAlive: -1}).Listen(ctx, "tcp", addr)
+}
+
+// bind listens on the listener's configured address (Start, and a reload
+// that added it); the error names the listener. open serves what it
+// bound.
+func (l *listener) bind() (net.Listener, error) {
+	ln, err := listenTCP(l.ctx, l.cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("listener %q: %w", l.cfg.Name, err)
+	}
+	return ln, nil
+}
+
+// open starts serving ln, which bind returned: the accept loop, and the
+// pool's refresh or the ingress's checks. It returns the bound address,
+// and whether the listener is paused (its endpoint left routing before
+// it bound): then ln was bound once to reserve the address (and learn a
+// :0 port) and is closed; the accept loop binds it again when the
+// endpoint is back.
+func (l *listener) open(ln net.Listener) (addr string, paused bool) {
+	addr = ln.Addr().String()
+	l.mu.Lock()
+	l.addr = addr
+	paused = l.paused
+	if !paused {
+		l.ln = ln
+	}
+	l.mu.Unlock()
+	if paused {
+		_ = ln.Close()
+	}
+	l.acceptWG.Add(1)
+	go l.serve()
+	l.startRefresh()
+	return addr, paused
+}
+
 // waitToListen waits while the listener is paused and binds its address
 // again when it is resumed. It returns false once the listener is stopping.
 func (l *listener) waitToListen() bool {
@@ -202,7 +245,7 @@ func (l *listener) waitToListen() bool {
 			return false
 		}
 		if !paused {
-			ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(l.ctx, "tcp", l.addr)
+			ln, err := listenTCP(l.ctx, l.addr)
 			if err == nil {
 				l.mu.Lock()
 				if l.stopping || l.paused {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/yamux"
+	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -242,84 +243,17 @@ func (in *ingress) checker() {
 	}
 }
 
+// check checks every local port once, within timeout each, and
+// announces to every session the readiness that changed.
 func (in *ingress) check(timeout time.Duration) {
-	p := in.l.p
-	settings := in.l.spec().settings
-	type result struct {
-		ok, refused, local bool
-		err                error
-	}
-	ports := in.portList()
-	results := make(map[uint16]result, len(ports))
-	for _, port := range ports {
-		addr := in.addr(port)
-		if st, _ := p.det.State(normalizeEndpoint(addr)); st != health.Healthy {
-			// Excluded on evidence (or disabled) by this proxy's own
-			// detector: not ready, whatever a connect says.
-			results[port] = result{}
-			continue
-		}
-		ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
-		c, err := (&net.Dialer{KeepAlive: -1, Control: upstreamControl(settings)}).DialContext(ctx, "tcp", addr)
-		cancel()
-		switch {
-		case err == nil:
-			_ = c.Close()
-			results[port] = result{ok: true}
-		case in.l.ctx.Err() != nil:
-			return // shutting down: no verdict
-		case errors.Is(err, syscall.ECONNREFUSED):
-			results[port] = result{refused: true, err: err}
-		case upstreamFault(err):
-			results[port] = result{err: err}
-		default:
-			// Out of descriptors and the like: the ingress's own failure
-			// says nothing about the server. The port keeps its status.
-			results[port] = result{local: true, err: err}
-			if ep := p.lookupEndpoint(addr); ep != nil {
-				in.l.localError(ep, err)
-			}
-		}
+	results, ok := in.probePorts(timeout)
+	if !ok {
+		return // shutting down: no verdict
 	}
 	in.mu.Lock()
 	changed := false
 	for port, r := range results {
-		old, pc := in.status[port], in.checks[port]
-		if pc == nil {
-			continue // a reload removed it meanwhile
-		}
-		ready := old.ready
-		switch {
-		case r.local || in.draining:
-			continue
-		case r.ok:
-			pc.failures = 0
-			ready = true
-		case r.refused:
-			pc.refused = true
-			ready = false
-		case r.err != nil:
-			pc.failures++
-			ready = ready && pc.failures < checkFailuresForNotReady
-		default: // the detector holds it out
-			ready = false
-		}
-		if ready == old.ready {
-			continue
-		}
-		changed = true
-		ns := portStatus{ready: ready, epoch: old.epoch}
-		if ready && (old.epoch == 0 || pc.refused) {
-			// Nothing listened in between: the server started afresh,
-			// and links opened before are to the process that went.
-			ns.epoch = newEpoch()
-		}
-		if ready {
-			pc.refused = false
-		}
-		in.status[port] = ns
-		in.l.log.Info().Str("local", in.addr(port)).Bool("ready", ready).
-			AnErr("cause", r.err).Msg("mesh ingress: local port readiness changed; announced to the peers")
+		changed = in.judgeLocked(port, r) || changed
 	}
 	var ss []*ingressSession
 	if changed {
@@ -330,6 +264,96 @@ func (in *ingress) check(timeout time.Duration) {
 	for _, is := range ss {
 		is.notify()
 	}
+}
+
+// checkResult is what one check of a local port found; the zero value:
+// the detector holds the port's endpoint out.
+type checkResult struct {
+	ok, refused, local bool
+	err                error
+}
+
+// probePorts connects to every local port whose endpoint the detector
+// holds healthy. ok is false if the listener began shutting down
+// meanwhile.
+func (in *ingress) probePorts(timeout time.Duration) (results map[uint16]checkResult, ok bool) {
+	p := in.l.p
+	settings := in.l.spec().settings
+	ports := in.portList()
+	results = make(map[uint16]checkResult, len(ports))
+	for _, port := range ports {
+		addr := in.addr(port)
+		if st, _ := p.det.State(normalizeEndpoint(addr)); st != health.Healthy {
+			// Excluded on evidence (or disabled) by this proxy's own
+			// detector: not ready, whatever a connect says.
+			results[port] = checkResult{}
+			continue
+		}
+		ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
+		c, err := (&net.Dialer{KeepAlive: -1, Control: upstreamControl(settings)}).DialContext(ctx, "tcp", addr)
+		cancel()
+		switch {
+		case err == nil:
+			_ = c.Close()
+			results[port] = checkResult{ok: true}
+		case in.l.ctx.Err() != nil:
+			return nil, false
+		case errors.Is(err, syscall.ECONNREFUSED):
+			results[port] = checkResult{refused: true, err: err}
+		case upstreamFault(err):
+			results[port] = checkResult{err: err}
+		default:
+			// Out of descriptors and the like: the ingress's own failure
+			// says nothing about the server. The port keeps its status.
+			results[port] = checkResult{local: true, err: err}
+			if ep := p.lookupEndpoint(addr); ep != nil {
+				in.l.localError(ep, err)
+			}
+		}
+	}
+	return results, true
+}
+
+// judgeLocked turns a check of port into its readiness and reports
+// whether that changed; a port that turns ready for the first time, or
+// after nothing listened, gets a new epoch. in.mu is held.
+func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
+	old, pc := in.status[port], in.checks[port]
+	if pc == nil {
+		return false // a reload removed it meanwhile
+	}
+	ready := old.ready
+	switch {
+	case r.local || in.draining:
+		return false
+	case r.ok:
+		pc.failures = 0
+		ready = true
+	case r.refused:
+		pc.refused = true
+		ready = false
+	case r.err != nil:
+		pc.failures++
+		ready = ready && pc.failures < checkFailuresForNotReady
+	default: // the detector holds it out
+		ready = false
+	}
+	if ready == old.ready {
+		return false
+	}
+	ns := portStatus{ready: ready, epoch: old.epoch}
+	if ready && (old.epoch == 0 || pc.refused) {
+		// Nothing listened in between: the server started afresh,
+		// and links opened before are to the process that went.
+		ns.epoch = newEpoch()
+	}
+	if ready {
+		pc.refused = false
+	}
+	in.status[port] = ns
+	in.l.log.Info().Str("local", in.addr(port)).Bool("ready", ready).
+		AnErr("cause", r.err).Msg("mesh ingress: local port readiness changed; announced to the peers")
+	return true
 }
 
 // shrinkStreams drops the empty receive buffers of the streams the
@@ -441,75 +465,118 @@ func (in *ingress) allowed(addr net.Addr) bool {
 // connection into a session: a peer that is not allowed, over its
 // sessions, or of another version is answered so and closed.
 func (in *ingress) handshake(tc *net.TCPConn) {
-	log := in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()
-	s := in.l.spec().settings
-	m := s.Mesh.OrDefaults()
+	h := &ingressHandshake{tc: tc, c: tc, log: in.l.log.With().Str("mesh_peer", tc.RemoteAddr().String()).Logger()}
+	h.s = in.l.spec().settings
+	h.m = h.s.Mesh.OrDefaults()
+	preface, ok := in.readPreface(h)
+	if !ok {
+		return
+	}
+	host, perSession, ok := in.admitPeer(h, preface)
+	if !ok {
+		return
+	}
+	in.startSession(h, host, perSession)
+}
+
+// ingressHandshake is what the steps of one connection's handshake share.
+type ingressHandshake struct {
+	tc  *net.TCPConn
+	c   net.Conn        // tc, or the TLS connection over it
+	s   policy.Settings // the listener's, as the handshake began
+	m   policy.Mesh     // s.Mesh, defaults applied
+	log zerolog.Logger
+}
+
+// readPreface runs the TLS handshake (mesh.tls) and reads the egress's
+// preface, within meshHeaderTimeout; the handshake then counts as ended
+// (handshakeDone). A connection whose TLS handshake fails is closed, one
+// without a livenessproxy preface is reset: ok is false then.
+func (in *ingress) readPreface(h *ingressHandshake) (b [meshPrefaceLen]byte, ok bool) {
+	tc := h.tc
 	_ = tc.SetDeadline(time.Now().Add(meshHeaderTimeout))
-	var c net.Conn = tc
-	var err error
-	if m.TLS.Enabled() {
-		t := tls.Server(tc, in.l.p.meshCertsFor(m.TLS).serverConfig(m.TLS.Peers.List()))
-		if err = t.Handshake(); err != nil {
+	if h.m.TLS.Enabled() {
+		t := tls.Server(tc, in.l.p.meshCertsFor(h.m.TLS).serverConfig(h.m.TLS.Peers.List()))
+		if err := t.Handshake(); err != nil {
 			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitTLS).Inc()
-			log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
+			h.log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
 			in.handshakeDone(tc)
 			_ = tc.Close() // not reset: the egress reads the alert that says why
-			return
+			return b, false
 		}
-		c = t
+		h.c = t
 	}
-	var b [meshPrefaceLen]byte
-	if err == nil {
-		_, err = io.ReadFull(c, b[:])
-	}
+	_, err := io.ReadFull(h.c, b[:])
 	in.handshakeDone(tc)
-	refuse := func(code byte, limit string) {
-		if limit != "" {
-			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limit).Inc()
-		}
-		_ = tc.SetWriteDeadline(time.Now().Add(time.Second))
-		_, _ = c.Write(meshReply(code, 0))
-		_ = tc.Close()
-	}
 	if err != nil || string(b[:len(meshPrefaceMagic)]) != meshPrefaceMagic {
 		// At debug: a peer could flood the log.
-		log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface (or a TLS handshake that failed): closed")
+		h.log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface (or a TLS handshake that failed): closed")
 		resetConn(tc)
-		return
+		return b, false
 	}
+	return b, true
+}
+
+// admitPeer answers the preface: a peer that is not in ingress.allow,
+// speaks another version or holds max_sessions_per_peer sessions is
+// refused; one that comes while the ingress closes is reset. Once
+// admitted, the peer's session is counted (forgetPeer undoes it), the
+// answer says how many streams the session may hold, and the handshake's
+// deadline is cleared; ok is false if any of it failed.
+func (in *ingress) admitPeer(h *ingressHandshake, preface [meshPrefaceLen]byte) (host string, perSession int, ok bool) {
+	tc := h.tc
 	perPeer, perSession, _ := in.limits()
 	if !in.allowed(tc.RemoteAddr()) {
-		log.Warn().Msg("mesh session refused: the peer is not in ingress.allow")
-		refuse(meshRefused, limitPeerNotAllowed)
-		return
+		h.log.Warn().Msg("mesh session refused: the peer is not in ingress.allow")
+		in.refuse(h, meshRefused, limitPeerNotAllowed)
+		return "", 0, false
 	}
-	if b[len(meshPrefaceMagic)] != meshVersion {
-		log.Warn().Int("version", int(b[len(meshPrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
-		refuse(meshBadVersion, "")
-		return
+	if preface[len(meshPrefaceMagic)] != meshVersion {
+		h.log.Warn().Int("version", int(preface[len(meshPrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
+		in.refuse(h, meshBadVersion, "")
+		return "", 0, false
 	}
-	host := tc.RemoteAddr().(*net.TCPAddr).IP.String()
+	host = tc.RemoteAddr().(*net.TCPAddr).IP.String()
 	in.mu.Lock()
 	if in.closed || in.perPeer[host] >= perPeer {
 		closed := in.closed
 		in.mu.Unlock()
 		if closed {
 			resetConn(tc)
-			return
+			return "", 0, false
 		}
-		log.Warn().Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
-		refuse(meshRefused, limitSessionsPerPeer)
-		return
+		h.log.Warn().Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
+		in.refuse(h, meshRefused, limitSessionsPerPeer)
+		return "", 0, false
 	}
 	in.perPeer[host]++
 	in.mu.Unlock()
-	_, err = c.Write(meshReply(meshOK, perSession))
+	_, err := h.c.Write(meshReply(meshOK, perSession))
 	_ = tc.SetDeadline(time.Time{})
 	if err != nil {
 		in.forgetPeer(host)
 		resetConn(tc)
-		return
+		return "", 0, false
 	}
+	return host, perSession, true
+}
+
+// refuse answers the preface with code, counts limit (if not empty) and
+// closes the connection.
+func (in *ingress) refuse(h *ingressHandshake, code byte, limit string) {
+	if limit != "" {
+		in.l.p.metrics.MeshLimits(metrics.MeshIngress, limit).Inc()
+	}
+	_ = h.tc.SetWriteDeadline(time.Now().Add(time.Second))
+	_, _ = h.c.Write(meshReply(code, 0))
+	_ = h.tc.Close()
+}
+
+// startSession makes the admitted peer's connection a yamux session that
+// takes at most perSession streams, and starts its stream accept loop and
+// its status writer; a session the ingress cannot keep (it failed to
+// start, or the ingress closed meanwhile) is not counted for the peer.
+func (in *ingress) startSession(h *ingressHandshake, host string, perSession int) {
 	is := &ingressSession{changed: make(chan struct{}, 1), host: host}
 	var sess atomic.Pointer[yamux.Session]
 	admit := func() bool {
@@ -521,10 +588,10 @@ func (in *ingress) handshake(tc *net.TCPConn) {
 		}
 		return true
 	}
-	ms, err := newMeshSession(tc, c, false, metrics.MeshIngress, m, s.HalfCloseTimeout.D(), log, in.l.p.metrics, meshHooks{}, admit)
+	ms, err := newMeshSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, meshHooks{}, admit)
 	if err != nil {
 		in.forgetPeer(host)
-		resetConn(tc)
+		resetConn(h.tc)
 		return
 	}
 	sess.Store(ms.sess)

@@ -7,7 +7,6 @@ package proxy
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net"
 	"slices"
 	"sync"
@@ -212,37 +211,21 @@ func (p *Proxy) Start() error {
 		p.mu.Unlock()
 		return errors.New("proxy already started")
 	}
-	lc := net.ListenConfig{KeepAlive: -1}
 	lns := make([]net.Listener, 0, len(p.listeners))
 	for _, l := range p.listeners {
-		ln, err := lc.Listen(p.ctx, "tcp", l.cfg.Listen)
+		ln, err := l.bind()
 		if err != nil {
 			p.mu.Unlock()
 			for _, b := range lns {
 				_ = b.Close()
 			}
-			return fmt.Errorf("listener %q: %w", l.cfg.Name, err)
+			return err
 		}
 		lns = append(lns, ln)
 	}
 	p.started = true
 	for i, l := range p.listeners {
-		addr := lns[i].Addr().String()
-		l.mu.Lock()
-		l.addr = addr
-		paused := l.paused
-		if !paused {
-			l.ln = lns[i]
-		}
-		l.mu.Unlock()
-		if paused {
-			// Bound once to reserve the address (and learn a :0 port);
-			// the accept loop binds it again when the endpoint is back.
-			_ = lns[i].Close()
-		}
-		l.acceptWG.Add(1)
-		go l.serve()
-		l.startRefresh()
+		addr, paused := l.open(lns[i])
 		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
 	}
 	p.ready.Store(true)

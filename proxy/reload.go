@@ -2,8 +2,7 @@ package proxy
 
 import (
 	"errors"
-	"fmt"
-	"net"
+	"maps"
 	"reflect"
 	"slices"
 	"time"
@@ -65,6 +64,19 @@ type Changes struct {
 
 // Apply is Reload, and says what changed.
 func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
+	// The steps, in this order, each a function of its own:
+	//   - plan: which listeners are kept, made anew or retired, and which
+	//     endpoints are disabled or enabled, worked out from the
+	//     configurations alone (planReload);
+	//   - swap: kept listeners take their new configuration and new ones
+	//     are made, the drain timeout and the limits take effect, pools'
+	//     members are synced, and every endpoint the new config disables
+	//     leaves routing, before any listener binds;
+	//   - retire the removed (or moved) listeners, then bind the added
+	//     ones: a listener that moved to a new upstream under the same
+	//     address needs the address free;
+	//   - the new listener set is in force; endpoints no longer listed as
+	//     disabled are enabled.
 	var ch Changes
 	p.reloadMu.Lock()
 	defer p.reloadMu.Unlock()
@@ -74,121 +86,226 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		p.mu.Unlock()
 		return ch, errors.New("reload: proxy not running")
 	}
-	old := make(map[string]*listener, len(p.listeners))
-	for _, l := range p.listeners {
-		old[l.cfg.Name] = l
-	}
-	var keep, added, pools []*listener
-	for _, lc := range cfg.Listeners {
-		l, ok := old[lc.Name]
-		if ok && sameTarget(l.cfg, lc) {
-			delete(old, lc.Name)
-			if prev := l.spec().cfg; !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
-				!reflect.DeepEqual(prev.Transparent, lc.Transparent) || prev.MaxLinks != lc.MaxLinks || !reflect.DeepEqual(prev.Ingress, lc.Ingress) {
-				ch.ListenersRetuned = append(ch.ListenersRetuned, lc.Name)
-			}
-			l.current.Store(newLinkSpec(lc))
-			if l.ingress != nil {
-				l.ingress.retuneLocked(lc)
-			}
-			if l.pool != nil {
-				l.pool.setSpecs(lc) // members follow below
-				pools = append(pools, l)
-			}
-			keep = append(keep, l)
-			continue
-		}
-		nl := p.newListenerLocked(lc)
-		added = append(added, nl)
-		if nl.pool != nil {
-			pools = append(pools, nl)
-		}
-	}
+	plan := planReload(p.runningLocked(), p.disabled, cfg)
+	set := p.swapListenersLocked(plan, &ch)
 	p.mu.Unlock()
 
+	p.swapSettings(cfg, plan.disabled)
+	p.syncPools(set)
+	p.disableListed(plan.disable, &ch)
+
+	for _, l := range set.gone {
+		p.retire(l, cfg.DrainTimeout.D())
+		ch.ListenersRemoved = append(ch.ListenersRemoved, l.cfg.Name)
+	}
+	errs := p.bindAdded(&set, &ch)
+	p.mu.Lock()
+	p.listeners = set.keep
+	p.mu.Unlock()
+
+	p.enableUnlisted(plan.enable, &ch)
+	return ch, errors.Join(errs...)
+}
+
+// runningListener is what planReload knows of a listener in force: the
+// configuration it was made from, and the one it runs now (a reload that
+// kept it may have retuned it).
+type runningListener struct {
+	made, now policy.Listener
+}
+
+// runningLocked describes the listeners in force, for planReload; p.mu is
+// held.
+func (p *Proxy) runningLocked() []runningListener {
+	rs := make([]runningListener, 0, len(p.listeners))
+	for _, l := range p.listeners {
+		rs = append(rs, runningListener{made: l.cfg, now: l.spec().cfg})
+	}
+	return rs
+}
+
+// reloadPlan is what a reload is to do, worked out by planReload from the
+// configurations alone.
+type reloadPlan struct {
+	// listeners is the new configuration's, in its order.
+	listeners []listenerPlan
+	// remove names the running listeners that go (gone from the
+	// configuration, or moved: same name, new address or target), sorted.
+	remove []string
+	// disabled is the new endpoints.disabled, normalized.
+	disabled map[string]bool
+	// disable is disabled's addresses, sorted; enable the addresses the
+	// previous endpoints.disabled listed and the new one does not, sorted.
+	disable, enable []string
+}
+
+// listenerPlan is what a reload does with one listener of the new
+// configuration.
+type listenerPlan struct {
+	cfg policy.Listener
+	// keep: the running listener of that name takes cfg in place
+	// (sameTarget), with its socket and its links; otherwise a new
+	// listener is made and bound.
+	keep bool
+	// retuned: kept, with settings that differ from those it runs.
+	retuned bool
+}
+
+// planReload compares the running listeners and endpoints.disabled
+// (normalized) with the new configuration. It has no effects: it only
+// reads its arguments.
+func planReload(running []runningListener, prevDisabled map[string]bool, cfg policy.Config) reloadPlan {
+	var plan reloadPlan
+	old := make(map[string]runningListener, len(running))
+	for _, r := range running {
+		old[r.made.Name] = r
+	}
+	for _, lc := range cfg.Listeners {
+		r, ok := old[lc.Name]
+		if !ok || !sameTarget(r.made, lc) {
+			plan.listeners = append(plan.listeners, listenerPlan{cfg: lc})
+			continue
+		}
+		delete(old, lc.Name)
+		prev := r.now
+		retuned := !reflect.DeepEqual(prev.Settings, lc.Settings) || !reflect.DeepEqual(prev.Pool, lc.Pool) ||
+			!reflect.DeepEqual(prev.Transparent, lc.Transparent) || prev.MaxLinks != lc.MaxLinks || !reflect.DeepEqual(prev.Ingress, lc.Ingress)
+		plan.listeners = append(plan.listeners, listenerPlan{cfg: lc, keep: true, retuned: retuned})
+	}
+	plan.remove = slices.Sorted(maps.Keys(old))
+	plan.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
+	for _, a := range cfg.Endpoints.Disabled {
+		plan.disabled[normalizeEndpoint(a)] = true
+	}
+	plan.disable = slices.Sorted(maps.Keys(plan.disabled))
+	for addr := range prevDisabled {
+		if !plan.disabled[addr] {
+			plan.enable = append(plan.enable, addr)
+		}
+	}
+	slices.Sort(plan.enable)
+	return plan
+}
+
+// reloadSet is the listeners a reload works on, made from its plan by
+// swapListenersLocked.
+type reloadSet struct {
+	keep  []*listener // kept, in the new config's order; bindAdded appends those it binds
+	added []*listener // made for the new configuration, to bind
+	pools []*listener // kept and added pools, in the new config's order
+	gone  []*listener // to retire, in plan.remove's order
+}
+
+// swapListenersLocked gives every kept listener its new configuration
+// (the next link takes it; a pool's members follow in syncPools) and
+// makes the new ones, in the new config's order; p.mu is held.
+func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
+	byName := make(map[string]*listener, len(p.listeners))
+	for _, l := range p.listeners {
+		byName[l.cfg.Name] = l
+	}
+	var set reloadSet
+	for _, lp := range plan.listeners {
+		if !lp.keep {
+			nl := p.newListenerLocked(lp.cfg)
+			set.added = append(set.added, nl)
+			if nl.pool != nil {
+				set.pools = append(set.pools, nl)
+			}
+			continue
+		}
+		l := byName[lp.cfg.Name]
+		if lp.retuned {
+			ch.ListenersRetuned = append(ch.ListenersRetuned, lp.cfg.Name)
+		}
+		l.current.Store(newLinkSpec(lp.cfg))
+		if l.ingress != nil {
+			l.ingress.retuneLocked(lp.cfg)
+		}
+		if l.pool != nil {
+			l.pool.setSpecs(lp.cfg) // members follow in syncPools
+			set.pools = append(set.pools, l)
+		}
+		set.keep = append(set.keep, l)
+	}
+	for _, name := range plan.remove {
+		set.gone = append(set.gone, byName[name])
+	}
+	return set
+}
+
+// swapSettings puts the reload's drain timeout, limits and
+// endpoints.disabled in force.
+func (p *Proxy) swapSettings(cfg policy.Config, disabled map[string]bool) {
 	p.drain.Store(int64(cfg.DrainTimeout))
 	// A lower budget or max_links cuts nothing (see setLimits); a higher
 	// listener max_links lets its accept loop go on.
 	p.setLimits(cfg.Limits)
 	p.slots.retuned()
 	p.mu.Lock()
-	prev := p.disabled
-	p.disabled = make(map[string]bool, len(cfg.Endpoints.Disabled))
-	for _, a := range cfg.Endpoints.Disabled {
-		p.disabled[normalizeEndpoint(a)] = true
-	}
-	now := p.disabled
+	p.disabled = disabled
 	p.mu.Unlock()
-	// Members from the new entries (names resolved now), each admitted one
-	// disabled if the new endpoints.disabled names it: a kept pool's
-	// members that left are drained (drainMember), every member's probe
-	// configuration is the new one.
-	for _, l := range pools {
+}
+
+// syncPools makes every pool's members from its new entries (names
+// resolved now), each admitted disabled if the new endpoints.disabled
+// names it: a kept pool's members that left are drained (drainMember),
+// every member's probe configuration is the new one.
+func (p *Proxy) syncPools(set reloadSet) {
+	for _, l := range set.pools {
 		p.syncPool(l.pool, l.pool.resolve(p.ctx, p.resolver))
-		if !slices.Contains(added, l) {
+		if !slices.Contains(set.added, l) {
 			l.startRefresh() // entries may have become names
 		}
 	}
-	// Every endpoint the new config lists as disabled leaves routing
-	// before any listener binds, including one this reload newly routes to
-	// (Disable of one already disabled changes nothing).
-	for addr := range now {
+}
+
+// disableListed takes every endpoint the new config lists as disabled out
+// of routing, before any listener binds, including one this reload newly
+// routes to (Disable of one already disabled changes nothing).
+func (p *Proxy) disableListed(addrs []string, ch *Changes) {
+	ch.EndpointsDisabled = p.byConfig(addrs, p.det.Disable, ch.EndpointsDisabled)
+}
+
+// enableUnlisted enables the endpoints the previous config listed as
+// disabled and the new one does not: a readmission.
+func (p *Proxy) enableUnlisted(addrs []string, ch *Changes) {
+	ch.EndpointsEnabled = p.byConfig(addrs, p.det.Enable, ch.EndpointsEnabled)
+}
+
+// byConfig calls change (the detector's Disable or Enable) for the
+// configuration's reason on every endpoint each address names, and
+// appends to changed the endpoints whose state changed.
+func (p *Proxy) byConfig(addrs []string, change func(endpoint, reason string) bool, changed []string) []string {
+	for _, addr := range addrs {
 		eps, _ := p.lookup(addr)
 		for _, ep := range eps {
-			if p.det.Disable(ep.addr, health.ReasonConfig) {
-				ch.EndpointsDisabled = append(ch.EndpointsDisabled, ep.addr)
+			if change(ep.addr, health.ReasonConfig) {
+				changed = append(changed, ep.addr)
 			}
 		}
 	}
+	return changed
+}
 
-	// Removed (or moved) listeners first: a listener that moved to a new
-	// upstream under the same address needs the address free.
-	for _, l := range old {
-		p.retire(l, cfg.DrainTimeout.D())
-		ch.ListenersRemoved = append(ch.ListenersRemoved, l.cfg.Name)
-	}
+// bindAdded binds and serves every listener the reload made; one that
+// fails to bind is detached and its error returned, the others still
+// bind. Those bound join set.keep.
+func (p *Proxy) bindAdded(set *reloadSet, ch *Changes) []error {
 	var errs []error
-	lc := net.ListenConfig{KeepAlive: -1}
-	for _, l := range added {
-		ln, err := lc.Listen(p.ctx, "tcp", l.cfg.Listen)
+	for _, l := range set.added {
+		ln, err := l.bind()
 		if err != nil {
-			errs = append(errs, fmt.Errorf("listener %q: %w", l.cfg.Name, err))
+			errs = append(errs, err)
 			p.detach(l)
 			continue
 		}
-		l.mu.Lock()
-		l.addr = ln.Addr().String()
-		paused := l.paused
-		l.paused = paused
-		if paused {
-			_ = ln.Close()
-		} else {
-			l.ln = ln
-		}
-		l.mu.Unlock()
-		l.acceptWG.Add(1)
-		go l.serve()
-		l.startRefresh()
-		l.log.Info().Str("listen", l.addr).Str("upstream", l.cfg.Upstream).Msg("listener added by reload")
-		keep = append(keep, l)
+		addr, _ := l.open(ln)
+		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Msg("listener added by reload")
+		set.keep = append(set.keep, l)
 		ch.ListenersAdded = append(ch.ListenersAdded, l.cfg.Name)
 	}
-	p.mu.Lock()
-	p.listeners = keep
-	p.mu.Unlock()
-
-	for addr := range prev {
-		if !now[addr] {
-			eps, _ := p.lookup(addr)
-			for _, ep := range eps {
-				if p.det.Enable(ep.addr, health.ReasonConfig) {
-					ch.EndpointsEnabled = append(ch.EndpointsEnabled, ep.addr)
-				}
-			}
-		}
-	}
-	slices.Sort(ch.ListenersRemoved)
-	return ch, errors.Join(errs...)
+	return errs
 }
 
 // retire stops a listener that a reload removed: no more accepts, its
