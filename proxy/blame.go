@@ -7,6 +7,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // upstreamFault reports whether err, from a dial or an upstream socket,
@@ -72,7 +74,7 @@ const localErrorLogEvery = time.Second
 // line); link_closes_total{reason="local_error"} counts every one.
 func (l *listener) localError(ep *endpoint, err error) {
 	l.localErrors.Add(1)
-	now := mono()
+	now := flow.Mono()
 	last := l.localErrorLogged.Load()
 	if now-last < int64(localErrorLogEvery) || !l.localErrorLogged.CompareAndSwap(last, now) {
 		return

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
@@ -39,7 +41,7 @@ func TestUpstreamFaultClassification(t *testing.T) {
 		return err
 	}()
 	badOption := func() error {
-		d := net.Dialer{Control: upstreamControl(policy.Settings{Keepalive: policy.Keepalive{
+		d := net.Dialer{Control: flow.UpstreamControl(policy.Settings{Keepalive: policy.Keepalive{
 			Idle: policy.Duration(time.Second), Interval: policy.Duration(time.Second), Count: 1000}})}
 		_, err := d.Dial("tcp", "127.0.0.1:1")
 		return err
@@ -414,7 +416,7 @@ func TestBytesAckedCountsStreamBytesOnly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n, ok := bytesAcked(raw); !ok || n != 0 {
+	if n, ok := flow.BytesAcked(raw); !ok || n != 0 {
 		t.Fatalf("before any byte: acked %d (%v), want 0", n, ok)
 	}
 	const request = 1000
@@ -425,7 +427,7 @@ func TestBytesAckedCountsStreamBytesOnly(t *testing.T) {
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		n, _ := bytesAcked(raw)
+		n, _ := flow.BytesAcked(raw)
 		if n == request-1 {
 			break
 		}
@@ -434,7 +436,7 @@ func TestBytesAckedCountsStreamBytesOnly(t *testing.T) {
 		}
 		time.Sleep(time.Millisecond)
 	}
-	if n, _ := bytesAcked(raw); n >= request {
+	if n, _ := flow.BytesAcked(raw); n >= request {
 		t.Fatalf("acked %d: a request ending at %d would pass as acknowledged without its last byte", n, request)
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"golang.org/x/sys/unix"
@@ -29,11 +31,11 @@ func TestStalledUpstreamHoldsAtMostTheWatermark(t *testing.T) {
 	// The peer's receive buffer: 4 KiB asked, doubled by the kernel, and
 	// the window may run ahead of it by a segment.
 	const peerWindow = 16 << 10
-	bound := int64(high + notsentLowat(high) + peerWindow + chunkSize)
+	bound := int64(high + flow.NotsentLowat(high) + peerWindow + flow.ChunkSize)
 	t.Logf("the proxy took %d bytes from the client (queue peak %d); bound %d", s.BytesUp, s.MaxQueued, bound)
 	if s.BytesUp > bound {
 		t.Fatalf("the proxy took %d bytes from the client for a stalled upstream, above %d (high_water_mark %d + unsent %d + peer window + one read)",
-			s.BytesUp, bound, high, notsentLowat(high))
+			s.BytesUp, bound, high, flow.NotsentLowat(high))
 	}
 }
 
@@ -48,20 +50,20 @@ func TestStalledUpstreamUnsentBacklogIsSmall(t *testing.T) {
 	const high = 256 << 10
 	h, c, sent := stalledUpstream(t, high, policy.OverflowBackpressure)
 	lk := h.onlyLink(5 * time.Second)
-	for deadline := time.Now().Add(10 * time.Second); lk.q.bytes() < high; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); lk.q.Bytes() < high; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("queue at %d bytes after 10s, never reached the high watermark %d", lk.q.bytes(), high)
+			t.Fatalf("queue at %d bytes after 10s, never reached the high watermark %d", lk.q.Bytes(), high)
 		}
 	}
 	unsent, outq := sockQueue(t, lk, unix.SIOCOUTQNSD), sockQueue(t, lk, unix.SIOCOUTQ)
-	bound := notsentLowat(high) + 64<<10
+	bound := flow.NotsentLowat(high) + 64<<10
 	t.Logf("queue %d (high %d); upstream socket: unsent %d (TCP_NOTSENT_LOWAT %d), unsent+unacked %d",
-		lk.q.bytes(), high, unsent, notsentLowat(high), outq)
-	if lk.q.bytes() > high {
-		t.Fatalf("queue %d above the high watermark %d", lk.q.bytes(), high)
+		lk.q.Bytes(), high, unsent, flow.NotsentLowat(high), outq)
+	if lk.q.Bytes() > high {
+		t.Fatalf("queue %d above the high watermark %d", lk.q.Bytes(), high)
 	}
 	if unsent > bound {
-		t.Fatalf("the upstream socket holds %d unsent bytes, above TCP_NOTSENT_LOWAT %d plus a segment", unsent, notsentLowat(high))
+		t.Fatalf("the upstream socket holds %d unsent bytes, above TCP_NOTSENT_LOWAT %d plus a segment", unsent, flow.NotsentLowat(high))
 	}
 	// Nothing ends this link by itself (no write timeout, no user
 	// timeout, the pump waits for room and so never sees the client's

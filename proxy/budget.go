@@ -3,6 +3,8 @@ package proxy
 import (
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -11,36 +13,36 @@ import (
 // link that has waited write_timeout while its upstream owed bytes and
 // acknowledged none of them gets pushStalled instead: the evidence a
 // close needs.
-func (lk *link) waitForBudget(p []byte, high int64) pushResult {
+func (lk *link) waitForBudget(p []byte, high int64) flow.PushResult {
 	b := lk.budget
-	b.heldBack.Add(1)
-	if b.waits != nil {
-		b.waits.Inc()
+	b.HeldBack.Add(1)
+	if b.Waits != nil {
+		b.Waits.Inc()
 	}
 	wt := lk.settings.WriteTimeout.D()
-	t := time.NewTimer(budgetRecheck)
+	t := time.NewTimer(flow.BudgetRecheck)
 	defer t.Stop()
 	// Evidence is measured from the wait on: the last progress sample may
 	// be from an idle spell long before these bytes were owed.
-	began := mono()
+	began := flow.Mono()
 	lk.progressed()
 	for {
-		if wt > 0 && mono()-began >= int64(wt) && lk.owesUpstream(len(p)) && lk.stalled(wt) {
-			return pushStalled
+		if wt > 0 && flow.Mono()-began >= int64(wt) && lk.owesUpstream(len(p)) && lk.stalled(wt) {
+			return flow.PushStalled
 		}
-		ch := b.wait()
-		r := lk.q.push(p, high)
-		if r != pushBudget {
-			b.unwait(ch)
+		ch := b.Wait()
+		r := lk.q.Push(p, high)
+		if r != flow.PushBudget {
+			b.Unwait(ch)
 			return r
 		}
-		t.Reset(budgetRecheck)
+		t.Reset(flow.BudgetRecheck)
 		select {
 		case <-ch:
 		case <-t.C:
-		case <-lk.q.done:
+		case <-lk.q.Done:
 		}
-		b.unwait(ch)
+		b.Unwait(ch)
 	}
 }
 
@@ -49,7 +51,7 @@ func (lk *link) waitForBudget(p []byte, high int64) pushResult {
 // what the pump read and has not handed on). Without that, an upstream
 // that acknowledged nothing lately simply had nothing to acknowledge.
 func (lk *link) owesUpstream(inHand int) bool {
-	if lk.q.bytes() > 0 {
+	if lk.q.Bytes() > 0 {
 		return true
 	}
 	acked, ok := lk.ackedBytes()
@@ -62,7 +64,7 @@ func (lk *link) owesUpstream(inHand int) bool {
 // the budget did at most once a second.
 func (p *Proxy) reap() {
 	defer p.bg.Done()
-	t := time.NewTicker(budgetRecheck)
+	t := time.NewTicker(flow.BudgetRecheck)
 	defer t.Stop()
 	var logged time.Time
 	for {
@@ -72,13 +74,13 @@ func (p *Proxy) reap() {
 			return
 		}
 		b := &p.budget
-		if b.nwait.Load() > 0 {
+		if b.Nwait.Load() > 0 {
 			p.mu.Lock()
 			ls := append([]*listener(nil), p.listeners...)
 			p.mu.Unlock()
 			for _, l := range ls {
 				for _, lk := range l.snapshotLinks() {
-					if lk.holdsForNothing(mono()) {
+					if lk.holdsForNothing(flow.Mono()) {
 						lk.budgetClose()
 					}
 				}
@@ -87,13 +89,13 @@ func (p *Proxy) reap() {
 		if time.Since(logged) < time.Second {
 			continue
 		}
-		held, closed := b.heldBack.Swap(0), b.closed.Swap(0)
+		held, closed := b.HeldBack.Swap(0), b.Closed.Swap(0)
 		if held == 0 && closed == 0 {
 			continue
 		}
 		logged = time.Now()
-		p.log.Warn().Int64("budget_bytes", b.limit.Load()).Int64("used_bytes", b.used()).Int64("reads_held_back", held).
-			Int64("links_closed", closed).Int32("links_waiting", b.nwait.Load()).
+		p.log.Warn().Int64("budget_bytes", b.Limit.Load()).Int64("used_bytes", b.Used()).Int64("reads_held_back", held).
+			Int64("links_closed", closed).Int32("links_waiting", b.Nwait.Load()).
 			Msg("memory budget full: links toward live upstreams wait, links toward upstreams without progress for write_timeout are closed")
 	}
 }
@@ -104,7 +106,7 @@ func (p *Proxy) reap() {
 // is not counted), and no progress for that long.
 func (lk *link) holdsForNothing(now int64) bool {
 	wt := lk.settings.WriteTimeout.D()
-	since, held := lk.q.heldSince()
+	since, held := lk.q.HeldSince()
 	return wt > 0 && held && now-since >= int64(wt) && lk.stalled(wt)
 }
 
@@ -114,12 +116,12 @@ func (lk *link) holdsForNothing(now int64) bool {
 func (lk *link) budgetClose() {
 	lk.overflowStalled.Store(true)
 	if lk.abort(CloseBudget, nil) {
-		lk.budget.closed.Add(1)
+		lk.budget.Closed.Add(1)
 	}
 }
 
 // budgetCollector exports memory_budget_bytes and memory_budget_used_bytes.
-type budgetCollector struct{ b *budget }
+type budgetCollector struct{ b *flow.Budget }
 
 var (
 	budgetDesc = prometheus.NewDesc("livenessproxy_memory_budget_bytes",
@@ -135,7 +137,7 @@ func (c *budgetCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *budgetCollector) Collect(ch chan<- prometheus.Metric) {
-	ch <- prometheus.MustNewConstMetric(budgetDesc, prometheus.GaugeValue, float64(c.b.limit.Load()))
-	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.queued.Load()), "queues")
-	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.reads.Load()), "reads")
+	ch <- prometheus.MustNewConstMetric(budgetDesc, prometheus.GaugeValue, float64(c.b.Limit.Load()))
+	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.Queued.Load()), "queues")
+	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.Reads.Load()), "reads")
 }

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
@@ -65,7 +67,7 @@ func TestDefaultWatermarkKeepsAHealthyUpload(t *testing.T) {
 		t.Fatalf("link ended %q (%v), want a clean end", s.Reason, s.Err)
 	}
 	// The situation of the finding: the queue reached the watermark.
-	if high := int64(16 << 20); s.MaxQueued < high-chunkSize {
+	if high := int64(16 << 20); s.MaxQueued < high-flow.ChunkSize {
 		t.Fatalf("the queue peaked at %d bytes: the upload never reached the %d watermark, so this proves nothing", s.MaxQueued, high)
 	}
 	if got := testutil.ToFloat64(h.m.ForListener("test").WatermarkRejections); got != 0 {
@@ -190,7 +192,7 @@ func TestBudgetHoldsAndStalledLinksGiveWay(t *testing.T) {
 		}
 		roundTrip(t, hc, []byte("during "+strconv.Itoa(trips)))
 		trips++
-		peakQueued = max(peakQueued, r.p.budget.queued.Load())
+		peakQueued = max(peakQueued, r.p.budget.Queued.Load())
 		for drained := false; !drained; {
 			select {
 			case s := <-r.ended:
@@ -218,7 +220,7 @@ func TestBudgetHoldsAndStalledLinksGiveWay(t *testing.T) {
 	if got := testutil.ToFloat64(r.m.BudgetWaits); got == 0 {
 		t.Fatal("memory_budget_waits_total = 0: the budget never held a read back")
 	}
-	if got := r.p.budget.queued.Load(); got != 0 {
+	if got := r.p.budget.Queued.Load(); got != 0 {
 		t.Fatalf("%d bytes of queue chunks still counted after every stalled link ended", got)
 	}
 }
@@ -412,9 +414,9 @@ func fillBudget(t *testing.T, p *Proxy, dial func(string) *net.TCPConn) {
 	t.Helper()
 	writeAsync(dial("stall"), 4<<20, 64<<10)
 	deadline := time.Now().Add(10 * time.Second)
-	for p.budget.queued.Load() < 1<<20-chunkSize {
+	for p.budget.Queued.Load() < 1<<20-flow.ChunkSize {
 		if time.Now().After(deadline) {
-			t.Fatalf("the stalled link never filled the budget (%d bytes)", p.budget.queued.Load())
+			t.Fatalf("the stalled link never filled the budget (%d bytes)", p.budget.Queued.Load())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

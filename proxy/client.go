@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/hashicorp/yamux"
 )
 
@@ -19,7 +21,7 @@ type clientSide interface {
 	read(limit int) (*[]byte, int, error)
 	// readEach reads as sockReader.readEach does; a transport without
 	// readiness returns each chunk it reads to the caller unhandled.
-	readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr error)
+	readEach(sink flow.ChunkSink) (bp *[]byte, n int, err, sinkErr error)
 	Write(p []byte) (int, error)
 	// CloseWrite passes the end of the responses on (a FIN).
 	CloseWrite() error
@@ -35,7 +37,7 @@ type clientSide interface {
 // tcpClient is a client connection accepted by a listener.
 type tcpClient struct {
 	*net.TCPConn
-	r    sockReader
+	r    flow.SockReader
 	once sync.Once
 	err  error
 }
@@ -43,19 +45,19 @@ type tcpClient struct {
 func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{TCPConn: c} }
 
 func (c *tcpClient) read(limit int) (*[]byte, int, error) {
-	c.once.Do(func() { c.err = c.r.init(c.TCPConn) })
+	c.once.Do(func() { c.err = c.r.Init(c.TCPConn) })
 	if c.err != nil {
 		return nil, 0, c.err
 	}
-	return c.r.read(limit)
+	return c.r.Read(limit)
 }
 
-func (c *tcpClient) readEach(sink chunkSink) (*[]byte, int, error, error) {
-	c.once.Do(func() { c.err = c.r.init(c.TCPConn) })
+func (c *tcpClient) readEach(sink flow.ChunkSink) (*[]byte, int, error, error) {
+	c.once.Do(func() { c.err = c.r.Init(c.TCPConn) })
 	if c.err != nil {
 		return nil, 0, c.err, nil
 	}
-	return c.r.readEach(sink)
+	return c.r.ReadEach(sink)
 }
 
 func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
@@ -85,15 +87,15 @@ type streamReader struct{ streaming bool }
 func (r *streamReader) read(s streamConn, limit int) (*[]byte, int, error) {
 	var bp *[]byte
 	if r.streaming {
-		bp = getChunk()
+		bp = flow.GetChunk()
 	} else {
-		bp = smallChunkPool.Get().(*[]byte)
+		bp = flow.SmallChunkPool.Get().(*[]byte)
 	}
 	buf := (*bp)[:min(max(limit, 1), len(*bp))]
 	n, err := s.Read(buf)
 	r.streaming = n == len(buf)
 	if n == 0 {
-		putChunk(bp)
+		flow.PutChunk(bp)
 		return nil, 0, err
 	}
 	return bp, n, nil
@@ -126,8 +128,8 @@ func (c *streamClient) read(limit int) (*[]byte, int, error) {
 	return bp, n, err
 }
 
-func (c *streamClient) readEach(sink chunkSink) (*[]byte, int, error, error) {
-	limit := sink.limit()
+func (c *streamClient) readEach(sink flow.ChunkSink) (*[]byte, int, error, error) {
+	limit := sink.Limit()
 	if limit <= 0 {
 		return nil, 0, nil, nil
 	}

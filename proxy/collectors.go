@@ -23,7 +23,7 @@ func (c *queuedCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, l := range ls {
 		var n int64
 		for _, lk := range l.snapshotLinks() {
-			n += lk.q.bytes()
+			n += lk.q.Bytes()
 		}
 		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(n), l.cfg.Name)
 	}

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // A dialer makes a link's upstream end to one endpoint, as
@@ -76,7 +78,7 @@ func (lk *link) dial() bool {
 			break // nothing eligible is left
 		}
 		lk.dialed.try(ep)
-		start, began := time.Now(), mono()
+		start, began := time.Now(), flow.Mono()
 		end, err := chain.dial(lk, ep)
 		if err == nil {
 			lk.countDial(start, failOpen)

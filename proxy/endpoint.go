@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -37,7 +39,7 @@ type endpoint struct {
 	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
-	orphans *tracker
+	orphans *flow.Tracker
 
 	mu        sync.Mutex
 	links     map[*link]struct{}
@@ -72,12 +74,12 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 	if !ok {
 		created = true
 		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{}), p: p}
-		ep.lastAnswer.Store(noAnswer)
-		ep.orphans = newTracker(judgingSlack(time.Second), false, &ep.lastAnswer, func(judged []pendingRequest, _ int) {
+		ep.lastAnswer.Store(flow.NoAnswer)
+		ep.orphans = flow.NewTracker(flow.JudgingSlack(time.Second), false, &ep.lastAnswer, func(judged []flow.PendingRequest, _ int) {
 			// Each request keeps the threshold of the listener that sent it.
 			for _, r := range judged {
-				if r.verdict && !ep.orphans.covered(&r) {
-					p.countUnanswered(ep, nil, int(r.n), int(r.thr), max(r.at, ep.lastAnswer.Load()))
+				if r.Verdict && !ep.orphans.Covered(&r) {
+					p.countUnanswered(ep, nil, int(r.N), int(r.Thr), max(r.At, ep.lastAnswer.Load()))
 				}
 			}
 		})
@@ -160,7 +162,7 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 	d := s.Detector
 	kind, port := s.Probe()
 	return health.ProbeConfig{
-		Dialer:       &net.Dialer{KeepAlive: -1, Control: upstreamControl(s)},
+		Dialer:       &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)},
 		Kind:         kind,
 		Timeout:      d.ProbeTimeout.D(),
 		InitialDelay: d.InitialDelay.D(),
@@ -290,8 +292,8 @@ func (ep *endpoint) onReadmitted(ev health.Event, log *zerolog.Logger) {
 	// A fresh start: requests sent before the readmission (on links
 	// about to be evicted, or already ended) are not judged against
 	// the server now admitted.
-	ep.readmitted.Store(mono())
-	ep.orphans.clear()
+	ep.readmitted.Store(flow.Mono())
+	ep.orphans.Clear()
 	ep.consecutive.Store(0)
 	// No client keeps a connection opened before the exclusion (to
 	// the process that failed), except after an exclusion that kept
@@ -456,7 +458,7 @@ func (p *Proxy) reportLinkEnd(lk *link, reason CloseReason, err error) {
 
 // monoToTime converts a mono time to wall-clock time.
 func monoToTime(m int64) time.Time {
-	return time.Now().Add(-time.Duration(mono() - m))
+	return time.Now().Add(-time.Duration(flow.Mono() - m))
 }
 
 // countUnanswered adds n unanswered requests to the endpoint's consecutive
@@ -522,7 +524,7 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 		l.m.EndpointSuspect.Inc() // once per endpoint
 	}
 	ep.consecutive.Store(0)
-	now := mono()
+	now := flow.Mono()
 	since := ep.silentSince.Swap(0)
 	if since == 0 || since > now {
 		since = now
@@ -534,7 +536,7 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 	}
 	log := p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).Int("overdue_requests", overdue).
 		Int64("silent_ms", silent.Milliseconds())
-	if last := ep.lastAnswer.Load(); last != noAnswer {
+	if last := ep.lastAnswer.Load(); last != flow.NoAnswer {
 		log = log.Int64("last_answer_ms_ago", time.Duration(now-last).Milliseconds())
 	}
 	log.Msg("endpoint suspect: requests past their deadline with the endpoint silent")

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"syscall"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/livenessproxy/livenessproxy/internal/memlimit"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -37,7 +39,7 @@ type Limits struct {
 // link at most, the budget counts them but never refuses one).
 const (
 	runtimeReserve = 32 << 20
-	linkOverhead   = 16<<10 + 2*chunkSize
+	linkOverhead   = 16<<10 + 2*flow.ChunkSize
 	// fdReserve is the descriptors beside the links': listeners, the admin
 	// servers (256 connections each), probes, DNS, the config watcher.
 	fdReserve = 600

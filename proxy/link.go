@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -44,10 +46,10 @@ type link struct {
 	name     string            // the listener's
 	m        *metrics.Listener // the listener's series
 	log      *zerolog.Logger   // the listener's
-	budget   *budget           // the process's memory budget
+	budget   *flow.Budget      // the process's memory budget
 	ep       *endpoint         // set at accept (transparent) or when the dial succeeds (pool)
 	settings policy.Settings   // the listener's settings when the link opened
-	frames   *frameSpec        // the listener's framing when the link opened; nil: opaque
+	frames   *flow.FrameSpec   // the listener's framing when the link opened; nil: opaque
 	failOpen bool              // the listener's pool.fail_open or group_fail_open when the link opened
 	slot     bool              // holds a max_links slot of l (given back when it ends)
 	dialer   *net.Dialer
@@ -65,7 +67,7 @@ type link struct {
 
 	// q holds what the upstream did not take at once (a TCP end's writer
 	// drains it).
-	q queue
+	q flow.Queue
 	// live counts the link's goroutines: the two pumps and, once started,
 	// a TCP end's writer. The writer starts on the first byte the kernel
 	// does not take at once: most request/response links never need it.
@@ -89,9 +91,9 @@ type link struct {
 	// Framed mode with tracking: frame boundaries in each direction (each
 	// pump owns its own; it drops it when the link stops being tracked).
 	// nil: opaque, or not tracked.
-	reqScan, respScan *frameScanner
+	reqScan, respScan *flow.FrameScanner
 	// trk follows requests and judges them; nil when tracking is off.
-	trk *tracker
+	trk *flow.Tracker
 	// conv is what the pumps share about the protocol; nil unless reqScan
 	// was set.
 	conv *conv
@@ -114,7 +116,7 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	lk := &link{host: l, name: l.cfg.Name, m: l.m, log: &l.log, budget: &l.p.budget,
 		ep: ep, settings: t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
-	lk.q.init(&l.p.budget)
+	lk.q.Init(&l.p.budget)
 	return lk
 }
 
@@ -153,7 +155,7 @@ func (lk *link) finish() LinkStats {
 		up.release()
 	}
 	if lk.trk != nil {
-		orphans := lk.trk.stop()
+		orphans := lk.trk.Stop()
 		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
@@ -162,11 +164,11 @@ func (lk *link) finish() LinkStats {
 		}
 		if len(orphans) > 0 {
 			since := lk.ep.readmitted.Load()
-			orphans = slices.DeleteFunc(orphans, func(r pendingRequest) bool { return r.at <= since })
-			lk.ep.orphans.adopt(orphans)
+			orphans = slices.DeleteFunc(orphans, func(r flow.PendingRequest) bool { return r.At <= since })
+			lk.ep.orphans.Adopt(orphans)
 		}
 	}
-	lk.q.release()
+	lk.q.Release()
 	lk.finMu.Lock()
 	if lk.halfTimer != nil {
 		lk.halfTimer.Stop()
@@ -182,9 +184,9 @@ func (lk *link) attach(ep *endpoint) {
 	lk.ep = ep
 	if u := lk.settings.Unanswered; u.Enabled(lk.settings.Framing.Type) {
 		if lk.frames != nil {
-			lk.reqScan, lk.respScan = newFrameScanner(lk.frames), newFrameScanner(lk.frames)
+			lk.reqScan, lk.respScan = flow.NewFrameScanner(lk.frames), flow.NewFrameScanner(lk.frames)
 		}
-		lk.trk = newTracker(judgingSlack(u.RequestTimeout.D()), lk.reqScan == nil, &ep.lastAnswer, lk.judge)
+		lk.trk = flow.NewTracker(flow.JudgingSlack(u.RequestTimeout.D()), lk.reqScan == nil, &ep.lastAnswer, lk.judge)
 		if lk.reqScan != nil {
 			lk.conv = newConv(lk)
 		}
@@ -210,11 +212,11 @@ func (lk *link) adopt(up upstreamEnd) bool {
 // listener or not (see also dialFailed).
 func (lk *link) answered(buf []byte) {
 	lk.bytesDown.Add(int64(len(buf)))
-	lk.ep.answered(mono())
+	lk.ep.answered(flow.Mono())
 	if lk.trk != nil && lk.respScan != nil {
 		if lk.conv.off.Load() {
 			lk.respScan = nil
-		} else if _, _, ferr := lk.respScan.scan(buf); ferr != nil {
+		} else if _, _, ferr := lk.respScan.Scan(buf); ferr != nil {
 			lk.conv.untrack(metrics.UntrackedLimit, ferr)
 			lk.respScan = nil
 		}
@@ -233,13 +235,13 @@ func (lk *link) backpressure() bool {
 // is none or the queue is closed: the pump then waits outside the read).
 func (lk *link) requestLimit() int {
 	if !lk.backpressure() {
-		return chunkSize
+		return flow.ChunkSize
 	}
-	room, open := lk.q.room(int64(lk.settings.WriteBuffer.HighWaterMark))
+	room, open := lk.q.Room(int64(lk.settings.WriteBuffer.HighWaterMark))
 	if !open {
 		return 0
 	}
-	return int(min(room, chunkSize))
+	return int(min(room, flow.ChunkSize))
 }
 
 // countRequest counts and records the requests in buf, bytes just read
@@ -250,7 +252,7 @@ func (lk *link) requestLimit() int {
 func (lk *link) countRequest(buf []byte) {
 	end := lk.bytesUp.Add(int64(len(buf)))
 	if lk.trk != nil {
-		lk.recordRequests(buf, mono(), end, !lk.readAny)
+		lk.recordRequests(buf, flow.Mono(), end, !lk.readAny)
 	}
 	lk.readAny = true
 }
@@ -264,8 +266,8 @@ func (lk *link) recordRequests(p []byte, at, end int64, first bool) {
 	c := lk.conv
 	if c == nil {
 		// Opaque: a request is a burst of bytes, due within request_timeout.
-		lk.trk.sent(pendingRequest{at: at, due: at + int64(lk.settings.Unanswered.RequestTimeout), end: end, n: 1,
-			thr: int32(lk.settings.Unanswered.ConsecutiveTimeoutsThreshold)})
+		lk.trk.Sent(flow.PendingRequest{At: at, Due: at + int64(lk.settings.Unanswered.RequestTimeout), End: end, N: 1,
+			Thr: int32(lk.settings.Unanswered.ConsecutiveTimeoutsThreshold)})
 		return
 	}
 	if lk.reqScan == nil || c.off.Load() {
@@ -278,13 +280,13 @@ func (lk *link) recordRequests(p []byte, at, end int64, first bool) {
 		return
 	}
 	c.sendAt = at
-	_, ends, err := lk.reqScan.scan(p)
+	_, ends, err := lk.reqScan.Scan(p)
 	if err != nil {
 		c.untrack(metrics.UntrackedLimit, err)
 		lk.reqScan = nil
 		return
 	}
-	if ends > 0 && lk.reqScan.rd == nil {
+	if ends > 0 && lk.reqScan.Rd == nil {
 		c.frames(ends, end)
 	}
 }
@@ -334,18 +336,18 @@ func (lk *link) badFrame(direction string, err error) {
 // acknowledged by its (entry's) last deadline (still in the queue or the
 // kernel's send queue) is stale: the link is reset so that those bytes are
 // dropped rather than delivered to a server that recovers later.
-func (lk *link) judge(judged []pendingRequest, left int) {
-	n, since := lk.trk.unanswered(judged)
-	lk.host.countUnanswered(lk.ep, n, int(judged[0].thr), since)
+func (lk *link) judge(judged []flow.PendingRequest, left int) {
+	n, since := lk.trk.Unanswered(judged)
+	lk.host.countUnanswered(lk.ep, n, int(judged[0].Thr), since)
 	if lk.conv == nil {
 		return
 	}
 	var last int64
 	frames := left
 	for _, r := range judged {
-		if r.expired {
-			last = max(last, r.end)
-			frames += int(r.n)
+		if r.Expired {
+			last = max(last, r.End)
+			frames += int(r.N)
 		}
 	}
 	if last == 0 {
@@ -378,7 +380,7 @@ func (lk *link) progressed() (moved, known bool) {
 			return false, true
 		}
 		if lk.acked.CompareAndSwap(prev, acked) {
-			lk.ackedAt.Store(mono())
+			lk.ackedAt.Store(flow.Mono())
 			return true, true
 		}
 	}
@@ -392,7 +394,7 @@ func (lk *link) stalled(d time.Duration) bool {
 		return false
 	}
 	moved, known := lk.progressed()
-	now := mono()
+	now := flow.Mono()
 	if lk.conv != nil && lk.conv.holding(now) {
 		return false // a Kafka broker holding a request reads nothing meanwhile
 	}
@@ -483,7 +485,7 @@ func (lk *link) setReason(reason CloseReason, err error) bool {
 // lock, and the upstream's Close waits for that write to give up.
 func (lk *link) closeBoth() {
 	lk.closeOnce.Do(func() {
-		lk.q.close()
+		lk.q.Close()
 		_ = lk.client.Close()
 		lk.connMu.Lock()
 		lk.closed = true
@@ -504,7 +506,7 @@ func (lk *link) stats() LinkStats {
 		Opened:    lk.opened,
 		Duration:  time.Since(lk.opened),
 	}
-	s.MaxQueued = lk.q.peak()
+	s.MaxQueued = lk.q.Peak()
 	s.ConnectAttempts, s.ConnectTime = int(lk.dialed.attempts.Load()), time.Duration(lk.dialed.connect.Load())
 	if lk.ep != nil {
 		s.Upstream = lk.ep.dial

@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -66,7 +68,7 @@ type listener struct {
 type linkSpec struct {
 	cfg           policy.Listener // the configuration it was made from
 	settings      policy.Settings
-	frames        *frameSpec // nil: opaque
+	frames        *flow.FrameSpec // nil: opaque
 	dialer        *net.Dialer
 	balance       string        // pool.balance
 	failOpen      bool          // pool.fail_open
@@ -88,11 +90,11 @@ func newLinkSpec(lc policy.Listener) *linkSpec {
 		groupFailOpen: lc.IsTransparent() && lc.Transparent.GroupFailOpen,
 		maxDests:      cmp.Or(lc.Transparent.MaxDestinations, dt.MaxDestinations),
 		forgetAfter:   cmp.Or(lc.Transparent.ForgetExcludedAfter, dt.ForgetExcludedAfter).D(),
-		frames:        newFrameSpec(s.Framing),
+		frames:        flow.NewFrameSpec(s.Framing),
 		dialer: &net.Dialer{
 			Timeout:   s.ConnectTimeout.D(), // non-positive: no timeout of ours
 			KeepAlive: -1,                   // ours are set in Control, or left to the kernel
-			Control:   upstreamControl(s),
+			Control:   flow.UpstreamControl(s),
 		},
 	}
 }

@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/hashicorp/yamux"
 	"github.com/rs/zerolog"
 
@@ -88,6 +90,10 @@ var errForeignPeer = fmt.Errorf("%w, or something else answers on it", errNoIngr
 
 // errSessionRefused: the ingress refused the session (this peer is not
 // allowed, or over a limit).
+// errMeshStream: no stream could be opened on a session to the peer. Not
+// held against the endpoint: the link ends upstream_error, unreported.
+var errMeshStream = errors.New("mesh: no stream could be opened to the peer sidecar")
+
 var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session", errMeshStream)
 
 // readMeshReply reads the ingress's answer to the preface from c, byte by
@@ -308,7 +314,7 @@ type meshHooks struct {
 // rw is what the session reads and writes: conn, or TLS over it.
 func newMeshSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks, admit func() bool) (*meshSession, error) {
 	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, hooks: hooks}
-	ms.lastRead.Store(mono())
+	ms.lastRead.Store(flow.Mono())
 	ms.guard = newMeshGuard(rw, conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
 	cfg := yamuxConfig(m, hc, log)
 	var err error
@@ -352,17 +358,17 @@ func (ms *meshSession) heartbeat() {
 	t := time.NewTicker(step)
 	defer t.Stop()
 	nextPing, nextTick := int64(0), int64(0)
-	prev := mono()
+	prev := flow.Mono()
 	for {
 		select {
 		case <-ms.sess.CloseChan():
 			return
 		case <-t.C:
 		}
-		now := mono()
+		now := flow.Mono()
 		late := now-prev > int64(ms.timeout/2)
 		prev = now
-		if !late && now-ms.lastRead.Load() > int64(ms.timeout) && unreadBytes(ms.conn) == 0 {
+		if !late && now-ms.lastRead.Load() > int64(ms.timeout) && flow.UnreadBytes(ms.conn) == 0 {
 			ms.declareDead(time.Duration(now - ms.lastRead.Load()))
 			return
 		}

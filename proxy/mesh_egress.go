@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -23,6 +25,22 @@ const (
 	reasonMeshDead     = CloseMeshDead    // the session to the peer sidecar missed its heartbeats
 	reasonMeshNotReady = "mesh_not_ready" // the peer sidecar announced the port not ready
 )
+
+// meshCertsFor is the shared file set of t.
+func (p *Proxy) meshCertsFor(t policy.MeshTLS) *meshCerts {
+	key := t.CertFile + "\x00" + t.KeyFile + "\x00" + t.CAFile
+	p.meshMu.Lock()
+	defer p.meshMu.Unlock()
+	if p.certs == nil {
+		p.certs = make(map[string]*meshCerts)
+	}
+	mc := p.certs[key]
+	if mc == nil {
+		mc = &meshCerts{files: t, log: &p.log}
+		p.certs[key] = mc
+	}
+	return mc
+}
 
 // noIngressFor is how long a peer whose mesh port refused is reached
 // directly (mesh.fallback: direct) before the next link tries the mesh
@@ -91,7 +109,7 @@ func (p *Proxy) meshPeer(host string, port int) *meshPeer {
 		p.peers = make(map[string]*meshPeer)
 	}
 	var sweep []*meshPeer
-	now := mono()
+	now := flow.Mono()
 	pr := p.peers[addr]
 	if pr == nil {
 		if now-p.peersSwept > int64(peerSweepEvery) {
@@ -511,7 +529,7 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 	}
 	n, _ := strconv.Atoi(eport)
 	pr := ep.p.meshPeer(host, port)
-	err = pr.probe(ctx, uint16(n), m, s.HalfCloseTimeout.D(), &net.Dialer{KeepAlive: -1, Control: upstreamControl(s)})
+	err = pr.probe(ctx, uint16(n), m, s.HalfCloseTimeout.D(), &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)})
 	if errors.Is(err, errNoIngress) && m.Fallback == policy.MeshFallbackDirect {
 		return false, nil
 	}

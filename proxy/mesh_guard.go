@@ -6,6 +6,8 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // meshGuard sits between a session's connection and yamux, and reads the
@@ -268,7 +270,7 @@ func (g *meshGuard) Read(p []byte) (int, error) {
 				// read and a copy per 4 KiB).
 				n, err := g.conn.Read(p[:min(len(p), int(min(g.body, 1<<30)))])
 				if n > 0 {
-					g.last.Store(mono())
+					g.last.Store(flow.Mono())
 					g.body -= uint32(n)
 				}
 				if n > 0 || err != nil {
@@ -278,7 +280,7 @@ func (g *meshGuard) Read(p []byte) (int, error) {
 			}
 			n, err := g.conn.Read(g.raw[:])
 			if n > 0 {
-				g.last.Store(mono())
+				g.last.Store(flow.Mono())
 			}
 			g.rawOff, g.rawEnd, g.rerr = 0, n, err
 			continue

@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/hashicorp/yamux"
 	"github.com/rs/zerolog"
 
@@ -290,7 +292,7 @@ func (in *ingress) probePorts(timeout time.Duration) (results map[uint16]checkRe
 			continue
 		}
 		ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
-		c, err := (&net.Dialer{KeepAlive: -1, Control: upstreamControl(settings)}).DialContext(ctx, "tcp", addr)
+		c, err := (&net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(settings)}).DialContext(ctx, "tcp", addr)
 		cancel()
 		switch {
 		case err == nil:

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
@@ -86,7 +88,7 @@ func TestMeshIdlePeersForgotten(t *testing.T) {
 	live.mu.Lock()
 	live.endpoints[gone] = struct{}{}
 	live.mu.Unlock()
-	old := mono() - int64(peerIdleFor) - int64(time.Second)
+	old := flow.Mono() - int64(peerIdleFor) - int64(time.Second)
 	for i := range 1000 {
 		p.meshPeer("10.9."+strconv.Itoa(i/250)+"."+strconv.Itoa(i%250), 17400).used.Store(old)
 	}

@@ -10,6 +10,7 @@ import (
 	"sync"
 
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/rs/zerolog"
 )
 
 // Mesh sessions over mutual TLS (mesh.tls): TLS 1.3, each side presents
@@ -28,29 +29,13 @@ import (
 // it.
 type meshCerts struct {
 	files policy.MeshTLS
-	p     *Proxy
+	log   *zerolog.Logger
 
 	mu    sync.Mutex
 	stamp string // the files' sizes and modification times at the last read
 	cert  *tls.Certificate
 	pool  *x509.CertPool
 	err   error
-}
-
-// meshCertsFor is the shared file set of t.
-func (p *Proxy) meshCertsFor(t policy.MeshTLS) *meshCerts {
-	key := t.CertFile + "\x00" + t.KeyFile + "\x00" + t.CAFile
-	p.meshMu.Lock()
-	defer p.meshMu.Unlock()
-	if p.certs == nil {
-		p.certs = make(map[string]*meshCerts)
-	}
-	mc := p.certs[key]
-	if mc == nil {
-		mc = &meshCerts{files: t, p: p}
-		p.certs[key] = mc
-	}
-	return mc
 }
 
 func stampOf(files ...string) (string, error) {
@@ -84,12 +69,12 @@ func (mc *meshCerts) load() (*tls.Certificate, *x509.CertPool, error) {
 		mc.err = err
 		if mc.cert != nil {
 			if !again {
-				mc.p.log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
+				mc.log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
 			}
 			return mc.cert, mc.pool, nil
 		}
 		if !again {
-			mc.p.log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
+			mc.log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
 		}
 		return nil, nil, err
 	}

@@ -6,6 +6,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
@@ -73,7 +75,7 @@ func (c *conv) untrack(reason string, err error) {
 	c.off.Store(true)
 	c.queue, c.head = nil, 0
 	c.mu.Unlock()
-	c.lk.trk.clear()
+	c.lk.trk.Clear()
 	c.lk.host.untracked(c.lk, reason, err)
 	if reason == metrics.UntrackedTLS {
 		c.lk.host.sawTLS(c.lk.ep)
@@ -95,8 +97,8 @@ func (c *conv) untrackFor(err error) {
 // track records one request that the server may hold until held and that
 // expects an answer by due; c.mu is held.
 func (c *conv) trackLocked(held, due, end int64, n int32) {
-	if due != never {
-		c.lk.trk.sent(pendingRequest{at: c.sendAt, held: held, due: due, end: end, n: n, thr: c.thr})
+	if due != flow.Never {
+		c.lk.trk.Sent(flow.PendingRequest{At: c.sendAt, Held: held, Due: due, End: end, N: n, Thr: c.thr})
 	}
 }
 
@@ -145,7 +147,7 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	// this one was sent, so it covers this one (any answer since a request
 	// was sent is life, see tracker). Queued requests therefore do not add
 	// their deadlines up: the first one past its own is the evidence.
-	due := int64(never)
+	due := int64(flow.Never)
 	if known {
 		due = addDue(c.sendAt, int64(hold), c.rt)
 		if c.head < len(c.queue) {
@@ -186,7 +188,7 @@ func (c *conv) kafkaResponse(id int32) {
 		c.untrack(metrics.UntrackedDesync, nil)
 		return
 	}
-	c.lk.trk.answeredThrough(c.queue[c.head].end)
+	c.lk.trk.AnsweredThrough(c.queue[c.head].end)
 	c.head++
 	if c.head == len(c.queue) {
 		c.queue, c.head = c.queue[:0], 0
@@ -219,8 +221,8 @@ const kafkaSyncGroup = 14
 func addDue(at int64, ds ...int64) int64 {
 	due := at
 	for _, d := range ds {
-		if due == never || d < 0 || d > never-due {
-			return never
+		if due == flow.Never || d < 0 || d > flow.Never-due {
+			return flow.Never
 		}
 		due += d
 	}
@@ -241,25 +243,25 @@ type requestReader[R any] struct {
 	parsed bool
 }
 
-func (r *requestReader[R]) begin(n int64) window {
+func (r *requestReader[R]) Begin(n int64) flow.Window {
 	r.n, r.parsed = n, false
-	return window{need: int(min(n, int64(r.first)))}
+	return flow.Window{Need: int(min(n, int64(r.first)))}
 }
 
-func (r *requestReader[R]) read(b []byte) window {
+func (r *requestReader[R]) Read(b []byte) flow.Window {
 	req, need, err := r.parse(b, int64(len(b)) == r.n)
 	switch {
 	case err != nil:
 		r.c.untrackFor(err)
 	case need > 0:
-		return window{need: need}
+		return flow.Window{Need: need}
 	default:
 		r.req, r.parsed = req, true
 	}
-	return window{}
+	return flow.Window{}
 }
 
-func (r *requestReader[R]) end(off int64) {
+func (r *requestReader[R]) End(off int64) {
 	if r.c.off.Load() {
 		return
 	}
@@ -273,22 +275,22 @@ func (r *requestReader[R]) end(off int64) {
 // kafkaResponses reads Kafka response frames: their correlation id.
 type kafkaResponses struct{ c *conv }
 
-func (r *kafkaResponses) begin(n int64) window {
+func (r *kafkaResponses) Begin(n int64) flow.Window {
 	if n < 4 {
 		r.c.untrack(metrics.UntrackedProtocol, errors.New("a response frame too short for a correlation id"))
-		return window{}
+		return flow.Window{}
 	}
-	return window{need: 4}
+	return flow.Window{Need: 4}
 }
 
-func (r *kafkaResponses) read(b []byte) window {
+func (r *kafkaResponses) Read(b []byte) flow.Window {
 	if id, ok := kafkawire.ResponseCorrelationID(b); ok {
 		r.c.kafkaResponse(id)
 	}
-	return window{}
+	return flow.Window{}
 }
 
-func (r *kafkaResponses) end(int64) {}
+func (r *kafkaResponses) End(int64) {}
 
 // newConv sets up request tracking for a framed link (its scanners are
 // set): under a profile, with the protocol's readers.
@@ -297,11 +299,11 @@ func newConv(lk *link) *conv {
 		kafka: lk.settings.Framing.Type == policy.FramingKafka, profile: policy.IsProfile(lk.settings.Framing.Type)}
 	switch lk.settings.Framing.Type {
 	case policy.FramingKafka:
-		lk.reqScan.rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,
+		lk.reqScan.Rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,
 			parse: kafkawire.ParseRequest, record: (*conv).kafkaRequest}
-		lk.respScan.rd = &kafkaResponses{c: c}
+		lk.respScan.Rd = &kafkaResponses{c: c}
 	case policy.FramingPinot:
-		lk.reqScan.rd = &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
+		lk.reqScan.Rd = &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
 			parse: pinotwire.ParseRequest, record: (*conv).pinotRequest}
 	}
 	return c

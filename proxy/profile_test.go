@@ -10,7 +10,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -417,7 +421,7 @@ func TestPinotQueryTimeoutIsTheDeadline(t *testing.T) {
 			sent := time.Now()
 			for i := range 5 {
 				payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: int64(1000 + i), Table: "t_OFFLINE", TimeoutMs: 1500})
-				if _, err := c.Write(frame(payload)); err != nil {
+				if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -459,7 +463,7 @@ func TestPinotHugeTimeoutNeverJudged(t *testing.T) {
 	c := h.dial()
 	for i := range 3 {
 		payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: int64(i + 1), Table: "t_OFFLINE", TimeoutMs: math.MaxInt64})
-		if _, err := c.Write(frame(payload)); err != nil {
+		if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -520,11 +524,11 @@ func TestKafkaTLSEndpointProbedByConnect(t *testing.T) {
 // stall; past that deadline (or with nothing outstanding) it is.
 func TestKafkaHoldingExcusesNoProgress(t *testing.T) {
 	c := &conv{kafka: true}
-	now := mono()
+	now := flow.Mono()
 	if c.holding(now) {
 		t.Fatal("holding with nothing outstanding")
 	}
-	c.queue = []outstanding{{id: 1, due: now + int64(time.Second)}, {id: 2, due: never}}
+	c.queue = []outstanding{{id: 1, due: now + int64(time.Second)}, {id: 2, due: flow.Never}}
 	if !c.holding(now) {
 		t.Fatal("not holding a request within its deadline")
 	}
@@ -639,13 +643,13 @@ func TestKafkaLargeSlowAnswerIsLife(t *testing.T) {
 // up, so the fifth of five queued requests is judged with the first.
 func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
 	var answer atomic.Int64
-	answer.Store(noAnswer)
+	answer.Store(flow.NoAnswer)
 	lk := &link{}
-	lk.trk = newTracker(time.Millisecond, false, &answer, func([]pendingRequest, int) {})
-	defer lk.trk.stop()
+	lk.trk = flow.NewTracker(time.Millisecond, false, &answer, func([]flow.PendingRequest, int) {})
+	defer lk.trk.Stop()
 	rt := 3 * time.Second
 	c := &conv{lk: lk, kafka: true, profile: true, rt: int64(rt), thr: 1}
-	t0 := mono()
+	t0 := flow.Mono()
 	reqs := []struct {
 		after time.Duration
 		key   int16
@@ -673,8 +677,8 @@ func TestAddDueSaturates(t *testing.T) {
 	if got := addDue(10, 5, 5); got != 20 {
 		t.Fatalf("addDue(10, 5, 5) = %d", got)
 	}
-	for _, ds := range [][]int64{{math.MaxInt64}, {math.MaxInt64 - 5, 10}, {-1}, {never}} {
-		if got := addDue(10, ds...); got != never {
+	for _, ds := range [][]int64{{math.MaxInt64}, {math.MaxInt64 - 5, 10}, {-1}, {flow.Never}} {
+		if got := addDue(10, ds...); got != flow.Never {
 			t.Fatalf("addDue(10, %v) = %d, want never", ds, got)
 		}
 	}

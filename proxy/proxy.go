@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
@@ -74,7 +76,7 @@ type Proxy struct {
 
 	// budget is the memory budget of every link's queue and read buffers;
 	// slots is max_links; limits is how both were derived.
-	budget        budget
+	budget        flow.Budget
 	slots         linkSlots
 	manageRuntime bool
 	limitsMu      sync.Mutex
@@ -123,7 +125,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, accessLog: opts.AccessLog, ctx: ctx, cancel: cancel,
 		endpoints: make(map[string]*endpoint), manageRuntime: opts.ManageRuntime}
-	p.budget.waits = m.BudgetWaits
+	p.budget.Waits = m.BudgetWaits
 	p.setLimits(cfg.Limits)
 	if cfg.Interception.ExcludedSet {
 		excluded, err := intercept.OpenSet()
@@ -190,7 +192,7 @@ func (p *Proxy) setLimits(c policy.Limits) Limits {
 	p.limitsMu.Lock()
 	p.limits = l
 	p.limitsMu.Unlock()
-	p.budget.setLimit(l.Budget)
+	p.budget.SetLimit(l.Budget)
 	p.slots.setMax(l.MaxLinks)
 	return l
 }
@@ -331,7 +333,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		}
 		p.mu.Lock()
 		for _, ep := range p.endpoints {
-			defer ep.orphans.stop()
+			defer ep.orphans.Stop()
 		}
 		p.mu.Unlock()
 	})

@@ -395,7 +395,7 @@ func (p *Proxy) detachFromLocked(l *listener, ep *endpoint) (orphan bool) {
 func (p *Proxy) forget(ep *endpoint) {
 	p.det.Unregister(ep.addr)
 	p.unexclude(ep.addr)
-	ep.orphans.stop()
+	ep.orphans.Stop()
 }
 
 func (l *listener) snapshotLinks() []*link {

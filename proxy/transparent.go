@@ -7,6 +7,8 @@ import (
 	"slices"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/livenessproxy/livenessproxy/health"
 
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -49,7 +51,7 @@ func (l *listener) matchesDst(dst netip.AddrPort) bool {
 // returns nil and the close reason otherwise: the proxy is never an open
 // relay, and never proxies to itself.
 func (l *listener) resolve(c *net.TCPConn) (*endpoint, CloseReason) {
-	dst, err := originalDst(c)
+	dst, err := flow.OriginalDst(c)
 	if err != nil {
 		l.log.Debug().Err(err).Str("client", c.RemoteAddr().String()).Msg("no original destination: refused")
 		return nil, CloseNoMatch
@@ -186,7 +188,7 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	if !existed {
 		ep, created = p.endpointForLocked(addr, l.spec().settings)
 	}
-	ep.lastUsed.Store(mono())
+	ep.lastUsed.Store(flow.Mono())
 	ep.mu.Lock()
 	if !slices.Contains(ep.listeners, l) {
 		ep.listeners = append(ep.listeners, l)
@@ -276,7 +278,7 @@ var (
 // endpoint_state series. A disabled one is kept, so that it stays refused.
 // A forgotten destination that comes back starts afresh.
 func (p *Proxy) sweepIdle() int {
-	now := mono()
+	now := flow.Mono()
 	cutoff := now - int64(idleEndpoint)
 	states := map[string]health.Status{}
 	for _, st := range p.det.Statuses() {
@@ -318,7 +320,7 @@ func (p *Proxy) sweepIdle() int {
 	for _, ep := range gone {
 		p.det.Unregister(ep.addr)
 		p.unexclude(ep.addr)
-		ep.orphans.stop()
+		ep.orphans.Stop()
 	}
 	return len(gone)
 }

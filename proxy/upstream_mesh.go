@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+
 	"github.com/hashicorp/yamux"
 
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -58,7 +60,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	pr := lk.host.meshPeer(host, port)
 	m := lk.settings.Mesh.OrDefaults()
 	direct := m.Fallback == policy.MeshFallbackDirect
-	if until := pr.noIngressUntil.Load(); direct && until != 0 && mono() < until {
+	if until := pr.noIngressUntil.Load(); direct && until != 0 && flow.Mono() < until {
 		return nil, errNoIngress
 	}
 	ctx, cancel := context.WithTimeout(lk.host.dialContext(), cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
@@ -70,7 +72,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
 		if errors.Is(err, errNoIngress) {
 			if direct {
-				pr.noIngressUntil.Store(mono() + int64(noIngressFor))
+				pr.noIngressUntil.Store(flow.Mono() + int64(noIngressFor))
 			}
 			return nil, err
 		}
@@ -99,10 +101,6 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 		}
 	}
 }
-
-// errMeshStream: no stream could be opened on a session to the peer. Not
-// held against the endpoint: the link ends upstream_error, unreported.
-var errMeshStream = errors.New("mesh: no stream could be opened to the peer sidecar")
 
 // errMeshRefused: the peer sidecar could not connect the stream to its
 // server (refused, not served, out of routing there). The peer sidecar
@@ -220,13 +218,13 @@ func (e *meshEnd) responsesOwned() {
 func (e *meshEnd) requests() {
 	lk := e.lk
 	for {
-		bp, n, err := lk.client.read(chunkSize)
+		bp, n, err := lk.client.read(flow.ChunkSize)
 		if n > 0 {
-			lk.budget.reading(int64(cap(*bp)))
+			lk.budget.Reading(int64(cap(*bp)))
 			lk.bytesUp.Add(int64(n))
 			_, werr := e.st.Write((*bp)[:n])
-			lk.budget.reading(-int64(cap(*bp)))
-			putChunk(bp)
+			lk.budget.Reading(-int64(cap(*bp)))
+			flow.PutChunk(bp)
 			if werr != nil {
 				e.fail(werr)
 				return
@@ -252,13 +250,13 @@ func (e *meshEnd) responses() {
 	lk := e.lk
 	var r streamReader
 	for {
-		bp, n, err := r.read(e.st, chunkSize)
+		bp, n, err := r.read(e.st, flow.ChunkSize)
 		if n > 0 {
-			lk.budget.reading(int64(cap(*bp)))
+			lk.budget.Reading(int64(cap(*bp)))
 			lk.bytesDown.Add(int64(n))
 			_, werr := lk.client.Write((*bp)[:n])
-			lk.budget.reading(-int64(cap(*bp)))
-			putChunk(bp)
+			lk.budget.Reading(-int64(cap(*bp)))
+			flow.PutChunk(bp)
 			if werr != nil {
 				lk.abort(CloseClientError, werr)
 				return

@@ -7,6 +7,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // tcpEnd is a link's upstream over a TCP connection it dialled: the
@@ -20,7 +22,7 @@ type tcpEnd struct {
 	raw  syscall.RawConn
 	// r reads the upstream only when it is readable (the response pump
 	// owns it).
-	r sockReader
+	r flow.SockReader
 	// win keeps TCP_USER_TIMEOUT off a zero window whose peer answers
 	// (see windowGuard); nil without tcp_user_timeout.
 	win *windowGuard
@@ -49,7 +51,7 @@ func newTCPEnd(lk *link, c *net.TCPConn) (*tcpEnd, error) {
 	e := &tcpEnd{lk: lk, conn: c}
 	raw, err := c.SyscallConn()
 	if err == nil {
-		err = e.r.init(c)
+		err = e.r.Init(c)
 	}
 	if err != nil {
 		_ = c.Close()
@@ -70,14 +72,14 @@ type (
 	responses tcpEnd
 )
 
-func (s *requests) limit() int { return s.lk.requestLimit() }
+func (s *requests) Limit() int { return s.lk.requestLimit() }
 
-func (*responses) limit() int { return chunkSize }
+func (*responses) Limit() int { return flow.ChunkSize }
 
 func (e *tcpEnd) attach(ep *endpoint) bool {
 	lk := e.lk
 	lk.host.ownConn(e.conn.LocalAddr().String(), true)
-	lk.ackedAt.Store(mono()) // progress is measured from the connect on
+	lk.ackedAt.Store(flow.Mono()) // progress is measured from the connect on
 	lk.attach(ep)
 	if !lk.adopt(e) {
 		// Aborted while dialling: the reason is already set.
@@ -103,7 +105,7 @@ func (e *tcpEnd) abortive() { _ = e.conn.SetLinger(0) }
 
 func (e *tcpEnd) close() { _ = e.conn.Close() }
 
-func (e *tcpEnd) acked() (int64, bool) { return bytesAcked(e.raw) }
+func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) release() {
 	e.lk.host.ownConn(e.conn.LocalAddr().String(), false)
@@ -135,7 +137,7 @@ func (e *tcpEnd) pumpRequests() {
 	high := int64(lk.settings.WriteBuffer.HighWaterMark)
 	for {
 		if lk.backpressure() {
-			if _, ok := lk.q.waitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark)); !ok {
+			if _, ok := lk.q.WaitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark)); !ok {
 				return
 			}
 		}
@@ -170,12 +172,12 @@ func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
 		buf = buf[int(e.reqSent):]
 		e.reqBegun, e.reqSent = false, 0
 	} else {
-		lk.budget.reading(int64(cap(*bp)))
+		lk.budget.Reading(int64(cap(*bp)))
 		lk.countRequest(buf)
 	}
 	sent := e.send(buf, high) // copies what it queues
-	lk.budget.reading(-int64(cap(*bp)))
-	putChunk(bp)
+	lk.budget.Reading(-int64(cap(*bp)))
+	flow.PutChunk(bp)
 	return sent
 }
 
@@ -187,12 +189,12 @@ func (e *tcpEnd) requestsEnded(err error) {
 		lk.abort(CloseClientError, err)
 		return
 	}
-	if lk.reqScan != nil && !lk.conv.off.Load() && lk.reqScan.midFrame() {
-		lk.badFrame("request", errTruncated)
+	if lk.reqScan != nil && !lk.conv.off.Load() && lk.reqScan.MidFrame() {
+		lk.badFrame("request", flow.ErrTruncated)
 		return
 	}
 	lk.sawFin(CloseClientClosed)
-	if lk.q.endOfInput() {
+	if lk.q.EndOfInput() {
 		return // the writer passes the FIN on after the queued bytes
 	}
 	// No writer means nothing was ever queued: pass it on now.
@@ -201,42 +203,42 @@ func (e *tcpEnd) requestsEnded(err error) {
 	}
 }
 
-// handle is the request pump's readEach handler: with nothing queued it
+// Handle is the request pump's readEach handler: with nothing queued it
 // writes the chunk to the upstream without waiting. Whatever would have
 // to wait or close the link (a queue in use, a partial write, an error)
 // is left to pumpRequests. (A method of requests itself, not a wrapper:
 // a frame less on the pump's stack.)
-func (s *requests) handle(bp *[]byte, n int) (handled, error) {
+func (s *requests) Handle(bp *[]byte, n int) (flow.Handled, error) {
 	e := (*tcpEnd)(s)
 	lk := e.lk
 	if !lk.readAny && lk.conv != nil {
 		// The first bytes of a profiled link are checked for TLS, which
 		// may register the endpoint's probe anew: outside the read.
-		return handledKeep, nil
+		return flow.HandledKeep, nil
 	}
-	if empty, open := lk.q.idle(); !empty || !open {
-		return handledKeep, nil
+	if empty, open := lk.q.Idle(); !empty || !open {
+		return flow.HandledKeep, nil
 	}
 	buf := (*bp)[:n]
-	lk.budget.reading(int64(cap(*bp)))
+	lk.budget.Reading(int64(cap(*bp)))
 	lk.countRequest(buf)
 	e.win.arm() // bytes may wait for the upstream in the kernel: watch its window (see send)
 	w, err := e.tryWrite(buf)
 	if err == nil && w < n {
 		e.reqBegun, e.reqSent = true, int32(w) // the rest is queued by pumpRequests
-		return handledKeep, nil
+		return flow.HandledKeep, nil
 	}
-	lk.budget.reading(-int64(cap(*bp)))
+	lk.budget.Reading(-int64(cap(*bp)))
 	if err != nil {
-		return handledStop, err
+		return flow.HandledStop, err
 	}
-	return handledMore, nil
+	return flow.HandledMore, nil
 }
 
 // send hands p to the upstream. It reports false when the link has ended.
 func (e *tcpEnd) send(p []byte, high int64) bool {
 	lk := e.lk
-	empty, open := lk.q.idle()
+	empty, open := lk.q.Idle()
 	if !open {
 		return false
 	}
@@ -263,19 +265,19 @@ func (e *tcpEnd) send(p []byte, high int64) bool {
 // the link has ended.
 func (e *tcpEnd) queue(p []byte, high int64) bool {
 	lk := e.lk
-	r := lk.q.push(p, high)
-	if r == pushBudget {
+	r := lk.q.Push(p, high)
+	if r == flow.PushBudget {
 		// The process's budget is full: wait for room, unless this link's
 		// own upstream makes no progress (see budget).
 		r = lk.waitForBudget(p, high)
 	}
 	switch r {
-	case pushClosed:
+	case flow.PushClosed:
 		return false
-	case pushStalled:
+	case flow.PushStalled:
 		lk.budgetClose()
 		return false
-	case pushOverflow:
+	case flow.PushOverflow:
 		// Only reachable with on_overflow: reject; backpressure never reads
 		// more than the room left. The link is closed: it cannot keep its
 		// memory bound otherwise. The upstream is blamed only with evidence
@@ -285,7 +287,7 @@ func (e *tcpEnd) queue(p []byte, high int64) bool {
 		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()))
 		lk.abort(CloseWatermark, nil)
 		return false
-	case pushedStartWriter:
+	case flow.PushedStartWriter:
 		lk.live.Add(1) // the request pump is live: the count cannot reach 0 meanwhile
 		go e.writeUpstreamOwned()
 	}
@@ -317,11 +319,11 @@ func (e *tcpEnd) writeUpstream() {
 	wt := lk.settings.WriteTimeout.D()
 	low := int64(lk.settings.WriteBuffer.LowWaterMark)
 	for {
-		step, queued := lk.q.next()
+		step, queued := lk.q.Next()
 		switch step {
-		case stopWriting:
+		case flow.StopWriting:
 			return
-		case passFin:
+		case flow.PassFin:
 			if err := lk.passFin(e.conn.CloseWrite); err != nil {
 				lk.fail(err)
 			}
@@ -333,13 +335,13 @@ func (e *tcpEnd) writeUpstream() {
 		if lk.conv != nil {
 			// A request past its deadline is never written, even in the
 			// moment before the tracker's timer judges it.
-			if overdue := lk.trk.overdueEnd(mono()); overdue > head {
+			if overdue := lk.trk.OverdueEnd(flow.Mono()); overdue > head {
 				lk.dropStale(1)
 				return
 			}
 		}
 		var handed int
-		e.batch, handed = lk.q.batch(e.batch[:0])
+		e.batch, handed = lk.q.Batch(e.batch[:0])
 		if wt > 0 {
 			lk.progressed()
 			_ = e.conn.SetWriteDeadline(time.Now().Add(wt))
@@ -348,7 +350,7 @@ func (e *tcpEnd) writeUpstream() {
 		n, err := e.toWrite.WriteTo(e.conn)
 		e.toWrite = nil
 
-		lk.q.consume(int(n), handed, low)
+		lk.q.Consume(int(n), handed, low)
 		if err != nil && !e.writeFailed(err, n) {
 			return
 		}
@@ -364,7 +366,7 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 		lk.fail(err)
 		return false
 	}
-	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(mono()) {
+	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) {
 		// The upstream acknowledged bytes within write_timeout:
 		// a slow reader, not a stall (the kernel wakes a writer
 		// only once a good part of its send buffer is free, so
@@ -385,14 +387,14 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 // inside the read).
 func (e *tcpEnd) pumpResponses() {
 	lk := e.lk
-	_, _, err, werr := e.r.readEach((*responses)(e))
+	_, _, err, werr := e.r.ReadEach((*responses)(e))
 	if werr != nil {
 		lk.abort(CloseClientError, werr)
 		return
 	}
 	if errors.Is(err, io.EOF) {
-		if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.midFrame() {
-			lk.badFrame("response", errTruncated)
+		if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.MidFrame() {
+			lk.badFrame("response", flow.ErrTruncated)
 			return
 		}
 		lk.passFinToClient()
@@ -401,18 +403,18 @@ func (e *tcpEnd) pumpResponses() {
 	lk.fail(err)
 }
 
-// handle is the response pump's readEach handler: it passes a chunk read
+// Handle is the response pump's readEach handler: it passes a chunk read
 // from the upstream on to the client. A failed write is left to
 // pumpResponses (handledStop).
-func (s *responses) handle(bp *[]byte, n int) (handled, error) {
+func (s *responses) Handle(bp *[]byte, n int) (flow.Handled, error) {
 	lk := s.lk
-	lk.budget.reading(int64(cap(*bp)))
+	lk.budget.Reading(int64(cap(*bp)))
 	buf := (*bp)[:n]
 	lk.answered(buf)
 	_, werr := lk.client.Write(buf)
-	lk.budget.reading(-int64(cap(*bp)))
+	lk.budget.Reading(-int64(cap(*bp)))
 	if werr != nil {
-		return handledStop, werr
+		return flow.HandledStop, werr
 	}
-	return handledMore, nil
+	return flow.HandledMore, nil
 }

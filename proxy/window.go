@@ -5,6 +5,8 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // windowGuard keeps TCP_USER_TIMEOUT to what it is for: the bound on data
@@ -52,7 +54,7 @@ func newWindowGuard(lk *link, raw syscall.RawConn, ut time.Duration) *windowGuar
 	if ut <= 0 || raw == nil {
 		return nil
 	}
-	if _, ok := sampleSendWindow(raw); !ok {
+	if _, ok := flow.SampleSendWindow(raw); !ok {
 		return nil // the kernel does not say (not Linux)
 	}
 	return &windowGuard{lk: lk, raw: raw, ut: ut, period: max(ut/4, 10*time.Millisecond)}
@@ -105,23 +107,23 @@ func (g *windowGuard) check() {
 	}
 	g.armed.Store(false) // a send from now on arms it again
 	raw := g.raw
-	w, ok := sampleSendWindow(raw)
+	w, ok := flow.SampleSendWindow(raw)
 	if !ok {
 		return // closed
 	}
 	switch {
-	case w.zero && w.answered && !g.lifted:
-		if setUserTimeout(raw, 0) == nil {
+	case w.Zero && w.Answered && !g.lifted:
+		if flow.SetUserTimeout(raw, 0) == nil {
 			g.lifted = true
 			g.lk.log.Debug().Str("endpoint", g.lk.ep.addr).Dur("tcp_user_timeout", g.ut).
 				Msg("upstream's window is zero and its kernel answers: tcp_user_timeout lifted while it reads nothing (write_timeout judges)")
 		}
-	case !w.zero && g.lifted:
-		if setUserTimeout(raw, g.ut) == nil {
+	case !w.Zero && g.lifted:
+		if flow.SetUserTimeout(raw, g.ut) == nil {
 			g.lifted = false
 		}
 	}
-	if w.idle && !g.lifted {
+	if w.Idle && !g.lifted {
 		return
 	}
 	if g.armed.CompareAndSwap(false, true) {

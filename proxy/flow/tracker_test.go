@@ -1,4 +1,4 @@
-package proxy
+package flow
 
 import (
 	"sync"
@@ -12,30 +12,30 @@ import (
 // synctest bubble: time advances only when every goroutine is blocked,
 // so deadlines are exact.
 type trackerRig struct {
-	t        *tracker
+	t        *Tracker
 	answer   atomic.Int64
 	mu       sync.Mutex // guards the rest: judge runs on the timer's goroutine
-	verdicts [][]pendingRequest
+	verdicts [][]PendingRequest
 	left     []int
 	counted  int // unanswered, per the rule
 }
 
 func newTrackerRig(slack time.Duration, perBurst bool) *trackerRig {
 	r := &trackerRig{}
-	r.answer.Store(noAnswer)
-	r.t = newTracker(slack, perBurst, &r.answer, func(judged []pendingRequest, left int) {
+	r.answer.Store(NoAnswer)
+	r.t = NewTracker(slack, perBurst, &r.answer, func(judged []PendingRequest, left int) {
 		r.mu.Lock()
 		defer r.mu.Unlock()
-		r.verdicts = append(r.verdicts, append([]pendingRequest(nil), judged...))
+		r.verdicts = append(r.verdicts, append([]PendingRequest(nil), judged...))
 		r.left = append(r.left, left)
-		n, _ := r.t.unanswered(judged)
+		n, _ := r.t.Unanswered(judged)
 		r.counted += n
 	})
 	return r
 }
 
 // seen returns what was judged so far.
-func (r *trackerRig) seen() (verdicts [][]pendingRequest, left []int, counted int) {
+func (r *trackerRig) seen() (verdicts [][]PendingRequest, left []int, counted int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.verdicts, r.left, r.counted
@@ -44,15 +44,15 @@ func (r *trackerRig) seen() (verdicts [][]pendingRequest, left []int, counted in
 // after lets d pass on the bubble's clock, waits until every goroutine
 // is blocked (the verdicts due by then are in), and returns what was
 // judged so far.
-func (r *trackerRig) after(d time.Duration) (verdicts [][]pendingRequest, left []int, counted int) {
+func (r *trackerRig) after(d time.Duration) (verdicts [][]PendingRequest, left []int, counted int) {
 	time.Sleep(d)
 	synctest.Wait()
 	return r.seen()
 }
 
 func (r *trackerRig) send(due time.Duration, end int64) {
-	now := mono()
-	r.t.sent(pendingRequest{at: now, due: now + int64(due), end: end, n: 1, thr: 3})
+	now := Mono()
+	r.t.Sent(PendingRequest{At: now, Due: now + int64(due), End: end, N: 1, Thr: 3})
 }
 
 // trackerStep is one step of a tracker scenario: let wait pass, then
@@ -125,11 +125,11 @@ func TestTrackerScenarios(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
 				r := newTrackerRig(tc.slack, tc.perBurst)
-				defer r.t.stop()
+				defer r.t.Stop()
 				for i, st := range tc.steps {
 					v, _, counted := r.after(st.wait)
 					if st.answer {
-						r.answer.Store(mono())
+						r.answer.Store(Mono())
 					}
 					if st.send != 0 {
 						r.send(st.send, st.end)
@@ -154,7 +154,7 @@ func TestTrackerScenarios(t *testing.T) {
 func TestTrackerMergesWithinSlack(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(100*time.Millisecond, false)
-		defer r.t.stop()
+		defer r.t.Stop()
 		r.send(time.Second, 10)
 		time.Sleep(50 * time.Millisecond)
 		r.send(time.Second, 20) // within slack: same entry, due 50ms later
@@ -164,15 +164,15 @@ func TestTrackerMergesWithinSlack(t *testing.T) {
 		n := len(r.t.pending)
 		first := r.t.pending[0]
 		r.t.mu.Unlock()
-		if n != 2 || first.n != 2 || first.end != 20 || first.last-first.due != int64(50*time.Millisecond) {
+		if n != 2 || first.N != 2 || first.End != 20 || first.last-first.Due != int64(50*time.Millisecond) {
 			t.Fatalf("%d entries, first %+v; want 2 entries, the first holding 2 requests up to offset 20, due 50ms before its last deadline", n, first)
 		}
 		v, _, counted := r.after(1100 * time.Millisecond) // +1.25s: the first entry's verdict (at 1s + slack)
-		if len(v) != 1 || !v[0][0].verdict || !v[0][0].expired || counted != 2 {
+		if len(v) != 1 || !v[0][0].Verdict || !v[0][0].Expired || counted != 2 {
 			t.Fatalf("verdicts %v, %d unanswered; want the first entry judged at its earliest deadline (2 requests)", v, counted)
 		}
 		v, left, counted := r.after(time.Second) // +2.25s
-		if len(v) != 2 || v[1][0].end != 30 || !v[1][0].expired || left[1] != 0 || counted != 3 {
+		if len(v) != 2 || v[1][0].End != 30 || !v[1][0].Expired || left[1] != 0 || counted != 3 {
 			t.Fatalf("verdicts %v left %v, %d unanswered; want the third request judged and gone", v, left, counted)
 		}
 	})
@@ -183,7 +183,7 @@ func TestTrackerMergesWithinSlack(t *testing.T) {
 func TestTrackerDistinctDeadlinesNotMerged(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(100*time.Millisecond, false)
-		defer r.t.stop()
+		defer r.t.Stop()
 		r.send(3*time.Second, 10)
 		r.send(time.Second, 20)
 		r.t.mu.Lock()
@@ -207,11 +207,11 @@ func TestTrackerDistinctDeadlinesNotMerged(t *testing.T) {
 func TestTrackerShortRequestNotDelayedByLongPoll(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(100*time.Millisecond, false)
-		defer r.t.stop()
+		defer r.t.Stop()
 		r.send(5*time.Second, 10) // a Fetch parked for 5s
 		r.send(time.Second, 20)   // a Metadata request right after it
 		time.Sleep(900 * time.Millisecond)
-		r.answer.Store(mono()) // the endpoint answers something
+		r.answer.Store(Mono()) // the endpoint answers something
 		if _, _, counted := r.after(5 * time.Second); counted != 0 {
 			t.Fatalf("%d unanswered: an answer after both were sent covers both", counted)
 		}
@@ -230,20 +230,20 @@ func TestTrackerShortRequestNotDelayedByLongPoll(t *testing.T) {
 func TestTrackerHeldRequestCoveredOnlyAfterItsHold(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(10*time.Millisecond, false)
-		defer r.t.stop()
+		defer r.t.Stop()
 		held := func(hold, rt time.Duration, end int64) {
-			now := mono()
-			r.t.sent(pendingRequest{at: now, held: now + int64(hold), due: now + int64(hold+rt), end: end, n: 1, thr: 1})
+			now := Mono()
+			r.t.Sent(PendingRequest{At: now, Held: now + int64(hold), Due: now + int64(hold+rt), End: end, N: 1, Thr: 1})
 		}
 		held(5*time.Second, 3*time.Second, 10)
 		time.Sleep(4 * time.Second)
-		r.answer.Store(mono()) // another connection answered, during the hold
+		r.answer.Store(Mono()) // another connection answered, during the hold
 		if _, _, counted := r.after(4100 * time.Millisecond); counted != 1 {
 			t.Fatalf("%d unanswered: a held request with no answer since its hold ended must count at its deadline", counted)
 		}
 		held(5*time.Second, 3*time.Second, 20)
 		time.Sleep(6 * time.Second)
-		r.answer.Store(mono()) // an answer after the hold, before the deadline
+		r.answer.Store(Mono()) // an answer after the hold, before the deadline
 		if _, _, counted := r.after(3 * time.Second); counted != 1 {
 			t.Fatalf("%d unanswered: an answer after the hold ended covers the request", counted)
 		}
@@ -255,7 +255,7 @@ func TestTrackerHeldRequestCoveredOnlyAfterItsHold(t *testing.T) {
 func TestTrackerBounded(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		r := newTrackerRig(time.Millisecond, false)
-		defer r.t.stop()
+		defer r.t.Stop()
 		for i := range 3 * maxPending {
 			r.send(time.Hour, int64(i))
 			time.Sleep(2 * time.Millisecond)
@@ -263,8 +263,8 @@ func TestTrackerBounded(t *testing.T) {
 		r.t.mu.Lock()
 		n, last := len(r.t.pending), r.t.pending[len(r.t.pending)-1]
 		r.t.mu.Unlock()
-		if n != maxPending || last.n != 2*maxPending+1 {
-			t.Fatalf("%d entries, the newest holding %d; want %d and %d", n, last.n, maxPending, 2*maxPending+1)
+		if n != maxPending || last.N != 2*maxPending+1 {
+			t.Fatalf("%d entries, the newest holding %d; want %d and %d", n, last.N, maxPending, 2*maxPending+1)
 		}
 	})
 }
@@ -277,13 +277,13 @@ func TestTrackerStopAndAdopt(t *testing.T) {
 		r.send(time.Second, 10)
 		time.Sleep(200 * time.Millisecond)
 		r.send(time.Second, 20)
-		orphans := r.t.stop()
+		orphans := r.t.Stop()
 		if len(orphans) != 2 {
 			t.Fatalf("%d orphans, want 2", len(orphans))
 		}
 		ep := newTrackerRig(10*time.Millisecond, false)
-		defer ep.t.stop()
-		ep.t.adopt(orphans)
+		defer ep.t.Stop()
+		ep.t.Adopt(orphans)
 		if v, _, counted := ep.after(900 * time.Millisecond); len(v) != 1 || counted != 1 {
 			t.Fatalf("verdicts %v: want the first orphan judged at its own deadline", v)
 		}

@@ -1,4 +1,4 @@
-package proxy
+package flow
 
 import (
 	"io"
@@ -8,7 +8,7 @@ import (
 	"syscall"
 )
 
-// sockReader reads a socket into pooled chunks, taking a chunk only once
+// SockReader reads a socket into pooled chunks, taking a chunk only once
 // the socket is readable: a link waiting for its next request or response
 // holds no buffer, only its goroutine's stack. Thousands of idle links
 // (Pinot brokers and Kafka clients keep theirs open between queries) then
@@ -17,13 +17,13 @@ import (
 // It waits on the Go runtime's poller through syscall.RawConn.Read, as
 // net.Conn.Read does: the callback tries a read, and on EAGAIN returns
 // the chunk to the pool and asks the runtime to wait for readiness.
-type sockReader struct {
+type SockReader struct {
 	rc syscall.RawConn
 	fn func(fd uintptr) bool // call, bound once so a read allocates nothing
 
 	// call's arguments and results: try's when sink is nil (n is its limit
 	// going in), call's loop otherwise. sinkErr marks err as sink's.
-	sink    chunkSink
+	sink    ChunkSink
 	bp      *[]byte
 	err     error
 	n       int32
@@ -35,23 +35,23 @@ type sockReader struct {
 	inq   bool
 }
 
-// chunkSink is what readEach hands chunks to.
-type chunkSink interface {
+// ChunkSink is what readEach hands chunks to.
+type ChunkSink interface {
 	// limit is how many bytes the next read may take (up to chunkSize; 0:
 	// none now, readEach returns).
-	limit() int
+	Limit() int
 	// handle does what the chunk's bytes are read for. An error (of the
 	// link's other socket) goes back to readEach's caller.
-	handle(bp *[]byte, n int) (handled, error)
+	Handle(bp *[]byte, n int) (Handled, error)
 }
 
-// handled is what a readEach handler did with a chunk.
-type handled int8
+// Handled is what a readEach handler did with a chunk.
+type Handled int8
 
 const (
-	handledMore handled = iota // consumed it: read on
-	handledStop                // consumed it; readEach returns (nil, 0, nil)
-	handledKeep                // readEach returns the chunk to its caller, which returns it with putChunk
+	HandledMore Handled = iota // consumed it: read on
+	HandledStop                // consumed it; readEach returns (nil, 0, nil)
+	HandledKeep                // readEach returns the chunk to its caller, which returns it with putChunk
 )
 
 // inqAfter is how many reads of a socket find nothing before TCP_INQ is
@@ -61,7 +61,7 @@ const (
 // request from then on.
 const inqAfter = 2
 
-func (r *sockReader) init(c *net.TCPConn) error {
+func (r *SockReader) Init(c *net.TCPConn) error {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return err
@@ -70,15 +70,15 @@ func (r *sockReader) init(c *net.TCPConn) error {
 	return nil
 }
 
-func (r *sockReader) try(fd uintptr) bool {
-	bp := getChunk()
+func (r *SockReader) try(fd uintptr) bool {
+	bp := GetChunk()
 	for {
 		n, err := syscall.Read(int(fd), (*bp)[:r.n])
 		switch err {
 		case syscall.EINTR:
 			continue
 		case syscall.EAGAIN:
-			putChunk(bp)
+			PutChunk(bp)
 			return false
 		}
 		r.bp, r.n, r.err = bp, int32(n), err
@@ -86,12 +86,12 @@ func (r *sockReader) try(fd uintptr) bool {
 	}
 }
 
-// read waits until the socket is readable and reads at most limit bytes
+// Read waits until the socket is readable and reads at most limit bytes
 // (1 to chunkSize) into a pooled chunk. It returns the chunk, which the
 // caller returns with putChunk, and the count; or io.EOF once the peer
 // has sent FIN; or the socket's error (a closed socket's is net.ErrClosed).
-func (r *sockReader) read(limit int) (*[]byte, int, error) {
-	r.n = int32(min(max(limit, 1), chunkSize))
+func (r *SockReader) Read(limit int) (*[]byte, int, error) {
+	r.n = int32(min(max(limit, 1), ChunkSize))
 	if err := r.rc.Read(r.fn); err != nil {
 		return nil, 0, err
 	}
@@ -100,23 +100,23 @@ func (r *sockReader) read(limit int) (*[]byte, int, error) {
 
 // result takes the outcome a callback left and turns a failed or empty
 // read into its error.
-func (r *sockReader) result() (*[]byte, int, error) {
+func (r *SockReader) result() (*[]byte, int, error) {
 	bp, n, err := r.bp, int(r.n), r.err
 	r.bp, r.n, r.err = nil, 0, nil
 	switch {
 	case bp == nil:
 		return nil, 0, err
 	case err != nil:
-		putChunk(bp)
+		PutChunk(bp)
 		return nil, 0, os.NewSyscallError("read", err)
 	case n == 0:
-		putChunk(bp)
+		PutChunk(bp)
 		return nil, 0, io.EOF
 	}
 	return bp, n, nil
 }
 
-// readEach reads the socket and hands each chunk read to sink.handle,
+// ReadEach reads the socket and hands each chunk read to sink.handle,
 // inside one wait on the poller, for as long as it consumes them
 // (handledMore). Before each read it asks sink.limit how many bytes it
 // may read; 0 ends it. It returns (nil, 0, nil, nil) when the limit was 0
@@ -142,7 +142,7 @@ func (r *sockReader) result() (*[]byte, int, error) {
 // or a FIN (TCP_INQ says 1 then: the next read returns 0, which is how
 // EOF is seen), or a socket without TCP_INQ, is followed by another read
 // at once, as net.Conn.Read would.
-func (r *sockReader) readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr error) {
+func (r *SockReader) ReadEach(sink ChunkSink) (bp *[]byte, n int, err, sinkErr error) {
 	r.sink = sink
 	err = r.rc.Read(r.fn)
 	r.sink = nil
@@ -150,7 +150,7 @@ func (r *sockReader) readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr e
 	r.sinkErr = false
 	if err != nil {
 		if r.bp != nil {
-			putChunk(r.bp)
+			PutChunk(r.bp)
 			r.bp = nil
 		}
 		return nil, 0, err, nil
@@ -167,23 +167,23 @@ func (r *sockReader) readEach(sink chunkSink) (bp *[]byte, n int, err, sinkErr e
 // loop below (in this frame, not one more: it runs under the sink's
 // handler, and a pump's stack should stay within its first 2 KiB; see
 // the idle figures in docs/performance.md).
-func (r *sockReader) call(fd uintptr) bool {
+func (r *SockReader) call(fd uintptr) bool {
 	if r.sink == nil {
 		return r.try(fd)
 	}
 	for {
-		limit := min(r.sink.limit(), chunkSize)
+		limit := min(r.sink.Limit(), ChunkSize)
 		if limit <= 0 {
 			return true
 		}
-		bp := getChunk()
+		bp := GetChunk()
 		n, queued, err := readInq(int(fd), (*bp)[:limit], r.inq)
 		switch err {
 		case syscall.EINTR:
-			putChunk(bp)
+			PutChunk(bp)
 			continue
 		case syscall.EAGAIN:
-			putChunk(bp)
+			PutChunk(bp)
 			if r.waits < math.MaxUint8 {
 				r.waits++
 			}
@@ -196,17 +196,17 @@ func (r *sockReader) call(fd uintptr) bool {
 			r.bp, r.n, r.err = bp, int32(n), err
 			return true
 		}
-		h, herr := r.sink.handle(bp, n)
+		h, herr := r.sink.Handle(bp, n)
 		switch h {
-		case handledStop:
-			putChunk(bp)
+		case HandledStop:
+			PutChunk(bp)
 			r.err, r.sinkErr = herr, herr != nil
 			return true
-		case handledKeep:
+		case HandledKeep:
 			r.bp, r.n = bp, int32(n)
 			return true
 		}
-		putChunk(bp)
+		PutChunk(bp)
 		if queued == 0 {
 			return false // drained, no FIN: wait (see readEach)
 		}

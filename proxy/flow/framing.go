@@ -1,4 +1,4 @@
-package proxy
+package flow
 
 import (
 	"errors"
@@ -8,14 +8,14 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-// frameSpec locates frame boundaries the way Netty's
+// FrameSpec locates frame boundaries the way Netty's
 // LengthFieldBasedFrameDecoder does. The proxy forwards bytes unchanged:
 // the spec only says where each frame ends.
 //
 // A frame is lengthFieldOffset bytes, the length field, and then
 // value + lengthAdjustment more bytes (Netty's "frameLength = value +
 // adjustment + lengthFieldEndOffset").
-type frameSpec struct {
+type FrameSpec struct {
 	offset    int   // length_field_offset
 	length    int   // length_field_length: 1, 2, 3, 4 or 8
 	adjust    int64 // length_adjustment
@@ -24,17 +24,17 @@ type frameSpec struct {
 	max       int64 // max_frame_length, whole frame in bytes
 }
 
-// newFrameSpec returns the spec for a validated framing config, or nil for
+// NewFrameSpec returns the spec for a validated framing config, or nil for
 // opaque mode. The protocol profiles (kafka, pinot) use a 4-byte
 // big-endian length that counts the bytes after it.
-func newFrameSpec(f policy.Framing) *frameSpec {
+func NewFrameSpec(f policy.Framing) *FrameSpec {
 	if policy.IsProfile(f.Type) {
-		return &frameSpec{length: 4, bigEndian: true, max: int64(f.MaxFrameLength)}
+		return &FrameSpec{length: 4, bigEndian: true, max: int64(f.MaxFrameLength)}
 	}
 	if f.Type != policy.FramingLengthField {
 		return nil
 	}
-	return &frameSpec{
+	return &FrameSpec{
 		offset:    f.LengthFieldOffset,
 		length:    f.LengthFieldLength,
 		adjust:    int64(f.LengthAdjustment),
@@ -45,16 +45,16 @@ func newFrameSpec(f policy.Framing) *frameSpec {
 }
 
 // headerLen is how many bytes must be seen before a frame's length is known.
-func (f *frameSpec) headerLen() int { return f.offset + f.length }
+func (f *FrameSpec) headerLen() int { return f.offset + f.length }
 
 // errBadFrame marks a frame the link cannot continue after.
 var errBadFrame = errors.New("bad frame")
 
-// errTruncated is a stream that ended inside a frame.
-var errTruncated = fmt.Errorf("%w: stream ended inside a frame", errBadFrame)
+// ErrTruncated is a stream that ended inside a frame.
+var ErrTruncated = fmt.Errorf("%w: stream ended inside a frame", errBadFrame)
 
 // frameLength returns the whole frame's length from its header bytes.
-func (f *frameSpec) frameLength(hdr []byte) (int64, error) {
+func (f *FrameSpec) frameLength(hdr []byte) (int64, error) {
 	field := hdr[f.offset : f.offset+f.length]
 	var v uint64
 	if f.bigEndian {
@@ -87,43 +87,43 @@ func (f *frameSpec) frameLength(hdr []byte) (int64, error) {
 	return total, nil
 }
 
-// window asks a frameReader's caller for payload bytes [base, base+need)
+// Window asks a frameReader's caller for payload bytes [base, base+need)
 // of the current frame, where the payload is what follows the length
 // field. need 0: nothing more from this frame.
-type window struct {
+type Window struct {
 	base int64
-	need int
+	Need int
 }
 
-// frameReader reads what a protocol profile needs from the frames of one
+// FrameReader reads what a protocol profile needs from the frames of one
 // direction. The scanner hands it windows of payload bytes: straight out
 // of the read buffer when a window lies within one read, copied into a
 // small buffer only when it straddles reads.
-type frameReader interface {
+type FrameReader interface {
 	// begin starts a frame with n payload bytes and returns the first
 	// window it wants.
-	begin(n int64) window
+	Begin(n int64) Window
 	// read is given payload bytes [w.base, w.base+len(b)) of the window it
 	// asked for, cut short only by the end of the frame, and returns the
 	// next window. A next window starts at or after the previous one's
 	// base; starting at the same base with a larger need re-reads the
 	// same bytes plus more. b is valid only during the call.
-	read(b []byte) window
+	Read(b []byte) Window
 	// end is called when the frame's last byte has been scanned; off is
 	// the stream offset just past it.
-	end(off int64)
+	End(off int64)
 }
 
 // maxWindow bounds the bytes a reader may ask for at once.
 const maxWindow = 128 << 10
 
-// frameScanner follows frame boundaries across reads. It never buffers
+// FrameScanner follows frame boundaries across reads. It never buffers
 // a body: only up to headerLen bytes of a header that straddles reads,
 // and, for a reader, a window that straddles reads. Its cost is per frame,
 // not per byte.
-type frameScanner struct {
-	spec      *frameSpec
-	rd        frameReader // nil: frames are only counted
+type FrameScanner struct {
+	spec      *FrameSpec
+	Rd        FrameReader // nil: frames are only counted
 	hdr       []byte      // headerLen bytes
 	hdrN      int         // header bytes collected for the current frame
 	remaining int64       // body bytes left in the current frame once its length is known
@@ -132,23 +132,23 @@ type frameScanner struct {
 
 	payload int64  // payload length of the current frame
 	pos     int64  // payload offset of the next byte to scan
-	w       window // what rd wants next
+	w       Window // what rd wants next
 	wbuf    []byte // window bytes collected across reads: [w.base, w.base+len(wbuf))
 }
 
-func newFrameScanner(spec *frameSpec) *frameScanner {
-	return &frameScanner{spec: spec, hdr: make([]byte, spec.headerLen())}
+func NewFrameScanner(spec *FrameSpec) *FrameScanner {
+	return &FrameScanner{spec: spec, hdr: make([]byte, spec.headerLen())}
 }
 
-// scan walks p. It returns the number of frames that start in p and the
+// Scan walks p. It returns the number of frames that start in p and the
 // number that end in p. A bad frame is an error: the scanner cannot
 // follow the stream any further.
-func (s *frameScanner) scan(p []byte) (starts, ends int, err error) {
+func (s *FrameScanner) Scan(p []byte) (starts, ends int, err error) {
 	hl := s.spec.headerLen()
 	for len(p) > 0 {
 		if s.inBody {
 			n := int64(len(p))
-			if s.rd != nil && s.w.need > 0 {
+			if s.Rd != nil && s.w.Need > 0 {
 				n = s.feed(p)
 			}
 			if n < s.remaining {
@@ -192,24 +192,24 @@ func (s *frameScanner) scan(p []byte) (starts, ends int, err error) {
 	return starts, ends, nil
 }
 
-func (s *frameScanner) beginFrame() {
-	if s.rd == nil {
+func (s *FrameScanner) beginFrame() {
+	if s.Rd == nil {
 		return
 	}
 	s.payload, s.pos = s.remaining, 0
 	s.wbuf = s.wbuf[:0]
-	s.setWindow(s.rd.begin(s.payload))
-	if s.w.need > 0 && s.payload == 0 {
-		s.setWindow(s.rd.read(nil))
+	s.setWindow(s.Rd.Begin(s.payload))
+	if s.w.Need > 0 && s.payload == 0 {
+		s.setWindow(s.Rd.Read(nil))
 	}
 }
 
-func (s *frameScanner) endFrame() {
-	if s.rd == nil {
+func (s *FrameScanner) endFrame() {
+	if s.Rd == nil {
 		return
 	}
-	s.rd.end(s.scanned)
-	s.w = window{}
+	s.Rd.End(s.scanned)
+	s.w = Window{}
 	if cap(s.wbuf) > 4<<10 {
 		s.wbuf = nil // a large window's buffer is not kept for later frames
 	}
@@ -217,15 +217,15 @@ func (s *frameScanner) endFrame() {
 
 // setWindow takes the reader's next window, clipped to the frame, and
 // keeps whatever collected bytes it still covers.
-func (s *frameScanner) setWindow(w window) {
-	if w.need > maxWindow {
-		w.need = maxWindow
+func (s *FrameScanner) setWindow(w Window) {
+	if w.Need > maxWindow {
+		w.Need = maxWindow
 	}
-	if left := s.payload - w.base; w.need > 0 && int64(w.need) > left {
-		w.need = int(max(left, 0))
+	if left := s.payload - w.base; w.Need > 0 && int64(w.Need) > left {
+		w.Need = int(max(left, 0))
 	}
 	if len(s.wbuf) > 0 {
-		if drop := w.base - s.w.base; w.need > 0 && drop >= 0 && drop < int64(len(s.wbuf)) {
+		if drop := w.base - s.w.base; w.Need > 0 && drop >= 0 && drop < int64(len(s.wbuf)) {
 			s.wbuf = s.wbuf[:copy(s.wbuf, s.wbuf[drop:])]
 		} else {
 			s.wbuf = s.wbuf[:0]
@@ -239,21 +239,21 @@ func (s *frameScanner) setWindow(w window) {
 // move past: every byte of the frame that is in p. Window bytes that lie
 // in p are handed over in place; a window that straddles reads is
 // collected in wbuf.
-func (s *frameScanner) feed(p []byte) int64 {
+func (s *FrameScanner) feed(p []byte) int64 {
 	avail := min(int64(len(p)), s.remaining) // frame bytes in p
-	for s.w.need > 0 {
+	for s.w.Need > 0 {
 		if len(s.wbuf) == 0 {
 			start := s.w.base - s.pos // the window's first byte, as an index into p
 			switch {
 			case start < 0:
 				// Bytes of an earlier read, which were not kept: a reader
 				// may only move forward. Stop reading this frame.
-				s.w = window{}
+				s.w = Window{}
 				return avail
 			case start >= avail:
 				return avail // the window starts in a later read
-			case start+int64(s.w.need) <= avail:
-				s.setWindow(s.rd.read(p[start : start+int64(s.w.need)]))
+			case start+int64(s.w.Need) <= avail:
+				s.setWindow(s.Rd.Read(p[start : start+int64(s.w.Need)]))
 				continue
 			}
 			s.wbuf = append(s.wbuf, p[start:avail]...)
@@ -261,21 +261,21 @@ func (s *frameScanner) feed(p []byte) int64 {
 		}
 		// Collecting: wbuf holds [w.base, w.base+len(wbuf)); the next byte
 		// needed is the one just after it.
-		if len(s.wbuf) < s.w.need {
+		if len(s.wbuf) < s.w.Need {
 			idx := s.w.base + int64(len(s.wbuf)) - s.pos
 			if idx < 0 || idx >= avail {
 				return avail
 			}
-			take := min(int64(s.w.need-len(s.wbuf)), avail-idx)
+			take := min(int64(s.w.Need-len(s.wbuf)), avail-idx)
 			s.wbuf = append(s.wbuf, p[idx:idx+take]...)
-			if len(s.wbuf) < s.w.need {
+			if len(s.wbuf) < s.w.Need {
 				return avail
 			}
 		}
-		s.setWindow(s.rd.read(s.wbuf[:s.w.need]))
+		s.setWindow(s.Rd.Read(s.wbuf[:s.w.Need]))
 	}
 	return avail
 }
 
-// midFrame reports whether the stream stopped inside a frame.
-func (s *frameScanner) midFrame() bool { return s.inBody || s.hdrN > 0 }
+// MidFrame reports whether the stream stopped inside a frame.
+func (s *FrameScanner) MidFrame() bool { return s.inBody || s.hdrN > 0 }

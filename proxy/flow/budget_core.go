@@ -1,4 +1,4 @@
-package proxy
+package flow
 
 import (
 	"sync"
@@ -8,7 +8,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// budget is the process's memory budget: the bytes every link holds in
+// Budget is the process's memory budget: the bytes every link holds in
 // its queue's chunks and in the read buffers its pumps have in hand.
 //
 // A queue takes its chunks from the budget (take) and gives them back as
@@ -21,79 +21,79 @@ import (
 // (reason budget), and while links wait, the reaper closes such links
 // among those that hold the budget: the ones holding memory for nothing
 // give way first. A link toward a live upstream is never closed for it.
-type budget struct {
-	limit  atomic.Int64 // 0: no budget
-	queued atomic.Int64 // bytes of queue chunks held
-	reads  atomic.Int64 // bytes of read buffers in hand
+type Budget struct {
+	Limit  atomic.Int64 // 0: no budget
+	Queued atomic.Int64 // bytes of queue chunks held
+	Reads  atomic.Int64 // bytes of read buffers in hand
 
 	mu      sync.Mutex
 	waiters []chan struct{} // links waiting for a chunk, oldest first
-	nwait   atomic.Int32    // len(waiters), read without the lock
+	Nwait   atomic.Int32    // len(waiters), read without the lock
 
-	// heldBack counts reads held back since the last log line; closed
+	// HeldBack counts reads held back since the last log line; closed
 	// counts links the budget closed since then (the reaper logs both at
 	// most once a second).
-	heldBack atomic.Int64
-	closed   atomic.Int64
-	waits    prometheus.Counter // memory_budget_waits_total
+	HeldBack atomic.Int64
+	Closed   atomic.Int64
+	Waits    prometheus.Counter // memory_budget_waits_total
 }
 
-// budgetRecheck is how often a link waiting for the budget checks its own
+// BudgetRecheck is how often a link waiting for the budget checks its own
 // upstream for progress, and the reaper the links that hold the budget.
-const budgetRecheck = 250 * time.Millisecond
+const BudgetRecheck = 250 * time.Millisecond
 
-// setLimit sets the budget; a lower one takes effect as chunks are given
+// SetLimit sets the budget; a lower one takes effect as chunks are given
 // back (nothing is taken away from a queue).
-func (b *budget) setLimit(n int64) {
-	b.limit.Store(max(n, 0))
+func (b *Budget) SetLimit(n int64) {
+	b.Limit.Store(max(n, 0))
 	b.wakeOne()
 }
 
-// used is the bytes counted now.
-func (b *budget) used() int64 { return b.queued.Load() + b.reads.Load() }
+// Used is the bytes counted now.
+func (b *Budget) Used() int64 { return b.Queued.Load() + b.Reads.Load() }
 
 // take counts n bytes of queue chunks, unless the budget has no room.
-func (b *budget) take(n int64) bool {
-	lim := b.limit.Load()
+func (b *Budget) take(n int64) bool {
+	lim := b.Limit.Load()
 	for {
-		q := b.queued.Load()
-		if lim > 0 && q+n+b.reads.Load() > lim {
+		q := b.Queued.Load()
+		if lim > 0 && q+n+b.Reads.Load() > lim {
 			return false
 		}
-		if b.queued.CompareAndSwap(q, q+n) {
+		if b.Queued.CompareAndSwap(q, q+n) {
 			return true
 		}
 	}
 }
 
 // give returns n bytes of queue chunks and wakes a waiting link.
-func (b *budget) give(n int64) {
-	b.queued.Add(-n)
+func (b *Budget) give(n int64) {
+	b.Queued.Add(-n)
 	b.wakeOne()
 }
 
-// reading counts (n > 0) or returns (n < 0) a read buffer.
-func (b *budget) reading(n int64) {
-	b.reads.Add(n)
+// Reading counts (n > 0) or returns (n < 0) a read buffer.
+func (b *Budget) Reading(n int64) {
+	b.Reads.Add(n)
 	if n < 0 {
 		b.wakeOne()
 	}
 }
 
-// wait registers a waiting link; its channel is signalled once when room
+// Wait registers a waiting link; its channel is signalled once when room
 // may have been given back. The caller retries, then calls unwait.
-func (b *budget) wait() chan struct{} {
+func (b *Budget) Wait() chan struct{} {
 	ch := make(chan struct{}, 1)
 	b.mu.Lock()
 	b.waiters = append(b.waiters, ch)
-	b.nwait.Store(int32(len(b.waiters)))
+	b.Nwait.Store(int32(len(b.waiters)))
 	b.mu.Unlock()
 	return ch
 }
 
-// unwait removes ch from the waiters; if ch had been signalled, the
+// Unwait removes ch from the waiters; if ch had been signalled, the
 // signal passes to the next waiter (the room may still be there).
-func (b *budget) unwait(ch chan struct{}) {
+func (b *Budget) Unwait(ch chan struct{}) {
 	b.mu.Lock()
 	for i, w := range b.waiters {
 		if w == ch {
@@ -101,7 +101,7 @@ func (b *budget) unwait(ch chan struct{}) {
 			break
 		}
 	}
-	b.nwait.Store(int32(len(b.waiters)))
+	b.Nwait.Store(int32(len(b.waiters)))
 	b.mu.Unlock()
 	select {
 	case <-ch:
@@ -111,8 +111,8 @@ func (b *budget) unwait(ch chan struct{}) {
 }
 
 // wakeOne signals the oldest waiter not signalled yet.
-func (b *budget) wakeOne() {
-	if b.nwait.Load() == 0 {
+func (b *Budget) wakeOne() {
+	if b.Nwait.Load() == 0 {
 		return
 	}
 	b.mu.Lock()

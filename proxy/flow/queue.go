@@ -1,21 +1,21 @@
-package proxy
+package flow
 
 import (
 	"net"
 	"sync"
 )
 
-// chunkSize is the unit of queue memory and the size of read buffers.
-const chunkSize = 64 << 10
+// ChunkSize is the unit of queue memory and the size of read buffers.
+const ChunkSize = 64 << 10
 
-// notsentLowat is TCP_NOTSENT_LOWAT for an upstream socket with high
+// NotsentLowat is TCP_NOTSENT_LOWAT for an upstream socket with high
 // water mark high: the kernel takes a write only while fewer bytes than
 // this wait unsent in its send queue. Without it the kernel's send buffer
 // (up to tcp_wmem's 4 MiB) would fill before the proxy's queue, so the
 // high water mark would not bound what a stalled upstream holds, and a
 // write_timeout could not see bytes stuck there. A quarter of the high
 // mark, between 16 KiB and 1 MiB: enough to keep a fast link's pipe full.
-func notsentLowat(high int64) int {
+func NotsentLowat(high int64) int {
 	if high <= 0 {
 		return 128 << 10
 	}
@@ -31,22 +31,22 @@ const maxBatch = 256 << 10
 const smallChunkSize = 4 << 10
 
 var (
-	chunkPool      = sync.Pool{New: func() any { b := make([]byte, chunkSize); return &b }}
-	smallChunkPool = sync.Pool{New: func() any { b := make([]byte, smallChunkSize); return &b }}
+	chunkPool      = sync.Pool{New: func() any { b := make([]byte, ChunkSize); return &b }}
+	SmallChunkPool = sync.Pool{New: func() any { b := make([]byte, smallChunkSize); return &b }}
 )
 
-func getChunk() *[]byte { return chunkPool.Get().(*[]byte) }
+func GetChunk() *[]byte { return chunkPool.Get().(*[]byte) }
 
-// putChunk returns a chunk of either size to its pool.
-func putChunk(b *[]byte) {
+// PutChunk returns a chunk of either size to its pool.
+func PutChunk(b *[]byte) {
 	if cap(*b) == smallChunkSize {
-		smallChunkPool.Put(b)
+		SmallChunkPool.Put(b)
 		return
 	}
 	chunkPool.Put(b)
 }
 
-// queue holds the bytes read from the client and not yet accepted by the
+// Queue holds the bytes read from the client and not yet accepted by the
 // upstream kernel. The request pump appends; the writer drains. Bytes are
 // copied into pooled chunks, so the memory held is the queued byte count
 // rounded up to a chunk, never the size of the reads that produced it.
@@ -58,9 +58,9 @@ func putChunk(b *[]byte) {
 // The link uses it only through its methods (push, endOfInput,
 // waitForRoom for the request pump; next, batch, consume for the writer;
 // close, release): its lock and conditions are used only in this file.
-type queue struct {
-	b         *budget       // the process's, which the queue's chunks count against; nil: none
-	done      chan struct{} // closed by close: wakes a pump waiting for the budget
+type Queue struct {
+	b         *Budget       // the process's, which the queue's chunks count against; nil: none
+	Done      chan struct{} // closed by close: wakes a pump waiting for the budget
 	mu        sync.Mutex
 	dataReady sync.Cond // the writer waits here for bytes, EOF or close
 	drained   sync.Cond // the request pump waits here under backpressure
@@ -77,78 +77,78 @@ type queue struct {
 	closed    bool  // the link is ending: nothing more is written
 }
 
-func (q *queue) init(b *budget) {
+func (q *Queue) Init(b *Budget) {
 	q.b = b
-	q.done = make(chan struct{})
+	q.Done = make(chan struct{})
 	q.dataReady.L = &q.mu
 	q.drained.L = &q.mu
 }
 
-// bytes is how many bytes are queued now.
-func (q *queue) bytes() int64 {
+// Bytes is how many bytes are queued now.
+func (q *Queue) Bytes() int64 {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.queued
 }
 
-// peak is the most bytes ever queued.
-func (q *queue) peak() int64 {
+// Peak is the most bytes ever queued.
+func (q *Queue) Peak() int64 {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.maxQueued
 }
 
-// idle reports whether nothing is queued, which also means nobody is
+// Idle reports whether nothing is queued, which also means nobody is
 // writing (so the request pump may write to the kernel directly: only it
 // appends, so the queue stays empty until it pushes), and whether the
 // queue is still open.
-func (q *queue) idle() (empty, open bool) {
+func (q *Queue) Idle() (empty, open bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.queued == 0, !q.closed
 }
 
-// pushResult is what push did with the bytes.
-type pushResult int
+// PushResult is what push did with the bytes.
+type PushResult int
 
 const (
-	pushed            pushResult = iota // queued; the writer is running
-	pushedStartWriter                   // queued; the caller starts the writer
-	pushOverflow                        // would pass the high watermark: nothing queued
-	pushClosed                          // the queue is closed: nothing queued
-	pushBudget                          // its new chunks do not fit the memory budget: nothing queued
-	pushStalled                         // (waitForBudget) no room, and the upstream makes no progress
+	pushed            PushResult = iota // queued; the writer is running
+	PushedStartWriter                   // queued; the caller starts the writer
+	PushOverflow                        // would pass the high watermark: nothing queued
+	PushClosed                          // the queue is closed: nothing queued
+	PushBudget                          // its new chunks do not fit the memory budget: nothing queued
+	PushStalled                         // (waitForBudget) no room, and the upstream makes no progress
 )
 
-// push copies p to the tail of the queue, unless that would take it past
+// Push copies p to the tail of the queue, unless that would take it past
 // high (high > 0), the chunks it needs do not fit the budget, or the queue
 // is closed. The first push asks the caller to start the writer; later
 // ones wake it.
-func (q *queue) push(p []byte, high int64) pushResult {
+func (q *Queue) Push(p []byte, high int64) PushResult {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	switch {
 	case q.closed:
-		return pushClosed
+		return PushClosed
 	case high > 0 && q.queued+int64(len(p)) > high:
-		return pushOverflow
+		return PushOverflow
 	}
-	if need := q.chunksFor(len(p)); need > 0 && q.b != nil && !q.b.take(int64(need)*chunkSize) {
-		return pushBudget
+	if need := q.chunksFor(len(p)); need > 0 && q.b != nil && !q.b.take(int64(need)*ChunkSize) {
+		return PushBudget
 	}
 	q.appendLocked(p)
 	if !q.writer {
 		q.writer = true
-		return pushedStartWriter
+		return PushedStartWriter
 	}
 	q.dataReady.Signal()
 	return pushed
 }
 
-// endOfInput records the client's FIN. It reports true when the writer
+// EndOfInput records the client's FIN. It reports true when the writer
 // will pass it on after the queued bytes; false when no writer was ever
 // started (nothing was ever queued), so the caller passes it on itself.
-func (q *queue) endOfInput() bool {
+func (q *Queue) EndOfInput() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if !q.writer {
@@ -159,19 +159,19 @@ func (q *queue) endOfInput() bool {
 	return true
 }
 
-// room is how many bytes may be pushed now without passing high (0 at
+// Room is how many bytes may be pushed now without passing high (0 at
 // or above it), and whether the queue is open: waitForRoom's answer
 // without the wait.
-func (q *queue) room(high int64) (int64, bool) {
+func (q *Queue) Room(high int64) (int64, bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return max(high-q.queued, 0), !q.closed
 }
 
-// waitForRoom blocks while the queue holds high bytes or more, until it
+// WaitForRoom blocks while the queue holds high bytes or more, until it
 // drains to low, and returns how many bytes may be pushed now and whether
 // the queue is open.
-func (q *queue) waitForRoom(high, low int64) (int64, bool) {
+func (q *Queue) WaitForRoom(high, low int64) (int64, bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if q.queued >= high {
@@ -187,14 +187,14 @@ type writerStep int
 
 const (
 	writeQueued writerStep = iota // write a batch of the queued bytes
-	passFin                       // everything is written and the client sent FIN
-	stopWriting                   // the queue is closed
+	PassFin                       // everything is written and the client sent FIN
+	StopWriting                   // the queue is closed
 )
 
-// next blocks until there are bytes to write, the input has ended, or
+// Next blocks until there are bytes to write, the input has ended, or
 // the queue is closed. With writeQueued it also returns how many bytes
 // are queued.
-func (q *queue) next() (writerStep, int64) {
+func (q *Queue) Next() (writerStep, int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for q.queued == 0 && !q.eof && !q.closed {
@@ -202,16 +202,16 @@ func (q *queue) next() (writerStep, int64) {
 	}
 	switch {
 	case q.closed:
-		return stopWriting, 0
+		return StopWriting, 0
 	case q.queued == 0:
-		return passFin, 0
+		return PassFin, 0
 	}
 	return writeQueued, q.queued
 }
 
-// batch returns views of up to maxBatch queued bytes not already handed
+// Batch returns views of up to maxBatch queued bytes not already handed
 // out (see batchLocked), and how many bytes they hold.
-func (q *queue) batch(bufs net.Buffers) (net.Buffers, int) {
+func (q *Queue) Batch(bufs net.Buffers) (net.Buffers, int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	before := q.inFlight
@@ -219,9 +219,9 @@ func (q *queue) batch(bufs net.Buffers) (net.Buffers, int) {
 	return bufs, q.inFlight - before
 }
 
-// consume drops the n bytes of a batch of handed bytes that were written,
+// Consume drops the n bytes of a batch of handed bytes that were written,
 // and wakes a pump waiting for room once the queue is at low or empty.
-func (q *queue) consume(n, handed int, low int64) {
+func (q *Queue) Consume(n, handed int, low int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.consumeLocked(n, handed)
@@ -230,48 +230,48 @@ func (q *queue) consume(n, handed int, low int64) {
 	}
 }
 
-// close marks the queue closed and wakes the writer and the pump.
-func (q *queue) close() {
+// Close marks the queue closed and wakes the writer and the pump.
+func (q *Queue) Close() {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if !q.closed {
-		close(q.done)
+		close(q.Done)
 	}
 	q.closed = true
 	q.dataReady.Broadcast()
 	q.drained.Broadcast()
 }
 
-// release returns every chunk to the pool once the link has ended.
-func (q *queue) release() {
+// Release returns every chunk to the pool once the link has ended.
+func (q *Queue) Release() {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.releaseLocked()
 }
 
 // chunksFor is how many new chunks appending n bytes takes.
-func (q *queue) chunksFor(n int) int {
+func (q *Queue) chunksFor(n int) int {
 	if last := len(q.chunks) - 1; last >= 0 {
-		n -= chunkSize - q.lens[last]
+		n -= ChunkSize - q.lens[last]
 	}
 	if n <= 0 {
 		return 0
 	}
-	return (n + chunkSize - 1) / chunkSize
+	return (n + ChunkSize - 1) / ChunkSize
 }
 
 // putChunkLocked returns a chunk of the queue to the pool and its bytes
 // to the budget.
-func (q *queue) putChunkLocked(c *[]byte) {
-	putChunk(c)
+func (q *Queue) putChunkLocked(c *[]byte) {
+	PutChunk(c)
 	if q.b != nil {
-		q.b.give(chunkSize)
+		q.b.give(ChunkSize)
 	}
 }
 
-// heldSince reports whether bytes are queued, and since when (mono time)
+// HeldSince reports whether bytes are queued, and since when (mono time)
 // the queue has not been empty.
-func (q *queue) heldSince() (int64, bool) {
+func (q *Queue) HeldSince() (int64, bool) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.since, q.queued > 0
@@ -279,9 +279,9 @@ func (q *queue) heldSince() (int64, bool) {
 
 // appendLocked copies p to the tail of the queue; push took its new
 // chunks from the budget.
-func (q *queue) appendLocked(p []byte) {
+func (q *Queue) appendLocked(p []byte) {
 	if q.queued == 0 && len(p) > 0 {
-		q.since = mono()
+		q.since = Mono()
 	}
 	q.queued += int64(len(p))
 	if q.queued > q.maxQueued {
@@ -289,8 +289,8 @@ func (q *queue) appendLocked(p []byte) {
 	}
 	for len(p) > 0 {
 		last := len(q.chunks) - 1
-		if last < 0 || q.lens[last] == chunkSize {
-			q.chunks = append(q.chunks, getChunk())
+		if last < 0 || q.lens[last] == ChunkSize {
+			q.chunks = append(q.chunks, GetChunk())
 			q.lens = append(q.lens, 0)
 			last++
 		}
@@ -303,7 +303,7 @@ func (q *queue) appendLocked(p []byte) {
 // batchLocked returns views of up to maxBatch unsent bytes that are not
 // already in flight. The views stay valid until consumeLocked: the pump
 // only writes past lens[last], never into bytes a view covers.
-func (q *queue) batchLocked(bufs net.Buffers) net.Buffers {
+func (q *Queue) batchLocked(bufs net.Buffers) net.Buffers {
 	skip := q.inFlight
 	total := 0
 	for i, c := range q.chunks {
@@ -333,7 +333,7 @@ func (q *queue) batchLocked(bufs net.Buffers) net.Buffers {
 
 // consumeLocked drops n written bytes from the head and returns emptied
 // chunks to the pool.
-func (q *queue) consumeLocked(n, handed int) {
+func (q *Queue) consumeLocked(n, handed int) {
 	q.inFlight -= handed
 	q.queued -= int64(n)
 	for n > 0 {
@@ -360,7 +360,7 @@ func (q *queue) consumeLocked(n, handed int) {
 }
 
 // releaseLocked returns every chunk to the pool once the link has ended.
-func (q *queue) releaseLocked() {
+func (q *Queue) releaseLocked() {
 	for i, c := range q.chunks {
 		q.putChunkLocked(c)
 		q.chunks[i] = nil

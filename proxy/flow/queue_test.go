@@ -1,4 +1,4 @@
-package proxy
+package flow
 
 import (
 	"bytes"
@@ -7,91 +7,91 @@ import (
 )
 
 func TestQueuePushBatchConsume(t *testing.T) {
-	var q queue
-	q.init(nil)
-	data := bytes.Repeat([]byte("0123456789abcdef"), (chunkSize+chunkSize/2)/16) // a chunk and a half
-	if r := q.push(data, 0); r != pushedStartWriter {
+	var q Queue
+	q.Init(nil)
+	data := bytes.Repeat([]byte("0123456789abcdef"), (ChunkSize+ChunkSize/2)/16) // a chunk and a half
+	if r := q.Push(data, 0); r != PushedStartWriter {
 		t.Fatalf("first push: %v, want pushedStartWriter", r)
 	}
-	if r := q.push([]byte("tail"), 0); r != pushed {
+	if r := q.Push([]byte("tail"), 0); r != pushed {
 		t.Fatalf("second push: %v, want pushed (the writer runs)", r)
 	}
 	want := append(append([]byte{}, data...), "tail"...)
-	if q.bytes() != int64(len(want)) || len(q.chunks) != 2 {
-		t.Fatalf("queued %d in %d chunks, want %d in 2", q.bytes(), len(q.chunks), len(want))
+	if q.Bytes() != int64(len(want)) || len(q.chunks) != 2 {
+		t.Fatalf("queued %d in %d chunks, want %d in 2", q.Bytes(), len(q.chunks), len(want))
 	}
-	step, queued := q.next()
+	step, queued := q.Next()
 	if step != writeQueued || queued != int64(len(want)) {
 		t.Fatalf("next: %v %d", step, queued)
 	}
-	bufs, handed := q.batch(nil)
+	bufs, handed := q.Batch(nil)
 	if got := bytes.Join(bufs, nil); !bytes.Equal(got, want) || handed != len(want) {
 		t.Fatalf("batch holds %d bytes (handed %d), want the %d pushed, in order", len(got), handed, len(want))
 	}
 	// A partial write: the rest is handed out again by the next batch.
-	q.consume(1000, handed, 0)
-	bufs, handed = q.batch(nil)
+	q.Consume(1000, handed, 0)
+	bufs, handed = q.Batch(nil)
 	if got := bytes.Join(bufs, nil); !bytes.Equal(got, want[1000:]) {
 		t.Fatalf("after a partial write the batch holds %d bytes, want the %d unwritten", len(got), len(want)-1000)
 	}
-	q.consume(handed, handed, 0)
-	if q.bytes() != 0 || len(q.chunks) != 0 {
-		t.Fatalf("drained queue: %d bytes, %d chunks held, want none (an idle link holds no chunk)", q.bytes(), len(q.chunks))
+	q.Consume(handed, handed, 0)
+	if q.Bytes() != 0 || len(q.chunks) != 0 {
+		t.Fatalf("drained queue: %d bytes, %d chunks held, want none (an idle link holds no chunk)", q.Bytes(), len(q.chunks))
 	}
-	if q.peak() != int64(len(want)) {
-		t.Fatalf("peak %d, want %d", q.peak(), len(want))
+	if q.Peak() != int64(len(want)) {
+		t.Fatalf("peak %d, want %d", q.Peak(), len(want))
 	}
 }
 
 func TestQueueBatchIsBounded(t *testing.T) {
-	var q queue
-	q.init(nil)
-	q.push(make([]byte, 3*maxBatch/2), 0)
-	_, handed := q.batch(nil)
+	var q Queue
+	q.Init(nil)
+	q.Push(make([]byte, 3*maxBatch/2), 0)
+	_, handed := q.Batch(nil)
 	if handed != maxBatch {
 		t.Fatalf("a batch handed %d bytes, want maxBatch %d", handed, maxBatch)
 	}
-	if _, more := q.batch(nil); more != maxBatch/2 {
+	if _, more := q.Batch(nil); more != maxBatch/2 {
 		t.Fatalf("the next batch handed %d bytes, want the %d not yet handed", more, maxBatch/2)
 	}
 }
 
 func TestQueueOverflowQueuesNothing(t *testing.T) {
-	var q queue
-	q.init(nil)
+	var q Queue
+	q.Init(nil)
 	const high = 64 << 10
-	if r := q.push(make([]byte, high-10), high); r != pushedStartWriter {
+	if r := q.Push(make([]byte, high-10), high); r != PushedStartWriter {
 		t.Fatalf("push within the mark: %v", r)
 	}
-	if r := q.push(make([]byte, 11), high); r != pushOverflow {
+	if r := q.Push(make([]byte, 11), high); r != PushOverflow {
 		t.Fatalf("push past the mark: %v, want pushOverflow", r)
 	}
-	if q.bytes() != high-10 {
-		t.Fatalf("queued %d after an overflow, want %d (nothing of the rejected push)", q.bytes(), high-10)
+	if q.Bytes() != high-10 {
+		t.Fatalf("queued %d after an overflow, want %d (nothing of the rejected push)", q.Bytes(), high-10)
 	}
-	if r := q.push(make([]byte, 10), high); r != pushed {
+	if r := q.Push(make([]byte, 10), high); r != pushed {
 		t.Fatalf("push up to the mark: %v, want pushed", r)
 	}
 }
 
 func TestQueueEndOfInput(t *testing.T) {
-	var q queue
-	q.init(nil)
-	if q.endOfInput() {
+	var q Queue
+	q.Init(nil)
+	if q.EndOfInput() {
 		t.Fatal("endOfInput with no writer ever started: the caller must pass the FIN on")
 	}
-	var w queue
-	w.init(nil)
-	w.push([]byte("abc"), 0)
-	if !w.endOfInput() {
+	var w Queue
+	w.Init(nil)
+	w.Push([]byte("abc"), 0)
+	if !w.EndOfInput() {
 		t.Fatal("endOfInput with a writer: the writer passes the FIN on")
 	}
-	if step, _ := w.next(); step != writeQueued {
+	if step, _ := w.Next(); step != writeQueued {
 		t.Fatalf("next with bytes queued and FIN seen: %v, want the bytes first", step)
 	}
-	_, handed := w.batch(nil)
-	w.consume(handed, handed, 0)
-	if step, _ := w.next(); step != passFin {
+	_, handed := w.Batch(nil)
+	w.Consume(handed, handed, 0)
+	if step, _ := w.Next(); step != PassFin {
 		t.Fatalf("next once drained: %v, want passFin", step)
 	}
 }
@@ -100,13 +100,13 @@ func TestQueueEndOfInput(t *testing.T) {
 // writer drains the queue to the low mark; closing wakes every waiter.
 func TestQueueWaitForRoom(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
-		var q queue
-		q.init(nil)
+		var q Queue
+		q.Init(nil)
 		const high, low = 100, 40
-		q.push(make([]byte, high), high)
+		q.Push(make([]byte, high), high)
 		room := make(chan int64, 1)
 		go func() {
-			r, _ := q.waitForRoom(high, low)
+			r, _ := q.WaitForRoom(high, low)
 			room <- r
 		}()
 		synctest.Wait()
@@ -115,42 +115,42 @@ func TestQueueWaitForRoom(t *testing.T) {
 			t.Fatalf("waitForRoom returned %d at the high mark", r)
 		default:
 		}
-		_, handed := q.batch(nil)
-		q.consume(30, handed, low) // 70 left: above low, still waiting
+		_, handed := q.Batch(nil)
+		q.Consume(30, handed, low) // 70 left: above low, still waiting
 		synctest.Wait()
 		select {
 		case r := <-room:
 			t.Fatalf("waitForRoom returned %d above the low mark", r)
 		default:
 		}
-		_, handed = q.batch(nil)
-		q.consume(40, handed, low) // 30 left: at or below low
+		_, handed = q.Batch(nil)
+		q.Consume(40, handed, low) // 30 left: at or below low
 		if r := <-room; r != high-30 {
 			t.Fatalf("room %d, want %d", r, high-30)
 		}
 
-		var c queue
-		c.init(nil)
-		c.push(make([]byte, high), high)
+		var c Queue
+		c.Init(nil)
+		c.Push(make([]byte, high), high)
 		open := make(chan bool, 1)
-		go func() { _, o := c.waitForRoom(high, low); open <- o }()
-		var e queue // empty: its writer waits for bytes
-		e.init(nil)
+		go func() { _, o := c.WaitForRoom(high, low); open <- o }()
+		var e Queue // empty: its writer waits for bytes
+		e.Init(nil)
 		step := make(chan writerStep, 1)
-		go func() { s, _ := e.next(); step <- s }()
+		go func() { s, _ := e.Next(); step <- s }()
 		synctest.Wait()
-		c.close()
-		e.close()
+		c.Close()
+		e.Close()
 		if <-open {
 			t.Fatal("waitForRoom woken by close reported the queue open")
 		}
-		if s := <-step; s != stopWriting {
+		if s := <-step; s != StopWriting {
 			t.Fatalf("a writer waiting for bytes, woken by close: %v, want stopWriting", s)
 		}
-		if step, _ := c.next(); step != stopWriting {
+		if step, _ := c.Next(); step != StopWriting {
 			t.Fatalf("next after close: %v, want stopWriting", step)
 		}
-		if r := c.push([]byte("x"), 0); r != pushClosed {
+		if r := c.Push([]byte("x"), 0); r != PushClosed {
 			t.Fatalf("push after close: %v, want pushClosed", r)
 		}
 	})

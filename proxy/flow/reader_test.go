@@ -1,6 +1,6 @@
 //go:build linux
 
-package proxy
+package flow
 
 import (
 	"bytes"
@@ -126,29 +126,29 @@ type echoSink struct {
 	gate chan struct{}
 }
 
-func (*echoSink) limit() int { return chunkSize }
+func (*echoSink) Limit() int { return ChunkSize }
 
-func (e *echoSink) handle(bp *[]byte, n int) (handled, error) {
+func (e *echoSink) Handle(bp *[]byte, n int) (Handled, error) {
 	if e.gate != nil {
 		e.gate <- struct{}{}
 		<-e.gate
 	}
 	if _, err := e.s.Write((*bp)[:n]); err != nil {
-		return handledStop, err
+		return HandledStop, err
 	}
-	return handledMore, nil
+	return HandledMore, nil
 }
 
 // echoEach runs readEach on s with an echoSink in a goroutine, whose
 // error it reports.
-func echoEach(t *testing.T, r *sockReader, s *net.TCPConn, gate chan struct{}) <-chan error {
+func echoEach(t *testing.T, r *SockReader, s *net.TCPConn, gate chan struct{}) <-chan error {
 	t.Helper()
-	if err := r.init(s); err != nil {
+	if err := r.Init(s); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
 	go func() {
-		_, _, err, werr := r.readEach(&echoSink{s: s, gate: gate})
+		_, _, err, werr := r.ReadEach(&echoSink{s: s, gate: gate})
 		if werr != nil {
 			err = werr
 		}
@@ -180,7 +180,7 @@ func endOf(t *testing.T, done <-chan error, s *net.TCPConn) error {
 // be one per round trip without TCP_INQ.
 func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 	c, s := tcpPair(t)
-	var r sockReader
+	var r SockReader
 	done := echoEach(t, &r, s, nil)
 	const rounds = 200
 	msg := []byte("sixteen bytes..")
@@ -210,7 +210,7 @@ func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 // FIN onto the unsent bytes.
 func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 	c, s := tcpPair(t)
-	var r sockReader
+	var r SockReader
 	done := echoEach(t, &r, s, nil)
 	msg := []byte("ping")
 	got := make([]byte, len(msg))
@@ -250,7 +250,7 @@ func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 // the wait at once: the runtime recorded the edge.
 func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	c, s := tcpPair(t)
-	var r sockReader
+	var r SockReader
 	gate := make(chan struct{})
 	done := echoEach(t, &r, s, gate)
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
@@ -287,7 +287,7 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 
 // endsAtEOF half-closes c and checks that the readEach on s ends at the
 // FIN, with TCP_INQ on by then.
-func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *sockReader) {
+func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *SockReader) {
 	t.Helper()
 	if err := c.CloseWrite(); err != nil {
 		t.Fatal(err)
@@ -304,9 +304,9 @@ func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *sockReader
 func waitQueued(t *testing.T, s *net.TCPConn, n int) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
-	for unreadBytes(s) != n {
+	for UnreadBytes(s) != n {
 		if time.Now().After(deadline) {
-			t.Fatalf("receive queue holds %d bytes, want %d", unreadBytes(s), n)
+			t.Fatalf("receive queue holds %d bytes, want %d", UnreadBytes(s), n)
 		}
 		time.Sleep(time.Millisecond)
 	}

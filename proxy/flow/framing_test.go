@@ -1,15 +1,16 @@
-package proxy
+package flow
 
 import (
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"testing"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // refFrames decodes a whole stream at once, the obvious way, and returns
 // the end offset of every complete frame and whether a bad frame was met.
-func refFrames(spec *frameSpec, data []byte) (ends []int, bad bool) {
+func refFrames(spec *FrameSpec, data []byte) (ends []int, bad bool) {
 	pos := 0
 	for pos+spec.headerLen() <= len(data) {
 		total, err := spec.frameLength(data[pos : pos+spec.headerLen()])
@@ -26,8 +27,8 @@ func refFrames(spec *frameSpec, data []byte) (ends []int, bad bool) {
 }
 
 // scanSplit feeds data to a scanner in pieces cut at the given sizes.
-func scanSplit(spec *frameSpec, data []byte, cuts []byte) (ends int, err error) {
-	s := newFrameScanner(spec)
+func scanSplit(spec *FrameSpec, data []byte, cuts []byte) (ends int, err error) {
+	s := NewFrameScanner(spec)
 	i := 0
 	for len(data) > 0 {
 		n := len(data)
@@ -35,7 +36,7 @@ func scanSplit(spec *frameSpec, data []byte, cuts []byte) (ends int, err error) 
 			n = int(cuts[i])%len(data) + 1
 			i++
 		}
-		_, e, err := s.scan(data[:n])
+		_, e, err := s.Scan(data[:n])
 		ends += e
 		if err != nil {
 			return ends, err
@@ -45,34 +46,29 @@ func scanSplit(spec *frameSpec, data []byte, cuts []byte) (ends int, err error) 
 	return ends, nil
 }
 
-func pinotSpec() *frameSpec {
-	return &frameSpec{offset: 0, length: 4, bigEndian: true, max: 256 << 20}
-}
-
-func frame(payload []byte) []byte {
-	b := binary.BigEndian.AppendUint32(nil, uint32(len(payload)))
-	return append(b, payload...)
+func pinotSpec() *FrameSpec {
+	return &FrameSpec{offset: 0, length: 4, bigEndian: true, max: 256 << 20}
 }
 
 func TestFrameScannerCountsAcrossReads(t *testing.T) {
 	var stream []byte
 	for i := range 50 {
-		stream = append(stream, frame(make([]byte, i*37))...)
+		stream = append(stream, testutil.LengthPrefixed(make([]byte, i*37))...)
 	}
 	for _, chunk := range []int{1, 3, 4, 5, 64, 1 << 20} {
-		s := newFrameScanner(pinotSpec())
+		s := NewFrameScanner(pinotSpec())
 		starts, ends := 0, 0
 		for p := stream; len(p) > 0; {
 			n := min(chunk, len(p))
-			st, e, err := s.scan(p[:n])
+			st, e, err := s.Scan(p[:n])
 			if err != nil {
 				t.Fatal(err)
 			}
 			starts, ends = starts+st, ends+e
 			p = p[n:]
 		}
-		if starts != 50 || ends != 50 || s.midFrame() {
-			t.Fatalf("chunk %d: %d starts, %d ends, mid=%v; want 50, 50, false", chunk, starts, ends, s.midFrame())
+		if starts != 50 || ends != 50 || s.MidFrame() {
+			t.Fatalf("chunk %d: %d starts, %d ends, mid=%v; want 50, 50, false", chunk, starts, ends, s.MidFrame())
 		}
 	}
 }
@@ -80,18 +76,18 @@ func TestFrameScannerCountsAcrossReads(t *testing.T) {
 func TestFrameScannerRejectsBadFrames(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		spec frameSpec
+		spec FrameSpec
 		hdr  []byte
 	}{
-		{"oversized", frameSpec{length: 4, bigEndian: true, max: 1024}, []byte{0, 0, 4, 1}},
-		{"unsigned 4-byte above max", frameSpec{length: 4, bigEndian: true, max: 256 << 20}, []byte{0xff, 0xff, 0xff, 0xff}},
-		{"negative 8-byte", frameSpec{length: 8, bigEndian: true, max: 1 << 30}, []byte{0x80, 0, 0, 0, 0, 0, 0, 1}},
-		{"negative after adjustment", frameSpec{length: 2, bigEndian: true, adjust: -10, max: 1 << 20}, []byte{0, 3}},
-		{"shorter than strip", frameSpec{length: 1, strip: 8, max: 1 << 20}, []byte{2}},
+		{"oversized", FrameSpec{length: 4, bigEndian: true, max: 1024}, []byte{0, 0, 4, 1}},
+		{"unsigned 4-byte above max", FrameSpec{length: 4, bigEndian: true, max: 256 << 20}, []byte{0xff, 0xff, 0xff, 0xff}},
+		{"negative 8-byte", FrameSpec{length: 8, bigEndian: true, max: 1 << 30}, []byte{0x80, 0, 0, 0, 0, 0, 0, 1}},
+		{"negative after adjustment", FrameSpec{length: 2, bigEndian: true, adjust: -10, max: 1 << 20}, []byte{0, 3}},
+		{"shorter than strip", FrameSpec{length: 1, strip: 8, max: 1 << 20}, []byte{2}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := newFrameScanner(&tc.spec)
-			_, _, err := s.scan(tc.hdr)
+			s := NewFrameScanner(&tc.spec)
+			_, _, err := s.Scan(tc.hdr)
 			if !errors.Is(err, errBadFrame) {
 				t.Fatalf("scan = %v, want a bad frame", err)
 			}
@@ -102,7 +98,7 @@ func TestFrameScannerRejectsBadFrames(t *testing.T) {
 func TestFrameScannerOffsetLittleEndianAdjustment(t *testing.T) {
 	// 2 bytes of magic, a 2-byte little-endian length that counts the
 	// whole frame (Netty: adjustment -4 with the field ending at 4).
-	spec := &frameSpec{offset: 2, length: 2, adjust: -4, max: 1 << 16}
+	spec := &FrameSpec{offset: 2, length: 2, adjust: -4, max: 1 << 16}
 	f := []byte{0xCA, 0xFE, 10, 0, 1, 2, 3, 4, 5, 6}
 	stream := append(append([]byte{}, f...), f...)
 	ends, err := scanSplit(spec, stream, []byte{2, 5, 1})
@@ -115,13 +111,13 @@ func TestFrameScannerOffsetLittleEndianAdjustment(t *testing.T) {
 // reference for any spec, stream and way of cutting it into reads, and
 // that it never panics or allocates what a header announces.
 func FuzzFrameScanner(f *testing.F) {
-	f.Add(uint8(0), uint8(4), int16(0), true, frame([]byte("hello")), []byte{1, 2, 3})
+	f.Add(uint8(0), uint8(4), int16(0), true, testutil.LengthPrefixed([]byte("hello")), []byte{1, 2, 3})
 	f.Add(uint8(2), uint8(2), int16(-4), false, []byte{0xCA, 0xFE, 10, 0, 1, 2, 3, 4, 5, 6}, []byte{0})
 	f.Add(uint8(0), uint8(8), int16(0), true, []byte{0x80, 0, 0, 0, 0, 0, 0, 1}, []byte{})
 	f.Add(uint8(1), uint8(3), int16(5), true, []byte{9, 0, 0, 2, 7, 7, 7, 7, 7, 7, 7}, []byte{4})
 	f.Fuzz(func(t *testing.T, offset, length uint8, adjust int16, big bool, data, cuts []byte) {
 		lengths := []int{1, 2, 3, 4, 8}
-		spec := &frameSpec{
+		spec := &FrameSpec{
 			offset:    int(offset % 16),
 			length:    lengths[int(length)%len(lengths)],
 			adjust:    int64(adjust),
@@ -150,32 +146,32 @@ type scriptReader struct {
 	ends  []int64
 }
 
-func (r *scriptReader) script(step int) window {
+func (r *scriptReader) script(step int) Window {
 	switch step {
 	case 0:
-		return window{base: 0, need: 3}
+		return Window{base: 0, Need: 3}
 	case 1:
-		return window{base: 0, need: 9}
+		return Window{base: 0, Need: 9}
 	case 2:
-		return window{base: 20, need: 7}
+		return Window{base: 20, Need: 7}
 	}
-	return window{}
+	return Window{}
 }
 
 // clip is what the scanner does to a window at the end of a payload.
-func clip(w window, n int64) window {
-	if w.need > 0 && int64(w.need) > n-w.base {
-		w.need = int(max(n-w.base, 0))
+func clip(w Window, n int64) Window {
+	if w.Need > 0 && int64(w.Need) > n-w.base {
+		w.Need = int(max(n-w.base, 0))
 	}
 	return w
 }
 
-func (r *scriptReader) begin(n int64) window {
+func (r *scriptReader) Begin(n int64) Window {
 	r.n, r.step = n, 0
 	return r.script(0)
 }
 
-func (r *scriptReader) read(b []byte) window {
+func (r *scriptReader) Read(b []byte) Window {
 	w := clip(r.script(r.step), r.n)
 	r.got = append(r.got, append([]byte(nil), b...))
 	r.bases = append(r.bases, w.base)
@@ -183,10 +179,10 @@ func (r *scriptReader) read(b []byte) window {
 	return r.script(r.step)
 }
 
-func (r *scriptReader) end(off int64) { r.ends = append(r.ends, off) }
+func (r *scriptReader) End(off int64) { r.ends = append(r.ends, off) }
 
 // refWindows is what scriptReader must see on the whole stream.
-func refWindows(spec *frameSpec, data []byte) (got [][]byte, ends []int64) {
+func refWindows(spec *FrameSpec, data []byte) (got [][]byte, ends []int64) {
 	pos := 0
 	for pos+spec.headerLen() <= len(data) {
 		total, err := spec.frameLength(data[pos : pos+spec.headerLen()])
@@ -200,10 +196,10 @@ func refWindows(spec *frameSpec, data []byte) (got [][]byte, ends []int64) {
 		r.n = total - int64(spec.headerLen())
 		for step := 0; ; step++ {
 			w := clip(r.script(step), r.n)
-			if w.need == 0 || w.base+int64(w.need) > int64(len(payload)) {
+			if w.Need == 0 || w.base+int64(w.Need) > int64(len(payload)) {
 				break
 			}
-			got = append(got, payload[w.base:w.base+int64(w.need)])
+			got = append(got, payload[w.base:w.base+int64(w.Need)])
 		}
 		if int64(len(data)-pos) < total {
 			return got, ends
@@ -222,16 +218,16 @@ func TestFrameScannerWindowsAcrossReads(t *testing.T) {
 		for j := range p {
 			p[j] = byte(i*7 + j)
 		}
-		stream = append(stream, frame(p)...)
+		stream = append(stream, testutil.LengthPrefixed(p)...)
 	}
 	wantGot, wantEnds := refWindows(spec, stream)
 	for _, chunk := range []int{1, 2, 5, 8, 13, 64, 1 << 20} {
-		s := newFrameScanner(spec)
+		s := NewFrameScanner(spec)
 		r := &scriptReader{}
-		s.rd = r
+		s.Rd = r
 		for p := stream; len(p) > 0; {
 			n := min(chunk, len(p))
-			if _, _, err := s.scan(p[:n]); err != nil {
+			if _, _, err := s.Scan(p[:n]); err != nil {
 				t.Fatal(err)
 			}
 			p = p[n:]
@@ -255,14 +251,14 @@ func TestFrameScannerWindowsAcrossReads(t *testing.T) {
 // FuzzFrameScannerWindows checks the windows a reader is given against
 // the payloads themselves, for any stream and any way of cutting it.
 func FuzzFrameScannerWindows(f *testing.F) {
-	f.Add(append(frame(bytes.Repeat([]byte("ab"), 30)), frame([]byte("x"))...), []byte{1, 2, 3})
-	f.Add(frame(nil), []byte{0})
+	f.Add(append(testutil.LengthPrefixed(bytes.Repeat([]byte("ab"), 30)), testutil.LengthPrefixed([]byte("x"))...), []byte{1, 2, 3})
+	f.Add(testutil.LengthPrefixed(nil), []byte{0})
 	f.Fuzz(func(t *testing.T, data, cuts []byte) {
-		spec := &frameSpec{length: 4, bigEndian: true, max: 4096}
+		spec := &FrameSpec{length: 4, bigEndian: true, max: 4096}
 		wantGot, wantEnds := refWindows(spec, data)
-		s := newFrameScanner(spec)
+		s := NewFrameScanner(spec)
 		r := &scriptReader{}
-		s.rd = r
+		s.Rd = r
 		i := 0
 		for p := data; len(p) > 0; {
 			n := len(p)
@@ -270,7 +266,7 @@ func FuzzFrameScannerWindows(f *testing.F) {
 				n = int(cuts[i])%len(p) + 1
 				i++
 			}
-			if _, _, err := s.scan(p[:n]); err != nil {
+			if _, _, err := s.Scan(p[:n]); err != nil {
 				break
 			}
 			p = p[n:]

@@ -1,6 +1,6 @@
 //go:build linux
 
-package proxy
+package flow
 
 import (
 	"encoding/binary"
@@ -31,7 +31,7 @@ func setUpstreamOptions(fd int, s policy.Settings) error {
 	}
 	// A small unsent backlog in the kernel: the proxy's own queue, bounded
 	// by high_water_mark, holds the rest (see notsentLowat).
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, notsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
+	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
 		return err
 	}
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
@@ -62,7 +62,7 @@ func ceilSeconds(d policy.Duration) int {
 	return s
 }
 
-func upstreamControl(s policy.Settings) func(network, address string, c syscall.RawConn) error {
+func UpstreamControl(s policy.Settings) func(network, address string, c syscall.RawConn) error {
 	return func(_, _ string, c syscall.RawConn) error {
 		var serr error
 		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), s) }); err != nil {
@@ -72,12 +72,12 @@ func upstreamControl(s policy.Settings) func(network, address string, c syscall.
 	}
 }
 
-// bytesAcked is the stream offset the peer has acknowledged: TCP_INFO's
+// BytesAcked is the stream offset the peer has acknowledged: TCP_INFO's
 // tcpi_bytes_acked less the one the SYN takes (the kernel counts every
 // sequence number acknowledged, the SYN's included, so a connection that
 // has sent nothing reads 1). On a connection whose FIN was acknowledged it
 // is one too many, which no caller looks at.
-func bytesAcked(raw syscall.RawConn) (int64, bool) {
+func BytesAcked(raw syscall.RawConn) (int64, bool) {
 	var n int64
 	ok := false
 	_ = raw.Control(func(fd uintptr) {
@@ -91,10 +91,10 @@ func bytesAcked(raw syscall.RawConn) (int64, bool) {
 // ip6tSOOriginalDst is IP6T_SO_ORIGINAL_DST, which x/sys does not name.
 const ip6tSOOriginalDst = 80
 
-// originalDst reads the destination a connection had before an nftables
+// OriginalDst reads the destination a connection had before an nftables
 // REDIRECT sent it to the proxy (SO_ORIGINAL_DST; IP6T_SO_ORIGINAL_DST for
 // IPv6). Reading it needs no privilege.
-func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
+func OriginalDst(c *net.TCPConn) (netip.AddrPort, error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
 		return netip.AddrPort{}, err
@@ -137,10 +137,10 @@ func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
 	return dst, nil
 }
 
-// unreadBytes is how many bytes wait in c's receive queue (SIOCINQ): a
+// UnreadBytes is how many bytes wait in c's receive queue (SIOCINQ): a
 // mesh session's heartbeat counts them as life, so that its own process
 // being slow to read is never blamed on the peer.
-func unreadBytes(c *net.TCPConn) int {
+func UnreadBytes(c *net.TCPConn) int {
 	raw, err := c.SyscallConn()
 	if err != nil {
 		return 0
@@ -154,24 +154,24 @@ func unreadBytes(c *net.TCPConn) int {
 	return n
 }
 
-// sendWindow is what an upstream socket's kernel is doing with the bytes
+// SendWindow is what an upstream socket's kernel is doing with the bytes
 // it holds for the peer.
-type sendWindow struct {
-	// zero: the peer advertises a zero window, bytes wait for it and none
+type SendWindow struct {
+	// Zero: the peer advertises a zero window, bytes wait for it and none
 	// is in flight: the kernel is probing the window (the peer reads
 	// nothing), not retransmitting.
-	zero bool
-	// answered: no zero-window probe is outstanding (the peer's kernel
+	Zero bool
+	// Answered: no zero-window probe is outstanding (the peer's kernel
 	// answered the last one).
-	answered bool
-	// idle: nothing unsent, nothing unacknowledged.
-	idle bool
+	Answered bool
+	// Idle: nothing unsent, nothing unacknowledged.
+	Idle bool
 }
 
-// sampleSendWindow reads TCP_INFO for a sendWindow; false when the kernel
+// SampleSendWindow reads TCP_INFO for a SendWindow; false when the kernel
 // does not say (the socket is closed).
-func sampleSendWindow(raw syscall.RawConn) (sendWindow, bool) {
-	var w sendWindow
+func SampleSendWindow(raw syscall.RawConn) (SendWindow, bool) {
+	var w SendWindow
 	ok := false
 	_ = raw.Control(func(fd uintptr) {
 		ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
@@ -179,16 +179,16 @@ func sampleSendWindow(raw syscall.RawConn) (sendWindow, bool) {
 			return
 		}
 		ok = true
-		w.zero = ti.Snd_wnd == 0 && ti.Notsent_bytes > 0 && ti.Unacked == 0
-		w.answered = ti.Probes == 0
-		w.idle = ti.Notsent_bytes == 0 && ti.Unacked == 0
+		w.Zero = ti.Snd_wnd == 0 && ti.Notsent_bytes > 0 && ti.Unacked == 0
+		w.Answered = ti.Probes == 0
+		w.Idle = ti.Notsent_bytes == 0 && ti.Unacked == 0
 	})
 	return w, ok
 }
 
-// setUserTimeout sets TCP_USER_TIMEOUT on an open socket (0: the kernel's
+// SetUserTimeout sets TCP_USER_TIMEOUT on an open socket (0: the kernel's
 // default, no bound of its own).
-func setUserTimeout(raw syscall.RawConn, d time.Duration) error {
+func SetUserTimeout(raw syscall.RawConn, d time.Duration) error {
 	var serr error
 	if err := raw.Control(func(fd uintptr) {
 		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(d.Milliseconds()))

@@ -1,4 +1,4 @@
-package proxy
+package flow
 
 import (
 	"math"
@@ -10,42 +10,42 @@ import (
 // clockBase anchors mono: tracker times are monotonic nanoseconds.
 var clockBase = time.Now()
 
-func mono() int64 { return int64(time.Since(clockBase)) }
+func Mono() int64 { return int64(time.Since(clockBase)) }
 
-// never is the due time of a request that is never judged.
-const never = math.MaxInt64
+// Never is the due time of a request that is never judged.
+const Never = math.MaxInt64
 
-// noAnswer is the last answer time of an endpoint that never answered.
-const noAnswer = math.MinInt64
+// NoAnswer is the last answer time of an endpoint that never answered.
+const NoAnswer = math.MinInt64
 
-// pendingRequest is one or more requests handed on close together and not
+// PendingRequest is one or more requests handed on close together and not
 // yet judged.
-type pendingRequest struct {
-	at int64 // mono time the first of them was handed on
-	// held is the mono time until which the server may hold it by its
+type PendingRequest struct {
+	At int64 // mono time the first of them was handed on
+	// Held is the mono time until which the server may hold it by its
 	// protocol (a long poll's max_wait, an acks=all Produce's timeout_ms;
 	// at for a request that asks for no hold): an answer after it is life.
-	held int64
-	due  int64 // mono time the first of their deadlines passes: the verdict
+	Held int64
+	Due  int64 // mono time the first of their deadlines passes: the verdict
 	last int64 // mono time the last of their deadlines passes: staleness
-	end  int64 // stream offset just past the last byte of the last one
-	n    int32 // how many requests
-	thr  int32 // consecutive_timeouts_threshold of the listener that sent them
+	End  int64 // stream offset just past the last byte of the last one
+	N    int32 // how many requests
+	Thr  int32 // consecutive_timeouts_threshold of the listener that sent them
 	// judged: the verdict was given at due; the entry is kept until last
 	// for the staleness check only.
 	judged bool
 	// verdict and expired say what a judgement is about (set only on the
 	// copies handed to judge): due passed just now (count it if
 	// unanswered), last passed (check staleness; the entry is gone).
-	verdict, expired bool
+	Verdict, Expired bool
 }
 
 // next is when the entry must be looked at again.
-func (r *pendingRequest) next() int64 {
+func (r *PendingRequest) next() int64 {
 	if r.judged {
 		return r.last
 	}
-	return r.due
+	return r.Due
 }
 
 // maxPending bounds a tracker's list. Requests sent with no answer in
@@ -56,7 +56,7 @@ func (r *pendingRequest) next() int64 {
 // newest entry.
 const maxPending = 1024
 
-// tracker holds requests until their deadline and then judges them.
+// Tracker holds requests until their deadline and then judges them.
 //
 // The rule (the README's "What counts as a dead upstream"): a request
 // whose deadline passed counts as unanswered only if the endpoint answered
@@ -84,7 +84,7 @@ const maxPending = 1024
 // A link's tracker judges the link's requests; when the link ends, its
 // unjudged requests are handed to the endpoint's tracker (adopt), so a
 // client that gives up and closes first does not hide a dead server.
-type tracker struct {
+type Tracker struct {
 	slack int64
 	// perBurst: opaque mode. A request is a burst of bytes sent since the
 	// last answer; it is recorded once.
@@ -98,37 +98,37 @@ type tracker struct {
 	// deadline (expired) passed, from the timer's goroutine (two may
 	// overlap when the timer was reset while one ran). left is how many
 	// requests are still pending.
-	judge func(judged []pendingRequest, left int)
+	judge func(judged []PendingRequest, left int)
 
 	mu      sync.Mutex
-	pending []pendingRequest
+	pending []PendingRequest
 	timer   *time.Timer
 	armed   int64 // the due time the timer is set for; 0: not set
 	stopped bool
 	judging sync.WaitGroup // an expire in progress; stop waits for it
 }
 
-func newTracker(slack time.Duration, perBurst bool, answer *atomic.Int64, judge func([]pendingRequest, int)) *tracker {
-	return &tracker{slack: int64(slack), perBurst: perBurst, answer: answer, judge: judge}
+func NewTracker(slack time.Duration, perBurst bool, answer *atomic.Int64, judge func([]PendingRequest, int)) *Tracker {
+	return &Tracker{slack: int64(slack), perBurst: perBurst, answer: answer, judge: judge}
 }
 
-// judgingSlack is how long after a deadline its judgement may come (one
+// JudgingSlack is how long after a deadline its judgement may come (one
 // timer for requests due close together); an answer in that window still
 // counts as on time.
-func judgingSlack(requestTimeout time.Duration) time.Duration {
+func JudgingSlack(requestTimeout time.Duration) time.Duration {
 	return max(min(requestTimeout/10, 100*time.Millisecond), time.Millisecond)
 }
 
-// covered reports whether the endpoint answered anything after r was sent
+// Covered reports whether the endpoint answered anything after r was sent
 // (or, for a request it may hold, after that hold ended), or r had its own
 // answer.
-func (t *tracker) covered(r *pendingRequest) bool {
-	return t.answer.Load() > r.held || t.answeredEnd.Load() >= r.end && r.end > 0
+func (t *Tracker) Covered(r *PendingRequest) bool {
+	return t.answer.Load() > r.Held || t.answeredEnd.Load() >= r.End && r.End > 0
 }
 
-// answeredThrough records that every request ending at or before stream
+// AnsweredThrough records that every request ending at or before stream
 // offset end has had its own answer.
-func (t *tracker) answeredThrough(end int64) {
+func (t *Tracker) AnsweredThrough(end int64) {
 	for {
 		cur := t.answeredEnd.Load()
 		if cur >= end || t.answeredEnd.CompareAndSwap(cur, end) {
@@ -137,15 +137,15 @@ func (t *tracker) answeredThrough(end int64) {
 	}
 }
 
-// sent records r (n requests handed on at r.at, due at r.due, ending at
+// Sent records r (n requests handed on at r.at, due at r.due, ending at
 // stream offset r.end; r.last, when later than r.due, is when the last of
 // them is due).
-func (t *tracker) sent(r pendingRequest) {
-	if r.last == 0 || r.last < r.due { // 0: not set (mono times may be negative in tests)
-		r.last = r.due
+func (t *Tracker) Sent(r PendingRequest) {
+	if r.last == 0 || r.last < r.Due { // 0: not set (mono times may be negative in tests)
+		r.last = r.Due
 	}
-	if r.held == 0 || r.held < r.at {
-		r.held = r.at
+	if r.Held == 0 || r.Held < r.At {
+		r.Held = r.At
 	}
 	r.judged = false
 	t.mu.Lock()
@@ -156,37 +156,37 @@ func (t *tracker) sent(r pendingRequest) {
 	if last := len(t.pending) - 1; last >= 0 {
 		l := &t.pending[last]
 		switch {
-		case t.perBurst && !t.covered(l):
+		case t.perBurst && !t.Covered(l):
 			// Still the same burst: no answer since it began. The burst is
 			// due request_timeout after its last byte.
-			l.end, l.due, l.last = r.end, max(l.due, r.due), max(l.last, r.last)
+			l.End, l.Due, l.last = r.End, max(l.Due, r.Due), max(l.last, r.last)
 			if !l.judged {
-				t.armLocked(l.due)
+				t.armLocked(l.Due)
 			}
 			return
-		case !t.perBurst && l.thr == r.thr && (!l.judged && within(r.held, l.held, t.slack) &&
-			within(r.due, l.due, t.slack) && !t.covered(l) || last+1 >= maxPending):
+		case !t.perBurst && l.Thr == r.Thr && (!l.judged && within(r.Held, l.Held, t.slack) &&
+			within(r.Due, l.Due, t.slack) && !t.Covered(l) || last+1 >= maxPending):
 			// No answer since l's hold ended: any later answer covers all
 			// of them or none (within the slack), so sharing an entry
 			// changes no verdict but by the slack, toward not counting.
-			l.n += r.n
-			l.end, l.due, l.last, l.held = r.end, min(l.due, r.due), max(l.last, r.last), min(l.held, r.held)
+			l.N += r.N
+			l.End, l.Due, l.last, l.Held = r.End, min(l.Due, r.Due), max(l.last, r.last), min(l.Held, r.Held)
 			t.armLocked(l.next())
 			return
 		}
 	}
 	if t.perBurst {
-		r.n = 1
+		r.N = 1
 	}
 	t.pending = append(t.pending, r)
-	t.armLocked(r.due)
+	t.armLocked(r.Due)
 }
 
 // within reports whether a and b are less than d apart.
 func within(a, b, d int64) bool { return a-b < d && b-a < d }
 
-// adopt takes over requests whose link ended before they were judged.
-func (t *tracker) adopt(rs []pendingRequest) {
+// Adopt takes over requests whose link ended before they were judged.
+func (t *Tracker) Adopt(rs []PendingRequest) {
 	if len(rs) == 0 {
 		return
 	}
@@ -196,28 +196,28 @@ func (t *tracker) adopt(rs []pendingRequest) {
 		return
 	}
 	for _, r := range rs {
-		r.last = r.due // the link is gone: nothing can be stale
+		r.last = r.Due // the link is gone: nothing can be stale
 		t.pending = append(t.pending, r)
-		t.armLocked(r.due)
+		t.armLocked(r.Due)
 	}
 }
 
-// clear forgets every pending request (an endpoint readmitted starts
+// Clear forgets every pending request (an endpoint readmitted starts
 // afresh: requests sent to the previous incarnation are not held against
 // the new one; a link no longer tracked forgets what it recorded).
-func (t *tracker) clear() {
+func (t *Tracker) Clear() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.pending = t.pending[:0]
 }
 
 // armLocked makes the timer fire by due (plus slack); t.mu is held.
-func (t *tracker) armLocked(due int64) {
-	if due == never || (t.armed != 0 && t.armed <= due) {
+func (t *Tracker) armLocked(due int64) {
+	if due == Never || (t.armed != 0 && t.armed <= due) {
 		return
 	}
 	t.armed = due
-	d := time.Duration(max(due-mono(), 0) + t.slack)
+	d := time.Duration(max(due-Mono(), 0) + t.slack)
 	if t.timer == nil {
 		t.timer = time.AfterFunc(d, t.expire)
 	} else {
@@ -225,16 +225,16 @@ func (t *tracker) armLocked(due int64) {
 	}
 }
 
-// overdueEnd returns the stream end of the newest entry whose last
+// OverdueEnd returns the stream end of the newest entry whose last
 // deadline has passed without a judgement yet (0 if none): the writer
 // must not send bytes up to there.
-func (t *tracker) overdueEnd(now int64) int64 {
+func (t *Tracker) OverdueEnd(now int64) int64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var end int64
 	for _, r := range t.pending {
 		if r.last <= now {
-			end = max(end, r.end)
+			end = max(end, r.End)
 		}
 	}
 	return end
@@ -242,7 +242,7 @@ func (t *tracker) overdueEnd(now int64) int64 {
 
 // expire judges every entry whose first deadline has passed (the
 // verdict) and hands on those whose last deadline has passed (staleness).
-func (t *tracker) expire() {
+func (t *Tracker) expire() {
 	t.mu.Lock()
 	if t.stopped {
 		t.mu.Unlock()
@@ -250,26 +250,26 @@ func (t *tracker) expire() {
 	}
 	t.judging.Add(1)
 	defer t.judging.Done()
-	now := mono()
-	var judged []pendingRequest
+	now := Mono()
+	var judged []PendingRequest
 	keep := t.pending[:0]
-	next := int64(never)
+	next := int64(Never)
 	left := 0
 	for _, r := range t.pending {
-		if !r.judged && r.due <= now {
-			r.judged, r.verdict = true, true
+		if !r.judged && r.Due <= now {
+			r.judged, r.Verdict = true, true
 		}
-		r.expired = r.last <= now
-		if r.verdict || r.expired {
+		r.Expired = r.last <= now
+		if r.Verdict || r.Expired {
 			judged = append(judged, r)
 		}
-		if r.expired {
+		if r.Expired {
 			continue
 		}
-		r.verdict = false
+		r.Verdict = false
 		keep = append(keep, r)
 		next = min(next, r.next())
-		left += int(r.n)
+		left += int(r.N)
 	}
 	t.pending = keep
 	t.armed = 0
@@ -280,35 +280,35 @@ func (t *tracker) expire() {
 	}
 }
 
-// unanswered returns how many requests of the entries just given their
+// Unanswered returns how many requests of the entries just given their
 // verdict count as unanswered, per the rule above, and since when the
 // endpoint has been silent with one of them outstanding (its send, or the
 // endpoint's last answer if that came later, during its hold). It must be
 // called from judge.
-func (t *tracker) unanswered(judged []pendingRequest) (n int, since int64) {
-	since = never
+func (t *Tracker) Unanswered(judged []PendingRequest) (n int, since int64) {
+	since = Never
 	last := t.answer.Load()
 	for i := range judged {
-		if r := &judged[i]; r.verdict && !t.covered(r) {
-			n += int(r.n)
-			since = min(since, max(r.at, last))
+		if r := &judged[i]; r.Verdict && !t.Covered(r) {
+			n += int(r.N)
+			since = min(since, max(r.At, last))
 		}
 	}
 	return n, since
 }
 
-// stop ends tracking and returns the requests not yet given their verdict
+// Stop ends tracking and returns the requests not yet given their verdict
 // that have seen no answer, so that the endpoint can judge them. A judgement already
 // running finishes first.
-func (t *tracker) stop() []pendingRequest {
+func (t *Tracker) Stop() []PendingRequest {
 	t.mu.Lock()
 	t.stopped = true
 	if t.timer != nil {
 		t.timer.Stop()
 	}
-	var orphans []pendingRequest
+	var orphans []PendingRequest
 	for i := range t.pending {
-		if r := &t.pending[i]; !r.judged && !t.covered(r) {
+		if r := &t.pending[i]; !r.judged && !t.Covered(r) {
 			orphans = append(orphans, *r)
 		}
 	}

@@ -1,0 +1,41 @@
+//go:build !linux
+
+package flow
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"syscall"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// UpstreamControl is a stub outside Linux: TCP_USER_TIMEOUT and the
+// keepalive knobs are Linux socket options, so a build for a laptop runs
+// with the kernel's defaults (write_timeout and the watermarks still apply).
+func UpstreamControl(policy.Settings) func(network, address string, c syscall.RawConn) error {
+	return nil
+}
+
+// BytesAcked is unknown outside Linux: the kernel-side staleness check is
+// skipped there (the writer still Never sends an overdue request).
+func BytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
+
+// OriginalDst needs Linux's SO_ORIGINAL_DST: transparent listeners work
+// only there.
+func OriginalDst(*net.TCPConn) (netip.AddrPort, error) {
+	return netip.AddrPort{}, errors.New("transparent mode needs Linux (SO_ORIGINAL_DST)")
+}
+
+// UnreadBytes is unknown outside Linux.
+func UnreadBytes(*net.TCPConn) int { return 0 }
+
+// SendWindow is unknown outside Linux (and TCP_USER_TIMEOUT is not set
+// there): the Window guard Never starts.
+type SendWindow struct{ Zero, Answered, Idle bool }
+
+func SampleSendWindow(syscall.RawConn) (SendWindow, bool) { return SendWindow{}, false }
+
+func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
