@@ -12,8 +12,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/livenessproxy/livenessproxy/health"
 )
 
 // Validate checks every field and how fields relate, and returns Errors
@@ -93,7 +91,7 @@ var (
 	framings    = []string{FramingNone, FramingLengthField, FramingKafka, FramingPinot}
 	tracks      = []string{TrackAuto, TrackOn, TrackOff}
 	byteOrders  = []string{ByteOrderBig, ByteOrderLittle}
-	probeKinds  = []string{ProbeKindAuto, health.ProbeConnect, health.ProbeHTTP, health.ProbeKafka}
+	probeKinds  = []string{ProbeKindAuto, ProbeKindConnect, ProbeKindHTTP, ProbeKindKafka}
 	onExcluded  = []string{OnExcludedRefuse, OnExcludedAllow}
 	balances    = []string{BalanceRoundRobin, BalanceLeastLinks}
 	listenerRE  = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
@@ -734,7 +732,7 @@ func (v *validator) detector(prefix string, d *Detector, own func(string) bool, 
 	if (d.HTTP.Port < 0 || d.HTTP.Port > 65535) && own(port) {
 		v.add(prefix+port, "%d is not a port number from 0 to 65535 (0 probes the endpoint's own port)", d.HTTP.Port)
 	}
-	if d.Probe == health.ProbeHTTP && !strings.HasPrefix(d.HTTP.Path, "/") {
+	if d.Probe == ProbeKindHTTP && !strings.HasPrefix(d.HTTP.Path, "/") {
 		switch {
 		case own(path):
 			v.add(prefix+path, "%q must start with \"/\" when probe is %s", d.HTTP.Path, show(probe, d.Probe))
