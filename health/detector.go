@@ -375,28 +375,10 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 	last := time.Now()
 	lastStart := last
 	for {
-		d.mu.Lock()
-		if !d.claimedLocked(e, gen) {
-			d.mu.Unlock()
+		pc, at, soon, ok := d.schedule(e, gen, last, lastStart)
+		if !ok {
 			return
 		}
-		pc := e.pc
-		d.mu.Unlock()
-		waiting := pc.Waiting != nil && pc.Waiting() // without the lock: it asks the data plane
-		d.mu.Lock()
-		if !d.claimedLocked(e, gen) {
-			d.mu.Unlock()
-			return
-		}
-		at := last.Add(probeDelay(pc, e.probes+e.flaps))
-		soon := lastStart.Add(waitingDelay(pc.Jitter, rand.Float64()))
-		if waiting || !e.passingSince.IsZero() {
-			// Clients wait, or on probation: probe often enough to see
-			// it through.
-			at = minTime(at, soon)
-		}
-		e.nextProbe = at
-		d.mu.Unlock()
 
 		if !d.sleepUntil(ctx, timer, wake, at, soon, pc.Waiting) {
 			return
@@ -419,42 +401,85 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		}
 		last = time.Now()
 
-		// Record the verdict first, so that OnProbe and OnEvent observers
-		// see a Status that already reflects it.
-		d.mu.Lock()
-		if !d.claimedLocked(e, gen) {
-			d.mu.Unlock()
-			return // stopped as the probe ended: the verdict is stale
-		}
-		if err == nil {
-			if e.flaps > 0 {
-				if e.passingSince.IsZero() {
-					e.passingSince = started
-				}
-				if last.Sub(e.passingSince) < holdDown(pc, e.flaps) {
-					passing := e.passingSince
-					d.mu.Unlock()
-					d.reportProbe(e.name, true)
-					d.log.Debug().Str("endpoint", e.name).Int("flaps", e.flaps).Time("passing_since", passing).
-						Msg("probe passed; readmission held down: the endpoint flapped")
-					continue
-				}
-			}
-			e.readmittedAt, e.passingSince = time.Now(), time.Time{}
-			d.transitionLocked(e, Healthy, ReasonProbeOK)
-			d.mu.Unlock()
-			d.reportProbe(e.name, true)
-			d.deliver()
+		if d.verdict(e, gen, pc, err, started, last) {
 			return
 		}
-		e.probes++
-		e.lastErr = err.Error()
-		e.passingSince = time.Time{}
-		failed := e.probes
-		d.mu.Unlock()
-		d.reportProbe(e.name, false)
-		d.log.Debug().Err(err).Str("endpoint", e.name).Int("failed_probes", failed).Msg("probe failed")
 	}
+}
+
+// schedule is when the probe loop of generation gen probes e next: at,
+// the backoff's time, or soon, one WaitingInterval after the last probe's
+// start, if clients wait or e is on probation; sleepUntil may bring it to
+// soon later. last is the end of the last probe (or the exclusion),
+// lastStart its start. It records at as e's next probe and returns e's
+// probe configuration; ok is false if the loop no longer owns e.
+func (d *Detector) schedule(e *epState, gen uint64, last, lastStart time.Time) (pc ProbeConfig, at, soon time.Time, ok bool) {
+	d.mu.Lock()
+	if !d.claimedLocked(e, gen) {
+		d.mu.Unlock()
+		return pc, at, soon, false
+	}
+	pc = e.pc
+	d.mu.Unlock()
+	waiting := pc.Waiting != nil && pc.Waiting() // without the lock: it asks the data plane
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.claimedLocked(e, gen) {
+		return pc, at, soon, false
+	}
+	at = last.Add(probeDelay(pc, e.probes+e.flaps))
+	soon = lastStart.Add(waitingDelay(pc.Jitter, rand.Float64()))
+	if waiting || !e.passingSince.IsZero() {
+		// Clients wait, or on probation: probe often enough to see
+		// it through.
+		at = minTime(at, soon)
+	}
+	e.nextProbe = at
+	return pc, at, soon, true
+}
+
+// verdict records the result err of the probe of e that ran from started
+// to last, with pc, and reports it. It returns true when the probe loop
+// of generation gen ends: e is readmitted, or the loop no longer owns e
+// (the verdict is stale). A failure, or a pass while the hold-down of a
+// flapped endpoint runs, keeps the loop probing.
+func (d *Detector) verdict(e *epState, gen uint64, pc ProbeConfig, err error, started, last time.Time) (end bool) {
+	// Record the verdict first, so that OnProbe and OnEvent observers
+	// see a Status that already reflects it.
+	d.mu.Lock()
+	if !d.claimedLocked(e, gen) {
+		d.mu.Unlock()
+		return true // stopped as the probe ended: the verdict is stale
+	}
+	if err == nil {
+		if e.flaps > 0 {
+			if e.passingSince.IsZero() {
+				e.passingSince = started
+			}
+			if last.Sub(e.passingSince) < holdDown(pc, e.flaps) {
+				passing := e.passingSince
+				d.mu.Unlock()
+				d.reportProbe(e.name, true)
+				d.log.Debug().Str("endpoint", e.name).Int("flaps", e.flaps).Time("passing_since", passing).
+					Msg("probe passed; readmission held down: the endpoint flapped")
+				return false
+			}
+		}
+		e.readmittedAt, e.passingSince = time.Now(), time.Time{}
+		d.transitionLocked(e, Healthy, ReasonProbeOK)
+		d.mu.Unlock()
+		d.reportProbe(e.name, true)
+		d.deliver()
+		return true
+	}
+	e.probes++
+	e.lastErr = err.Error()
+	e.passingSince = time.Time{}
+	failed := e.probes
+	d.mu.Unlock()
+	d.reportProbe(e.name, false)
+	d.log.Debug().Err(err).Str("endpoint", e.name).Int("failed_probes", failed).Msg("probe failed")
+	return false
 }
 
 // sleepUntil waits until at, or until soon (or later) once waiting

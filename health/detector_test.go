@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +20,8 @@ import (
 
 	"github.com/rs/zerolog"
 	"go.uber.org/goleak"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -110,32 +113,8 @@ func transitions(evs []Event) []string {
 	return out
 }
 
-func equalStrings(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
-}
-
 // fastProbe is a real-time schedule for tests on loopback.
 var fastProbe = ProbeConfig{Kind: ProbeConnect, Timeout: time.Second, InitialDelay: 10 * time.Millisecond, Factor: 2, MaxDelay: 40 * time.Millisecond}
-
-// closedAddr returns a loopback address nothing listens on.
-func closedAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
-}
 
 // serveAndClose accepts on ln and closes every connection until ln is
 // closed; it returns the number accepted so far and a stop function that
@@ -168,7 +147,7 @@ func TestStateString(t *testing.T) {
 // A connect probe against a refused port fails; once the listener is back,
 // a probe over a fresh connection readmits the endpoint.
 func TestConnectProbeRefusedThenReopened(t *testing.T) {
-	addr := closedAddr(t)
+	addr := testutil.ClosedAddr(t)
 	rec := newRecorder()
 	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
 	defer d.Close()
@@ -193,7 +172,7 @@ func TestConnectProbeRefusedThenReopened(t *testing.T) {
 	rec.waitFor(t, "readmission", lastEventIs(Healthy, ReasonProbeOK))
 	events, probes := rec.snapshot()
 	want := []string{"healthy>excluded:dial_error", "excluded>healthy:probe_ok"}
-	if got := transitions(events); !equalStrings(got, want) {
+	if got := transitions(events); !slices.Equal(got, want) {
 		t.Fatalf("events = %v, want %v", got, want)
 	}
 	if !probes[len(probes)-1] {
@@ -270,7 +249,7 @@ func TestHTTPProbeUsesHTTPPort(t *testing.T) {
 	}))
 	defer srv.Close()
 	port := srv.Listener.Addr().(*net.TCPAddr).Port
-	ep := closedAddr(t) // the data port itself refuses
+	ep := testutil.ClosedAddr(t) // the data port itself refuses
 
 	rec := newRecorder()
 	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
@@ -522,7 +501,7 @@ func TestEdgeTriggered(t *testing.T) {
 
 		events, _ := rec.snapshot()
 		want := []string{"healthy>excluded:unanswered", "excluded>disabled:operator_disable", "disabled>healthy:operator_enable"}
-		if got := transitions(events); !equalStrings(got, want) {
+		if got := transitions(events); !slices.Equal(got, want) {
 			t.Fatalf("events = %v, want %v", got, want)
 		}
 		if n := logs.count("endpoint state changed"); n != len(want) {
@@ -573,7 +552,7 @@ func TestDisableStopsProbingEnableReadmits(t *testing.T) {
 		synctest.Wait()
 		events, _ := rec.snapshot()
 		want := []string{"healthy>excluded:dial_error", "excluded>disabled:operator_disable", "disabled>healthy:operator_enable"}
-		if got := transitions(events); !equalStrings(got, want) {
+		if got := transitions(events); !slices.Equal(got, want) {
 			t.Fatalf("events = %v, want %v", got, want)
 		}
 		time.Sleep(time.Hour)
@@ -616,7 +595,7 @@ func TestEnableOverridesExclusion(t *testing.T) {
 		synctest.Wait()
 		events, probes := rec.snapshot()
 		want := []string{"healthy>excluded:unanswered", "excluded>healthy:operator_enable"}
-		if got := transitions(events); !equalStrings(got, want) {
+		if got := transitions(events); !slices.Equal(got, want) {
 			t.Fatalf("events = %v, want %v", got, want)
 		}
 		if len(probes) != 0 || dials.Load() != 1 {
@@ -716,25 +695,13 @@ func TestReRegisterUpdatesProbeConfig(t *testing.T) {
 		synctest.Wait()
 		// The scheduled 1s stands; afterwards 3s, 3s, ...
 		want := []time.Duration{1 * time.Second, 4 * time.Second, 7 * time.Second, 10 * time.Second}
-		if got := f.times(); !equalDurations(got, want) {
+		if got := f.times(); !slices.Equal(got, want) {
 			t.Fatalf("probes at %v, want %v", got, want)
 		}
 		if s, _ := d.State(ep); s != Excluded {
 			t.Fatalf("state %v, want still excluded", s)
 		}
 	})
-}
-
-func equalDurations(a, b []time.Duration) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // Never two probes of one endpoint at once, even when a stopped probe's dial
@@ -799,7 +766,7 @@ func TestOnEventReentrant(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		want := []string{"a:1 excluded", "b:1 excluded", "a:1 disabled"}
-		if !equalStrings(got, want) {
+		if !slices.Equal(got, want) {
 			t.Fatalf("events %v, want %v", got, want)
 		}
 	})
@@ -1030,7 +997,7 @@ func TestFlappingEndpointBacksOff(t *testing.T) {
 // the override's word alone, and one whose override declines is probed
 // directly.
 func TestProbeOverride(t *testing.T) {
-	refusing := closedAddr(t)
+	refusing := testutil.ClosedAddr(t)
 	var calls atomic.Int32
 	var pass atomic.Bool
 	rec := newRecorder()

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // kafkaPeer is a loopback listener whose connections each read one Kafka
@@ -119,7 +121,7 @@ func TestKafkaProbeFailures(t *testing.T) {
 		{"silent", silent.ln.Addr().String(), "no ApiVersions response"},
 		{"wrong correlation id", wrongID.ln.Addr().String(), "correlation id"},
 		{"not a Kafka frame", hugeFrame.ln.Addr().String(), "not an ApiVersions response"},
-		{"refused", closedAddr(t), "refused"},
+		{"refused", testutil.ClosedAddr(t), "refused"},
 	} {
 		start := time.Now()
 		err := d.probe(context.Background(), c.addr, pc)

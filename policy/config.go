@@ -7,16 +7,15 @@
 // A duration or size of 0 disables the mechanism it controls; a negative
 // one is an error (keys that must be positive say so).
 //
-// policy imports one project package, health, for the probe kinds that
-// detector.probe names; health imports none.
+// policy imports no project package: the probe kinds that detector.probe
+// names are its own (ProbeKind*), and the proxy translates them into the
+// health package's.
 package policy
 
 import (
 	"cmp"
 	"strings"
 	"time"
-
-	"github.com/livenessproxy/livenessproxy/health"
 )
 
 // Config is the whole configuration file.
@@ -637,13 +636,18 @@ func (u Unanswered) Enabled(framing string) bool {
 	return u.RequestTimeout > 0 && (framing != FramingNone || u.ConsecutiveTimeoutsThreshold > 0)
 }
 
-// ProbeKindAuto is the default of Detector.Probe: it picks the probe that
-// proves the process for the framing: health.ProbeKafka for the kafka
-// profile, health.ProbeHTTP for the pinot profile (Pinot servers answer
-// /health on their admin port), health.ProbeConnect otherwise. The other
-// values of Detector.Probe are the health package's probe kinds, which are
-// defined there once.
-const ProbeKindAuto = "auto"
+// The values of Detector.Probe. ProbeKindAuto is the default: it picks the
+// probe that proves the process for the framing: ProbeKindKafka for the
+// kafka profile, ProbeKindHTTP for the pinot profile (Pinot servers answer
+// /health on their admin port), ProbeKindConnect otherwise. The other three
+// name the health detector's probes; the proxy translates them into the
+// health package's kinds.
+const (
+	ProbeKindAuto    = "auto"
+	ProbeKindConnect = "connect" // a fresh TCP connection is established
+	ProbeKindHTTP    = "http"    // an HTTP GET of HTTP.Path answers 2xx
+	ProbeKindKafka   = "kafka"   // a Kafka ApiVersions request is answered
+)
 
 // PinotAdminPort is the Pinot server's admin port (pinot.server.adminapi.port),
 // where GET /health answers: the http probe's port under the pinot profile
@@ -657,14 +661,14 @@ func (s Settings) Probe() (kind string, httpPort int) {
 	if kind == ProbeKindAuto || kind == "" {
 		switch s.Framing.Type {
 		case FramingKafka:
-			kind = health.ProbeKafka
+			kind = ProbeKindKafka
 		case FramingPinot:
-			kind = health.ProbeHTTP
+			kind = ProbeKindHTTP
 		default:
-			kind = health.ProbeConnect
+			kind = ProbeKindConnect
 		}
 	}
-	if kind == health.ProbeHTTP && httpPort == 0 && s.Framing.Type == FramingPinot {
+	if kind == ProbeKindHTTP && httpPort == 0 && s.Framing.Type == FramingPinot {
 		httpPort = PinotAdminPort
 	}
 	return kind, httpPort

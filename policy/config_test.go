@@ -8,8 +8,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/livenessproxy/livenessproxy/health"
 )
 
 // doc joins lines into a YAML document, so that line numbers in the expected
@@ -1107,7 +1105,7 @@ func TestNewKeysOverlayPerListener(t *testing.T) {
 	defaults := DefaultSettings()
 	defaults.Framing.Type = FramingLengthField
 	defaults.Framing.MaxFrameLength = 64 * MiB
-	defaults.Detector.Probe = health.ProbeHTTP
+	defaults.Detector.Probe = ProbeKindHTTP
 	defaults.Detector.MaxDelay = Duration(30 * time.Second)
 	defaults.Detector.HTTP.Path = "/ready"
 	defaults.Unanswered.RequestTimeout = 0
@@ -1254,7 +1252,7 @@ endpoints:
 func TestDesignExample(t *testing.T) {
 	c := mustParse(t, designExample)
 	want := DefaultConfig()
-	want.Defaults.Detector.Probe = health.ProbeConnect
+	want.Defaults.Detector.Probe = ProbeKindConnect
 	want.Defaults.Unanswered.ConsecutiveTimeoutsThreshold = 5 // DESIGN.md's starting value; the default is 1 now
 	want.Listeners = []Listener{
 		{Name: "pinot-server-0", Listen: "127.0.0.1:18098", Upstream: "pinot-server-0.pinot-server-headless:8098", Settings: want.Defaults},
@@ -1343,7 +1341,7 @@ func TestValidateBuiltConfig(t *testing.T) {
 	c.Listeners = []Listener{{Name: "a", Listen: "127.0.0.1:1", Upstream: "up:1", Settings: c.Defaults}}
 	c.Listeners = append(c.Listeners, Listener{Name: "b", Listen: "127.0.0.1:2", Upstream: "up:2", Settings: c.Defaults})
 	c.Listeners[1].Detector.InitialDelay = Duration(2 * time.Minute)
-	c.Listeners[1].Detector.Probe = health.ProbeHTTP
+	c.Listeners[1].Detector.Probe = ProbeKindHTTP
 	c.Listeners[1].Detector.HTTP.Path = "health"
 	want = "defaults.framing.max_frame_length: 0B must be positive when type is length_field\n" +
 		"defaults.detector.jitter: 1.5 must be at least 0 and below 1\n" +

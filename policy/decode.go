@@ -430,39 +430,50 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 	t := v.Type()
 	switch {
 	case t.Kind() == reflect.Struct:
-		switch {
-		case isNull(n): // "keepalive:" with nothing under it changes nothing.
-		case n.Kind == yaml.MappingNode:
-			d.mapping(n, v, path, nil)
-		default:
-			d.fail(path, n, "expected a mapping, got %s", describe(n))
-		}
-		return
+		d.structure(n, v, path)
 	case t.Kind() == reflect.Slice:
-		switch {
-		case isNull(n):
-			v.SetZero()
-		case n.Kind == yaml.SequenceNode:
-			// A list replaces the default list; it is never merged with it.
-			s := reflect.MakeSlice(t, len(n.Content), len(n.Content))
-			for i, item := range n.Content {
-				p := path + "[" + strconv.Itoa(i) + "]"
-				d.lines[p] = item.Line
-				d.value(item, s.Index(i), p)
-			}
-			v.Set(s)
-		default:
-			d.fail(path, n, "expected a list, got %s", describe(n))
-		}
-		return
-	}
-
-	if t == identitiesType {
+		d.list(n, v, path)
+	case t == identitiesType:
 		d.identities(n, v, path)
-		return
+	default:
+		d.scalar(n, v, path)
 	}
+}
 
-	// Everything else is a scalar.
+// structure decodes a mapping into the struct v, key by key.
+func (d *decoder) structure(n *yaml.Node, v reflect.Value, path string) {
+	switch {
+	case isNull(n): // "keepalive:" with nothing under it changes nothing.
+	case n.Kind == yaml.MappingNode:
+		d.mapping(n, v, path, nil)
+	default:
+		d.fail(path, n, "expected a mapping, got %s", describe(n))
+	}
+}
+
+// list decodes a sequence into the slice v.
+func (d *decoder) list(n *yaml.Node, v reflect.Value, path string) {
+	switch {
+	case isNull(n):
+		v.SetZero()
+	case n.Kind == yaml.SequenceNode:
+		// A list replaces the default list; it is never merged with it.
+		s := reflect.MakeSlice(v.Type(), len(n.Content), len(n.Content))
+		for i, item := range n.Content {
+			p := path + "[" + strconv.Itoa(i) + "]"
+			d.lines[p] = item.Line
+			d.value(item, s.Index(i), p)
+		}
+		v.Set(s)
+	default:
+		d.fail(path, n, "expected a list, got %s", describe(n))
+	}
+}
+
+// scalar decodes a scalar node into v: a Duration, a Size, a string, a
+// bool, an integer or a float.
+func (d *decoder) scalar(n *yaml.Node, v reflect.Value, path string) {
+	t := v.Type()
 	want := kindName(t)
 	if n.Kind != yaml.ScalarNode {
 		d.fail(path, n, "expected %s, got %s", want, describe(n))
@@ -475,24 +486,7 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 	tag := n.ShortTag()
 	switch {
 	case t == durationType:
-		if tag == "!!int" {
-			// A bare 0 disables; a negative integer is decoded (as
-			// nanoseconds) for validation to reject with the source text;
-			// a positive one has no unit.
-			var i int64
-			if err := n.Decode(&i); err == nil && i <= 0 {
-				v.SetInt(i)
-				d.raw[path] = n.Value
-				return
-			}
-		}
-		dur, err := ParseDuration(n.Value)
-		if err != nil {
-			d.fail(path, n, "%v", err)
-			return
-		}
-		v.SetInt(int64(dur))
-		d.raw[path] = n.Value
+		d.duration(n, v, path, tag)
 	case t == sizeType:
 		size, err := ParseSize(n.Value)
 		if err != nil {
@@ -530,6 +524,28 @@ func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
 		// TestDecoderSupportsEveryField keeps this unreachable.
 		panic("policy: no decoder for " + t.String() + " at " + path)
 	}
+}
+
+// duration decodes a Duration (tag is n's short tag).
+func (d *decoder) duration(n *yaml.Node, v reflect.Value, path, tag string) {
+	if tag == "!!int" {
+		// A bare 0 disables; a negative integer is decoded (as
+		// nanoseconds) for validation to reject with the source text;
+		// a positive one has no unit.
+		var i int64
+		if err := n.Decode(&i); err == nil && i <= 0 {
+			v.SetInt(i)
+			d.raw[path] = n.Value
+			return
+		}
+	}
+	dur, err := ParseDuration(n.Value)
+	if err != nil {
+		d.fail(path, n, "%v", err)
+		return
+	}
+	v.SetInt(int64(dur))
+	d.raw[path] = n.Value
 }
 
 // supported reports whether value can decode into type t.

@@ -12,8 +12,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/livenessproxy/livenessproxy/health"
 )
 
 // Validate checks every field and how fields relate, and returns Errors
@@ -93,7 +91,7 @@ var (
 	framings    = []string{FramingNone, FramingLengthField, FramingKafka, FramingPinot}
 	tracks      = []string{TrackAuto, TrackOn, TrackOff}
 	byteOrders  = []string{ByteOrderBig, ByteOrderLittle}
-	probeKinds  = []string{ProbeKindAuto, health.ProbeConnect, health.ProbeHTTP, health.ProbeKafka}
+	probeKinds  = []string{ProbeKindAuto, ProbeKindConnect, ProbeKindHTTP, ProbeKindKafka}
 	onExcluded  = []string{OnExcludedRefuse, OnExcludedAllow}
 	balances    = []string{BalanceRoundRobin, BalanceLeastLinks}
 	listenerRE  = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
@@ -136,68 +134,76 @@ func (v *validator) config(c *Config) {
 	for i := range c.Listeners {
 		l := &c.Listeners[i]
 		p := "listeners[" + strconv.Itoa(i) + "]."
-		switch {
-		case l.Name == "":
-			v.add(p+"name", "required")
-		case !listenerRE.MatchString(l.Name):
-			v.add(p+"name", "%q may contain only letters, digits, '_', '.' and '-'", l.Name)
-		default:
-			if j, dup := names[l.Name]; dup {
-				v.add(p+"name", "duplicate listener name %q (also listeners[%d])", l.Name, j)
-			} else {
-				names[l.Name] = i
-			}
-		}
-
+		v.listenerName(p, i, l.Name, names)
 		if l.Listen == "" {
 			v.add(p+"listen", "required")
 		} else if _, why := hostPort(l.Listen, false); why != "" {
 			v.add(p+"listen", "%q is not a host:port address: %s", l.Listen, why)
 		} // clashes between addresses: v.clashes, below
-
-		// Exactly one of upstream, transparent and pool; the listener's
-		// target is checked only when it is unambiguous.
-		var kinds []string
-		if l.Upstream != "" {
-			kinds = append(kinds, "upstream")
-		}
-		if l.IsTransparent() {
-			kinds = append(kinds, "transparent")
-		}
-		if v.hasPool(p, l) {
-			kinds = append(kinds, "pool")
-		}
-		if l.IsIngress() {
-			kinds = append(kinds, "ingress")
-		}
-		switch {
-		case len(kinds) == 0:
-			v.add(p+"upstream", "required (or transparent.match for a transparent listener, pool for a pool listener, or ingress.local for a mesh ingress)")
-		case len(kinds) == 2:
-			v.add(p+kinds[0], "a listener has either %s or %s, not both", kinds[0], kinds[1])
-		case len(kinds) > 2:
-			v.add(p+kinds[0], "a listener has one of upstream, transparent, pool and ingress, not %s", strings.Join(kinds, ", "))
-		case kinds[0] == "ingress":
-			v.ingress(p+"ingress.", l.Ingress)
-			if l.Mesh.Port != 0 {
-				v.add(p+"mesh.port", "an ingress listener serves the mesh; it does not reach through one (mesh.port %d)", l.Mesh.Port)
-			}
-		case kinds[0] == "transparent":
-			v.transparent(p+"transparent.", l.Transparent, v.sectionKeys(p+"transparent.", l.Transparent))
-		case kinds[0] == "pool":
-			v.pool(p+"pool", l.Pool, v.sectionKeys(p+"pool.", l.Pool))
-		default:
-			if _, why := hostPort(l.Upstream, true); why != "" {
-				v.add(p+"upstream", "%q is not a host:port address: %s", l.Upstream, why)
-			}
-		}
-
+		v.listenerTarget(p, l)
 		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
 	}
 
 	v.clashes(boundAddrs(c))
 	v.endpointList("endpoints.disabled", c.Endpoints.Disabled)
 	v.limits(c)
+}
+
+// listenerName checks the name of listener i (key prefix p), unique among
+// names, which maps each name seen so far to its listener.
+func (v *validator) listenerName(p string, i int, name string, names map[string]int) {
+	switch {
+	case name == "":
+		v.add(p+"name", "required")
+	case !listenerRE.MatchString(name):
+		v.add(p+"name", "%q may contain only letters, digits, '_', '.' and '-'", name)
+	default:
+		if j, dup := names[name]; dup {
+			v.add(p+"name", "duplicate listener name %q (also listeners[%d])", name, j)
+		} else {
+			names[name] = i
+		}
+	}
+}
+
+// listenerTarget checks that listener l (key prefix p) has exactly one of
+// upstream, transparent, pool and ingress; the target is checked only
+// when it is unambiguous.
+func (v *validator) listenerTarget(p string, l *Listener) {
+	var kinds []string
+	if l.Upstream != "" {
+		kinds = append(kinds, "upstream")
+	}
+	if l.IsTransparent() {
+		kinds = append(kinds, "transparent")
+	}
+	if v.hasPool(p, l) {
+		kinds = append(kinds, "pool")
+	}
+	if l.IsIngress() {
+		kinds = append(kinds, "ingress")
+	}
+	switch {
+	case len(kinds) == 0:
+		v.add(p+"upstream", "required (or transparent.match for a transparent listener, pool for a pool listener, or ingress.local for a mesh ingress)")
+	case len(kinds) == 2:
+		v.add(p+kinds[0], "a listener has either %s or %s, not both", kinds[0], kinds[1])
+	case len(kinds) > 2:
+		v.add(p+kinds[0], "a listener has one of upstream, transparent, pool and ingress, not %s", strings.Join(kinds, ", "))
+	case kinds[0] == "ingress":
+		v.ingress(p+"ingress.", l.Ingress)
+		if l.Mesh.Port != 0 {
+			v.add(p+"mesh.port", "an ingress listener serves the mesh; it does not reach through one (mesh.port %d)", l.Mesh.Port)
+		}
+	case kinds[0] == "transparent":
+		v.transparent(p+"transparent.", l.Transparent, v.sectionKeys(p+"transparent.", l.Transparent))
+	case kinds[0] == "pool":
+		v.pool(p+"pool", l.Pool, v.sectionKeys(p+"pool.", l.Pool))
+	default:
+		if _, why := hostPort(l.Upstream, true); why != "" {
+			v.add(p+"upstream", "%q is not a host:port address: %s", l.Upstream, why)
+		}
+	}
 }
 
 // limits checks the limits section and the listeners' max_links.
@@ -409,102 +415,10 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 		}
 		return fmt.Sprint(val)
 	}
-	if s.UpstreamMark < 0 && own("upstream_mark") {
-		v.add(prefix+"upstream_mark", "%d must not be negative (0: no mark)", s.UpstreamMark)
-	}
-	if s.UpstreamMark > math.MaxUint32 && own("upstream_mark") {
-		v.add(prefix+"upstream_mark", "%d does not fit in SO_MARK's 32 bits", s.UpstreamMark)
-	}
-	// TCP_USER_TIMEOUT takes an int of milliseconds.
-	if ut := s.TCPUserTimeout.D(); ut.Milliseconds() > math.MaxInt32 && own("tcp_user_timeout") {
-		v.add(prefix+"tcp_user_timeout", "%v is above the kernel's limit of %v (a C int of milliseconds)",
-			s.TCPUserTimeout, time.Duration(math.MaxInt32)*time.Millisecond)
-	}
-
-	const (
-		onOverflow = "write_buffer.on_overflow"
-		high       = "write_buffer.high_water_mark"
-		low        = "write_buffer.low_water_mark"
-		idle       = "keepalive.idle"
-		interval   = "keepalive.interval"
-		count      = "keepalive.count"
-	)
-	// The durations and sizes that 0 disables: negative is a mistake (it
-	// used to disable too). Those that must be positive say so below.
-	for _, d := range []struct {
-		key string
-		val Duration
-	}{
-		{"connect_timeout", s.ConnectTimeout},
-		{"write_timeout", s.WriteTimeout},
-		{"tcp_user_timeout", s.TCPUserTimeout},
-		{"half_close_timeout", s.HalfCloseTimeout},
-		{idle, s.Keepalive.Idle},
-		{"unanswered.request_timeout", s.Unanswered.RequestTimeout},
-	} {
-		if own(d.key) {
-			v.notNegative(prefix+d.key, d.val, d.val < 0)
-		}
-	}
-	for _, z := range []struct {
-		key string
-		val Size
-	}{{high, s.WriteBuffer.HighWaterMark}, {low, s.WriteBuffer.LowWaterMark}} {
-		if own(z.key) {
-			v.notNegative(prefix+z.key, z.val, z.val < 0)
-		}
-	}
-
-	wb := s.WriteBuffer
-	if !slices.Contains(overflows, wb.OnOverflow) && own(onOverflow) {
-		v.add(prefix+onOverflow, oneOfFormat, wb.OnOverflow, strings.Join(overflows, ", "))
-	}
-	if wb.HighWaterMark > 0 && wb.LowWaterMark > 0 && wb.LowWaterMark >= wb.HighWaterMark {
-		switch {
-		case own(low):
-			v.add(prefix+low, "%v must be below high_water_mark (%s)", wb.LowWaterMark, show(high, wb.HighWaterMark))
-		case own(high):
-			v.add(prefix+high, "%v must be above low_water_mark (%s)", wb.HighWaterMark, show(low, wb.LowWaterMark))
-		}
-	}
-
-	ka := s.Keepalive
-	if ka.Count < 0 && own(count) {
-		v.add(prefix+count, "%d must not be negative", ka.Count)
-	}
-	// The kernel refuses larger values with EINVAL (MAX_TCP_KEEPCNT,
-	// MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL).
-	if ka.Count > maxKeepCount && own(count) {
-		v.add(prefix+count, "%d is above the kernel's limit of %d (TCP_KEEPCNT)", ka.Count, maxKeepCount)
-	}
-	if ka.Idle.D() > maxKeepTime && own(idle) {
-		v.add(prefix+idle, "%v is above the kernel's limit of %v (TCP_KEEPIDLE)", ka.Idle, maxKeepTime)
-	}
-	if ka.Interval.D() > maxKeepTime && own(interval) {
-		v.add(prefix+interval, "%v is above the kernel's limit of %v (TCP_KEEPINTVL)", ka.Interval, maxKeepTime)
-	}
-	if ka.Interval < 0 && ka.Idle <= 0 && own(interval) {
-		v.add(prefix+interval, "%v must not be negative", ka.Interval)
-	}
-	if ka.Idle > 0 {
-		if ka.Interval <= 0 {
-			switch {
-			case own(interval):
-				v.add(prefix+interval, "%v must be positive when idle (%s) is positive", ka.Interval, show(idle, ka.Idle))
-			case own(idle):
-				v.add(prefix+idle, "%v needs a positive interval (%s)", ka.Idle, show(interval, ka.Interval))
-			}
-		}
-		if ka.Count == 0 || (ka.Count < 0 && !own(count)) {
-			switch {
-			case own(count):
-				v.add(prefix+count, "%d must be positive when idle (%s) is positive", ka.Count, show(idle, ka.Idle))
-			case own(idle):
-				v.add(prefix+idle, "%v needs a positive count (%s)", ka.Idle, show(count, ka.Count))
-			}
-		}
-	}
-
+	v.socketLimits(prefix, s, own)
+	v.zeroDisables(prefix, s, own)
+	v.writeBuffer(prefix, s.WriteBuffer, own, show)
+	v.keepalive(prefix, s.Keepalive, own, show)
 	v.framing(prefix, &s.Framing, own, show)
 	v.detector(prefix, &s.Detector, own, show)
 
@@ -522,6 +436,124 @@ func (v *validator) settings(prefix string, s *Settings, own func(key string) bo
 		v.add(prefix+"connect_attempts", "%d must be at least 1 (1: no retry)", s.ConnectAttempts)
 	}
 	v.mesh(prefix, &s.Mesh, own, show)
+}
+
+// The keys of Settings that more than one check names.
+const (
+	keyOnOverflow   = "write_buffer.on_overflow"
+	keyHighWater    = "write_buffer.high_water_mark"
+	keyLowWater     = "write_buffer.low_water_mark"
+	keyKeepIdle     = "keepalive.idle"
+	keyKeepInterval = "keepalive.interval"
+	keyKeepCount    = "keepalive.count"
+)
+
+// socketLimits checks the upstream socket options that the kernel bounds:
+// the mark and the user timeout. See settings for prefix and own.
+func (v *validator) socketLimits(prefix string, s *Settings, own func(string) bool) {
+	if s.UpstreamMark < 0 && own("upstream_mark") {
+		v.add(prefix+"upstream_mark", "%d must not be negative (0: no mark)", s.UpstreamMark)
+	}
+	if s.UpstreamMark > math.MaxUint32 && own("upstream_mark") {
+		v.add(prefix+"upstream_mark", "%d does not fit in SO_MARK's 32 bits", s.UpstreamMark)
+	}
+	// TCP_USER_TIMEOUT takes an int of milliseconds.
+	if ut := s.TCPUserTimeout.D(); ut.Milliseconds() > math.MaxInt32 && own("tcp_user_timeout") {
+		v.add(prefix+"tcp_user_timeout", "%v is above the kernel's limit of %v (a C int of milliseconds)",
+			s.TCPUserTimeout, time.Duration(math.MaxInt32)*time.Millisecond)
+	}
+}
+
+// zeroDisables checks the durations and sizes that 0 disables: negative is
+// a mistake (it used to disable too). Those that must be positive say so
+// in their own checks. See settings for prefix and own.
+func (v *validator) zeroDisables(prefix string, s *Settings, own func(string) bool) {
+	for _, d := range []struct {
+		key string
+		val Duration
+	}{
+		{"connect_timeout", s.ConnectTimeout},
+		{"write_timeout", s.WriteTimeout},
+		{"tcp_user_timeout", s.TCPUserTimeout},
+		{"half_close_timeout", s.HalfCloseTimeout},
+		{keyKeepIdle, s.Keepalive.Idle},
+		{"unanswered.request_timeout", s.Unanswered.RequestTimeout},
+	} {
+		if own(d.key) {
+			v.notNegative(prefix+d.key, d.val, d.val < 0)
+		}
+	}
+	for _, z := range []struct {
+		key string
+		val Size
+	}{{keyHighWater, s.WriteBuffer.HighWaterMark}, {keyLowWater, s.WriteBuffer.LowWaterMark}} {
+		if own(z.key) {
+			v.notNegative(prefix+z.key, z.val, z.val < 0)
+		}
+	}
+}
+
+// writeBuffer checks Settings.WriteBuffer: the overflow policy, and the
+// low watermark below the high one; see settings for prefix, own and show.
+func (v *validator) writeBuffer(prefix string, wb WriteBuffer, own func(string) bool, show func(string, any) string) {
+	if !slices.Contains(overflows, wb.OnOverflow) && own(keyOnOverflow) {
+		v.add(prefix+keyOnOverflow, oneOfFormat, wb.OnOverflow, strings.Join(overflows, ", "))
+	}
+	if wb.HighWaterMark > 0 && wb.LowWaterMark > 0 && wb.LowWaterMark >= wb.HighWaterMark {
+		switch {
+		case own(keyLowWater):
+			v.add(prefix+keyLowWater, "%v must be below high_water_mark (%s)", wb.LowWaterMark, show(keyHighWater, wb.HighWaterMark))
+		case own(keyHighWater):
+			v.add(prefix+keyHighWater, "%v must be above low_water_mark (%s)", wb.HighWaterMark, show(keyLowWater, wb.LowWaterMark))
+		}
+	}
+}
+
+// keepalive checks Settings.Keepalive: the kernel's limits, and a
+// positive interval and count when idle is positive; see settings for
+// prefix, own and show.
+func (v *validator) keepalive(prefix string, ka Keepalive, own func(string) bool, show func(string, any) string) {
+	const (
+		idle     = keyKeepIdle
+		interval = keyKeepInterval
+		count    = keyKeepCount
+	)
+	if ka.Count < 0 && own(count) {
+		v.add(prefix+count, "%d must not be negative", ka.Count)
+	}
+	// The kernel refuses larger values with EINVAL (MAX_TCP_KEEPCNT,
+	// MAX_TCP_KEEPIDLE, MAX_TCP_KEEPINTVL).
+	if ka.Count > maxKeepCount && own(count) {
+		v.add(prefix+count, "%d is above the kernel's limit of %d (TCP_KEEPCNT)", ka.Count, maxKeepCount)
+	}
+	if ka.Idle.D() > maxKeepTime && own(idle) {
+		v.add(prefix+idle, "%v is above the kernel's limit of %v (TCP_KEEPIDLE)", ka.Idle, maxKeepTime)
+	}
+	if ka.Interval.D() > maxKeepTime && own(interval) {
+		v.add(prefix+interval, "%v is above the kernel's limit of %v (TCP_KEEPINTVL)", ka.Interval, maxKeepTime)
+	}
+	if ka.Interval < 0 && ka.Idle <= 0 && own(interval) {
+		v.add(prefix+interval, "%v must not be negative", ka.Interval)
+	}
+	if ka.Idle <= 0 {
+		return
+	}
+	if ka.Interval <= 0 {
+		switch {
+		case own(interval):
+			v.add(prefix+interval, "%v must be positive when idle (%s) is positive", ka.Interval, show(idle, ka.Idle))
+		case own(idle):
+			v.add(prefix+idle, "%v needs a positive interval (%s)", ka.Idle, show(interval, ka.Interval))
+		}
+	}
+	if ka.Count == 0 || (ka.Count < 0 && !own(count)) {
+		switch {
+		case own(count):
+			v.add(prefix+count, "%d must be positive when idle (%s) is positive", ka.Count, show(idle, ka.Idle))
+		case own(idle):
+			v.add(prefix+idle, "%v needs a positive count (%s)", ka.Idle, show(count, ka.Count))
+		}
+	}
 }
 
 // mesh checks Settings.Mesh; see settings for prefix, own and show. Its
@@ -734,7 +766,7 @@ func (v *validator) detector(prefix string, d *Detector, own func(string) bool, 
 	if (d.HTTP.Port < 0 || d.HTTP.Port > 65535) && own(port) {
 		v.add(prefix+port, "%d is not a port number from 0 to 65535 (0 probes the endpoint's own port)", d.HTTP.Port)
 	}
-	if d.Probe == health.ProbeHTTP && !strings.HasPrefix(d.HTTP.Path, "/") {
+	if d.Probe == ProbeKindHTTP && !strings.HasPrefix(d.HTTP.Path, "/") {
 		switch {
 		case own(path):
 			v.add(prefix+path, "%q must start with \"/\" when probe is %s", d.HTTP.Path, show(probe, d.Probe))

@@ -21,19 +21,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
 // Real errors, sorted into the upstream's and the proxy's own.
 func TestUpstreamFaultClassification(t *testing.T) {
 	refused := func() error {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		addr := ln.Addr().String()
-		ln.Close()
-		_, err = net.Dial("tcp", addr)
+		_, err := net.Dial("tcp", lptestutil.ClosedAddr(t))
 		return err
 	}()
 	timedOut := func() error {

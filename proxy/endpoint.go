@@ -163,7 +163,7 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 	kind, port := s.Probe()
 	return health.ProbeConfig{
 		Dialer:       &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)},
-		Kind:         kind,
+		Kind:         healthProbeKind(kind),
 		Timeout:      d.ProbeTimeout.D(),
 		InitialDelay: d.InitialDelay.D(),
 		Factor:       d.BackoffFactor,
@@ -172,6 +172,21 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 		HTTPPort:     port,
 		HTTPPath:     d.HTTP.Path,
 	}
+}
+
+// healthProbeKind translates a probe kind of the configuration into the
+// detector's. A kind policy does not name (validation rejects it) is passed
+// on as it is: the detector warns and fails every probe of the endpoint.
+func healthProbeKind(kind string) string {
+	switch kind {
+	case policy.ProbeKindConnect:
+		return health.ProbeConnect
+	case policy.ProbeKindHTTP:
+		return health.ProbeHTTP
+	case policy.ProbeKindKafka:
+		return health.ProbeKafka
+	}
+	return kind
 }
 
 func (ep *endpoint) add(lk *link) {

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"encoding/json"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -121,7 +120,7 @@ func TestAccessLogAndOneLinePerStateChange(t *testing.T) {
 // has no series it can never produce; queued bytes and link durations are
 // exported.
 func TestEndpointCountersOncePerEndpoint(t *testing.T) {
-	dead := closedPort(t)
+	dead := testutil.ClosedAddr(t)
 	cfg := policy.DefaultConfig()
 	s := cfg.Defaults
 	s.Detector.InitialDelay = policy.Duration(20 * time.Millisecond)
@@ -183,17 +182,6 @@ func TestEndpointCountersOncePerEndpoint(t *testing.T) {
 	if family(t, m, "link_duration_seconds") == nil {
 		t.Error("no link_duration_seconds")
 	}
-}
-
-func closedPort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	return addr
 }
 
 // queued_bytes shows what waits in the proxy's queues for a stalled

@@ -17,7 +17,6 @@ import (
 	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -414,7 +413,7 @@ func TestPinotQueryTimeoutIsTheDeadline(t *testing.T) {
 				s.Framing.Type = policy.FramingPinot
 				s.Unanswered.RequestTimeout = policy.Duration(200 * time.Millisecond)
 				s.Unanswered.ConsecutiveTimeoutsThreshold = 3
-				s.Detector.Probe = health.ProbeConnect
+				s.Detector.Probe = policy.ProbeKindConnect
 				s.Detector.InitialDelay = policy.Duration(10 * time.Second)
 			})
 			c := h.dial()
@@ -458,7 +457,7 @@ func TestPinotHugeTimeoutNeverJudged(t *testing.T) {
 		s.Framing.Type = policy.FramingPinot
 		s.Unanswered.RequestTimeout = policy.Duration(50 * time.Millisecond)
 		s.Unanswered.ConsecutiveTimeoutsThreshold = 1
-		s.Detector.Probe = health.ProbeConnect
+		s.Detector.Probe = policy.ProbeKindConnect
 	})
 	c := h.dial()
 	for i := range 3 {

@@ -10,7 +10,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -381,7 +380,7 @@ func TestReloadAppliesEveryKey(t *testing.T) {
 	s.HalfCloseTimeout = policy.Duration(9 * time.Second)
 	s.Framing = policy.Framing{Type: policy.FramingKafka, LengthFieldLength: 4, ByteOrder: policy.ByteOrderBig, MaxFrameLength: 1 << 20}
 	s.Unanswered = policy.Unanswered{Track: policy.TrackOn, RequestTimeout: policy.Duration(time.Second), ConsecutiveTimeoutsThreshold: 2}
-	s.Detector = policy.Detector{Probe: health.ProbeHTTP, ProbeTimeout: policy.Duration(2 * time.Second), InitialDelay: policy.Duration(2 * time.Second),
+	s.Detector = policy.Detector{Probe: policy.ProbeKindHTTP, ProbeTimeout: policy.Duration(2 * time.Second), InitialDelay: policy.Duration(2 * time.Second),
 		BackoffFactor: 3, MaxDelay: policy.Duration(time.Minute), Jitter: 0.1, HTTP: policy.ProbeHTTP{Port: 8097, Path: "/ready"}}
 	s.OnExcluded = policy.OnExcludedAllow
 	s.ConnectAttempts = 2

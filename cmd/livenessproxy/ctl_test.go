@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -56,7 +57,7 @@ func rowOf(t *testing.T, table, key string) []string {
 func TestCtlAgainstARunningProxy(t *testing.T) {
 	a := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, controlAddr, echoAddr, poolAddr := freePort(t), freePort(t), freePort(t), freePort(t)
+	adminAddr, controlAddr, echoAddr, poolAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
 	cfgPath := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 shutdown_grace: 0s
 drain_timeout: 100ms
@@ -185,7 +186,7 @@ func TestCtlUnixSocketAndToken(t *testing.T) {
 shutdown_grace: 0s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
-`, sock, token, freePort(t), peer.Addr()))
+`, sock, token, testutil.ClosedAddr(t), peer.Addr()))
 	p := startProc(t, cfgPath)
 	mustCtl(t, "--config", cfgPath, "wait-ready", "--timeout", "10s")
 	if out := mustCtl(t, "--config", cfgPath, "disable", peer.Addr()); out != peer.Addr()+": disabled (changed)\n" {
@@ -218,7 +219,7 @@ func TestCtlUsage(t *testing.T) {
 		{[]string{"-o", "yaml", "endpoints"}, 2, `-o "yaml" is not table or json`},
 		{[]string{"--bogus", "endpoints"}, 2, "flag provided but not defined: -bogus"},
 		{[]string{"--control", "nowhere", "endpoints"}, 1, `--control "nowhere" is not a host:port or unix:/path`},
-		{[]string{"--control", freePort(t), "endpoints"}, 1, "the control server 127.0.0.1:"},
+		{[]string{"--control", testutil.ClosedAddr(t), "endpoints"}, 1, "the control server 127.0.0.1:"},
 	} {
 		code, _, errb := ctl(t, tc.args...)
 		if code != tc.code || !strings.Contains(errb, tc.want) {

@@ -29,16 +29,6 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
-func freePort(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
 func writeConfig(t *testing.T, body string) string {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "config.yaml")
@@ -94,7 +84,7 @@ func TestVersionAndUsage(t *testing.T) {
 // drains and exits 0. Log lines are JSON with millisecond timestamps.
 func TestRunServesAndDrainsOnSIGTERM(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, controlAddr, listenAddr := freePort(t), freePort(t), freePort(t)
+	adminAddr, controlAddr, listenAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
 	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 log: {level: debug}
 drain_timeout: 300ms
@@ -244,7 +234,7 @@ func waitFor(t *testing.T, within time.Duration, cond func() bool) {
 // config keeps serving; SIGHUP reloads on demand.
 func TestReloadFromConfigMapSwap(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, aAddr, bAddr := freePort(t), freePort(t), freePort(t)
+	adminAddr, aAddr, bAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
 	dir := t.TempDir()
 	write := func(gen, body string) {
 		t.Helper()

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // echoOn writes msg on c and reads it back.
@@ -31,7 +32,7 @@ func echoOn(t *testing.T, c net.Conn, msg string) {
 // links are gone (shutdown_idle later), long before the grace is over.
 func TestShutdownGraceServesTheClientsLastConnects(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, listenAddr := freePort(t), freePort(t)
+	adminAddr, listenAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t)
 	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: ""}
 shutdown_grace: 60s
 shutdown_idle: 300ms
@@ -78,7 +79,7 @@ listeners:
 // drained for drain_timeout and then closed, as without a grace.
 func TestShutdownGraceBoundedWhenLinksStay(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	listenAddr := freePort(t)
+	listenAddr := testutil.ClosedAddr(t)
 	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: "", control_listen: ""}
 shutdown_grace: 1s
 shutdown_idle: 200ms

@@ -18,13 +18,10 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
-	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
 
@@ -114,185 +111,53 @@ func measure(ls []*pinotsim.Load, flapAt time.Time) pathResult {
 	return r
 }
 
+// run replays the flap: it builds the loopback world (rig), loads both
+// paths, flaps the server's node, prints the events as they happen and
+// then the table, and returns what it measured.
 func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 	start := time.Now()
 	out := &printer{w: w, start: start}
-
-	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{})
+	r := &rig{}
+	defer r.close()
+	if err := r.startServer(); err != nil {
+		return nil, err
+	}
+	if err := r.startProxy(p); err != nil {
+		return nil, err
+	}
+	r.addBrokers(p)
+	printPlan(out, p)
+	r.startLoads(p)
+	out.line(time.Now(), "load starts on both paths")
+	r.watchStates(ctx)
+	if err := sleep(ctx, p.warmup); err != nil {
+		return nil, err
+	}
+	flapAt, err := r.flap(out)
 	if err != nil {
-		return nil, fmt.Errorf("start server: %w", err)
+		return nil, err
 	}
-	srvAddr := srv.Addr()
-	defer func() { _ = srv.Close() }() // the server running at the end
-	rl, err := newRelay(srvAddr)
-	if err != nil {
-		return nil, fmt.Errorf("start relay: %w", err)
+	if err := r.watcher(flapAt, out).until(ctx, flapAt.Add(p.observe)); err != nil {
+		return nil, err
 	}
-	defer rl.close()
+	res = r.measure(p, flapAt, flapAt.Sub(start))
+	printResult(out, res, p)
+	r.shutdown()
+	return res, ctx.Err()
+}
 
-	cfg := policy.DefaultConfig()
-	cfg.Admin.Listen = ""
-	s := cfg.Defaults
-	s.Framing = policy.Framing{Type: policy.FramingLengthField, LengthFieldLength: 4, ByteOrder: policy.ByteOrderBig, MaxFrameLength: 16 * policy.MiB}
-	s.Unanswered = policy.Unanswered{Track: policy.TrackOn, RequestTimeout: policy.Duration(p.requestTimeout), ConsecutiveTimeoutsThreshold: p.threshold}
-	s.Detector.InitialDelay = policy.Duration(p.initialDelay)
-	s.Detector.ProbeTimeout = policy.Duration(300 * time.Millisecond)
-	s.Detector.MaxDelay = policy.Duration(2 * time.Second)
-	s.Detector.Jitter = 0
-	cfg.Defaults = s
-	cfg.Listeners = []policy.Listener{{Name: listener, Listen: "127.0.0.1:0", Upstream: rl.addr(), Settings: s}}
-	if err := cfg.Validate(); err != nil {
-		return nil, fmt.Errorf("demo proxy config: %w", err)
-	}
-	var endsMu sync.Mutex
-	var ends []proxy.LinkStats
-	var endAt []time.Time
-	px := proxy.New(cfg, proxy.Options{OnLinkEnd: func(ls proxy.LinkStats) {
-		endsMu.Lock()
-		ends = append(ends, ls)
-		endAt = append(endAt, time.Now())
-		endsMu.Unlock()
-	}})
-	if err := px.Start(); err != nil {
-		return nil, fmt.Errorf("start proxy: %w", err)
-	}
-	defer px.Close()
-	proxyAddr := px.Addr(listener).String()
-
-	var direct, proxied []*pinotsim.Load
-	var brokers []*pinotsim.Broker
-	defer func() {
-		for _, b := range brokers {
-			_ = b.Close()
-		}
-	}()
-	for i := range p.conns {
-		db := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: fmt.Sprintf("Broker_direct_%d", i), Timeout: p.queryTimeout})
-		pb := pinotsim.NewBroker(pinotsim.BrokerConfig{ID: fmt.Sprintf("Broker_proxied_%d", i), Timeout: p.queryTimeout})
-		brokers = append(brokers, db, pb)
-	}
-
+// printPlan says what the run will do, before the load starts.
+func printPlan(out *printer, p params) {
 	out.raw("livenessproxy demo: a server node flaps without a FIN, replayed on loopback with and without the proxy (~%s)",
 		(p.warmup + p.observe + p.queryTimeout).Round(time.Second))
 	out.raw("  load     %d connections per path, a query every %s on each (Pinot-style broker, %s query timeout)", p.conns, p.queryEvery, p.queryTimeout)
 	out.raw("  direct   brokers → network → server")
 	out.raw("  proxied  brokers → livenessproxy → network → server (request_timeout %s, threshold %d, connect probe after %s)",
 		p.requestTimeout, p.threshold, p.initialDelay)
+}
 
-	perConn := int((p.warmup + p.observe) / p.queryEvery)
-	for i := 0; i < len(brokers); i += 2 {
-		direct = append(direct, pinotsim.StartLoad(brokers[i], rl.addr(), p.queryEvery, perConn, time.Duration(perConn+1)*p.queryEvery))
-		proxied = append(proxied, pinotsim.StartLoad(brokers[i+1], proxyAddr, p.queryEvery, perConn, time.Duration(perConn+1)*p.queryEvery))
-	}
-	loads := append(append([]*pinotsim.Load(nil), direct...), proxied...)
-	defer func() {
-		for _, l := range loads {
-			l.Stop() // cuts what is still waiting when the run ends early
-		}
-	}()
-	out.line(time.Now(), "load starts on both paths")
-
-	// Watch the endpoint's state as the proxy reports it.
-	stateCtx, stopStates := context.WithCancel(ctx)
-	type seen struct {
-		at            time.Time
-		state, reason string
-	}
-	var states []seen
-	var statesMu sync.Mutex
-	var stateWG sync.WaitGroup
-	stateWG.Add(1)
-	go func() {
-		defer stateWG.Done()
-		var since time.Time
-		tick := time.NewTicker(5 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			for _, st := range px.Endpoints() {
-				if !st.Since.Equal(since) {
-					since = st.Since
-					statesMu.Lock()
-					states = append(states, seen{st.Since, st.State, st.Reason})
-					statesMu.Unlock()
-				}
-			}
-			select {
-			case <-stateCtx.Done():
-				return
-			case <-tick.C:
-			}
-		}
-	}()
-	defer func() { stopStates(); stateWG.Wait() }()
-
-	if err := sleep(ctx, p.warmup); err != nil {
-		return nil, err
-	}
-
-	// The flap.
-	flapAt := time.Now()
-	n := rl.stall()
-	_ = srv.Close()
-	restarted, err := pinotsim.NewServer(pinotsim.ServerConfig{Addr: srvAddr})
-	if err != nil {
-		return nil, fmt.Errorf("restart server on %s: %w", srvAddr, err)
-	}
-	srv = restarted
-	out.line(flapAt, "flap: the network drops the %d open connections (no FIN, no reset); the server dies, a new one starts on %s", n, srvAddr)
-
-	// Each event is printed as it happens (within a poll), not at the end.
-	w8 := watcher{flapAt: flapAt, out: out, proxied: proxied}
-	w8.ends = func() ([]proxy.LinkStats, []time.Time) {
-		endsMu.Lock()
-		defer endsMu.Unlock()
-		return slices.Clone(ends), slices.Clone(endAt)
-	}
-	w8.states = func() []stateChange {
-		statesMu.Lock()
-		defer statesMu.Unlock()
-		var cs []stateChange
-		for _, c := range states {
-			if c.at.After(flapAt) {
-				cs = append(cs, stateChange{At: c.at.Sub(flapAt), State: c.state, Reason: c.reason})
-			}
-		}
-		return cs
-	}
-	if err := w8.until(ctx, flapAt.Add(p.observe)); err != nil {
-		return nil, err
-	}
-	obsEnd := time.Now()
-	res = &result{FlapAt: flapAt.Sub(start)}
-	// The loads stop sending now; let the queries in flight end (at the
-	// latest at the broker's timeout), then take the numbers.
-	pinotsim.FinishAll(loads, p.queryTimeout+time.Second)
-	openAtEnd := 0
-	for i := 0; i < len(brokers); i += 2 {
-		if brokers[i].Connected(rl.addr()) {
-			openAtEnd++
-		}
-	}
-	stopStates()
-	stateWG.Wait()
-	res.Direct = measure(direct, flapAt)
-	res.Direct.OpenAtEnd = openAtEnd
-	res.Proxied = measure(proxied, flapAt)
-
-	endsMu.Lock()
-	for i, e := range ends {
-		if endAt[i].After(flapAt) && endAt[i].Before(obsEnd) {
-			res.LinkEnds = append(res.LinkEnds, linkEnd{At: endAt[i].Sub(flapAt), Stats: e})
-		}
-	}
-	endsMu.Unlock()
-	statesMu.Lock()
-	for _, c := range states {
-		if c.at.After(flapAt) {
-			res.States = append(res.States, stateChange{At: c.at.Sub(flapAt), State: c.state, Reason: c.reason})
-		}
-	}
-	statesMu.Unlock()
-
+// printResult prints the direct path's state at the end and the table.
+func printResult(out *printer, res *result, p params) {
 	state := fmt.Sprintf("%d of %d connections still open", res.Direct.OpenAtEnd, p.conns)
 	out.line(time.Now(), "direct: %d queries sent since the flap, %d answered, %d timed out; %s (the kernel retransmits for ~15 min)",
 		res.Direct.Sent, res.Direct.OK, res.Direct.TimedOut, state)
@@ -304,15 +169,6 @@ func run(ctx context.Context, w io.Writer, p params) (res *result, err error) {
 		row("via proxy", res.Proxied, p.observe),
 	})
 	out.raw("(queries sent in the %s after the flap; recovery: until every connection had a query answered again)", p.observe)
-
-	// Orderly teardown: brokers first, so the proxy's links end cleanly.
-	for _, b := range brokers {
-		_ = b.Close()
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	_ = px.Shutdown(sctx)
-	cancel()
-	return res, ctx.Err()
 }
 
 // watcher prints the events after the flap as they happen: each dead

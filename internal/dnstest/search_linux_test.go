@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -112,16 +113,7 @@ func TestSearchDomains(t *testing.T) {
 }
 
 func equalSets(a, b []netip.Addr) bool {
-	a, b = sorted(a), sorted(b)
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
+	return slices.Equal(sorted(a), sorted(b))
 }
 
 // useResolvConf bind-mounts a file holding content over /etc/resolv.conf.

@@ -110,8 +110,34 @@ func Remove() error {
 }
 
 // ruleExprs translates r into nftables expressions, the way nft compiles the
-// same rule in an inet table.
+// same rule in an inet table: the meta matches, the destination address,
+// the address-and-port set, the destination ports, then the verdict.
 func ruleExprs(c *nftables.Conn, t *nftables.Table, r Rule, sets map[string]*nftables.Set) ([]expr.Any, error) {
+	e := metaExprs(r)
+	daddr, err := daddrExprs(r)
+	if err != nil {
+		return nil, err
+	}
+	e = append(e, daddr...)
+	set, err := setExprs(r, sets)
+	if err != nil {
+		return nil, err
+	}
+	e = append(e, set...)
+	dports, err := dportExprs(c, t, r)
+	if err != nil {
+		return nil, err
+	}
+	e = append(e, dports...)
+	verdict, err := verdictExprs(r)
+	if err != nil {
+		return nil, err
+	}
+	return append(e, verdict...), nil
+}
+
+// metaExprs match r's socket owner, mark, address family and TCP.
+func metaExprs(r Rule) []expr.Any {
 	var e []expr.Any
 	if r.UID != nil {
 		e = append(e,
@@ -141,78 +167,98 @@ func ruleExprs(c *nftables.Conn, t *nftables.Table, r Rule, sets map[string]*nft
 			&expr.Cmp{Op: expr.CmpOpEq, Register: reg1, Data: []byte{unix.IPPROTO_TCP}},
 		)
 	}
-	if r.DAddr.IsValid() {
-		if r.DAddr.Addr().Is6() != (r.Family == IPv6) {
-			return nil, fmt.Errorf("daddr %s does not match the rule's family", r.DAddr)
-		}
-		off, n := daddrPayload(r.Family)
-		e = append(e, &expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: n})
-		addr := r.DAddr.Addr().AsSlice()
-		if !r.DAddr.IsSingleIP() {
-			mask := prefixMask(r.DAddr.Bits(), len(addr))
-			e = append(e, &expr.Bitwise{SourceRegister: reg1, DestRegister: reg1, Len: n, Mask: mask, Xor: make([]byte, n)})
-		}
-		e = append(e, &expr.Cmp{Op: expr.CmpOpEq, Register: reg1, Data: addr})
+	return e
+}
+
+// daddrExprs match r's destination address or prefix, if it has one.
+func daddrExprs(r Rule) ([]expr.Any, error) {
+	if !r.DAddr.IsValid() {
+		return nil, nil
 	}
-	if r.DAddrPortSet != "" {
-		s, ok := sets[r.DAddrPortSet]
-		if !ok {
-			return nil, fmt.Errorf("unknown set %q", r.DAddrPortSet)
-		}
-		if r.Family != IPv4 && r.Family != IPv6 {
-			return nil, errors.New("a set lookup needs an address family")
-		}
-		off, n := daddrPayload(r.Family)
-		portReg := uint32(unix.NFT_REG32_00 + n/4) // the 32-bit register after the address
-		e = append(e,
-			&expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: n},
-			&expr.Payload{DestRegister: portReg, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
-			&expr.Lookup{SourceRegister: reg1, SetName: s.Name, SetID: s.ID},
-		)
+	if r.DAddr.Addr().Is6() != (r.Family == IPv6) {
+		return nil, fmt.Errorf("daddr %s does not match the rule's family", r.DAddr)
 	}
+	off, n := daddrPayload(r.Family)
+	e := []expr.Any{&expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: n}}
+	addr := r.DAddr.Addr().AsSlice()
+	if !r.DAddr.IsSingleIP() {
+		mask := prefixMask(r.DAddr.Bits(), len(addr))
+		e = append(e, &expr.Bitwise{SourceRegister: reg1, DestRegister: reg1, Len: n, Mask: mask, Xor: make([]byte, n)})
+	}
+	return append(e, &expr.Cmp{Op: expr.CmpOpEq, Register: reg1, Data: addr}), nil
+}
+
+// setExprs look the destination address and port up in r's named set, if
+// it has one.
+func setExprs(r Rule, sets map[string]*nftables.Set) ([]expr.Any, error) {
+	if r.DAddrPortSet == "" {
+		return nil, nil
+	}
+	s, ok := sets[r.DAddrPortSet]
+	if !ok {
+		return nil, fmt.Errorf("unknown set %q", r.DAddrPortSet)
+	}
+	if r.Family != IPv4 && r.Family != IPv6 {
+		return nil, errors.New("a set lookup needs an address family")
+	}
+	off, n := daddrPayload(r.Family)
+	portReg := uint32(unix.NFT_REG32_00 + n/4) // the 32-bit register after the address
+	return []expr.Any{
+		&expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseNetworkHeader, Offset: off, Len: n},
+		&expr.Payload{DestRegister: portReg, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+		&expr.Lookup{SourceRegister: reg1, SetName: s.Name, SetID: s.ID},
+	}, nil
+}
+
+// dportExprs match r's destination ports: one by comparison, several by
+// lookup in an anonymous set that it adds to c in table t.
+func dportExprs(c *nftables.Conn, t *nftables.Table, r Rule) ([]expr.Any, error) {
 	switch len(r.DPorts) {
 	case 0:
+		return nil, nil
 	case 1:
-		e = append(e,
+		return []expr.Any{
 			&expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
 			&expr.Cmp{Op: expr.CmpOpEq, Register: reg1, Data: binaryutil.BigEndian.PutUint16(r.DPorts[0])},
-		)
-	default:
-		anon := &nftables.Set{
-			Table:     t,
-			Anonymous: true,
-			Constant:  true,
-			KeyType:   nftables.TypeInetService,
-		}
-		elems := make([]nftables.SetElement, len(r.DPorts))
-		for i, p := range r.DPorts {
-			elems[i] = nftables.SetElement{Key: binaryutil.BigEndian.PutUint16(p)}
-		}
-		if err := c.AddSet(anon, elems); err != nil {
-			return nil, fmt.Errorf("port set: %w", err)
-		}
-		e = append(e,
-			&expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
-			&expr.Lookup{SourceRegister: reg1, SetName: anon.Name, SetID: anon.ID},
-		)
+		}, nil
 	}
+	anon := &nftables.Set{
+		Table:     t,
+		Anonymous: true,
+		Constant:  true,
+		KeyType:   nftables.TypeInetService,
+	}
+	elems := make([]nftables.SetElement, len(r.DPorts))
+	for i, p := range r.DPorts {
+		elems[i] = nftables.SetElement{Key: binaryutil.BigEndian.PutUint16(p)}
+	}
+	if err := c.AddSet(anon, elems); err != nil {
+		return nil, fmt.Errorf("port set: %w", err)
+	}
+	return []expr.Any{
+		&expr.Payload{DestRegister: reg1, Base: expr.PayloadBaseTransportHeader, Offset: 2, Len: 2},
+		&expr.Lookup{SourceRegister: reg1, SetName: anon.Name, SetID: anon.ID},
+	}, nil
+}
+
+// verdictExprs are r's verdict: return, a TCP reset, or a redirect to
+// r.ToPort.
+func verdictExprs(r Rule) ([]expr.Any, error) {
 	switch r.Verdict {
 	case Return:
-		e = append(e, &expr.Verdict{Kind: expr.VerdictReturn})
+		return []expr.Any{&expr.Verdict{Kind: expr.VerdictReturn}}, nil
 	case RejectTCPReset:
-		e = append(e, &expr.Reject{Type: unix.NFT_REJECT_TCP_RST})
+		return []expr.Any{&expr.Reject{Type: unix.NFT_REJECT_TCP_RST}}, nil
 	case Redirect:
 		if r.ToPort == 0 {
 			return nil, errors.New("redirect without a port")
 		}
-		e = append(e,
+		return []expr.Any{
 			&expr.Immediate{Register: reg1, Data: binaryutil.BigEndian.PutUint16(r.ToPort)},
 			&expr.Redir{RegisterProtoMin: reg1},
-		)
-	default:
-		return nil, fmt.Errorf("unknown verdict %d", r.Verdict)
+		}, nil
 	}
-	return e, nil
+	return nil, fmt.Errorf("unknown verdict %d", r.Verdict)
 }
 
 // daddrPayload returns the offset and length of the destination address in

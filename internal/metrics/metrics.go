@@ -122,6 +122,10 @@ func New() *Metrics {
 }
 
 // NewOn builds the data plane's collectors and registers them on reg.
+//
+// Long: a flat list, one collector a field with its name, help and labels,
+// then their registration; it reads best as the one table of the data
+// plane's series.
 func NewOn(reg prometheus.Registerer) *Metrics {
 	m := &Metrics{
 		reg: reg,

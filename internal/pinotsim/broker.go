@@ -232,27 +232,16 @@ func (b *Broker) Query(ctx context.Context, addr string) Result {
 	return res
 }
 
+// query sends one query to addr over the route's cached connection
+// (connecting it first if needed, holding the route's lock as Pinot's
+// channel lock) and waits for its answer until deadline.
 func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Time) Result {
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
+	r := b.routeTo(addr)
+	if r == nil {
 		return Result{Outcome: FailedFast, Err: ErrBrokerClosed}
 	}
-	r := b.routes[addr]
-	if r == nil {
-		r = &route{lock: make(chan struct{}, 1)}
-		b.routes[addr] = r
-	}
-	b.mu.Unlock()
-
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
-	ctxDone := func() Result {
-		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			return Result{Outcome: TimedOut, Err: ErrTimeout}
-		}
-		return Result{Outcome: Canceled, Err: ctx.Err()}
-	}
 
 	// Take the channel lock, with the query's remaining time.
 	select {
@@ -260,35 +249,73 @@ func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Ti
 	case <-timer.C:
 		return Result{Outcome: TimedOut, Err: ErrLockTimeout}
 	case <-ctx.Done():
-		return ctxDone()
+		return ctxResult(ctx)
 	}
+	c, res := b.connected(ctx, r, addr, deadline)
+	if c == nil {
+		return res
+	}
+	id, ch, err := b.send(c, start, deadline)
+	<-r.lock
+	if err != nil {
+		return Result{Outcome: FailedFast, ID: id, Err: err}
+	}
+	return b.await(ctx, timer, c, id, ch)
+}
+
+// routeTo is the route to addr, made on first use; nil once the broker
+// is closed.
+func (b *Broker) routeTo(addr string) *route {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil
+	}
+	r := b.routes[addr]
+	if r == nil {
+		r = &route{lock: make(chan struct{}, 1)}
+		b.routes[addr] = r
+	}
+	return r
+}
+
+// connected returns r's connection, holding r's lock: connectWithoutLocking
+// dials only when it is null or inactive, synchronously, with the lock
+// held. If the dial fails it releases the lock and returns nil and the
+// query's result.
+func (b *Broker) connected(ctx context.Context, r *route, addr string, deadline time.Time) (*brokerConn, Result) {
 	c := r.conn.Load()
-	if c == nil || c.isClosed() {
-		// connectWithoutLocking: only when null or inactive, synchronously,
-		// holding the lock.
-		dctx, cancel := context.WithDeadline(ctx, minTime(deadline, time.Now().Add(b.cfg.DialTimeout)))
-		var d net.Dialer
-		nc, err := d.DialContext(dctx, "tcp", addr)
-		cancel()
-		if err != nil {
-			<-r.lock
-			b.dialErrs.Add(1)
-			if ctx.Err() != nil {
-				return ctxDone()
-			}
-			if !time.Now().Before(deadline) {
-				return Result{Outcome: TimedOut, Err: err}
-			}
-			return Result{Outcome: FailedFast, Err: err}
-		}
-		c = b.newConn(addr, nc)
-		if c == nil {
-			<-r.lock
-			return Result{Outcome: FailedFast, Err: ErrBrokerClosed}
-		}
-		r.conn.Store(c)
-		b.connects.Add(1)
+	if c != nil && !c.isClosed() {
+		return c, Result{}
 	}
+	dctx, cancel := context.WithDeadline(ctx, minTime(deadline, time.Now().Add(b.cfg.DialTimeout)))
+	var d net.Dialer
+	nc, err := d.DialContext(dctx, "tcp", addr)
+	cancel()
+	if err != nil {
+		<-r.lock
+		b.dialErrs.Add(1)
+		if ctx.Err() != nil {
+			return nil, ctxResult(ctx)
+		}
+		if !time.Now().Before(deadline) {
+			return nil, Result{Outcome: TimedOut, Err: err}
+		}
+		return nil, Result{Outcome: FailedFast, Err: err}
+	}
+	c = b.newConn(addr, nc)
+	if c == nil {
+		<-r.lock
+		return nil, Result{Outcome: FailedFast, Err: ErrBrokerClosed}
+	}
+	r.conn.Store(c)
+	b.connects.Add(1)
+	return c, Result{}
+}
+
+// send frames a query sent at start with its deadline and queues it on c;
+// it returns the query's id and the channel its answer comes on.
+func (b *Broker) send(c *brokerConn, start, deadline time.Time) (int64, chan error, error) {
 	id := b.idBase + b.seq.Add(1)%1_000_000_000
 	req := Request{
 		ID: id, Table: b.cfg.Table, Segments: b.segments, BrokerID: b.cfg.ID,
@@ -300,36 +327,45 @@ func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Ti
 	frame := AppendRequest(make([]byte, HeaderLen, HeaderLen+b.cfg.RequestSize+256), &req)
 	binary.BigEndian.PutUint32(frame, uint32(len(frame)-HeaderLen))
 	ch, err := c.send(id, frame)
-	<-r.lock
-	if err != nil {
-		return Result{Outcome: FailedFast, ID: id, Err: err}
-	}
+	return id, ch, err
+}
 
+// await waits for the answer to query id on ch until timer fires or ctx
+// ends; an answer that came as the wait ended still counts.
+func (b *Broker) await(ctx context.Context, timer *time.Timer, c *brokerConn, id int64, ch chan error) Result {
 	select {
 	case err := <-ch:
-		if err != nil {
-			return Result{Outcome: FailedFast, ID: id, Err: err}
-		}
-		return Result{Outcome: OK, ID: id}
+		return answered(id, err)
 	case <-timer.C:
 		if err, done := c.forget(id, ch); done {
-			if err != nil {
-				return Result{Outcome: FailedFast, ID: id, Err: err}
-			}
-			return Result{Outcome: OK, ID: id}
+			return answered(id, err)
 		}
 		return Result{Outcome: TimedOut, ID: id, Err: ErrTimeout}
 	case <-ctx.Done():
 		if err, done := c.forget(id, ch); done {
-			if err != nil {
-				return Result{Outcome: FailedFast, ID: id, Err: err}
-			}
-			return Result{Outcome: OK, ID: id}
+			return answered(id, err)
 		}
-		res := ctxDone()
+		res := ctxResult(ctx)
 		res.ID = id
 		return res
 	}
+}
+
+// answered is the result of query id answered with err (nil: a response).
+func answered(id int64, err error) Result {
+	if err != nil {
+		return Result{Outcome: FailedFast, ID: id, Err: err}
+	}
+	return Result{Outcome: OK, ID: id}
+}
+
+// ctxResult is the result of a query whose ctx ended: timed out at its
+// deadline, else canceled.
+func ctxResult(ctx context.Context) Result {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return Result{Outcome: TimedOut, Err: ErrTimeout}
+	}
+	return Result{Outcome: Canceled, Err: ctx.Err()}
 }
 
 // remainingMs is the budget left at now, in whole milliseconds (truncated,

@@ -102,7 +102,7 @@ func setupMesh(ctx context.Context, o options, tmp, serverAddr string, cpus *uni
 		p.Skipped = err.Error()
 		return p
 	}
-	meshAddr, err := freePort()
+	meshAddr, err := testutil.PickClosedAddr()
 	if err != nil {
 		p.Skipped = err.Error()
 		return p
@@ -160,7 +160,7 @@ func lpFraming(o options) string {
 // target (its upstream or ingress line, then settings lines), and checks a
 // request through it.
 func startLP(ctx context.Context, p path, bin, tmp, target string, cpus *unix.CPUSet) path {
-	addr, err := freePort()
+	addr, err := testutil.PickClosedAddr()
 	if err != nil {
 		p.Skipped = err.Error()
 		return p
@@ -169,7 +169,7 @@ func startLP(ctx context.Context, p path, bin, tmp, target string, cpus *unix.CP
 }
 
 func startLPAt(ctx context.Context, p path, bin, tmp, addr, target string, cpus *unix.CPUSet, probeIt bool) path {
-	adminAddr, err := freePort()
+	adminAddr, err := testutil.PickClosedAddr()
 	if err != nil {
 		p.Skipped = err.Error()
 		return p
@@ -245,7 +245,7 @@ func setupHAProxy(ctx context.Context, o options, tmp, serverAddr string, cpus *
 		p.Skipped = "not found on PATH (apt-get install -y haproxy)"
 		return p
 	}
-	addr, err := freePort()
+	addr, err := testutil.PickClosedAddr()
 	if err != nil {
 		p.Skipped = err.Error()
 		return p

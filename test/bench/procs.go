@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -291,14 +290,4 @@ func waitListening(ctx context.Context, addr string, c *child, timeout time.Dura
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-}
-
-// freePort returns a loopback address whose port was free a moment ago.
-func freePort() (string, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	addr := ln.Addr().String()
-	return addr, ln.Close()
 }

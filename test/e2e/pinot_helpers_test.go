@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -39,7 +38,7 @@ func pinotSettings(requestTimeout time.Duration, threshold int, initialDelay tim
 		RequestTimeout:               policy.Duration(requestTimeout),
 		ConsecutiveTimeoutsThreshold: threshold,
 	}
-	s.Detector.Probe = health.ProbeConnect
+	s.Detector.Probe = policy.ProbeKindConnect
 	s.Detector.InitialDelay = policy.Duration(initialDelay)
 	s.Detector.ProbeTimeout = policy.Duration(300 * time.Millisecond)
 	s.Detector.BackoffFactor = 2

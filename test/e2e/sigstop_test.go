@@ -17,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -244,7 +243,7 @@ func stoppedServer(t *testing.T, httpProbe bool) {
 	// probe: at most max_delay (2s) + probe_timeout later.
 	readmitBound := 2 * time.Second
 	if httpProbe {
-		s.Detector.Probe = health.ProbeHTTP
+		s.Detector.Probe = policy.ProbeKindHTTP
 		port, err := strconv.Atoi(splitPort(t, sp.health))
 		if err != nil {
 			t.Fatal(err)
