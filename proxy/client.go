@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
 	"github.com/hashicorp/yamux"
@@ -107,7 +109,7 @@ func (r *streamReader) read(s streamConn, limit int) (*[]byte, int, error) {
 // end.
 type streamClient struct {
 	s      *yamux.Stream
-	ms     *meshSession
+	ms     *mesh.Session
 	remote net.Addr
 	r      streamReader
 	rst    atomic.Bool // the link aborts: Close resets the stream
@@ -122,7 +124,7 @@ var errSessionClosed = errors.New("mesh: the session to the peer sidecar closed"
 
 func (c *streamClient) read(limit int) (*[]byte, int, error) {
 	bp, n, err := c.r.read(c.s, limit)
-	if n == 0 && errors.Is(err, io.EOF) && c.ms.closed() {
+	if n == 0 && errors.Is(err, io.EOF) && c.ms.Closed() {
 		err = errSessionClosed
 	}
 	return bp, n, err
@@ -149,7 +151,7 @@ func (c *streamClient) abortive() { c.rst.Store(true) }
 
 // upstreamConnected sends the ack the egress waits for in its dial.
 func (c *streamClient) upstreamConnected() error {
-	_, err := c.s.Write([]byte{meshAck})
+	_, err := c.s.Write([]byte{mesh.Ack})
 	return err
 }
 
@@ -159,7 +161,7 @@ func (c *streamClient) upstreamConnected() error {
 // egress closes its side (or after half_close_timeout).
 func (c *streamClient) Close() error {
 	if c.rst.Load() {
-		c.ms.resetStream(c.s)
+		c.ms.ResetStream(c.s)
 	}
 	err := c.s.Close()
 	_ = c.s.SetDeadline(pastDeadline)

@@ -6,6 +6,8 @@ import (
 	"net"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
@@ -130,7 +132,7 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 		return false
 	}
 	switch {
-	case errors.Is(err, errNoIngress):
+	case errors.Is(err, mesh.ErrNoIngress):
 		return end(CloseRefused) // mesh.fallback: refuse
 	case errors.Is(err, errMeshRefused):
 		// The peer sidecar judges its server and says so in its status;
@@ -139,7 +141,7 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 		return true
 	case errors.Is(err, errMeshDead):
 		return end(CloseMeshDead)
-	case errors.Is(err, errMeshStream):
+	case errors.Is(err, mesh.ErrStream):
 		return end(CloseUpstreamError)
 	case lk.host.dialContext().Err() != nil:
 		return end(CloseShutdown) // the proxy is shutting down: not the upstream's fault

@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -27,16 +29,16 @@ const (
 )
 
 // meshCertsFor is the shared file set of t.
-func (p *Proxy) meshCertsFor(t policy.MeshTLS) *meshCerts {
+func (p *Proxy) meshCertsFor(t policy.MeshTLS) *mesh.Certs {
 	key := t.CertFile + "\x00" + t.KeyFile + "\x00" + t.CAFile
 	p.meshMu.Lock()
 	defer p.meshMu.Unlock()
 	if p.certs == nil {
-		p.certs = make(map[string]*meshCerts)
+		p.certs = make(map[string]*mesh.Certs)
 	}
 	mc := p.certs[key]
 	if mc == nil {
-		mc = &meshCerts{files: t, log: &p.log}
+		mc = &mesh.Certs{Files: t, Log: &p.log}
 		p.certs[key] = mc
 	}
 	return mc
@@ -58,9 +60,9 @@ type meshPeer struct {
 
 	mu        sync.Mutex
 	sessions  []*egressSession
-	status    map[uint16]portStatus // nil until a session's first message
-	boot, gen uint64                // of the status applied last
-	statusCh  chan struct{}         // closed at every status change
+	status    map[uint16]mesh.PortStatus // nil until a session's first message
+	boot, gen uint64                     // of the status applied last
+	statusCh  chan struct{}              // closed at every status change
 	endpoints map[*endpoint]struct{}
 	used      atomic.Int64 // mono: when a link or probe last asked for the peer
 
@@ -70,7 +72,7 @@ type meshPeer struct {
 
 // egressSession is one session to a peer and the links on it.
 type egressSession struct {
-	*meshSession
+	*mesh.Session
 	peer *meshPeer
 	// key is the settings the session was dialled with: a link takes a
 	// session of its own settings only.
@@ -99,7 +101,7 @@ func (es *egressSession) idle() bool {
 
 // full reports whether the session carries as many streams as the
 // ingress takes (the status stream besides).
-func (es *egressSession) full() bool { return es.sess.NumStreams() > es.maxStreams }
+func (es *egressSession) full() bool { return es.Sess.NumStreams() > es.maxStreams }
 
 // meshPeer returns the peer at host:port, creating it on first use.
 func (p *Proxy) meshPeer(host string, port int) *meshPeer {
@@ -141,7 +143,7 @@ func (p *Proxy) sweepPeers(now int64, peers []*meshPeer) {
 			continue // a session is being dialled
 		}
 		pr.mu.Lock()
-		live := slices.ContainsFunc(pr.sessions, func(es *egressSession) bool { return !es.closed() })
+		live := slices.ContainsFunc(pr.sessions, func(es *egressSession) bool { return !es.Closed() })
 		eps := slices.Collect(maps.Keys(pr.endpoints))
 		pr.mu.Unlock()
 		pr.dialMu.Unlock()
@@ -176,7 +178,7 @@ func (p *Proxy) closeMesh() {
 		pr.sessions = nil
 		pr.mu.Unlock()
 		for _, es := range ss {
-			es.close()
+			es.Close()
 		}
 	}
 }
@@ -191,7 +193,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		defer pr.mu.Unlock()
 		live := pr.sessions[:0]
 		for _, es := range pr.sessions {
-			if !es.closed() {
+			if !es.Closed() {
 				live = append(live, es) // a retired one stays until it closes: closeMesh owns it
 			}
 		}
@@ -200,25 +202,25 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		usable := 0
 		for _, es := range live {
 			if es.key != key {
-				if es.usable() && es.idle() {
-					es.retire("dialled with other settings, and idle") // a reload changed them
+				if es.Usable() && es.idle() {
+					es.Retire("dialled with other settings, and idle") // a reload changed them
 				}
 				continue
 			}
-			if !es.usable() {
+			if !es.Usable() {
 				continue
 			}
 			usable++
-			if !es.full() && (best == nil || es.sess.NumStreams() < best.sess.NumStreams()) {
+			if !es.full() && (best == nil || es.Sess.NumStreams() < best.Sess.NumStreams()) {
 				best = es
 			}
 		}
-		return best, usable < m.Sessions && (best == nil || best.sess.NumStreams() > 0)
+		return best, usable < m.Sessions && (best == nil || best.Sess.NumStreams() > 0)
 	}
 	best, grow := pick()
 	if !grow {
 		if best == nil {
-			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", errMeshStream)
+			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", mesh.ErrStream)
 		}
 		return best, nil
 	}
@@ -230,7 +232,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 	defer pr.dialMu.Unlock()
 	if best, grow = pick(); !grow {
 		if best == nil {
-			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", errMeshStream)
+			return nil, fmt.Errorf("%w: every session to it carries the most streams its ingress takes", mesh.ErrStream)
 		}
 		return best, nil
 	}
@@ -250,7 +252,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
 	if err != nil {
 		if errors.Is(err, syscall.ECONNREFUSED) {
-			return nil, fmt.Errorf("%w: %s", errNoIngress, pr.addr)
+			return nil, fmt.Errorf("%w: %s", mesh.ErrNoIngress, pr.addr)
 		}
 		return nil, err
 	}
@@ -260,33 +262,33 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	_ = c.SetDeadline(time.Now().Add(m.PingTimeout.D()))
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
 	if m.TLS.Enabled() {
-		t := tls.Client(c, pr.p.meshCertsFor(m.TLS).clientConfig(m.TLS.Peers.List()))
+		t := tls.Client(c, pr.p.meshCertsFor(m.TLS).ClientConfig(m.TLS.Peers.List()))
 		if err = t.Handshake(); err != nil {
 			var ne net.Error
 			if !errors.As(err, &ne) || !ne.Timeout() {
 				// Not an ingress of this mesh (or one that refused this
 				// sidecar's certificate): as a peer without one.
-				err = fmt.Errorf("%w: TLS handshake: %v", errForeignPeer, err)
+				err = fmt.Errorf("%w: TLS handshake: %v", mesh.ErrForeignPeer, err)
 			}
 		}
 		c = t
 	}
 	streams := 0
 	if err == nil {
-		if _, err = c.Write(meshPreface()); err == nil {
-			streams, err = readMeshReply(c)
+		if _, err = c.Write(mesh.Preface()); err == nil {
+			streams, err = mesh.ReadReply(c)
 		}
 	}
 	stop()
 	_ = c.SetDeadline(time.Time{})
 	var ne net.Error
-	if err != nil && !errors.Is(err, errNoIngress) && !errors.Is(err, errMeshStream) && !(errors.As(err, &ne) && ne.Timeout()) {
+	if err != nil && !errors.Is(err, mesh.ErrNoIngress) && !errors.Is(err, mesh.ErrStream) && !(errors.As(err, &ne) && ne.Timeout()) {
 		// The connection broke in the handshake (reset, closed, a TLS
 		// alert: under TLS 1.3 the ingress judges this sidecar's
 		// certificate after the client's handshake): whatever listens on
 		// the mesh port is no ingress that takes this sidecar. Nothing
 		// here involved the server.
-		err = fmt.Errorf("%w: %v", errForeignPeer, err)
+		err = fmt.Errorf("%w: %v", mesh.ErrForeignPeer, err)
 	}
 	if err != nil {
 		_ = tc.Close()
@@ -304,20 +306,20 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	// opens is refused.
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
-	ms, err := newMeshSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
-		meshHooks{beforeClose: es.excludePeer, afterClose: es.endLinks, tick: es.shrinkStreams}, admit)
+	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
+		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams}, admit)
 	if err != nil {
 		_ = c.Close()
 		return nil, err
 	}
-	es.meshSession = ms
-	ms.wg.Add(1)
+	es.Session = ms
+	ms.Wg.Add(1)
 	go es.readStatus()
 	pr.mu.Lock()
 	if pr.p.meshClosed.Load() {
 		// Shutdown closed the mesh while this one was dialled (a probe's).
 		pr.mu.Unlock()
-		ms.close()
+		ms.Close()
 		return nil, errors.New("mesh: closed")
 	}
 	pr.sessions = append(pr.sessions, es)
@@ -329,18 +331,18 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 // readStatus reads the status stream the ingress opens and applies each
 // message. It ends when the session does.
 func (es *egressSession) readStatus() {
-	defer es.wg.Done()
-	st, err := es.sess.AcceptStream()
+	defer es.Wg.Done()
+	st, err := es.Sess.AcceptStream()
 	if err != nil {
 		return
 	}
 	defer st.Close()
 	for {
-		msg, err := readStatus(st)
+		msg, err := mesh.ReadStatus(st)
 		if err != nil {
-			if errors.Is(err, errBadStatus) {
-				es.log.Warn().Err(err).Msg("mesh peer sent a malformed status: session closed")
-				_ = es.sess.Close()
+			if errors.Is(err, mesh.ErrBadStatus) {
+				es.Log.Warn().Err(err).Msg("mesh peer sent a malformed status: session closed")
+				_ = es.Sess.Close()
 			}
 			return
 		}
@@ -358,32 +360,32 @@ func (es *egressSession) readStatus() {
 // Sessions to one peer carry the same messages, each when its own stream
 // delivers it: one that arrives after a newer generation is stale and
 // ignored.
-func (pr *meshPeer) applyStatus(msg statusMsg) {
+func (pr *meshPeer) applyStatus(msg mesh.StatusMsg) {
 	pr.mu.Lock()
-	if pr.status != nil && !msg.newer(pr.boot, pr.gen) {
+	if pr.status != nil && !msg.Newer(pr.boot, pr.gen) {
 		pr.mu.Unlock()
 		return
 	}
 	old := pr.status
-	pr.status, pr.boot, pr.gen = msg.ports, msg.boot, msg.gen
+	pr.status, pr.boot, pr.gen = msg.Ports, msg.Boot, msg.Gen
 	close(pr.statusCh)
 	pr.statusCh = make(chan struct{})
 	pr.mu.Unlock()
-	for port, ps := range msg.ports {
+	for port, ps := range msg.Ports {
 		ep := pr.p.lookupEndpoint(net.JoinHostPort(pr.host, strconv.Itoa(int(port))))
 		if ep == nil {
 			continue
 		}
 		o, known := old[port]
 		switch {
-		case !ps.ready && (!known || o.ready):
+		case !ps.Ready && (!known || o.Ready):
 			pr.p.report(ep, reasonMeshNotReady)
-		case ps.ready && known && o.epoch != ps.epoch:
-			if n := ep.evictMeshEpoch(pr, o.epoch); n > 0 {
+		case ps.Ready && known && o.Epoch != ps.Epoch:
+			if n := ep.evictMeshEpoch(pr, o.Epoch); n > 0 {
 				pr.p.log.Info().Str("endpoint", ep.addr).Int("links_closed", n).Msg("the server behind the peer sidecar started afresh (new epoch): links opened before are evicted")
 			}
 		}
-		if ps.ready && (!known || !o.ready) {
+		if ps.Ready && (!known || !o.Ready) {
 			// Back (or announced for the first time): an excluded
 			// endpoint is probed now, not when its backoff says.
 			pr.p.det.ProbeSoon(ep.addr)
@@ -395,7 +397,7 @@ func (pr *meshPeer) applyStatus(msg statusMsg) {
 func (pr *meshPeer) epochOf(port uint16) uint64 {
 	pr.mu.Lock()
 	defer pr.mu.Unlock()
-	return pr.status[port].epoch
+	return pr.status[port].Epoch
 }
 
 // probe proves an endpoint behind the peer: a session answers a ping and
@@ -405,7 +407,7 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc ti
 	if err != nil {
 		return err
 	}
-	if _, err := es.sess.Ping(); err != nil {
+	if _, err := es.Sess.Ping(); err != nil {
 		return fmt.Errorf("mesh ping: %w", err)
 	}
 	for {
@@ -414,10 +416,10 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc ti
 		ch := pr.statusCh
 		pr.mu.Unlock()
 		if ok {
-			if ps.ready {
+			if ps.Ready {
 				return nil
 			}
-			return errPortNotReady
+			return mesh.ErrPortNotReady
 		}
 		select {
 		case <-ch:
@@ -475,7 +477,7 @@ var errMeshDead = errors.New("mesh: the session to the peer sidecar missed its h
 func (es *egressSession) add(lk *link) bool {
 	es.mu.Lock()
 	defer es.mu.Unlock()
-	if es.dead.Load() || es.closed() {
+	if es.Dead.Load() || es.Closed() {
 		return false
 	}
 	es.links[lk] = struct{}{}
@@ -530,7 +532,7 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 	n, _ := strconv.Atoi(eport)
 	pr := ep.p.meshPeer(host, port)
 	err = pr.probe(ctx, uint16(n), m, s.HalfCloseTimeout.D(), &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)})
-	if errors.Is(err, errNoIngress) && m.Fallback == policy.MeshFallbackDirect {
+	if errors.Is(err, mesh.ErrNoIngress) && m.Fallback == policy.MeshFallbackDirect {
 		return false, nil
 	}
 	return true, err

@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/hashicorp/yamux"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -33,18 +35,18 @@ func rawHandshake(t *testing.T, addr string) (*net.TCPConn, byte, int) {
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	if _, err := c.Write(meshPreface()); err != nil {
+	if _, err := c.Write(mesh.Preface()); err != nil {
 		t.Fatal(err)
 	}
-	var b [meshReplyLen]byte
+	var b [mesh.ReplyLen]byte
 	if _, err := io.ReadFull(c, b[:]); err != nil {
 		t.Fatalf("handshake answer: %v", err)
 	}
-	if !bytes.Equal(b[:meshPrefaceLen], meshPreface()) {
+	if !bytes.Equal(b[:mesh.PrefaceLen], mesh.Preface()) {
 		t.Fatalf("handshake answer %q, want the preface", b[:])
 	}
 	_ = c.SetDeadline(time.Time{})
-	return c.(*net.TCPConn), b[meshPrefaceLen], int(binary.BigEndian.Uint32(b[meshPrefaceLen+1:]))
+	return c.(*net.TCPConn), b[mesh.PrefaceLen], int(binary.BigEndian.Uint32(b[mesh.PrefaceLen+1:]))
 }
 
 func (in *ingressProxy) addr() string { return in.p.Addr("ingress").String() }
@@ -76,9 +78,9 @@ func TestMeshPingFloodCut(t *testing.T) {
 	baseMem := ms.StackInuse + ms.HeapInuse
 
 	c, _, _ := rawHandshake(t, in.addr())
-	var ping [yamuxHeaderLen]byte
-	ping[1] = yamuxTypePing
-	binary.BigEndian.PutUint16(ping[2:], yamuxFlagSYN)
+	var ping [mesh.YamuxHeaderLen]byte
+	ping[1] = mesh.YamuxTypePing
+	binary.BigEndian.PutUint16(ping[2:], mesh.YamuxFlagSYN)
 	batch := bytes.Repeat(ping[:], 1000)
 	peakG, peakMem, sent := 0, uint64(0), 0
 	end := time.Now().Add(3 * time.Second)
@@ -89,7 +91,7 @@ func TestMeshPingFloodCut(t *testing.T) {
 			cut = true
 			break
 		}
-		sent += len(batch) / yamuxHeaderLen
+		sent += len(batch) / mesh.YamuxHeaderLen
 		if i%20 == 0 {
 			peakG = max(peakG, runtime.NumGoroutine())
 			runtime.ReadMemStats(&ms)
@@ -99,7 +101,7 @@ func TestMeshPingFloodCut(t *testing.T) {
 	t.Logf("ping flood: %d pings sent, cut=%v; goroutines %d at the start, at most %d during; stack+heap %d KiB at the start, at most %d KiB during",
 		sent, cut, base, peakG, baseMem>>10, peakMem>>10)
 	waitFor(t, 5*time.Second, "the flood's session cut", func() bool {
-		return in.limitHits(limitPings) == 1 && testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)) == 0
+		return in.limitHits(mesh.LimitPings) == 1 && testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)) == 0
 	})
 	if peakG > base+50 {
 		t.Fatalf("goroutines rose from %d to %d under the ping flood, want at most %d more", base, peakG, 50)
@@ -116,10 +118,10 @@ func TestMeshHeartbeatIsNoPingFlood(t *testing.T) {
 	roundTrip(t, c, []byte("hello"))
 	time.Sleep(20 * 50 * time.Millisecond) // 20 ping intervals each way
 	roundTrip(t, c, []byte("still here"))
-	if got := in.limitHits(limitPings); got != 0 {
+	if got := in.limitHits(mesh.LimitPings); got != 0 {
 		t.Fatalf("%v ping-flood cuts of a heartbeat, want none", got)
 	}
-	if got := testutil.ToFloat64(eg.m.MeshLimits(metrics.MeshEgress, limitPings)); got != 0 {
+	if got := testutil.ToFloat64(eg.m.MeshLimits(metrics.MeshEgress, mesh.LimitPings)); got != 0 {
 		t.Fatalf("%v ping-flood cuts on the egress, want none", got)
 	}
 }
@@ -131,20 +133,20 @@ func openRaw(sess *yamux.Session, port uint16) (*yamux.Stream, bool) {
 	if err != nil {
 		return nil, false
 	}
-	if _, err := st.Write(meshHeader(port)); err != nil {
+	if _, err := st.Write(mesh.Header(port)); err != nil {
 		return st, false
 	}
 	_ = st.SetReadDeadline(time.Now().Add(5 * time.Second))
 	var ack [1]byte
 	_, err = io.ReadFull(st, ack[:])
 	_ = st.SetReadDeadline(time.Time{})
-	return st, err == nil && ack[0] == meshAck
+	return st, err == nil && ack[0] == mesh.Ack
 }
 
 func rawSession(t *testing.T, in *ingressProxy) (*yamux.Session, int) {
 	t.Helper()
 	c, code, streams := rawHandshake(t, in.addr())
-	if code != meshOK {
+	if code != mesh.OK {
 		t.Fatalf("handshake code %d, want ok", code)
 	}
 	cfg := yamux.DefaultConfig()
@@ -177,7 +179,7 @@ func TestMeshStreamLimits(t *testing.T) {
 		l.Ingress.MaxStreams = 30
 	})
 	port := portOf(t, srv.Addr())
-	waitFor(t, 5*time.Second, "the local port ready", func() bool { return in.p.listeners[0].ingress.snapshot().ports[port].ready })
+	waitFor(t, 5*time.Second, "the local port ready", func() bool { return in.p.listeners[0].ingress.snapshot().Ports[port].Ready })
 
 	sess, granted := rawSession(t, in)
 	if granted != 20 {
@@ -192,7 +194,7 @@ func TestMeshStreamLimits(t *testing.T) {
 	if acked > 20 || acked < 19 { // 19: the one-stream-stricter moment before the status stream counts
 		t.Fatalf("%d of 100 streams on one session reached the server, want 20 (max_streams_per_session)", acked)
 	}
-	if in.limitHits(limitStreamsPerSession) < 1 {
+	if in.limitHits(mesh.LimitStreamsPerSession) < 1 {
 		t.Fatalf("no streams_per_session limit counted")
 	}
 	if sess.IsClosed() {
@@ -209,7 +211,7 @@ func TestMeshStreamLimits(t *testing.T) {
 	if acked+acked2 != 30 {
 		t.Fatalf("%d+%d streams reached the server, want 30 (max_streams)", acked, acked2)
 	}
-	if in.limitHits(limitStreams) < 1 {
+	if in.limitHits(mesh.LimitStreams) < 1 {
 		t.Fatalf("no streams limit counted")
 	}
 	if n := len(in.p.listeners[0].snapshotLinks()); n != 30 {
@@ -227,22 +229,22 @@ func TestMeshSessionLimitsAndAllow(t *testing.T) {
 		_, code, _ := rawHandshake(t, in.addr())
 		codes = append(codes, code)
 	}
-	if !bytes.Equal(codes, []byte{meshOK, meshOK, meshOK, meshRefused, meshRefused}) {
+	if !bytes.Equal(codes, []byte{mesh.OK, mesh.OK, mesh.OK, mesh.Refused, mesh.Refused}) {
 		t.Fatalf("handshake codes %v, want three ok then refused", codes)
 	}
-	if got := in.limitHits(limitSessionsPerPeer); got != 2 {
+	if got := in.limitHits(mesh.LimitSessionsPerPeer); got != 2 {
 		t.Fatalf("%v sessions_per_peer refusals, want 2", got)
 	}
 
 	allowed := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.Allow = []string{"127.0.0.3", "10.0.0.0/8"} })
-	if _, code, _ := rawHandshake(t, allowed.addr()); code != meshRefused {
+	if _, code, _ := rawHandshake(t, allowed.addr()); code != mesh.Refused {
 		t.Fatalf("a peer outside ingress.allow got code %d, want refused", code)
 	}
-	if got := allowed.limitHits(limitPeerNotAllowed); got != 1 {
+	if got := allowed.limitHits(mesh.LimitPeerNotAllowed); got != 1 {
 		t.Fatalf("%v peer_not_allowed refusals, want 1", got)
 	}
 	ok := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.Allow = []string{"127.0.0.0/8"} })
-	if _, code, _ := rawHandshake(t, ok.addr()); code != meshOK {
+	if _, code, _ := rawHandshake(t, ok.addr()); code != mesh.OK {
 		t.Fatalf("a peer inside ingress.allow got code %d, want ok", code)
 	}
 }
@@ -501,16 +503,16 @@ func TestMeshHandshakeVersion(t *testing.T) {
 	}
 	defer c.Close()
 	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
-	_, _ = c.Write(append([]byte(meshPrefaceMagic), 2))
-	var b [meshReplyLen]byte
+	_, _ = c.Write(append([]byte(mesh.PrefaceMagic), 2))
+	var b [mesh.ReplyLen]byte
 	if _, err := io.ReadFull(c, b[:]); err != nil {
 		t.Fatal(err)
 	}
-	if b[len(meshPrefaceMagic)] != meshVersion || b[meshPrefaceLen] != meshBadVersion {
-		t.Fatalf("answer %q, want version %d and code bad version", b[:], meshVersion)
+	if b[len(mesh.PrefaceMagic)] != mesh.Version || b[mesh.PrefaceLen] != mesh.BadVersion {
+		t.Fatalf("answer %q, want version %d and code bad version", b[:], mesh.Version)
 	}
 	// The egress side reads it as no ingress of its version.
-	if _, err := readMeshReplyFrom(b[:]); !errors.Is(err, errNoIngress) {
+	if _, err := readMeshReplyFrom(b[:]); !errors.Is(err, mesh.ErrNoIngress) {
 		t.Fatalf("the egress reads %v, want no ingress (fallback)", err)
 	}
 
@@ -529,11 +531,11 @@ func readMeshReplyFrom(b []byte) (int, error) {
 	a, z := net.Pipe()
 	defer a.Close()
 	go func() { _, _ = z.Write(b); _ = z.Close() }()
-	return readMeshReply(a)
+	return mesh.ReadReply(a)
 }
 
 // Connections that never send their preface hold a handshake slot for at
-// most meshHeaderTimeout; past maxHandshakes waiting at once, a new one is
+// most mesh.HeaderTimeout; past maxHandshakes waiting at once, a new one is
 // reset at once and counted.
 func TestMeshHandshakesBounded(t *testing.T) {
 	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
@@ -550,12 +552,12 @@ func TestMeshHandshakesBounded(t *testing.T) {
 		t.Cleanup(func() { _ = c.Close() })
 	}
 	waitFor(t, 5*time.Second, "the connections past maxHandshakes refused", func() bool {
-		return in.limitHits(limitHandshakes) == extra
+		return in.limitHits(mesh.LimitHandshakes) == extra
 	})
 	// The slots are given back: once the silent ones timed out, a real
 	// egress gets its session.
 	ing := in.p.listeners[0].ingress
-	waitFor(t, 3*meshHeaderTimeout, "the silent connections' handshakes timed out", func() bool { return ing.handshakes.Load() == 0 })
+	waitFor(t, 3*mesh.HeaderTimeout, "the silent connections' handshakes timed out", func() bool { return ing.handshakes.Load() == 0 })
 	eg := startEgress(t, srv.Addr(), in.port, nil)
 	roundTrip(t, eg.dial(), []byte("through the mesh"))
 	if got := testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 1 {
@@ -582,7 +584,7 @@ func TestMeshEgressKeepsToGrantedStreams(t *testing.T) {
 	if s := eg.linkEnd(5 * time.Second); s.Reason != CloseUpstreamError {
 		t.Fatalf("the seventh link ended %s (%v), want upstream_error", s.Reason, s.Err)
 	}
-	if got := in.limitHits(limitStreamsPerSession); got != 0 {
+	if got := in.limitHits(mesh.LimitStreamsPerSession); got != 0 {
 		t.Fatalf("the ingress refused %v streams, want none: the egress keeps to the grant", got)
 	}
 	if st := eg.stateOf(srv.Addr()); st != "healthy" {

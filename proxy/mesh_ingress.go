@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
 	"github.com/hashicorp/yamux"
@@ -55,7 +57,7 @@ type ingress struct {
 
 	mu       sync.Mutex
 	ports    []uint16 // the local port first, then ingress.ports
-	status   map[uint16]portStatus
+	status   map[uint16]mesh.PortStatus
 	gen      uint64                // the status's generation: one more at every change
 	checks   map[uint16]*portCheck // what the checks saw since the port's last verdict
 	sessions map[*ingressSession]struct{}
@@ -78,7 +80,7 @@ type portCheck struct {
 const checkFailuresForNotReady = 3
 
 type ingressSession struct {
-	*meshSession
+	*mesh.Session
 	changed chan struct{} // the status changed: send it
 	host    string        // the peer's address
 	// statusOpen is 1 once the status stream is open.
@@ -88,12 +90,12 @@ type ingressSession struct {
 func newIngress(l *listener, cfg policy.Listener) *ingress {
 	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
 	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
-		boot: newEpoch(), status: make(map[uint16]portStatus), checks: make(map[uint16]*portCheck),
+		boot: mesh.NewEpoch(), status: make(map[uint16]mesh.PortStatus), checks: make(map[uint16]*portCheck),
 		sessions: make(map[*ingressSession]struct{}), perPeer: make(map[string]int),
 		pending: make(map[*net.TCPConn]struct{})}
 	in.ports = ingressPorts(port, cfg.Ingress.Ports)
 	for _, p := range in.ports {
-		in.status[p] = portStatus{} // not ready until the first check
+		in.status[p] = mesh.PortStatus{} // not ready until the first check
 		in.checks[p] = &portCheck{}
 	}
 	return in
@@ -132,7 +134,7 @@ func (in *ingress) retuneLocked(lc policy.Listener) {
 	changed := !slices.Equal(ports, in.ports)
 	for _, p := range ports {
 		if _, ok := in.status[p]; !ok {
-			in.status[p] = portStatus{}
+			in.status[p] = mesh.PortStatus{}
 			in.checks[p] = &portCheck{}
 		}
 	}
@@ -205,7 +207,7 @@ func (in *ingress) close() {
 	}
 	in.mu.Unlock()
 	for _, is := range ss {
-		_ = is.sess.Close()
+		_ = is.Sess.Close()
 	}
 	in.wg.Wait()
 }
@@ -324,7 +326,7 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 	if pc == nil {
 		return false // a reload removed it meanwhile
 	}
-	ready := old.ready
+	ready := old.Ready
 	switch {
 	case r.local || in.draining:
 		return false
@@ -340,14 +342,14 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 	default: // the detector holds it out
 		ready = false
 	}
-	if ready == old.ready {
+	if ready == old.Ready {
 		return false
 	}
-	ns := portStatus{ready: ready, epoch: old.epoch}
-	if ready && (old.epoch == 0 || pc.refused) {
+	ns := mesh.PortStatus{Ready: ready, Epoch: old.Epoch}
+	if ready && (old.Epoch == 0 || pc.refused) {
 		// Nothing listened in between: the server started afresh,
 		// and links opened before are to the process that went.
-		ns.epoch = newEpoch()
+		ns.Epoch = mesh.NewEpoch()
 	}
 	if ready {
 		pc.refused = false
@@ -379,14 +381,14 @@ func (in *ingress) drain() {
 	}
 	in.draining = true
 	for port, st := range in.status {
-		in.status[port] = portStatus{epoch: st.epoch}
+		in.status[port] = mesh.PortStatus{Epoch: st.Epoch}
 	}
 	in.gen++
 	ss := slices.Collect(maps.Keys(in.sessions))
 	in.mu.Unlock()
 	for _, is := range ss {
 		is.notify()
-		_ = is.sess.GoAway()
+		_ = is.Sess.GoAway()
 	}
 }
 
@@ -397,12 +399,12 @@ func (is *ingressSession) notify() {
 	}
 }
 
-func (in *ingress) snapshot() statusMsg {
+func (in *ingress) snapshot() mesh.StatusMsg {
 	in.mu.Lock()
 	defer in.mu.Unlock()
-	m := statusMsg{boot: in.boot, gen: in.gen, ports: make(map[uint16]portStatus, len(in.status))}
+	m := mesh.StatusMsg{Boot: in.boot, Gen: in.gen, Ports: make(map[uint16]mesh.PortStatus, len(in.status))}
 	for k, v := range in.status {
-		m.ports[k] = v
+		m.Ports[k] = v
 	}
 	return m
 }
@@ -416,7 +418,7 @@ const maxHandshakes = 128
 func (in *ingress) serveConn(tc *net.TCPConn) {
 	if in.handshakes.Add(1) > maxHandshakes {
 		in.handshakes.Add(-1)
-		in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitHandshakes).Inc()
+		in.l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitHandshakes).Inc()
 		resetConn(tc)
 		return
 	}
@@ -491,16 +493,16 @@ type ingressHandshake struct {
 }
 
 // readPreface runs the TLS handshake (mesh.tls) and reads the egress's
-// preface, within meshHeaderTimeout; the handshake then counts as ended
+// preface, within mesh.HeaderTimeout; the handshake then counts as ended
 // (handshakeDone). A connection whose TLS handshake fails is closed, one
 // without a livenessproxy preface is reset: ok is false then.
-func (in *ingress) readPreface(h *ingressHandshake) (b [meshPrefaceLen]byte, ok bool) {
+func (in *ingress) readPreface(h *ingressHandshake) (b [mesh.PrefaceLen]byte, ok bool) {
 	tc := h.tc
-	_ = tc.SetDeadline(time.Now().Add(meshHeaderTimeout))
+	_ = tc.SetDeadline(time.Now().Add(mesh.HeaderTimeout))
 	if h.m.TLS.Enabled() {
-		t := tls.Server(tc, in.l.p.meshCertsFor(h.m.TLS).serverConfig(h.m.TLS.Peers.List()))
+		t := tls.Server(tc, in.l.p.meshCertsFor(h.m.TLS).ServerConfig(h.m.TLS.Peers.List()))
 		if err := t.Handshake(); err != nil {
-			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitTLS).Inc()
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitTLS).Inc()
 			h.log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
 			in.handshakeDone(tc)
 			_ = tc.Close() // not reset: the egress reads the alert that says why
@@ -510,7 +512,7 @@ func (in *ingress) readPreface(h *ingressHandshake) (b [meshPrefaceLen]byte, ok 
 	}
 	_, err := io.ReadFull(h.c, b[:])
 	in.handshakeDone(tc)
-	if err != nil || string(b[:len(meshPrefaceMagic)]) != meshPrefaceMagic {
+	if err != nil || string(b[:len(mesh.PrefaceMagic)]) != mesh.PrefaceMagic {
 		// At debug: a peer could flood the log.
 		h.log.Debug().AnErr("cause", err).Msg("mesh connection without a livenessproxy preface (or a TLS handshake that failed): closed")
 		resetConn(tc)
@@ -525,17 +527,17 @@ func (in *ingress) readPreface(h *ingressHandshake) (b [meshPrefaceLen]byte, ok 
 // admitted, the peer's session is counted (forgetPeer undoes it), the
 // answer says how many streams the session may hold, and the handshake's
 // deadline is cleared; ok is false if any of it failed.
-func (in *ingress) admitPeer(h *ingressHandshake, preface [meshPrefaceLen]byte) (host string, perSession int, ok bool) {
+func (in *ingress) admitPeer(h *ingressHandshake, preface [mesh.PrefaceLen]byte) (host string, perSession int, ok bool) {
 	tc := h.tc
 	perPeer, perSession, _ := in.limits()
 	if !in.allowed(tc.RemoteAddr()) {
 		h.log.Warn().Msg("mesh session refused: the peer is not in ingress.allow")
-		in.refuse(h, meshRefused, limitPeerNotAllowed)
+		in.refuse(h, mesh.Refused, mesh.LimitPeerNotAllowed)
 		return "", 0, false
 	}
-	if preface[len(meshPrefaceMagic)] != meshVersion {
-		h.log.Warn().Int("version", int(preface[len(meshPrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
-		in.refuse(h, meshBadVersion, "")
+	if preface[len(mesh.PrefaceMagic)] != mesh.Version {
+		h.log.Warn().Int("version", int(preface[len(mesh.PrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
+		in.refuse(h, mesh.BadVersion, "")
 		return "", 0, false
 	}
 	host = tc.RemoteAddr().(*net.TCPAddr).IP.String()
@@ -548,12 +550,12 @@ func (in *ingress) admitPeer(h *ingressHandshake, preface [meshPrefaceLen]byte) 
 			return "", 0, false
 		}
 		h.log.Warn().Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
-		in.refuse(h, meshRefused, limitSessionsPerPeer)
+		in.refuse(h, mesh.Refused, mesh.LimitSessionsPerPeer)
 		return "", 0, false
 	}
 	in.perPeer[host]++
 	in.mu.Unlock()
-	_, err := h.c.Write(meshReply(meshOK, perSession))
+	_, err := h.c.Write(mesh.Reply(mesh.OK, perSession))
 	_ = tc.SetDeadline(time.Time{})
 	if err != nil {
 		in.forgetPeer(host)
@@ -570,7 +572,7 @@ func (in *ingress) refuse(h *ingressHandshake, code byte, limit string) {
 		in.l.p.metrics.MeshLimits(metrics.MeshIngress, limit).Inc()
 	}
 	_ = h.tc.SetWriteDeadline(time.Now().Add(time.Second))
-	_, _ = h.c.Write(meshReply(code, 0))
+	_, _ = h.c.Write(mesh.Reply(code, 0))
 	_ = h.tc.Close()
 }
 
@@ -585,24 +587,24 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 		// NumStreams counts the status stream too once it is open (a
 		// moment early, the check is one stream stricter).
 		if se := sess.Load(); se != nil && se.NumStreams()-int(is.statusOpen.Load()) >= perSession {
-			in.l.p.metrics.MeshLimits(metrics.MeshIngress, limitStreamsPerSession).Inc()
+			in.l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitStreamsPerSession).Inc()
 			return false
 		}
 		return true
 	}
-	ms, err := newMeshSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, meshHooks{}, admit)
+	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, mesh.Hooks{}, admit)
 	if err != nil {
 		in.forgetPeer(host)
 		resetConn(h.tc)
 		return
 	}
-	sess.Store(ms.sess)
-	is.meshSession = ms
+	sess.Store(ms.Sess)
+	is.Session = ms
 	in.mu.Lock()
 	if in.closed {
 		in.mu.Unlock()
 		in.forgetPeer(host)
-		ms.close()
+		ms.Close()
 		return
 	}
 	in.sessions[is] = struct{}{}
@@ -633,7 +635,7 @@ func (in *ingress) forgetPeer(host string) {
 // on every change, until the session ends.
 func (in *ingress) writeStatus(is *ingressSession) {
 	defer in.wg.Done()
-	st, err := is.sess.OpenStream()
+	st, err := is.Sess.OpenStream()
 	if err != nil {
 		return
 	}
@@ -641,17 +643,17 @@ func (in *ingress) writeStatus(is *ingressSession) {
 	defer st.Close()
 	select {
 	case <-in.checked: // no status before the ports were checked once
-	case <-is.sess.CloseChan():
+	case <-is.Sess.CloseChan():
 		return
 	}
 	for {
-		if err := writeStatus(st, in.snapshot()); err != nil {
-			_ = is.sess.Close() // a session that cannot carry its status is no use
+		if err := mesh.WriteStatus(st, in.snapshot()); err != nil {
+			_ = is.Sess.Close() // a session that cannot carry its status is no use
 			return
 		}
 		select {
 		case <-is.changed:
-		case <-is.sess.CloseChan():
+		case <-is.Sess.CloseChan():
 			return
 		}
 	}
@@ -666,10 +668,10 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 		delete(in.sessions, is)
 		in.mu.Unlock()
 		in.forgetPeer(is.host)
-		is.close()
+		is.Close()
 	}()
 	for {
-		st, err := is.sess.AcceptStream()
+		st, err := is.Sess.AcceptStream()
 		if err != nil {
 			return
 		}
@@ -685,12 +687,12 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	defer in.wg.Done()
 	l := in.l
 	l.m.LinksTotal.Inc()
-	_ = st.SetReadDeadline(time.Now().Add(meshHeaderTimeout))
-	port, err := readMeshHeader(st)
+	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
+	port, err := mesh.ReadHeader(st)
 	_ = st.SetReadDeadline(time.Time{})
 	if err != nil || !in.serves(port) {
 		// At debug: a peer could flood the log. link_closes_total counts it.
-		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.conn.RemoteAddr().String()).
+		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.Conn.RemoteAddr().String()).
 			Msg("mesh stream refused: bad header or a port this ingress does not serve")
 		_ = st.Close()
 		l.m.Closed(string(CloseNoMatch))
@@ -704,15 +706,15 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	}
 	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
 		in.streams.Add(-1)
-		l.p.metrics.MeshLimits(metrics.MeshIngress, limitStreams).Inc()
-		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.conn.RemoteAddr().String()).
+		l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitStreams).Inc()
+		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.Conn.RemoteAddr().String()).
 			Msg("mesh stream refused: the ingress carries as many streams as it may")
-		is.resetStream(st)
+		is.ResetStream(st)
 		_ = st.Close()
 		l.m.Closed(string(CloseCapacity))
 		return
 	}
-	sc := &streamClient{s: st, ms: is.meshSession, remote: is.conn.RemoteAddr(), done: func() { in.streams.Add(-1) }}
+	sc := &streamClient{s: st, ms: is.Session, remote: is.Conn.RemoteAddr(), done: func() { in.streams.Add(-1) }}
 	lk := newLink(l, ep, sc)
 	if !l.track(lk) {
 		_ = sc.Close()

@@ -52,7 +52,7 @@ func TestMeshReloadKeepsIngress(t *testing.T) {
 	waitFor(t, 5*time.Second, "the added port announced ready", func() bool {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
-		return pr.status[portOf(t, extra.Addr())].ready
+		return pr.status[portOf(t, extra.Addr())].Ready
 	})
 	if e := pr.epochOf(port); e != epoch {
 		t.Fatalf("epoch %x after the reload, want %x kept", e, epoch)
@@ -131,8 +131,8 @@ func TestMeshSessionsKeyedBySettings(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if a == b || b.interval != 70*time.Millisecond || a.interval != m.PingInterval.D() {
-		t.Fatalf("sessions %p (%v) and %p (%v), want two, each with its own ping interval", a, a.interval, b, b.interval)
+	if a == b || b.Interval != 70*time.Millisecond || a.Interval != m.PingInterval.D() {
+		t.Fatalf("sessions %p (%v) and %p (%v), want two, each with its own ping interval", a, a.Interval, b, b.Interval)
 	}
 	if c, _ := pr.session(ctx, m2, time.Second, &net.Dialer{}); c == nil || c.key != b.key {
 		t.Fatalf("a session of other settings was taken")

@@ -6,6 +6,8 @@ import (
 	"os"
 	"syscall"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"errors"
 	"net"
 	"strconv"
@@ -347,9 +349,9 @@ func waitEpoch(t *testing.T, pr *meshPeer, port uint16) uint64 {
 func (in *ingressProxy) bumpEpoch(t *testing.T, port uint16) uint64 {
 	t.Helper()
 	ing := in.p.listeners[0].ingress
-	e := newEpoch()
+	e := mesh.NewEpoch()
 	ing.mu.Lock()
-	ing.status[port] = portStatus{ready: true, epoch: e}
+	ing.status[port] = mesh.PortStatus{Ready: true, Epoch: e}
 	ing.gen++
 	for is := range ing.sessions {
 		is.notify()
@@ -376,31 +378,31 @@ func TestMeshIngressRefusesOtherPorts(t *testing.T) {
 }
 
 func TestMeshStatusRoundTrip(t *testing.T) {
-	want := statusMsg{boot: 3, gen: 5, ports: map[uint16]portStatus{8098: {ready: true, epoch: 7}, 8097: {ready: false, epoch: 9}}}
+	want := mesh.StatusMsg{Boot: 3, Gen: 5, Ports: map[uint16]mesh.PortStatus{8098: {Ready: true, Epoch: 7}, 8097: {Ready: false, Epoch: 9}}}
 	var b bytes.Buffer
-	if err := writeStatus(&b, want); err != nil {
+	if err := mesh.WriteStatus(&b, want); err != nil {
 		t.Fatal(err)
 	}
-	got, err := readStatus(&b)
+	got, err := mesh.ReadStatus(&b)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.boot != 3 || got.gen != 5 || len(got.ports) != 2 || got.ports[8098] != want.ports[8098] || got.ports[8097] != want.ports[8097] {
+	if got.Boot != 3 || got.Gen != 5 || len(got.Ports) != 2 || got.Ports[8098] != want.Ports[8098] || got.Ports[8097] != want.Ports[8097] {
 		t.Fatalf("status %+v, want %+v", got, want)
 	}
-	if !got.newer(3, 4) || got.newer(3, 5) || got.newer(3, 6) || !got.newer(2, 9) {
+	if !got.Newer(3, 4) || got.Newer(3, 5) || got.Newer(3, 6) || !got.Newer(2, 9) {
 		t.Fatal("newer: a later generation of the same boot, or another boot")
 	}
-	if _, err := readStatus(bytes.NewReader([]byte{0, 5, 1, 2, 3, 4, 5})); !errors.Is(err, errBadStatus) {
+	if _, err := mesh.ReadStatus(bytes.NewReader([]byte{0, 5, 1, 2, 3, 4, 5})); !errors.Is(err, mesh.ErrBadStatus) {
 		t.Fatalf("a length shorter than the head: %v, want errBadStatus", err)
 	}
-	if _, err := readStatus(bytes.NewReader(append([]byte{0, 17}, make([]byte, 17)...))); !errors.Is(err, errBadStatus) {
+	if _, err := mesh.ReadStatus(bytes.NewReader(append([]byte{0, 17}, make([]byte, 17)...))); !errors.Is(err, mesh.ErrBadStatus) {
 		t.Fatalf("a length that is no whole entry: %v, want errBadStatus", err)
 	}
-	if _, err := readMeshHeader(bytes.NewReader([]byte("HTTP/1"))); err == nil {
+	if _, err := mesh.ReadHeader(bytes.NewReader([]byte("HTTP/1"))); err == nil {
 		t.Fatal("a stream that is not the mesh's was accepted")
 	}
-	if p, err := readMeshHeader(bytes.NewReader(meshHeader(8098))); err != nil || p != 8098 {
+	if p, err := mesh.ReadHeader(bytes.NewReader(mesh.Header(8098))); err != nil || p != 8098 {
 		t.Fatalf("header: %d, %v", p, err)
 	}
 }
@@ -465,7 +467,7 @@ func TestMeshDeadSessionSparesTheOther(t *testing.T) {
 	if dying == nil {
 		t.Fatal("no session carries link a")
 	}
-	dying.declareDead(time.Second) // the heartbeat's verdict, as after ping_timeout of silence
+	dying.DeclareDead(time.Second) // the heartbeat's verdict, as after ping_timeout of silence
 	if s := eg.linkEndOf(a, 5*time.Second); s.Reason != CloseMeshDead {
 		t.Fatalf("link a ended %s (%v), want mesh_dead", s.Reason, s.Err)
 	}
@@ -492,7 +494,7 @@ func TestMeshClosedSessionResetsClient(t *testing.T) {
 	ing := in.p.listeners[0].ingress
 	ing.mu.Lock()
 	for is := range ing.sessions {
-		_ = is.sess.Close()
+		_ = is.Sess.Close()
 	}
 	ing.mu.Unlock()
 	err, _ := waitClosed(t, c, 5*time.Second)
@@ -509,12 +511,12 @@ func TestMeshClosedSessionResetsClient(t *testing.T) {
 func TestMeshStaleStatusIgnored(t *testing.T) {
 	p := &Proxy{}
 	pr := &meshPeer{p: p, host: "127.0.0.9", statusCh: make(chan struct{}), endpoints: map[*endpoint]struct{}{}}
-	pr.applyStatus(statusMsg{boot: 1, gen: 2, ports: map[uint16]portStatus{80: {ready: true, epoch: 5}}})
-	pr.applyStatus(statusMsg{boot: 1, gen: 1, ports: map[uint16]portStatus{80: {ready: false, epoch: 4}}})
-	if pr.epochOf(80) != 5 || !pr.status[80].ready {
+	pr.applyStatus(mesh.StatusMsg{Boot: 1, Gen: 2, Ports: map[uint16]mesh.PortStatus{80: {Ready: true, Epoch: 5}}})
+	pr.applyStatus(mesh.StatusMsg{Boot: 1, Gen: 1, Ports: map[uint16]mesh.PortStatus{80: {Ready: false, Epoch: 4}}})
+	if pr.epochOf(80) != 5 || !pr.status[80].Ready {
 		t.Fatalf("status %+v after a stale message, want the newer one", pr.status)
 	}
-	pr.applyStatus(statusMsg{boot: 7, gen: 1, ports: map[uint16]portStatus{80: {ready: true, epoch: 9}}})
+	pr.applyStatus(mesh.StatusMsg{Boot: 7, Gen: 1, Ports: map[uint16]mesh.PortStatus{80: {Ready: true, Epoch: 9}}})
 	if pr.epochOf(80) != 9 {
 		t.Fatalf("a new boot's first message was ignored: %+v", pr.status)
 	}

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
@@ -62,9 +64,9 @@ func TestMeshTLSRoundTrip(t *testing.T) {
 	pr.mu.Lock()
 	es := pr.sessions[0]
 	pr.mu.Unlock()
-	tc, ok := es.guard.conn.(*tls.Conn)
+	tc, ok := es.Guard.Conn.(*tls.Conn)
 	if !ok {
-		t.Fatalf("the session runs over %T, want TLS", es.guard.conn)
+		t.Fatalf("the session runs over %T, want TLS", es.Guard.Conn)
 	}
 	if st := tc.ConnectionState(); st.Version != tls.VersionTLS13 || st.PeerCertificates[0].URIs[0].String() != ingressID {
 		t.Fatalf("TLS version %x, peer %v; want TLS 1.3 with the ingress's identity", st.Version, st.PeerCertificates[0].URIs)
@@ -90,13 +92,13 @@ func TestMeshTLSRefusesInvalidPeers(t *testing.T) {
 		tls  policy.MeshTLS
 	}{{"another CA", foreign}, {"an identity not allowed", stranger}, {"no TLS", policy.MeshTLS{}}} {
 		t.Run(tc.name, func(t *testing.T) {
-			before := in.limitHits(limitTLS)
+			before := in.limitHits(mesh.LimitTLS)
 			eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) { s.Mesh.TLS = tc.tls })
 			roundTrip(t, eg.dial(), []byte("direct"))
 			if got := promtest.ToFloat64(eg.m.MeshFallbacks("test")); got != 1 {
 				t.Fatalf("%v fallbacks, want 1 (refused by the ingress, the link goes directly)", got)
 			}
-			waitFor(t, 5*time.Second, "the TLS refusal counted", func() bool { return in.limitHits(limitTLS) == before+1 })
+			waitFor(t, 5*time.Second, "the TLS refusal counted", func() bool { return in.limitHits(mesh.LimitTLS) == before+1 })
 			if got := promtest.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)); got != 0 {
 				t.Fatalf("%v ingress sessions, want none", got)
 			}
@@ -192,7 +194,7 @@ func TestMeshTLSRotationKeepsSessions(t *testing.T) {
 	pr.mu.Lock()
 	es := pr.sessions[0]
 	pr.mu.Unlock()
-	if got := es.guard.conn.(*tls.Conn).ConnectionState().PeerCertificates[0].SerialNumber; got.Cmp(newInSerial) != 0 {
+	if got := es.Guard.Conn.(*tls.Conn).ConnectionState().PeerCertificates[0].SerialNumber; got.Cmp(newInSerial) != 0 {
 		t.Fatalf("a new session got the ingress certificate %v, want the rotated one %v", got, newInSerial)
 	}
 }

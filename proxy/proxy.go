@@ -13,6 +13,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -94,9 +96,9 @@ type Proxy struct {
 	// the mesh, by host:mesh port. It is taken alone.
 	meshMu     sync.Mutex
 	peers      map[string]*meshPeer
-	peersSwept int64                 // mono: the last sweep of idle peers
-	certs      map[string]*meshCerts // mesh.tls file sets, by their paths
-	meshClosed atomic.Bool           // Shutdown closed the mesh: no session opens
+	peersSwept int64                  // mono: the last sweep of idle peers
+	certs      map[string]*mesh.Certs // mesh.tls file sets, by their paths
+	meshClosed atomic.Bool            // Shutdown closed the mesh: no session opens
 
 	mu        sync.Mutex
 	listeners []*listener

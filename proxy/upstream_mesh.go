@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
+
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
 	"github.com/hashicorp/yamux"
@@ -29,7 +31,7 @@ func (d meshDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 		return d.next.dial(lk, ep)
 	}
 	end, err := lk.openMesh(ep, port)
-	if errors.Is(err, errNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect {
+	if errors.Is(err, mesh.ErrNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect {
 		lk.meshFallback(ep, port, err)
 		return d.next.dial(lk, ep)
 	}
@@ -61,7 +63,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	m := lk.settings.Mesh.OrDefaults()
 	direct := m.Fallback == policy.MeshFallbackDirect
 	if until := pr.noIngressUntil.Load(); direct && until != 0 && flow.Mono() < until {
-		return nil, errNoIngress
+		return nil, mesh.ErrNoIngress
 	}
 	ctx, cancel := context.WithTimeout(lk.host.dialContext(), cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
 	defer cancel()
@@ -70,7 +72,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	pr.mu.Unlock()
 	for try := 0; ; try++ {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
-		if errors.Is(err, errNoIngress) {
+		if errors.Is(err, mesh.ErrNoIngress) {
 			if direct {
 				pr.noIngressUntil.Store(flow.Mono() + int64(noIngressFor))
 			}
@@ -80,12 +82,12 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 			return nil, err // the session dial: evidence as any dial's
 		}
 		pr.noIngressUntil.Store(0)
-		st, err := es.sess.OpenStream()
+		st, err := es.Sess.OpenStream()
 		if err == nil {
-			if st.StreamID() > retireAfterStreams {
-				es.retire("stream ids running out")
+			if st.StreamID() > mesh.RetireAfterStreams {
+				es.Retire("stream ids running out")
 			}
-			if _, err = st.Write(meshHeader(uint16(n))); err == nil {
+			if _, err = st.Write(mesh.Header(uint16(n))); err == nil {
 				return es.awaitAck(ctx, lk, st, uint16(n))
 			}
 			_ = st.Close()
@@ -93,11 +95,11 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 		// A stream that cannot open on a live session is no evidence
 		// against the server: the session is retired, another takes the
 		// link.
-		if !es.dead.Load() {
-			es.retire("stream open failed: " + err.Error())
+		if !es.Dead.Load() {
+			es.Retire("stream open failed: " + err.Error())
 		}
 		if try == 1 || ctx.Err() != nil {
-			return nil, fmt.Errorf("%w: %v", errMeshStream, err)
+			return nil, fmt.Errorf("%w: %v", mesh.ErrStream, err)
 		}
 	}
 }
@@ -113,20 +115,20 @@ var errMeshRefused = errors.New("mesh: the peer sidecar could not reach the serv
 // a ping_timeout for the way there and back.
 func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Stream, port uint16) (*meshEnd, error) {
 	deadline, _ := ctx.Deadline()
-	_ = st.SetReadDeadline(deadline.Add(es.timeout))
+	_ = st.SetReadDeadline(deadline.Add(es.Timeout))
 	var ack [1]byte
 	_, err := io.ReadFull(st, ack[:])
 	_ = st.SetReadDeadline(time.Time{})
-	if err == nil && ack[0] == meshAck {
+	if err == nil && ack[0] == mesh.Ack {
 		return &meshEnd{lk: lk, st: st, sess: es, port: port}, nil
 	}
 	_ = st.Close()
 	_ = st.SetDeadline(pastDeadline)
-	if es.dead.Load() {
+	if es.Dead.Load() {
 		return nil, errMeshDead
 	}
-	if es.closed() {
-		return nil, fmt.Errorf("%w: the session closed", errMeshStream)
+	if es.Closed() {
+		return nil, fmt.Errorf("%w: the session closed", mesh.ErrStream)
 	}
 	if err == nil {
 		err = fmt.Errorf("acknowledgement %d", ack[0])
@@ -191,7 +193,7 @@ func (*meshEnd) finByClose() bool { return false }
 
 // abortive resets the stream at once: the server behind the peer sidecar
 // sees a reset too.
-func (e *meshEnd) abortive() { e.sess.resetStream(e.st) }
+func (e *meshEnd) abortive() { e.sess.ResetStream(e.st) }
 
 func (e *meshEnd) close() {
 	_ = e.st.Close()                   // the half-close yamux has
@@ -263,7 +265,7 @@ func (e *meshEnd) responses() {
 			}
 			continue
 		}
-		if errors.Is(err, io.EOF) && !e.sess.closed() {
+		if errors.Is(err, io.EOF) && !e.sess.Closed() {
 			lk.passFinToClient()
 			return
 		}
@@ -279,7 +281,7 @@ func (e *meshEnd) fail(err error) {
 	if err == nil || errors.Is(err, io.EOF) {
 		err = errors.New("mesh: the session to the peer sidecar closed")
 	}
-	if e.sess.dead.Load() {
+	if e.sess.Dead.Load() {
 		e.lk.abort(CloseMeshDead, err)
 		return
 	}

@@ -1,4 +1,4 @@
-package proxy
+package mesh
 
 import (
 	"encoding/binary"
@@ -26,7 +26,7 @@ import (
 //
 //   - A data stream, opened by the egress for one client link, starts with
 //     a header: the 4 bytes of meshMagic, then the local port it is for
-//     (2 bytes, big-endian). The ingress answers with one byte, meshAck,
+//     (2 bytes, big-endian). The ingress answers with one byte, Ack,
 //     once its link to that port is connected; it closes the stream
 //     without it when the port is not served, refused, or out of routing.
 //   - A status stream, opened by the ingress as soon as the session starts,
@@ -39,9 +39,9 @@ import (
 //     one on another, is known stale.
 //
 // Before yamux, a session starts with a handshake: the egress sends the
-// preface, meshPrefaceMagic then the protocol version (1 byte); the
-// ingress answers with the same magic, its own version, a code (meshOK,
-// meshRefused: the peer is not allowed or over a limit, meshBadVersion)
+// preface, PrefaceMagic then the protocol version (1 byte); the
+// ingress answers with the same magic, its own version, a code (OK,
+// Refused: the peer is not allowed or over a limit, BadVersion)
 // and the most streams a session may carry (4 bytes, big-endian). A peer
 // on the mesh port whose first bytes are not the magic is not an ingress
 // (another mesh's port, another server): the egress knows at once and
@@ -53,7 +53,7 @@ import (
 const (
 	meshMagic     = "LPM\x01"
 	meshHeaderLen = len(meshMagic) + 2
-	meshAck       = 1
+	Ack           = 1
 	// statusEntryLen is one port's entry in a status message, after the
 	// boot id and generation (statusHeadLen).
 	statusEntryLen = 2 + 1 + 8
@@ -61,96 +61,96 @@ const (
 	// maxStatusPorts bounds a status message (a peer's message is read
 	// into memory).
 	maxStatusPorts = 1024
-	// meshHeaderTimeout bounds how long an ingress waits for a new
+	// HeaderTimeout bounds how long an ingress waits for a new
 	// stream's header.
-	meshHeaderTimeout = 5 * time.Second
+	HeaderTimeout = 5 * time.Second
 )
 
 // The session handshake.
 const (
-	meshPrefaceMagic = "LPMESH\x00"
-	meshVersion      = 1
-	meshPrefaceLen   = len(meshPrefaceMagic) + 1
-	meshReplyLen     = meshPrefaceLen + 1 + 4
-	meshOK           = 0
-	meshRefused      = 1
-	meshBadVersion   = 2
+	PrefaceMagic = "LPMESH\x00"
+	Version      = 1
+	PrefaceLen   = len(PrefaceMagic) + 1
+	ReplyLen     = PrefaceLen + 1 + 4
+	OK           = 0
+	Refused      = 1
+	BadVersion   = 2
 )
 
-func meshPreface() []byte { return append([]byte(meshPrefaceMagic), meshVersion) }
+func Preface() []byte { return append([]byte(PrefaceMagic), Version) }
 
-func meshReply(code byte, streams int) []byte {
-	b := append(meshPreface(), code)
+func Reply(code byte, streams int) []byte {
+	b := append(Preface(), code)
 	return binary.BigEndian.AppendUint32(b, uint32(streams))
 }
 
-// errForeignPeer: something that is not an ingress answered on the mesh
+// ErrForeignPeer: something that is not an ingress answered on the mesh
 // port; fallback treats it as errNoIngress.
-var errForeignPeer = fmt.Errorf("%w, or something else answers on it", errNoIngress)
+var ErrForeignPeer = fmt.Errorf("%w, or something else answers on it", ErrNoIngress)
 
 // errSessionRefused: the ingress refused the session (this peer is not
 // allowed, or over a limit).
-// errMeshStream: no stream could be opened on a session to the peer. Not
+// ErrStream: no stream could be opened on a session to the peer. Not
 // held against the endpoint: the link ends upstream_error, unreported.
-var errMeshStream = errors.New("mesh: no stream could be opened to the peer sidecar")
+var ErrStream = errors.New("mesh: no stream could be opened to the peer sidecar")
 
-var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session", errMeshStream)
+var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session", ErrStream)
 
-// readMeshReply reads the ingress's answer to the preface from c, byte by
+// ReadReply reads the ingress's answer to the preface from c, byte by
 // byte as it arrives, so that a foreign peer is known at its first wrong
 // byte. It returns the streams a session may carry.
-func readMeshReply(c net.Conn) (int, error) {
-	var b [meshReplyLen]byte
+func ReadReply(c net.Conn) (int, error) {
+	var b [ReplyLen]byte
 	for n := 0; n < len(b); {
 		k, err := c.Read(b[n:])
-		for i := n; i < n+k && i < len(meshPrefaceMagic); i++ {
-			if b[i] != meshPrefaceMagic[i] {
-				return 0, fmt.Errorf("%w: its first bytes are %q", errForeignPeer, b[:n+k])
+		for i := n; i < n+k && i < len(PrefaceMagic); i++ {
+			if b[i] != PrefaceMagic[i] {
+				return 0, fmt.Errorf("%w: its first bytes are %q", ErrForeignPeer, b[:n+k])
 			}
 		}
 		n += k
 		if err != nil && n < len(b) {
 			if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
-				return 0, fmt.Errorf("%w: it closed the connection after %d bytes of an answer (%v)", errForeignPeer, n, err)
+				return 0, fmt.Errorf("%w: it closed the connection after %d bytes of an answer (%v)", ErrForeignPeer, n, err)
 			}
 			return 0, fmt.Errorf("mesh: no answer to the session handshake: %w", err)
 		}
 	}
-	switch ver, code := b[len(meshPrefaceMagic)], b[meshPrefaceLen]; {
-	case ver != meshVersion || code == meshBadVersion:
-		return 0, fmt.Errorf("%w: it speaks mesh protocol version %d, this sidecar %d", errForeignPeer, ver, meshVersion)
-	case code == meshRefused:
+	switch ver, code := b[len(PrefaceMagic)], b[PrefaceLen]; {
+	case ver != Version || code == BadVersion:
+		return 0, fmt.Errorf("%w: it speaks mesh protocol version %d, this sidecar %d", ErrForeignPeer, ver, Version)
+	case code == Refused:
 		return 0, errSessionRefused
-	case code != meshOK:
+	case code != OK:
 		return 0, fmt.Errorf("%w: handshake code %d", errSessionRefused, code)
 	}
-	return int(binary.BigEndian.Uint32(b[meshPrefaceLen+1:])), nil
+	return int(binary.BigEndian.Uint32(b[PrefaceLen+1:])), nil
 }
 
 var (
-	errNoIngress    = errors.New("mesh: the peer has no ingress sidecar (connection refused on the mesh port)")
-	errPortNotReady = errors.New("mesh: the peer sidecar announces the port not ready")
-	errBadStatus    = errors.New("mesh: malformed status message")
+	ErrNoIngress    = errors.New("mesh: the peer has no ingress sidecar (connection refused on the mesh port)")
+	ErrPortNotReady = errors.New("mesh: the peer sidecar announces the port not ready")
+	ErrBadStatus    = errors.New("mesh: malformed status message")
 )
 
-// portStatus is what an ingress announces for one local port.
-type portStatus struct {
-	ready bool
-	epoch uint64
+// PortStatus is what an ingress announces for one local port.
+type PortStatus struct {
+	Ready bool
+	Epoch uint64
 }
 
-// statusMsg is one status message: the ingress process's boot id, the
+// StatusMsg is one status message: the ingress process's boot id, the
 // message's generation and the ports.
-type statusMsg struct {
-	boot, gen uint64
-	ports     map[uint16]portStatus
+type StatusMsg struct {
+	Boot, Gen uint64
+	Ports     map[uint16]PortStatus
 }
 
-// newer reports whether m comes after the message of boot and gen: a
+// Newer reports whether m comes after the message of boot and gen: a
 // later generation of the same process, or another process.
-func (m statusMsg) newer(boot, gen uint64) bool { return m.boot != boot || m.gen > gen }
+func (m StatusMsg) Newer(boot, gen uint64) bool { return m.Boot != boot || m.Gen > gen }
 
-func newEpoch() uint64 {
+func NewEpoch() uint64 {
 	for {
 		if e := rand.Uint64(); e != 0 { // 0 stands for "none known"
 			return e
@@ -158,15 +158,15 @@ func newEpoch() uint64 {
 	}
 }
 
-func meshHeader(port uint16) []byte {
+func Header(port uint16) []byte {
 	h := make([]byte, meshHeaderLen)
 	copy(h, meshMagic)
 	binary.BigEndian.PutUint16(h[len(meshMagic):], port)
 	return h
 }
 
-// readMeshHeader reads a data stream's header and returns its port.
-func readMeshHeader(r io.Reader) (uint16, error) {
+// ReadHeader reads a data stream's header and returns its port.
+func ReadHeader(r io.Reader) (uint16, error) {
 	var h [meshHeaderLen]byte
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return 0, err
@@ -177,48 +177,48 @@ func readMeshHeader(r io.Reader) (uint16, error) {
 	return binary.BigEndian.Uint16(h[len(meshMagic):]), nil
 }
 
-func writeStatus(w io.Writer, m statusMsg) error {
-	b := make([]byte, 2, 2+statusHeadLen+len(m.ports)*statusEntryLen)
-	binary.BigEndian.PutUint16(b, uint16(statusHeadLen+len(m.ports)*statusEntryLen))
-	b = binary.BigEndian.AppendUint64(b, m.boot)
-	b = binary.BigEndian.AppendUint64(b, m.gen)
-	for port, ps := range m.ports {
+func WriteStatus(w io.Writer, m StatusMsg) error {
+	b := make([]byte, 2, 2+statusHeadLen+len(m.Ports)*statusEntryLen)
+	binary.BigEndian.PutUint16(b, uint16(statusHeadLen+len(m.Ports)*statusEntryLen))
+	b = binary.BigEndian.AppendUint64(b, m.Boot)
+	b = binary.BigEndian.AppendUint64(b, m.Gen)
+	for port, ps := range m.Ports {
 		b = binary.BigEndian.AppendUint16(b, port)
 		ready := byte(0)
-		if ps.ready {
+		if ps.Ready {
 			ready = 1
 		}
 		b = append(b, ready)
-		b = binary.BigEndian.AppendUint64(b, ps.epoch)
+		b = binary.BigEndian.AppendUint64(b, ps.Epoch)
 	}
 	_, err := w.Write(b)
 	return err
 }
 
-func readStatus(r io.Reader) (statusMsg, error) {
+func ReadStatus(r io.Reader) (StatusMsg, error) {
 	var lb [2]byte
 	if _, err := io.ReadFull(r, lb[:]); err != nil {
-		return statusMsg{}, err
+		return StatusMsg{}, err
 	}
 	n := int(binary.BigEndian.Uint16(lb[:]))
 	if n < statusHeadLen || (n-statusHeadLen)%statusEntryLen != 0 || (n-statusHeadLen)/statusEntryLen > maxStatusPorts {
-		return statusMsg{}, fmt.Errorf("%w: length %d", errBadStatus, n)
+		return StatusMsg{}, fmt.Errorf("%w: length %d", ErrBadStatus, n)
 	}
 	b := make([]byte, n)
 	if _, err := io.ReadFull(r, b); err != nil {
-		return statusMsg{}, err
+		return StatusMsg{}, err
 	}
-	m := statusMsg{boot: binary.BigEndian.Uint64(b), gen: binary.BigEndian.Uint64(b[8:]),
-		ports: make(map[uint16]portStatus, (n-statusHeadLen)/statusEntryLen)}
+	m := StatusMsg{Boot: binary.BigEndian.Uint64(b), Gen: binary.BigEndian.Uint64(b[8:]),
+		Ports: make(map[uint16]PortStatus, (n-statusHeadLen)/statusEntryLen)}
 	for b = b[statusHeadLen:]; len(b) > 0; b = b[statusEntryLen:] {
-		m.ports[binary.BigEndian.Uint16(b)] = portStatus{ready: b[2] == 1, epoch: binary.BigEndian.Uint64(b[3:])}
+		m.Ports[binary.BigEndian.Uint16(b)] = PortStatus{Ready: b[2] == 1, Epoch: binary.BigEndian.Uint64(b[3:])}
 	}
 	return m, nil
 }
 
 // yamuxConfig is the session configuration for mesh settings m (with
 // defaults applied) and half-close timeout hc. yamux's own keepalive is
-// off: the session's heartbeat judges it (see meshSession). A stream that
+// off: the session's heartbeat judges it (see Session). A stream that
 // one side closed is freed after the link's half_close_timeout if the
 // other never closes (yamux's default is 5 minutes); 0 keeps it until the
 // other side closes, as a plain link does.
@@ -260,7 +260,7 @@ func (l yamuxLogger) Print(v ...any)                 { l.log.Debug().Msg(fmt.Spr
 func (l yamuxLogger) Printf(format string, v ...any) { l.log.Debug().Msgf(format, v...) }
 func (l yamuxLogger) Println(v ...any)               { l.log.Debug().Msg(fmt.Sprint(v...)) }
 
-// meshSession is one yamux session and its heartbeat, on either side.
+// Session is one yamux session and its heartbeat, on either side.
 //
 // The heartbeat pings the peer every ping_interval, whether or not the
 // last ping was answered, and declares the session dead when nothing at
@@ -272,39 +272,39 @@ func (l yamuxLogger) Println(v ...any)               { l.log.Debug().Msg(fmt.Spr
 // being blamed on the peer: bytes waiting unread in the socket are life,
 // and a check that itself ran late (this process was descheduled) is not
 // trusted; the next one decides.
-type meshSession struct {
-	sess     *yamux.Session
-	conn     *net.TCPConn
+type Session struct {
+	Sess     *yamux.Session
+	Conn     *net.TCPConn
 	role     string
-	interval time.Duration
-	timeout  time.Duration
-	log      zerolog.Logger
+	Interval time.Duration
+	Timeout  time.Duration
+	Log      zerolog.Logger
 	m        *metrics.Metrics
 	lastRead atomic.Int64 // mono
-	dead     atomic.Bool
-	hooks    meshHooks
+	Dead     atomic.Bool
+	hooks    Hooks
 	// retired: no new stream goes on the session (a stream open failed on
 	// it, or its stream IDs are running out); the heartbeat closes it once
 	// its last stream has ended.
 	retired atomic.Bool
 
-	guard *meshGuard
-	wg    sync.WaitGroup // the heartbeat and the guard's flusher
+	Guard *meshGuard
+	Wg    sync.WaitGroup // the heartbeat and the guard's flusher
 }
 
-// newMeshSession wraps conn in a yamux session (client: the egress side)
+// NewSession wraps conn in a yamux session (client: the egress side)
 // and starts its heartbeat.
-// meshHooks are a session owner's parts of the heartbeat; each may be nil.
-type meshHooks struct {
-	// beforeClose runs once when the heartbeat declares the session dead,
+// Hooks are a session owner's parts of the heartbeat; each may be nil.
+type Hooks struct {
+	// BeforeClose runs once when the heartbeat declares the session dead,
 	// before it is closed. It must not block: the exclusions, so that a
 	// client whose link ends next finds the endpoint out already.
-	beforeClose func()
-	// afterClose runs once after that (the links on it end).
-	afterClose func()
-	// tick runs once a ping interval: the owner drops its streams'
+	BeforeClose func()
+	// AfterClose runs once after that (the links on it end).
+	AfterClose func()
+	// Tick runs once a ping interval: the owner drops its streams'
 	// empty receive buffers.
-	tick func()
+	Tick func()
 }
 
 // admit reports whether a stream the peer opens may be taken (see
@@ -312,114 +312,114 @@ type meshHooks struct {
 // not yet set.
 //
 // rw is what the session reads and writes: conn, or TLS over it.
-func newMeshSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks meshHooks, admit func() bool) (*meshSession, error) {
-	ms := &meshSession{conn: conn, role: role, interval: m.PingInterval.D(), timeout: m.PingTimeout.D(), log: log, m: mt, hooks: hooks}
+func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, admit func() bool) (*Session, error) {
+	ms := &Session{Conn: conn, role: role, Interval: m.PingInterval.D(), Timeout: m.PingTimeout.D(), Log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(flow.Mono())
-	ms.guard = newMeshGuard(rw, conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
+	ms.Guard = newMeshGuard(rw, conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
 	cfg := yamuxConfig(m, hc, log)
 	var err error
 	if client {
-		ms.sess, err = yamux.Client(ms.guard, cfg)
+		ms.Sess, err = yamux.Client(ms.Guard, cfg)
 	} else {
-		ms.sess, err = yamux.Server(ms.guard, cfg)
+		ms.Sess, err = yamux.Server(ms.Guard, cfg)
 	}
 	if err != nil {
 		return nil, err
 	}
 	mt.MeshSessions(role).Inc()
-	ms.wg.Add(2)
+	ms.Wg.Add(2)
 	go ms.heartbeat()
 	go func() {
-		defer ms.wg.Done()
-		ms.guard.flusher(ms.sess.CloseChan())
+		defer ms.Wg.Done()
+		ms.Guard.flusher(ms.Sess.CloseChan())
 	}()
 	return ms, nil
 }
 
-// resetStream ends st as reset on both sides (see meshGuard): the peer's
+// ResetStream ends st as reset on both sides (see meshGuard): the peer's
 // end reads a reset, not the end of the stream.
-func (ms *meshSession) resetStream(st *yamux.Stream) { ms.guard.reset(st.StreamID()) }
+func (ms *Session) ResetStream(st *yamux.Stream) { ms.Guard.reset(st.StreamID()) }
 
-// closed reports whether the session has ended.
-func (ms *meshSession) closed() bool { return ms.sess.IsClosed() }
+// Closed reports whether the session has ended.
+func (ms *Session) Closed() bool { return ms.Sess.IsClosed() }
 
-// close ends the session and waits for its heartbeat.
-func (ms *meshSession) close() {
-	_ = ms.sess.Close()
-	ms.wg.Wait()
+// Close ends the session and waits for its heartbeat.
+func (ms *Session) Close() {
+	_ = ms.Sess.Close()
+	ms.Wg.Wait()
 }
 
-func (ms *meshSession) heartbeat() {
-	defer ms.wg.Done()
+func (ms *Session) heartbeat() {
+	defer ms.Wg.Done()
 	defer ms.m.MeshSessions(ms.role).Dec()
 	// A quarter of the ping interval: a dead session is found within
 	// ping_timeout plus this step (250 ms at the defaults).
-	step := min(ms.interval/4, ms.timeout/8)
+	step := min(ms.Interval/4, ms.Timeout/8)
 	t := time.NewTicker(step)
 	defer t.Stop()
 	nextPing, nextTick := int64(0), int64(0)
 	prev := flow.Mono()
 	for {
 		select {
-		case <-ms.sess.CloseChan():
+		case <-ms.Sess.CloseChan():
 			return
 		case <-t.C:
 		}
 		now := flow.Mono()
-		late := now-prev > int64(ms.timeout/2)
+		late := now-prev > int64(ms.Timeout/2)
 		prev = now
-		if !late && now-ms.lastRead.Load() > int64(ms.timeout) && flow.UnreadBytes(ms.conn) == 0 {
-			ms.declareDead(time.Duration(now - ms.lastRead.Load()))
+		if !late && now-ms.lastRead.Load() > int64(ms.Timeout) && flow.UnreadBytes(ms.Conn) == 0 {
+			ms.DeclareDead(time.Duration(now - ms.lastRead.Load()))
 			return
 		}
-		if ms.retired.Load() && ms.sess.NumStreams() == 0 {
-			_ = ms.sess.Close()
+		if ms.retired.Load() && ms.Sess.NumStreams() == 0 {
+			_ = ms.Sess.Close()
 			return
 		}
-		if ms.hooks.tick != nil && now >= nextTick {
-			nextTick = now + int64(ms.interval)
-			ms.hooks.tick()
+		if ms.hooks.Tick != nil && now >= nextTick {
+			nextTick = now + int64(ms.Interval)
+			ms.hooks.Tick()
 		}
 		if now >= nextPing {
-			nextPing = now + int64(ms.interval)
-			ms.guard.ping()
+			nextPing = now + int64(ms.Interval)
+			ms.Guard.ping()
 		}
 	}
 }
 
-// declareDead has the owner exclude what the session served, closes the
+// DeclareDead has the owner exclude what the session served, closes the
 // session (its streams' Close is then a no op, never a wait on a send
 // queue stuck behind a dead path), then lets the owner end the links on
 // it: every pump that sees the close finds dead set and ends its link
 // mesh_dead.
-func (ms *meshSession) declareDead(silent time.Duration) {
-	ms.dead.Store(true)
-	if ms.hooks.beforeClose != nil {
-		ms.hooks.beforeClose()
+func (ms *Session) DeclareDead(silent time.Duration) {
+	ms.Dead.Store(true)
+	if ms.hooks.BeforeClose != nil {
+		ms.hooks.BeforeClose()
 	}
-	_ = ms.sess.Close()
+	_ = ms.Sess.Close()
 	ms.m.MeshSessionDeaths(ms.role).Inc()
-	ms.log.Warn().Str("peer", ms.conn.RemoteAddr().String()).Dur("silent_ms", silent).
+	ms.Log.Warn().Str("peer", ms.Conn.RemoteAddr().String()).Dur("silent_ms", silent).
 		Msg("mesh session dead: nothing from the peer sidecar for ping_timeout; its streams are closed")
-	if ms.hooks.afterClose != nil {
-		ms.hooks.afterClose()
+	if ms.hooks.AfterClose != nil {
+		ms.hooks.AfterClose()
 	}
 }
 
-// retire takes the session out of use: the peer is told (GoAway) that no
+// Retire takes the session out of use: the peer is told (GoAway) that no
 // new stream comes, and the heartbeat closes it when it carries none.
-func (ms *meshSession) retire(why string) {
+func (ms *Session) Retire(why string) {
 	if ms.retired.CompareAndSwap(false, true) {
-		_ = ms.sess.GoAway()
-		ms.log.Info().Str("peer", ms.conn.RemoteAddr().String()).Str("why", why).Msg("mesh session retired: a new one takes its new links")
+		_ = ms.Sess.GoAway()
+		ms.Log.Info().Str("peer", ms.Conn.RemoteAddr().String()).Str("why", why).Msg("mesh session retired: a new one takes its new links")
 	}
 }
 
-// usable reports whether new streams may go on the session.
-func (ms *meshSession) usable() bool {
-	return !ms.dead.Load() && !ms.retired.Load() && !ms.sess.IsClosed()
+// Usable reports whether new streams may go on the session.
+func (ms *Session) Usable() bool {
+	return !ms.Dead.Load() && !ms.retired.Load() && !ms.Sess.IsClosed()
 }
 
-// retireAfterStreams retires a session whose stream IDs (31 bits, odd or
+// RetireAfterStreams retires a session whose stream IDs (31 bits, odd or
 // even per side) pass this: yamux cannot open more after 2^31.
-const retireAfterStreams = 1 << 30
+const RetireAfterStreams = 1 << 30

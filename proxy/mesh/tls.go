@@ -1,4 +1,4 @@
-package proxy
+package mesh
 
 import (
 	"crypto/tls"
@@ -25,11 +25,11 @@ import (
 // keep theirs (TLS 1.3 has no renegotiation), so a rotation drops nothing.
 // A set that fails to load keeps the last good one (logged).
 
-// meshCerts is one mesh.tls file set, shared by every session that uses
+// Certs is one mesh.tls file set, shared by every session that uses
 // it.
-type meshCerts struct {
-	files policy.MeshTLS
-	log   *zerolog.Logger
+type Certs struct {
+	Files policy.MeshTLS
+	Log   *zerolog.Logger
 
 	mu    sync.Mutex
 	stamp string // the files' sizes and modification times at the last read
@@ -52,10 +52,10 @@ func stampOf(files ...string) (string, error) {
 
 // load returns the current certificate and CA pool, reading the files
 // again when they changed.
-func (mc *meshCerts) load() (*tls.Certificate, *x509.CertPool, error) {
+func (mc *Certs) load() (*tls.Certificate, *x509.CertPool, error) {
 	mc.mu.Lock()
 	defer mc.mu.Unlock()
-	f := mc.files
+	f := mc.Files
 	stamp, err := stampOf(f.CertFile, f.KeyFile, f.CAFile)
 	if err == nil && stamp != mc.stamp {
 		err = mc.readLocked()
@@ -69,12 +69,12 @@ func (mc *meshCerts) load() (*tls.Certificate, *x509.CertPool, error) {
 		mc.err = err
 		if mc.cert != nil {
 			if !again {
-				mc.log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
+				mc.Log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
 			}
 			return mc.cert, mc.pool, nil
 		}
 		if !again {
-			mc.log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
+			mc.Log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
 		}
 		return nil, nil, err
 	}
@@ -82,8 +82,8 @@ func (mc *meshCerts) load() (*tls.Certificate, *x509.CertPool, error) {
 	return mc.cert, mc.pool, nil
 }
 
-func (mc *meshCerts) readLocked() error {
-	f := mc.files
+func (mc *Certs) readLocked() error {
+	f := mc.Files
 	cert, err := tls.LoadX509KeyPair(f.CertFile, f.KeyFile)
 	if err != nil {
 		return err
@@ -106,7 +106,7 @@ var errPeerIdentity = errors.New("mesh.tls: the peer's certificate names none of
 
 // verify checks the peer's certificate chain against the current CA, and
 // its identity against peers.
-func (mc *meshCerts) verify(cs tls.ConnectionState, peers []string) error {
+func (mc *Certs) verify(cs tls.ConnectionState, peers []string) error {
 	if len(cs.PeerCertificates) == 0 {
 		return errors.New("mesh.tls: the peer presented no certificate")
 	}
@@ -138,8 +138,8 @@ func (mc *meshCerts) verify(cs tls.ConnectionState, peers []string) error {
 	return fmt.Errorf("%w (it names URIs %v, DNS names %v)", errPeerIdentity, leaf.URIs, leaf.DNSNames)
 }
 
-// clientConfig is the egress side's TLS configuration.
-func (mc *meshCerts) clientConfig(peers []string) *tls.Config {
+// ClientConfig is the egress side's TLS configuration.
+func (mc *Certs) ClientConfig(peers []string) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		// The chain and identity are checked in VerifyConnection, against
@@ -154,9 +154,9 @@ func (mc *meshCerts) clientConfig(peers []string) *tls.Config {
 	}
 }
 
-// serverConfig is the ingress side's TLS configuration: a client
+// ServerConfig is the ingress side's TLS configuration: a client
 // certificate is required.
-func (mc *meshCerts) serverConfig(peers []string) *tls.Config {
+func (mc *Certs) ServerConfig(peers []string) *tls.Config {
 	return &tls.Config{
 		MinVersion: tls.VersionTLS13,
 		ClientAuth: tls.RequireAnyClientCert, // verified in VerifyConnection, as above

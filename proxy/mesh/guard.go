@@ -1,4 +1,4 @@
-package proxy
+package mesh
 
 import (
 	"encoding/binary"
@@ -37,7 +37,7 @@ import (
 // yamux's receive loop is the guard's only reader, its send loop and the
 // guard's flusher its writers.
 type meshGuard struct {
-	conn net.Conn // the session's connection: the TCP one, or TLS over it
+	Conn net.Conn // the session's connection: the TCP one, or TLS over it
 	tcp  *net.TCPConn
 	last *atomic.Int64 // mono: when a byte last arrived
 	// admit reports whether a stream the peer opens may be taken; it
@@ -50,10 +50,10 @@ type meshGuard struct {
 	raw            [4096]byte
 	rawOff, rawEnd int
 	rerr           error
-	hdr            [yamuxHeaderLen]byte
+	hdr            [YamuxHeaderLen]byte
 	hdrN           int
 	pend           []byte // a header to pass on
-	pendBuf        [yamuxHeaderLen]byte
+	pendBuf        [YamuxHeaderLen]byte
 	body           uint32 // body bytes of the current frame still to pass (or drop)
 	dropBody       bool
 
@@ -67,7 +67,7 @@ type meshGuard struct {
 
 	// Write side, under wmu.
 	wmu   sync.Mutex
-	wHdr  [yamuxHeaderLen]byte
+	wHdr  [YamuxHeaderLen]byte
 	wHdrN int
 	wBody uint32
 	kick  chan struct{}
@@ -75,11 +75,11 @@ type meshGuard struct {
 
 // yamux's frame format.
 const (
-	yamuxHeaderLen        = 12
+	YamuxHeaderLen        = 12
 	yamuxTypeData         = 0
 	yamuxTypeWindowUpdate = 1
-	yamuxTypePing         = 2
-	yamuxFlagSYN          = 1
+	YamuxTypePing         = 2
+	YamuxFlagSYN          = 1
 	yamuxFlagACK          = 2
 	yamuxFlagRST          = 8
 	// maxPendingPings is how many answers to the peer's pings may wait
@@ -92,23 +92,23 @@ const (
 
 // Mesh limits, the limit label of mesh_limits_total.
 const (
-	limitPings             = "pings"
-	limitStreamsPerSession = "streams_per_session"
-	limitStreams           = "streams"
-	limitSessionsPerPeer   = "sessions_per_peer"
-	limitPeerNotAllowed    = "peer_not_allowed"
-	limitHandshakes        = "handshakes"
-	limitTLS               = "tls" // a TLS handshake failed: no valid certificate, or not one of mesh.tls.peers
+	LimitPings             = "pings"
+	LimitStreamsPerSession = "streams_per_session"
+	LimitStreams           = "streams"
+	LimitSessionsPerPeer   = "sessions_per_peer"
+	LimitPeerNotAllowed    = "peer_not_allowed"
+	LimitHandshakes        = "handshakes"
+	LimitTLS               = "tls" // a TLS handshake failed: no valid certificate, or not one of mesh.tls.peers
 )
 
 var errPingFlood = errors.New("mesh: the peer's pings wait for answers beyond the bound (a ping flood): session closed")
 
 func newMeshGuard(c net.Conn, tcp *net.TCPConn, last *atomic.Int64, admit func() bool, hit func(string)) *meshGuard {
-	return &meshGuard{conn: c, tcp: tcp, last: last, admit: admit, hit: hit, kick: make(chan struct{}, 1)}
+	return &meshGuard{Conn: c, tcp: tcp, last: last, admit: admit, hit: hit, kick: make(chan struct{}, 1)}
 }
 
 func yamuxFrame(typ byte, flags uint16, id, length uint32) []byte {
-	var h [yamuxHeaderLen]byte
+	var h [YamuxHeaderLen]byte
 	h[1] = typ
 	binary.BigEndian.PutUint16(h[2:], flags)
 	binary.BigEndian.PutUint32(h[4:], id)
@@ -125,7 +125,7 @@ func (g *meshGuard) ping() {
 	if !g.pingQueued {
 		g.pingQueued = true
 		g.pingID++
-		g.outQ = append(g.outQ, yamuxFrame(yamuxTypePing, yamuxFlagSYN, 0, guardPingID|g.pingID)...)
+		g.outQ = append(g.outQ, yamuxFrame(YamuxTypePing, YamuxFlagSYN, 0, guardPingID|g.pingID)...)
 	}
 	g.mu.Unlock()
 	g.wake()
@@ -139,7 +139,7 @@ func (g *meshGuard) answer(id uint32) bool {
 		return false
 	}
 	g.pendingAcks++
-	g.outQ = append(g.outQ, yamuxFrame(yamuxTypePing, yamuxFlagACK, 0, id)...)
+	g.outQ = append(g.outQ, yamuxFrame(YamuxTypePing, yamuxFlagACK, 0, id)...)
 	return true
 }
 
@@ -201,7 +201,7 @@ func (g *meshGuard) flushLocked() error {
 	if len(q) == 0 {
 		return nil
 	}
-	_, err := g.conn.Write(q)
+	_, err := g.Conn.Write(q)
 	return err
 }
 
@@ -212,7 +212,7 @@ func (g *meshGuard) Write(b []byte) (int, error) {
 		return 0, err
 	}
 	g.scanOut(b)
-	n, err := g.conn.Write(b)
+	n, err := g.Conn.Write(b)
 	if err != nil {
 		return n, err
 	}
@@ -231,7 +231,7 @@ func (g *meshGuard) scanOut(b []byte) {
 		k := copy(g.wHdr[g.wHdrN:], b)
 		g.wHdrN += k
 		b = b[k:]
-		if g.wHdrN < yamuxHeaderLen {
+		if g.wHdrN < YamuxHeaderLen {
 			return
 		}
 		g.wHdrN = 0
@@ -268,7 +268,7 @@ func (g *meshGuard) Read(p []byte) (int, error) {
 				// Inside a data frame's body: straight into p, as large a
 				// read as yamux asks for (a bulk transfer does not pay a
 				// read and a copy per 4 KiB).
-				n, err := g.conn.Read(p[:min(len(p), int(min(g.body, 1<<30)))])
+				n, err := g.Conn.Read(p[:min(len(p), int(min(g.body, 1<<30)))])
 				if n > 0 {
 					g.last.Store(flow.Mono())
 					g.body -= uint32(n)
@@ -278,7 +278,7 @@ func (g *meshGuard) Read(p []byte) (int, error) {
 				}
 				continue
 			}
-			n, err := g.conn.Read(g.raw[:])
+			n, err := g.Conn.Read(g.raw[:])
 			if n > 0 {
 				g.last.Store(flow.Mono())
 			}
@@ -321,7 +321,7 @@ func (g *meshGuard) filter(p []byte) (int, error) {
 		k := copy(g.hdr[g.hdrN:], avail)
 		g.hdrN += k
 		g.rawOff += k
-		if g.hdrN < yamuxHeaderLen {
+		if g.hdrN < YamuxHeaderLen {
 			continue
 		}
 		g.hdrN = 0
@@ -350,16 +350,16 @@ func (g *meshGuard) inbound() (bool, error) {
 		g.body = length
 	}
 	switch {
-	case typ == yamuxTypePing && flags&yamuxFlagSYN != 0:
+	case typ == YamuxTypePing && flags&YamuxFlagSYN != 0:
 		if !g.answer(length) {
-			g.hit(limitPings)
+			g.hit(LimitPings)
 			return false, errPingFlood
 		}
 		g.wake()
 		return false, nil
-	case typ == yamuxTypePing && flags&yamuxFlagACK != 0 && length&guardPingID != 0:
+	case typ == YamuxTypePing && flags&yamuxFlagACK != 0 && length&guardPingID != 0:
 		return false, nil // the answer to the heartbeat's ping: its bytes were life
-	case (typ == yamuxTypeData || typ == yamuxTypeWindowUpdate) && flags&yamuxFlagSYN != 0:
+	case (typ == yamuxTypeData || typ == yamuxTypeWindowUpdate) && flags&YamuxFlagSYN != 0:
 		if g.admit != nil && !g.admit() {
 			g.dropBody = true
 			g.refuse(id)
