@@ -14,32 +14,6 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-// pinotTimeoutSlack is added to a Pinot request's own timeoutMs: the
-// server answers with a timeout error once the budget is spent, and the
-// answer still has to be serialized and sent.
-const pinotTimeoutSlack = time.Second
-
-// maxOutstanding bounds the Kafka requests a link remembers for matching;
-// past it the link is no longer tracked. Java clients keep at most 5 in
-// flight per connection by default.
-const maxOutstanding = 1024
-
-// kafkaFirstWindow is how much of a Kafka request the reader asks for
-// first: enough for the header and the body fields of a request with a
-// client id of a usual length.
-const kafkaFirstWindow = 128
-
-// pinotFirstWindow is the same for a Pinot InstanceRequest: the id, and
-// usually the query options.
-const pinotFirstWindow = 2 << 10
-
-// outstanding is a Kafka request that expects a response.
-type outstanding struct {
-	id  int32 // correlation id
-	due int64 // mono deadline; never: not judged
-	end int64 // stream offset just past its last byte
-}
-
 // conv is a link's protocol state under a profile: what the request pump
 // learned that the response pump needs, and whether the link is still
 // tracked. The pumps each own their scanner; conv is what they share.
@@ -112,109 +86,6 @@ func (c *conv) frames(n int, end int64) {
 	}
 }
 
-// kafkaRequest records a parsed Kafka request whose last byte is at end.
-func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
-	if r.SASLRaw {
-		c.untrack(metrics.UntrackedSASL, nil)
-		return
-	}
-	if r.NoResponse {
-		return // Produce with acks=0: the broker sends nothing back
-	}
-	hold, known := r.Hold, !r.HoldUnknown
-	if r.APIKey == kafkaSyncGroup && c.rebalance > 0 {
-		// SyncGroup is parked until the group's rebalance completes: bound
-		// it as the member's JoinGroup was.
-		hold, known = c.rebalance+kafkawire.GroupLapse, true
-	}
-	if r.RebalanceTimeout > 0 {
-		c.rebalance = r.RebalanceTimeout
-	}
-	c.mu.Lock()
-	if c.off.Load() {
-		c.mu.Unlock()
-		return
-	}
-	if len(c.queue)-c.head >= maxOutstanding {
-		c.mu.Unlock()
-		c.untrack(metrics.UntrackedLimit, errors.New("too many requests outstanding"))
-		return
-	}
-	// The broker answers a connection's requests one at a time, in order:
-	// a request cannot be answered before the one ahead of it, so it is
-	// not due before that one is. It is due no later either than its own
-	// deadline, or that one's: the answer to the request ahead comes after
-	// this one was sent, so it covers this one (any answer since a request
-	// was sent is life, see tracker). Queued requests therefore do not add
-	// their deadlines up: the first one past its own is the evidence.
-	due := int64(flow.Never)
-	if known {
-		due = addDue(c.sendAt, int64(hold), c.rt)
-		if c.head < len(c.queue) {
-			due = max(due, c.queue[len(c.queue)-1].due)
-		}
-	}
-	if c.head > 0 && 2*c.head >= len(c.queue) {
-		// Keep the queue's memory bounded by what is outstanding.
-		c.queue = c.queue[:copy(c.queue, c.queue[c.head:])]
-		c.head = 0
-	}
-	c.queue = append(c.queue, outstanding{id: r.CorrelationID, due: due, end: end})
-	// The broker may hold it until request_timeout before it is due;
-	// its own response (matched in order) covers it before that.
-	c.trackLocked(due-c.rt, due, end, 1)
-	c.mu.Unlock()
-}
-
-// holding reports whether a Kafka broker may be holding this connection's
-// oldest outstanding request, within its own deadline, at mono time now.
-// A broker stops reading a connection while it works on a request, so
-// while it holds one (a Produce waiting for its replicas, up to timeout_ms)
-// nothing more is acknowledged: no evidence of a stall.
-func (c *conv) holding(now int64) bool {
-	if !c.kafka || c.off.Load() {
-		return false
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.head < len(c.queue) && c.queue[c.head].due > now
-}
-
-// kafkaResponse matches a response to the oldest outstanding request.
-func (c *conv) kafkaResponse(id int32) {
-	c.mu.Lock()
-	if c.head == len(c.queue) || c.queue[c.head].id != id {
-		c.mu.Unlock()
-		c.untrack(metrics.UntrackedDesync, nil)
-		return
-	}
-	c.lk.trk.AnsweredThrough(c.queue[c.head].end)
-	c.head++
-	if c.head == len(c.queue) {
-		c.queue, c.head = c.queue[:0], 0
-	}
-	c.mu.Unlock()
-}
-
-// pinotRequest records a parsed Pinot InstanceRequest: due by its own
-// timeoutMs, or request_timeout when it carries none.
-func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
-	due := addDue(c.sendAt, c.rt)
-	if r.HasTimeout {
-		due = addDue(c.sendAt, int64(r.Timeout), int64(pinotTimeoutSlack))
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.off.Load() {
-		// Covered by any answer after it was sent: Pinot servers answer
-		// out of order and answers are not matched to requests, so an
-		// answer to this one could not be told from another's.
-		c.trackLocked(c.sendAt, due, end, 1)
-	}
-}
-
-const kafkaSyncGroup = 14
-
 // addDue adds durations to a mono time, saturating at never: a request
 // that asks for a longer hold than any deadline can express is never
 // judged, rather than wrapping round to a deadline in the past.
@@ -272,39 +143,27 @@ func (r *requestReader[R]) End(off int64) {
 	r.record(r.c, &r.req, off)
 }
 
-// kafkaResponses reads Kafka response frames: their correlation id.
-type kafkaResponses struct{ c *conv }
-
-func (r *kafkaResponses) Begin(n int64) flow.Window {
-	if n < 4 {
-		r.c.untrack(metrics.UntrackedProtocol, errors.New("a response frame too short for a correlation id"))
-		return flow.Window{}
-	}
-	return flow.Window{Need: 4}
+// profiles are the protocol profiles, by framing type: each makes the
+// frame readers of a link under it, the requests' and, where the profile
+// matches responses to their requests, the responses' (nil otherwise).
+// A new profile is a file with its readers (as profile_kafka.go,
+// profile_pinot.go) and one entry here, beside its framing type in policy.
+var profiles = map[string]func(c *conv) (req, resp flow.FrameReader){
+	policy.FramingKafka: kafkaReaders,
+	policy.FramingPinot: pinotReaders,
 }
-
-func (r *kafkaResponses) Read(b []byte) flow.Window {
-	if id, ok := kafkawire.ResponseCorrelationID(b); ok {
-		r.c.kafkaResponse(id)
-	}
-	return flow.Window{}
-}
-
-func (r *kafkaResponses) End(int64) {}
 
 // newConv sets up request tracking for a framed link (its scanners are
 // set): under a profile, with the protocol's readers.
 func newConv(lk *link) *conv {
 	c := &conv{lk: lk, thr: int32(lk.settings.Unanswered.ConsecutiveTimeoutsThreshold), rt: int64(lk.settings.Unanswered.RequestTimeout.D()),
 		kafka: lk.settings.Framing.Type == policy.FramingKafka, profile: policy.IsProfile(lk.settings.Framing.Type)}
-	switch lk.settings.Framing.Type {
-	case policy.FramingKafka:
-		lk.reqScan.Rd = &requestReader[kafkawire.Request]{c: c, first: kafkaFirstWindow,
-			parse: kafkawire.ParseRequest, record: (*conv).kafkaRequest}
-		lk.respScan.Rd = &kafkaResponses{c: c}
-	case policy.FramingPinot:
-		lk.reqScan.Rd = &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
-			parse: pinotwire.ParseRequest, record: (*conv).pinotRequest}
+	if readers := profiles[lk.settings.Framing.Type]; readers != nil {
+		req, resp := readers(c)
+		lk.reqScan.Rd = req
+		if resp != nil {
+			lk.respScan.Rd = resp
+		}
 	}
 	return c
 }

@@ -1,0 +1,45 @@
+package proxy
+
+import (
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+)
+
+// The pinot profile: a broker's InstanceRequests each carry their own
+// timeout; servers answer out of order, so answers are not matched
+// (PINOT.md).
+
+// pinotReaders are the pinot profile's frame readers (see profiles): its
+// responses are not read.
+func pinotReaders(c *conv) (req, resp flow.FrameReader) {
+	return &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
+		parse: pinotwire.ParseRequest, record: (*conv).pinotRequest}, nil
+}
+
+// pinotTimeoutSlack is added to a Pinot request's own timeoutMs: the
+// server answers with a timeout error once the budget is spent, and the
+// answer still has to be serialized and sent.
+const pinotTimeoutSlack = time.Second
+
+// pinotFirstWindow is the same for a Pinot InstanceRequest: the id, and
+// usually the query options.
+const pinotFirstWindow = 2 << 10
+
+// pinotRequest records a parsed Pinot InstanceRequest: due by its own
+// timeoutMs, or request_timeout when it carries none.
+func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
+	due := addDue(c.sendAt, c.rt)
+	if r.HasTimeout {
+		due = addDue(c.sendAt, int64(r.Timeout), int64(pinotTimeoutSlack))
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.off.Load() {
+		// Covered by any answer after it was sent: Pinot servers answer
+		// out of order and answers are not matched to requests, so an
+		// answer to this one could not be told from another's.
+		c.trackLocked(c.sendAt, due, end, 1)
+	}
+}
