@@ -58,7 +58,8 @@ type Config struct {
 
 // Limits bounds the whole process, whatever each link's own settings say.
 // Every key's 0 means "derived" (see proxy.PlanLimits): from the
-// container's memory limit and the descriptor limit.
+// container's memory limit and the descriptor limit, and for Procs by the
+// Go runtime.
 type Limits struct {
 	// Memory is the memory the process plans for: GOMEMLIMIT (unless the
 	// environment sets it) is 90% of it and the memory budget half of it.
@@ -75,6 +76,13 @@ type Limits struct {
 	// memory left beside the budget and from the descriptor limit;
 	// negative is invalid.
 	MaxLinks int `yaml:"max_links"`
+	// Procs is how many threads run Go code at once (GOMAXPROCS), unless
+	// the environment sets GOMAXPROCS, which then wins. 1 by default (see
+	// DefaultConfig): a sidecar shares its pod's cores with the process
+	// it serves, as HAProxy with one thread does. 0: the Go runtime's own
+	// default (the CPUs, the affinity mask, the cgroup's CPU limit);
+	// negative is invalid. Applied by the binary only (proxy.ApplyRuntime).
+	Procs int `yaml:"procs"`
 }
 
 // Interception configures the proxy's side of transparent interception.
@@ -764,5 +772,10 @@ func DefaultConfig() Config {
 		ShutdownGrace: Duration(10 * time.Second),
 		ShutdownIdle:  Duration(2 * time.Second),
 		Defaults:      DefaultSettings(),
+		Limits:        Limits{Procs: DefaultProcs},
 	}
 }
+
+// DefaultProcs is limits.procs when a config says nothing: one thread
+// runs Go code at a time (docs/performance.md, "Real clients").
+const DefaultProcs = 1

@@ -280,6 +280,15 @@ func TestParseErrors(t *testing.T) {
 				"limits.memory_budget: -2 is negative: use 0 to derive it (line 1)",
 		},
 		{
+			name: "negative procs",
+			yaml: doc(
+				"limits: {procs: -2}",
+				"listeners:",
+				okListener,
+			),
+			want: "limits.procs: -2 is negative: use 0 for the Go runtime's default, 1 for one thread (line 1)",
+		},
+		{
 			name: "bad on_overflow",
 			yaml: doc(
 				"listeners:",
@@ -1081,6 +1090,28 @@ func TestNewKeyDefaults(t *testing.T) {
 	want := Framing{Type: FramingLengthField, LengthFieldLength: 4, ByteOrder: ByteOrderBig, MaxFrameLength: 256 * MiB}
 	if c.Defaults.Framing != want || c.Listeners[0].Framing != want {
 		t.Errorf("framing = %+v, listener %+v; want both %+v", c.Defaults.Framing, c.Listeners[0].Framing, want)
+	}
+}
+
+// limits.procs is 1 when the config says nothing, and what it says
+// otherwise, 0 included (the Go runtime's default), also after a round
+// trip through Effective.
+func TestLimitsProcs(t *testing.T) {
+	for _, tc := range []struct {
+		limits string
+		want   int
+	}{{"", 1}, {"limits: {max_links: 9}", 1}, {"limits: {procs: 0}", 0}, {"limits: {procs: 4}", 4}} {
+		c := mustParse(t, doc(tc.limits, "listeners:", okListener))
+		if c.Limits.Procs != tc.want {
+			t.Errorf("%q: limits.procs %d, want %d", tc.limits, c.Limits.Procs, tc.want)
+		}
+		out, err := c.Effective()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if back := mustParse(t, string(out)); back.Limits.Procs != tc.want {
+			t.Errorf("%q: limits.procs %d after Effective, want %d:\n%s", tc.limits, back.Limits.Procs, tc.want, out)
+		}
 	}
 }
 

@@ -223,6 +223,9 @@ func (v *validator) limits(c *Config) {
 	if c.Limits.MaxLinks < 0 {
 		v.add("limits.max_links", "%d is negative: use 0 to derive it", c.Limits.MaxLinks)
 	}
+	if c.Limits.Procs < 0 {
+		v.add("limits.procs", "%d is negative: use 0 for the Go runtime's default, 1 for one thread", c.Limits.Procs)
+	}
 	if c.Limits.Memory > 0 && c.Limits.MemoryBudget >= c.Limits.Memory {
 		v.add("limits.memory_budget", "%v must be below limits.memory (%v): the runtime needs room beside the links' buffers", c.Limits.MemoryBudget, c.Limits.Memory)
 	}

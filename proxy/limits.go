@@ -3,6 +3,7 @@ package proxy
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"runtime/debug"
 	"strconv"
 	"syscall"
@@ -31,6 +32,11 @@ type Limits struct {
 	// NoFileSoft and NoFileHard are RLIMIT_NOFILE (ApplyRuntime raises the
 	// soft limit to the hard one); NoFileNeeded is what MaxLinks needs.
 	NoFileSoft, NoFileHard, NoFileNeeded uint64
+	// Procs is GOMAXPROCS: the environment's when it sets one, else
+	// limits.procs, else (limits.procs 0) the Go runtime's default, which
+	// ApplyRuntime then reads back.
+	Procs       int
+	ProcsSource string
 }
 
 // Sizing rules: the budget is half the memory; the rest holds the Go
@@ -56,6 +62,16 @@ const MemoryLimitEnv = "LIVENESSPROXY_MEMORY_LIMIT"
 // goMemLimitEnv is the variable with which an operator sets GOMEMLIMIT
 // himself; then the proxy leaves it alone.
 const goMemLimitEnv = "GOMEMLIMIT"
+
+// goMaxProcsEnv is the variable with which an operator sets GOMAXPROCS
+// himself; then the proxy leaves it alone.
+const goMaxProcsEnv = "GOMAXPROCS"
+
+// The sources of Limits.Procs besides the environment.
+const (
+	procsKeySource     = "limits.procs"
+	procsRuntimeSource = "limits.procs 0: the Go runtime's default from the CPUs, the affinity mask and the cgroup's CPU limit"
+)
 
 // PlanLimits derives the process's limits from c (a key's 0 means
 // derived), the cgroup's memory limit and RLIMIT_NOFILE as they are now.
@@ -93,7 +109,28 @@ func PlanLimits(c policy.Limits) Limits {
 		l.MaxLinks, l.MaxLinksSource = derivedMaxLinks(l)
 	}
 	l.NoFileNeeded = uint64(l.MaxLinks)*2 + fdReserve
+	l.Procs, l.ProcsSource = planProcs(c.Procs)
 	return l
+}
+
+// envProcs is GOMAXPROCS from the environment, if it holds a positive
+// count: the runtime's own rule (it ignores anything else there).
+func envProcs() (int, bool) {
+	n, err := strconv.Atoi(os.Getenv(goMaxProcsEnv))
+	return n, err == nil && n > 0
+}
+
+// planProcs is GOMAXPROCS and where it comes from: the environment, else
+// limits.procs, else (0) the runtime's default, which is the runtime's
+// setting now unless ApplyRuntime set another one before.
+func planProcs(procs int) (int, string) {
+	if n, ok := envProcs(); ok {
+		return n, goMaxProcsEnv + "=" + os.Getenv(goMaxProcsEnv) + " (environment)"
+	}
+	if procs > 0 {
+		return procs, procsKeySource
+	}
+	return runtime.GOMAXPROCS(0), procsRuntimeSource
 }
 
 // derivedMaxLinks is max_links when limits.max_links is 0: what the
@@ -131,8 +168,11 @@ func (l Limits) Warnings() []string {
 
 // ApplyRuntime raises the soft RLIMIT_NOFILE to the hard limit and, unless
 // the environment sets GOMEMLIMIT, sets the runtime's memory limit to
-// l.GoMemLimit. It returns the limits with the descriptor limit as it is
-// now. Process-wide: the binary calls it, a library user may not want to.
+// l.GoMemLimit; unless the environment sets GOMAXPROCS, it sets GOMAXPROCS
+// to l.Procs (limits.procs 0: back to the runtime's default, which the
+// runtime then keeps following). It returns the limits with the
+// descriptor limit and GOMAXPROCS as they are now. Process-wide: the
+// binary calls it, a library user may not want to.
 func ApplyRuntime(l Limits) Limits {
 	var rl syscall.Rlimit
 	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err == nil {
@@ -146,5 +186,21 @@ func ApplyRuntime(l Limits) Limits {
 	if os.Getenv(goMemLimitEnv) == "" && l.GoMemLimit > 0 {
 		debug.SetMemoryLimit(l.GoMemLimit)
 	}
+	l.Procs = applyProcs(l)
 	return l
+}
+
+// applyProcs puts l's GOMAXPROCS in force and returns the setting now.
+// Each change stops the world for a moment; a reload that keeps the value
+// changes nothing.
+func applyProcs(l Limits) int {
+	switch l.ProcsSource {
+	case procsKeySource:
+		if runtime.GOMAXPROCS(0) != l.Procs {
+			runtime.GOMAXPROCS(l.Procs)
+		}
+	case procsRuntimeSource:
+		runtime.SetDefaultGOMAXPROCS()
+	}
+	return runtime.GOMAXPROCS(0)
 }

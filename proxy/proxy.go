@@ -46,7 +46,8 @@ type Options struct {
 	// ManageRuntime lets the proxy set process-wide limits: it raises the
 	// soft RLIMIT_NOFILE to the hard limit and, unless the environment
 	// sets GOMEMLIMIT, sets the runtime's memory limit from limits.memory
-	// (or the container's limit), at New and at each Reload. The binary
+	// (or the container's limit), and unless it sets GOMAXPROCS, sets
+	// GOMAXPROCS from limits.procs, at New and at each Reload. The binary
 	// sets it; a library user may leave the process alone.
 	ManageRuntime bool
 
@@ -192,15 +193,19 @@ func (p *Proxy) setLimits(c policy.Limits) Limits {
 		l = ApplyRuntime(l)
 	}
 	p.limitsMu.Lock()
+	was := p.limits
 	p.limits = l
 	p.limitsMu.Unlock()
+	if p.manageRuntime && was.ProcsSource != "" && was.Procs != l.Procs {
+		p.log.Info().Int("gomaxprocs", l.Procs).Int("was", was.Procs).Str("gomaxprocs_source", l.ProcsSource).Msg("GOMAXPROCS changed")
+	}
 	p.budget.SetLimit(l.Budget)
 	p.slots.setMax(l.MaxLinks)
 	return l
 }
 
 // Limits returns the process limits in force: the memory budget, max_links,
-// GOMEMLIMIT and the descriptors, each with where it came from.
+// GOMEMLIMIT, the descriptors and GOMAXPROCS, each with where it came from.
 func (p *Proxy) Limits() Limits {
 	p.limitsMu.Lock()
 	defer p.limitsMu.Unlock()

@@ -17,6 +17,7 @@ func logLimits(log zerolog.Logger, l proxy.Limits) {
 		Int64("memory_budget_bytes", l.Budget).Str("memory_budget_source", l.BudgetSource).
 		Int("max_links", l.MaxLinks).Str("max_links_source", l.MaxLinksSource).
 		Uint64("nofile_soft", l.NoFileSoft).Uint64("nofile_hard", l.NoFileHard).Uint64("nofile_needed", l.NoFileNeeded).
+		Int("gomaxprocs", l.Procs).Str("gomaxprocs_source", l.ProcsSource).
 		Msg("limits")
 	for _, w := range l.Warnings() {
 		log.Warn().Msg(w)
@@ -34,6 +35,7 @@ func printLimits(w io.Writer, l proxy.Limits) {
 	fmt.Fprintf(w, "memory budget: %s (%s)\n", mib(l.Budget), l.BudgetSource)
 	fmt.Fprintf(w, "max_links: %d (%s)\n", l.MaxLinks, l.MaxLinksSource)
 	fmt.Fprintf(w, "descriptors: RLIMIT_NOFILE hard %d, max_links needs %d\n", l.NoFileHard, l.NoFileNeeded)
+	fmt.Fprintf(w, "GOMAXPROCS: %d (%s)\n", l.Procs, l.ProcsSource)
 	for _, m := range l.Warnings() {
 		fmt.Fprintf(w, "warning: %s\n", m)
 	}

@@ -298,7 +298,8 @@ const checkHelp = `usage: livenessproxy check --config FILE
 Validates the configuration file as run would load it. Prints every problem
 on its own line, by key path and line, and exits 1; or the process limits
 it would run under here (memory and where it came from, GOMEMLIMIT, the
-memory budget, max_links, descriptors, with a warning for each problem)
+memory budget, max_links, descriptors, GOMAXPROCS, with a warning for each
+problem)
 and "FILE: ok", and exits 0.
 `
 

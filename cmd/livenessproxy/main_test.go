@@ -259,23 +259,12 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 	if err := os.Symlink(filepath.Join("..data", "config.yaml"), cfgPath); err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(os.Args[0], "run", "--config", cfgPath)
-	cmd.Env = append(os.Environ(), "LP_BE_MAIN=1")
-	var stderr syncBuffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		_ = cmd.Wait()
-	}()
+	cmd, stderr := startBinary(t, cfgPath, adminAddr)
 	base := "http://" + adminAddr
-	waitFor(t, 5*time.Second, func() bool { return httpStatus(base+"/readyz") == 200 })
 
 	write("gen2", one+fmt.Sprintf("  - {name: b, listen: %q, upstream: %q}\n", bAddr, peer.Addr()))
 	waitFor(t, 5*time.Second, func() bool { return echoes(bAddr) })
-	waitForLog(t, &stderr, `"trigger":"file","listeners":2,"listeners_added":["b"],"time":`, `"message":"config reloaded"`)
+	waitForLog(t, stderr, `"trigger":"file","listeners":2,"listeners_added":["b"],"time":`, `"message":"config reloaded"`)
 
 	write("gen3", one+"  - {name: c, listen: 127.0.0.1:1, upstream: x:1, write_timout: 1s}\n")
 	waitFor(t, 5*time.Second, func() bool {
@@ -287,7 +276,7 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	waitForLog(t, &stderr, `"trigger":"sighup","problems":["listeners[1].write_timout: unknown key (line 4)"],"time":`,
+	waitForLog(t, stderr, `"trigger":"sighup","problems":["listeners[1].write_timout: unknown key (line 4)"],"time":`,
 		`"message":"config reload rejected; keeping the last good config"`)
 	waitFor(t, 5*time.Second, func() bool {
 		resp, err := httpc.Get(base + "/metrics")
@@ -299,6 +288,26 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 		return bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="error"} 2`)) &&
 			bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="ok"} 1`))
 	})
+}
+
+// startBinary runs this test binary as the proxy (`run --config cfgPath`,
+// env added to the environment), stops it with SIGTERM when t ends, and
+// waits until its admin server at adminAddr says it is ready.
+func startBinary(t *testing.T, cfgPath, adminAddr string, env ...string) (*exec.Cmd, *syncBuffer) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "run", "--config", cfgPath)
+	cmd.Env = append(append(os.Environ(), "LP_BE_MAIN=1"), env...)
+	stderr := &syncBuffer{}
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	})
+	waitFor(t, 5*time.Second, func() bool { return httpStatus("http://"+adminAddr+"/readyz") == 200 })
+	return cmd, stderr
 }
 
 // waitForLog waits until a line of the child's log has every part of want.
