@@ -8,8 +8,10 @@
 # limits.procs 0 (the Go runtime's default). Nothing is pinned: the
 # clients, the servers and the proxy share the machine's cores, as in a
 # pod. Each round runs every path once, in an order that rotates from
-# round to round; the table gives the median of the rounds per path, and
-# that median over direct's.
+# round to round. The tables give per path the median of the rounds'
+# throughput and of its share of direct's in the same round, and the
+# proxy's CPU per operation (utime + stime from /proc/PID/stat over the
+# client's run, all threads, 10 ms ticks).
 #
 # Everything listens on 127.0.0.1 only. Every process the script starts is
 # recorded by PID and ended by that PID on exit (INT, TERM and errors
@@ -167,6 +169,7 @@ start_pg() {
 # --- proxies ------------------------------------------------------------
 
 declare -A path_port # "$path $target" -> port the client dials
+declare -A path_pid  # proxy path -> its PID, for its CPU time
 active=()
 
 start_haproxy() {
@@ -186,6 +189,7 @@ start_haproxy() {
 	done
 	"$HAPROXY_BIN" -db -f "$cfg" >"$work/haproxy.log" 2>&1 &
 	pids+=($!)
+	path_pid[haproxy]=$!
 	for t in "${targets[@]}"; do wait_port "${path_port["haproxy $t"]}"; done
 	active+=(haproxy)
 	log "$("$HAPROXY_BIN" -v | head -1 | awk '{print $1, $2, $3}') (pid ${pids[-1]})"
@@ -205,6 +209,7 @@ start_lp() {
 	done
 	env -u GOMAXPROCS "$LP_BIN" run --config "$cfg" >"$work/$name.log" 2>&1 &
 	pids+=($!)
+	path_pid[$name]=$!
 	for t in "${targets[@]}"; do wait_port "${path_port["$name $t"]}"; done
 	active+=("$name")
 	log "livenessproxy, limits.procs $procs: GOMAXPROCS $(curl -s "http://127.0.0.1:$admin/metrics" | awk '$1 == "go_sched_gomaxprocs_threads" {print $2}') (pid ${pids[-1]})"
@@ -212,7 +217,26 @@ start_lp() {
 
 # --- clients ------------------------------------------------------------
 
-results=$work/results.tsv # round, path, test, value
+results=$work/results.tsv # round, path, test, per second, proxy CPU µs per op
+
+# cpu_ticks prints the CPU time (utime + stime, all threads, in 10 ms
+# ticks) of path $1's proxy; nothing for direct.
+cpu_ticks() {
+	[[ -n ${path_pid[$1]:-} ]] || return 0
+	sed 's/.*) //' "/proc/${path_pid[$1]}/stat" | awk '{ print $12 + $13 }'
+}
+
+# cpu_per_op prints the proxy's CPU in µs per operation since ticks $1,
+# for $2 operations; "-" for direct.
+cpu_per_op() {
+	local now
+	now=$(cpu_ticks "$3")
+	if [[ -z $1 || -z $now || $2 == 0 ]]; then
+		echo -
+	else
+		awk -v a="$1" -v b="$now" -v n="$2" 'BEGIN { printf "%.1f", (b - a) * 10000 / n }'
+	fi
+}
 
 # client runs a client command with a timeout of $1 seconds in the
 # background, its output in $work/client.out, and waits for it: a signal
@@ -228,24 +252,30 @@ client() {
 	return "$rc"
 }
 
+# The proxy's CPU per operation covers the whole client run: for redis,
+# its SET and GET requests together (2 × REDIS_N), on both rows.
 run_redis() {
-	local path=$1 round=$2
+	local path=$1 round=$2 t0 cpu
+	t0=$(cpu_ticks "$path")
 	if ! client 300 redis-benchmark -h 127.0.0.1 -p "$3" -c "$REDIS_C" -n "$REDIS_N" -t set,get -q; then
 		log "redis-benchmark through $path failed: $(tr '\r' '\n' <"$work/client.out" | tail -2)"
 		return 0
 	fi
-	tr '\r' '\n' <"$work/client.out" | awk -v r="$round" -v p="$path" \
-		'/^(SET|GET): .*requests per second/ { sub(":", "", $1); printf "%s\t%s\tredis %s\t%s\n", r, p, $1, $2 }' >>"$results"
+	cpu=$(cpu_per_op "$t0" $((2 * REDIS_N)) "$path")
+	tr '\r' '\n' <"$work/client.out" | awk -v r="$round" -v p="$path" -v c="$cpu" \
+		'/^(SET|GET): .*requests per second/ { sub(":", "", $1); printf "%s\t%s\tredis %s\t%s\t%s\n", r, p, $1, $2, c }' >>"$results"
 }
 
 run_pg() {
-	local path=$1 round=$2
+	local path=$1 round=$2 t0 cpu
+	t0=$(cpu_ticks "$path")
 	if ! client $((PG_SECONDS + 60)) pgbench -S -c "$PG_CLIENTS" -j "$PG_THREADS" -T "$PG_SECONDS" -n \
 		-h 127.0.0.1 -p "$3" -U postgres postgres; then
 		log "pgbench through $path failed: $(tail -2 "$work/client.out")"
 		return 0
 	fi
-	awk -v r="$round" -v p="$path" '/^tps = / { printf "%s\t%s\tpgbench -S\t%s\n", r, p, $3 }' "$work/client.out" >>"$results"
+	cpu=$(cpu_per_op "$t0" "$(awk '/^number of transactions actually processed:/ { print $NF }' "$work/client.out")" "$path")
+	awk -v r="$round" -v p="$path" -v c="$cpu" '/^tps = / { printf "%s\t%s\tpgbench -S\t%s\t%s\n", r, p, $3, c }' "$work/client.out" >>"$results"
 }
 
 # --- main ---------------------------------------------------------------
@@ -294,31 +324,50 @@ for ((r = 1; r <= ROUNDS; r++)); do
 done
 log "load at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
 
-# The table: per test and path, the median of the rounds, and that median
-# over direct's; then every run.
+# The tables: per test and path, the median of the rounds' throughput
+# and of its share of direct's in the same round; the proxy's CPU per
+# operation (median); then every run.
 awk -F'\t' -v order="${active[*]}" '
-function median(s,   a, n, i, t) {
+function median(s,   a, n, i, j, t) {
 	n = split(s, a, " ")
 	for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
 	return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
 }
-{ v[$3 SUBSEP $2] = v[$3 SUBSEP $2] " " $4; if (!($3 in seen)) { seen[$3] = 1; tests[++nt] = $3 } }
+function head(title,   i) {
+	printf "| %s |", title; for (i = 1; i <= np; i++) printf " %s |", paths[i]; printf "\n"
+	printf "| --- |"; for (i = 1; i <= np; i++) printf " --- |"; printf "\n"
+}
+{
+	v[$3, $2] = v[$3, $2] " " $4; run[$1, $3, $2] = $4
+	if ($5 != "-" && $5 != "") c[$3, $2] = c[$3, $2] " " $5
+	if (!($3 in seen)) { seen[$3] = 1; tests[++nt] = $3 }
+	if ($1 > rounds) rounds = $1
+}
 END {
 	np = split(order, paths, " ")
-	printf "| test |"; for (i = 1; i <= np; i++) printf " %s |", paths[i]; printf "\n"
-	printf "| --- |"; for (i = 1; i <= np; i++) printf " --- |"; printf "\n"
+	head("throughput, median (share of direct)")
 	for (k = 1; k <= nt; k++) {
-		t = tests[k]; d = ((t SUBSEP "direct") in v) ? median(v[t SUBSEP "direct"]) : 0
-		printf "| %s |", t
+		t = tests[k]; printf "| %s |", t
 		for (i = 1; i <= np; i++) {
-			if (!((t SUBSEP paths[i]) in v)) { printf " – |"; continue }
-			m = median(v[t SUBSEP paths[i]])
-			if (d > 0 && paths[i] != "direct") printf " %.0f/s (%.2f) |", m, m / d
-			else printf " %.0f/s |", m
+			p = paths[i]
+			if (!((t, p) in v)) { printf " – |"; continue }
+			s = ""
+			for (r = 1; r <= rounds; r++)
+				if (p != "direct" && ((r, t, p) in run) && run[r, t, "direct"] > 0) s = s " " run[r, t, p] / run[r, t, "direct"]
+			printf " %.0f/s", median(v[t, p]); if (s != "") printf " (%.2f)", median(s); printf " |"
 		}
+		printf "\n"
+	}
+	print ""
+	head("proxy CPU per op, median")
+	for (k = 1; k <= nt; k++) {
+		# One redis run makes both rows: its CPU is one figure.
+		t = tests[k]; if (t == "redis GET") continue
+		printf "| %s |", t == "redis SET" ? "redis SET+GET" : t
+		for (i = 1; i <= np; i++) { p = paths[i]; if ((t, p) in c) printf " %.1f µs |", median(c[t, p]); else printf " – |" }
 		printf "\n"
 	}
 }' "$results"
 echo
-echo "every run (round, path, test, per second):"
+echo "every run (round, path, test, per second, proxy CPU µs per op):"
 cat "$results"
