@@ -11,7 +11,7 @@ import (
 // waitForBudget is send's path when the queue's next chunk does not fit
 // the budget: it waits until it fits, and returns push's result then. A
 // link that has waited write_timeout while its upstream owed bytes and
-// acknowledged none of them gets pushStalled instead: the evidence a
+// acknowledged none of them gets flow.PushStalled instead: the evidence a
 // close needs.
 func (lk *link) waitForBudget(p []byte, high int64) flow.PushResult {
 	b := lk.budget
@@ -58,7 +58,7 @@ func (lk *link) owesUpstream(inHand int) bool {
 	return ok && lk.bytesUp.Load()-int64(inHand) > acked
 }
 
-// reap runs while the proxy does: every budgetRecheck, while links wait
+// reap runs while the proxy does: every flow.BudgetRecheck, while links wait
 // for the budget, it closes the links that hold queue chunks toward an
 // upstream that acknowledged nothing for write_timeout, and it logs what
 // the budget did at most once a second.

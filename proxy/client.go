@@ -18,10 +18,10 @@ import (
 // clientSide is a link's client: a TCP connection its listener accepted,
 // or a stream that a mesh ingress accepted from a peer sidecar.
 type clientSide interface {
-	// read waits for bytes and reads at most limit (1 to chunkSize) into a
-	// pooled chunk, as sockReader.read does.
+	// read waits for bytes and reads at most limit (1 to flow.ChunkSize) into a
+	// pooled chunk, as flow.SockReader.Read does.
 	read(limit int) (*[]byte, int, error)
-	// readEach reads as sockReader.readEach does; a transport without
+	// ReadEach reads as flow.SockReader.readEach does; a transport without
 	// readiness returns each chunk it reads to the caller unhandled.
 	readEach(sink flow.ChunkSink) (bp *[]byte, n int, err, sinkErr error)
 	Write(p []byte) (int, error)
@@ -160,7 +160,7 @@ func (c *streamClient) upstreamConnected() error {
 // read would wait on). A stream closed without reset is freed once the
 // egress closes its side (or after half_close_timeout).
 func (c *streamClient) Close() error {
-	if c.rst.Load() {
+	if c.rst.Swap(false) { // once: a link may close its client twice
 		c.ms.ResetStream(c.s)
 	}
 	err := c.s.Close()

@@ -86,7 +86,7 @@ func (lk *link) dial() bool {
 			lk.countDial(start, failOpen)
 			return end.attach(ep)
 		}
-		if l := (errLocal{}); errors.As(err, &l) {
+		if l, ok := err.(errLocal); ok {
 			lk.countDial(start, failOpen)
 			lk.attach(ep)
 			lk.fail(l.error)

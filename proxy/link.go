@@ -299,7 +299,7 @@ func (lk *link) passFinToClient() {
 	}
 }
 
-// passFin passes a FIN on with closeWrite (a shutdown), and records it.
+// flow.PassFin passes a FIN on with closeWrite (a shutdown), and records it.
 // When the other direction has passed its FIN already, this one ends the
 // link, and closing both sockets passes the FIN instead of a shutdown
 // before the close: the socket it goes to has delivered its own FIN, so
@@ -481,7 +481,7 @@ func (lk *link) setReason(reason CloseReason, err error) bool {
 
 // closeBoth closes both connections and wakes every goroutine of the link.
 // The client goes first: a response pump blocked in a client write inside
-// its read of the upstream (responses.handle) holds the upstream's read
+// its read of the upstream (responses.Handle) holds the upstream's read
 // lock, and the upstream's Close waits for that write to give up.
 func (lk *link) closeBoth() {
 	lk.closeOnce.Do(func() {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"net"
 
 	"github.com/livenessproxy/livenessproxy/health"
 )
@@ -39,7 +40,7 @@ type linkHost interface {
 	// ownConn registers (add) or forgets the local address of an upstream
 	// connection the proxy dialled: a transparent listener refuses it if
 	// it comes back (an interception loop).
-	ownConn(local string, add bool)
+	ownConn(local net.Addr, add bool)
 	// meshPeer is the ingress sidecar at host:port.
 	meshPeer(host string, port int) *meshPeer
 	// meshFallback counts a link that reached its endpoint directly
@@ -76,13 +77,13 @@ func (l *listener) countUnanswered(ep *endpoint, n, thr int, since int64) {
 
 func (l *listener) sawTLS(ep *endpoint) { l.p.sawTLS(ep) }
 
-func (l *listener) ownConn(local string, add bool) {
+func (l *listener) ownConn(local net.Addr, add bool) {
 	switch {
 	case !l.p.transparent.Load():
 	case add:
-		l.p.ownUp.Store(local, struct{}{})
+		l.p.ownUp.Store(local.String(), struct{}{})
 	default:
-		l.p.ownUp.Delete(local)
+		l.p.ownUp.Delete(local.String())
 	}
 }
 

@@ -378,7 +378,10 @@ func (l *listener) serveLink(lk *link) {
 		return
 	}
 	if !lk.start() {
-		l.linkEnded(lk, lk.stats())
+		// finish, not just the stats: a link whose start failed after its
+		// upstream connected (a mesh stream whose ack could not be written)
+		// holds its end, which release gives back.
+		l.linkEnded(lk, lk.finish())
 	}
 }
 

@@ -328,7 +328,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	return es, nil
 }
 
-// readStatus reads the status stream the ingress opens and applies each
+// mesh.ReadStatus reads the status stream the ingress opens and applies each
 // message. It ends when the session does.
 func (es *egressSession) readStatus() {
 	defer es.Wg.Done()

@@ -631,7 +631,7 @@ func (in *ingress) forgetPeer(host string) {
 	}
 }
 
-// writeStatus opens the status stream and sends the status at once and
+// mesh.WriteStatus opens the status stream and sends the status at once and
 // on every change, until the session ends.
 func (in *ingress) writeStatus(is *ingressSession) {
 	defer in.wg.Done()

@@ -27,7 +27,7 @@ const (
 	CloseRefused          CloseReason = "refused"            // accepted while the endpoint was out of routing: reset at once
 	CloseNoMatch          CloseReason = "no_match"           // transparent: the original destination matches no entry
 	CloseLoop             CloseReason = "loop"               // transparent: the connection is the proxy's own
-	CloseCapacity         CloseReason = "capacity"           // transparent: a new destination past max_destinations
+	CloseCapacity         CloseReason = "capacity"           // transparent: a new destination past max_destinations; mesh ingress: a stream past ingress.max_streams
 	CloseMeshDead         CloseReason = "mesh_dead"          // the mesh session the link ran on missed its heartbeats
 	CloseBudget           CloseReason = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
 )

@@ -8,7 +8,11 @@ package proxy
 // for everything that depends on the transport; a dialer (dial.go) makes
 // the end.
 //
-// Methods other than attach are called only after attach returned true.
+// attach runs first, and the link's other calls come once attach has
+// made the end the link's (link.Adopt): abortive and close may come
+// during attach (an eviction, a session that closed under the open), and
+// release comes at the link's finish even after attach returned false, so
+// it must not assume what attach would have set up.
 type upstreamEnd interface {
 	// attach takes the end over for the link it was dialled for, as the
 	// way to ep: the link's endpoint from now on. It reports false when the

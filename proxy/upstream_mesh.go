@@ -235,7 +235,7 @@ func (e *meshEnd) requests() {
 		}
 		if errors.Is(err, io.EOF) {
 			lk.sawFin(CloseClientClosed)
-			_ = e.st.Close() // yamux's Close is the half-close
+			_ = e.closeWrite()
 			lk.passedFin()
 		} else {
 			lk.abort(CloseClientError, err)

@@ -38,8 +38,8 @@ type tcpEnd struct {
 	rawErr     error
 	rawWriteFn func(fd uintptr) bool
 
-	// What requests.handle leaves for pumpRequests to do outside the read
-	// (see sockReader.readEach): a chunk it began to send, of which the
+	// What requests.Handle leaves for pumpRequests to do outside the read
+	// (see flow.SockReader.readEach): a chunk it began to send, of which the
 	// kernel took reqSent bytes (with reqBegun).
 	reqSent  int32
 	reqBegun bool
@@ -65,7 +65,7 @@ func newTCPEnd(lk *link, c *net.TCPConn) (*tcpEnd, error) {
 	return e, nil
 }
 
-// requests and responses are a TCP end as the chunkSink of its request
+// requests and responses are a TCP end as the flow.ChunkSink of its request
 // and response pumps (a pointer conversion: nothing is allocated).
 type (
 	requests  tcpEnd
@@ -78,12 +78,12 @@ func (*responses) Limit() int { return flow.ChunkSize }
 
 func (e *tcpEnd) attach(ep *endpoint) bool {
 	lk := e.lk
-	lk.host.ownConn(e.conn.LocalAddr().String(), true)
+	lk.host.ownConn(e.conn.LocalAddr(), true)
 	lk.ackedAt.Store(flow.Mono()) // progress is measured from the connect on
 	lk.attach(ep)
 	if !lk.adopt(e) {
-		// Aborted while dialling: the reason is already set.
-		lk.host.ownConn(e.conn.LocalAddr().String(), false)
+		// Aborted while dialling: the reason is already set (release, at
+		// the link's finish, forgets the socket).
 		_ = e.conn.SetLinger(0)
 		_ = e.conn.Close()
 		return false
@@ -108,7 +108,7 @@ func (e *tcpEnd) close() { _ = e.conn.Close() }
 func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) release() {
-	e.lk.host.ownConn(e.conn.LocalAddr().String(), false)
+	e.lk.host.ownConn(e.conn.LocalAddr(), false)
 	e.win.stop()
 }
 
@@ -129,7 +129,7 @@ func (e *tcpEnd) pumpRequestsOwned() {
 
 // pumpRequests reads the client for as long as the link lives and hands
 // the bytes to the upstream: directly when nothing is queued and the
-// kernel takes them at once (requests.handle, inside the read), through the
+// kernel takes them at once (requests.Handle, inside the read), through the
 // queue otherwise (here, outside it: the queue may wait, or close the
 // link).
 func (e *tcpEnd) pumpRequests() {
@@ -161,13 +161,13 @@ func (e *tcpEnd) pumpRequests() {
 }
 
 // sendRead sends the n bytes of *bp, a chunk read from the client that
-// requests.handle did not send whole, and gives the chunk back. It
+// requests.Handle did not send whole, and gives the chunk back. It
 // reports false when the link has ended.
 func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
 	lk := e.lk
 	buf := (*bp)[:n]
 	if e.reqBegun {
-		// requests.handle counted and recorded these bytes, and the
+		// requests.Handle counted and recorded these bytes, and the
 		// kernel took reqSent of them.
 		buf = buf[int(e.reqSent):]
 		e.reqBegun, e.reqSent = false, 0
@@ -198,12 +198,12 @@ func (e *tcpEnd) requestsEnded(err error) {
 		return // the writer passes the FIN on after the queued bytes
 	}
 	// No writer means nothing was ever queued: pass it on now.
-	if cerr := lk.passFin(e.conn.CloseWrite); cerr != nil {
+	if cerr := lk.passFin(e.closeWrite); cerr != nil {
 		lk.fail(cerr)
 	}
 }
 
-// Handle is the request pump's readEach handler: with nothing queued it
+// Handle is the request pump's ReadEach handler: with nothing queued it
 // writes the chunk to the upstream without waiting. Whatever would have
 // to wait or close the link (a queue in use, a partial write, an error)
 // is left to pumpRequests. (A method of requests itself, not a wrapper:
@@ -324,7 +324,7 @@ func (e *tcpEnd) writeUpstream() {
 		case flow.StopWriting:
 			return
 		case flow.PassFin:
-			if err := lk.passFin(e.conn.CloseWrite); err != nil {
+			if err := lk.passFin(e.closeWrite); err != nil {
 				lk.fail(err)
 			}
 			return
@@ -383,7 +383,7 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 	return false
 }
 
-// pumpResponses copies the upstream to the client (responses.handle,
+// pumpResponses copies the upstream to the client (responses.Handle,
 // inside the read).
 func (e *tcpEnd) pumpResponses() {
 	lk := e.lk
@@ -403,9 +403,9 @@ func (e *tcpEnd) pumpResponses() {
 	lk.fail(err)
 }
 
-// Handle is the response pump's readEach handler: it passes a chunk read
+// Handle is the response pump's ReadEach handler: it passes a chunk read
 // from the upstream on to the client. A failed write is left to
-// pumpResponses (handledStop).
+// pumpResponses (flow.HandledStop).
 func (s *responses) Handle(bp *[]byte, n int) (flow.Handled, error) {
 	lk := s.lk
 	lk.budget.Reading(int64(cap(*bp)))

@@ -1,8 +1,16 @@
 package proxy
 
 import (
+	"errors"
+	"io"
 	"net"
+	"sync/atomic"
 	"syscall"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // upRaw is the raw socket of the link's TCP upstream end (nil before the
@@ -21,4 +29,77 @@ func (lk *link) upstreamConn() *net.TCPConn {
 		return e.conn
 	}
 	return nil
+}
+
+// refusingClient is a client side whose transport refuses the news that
+// the link reached its upstream, as a mesh stream does when its ack
+// cannot be written (the peer reset it meanwhile).
+type refusingClient struct{ closed atomic.Bool }
+
+func (*refusingClient) read(int) (*[]byte, int, error) { return nil, 0, io.EOF }
+func (*refusingClient) readEach(flow.ChunkSink) (*[]byte, int, error, error) {
+	return nil, 0, io.EOF, nil
+}
+func (*refusingClient) Write(p []byte) (int, error) { return len(p), nil }
+func (*refusingClient) CloseWrite() error           { return nil }
+func (*refusingClient) abortive()                   {}
+func (*refusingClient) upstreamConnected() error {
+	return errors.New("the stream was reset before its ack")
+}
+func (c *refusingClient) Close() error { c.closed.Store(true); return nil }
+func (*refusingClient) RemoteAddr() net.Addr {
+	return &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}
+}
+
+// A link whose start fails after its upstream connected gives back what
+// its end holds: the upstream socket is closed and the loop guard of a
+// transparent proxy forgets it (it used to keep the address for as long
+// as the process lived).
+func TestFailedStartReleasesItsEnd(t *testing.T) {
+	srv, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := srv.Accept()
+		if err == nil {
+			accepted <- c
+		}
+		close(accepted)
+	}()
+	p, l := transparentProxy(t, func(tr *policy.Transparent) {
+		tr.Match = append(tr.Match, policy.Match{CIDR: "127.0.0.0/8"})
+	})
+	ep := p.transparentEndpoint(srv.Addr().String(), l)
+	if ep == nil {
+		t.Fatal("no endpoint for the server")
+	}
+	client := &refusingClient{}
+	lk := newLink(l, ep, client)
+	l.linkWG.Add(1)
+	l.serveLink(lk)
+
+	if s := lk.stats(); s.Reason != CloseClientError {
+		t.Fatalf("link ended %q, want %q", s.Reason, CloseClientError)
+	}
+	if !client.closed.Load() {
+		t.Fatal("the client side was not closed")
+	}
+	own := 0
+	p.ownUp.Range(func(any, any) bool { own++; return true })
+	if own != 0 {
+		t.Fatalf("the loop guard still holds %d upstream address(es) of a link that ended", own)
+	}
+	// The upstream was connected, and is closed (the server reads its end).
+	c, ok := <-accepted
+	if !ok {
+		t.Fatal("the link never connected its upstream")
+	}
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatal("the upstream connection is still open")
+	}
 }

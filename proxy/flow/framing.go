@@ -87,7 +87,7 @@ func (f *FrameSpec) frameLength(hdr []byte) (int64, error) {
 	return total, nil
 }
 
-// Window asks a frameReader's caller for payload bytes [base, base+need)
+// Window asks a FrameReader's caller for payload bytes [base, base+need)
 // of the current frame, where the payload is what follows the length
 // field. need 0: nothing more from this frame.
 type Window struct {
@@ -100,16 +100,16 @@ type Window struct {
 // of the read buffer when a window lies within one read, copied into a
 // small buffer only when it straddles reads.
 type FrameReader interface {
-	// begin starts a frame with n payload bytes and returns the first
+	// Begin starts a frame with n payload bytes and returns the first
 	// window it wants.
 	Begin(n int64) Window
-	// read is given payload bytes [w.base, w.base+len(b)) of the window it
+	// Read is given payload bytes [w.base, w.base+len(b)) of the window it
 	// asked for, cut short only by the end of the frame, and returns the
 	// next window. A next window starts at or after the previous one's
 	// base; starting at the same base with a larger need re-reads the
 	// same bytes plus more. b is valid only during the call.
 	Read(b []byte) Window
-	// end is called when the frame's last byte has been scanned; off is
+	// End is called when the frame's last byte has been scanned; off is
 	// the stream offset just past it.
 	End(off int64)
 }

@@ -55,8 +55,8 @@ func PutChunk(b *[]byte) {
 // writer is writing right now; queued == 0 therefore means nobody is
 // writing, which is what lets the request pump write directly.
 //
-// The link uses it only through its methods (push, endOfInput,
-// waitForRoom for the request pump; next, batch, consume for the writer;
+// The link uses it only through its methods (push, EndOfInput,
+// WaitForRoom for the request pump; next, batch, consume for the writer;
 // close, release): its lock and conditions are used only in this file.
 type Queue struct {
 	b         *Budget       // the process's, which the queue's chunks count against; nil: none
@@ -160,7 +160,7 @@ func (q *Queue) EndOfInput() bool {
 }
 
 // Room is how many bytes may be pushed now without passing high (0 at
-// or above it), and whether the queue is open: waitForRoom's answer
+// or above it), and whether the queue is open: WaitForRoom's answer
 // without the wait.
 func (q *Queue) Room(high int64) (int64, bool) {
 	q.mu.Lock()

@@ -35,23 +35,23 @@ type SockReader struct {
 	inq   bool
 }
 
-// ChunkSink is what readEach hands chunks to.
+// ChunkSink is what ReadEach hands chunks to.
 type ChunkSink interface {
-	// limit is how many bytes the next read may take (up to chunkSize; 0:
-	// none now, readEach returns).
+	// Limit is how many bytes the next read may take (up to ChunkSize; 0:
+	// none now, ReadEach returns).
 	Limit() int
-	// handle does what the chunk's bytes are read for. An error (of the
-	// link's other socket) goes back to readEach's caller.
+	// Handle does what the chunk's bytes are read for. An error (of the
+	// link's other socket) goes back to ReadEach's caller.
 	Handle(bp *[]byte, n int) (Handled, error)
 }
 
-// Handled is what a readEach handler did with a chunk.
+// Handled is what a ReadEach handler did with a chunk.
 type Handled int8
 
 const (
 	HandledMore Handled = iota // consumed it: read on
-	HandledStop                // consumed it; readEach returns (nil, 0, nil)
-	HandledKeep                // readEach returns the chunk to its caller, which returns it with putChunk
+	HandledStop                // consumed it; ReadEach returns (nil, 0, nil)
+	HandledKeep                // ReadEach returns the chunk to its caller, which returns it with PutChunk
 )
 
 // inqAfter is how many reads of a socket find nothing before TCP_INQ is
@@ -87,8 +87,8 @@ func (r *SockReader) try(fd uintptr) bool {
 }
 
 // Read waits until the socket is readable and reads at most limit bytes
-// (1 to chunkSize) into a pooled chunk. It returns the chunk, which the
-// caller returns with putChunk, and the count; or io.EOF once the peer
+// (1 to ChunkSize) into a pooled chunk. It returns the chunk, which the
+// caller returns with PutChunk, and the count; or io.EOF once the peer
 // has sent FIN; or the socket's error (a closed socket's is net.ErrClosed).
 func (r *SockReader) Read(limit int) (*[]byte, int, error) {
 	r.n = int32(min(max(limit, 1), ChunkSize))
@@ -118,15 +118,15 @@ func (r *SockReader) result() (*[]byte, int, error) {
 
 // ReadEach reads the socket and hands each chunk read to sink.handle,
 // inside one wait on the poller, for as long as it consumes them
-// (handledMore). Before each read it asks sink.limit how many bytes it
+// (HandledMore). Before each read it asks sink.limit how many bytes it
 // may read; 0 ends it. It returns (nil, 0, nil, nil) when the limit was 0
-// or handle said handledStop without an error; handle's error as sinkErr;
-// the chunk when handle said handledKeep; io.EOF once the peer has sent
+// or handle said HandledStop without an error; handle's error as sinkErr;
+// the chunk when handle said HandledKeep; io.EOF once the peer has sent
 // FIN; or the socket's error.
 //
 // handle runs while this goroutine holds the socket's read lock, so it
 // must not close this socket nor wait for anything that does (abort and
-// closeBoth do): it says handledStop or handledKeep and leaves that to
+// closeBoth do): it says HandledStop or HandledKeep and leaves that to
 // the caller. It may block on the other socket of the link, which
 // closeBoth closes first.
 //
@@ -163,7 +163,7 @@ func (r *SockReader) ReadEach(sink ChunkSink) (bp *[]byte, n int, err, sinkErr e
 	return bp, n, err, nil
 }
 
-// call is the RawConn.Read callback: try for read, and for readEach the
+// call is the RawConn.Read callback: try for read, and for ReadEach the
 // loop below (in this frame, not one more: it runs under the sink's
 // handler, and a pump's stack should stay within its first 2 KiB; see
 // the idle figures in docs/performance.md).
@@ -208,7 +208,7 @@ func (r *SockReader) call(fd uintptr) bool {
 		}
 		PutChunk(bp)
 		if queued == 0 {
-			return false // drained, no FIN: wait (see readEach)
+			return false // drained, no FIN: wait (see ReadEach)
 		}
 	}
 }

@@ -57,7 +57,7 @@ func waitRead(t *testing.T, s *net.TCPConn, p []byte) (n, queued int) {
 
 // With TCP_INQ on, a read says what it left behind: nothing (wait for
 // the poller), bytes (read on), or a FIN (1: the next read returns 0).
-// This is what lets readEach skip the read that would find nothing.
+// This is what lets ReadEach skip the read that would find nothing.
 func TestReadInqSaysWhatIsLeft(t *testing.T) {
 	c, s := tcpPair(t)
 	rc, err := s.SyscallConn()
@@ -139,7 +139,7 @@ func (e *echoSink) Handle(bp *[]byte, n int) (Handled, error) {
 	return HandledMore, nil
 }
 
-// echoEach runs readEach on s with an echoSink in a goroutine, whose
+// echoEach runs ReadEach on s with an echoSink in a goroutine, whose
 // error it reports.
 func echoEach(t *testing.T, r *SockReader, s *net.TCPConn, gate chan struct{}) <-chan error {
 	t.Helper()
@@ -157,7 +157,7 @@ func echoEach(t *testing.T, r *SockReader, s *net.TCPConn, gate chan struct{}) <
 	return done
 }
 
-// endOf waits for the readEach goroutine; if it is stuck, closing s ends
+// endOf waits for the ReadEach goroutine; if it is stuck, closing s ends
 // it (so the test fails instead of hanging, and leaks nothing).
 func endOf(t *testing.T, done <-chan error, s *net.TCPConn) error {
 	t.Helper()
@@ -285,7 +285,7 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	endsAtEOF(t, c, s, done, &r)
 }
 
-// endsAtEOF half-closes c and checks that the readEach on s ends at the
+// endsAtEOF half-closes c and checks that the ReadEach on s ends at the
 // FIN, with TCP_INQ on by then.
 func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *SockReader) {
 	t.Helper()

@@ -30,7 +30,7 @@ func setUpstreamOptions(fd int, s policy.Settings) error {
 		}
 	}
 	// A small unsent backlog in the kernel: the proxy's own queue, bounded
-	// by high_water_mark, holds the rest (see notsentLowat).
+	// by high_water_mark, holds the rest (see NotsentLowat).
 	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
 		return err
 	}

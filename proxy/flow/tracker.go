@@ -63,7 +63,7 @@ const maxPending = 1024
 // nothing at all, on any link, since the request was sent, or, for one
 // the server may hold by its protocol (a Kafka Fetch's max_wait_ms, an
 // acks=all Produce's timeout_ms), since that hold ended, unless it had its
-// own answer (answeredThrough: Kafka matches responses to requests). An
+// own answer (AnsweredThrough: Kafka matches responses to requests). An
 // answer to any request proves the server process alive and reading;
 // whether this particular request is still being worked on is the
 // protocol's business, judged by the deadline the request itself carries. Answers while a request is held say the server was alive while
@@ -89,7 +89,7 @@ type Tracker struct {
 	// perBurst: opaque mode. A request is a burst of bytes sent since the
 	// last answer; it is recorded once.
 	perBurst bool
-	answer   *atomic.Int64 // mono time of the endpoint's last answer; noAnswer: none
+	answer   *atomic.Int64 // mono time of the endpoint's last answer; NoAnswer: none
 	// answeredEnd is the stream end of the last request known answered
 	// (Kafka: responses are matched to requests, in order): a request
 	// up to there had its own answer, whatever its hold.

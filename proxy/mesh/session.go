@@ -85,15 +85,15 @@ func Reply(code byte, streams int) []byte {
 }
 
 // ErrForeignPeer: something that is not an ingress answered on the mesh
-// port; fallback treats it as errNoIngress.
+// port; fallback treats it as ErrNoIngress.
 var ErrForeignPeer = fmt.Errorf("%w, or something else answers on it", ErrNoIngress)
 
-// errSessionRefused: the ingress refused the session (this peer is not
-// allowed, or over a limit).
 // ErrStream: no stream could be opened on a session to the peer. Not
 // held against the endpoint: the link ends upstream_error, unreported.
 var ErrStream = errors.New("mesh: no stream could be opened to the peer sidecar")
 
+// errSessionRefused: the ingress refused the session (this peer is not
+// allowed, or over a limit).
 var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session", ErrStream)
 
 // ReadReply reads the ingress's answer to the preface from c, byte by
@@ -292,8 +292,6 @@ type Session struct {
 	Wg    sync.WaitGroup // the heartbeat and the guard's flusher
 }
 
-// NewSession wraps conn in a yamux session (client: the egress side)
-// and starts its heartbeat.
 // Hooks are a session owner's parts of the heartbeat; each may be nil.
 type Hooks struct {
 	// BeforeClose runs once when the heartbeat declares the session dead,
@@ -307,11 +305,11 @@ type Hooks struct {
 	Tick func()
 }
 
-// admit reports whether a stream the peer opens may be taken (see
-// meshGuard); it runs on yamux's receive loop, and may find the session
-// not yet set.
-//
-// rw is what the session reads and writes: conn, or TLS over it.
+// NewSession wraps conn in a yamux session (client: the egress side)
+// and starts its heartbeat. rw is what the session reads and writes:
+// conn, or TLS over it. admit reports whether a stream the peer opens may
+// be taken (see meshGuard); it runs on yamux's receive loop, and may find
+// the session not yet set.
 func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, admit func() bool) (*Session, error) {
 	ms := &Session{Conn: conn, role: role, Interval: m.PingInterval.D(), Timeout: m.PingTimeout.D(), Log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(flow.Mono())
