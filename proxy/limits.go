@@ -191,8 +191,9 @@ func ApplyRuntime(l Limits) Limits {
 }
 
 // applyProcs puts l's GOMAXPROCS in force and returns the setting now.
-// Each change stops the world for a moment; a reload that keeps the value
-// changes nothing.
+// A change stops the world for a moment: a reload that keeps a positive
+// limits.procs does not call the runtime; with 0 each reload asks it for
+// its default again (and its automatic updates go on).
 func applyProcs(l Limits) int {
 	switch l.ProcsSource {
 	case procsKeySource:
