@@ -205,10 +205,17 @@ func (ep *endpoint) remove(lk *link) {
 // them when before is zero) with the given close reason, and counts them
 // per listener as evictions for evictReason.
 func (ep *endpoint) evict(before time.Time, closeReason CloseReason, evictReason string) int {
+	return ep.evictWhere(func(lk *link) bool { return before.IsZero() || lk.opened.Before(before) }, closeReason, evictReason)
+}
+
+// evictWhere closes the endpoint's links that which picks (called under
+// ep.mu) with closeReason, and counts them per listener as evictions for
+// evictReason. It returns how many it closed.
+func (ep *endpoint) evictWhere(which func(*link) bool, closeReason CloseReason, evictReason string) int {
 	ep.mu.Lock()
 	var ks []*link
 	for lk := range ep.links {
-		if before.IsZero() || lk.opened.Before(before) {
+		if which(lk) {
 			ks = append(ks, lk)
 		}
 	}

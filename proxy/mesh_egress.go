@@ -493,25 +493,12 @@ func (es *egressSession) remove(lk *link) {
 // evictMeshEpoch evicts ep's links on peer pr opened under epoch (or
 // before any epoch was known).
 func (ep *endpoint) evictMeshEpoch(pr *meshPeer, epoch uint64) int {
-	ep.mu.Lock()
-	var ks []*link
-	for lk := range ep.links {
+	return ep.evictWhere(func(lk *link) bool {
 		lk.connMu.Lock()
 		e, _ := lk.up.(*meshEnd)
 		lk.connMu.Unlock()
-		if e != nil && e.sess.peer == pr && (e.epoch == epoch || e.epoch == 0) {
-			ks = append(ks, lk)
-		}
-	}
-	ep.mu.Unlock()
-	n := 0
-	for _, lk := range ks {
-		if lk.abort(CloseEvicted, nil) {
-			lk.m.Evicted(metrics.EvictReadmitted, 1)
-			n++
-		}
-	}
-	return n
+		return e != nil && e.sess.peer == pr && (e.epoch == epoch || e.epoch == 0)
+	}, CloseEvicted, metrics.EvictReadmitted)
 }
 
 // meshProbe is the detector's probe override for ep: through the mesh

@@ -341,22 +341,7 @@ func (ep *endpoint) linksOf(l *listener) int {
 // evictions for evictReason: a member that left one pool may still be a
 // member of another.
 func (ep *endpoint) evictOf(l *listener, closeReason CloseReason, evictReason string) int {
-	ep.mu.Lock()
-	var ks []*link
-	for lk := range ep.links {
-		if lk.host == l {
-			ks = append(ks, lk)
-		}
-	}
-	ep.mu.Unlock()
-	n := 0
-	for _, lk := range ks {
-		if lk.abort(closeReason, nil) {
-			l.m.Evicted(evictReason, 1)
-			n++
-		}
-	}
-	return n
+	return ep.evictWhere(func(lk *link) bool { return lk.host == l }, closeReason, evictReason)
 }
 
 // compareAddr orders host:port strings (numeric addresses first by

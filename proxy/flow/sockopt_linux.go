@@ -78,14 +78,22 @@ func UpstreamControl(s policy.Settings) func(network, address string, c syscall.
 // has sent nothing reads 1). On a connection whose FIN was acknowledged it
 // is one too many, which no caller looks at.
 func BytesAcked(raw syscall.RawConn) (int64, bool) {
-	var n int64
-	ok := false
+	ti, ok := tcpInfo(raw)
+	if !ok {
+		return 0, false
+	}
+	return max(int64(ti.Bytes_acked)-1, 0), true
+}
+
+// tcpInfo reads the socket's TCP_INFO; false when the kernel does not say
+// (the socket is closed).
+func tcpInfo(raw syscall.RawConn) (ti *unix.TCPInfo, ok bool) {
 	_ = raw.Control(func(fd uintptr) {
-		if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-			n, ok = max(int64(ti.Bytes_acked)-1, 0), true
-		}
+		var err error
+		ti, err = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
+		ok = err == nil
 	})
-	return n, ok
+	return ti, ok
 }
 
 // ip6tSOOriginalDst is IP6T_SO_ORIGINAL_DST, which x/sys does not name.
@@ -171,19 +179,15 @@ type SendWindow struct {
 // SampleSendWindow reads TCP_INFO for a SendWindow; false when the kernel
 // does not say (the socket is closed).
 func SampleSendWindow(raw syscall.RawConn) (SendWindow, bool) {
-	var w SendWindow
-	ok := false
-	_ = raw.Control(func(fd uintptr) {
-		ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
-		if err != nil {
-			return
-		}
-		ok = true
-		w.Zero = ti.Snd_wnd == 0 && ti.Notsent_bytes > 0 && ti.Unacked == 0
-		w.Answered = ti.Probes == 0
-		w.Idle = ti.Notsent_bytes == 0 && ti.Unacked == 0
-	})
-	return w, ok
+	ti, ok := tcpInfo(raw)
+	if !ok {
+		return SendWindow{}, false
+	}
+	return SendWindow{
+		Zero:     ti.Snd_wnd == 0 && ti.Notsent_bytes > 0 && ti.Unacked == 0,
+		Answered: ti.Probes == 0,
+		Idle:     ti.Notsent_bytes == 0 && ti.Unacked == 0,
+	}, true
 }
 
 // SetUserTimeout sets TCP_USER_TIMEOUT on an open socket (0: the kernel's
