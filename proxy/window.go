@@ -90,13 +90,6 @@ func (g *windowGuard) stop() {
 	}
 }
 
-// isLifted reports whether TCP_USER_TIMEOUT is lifted from the socket now.
-func (g *windowGuard) isLifted() bool {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.lifted
-}
-
 // check is one sample: lift or set back the bound, and sample again while
 // bytes wait.
 func (g *windowGuard) check() {
