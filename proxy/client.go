@@ -42,9 +42,41 @@ type tcpClient struct {
 	r    flow.SockReader
 	once sync.Once
 	err  error
+
+	// w writes to the client for the link's one writer to it (the
+	// response pump); see Write.
+	w     flow.Writer
+	wonce sync.Once
+	werr  error
 }
 
 func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{TCPConn: c} }
+
+// Write writes all of p, as net.Conn.Write does (waiting on the runtime's
+// poller while the client's receive window is full), with the system
+// call made as flow.SysWrite makes it: a response on its way to the
+// client does not wake the runtime's sysmon thread. The link has one
+// writer to its client at a time (the response pump).
+func (c *tcpClient) Write(p []byte) (int, error) {
+	c.wonce.Do(func() {
+		rc, err := c.SyscallConn()
+		if err == nil {
+			c.w.Init(rc)
+		}
+		c.werr = err
+	})
+	if c.werr != nil {
+		return 0, c.werr
+	}
+	n, err := c.w.Write(p)
+	if err != nil {
+		if oe, ok := err.(*net.OpError); ok {
+			err = oe.Err // the raw-write's own: a closed socket, a deadline
+		}
+		return n, &net.OpError{Op: "write", Net: "tcp", Source: c.LocalAddr(), Addr: c.RemoteAddr(), Err: err}
+	}
+	return n, nil
+}
 
 func (c *tcpClient) read(limit int) (*[]byte, int, error) {
 	c.once.Do(func() { c.err = c.r.Init(c.TCPConn) })

@@ -27,9 +27,11 @@ type tcpEnd struct {
 	// (see windowGuard); nil without tcp_user_timeout.
 	win *windowGuard
 
-	// batch and toWrite are the writer's views of queued bytes, kept here
-	// so that a batch costs no allocation.
+	// batch is the writer's view of queued bytes (toWrite what is left to
+	// write of it), kept here so that a batch costs no allocation; w
+	// writes it.
 	batch, toWrite net.Buffers
+	w              flow.Writer
 
 	// rawP, rawN, rawErr and rawWriteFn carry tryWrite's arguments so the
 	// per-write callback is allocated once per link, not once per write.
@@ -59,9 +61,10 @@ func newTCPEnd(lk *link, c *net.TCPConn) (*tcpEnd, error) {
 	}
 	e.raw = raw
 	e.rawWriteFn = func(fd uintptr) bool {
-		e.rawN, e.rawErr = syscall.Write(int(fd), e.rawP)
+		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
 		return true
 	}
+	e.w.Init(raw)
 	return e, nil
 }
 
@@ -347,8 +350,9 @@ func (e *tcpEnd) writeUpstream() {
 			_ = e.conn.SetWriteDeadline(time.Now().Add(wt))
 		}
 		e.toWrite = e.batch
-		n, err := e.toWrite.WriteTo(e.conn)
+		n, err := e.w.WriteBuffers(e.toWrite)
 		e.toWrite = nil
+		clear(e.batch) // the views go back with Consume
 
 		lk.q.Consume(int(n), handed, low)
 		if err != nil && !e.writeFailed(err, n) {

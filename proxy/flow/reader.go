@@ -73,7 +73,7 @@ func (r *SockReader) Init(c *net.TCPConn) error {
 func (r *SockReader) try(fd uintptr) bool {
 	bp := GetChunk()
 	for {
-		n, err := syscall.Read(int(fd), (*bp)[:r.n])
+		n, err := SysRead(int(fd), (*bp)[:r.n])
 		switch err {
 		case syscall.EINTR:
 			continue

@@ -3,7 +3,6 @@
 package flow
 
 import (
-	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -21,7 +20,7 @@ func enableInq(fd int) bool {
 // Nothing escapes to the heap: the message header lives on the stack.
 func readInq(fd int, p []byte, inq bool) (n, queued int, err error) {
 	if !inq {
-		n, err = syscall.Read(fd, p)
+		n, err = SysRead(fd, p)
 		return n, -1, err
 	}
 	var oob [unix.SizeofCmsghdr + 8]byte // CMSG_SPACE(sizeof(int))
@@ -29,10 +28,12 @@ func readInq(fd int, p []byte, inq bool) (n, queued int, err error) {
 	iov.SetLen(len(p))
 	msg := unix.Msghdr{Iov: &iov, Iovlen: 1, Control: &oob[0]}
 	msg.SetControllen(len(oob))
-	r, _, e := unix.Syscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0)
+	// Raw, as SysRead is (see there).
+	r, _, e := unix.RawSyscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), 0)
 	if e != 0 {
 		return 0, -1, e
 	}
+	raceAcquireIO(fd)
 	n, queued = int(r), -1
 	if int(msg.Controllen) >= unix.SizeofCmsghdr+4 {
 		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))

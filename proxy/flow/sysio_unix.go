@@ -1,0 +1,168 @@
+//go:build unix
+
+package flow
+
+import (
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"unsafe"
+)
+
+// SysRead and SysWrite are read(2) and write(2) on a non-blocking socket
+// without the Go runtime's system call bookkeeping (entersyscall and
+// exitsyscall), as syscall.RawSyscall makes them.
+//
+// Why it is safe: the data plane's sockets are non-blocking, so neither
+// call ever waits in the kernel (the runtime's poller does the waiting, in
+// RawConn.Read and RawConn.Write); a call the runtime does not see lasts
+// as long as one copy of at most a chunk, and a goroutine in it holds its
+// P no longer than it would running Go code.
+//
+// Why it matters: the proxy runs one P by default (limits.procs), and
+// between two requests that P is idle, so the runtime's sysmon thread
+// goes to sleep waiting for work. entersyscall wakes it (a futex wake),
+// and it then polls every 20 µs until the process idles again: a thread
+// woken and put to sleep for every request on a core the proxy shares
+// with its clients and servers. These calls do not wake it (see
+// docs/performance.md, "System calls the runtime does not see").
+func SysRead(fd int, p []byte) (int, error) {
+	r, _, e := syscall.RawSyscall(syscall.SYS_READ, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)))
+	if e != 0 {
+		return -1, e
+	}
+	raceAcquireIO(fd)
+	return int(r), nil
+}
+
+// SysWrite: see SysRead.
+func SysWrite(fd int, p []byte) (int, error) {
+	raceReleaseIO(fd)
+	r, _, e := syscall.RawSyscall(syscall.SYS_WRITE, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)))
+	if e != 0 {
+		return -1, e
+	}
+	return int(r), nil
+}
+
+// bufPtr is p's first byte, or nil for an empty p (as syscall.Read and
+// syscall.Write pass it).
+func bufPtr(p []byte) unsafe.Pointer {
+	if len(p) == 0 {
+		return nil
+	}
+	return unsafe.Pointer(&p[0])
+}
+
+// SysWritev is writev(2), made as SysWrite is, of bufs in order: iov is
+// scratch space for the vector, returned for reuse. It returns what the
+// kernel took (possibly less than all) or the error.
+func SysWritev(fd int, bufs [][]byte, iov []syscall.Iovec) (int, []syscall.Iovec, error) {
+	iov = iov[:0]
+	for _, b := range bufs {
+		if len(b) == 0 {
+			continue
+		}
+		v := syscall.Iovec{Base: &b[0]}
+		v.SetLen(len(b))
+		iov = append(iov, v)
+		if len(iov) == maxIovecs {
+			break
+		}
+	}
+	if len(iov) == 0 {
+		return 0, iov, nil
+	}
+	raceReleaseIO(fd)
+	r, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+	clear(iov) // drop the pointers into the chunks
+	if e != 0 {
+		return -1, iov, e
+	}
+	return int(r), iov, nil
+}
+
+// maxIovecs is the most buffers one writev takes (IOV_MAX is 1024).
+const maxIovecs = 1024
+
+// Writer writes all of some buffers to a non-blocking socket, as
+// net.Buffers.WriteTo does on a net.Conn (waiting on the runtime's poller,
+// under the socket's write deadline, while the socket takes nothing), with
+// writev(2) made as SysWritev makes it. One goroutine writes with a Writer
+// at a time; it keeps its vector and callback between writes, so a write
+// allocates nothing.
+type Writer struct {
+	rc   syscall.RawConn
+	fn   func(fd uintptr) bool
+	one  [1][]byte
+	bufs net.Buffers
+	iov  []syscall.Iovec
+	n    int64
+	err  error
+}
+
+// Init has w write to rc's socket.
+func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn = rc, w.call }
+
+// Write writes all of p (see WriteBuffers).
+func (w *Writer) Write(p []byte) (int, error) {
+	w.one[0] = p
+	n, err := w.WriteBuffers(w.one[:])
+	w.one[0] = nil
+	return int(n), err
+}
+
+// WriteBuffers writes all of bufs, in order, and returns how many bytes
+// went out: all of them, or fewer and the error (the socket's as an
+// os.SyscallError; a closed socket's or a passed deadline's as
+// RawConn.Write gives it). bufs's elements are consumed.
+func (w *Writer) WriteBuffers(bufs net.Buffers) (int64, error) {
+	w.bufs, w.n, w.err = bufs, 0, nil
+	err := w.rc.Write(w.fn)
+	n, werr := w.n, w.err
+	w.bufs, w.err = nil, nil
+	if err == nil && werr != nil {
+		err = os.NewSyscallError("writev", werr)
+	}
+	return n, err
+}
+
+// call is the RawConn.Write callback: it writes what is left and asks the
+// poller to wait when the socket takes nothing more now.
+func (w *Writer) call(fd uintptr) bool {
+	for len(w.bufs) > 0 {
+		var n int
+		var err error
+		n, w.iov, err = SysWritev(int(fd), w.bufs, w.iov)
+		if n > 0 {
+			w.n += int64(n)
+			w.bufs = discard(w.bufs, n)
+		}
+		switch {
+		case err == syscall.EINTR:
+		case err == syscall.EAGAIN:
+			return false
+		case err != nil:
+			w.err = err
+			return true
+		case n == 0 && len(w.bufs) > 0:
+			w.err = io.ErrUnexpectedEOF
+			return true
+		}
+	}
+	return true
+}
+
+// discard drops the first n bytes of bufs, and the empty buffers after
+// them.
+func discard(bufs net.Buffers, n int) net.Buffers {
+	for len(bufs) > 0 && n >= len(bufs[0]) {
+		n -= len(bufs[0])
+		bufs = bufs[1:]
+	}
+	if len(bufs) > 0 {
+		bufs[0] = bufs[0][n:]
+	}
+	return bufs
+}
