@@ -6,6 +6,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/mesh"
@@ -39,18 +40,28 @@ type clientSide interface {
 // tcpClient is a client connection accepted by a listener.
 type tcpClient struct {
 	*net.TCPConn
-	r    flow.SockReader
 	once sync.Once
 	err  error
-
+	rc   syscall.RawConn
+	r    flow.SockReader
 	// w writes to the client for the link's one writer to it (the
 	// response pump); see Write.
-	w     flow.Writer
-	wonce sync.Once
-	werr  error
+	w flow.Writer
 }
 
 func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{TCPConn: c} }
+
+// raw makes the client's raw connection, its reader and its writer, once.
+func (c *tcpClient) raw() error {
+	c.once.Do(func() {
+		c.rc, c.err = c.SyscallConn()
+		if c.err == nil {
+			c.r.InitRaw(c.rc)
+			c.w.Init(c.rc)
+		}
+	})
+	return c.err
+}
 
 // Write writes all of p, as net.Conn.Write does (waiting on the runtime's
 // poller while the client's receive window is full), with the system
@@ -58,15 +69,8 @@ func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{TCPConn: c} }
 // client does not wake the runtime's sysmon thread. The link has one
 // writer to its client at a time (the response pump).
 func (c *tcpClient) Write(p []byte) (int, error) {
-	c.wonce.Do(func() {
-		rc, err := c.SyscallConn()
-		if err == nil {
-			c.w.Init(rc)
-		}
-		c.werr = err
-	})
-	if c.werr != nil {
-		return 0, c.werr
+	if err := c.raw(); err != nil {
+		return 0, err
 	}
 	n, err := c.w.Write(p)
 	if err != nil {
@@ -78,18 +82,25 @@ func (c *tcpClient) Write(p []byte) (int, error) {
 	return n, nil
 }
 
+// CloseWrite passes the FIN on, as net.TCPConn.CloseWrite does
+// (flow.ShutdownWrite).
+func (c *tcpClient) CloseWrite() error {
+	if err := c.raw(); err != nil {
+		return err
+	}
+	return flow.ShutdownWrite(c.rc)
+}
+
 func (c *tcpClient) read(limit int) (*[]byte, int, error) {
-	c.once.Do(func() { c.err = c.r.Init(c.TCPConn) })
-	if c.err != nil {
-		return nil, 0, c.err
+	if err := c.raw(); err != nil {
+		return nil, 0, err
 	}
 	return c.r.Read(limit)
 }
 
 func (c *tcpClient) readEach(sink flow.ChunkSink) (*[]byte, int, error, error) {
-	c.once.Do(func() { c.err = c.r.Init(c.TCPConn) })
-	if c.err != nil {
-		return nil, 0, c.err, nil
+	if err := c.raw(); err != nil {
+		return nil, 0, err, nil
 	}
 	return c.r.ReadEach(sink)
 }

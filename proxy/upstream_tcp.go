@@ -100,7 +100,7 @@ func (e *tcpEnd) run() {
 	go e.pumpRequestsOwned()
 }
 
-func (e *tcpEnd) closeWrite() error { return e.conn.CloseWrite() }
+func (e *tcpEnd) closeWrite() error { return flow.ShutdownWrite(e.raw) }
 
 func (*tcpEnd) finByClose() bool { return true }
 

@@ -66,9 +66,12 @@ func (r *SockReader) Init(c *net.TCPConn) error {
 	if err != nil {
 		return err
 	}
-	r.rc, r.fn = rc, r.call
+	r.InitRaw(rc)
 	return nil
 }
+
+// InitRaw has r read rc's socket.
+func (r *SockReader) InitRaw(rc syscall.RawConn) { r.rc, r.fn = rc, r.call }
 
 func (r *SockReader) try(fd uintptr) bool {
 	bp := GetChunk()

@@ -11,7 +11,7 @@ import (
 // enableInq turns on TCP_INQ: each recvmsg then says how many bytes are
 // left in the receive queue (1 when none but a FIN is).
 func enableInq(fd int) bool {
-	return unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil
+	return setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil
 }
 
 // readInq reads fd into p. With inq (TCP_INQ on) it uses recvmsg and

@@ -18,24 +18,25 @@ import (
 )
 
 // setUpstreamOptions applies the liveness socket options to an upstream
-// socket before it connects (TCP_NODELAY is Go's default for every TCP
+// socket before it connects (with setsockoptInt: no wake of the runtime's
+// sysmon, see SysRead) (TCP_NODELAY is Go's default for every TCP
 // connection). A disabled (non-positive) setting leaves the
 // kernel's default untouched. Keepalive times have one-second granularity
 // in the kernel; shorter values round up to one second.
 func setUpstreamOptions(fd int, s policy.Settings) error {
 	if s.UpstreamMark > 0 {
 		// Lets interception rules exempt the proxy's own connections.
-		if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, s.UpstreamMark); err != nil {
+		if err := setsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, s.UpstreamMark); err != nil {
 			return fmt.Errorf("SO_MARK %d (needs NET_ADMIN): %w", s.UpstreamMark, err)
 		}
 	}
 	// A small unsent backlog in the kernel: the proxy's own queue, bounded
 	// by high_water_mark, holds the rest (see NotsentLowat).
-	if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
+	if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
 		return err
 	}
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
-		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
+		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
 			return err
 		}
 	}
@@ -46,7 +47,7 @@ func setUpstreamOptions(fd int, s policy.Settings) error {
 			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, ceilSeconds(ka.Interval)},
 			{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, ka.Count},
 		} {
-			if err := unix.SetsockoptInt(fd, o.level, o.opt, o.val); err != nil {
+			if err := setsockoptInt(fd, o.level, o.opt, o.val); err != nil {
 				return err
 			}
 		}
@@ -89,9 +90,8 @@ func BytesAcked(raw syscall.RawConn) (int64, bool) {
 // (the socket is closed).
 func tcpInfo(raw syscall.RawConn) (ti *unix.TCPInfo, ok bool) {
 	_ = raw.Control(func(fd uintptr) {
-		var err error
-		ti, err = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO)
-		ok = err == nil
+		ti = new(unix.TCPInfo)
+		ok = getsockopt(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(ti), uint32(unsafe.Sizeof(*ti))) == nil
 	})
 	return ti, ok
 }

@@ -166,3 +166,49 @@ func discard(bufs net.Buffers, n int) net.Buffers {
 	}
 	return bufs
 }
+
+// setsockoptInt is setsockopt(2) of an int option, made as SysRead is
+// (setsockopt never waits): the liveness options of every upstream socket
+// and TCP_INQ.
+func setsockoptInt(fd, level, opt, value int) error {
+	v := int32(value)
+	_, _, e := syscall.RawSyscall6(syscall.SYS_SETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
+		uintptr(unsafe.Pointer(&v)), 4, 0)
+	if e != 0 {
+		return os.NewSyscallError("setsockopt", e)
+	}
+	return nil
+}
+
+// getsockopt is getsockopt(2) into the size bytes at p, made as SysRead is:
+// TCP_INFO, read while writing under a deadline.
+func getsockopt(fd, level, opt int, p unsafe.Pointer, size uint32) error {
+	l := size
+	_, _, e := syscall.RawSyscall6(syscall.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
+		uintptr(p), uintptr(unsafe.Pointer(&l)), 0)
+	if e != 0 {
+		return os.NewSyscallError("getsockopt", e)
+	}
+	return nil
+}
+
+// ShutdownWrite passes a FIN on rc's socket (shutdown(2) with SHUT_WR),
+// made as SysRead is: what net.TCPConn.CloseWrite does, and fails as it
+// fails.
+func ShutdownWrite(rc syscall.RawConn) error {
+	var e syscall.Errno
+	err := rc.Control(func(fd uintptr) {
+		raceReleaseIO(int(fd))
+		_, _, e = syscall.RawSyscall(syscall.SYS_SHUTDOWN, fd, syscall.SHUT_WR, 0)
+	})
+	if err == nil && e != 0 {
+		err = os.NewSyscallError("shutdown", e)
+	}
+	if err != nil {
+		if oe, ok := err.(*net.OpError); ok {
+			err = oe.Err
+		}
+		return &net.OpError{Op: "close", Net: "tcp", Err: err}
+	}
+	return nil
+}
