@@ -68,10 +68,11 @@ type link struct {
 	// q holds what the upstream did not take at once (a TCP end's writer
 	// drains it).
 	q flow.Queue
-	// live counts the link's goroutines: the two pumps and, once started,
-	// a TCP end's writer. The writer starts on the first byte the kernel
-	// does not take at once: most request/response links never need it.
-	// The last to end finishes the link.
+	// live counts the link's goroutines: the two pumps and, while it runs,
+	// a TCP end's writer. The writer starts on a byte the kernel does not
+	// take at once and ends once it has drained the queue (flow.Drained):
+	// most request/response links never need it, and an idle link has
+	// none. The last to end finishes the link.
 	live atomic.Int32
 
 	readAny bool // the request pump has read bytes before

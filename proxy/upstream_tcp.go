@@ -324,7 +324,7 @@ func (e *tcpEnd) writeUpstream() {
 	for {
 		step, queued := lk.q.Next()
 		switch step {
-		case flow.StopWriting:
+		case flow.StopWriting, flow.Drained:
 			return
 		case flow.PassFin:
 			if err := lk.passFin(e.closeWrite); err != nil {

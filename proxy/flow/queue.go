@@ -59,11 +59,10 @@ func PutChunk(b *[]byte) {
 // WaitForRoom for the request pump; next, batch, consume for the writer;
 // close, release): its lock and conditions are used only in this file.
 type Queue struct {
-	b         *Budget       // the process's, which the queue's chunks count against; nil: none
-	Done      chan struct{} // closed by close: wakes a pump waiting for the budget
-	mu        sync.Mutex
-	dataReady sync.Cond // the writer waits here for bytes, EOF or close
-	drained   sync.Cond // the request pump waits here under backpressure
+	b       *Budget       // the process's, which the queue's chunks count against; nil: none
+	Done    chan struct{} // closed by close: wakes a pump waiting for the budget
+	mu      sync.Mutex
+	drained sync.Cond // the request pump waits here under backpressure
 
 	chunks    []*[]byte // filled chunks; chunks[0][head:] is the oldest unsent byte
 	lens      []int     // bytes filled in each chunk
@@ -72,7 +71,7 @@ type Queue struct {
 	queued    int64 // bytes appended and not yet written
 	maxQueued int64 // the largest queued ever reached
 	since     int64 // mono time queued last went from 0 to more
-	writer    bool  // writeUpstream has been started
+	writer    bool  // a writer runs (from the push that started it to its Drained)
 	eof       bool  // the client sent FIN: flush, then CloseWrite
 	closed    bool  // the link is ending: nothing more is written
 }
@@ -80,7 +79,6 @@ type Queue struct {
 func (q *Queue) Init(b *Budget) {
 	q.b = b
 	q.Done = make(chan struct{})
-	q.dataReady.L = &q.mu
 	q.drained.L = &q.mu
 }
 
@@ -122,8 +120,8 @@ const (
 
 // Push copies p to the tail of the queue, unless that would take it past
 // high (high > 0), the chunks it needs do not fit the budget, or the queue
-// is closed. The first push asks the caller to start the writer; later
-// ones wake it.
+// is closed. A push with no writer running (the first, or the first since
+// the writer drained the queue and ended) asks the caller to start one.
 func (q *Queue) Push(p []byte, high int64) PushResult {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -141,13 +139,12 @@ func (q *Queue) Push(p []byte, high int64) PushResult {
 		q.writer = true
 		return PushedStartWriter
 	}
-	q.dataReady.Signal()
 	return pushed
 }
 
 // EndOfInput records the client's FIN. It reports true when the writer
-// will pass it on after the queued bytes; false when no writer was ever
-// started (nothing was ever queued), so the caller passes it on itself.
+// will pass it on after the queued bytes; false when no writer is running
+// (nothing is queued), so the caller passes it on itself.
 func (q *Queue) EndOfInput() bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -155,7 +152,6 @@ func (q *Queue) EndOfInput() bool {
 		return false
 	}
 	q.eof = true
-	q.dataReady.Signal()
 	return true
 }
 
@@ -189,24 +185,28 @@ const (
 	writeQueued writerStep = iota // write a batch of the queued bytes
 	PassFin                       // everything is written and the client sent FIN
 	StopWriting                   // the queue is closed
+	// Drained: everything is written and the input goes on. The writer
+	// ends; the next Push that has to queue starts another. An idle link
+	// then keeps no writer's goroutine (and its stack) waiting for bytes
+	// that may not come for hours.
+	Drained
 )
 
-// Next blocks until there are bytes to write, the input has ended, or
-// the queue is closed. With writeQueued it also returns how many bytes
-// are queued.
+// Next says what the writer does next: write the queued bytes (and how
+// many there are), pass the FIN on, or end (closed, or drained).
 func (q *Queue) Next() (writerStep, int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	for q.queued == 0 && !q.eof && !q.closed {
-		q.dataReady.Wait()
-	}
 	switch {
 	case q.closed:
 		return StopWriting, 0
-	case q.queued == 0:
+	case q.queued > 0:
+		return writeQueued, q.queued
+	case q.eof:
 		return PassFin, 0
 	}
-	return writeQueued, q.queued
+	q.writer = false
+	return Drained, 0
 }
 
 // Batch returns views of up to maxBatch queued bytes not already handed
@@ -238,7 +238,6 @@ func (q *Queue) Close() {
 		close(q.Done)
 	}
 	q.closed = true
-	q.dataReady.Broadcast()
 	q.drained.Broadcast()
 }
 

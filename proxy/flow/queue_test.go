@@ -38,6 +38,16 @@ func TestQueuePushBatchConsume(t *testing.T) {
 	if q.Bytes() != 0 || len(q.chunks) != 0 {
 		t.Fatalf("drained queue: %d bytes, %d chunks held, want none (an idle link holds no chunk)", q.Bytes(), len(q.chunks))
 	}
+	// Drained: the writer ends, and the next push starts another.
+	if step, _ := q.Next(); step != Drained {
+		t.Fatalf("next on a drained open queue: %v, want Drained (the writer ends)", step)
+	}
+	if q.EndOfInput() {
+		t.Fatal("endOfInput with no writer running: the caller must pass the FIN on")
+	}
+	if r := q.Push([]byte("again"), 0); r != PushedStartWriter {
+		t.Fatalf("push after the writer ended: %v, want PushedStartWriter", r)
+	}
 	if q.Peak() != int64(len(want)) {
 		t.Fatalf("peak %d, want %d", q.Peak(), len(want))
 	}
@@ -134,18 +144,10 @@ func TestQueueWaitForRoom(t *testing.T) {
 		c.Push(make([]byte, high), high)
 		open := make(chan bool, 1)
 		go func() { _, o := c.WaitForRoom(high, low); open <- o }()
-		var e Queue // empty: its writer waits for bytes
-		e.Init(nil)
-		step := make(chan writerStep, 1)
-		go func() { s, _ := e.Next(); step <- s }()
 		synctest.Wait()
 		c.Close()
-		e.Close()
 		if <-open {
 			t.Fatal("waitForRoom woken by close reported the queue open")
-		}
-		if s := <-step; s != StopWriting {
-			t.Fatalf("a writer waiting for bytes, woken by close: %v, want stopWriting", s)
 		}
 		if step, _ := c.Next(); step != StopWriting {
 			t.Fatalf("next after close: %v, want stopWriting", step)
