@@ -215,7 +215,7 @@ func run(ctx context.Context, o options) error {
 				continue
 			}
 			r := measureIdle(ctx, p, o.idleLinks)
-			logf("idle %-13s %d links: %s RSS/link (%s)", p.Name, r.Links, fmtKiB(r.RSSPerLink), r.Skipped)
+			logf("idle %-16s %d links: %s RSS/link (%s)", p.Name, r.Links, fmtKiB(r.RSSPerLink), r.Skipped)
 			doc.Idle = append(doc.Idle, r)
 			// Let the closed links end before the next proxy's run.
 			sleepUntil(ctx, time.Now().Add(2*time.Second))
@@ -269,7 +269,7 @@ func measureRounds(ctx context.Context, o options, scs []scenario, paths []path,
 					return err
 				}
 				r := measure(ctx, o, sc, p, round, serverPID)
-				logf("round %d %-9s %-13s %s", round, sc.name, p.Name, oneLine(r))
+				logf("round %d %-9s %-16s %s", round, sc.name, p.Name, oneLine(r))
 				doc.Runs = append(doc.Runs, r)
 				// Let the previous run's sockets and goroutines settle.
 				sleepUntil(ctx, time.Now().Add(200*time.Millisecond))

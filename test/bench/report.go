@@ -319,20 +319,20 @@ func writeTable(w io.Writer, d document) {
 	for _, p := range d.Paths {
 		switch {
 		case p.Skipped != "":
-			fmt.Fprintf(w, "path %-13s SKIPPED: %s\n", p.Name, p.Skipped)
+			fmt.Fprintf(w, "path %-16s SKIPPED: %s\n", p.Name, p.Skipped)
 		case p.Name == pathDirect:
-			fmt.Fprintf(w, "path %-13s client -> server %s\n", p.Name, p.Addr)
+			fmt.Fprintf(w, "path %-16s client -> server %s\n", p.Name, p.Addr)
 		case p.Bin != "":
-			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin)
+			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin)
 		default:
-			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
+			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
 		}
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
+	fmt.Fprintf(w, "%-9s %-16s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
 		"scenario", "path", "throughput", "p50", "p99", "proxyCPU", "proxy", "totalCPU", "errs",
 		"thr", "p50", "p99", "CPU")
-	fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %s\n",
+	fmt.Fprintf(w, "%-9s %-16s %14s %9s %9s %9s %6s %9s %5s | %s\n",
 		"", "", "", "", "", "/op", "cores", "/op", "", "ratio to direct")
 	prev := ""
 	for _, s := range d.Summary {
@@ -343,7 +343,7 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintln(w)
 		}
 		prev = s.Scenario
-		fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
+		fmt.Fprintf(w, "%-9s %-16s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
 			name, s.Path, fmtThroughput(s.Throughput, s.Unit), fmtUs(s.P50us), fmtUs(s.P99us),
 			fmtUs(s.ProxyCPUus), fmtF(s.ProxyCores, 2), fmtUs(s.TotalCPUus), fmtErrs(s.Errors),
 			fmtF(s.VsDirect.Throughput, 2), fmtF(s.VsDirect.P50, 2), fmtF(s.VsDirect.P99, 2), fmtF(s.VsDirect.TotalCPU, 2))
