@@ -359,6 +359,7 @@ func writeTable(w io.Writer, d document) {
 	}
 	writeBaseline(w, d.VsBaseline)
 	writeSideBySide(w, d.Summary)
+	writeFloors(w, d.Summary)
 	writeSyscallTable(w, d.Syscalls)
 	writeIdleTable(w, d.Idle)
 }
@@ -436,6 +437,45 @@ func writeSideBySide(w io.Writer, ss []summary) {
 		}
 		fmt.Fprintf(w, "%-9s %11sx %11sx %12s %12s %9s\n", s.Scenario, fmtF(ha.VsDirect.Throughput, 2), fmtF(s.VsDirect.Throughput, 2),
 			fmtUs(ha.ProxyCPUus), fmtUs(s.ProxyCPUus), fmtF(ratio(s.ProxyCPUus, ha.ProxyCPUus), 2))
+	}
+}
+
+// writeFloors prints, when a floor relay was measured, each proxy path per
+// scenario: its throughput ratio to direct and its own CPU per operation,
+// livenessproxy and HAProxy beside the floors of the two data-plane designs.
+func writeFloors(w io.Writer, ss []summary) {
+	if !slices.ContainsFunc(ss, func(s summary) bool { return s.Path == pathFloorG || s.Path == pathFloorE }) {
+		return
+	}
+	var cols []string
+	for _, p := range []string{pathLP, pathFloorG, pathFloorE, pathHA} {
+		if slices.ContainsFunc(ss, func(s summary) bool { return s.Path == p }) {
+			cols = append(cols, p)
+		}
+	}
+	fmt.Fprintln(w, "\nthe floors (medians): per proxy, throughput vs direct and the proxy's own CPU per op")
+	fmt.Fprintf(w, "%-9s", "scenario")
+	for _, c := range cols {
+		fmt.Fprintf(w, " %20s", c)
+	}
+	fmt.Fprintln(w)
+	var scs []string
+	for _, s := range ss {
+		if !slices.Contains(scs, s.Scenario) {
+			scs = append(scs, s.Scenario)
+		}
+	}
+	for _, sc := range scs {
+		fmt.Fprintf(w, "%-9s", sc)
+		for _, c := range cols {
+			i := slices.IndexFunc(ss, func(s summary) bool { return s.Scenario == sc && s.Path == c })
+			cell := "-"
+			if i >= 0 {
+				cell = fmt.Sprintf("%sx %9s", fmtF(ss[i].VsDirect.Throughput, 2), fmtUs(ss[i].ProxyCPUus))
+			}
+			fmt.Fprintf(w, " %20s", cell)
+		}
+		fmt.Fprintln(w)
 	}
 }
 
