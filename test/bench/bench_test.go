@@ -823,3 +823,31 @@ func TestFloorRefusedUpstream(t *testing.T) {
 		})
 	}
 }
+
+// The floors table has a column per proxy path of the run, in a fixed
+// order, and only when a floor path ran.
+func TestFloorsTable(t *testing.T) {
+	ss := []summary{
+		{Scenario: "rr1", Path: pathDirect},
+		{Scenario: "rr1", Path: pathLP, ProxyCPUus: 60, VsDirect: ratios{Throughput: 0.4}},
+		{Scenario: "rr1", Path: pathFloorE, ProxyCPUus: 20, VsDirect: ratios{Throughput: 0.8}},
+		{Scenario: "rr1", Path: pathFloorG, ProxyCPUus: 30, VsDirect: ratios{Throughput: 0.7}},
+		{Scenario: "cps", Path: pathLP, ProxyCPUus: 150, VsDirect: ratios{Throughput: 0.45}},
+	}
+	var b strings.Builder
+	writeFloors(&b, ss)
+	for _, line := range []string{
+		"scenario         livenessproxy     floor-goroutines          floor-epoll\n",
+		"rr1            0.40x    60.0µs      0.70x    30.0µs      0.80x    20.0µs\n",
+		"cps            0.45x   150.0µs                    -                    -\n",
+	} {
+		if !strings.Contains(b.String(), line) {
+			t.Errorf("table:\n%s\nwant the line\n%q", b.String(), line)
+		}
+	}
+	b.Reset()
+	writeFloors(&b, ss[:2])
+	if b.Len() != 0 {
+		t.Errorf("no floor path, yet a table:\n%s", b.String())
+	}
+}
