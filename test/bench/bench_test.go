@@ -3,22 +3,31 @@
 package main
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // TestScenariosDirect runs every scenario briefly against an in-process
@@ -451,4 +460,394 @@ func closeRatios(a, b baselineRatios) bool {
 	}
 	return a.Scenario == b.Scenario && a.Rounds == b.Rounds &&
 		near(a.Throughput, b.Throughput) && near(a.P50, b.P50) && near(a.ProxyCPU, b.ProxyCPU)
+}
+
+// TestFloorRelays builds the floor relay and starts each design as the
+// bench does (-paths floor-goroutines,floor-epoll), in front of an
+// in-process server, and checks that it relays: round trips on one link,
+// 4 MiB each way at once byte for byte, a half-close (the server sees the
+// client's EOF and its answer after it still arrives whole, then EOF), 200
+// short links from 8 clients at once, and that it prints nothing and exits
+// by itself on SIGTERM. Nothing here depends on timing.
+func TestFloorRelays(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	srv := startFloorServer(t)
+	defer srv.stop()
+
+	ctx := context.Background()
+	tmp := t.TempDir()
+	o := options{duration: time.Second, rounds: 1, pin: "one-core", paths: "direct,floor-goroutines,floor-epoll",
+		scenarios: "cps", cpsWorkers: 1, maxOps: 1, lpFraming: "none"}
+	if err := o.validate(); err != nil {
+		t.Fatal(err)
+	}
+	pin, err := parsePinning(o.pin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	paths := setupPaths(ctx, o, tmp, srv.addr, pin.setFor("proxy"))
+	for _, p := range paths {
+		if p.proc != nil {
+			defer p.proc.stop()
+		}
+	}
+	if len(paths) != 3 || paths[1].Name != pathFloorG || paths[2].Name != pathFloorE {
+		t.Fatalf("paths %+v, want direct, floor-goroutines, floor-epoll", paths)
+	}
+	for _, p := range paths[1:] {
+		t.Run(p.Name, func(t *testing.T) {
+			if p.Skipped != "" || p.proc == nil {
+				t.Fatalf("not started: %s", p.Skipped)
+			}
+			want := filepath.Join(tmp, "floor")
+			if exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", p.proc.pid)); err != nil || exe != want || p.Bin != want {
+				t.Fatalf("runs %q (%v), reports %q; want %s", exe, err, p.Bin, want)
+			}
+			if want := pin.CPUs["proxy"]; p.Affinity != want {
+				t.Fatalf("on CPUs %s, want the proxy's %s", p.Affinity, want)
+			}
+			roundTrips(t, p.Addr)
+			bothWays(t, p.Addr, 4<<20)
+			halfClose(t, p.Addr)
+			shortLinks(t, p.Addr, 8, 25)
+
+			p.proc.stop()
+			if !p.proc.exited() || p.proc.waitErr != nil {
+				t.Fatalf("on SIGTERM: exited %v, %v (%s)", p.proc.exited(), p.proc.waitErr, p.proc.logTail())
+			}
+			if b, err := os.ReadFile(p.proc.logPath); err != nil || len(b) != 0 {
+				t.Fatalf("printed %q (%v), want nothing", b, err)
+			}
+		})
+	}
+}
+
+// floorServer serves the bench protocol (the bench probes each new path
+// with a request) and, on links whose first byte is floorEcho, echoes
+// every byte until the client's EOF and then sends floorAnswer.
+type floorServer struct {
+	ln    net.Listener
+	addr  string
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conns map[net.Conn]bool
+}
+
+const floorEcho = 'E'
+
+// floorAnswer is what the echo server sends after the client's EOF: the
+// count and digest of what it read (so the client knows the server saw
+// EOF after all of it), then 1 MiB that only the answer has.
+func floorAnswer(n int64, sum []byte) []byte {
+	head := fmt.Sprintf("EOF after %d bytes, sha256 %x\n", n, sum)
+	return append([]byte(head), answerTail...)
+}
+
+var answerTail = pattern(7, 1<<20)
+
+// pattern is n pseudo-random bytes, the same for the same seed.
+func pattern(seed byte, n int) []byte {
+	b := make([]byte, n)
+	_, _ = rand.NewChaCha8([32]byte{seed}).Read(b)
+	return b
+}
+
+func startFloorServer(t *testing.T) *floorServer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &floorServer{ln: ln, addr: ln.Addr().String(), conns: map[net.Conn]bool{}}
+	s.wg.Add(1)
+	go s.acceptAll()
+	return s
+}
+
+func (s *floorServer) acceptAll() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			return
+		}
+		s.mu.Lock()
+		s.conns[c] = true
+		s.mu.Unlock()
+		s.wg.Add(1)
+		go s.serve(c.(*net.TCPConn))
+	}
+}
+
+// stop closes the listener and every link, and waits for their goroutines.
+func (s *floorServer) stop() {
+	_ = s.ln.Close()
+	s.mu.Lock()
+	for c := range s.conns {
+		_ = c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+func (s *floorServer) serve(c *net.TCPConn) {
+	defer s.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		_ = c.Close()
+	}()
+	r := bufio.NewReader(c)
+	first, err := r.Peek(1)
+	if err != nil {
+		return
+	}
+	if first[0] != floorEcho {
+		serveConn(readerConn{c, r})
+		return
+	}
+	h := sha256.New()
+	var n int64
+	buf := make([]byte, 32<<10)
+	for {
+		k, err := r.Read(buf)
+		if k > 0 {
+			h.Write(buf[:k])
+			n += int64(k)
+			if _, err := c.Write(buf[:k]); err != nil {
+				return
+			}
+		}
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return
+		}
+	}
+	_, _ = c.Write(floorAnswer(n, h.Sum(nil)))
+}
+
+// readerConn is a net.Conn whose reads come through r (which has peeked).
+type readerConn struct {
+	net.Conn
+	r *bufio.Reader
+}
+
+func (c readerConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+// dialFloor dials addr with a deadline that only keeps a broken relay
+// from hanging the test.
+func dialFloor(t *testing.T, addr string) *net.TCPConn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.SetDeadline(time.Now().Add(2 * time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	return c.(*net.TCPConn)
+}
+
+// roundTrips makes request/response exchanges of several sizes on one
+// link, then half-closes it and reads the answer.
+func roundTrips(t *testing.T, addr string) {
+	c := dialFloor(t, addr)
+	defer c.Close()
+	sent := []byte{floorEcho}
+	if _, err := c.Write(sent); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 1)
+	if _, err := io.ReadFull(c, got); err != nil || got[0] != floorEcho {
+		t.Fatalf("first byte %q, %v", got, err)
+	}
+	for i, size := range []int{1, 200, 2048, 65535, 65536, 65537, 300_000, 7} {
+		req := pattern(byte(100+i), size)
+		if _, err := c.Write(req); err != nil {
+			t.Fatal(err)
+		}
+		resp := make([]byte, size)
+		if _, err := io.ReadFull(c, resp); err != nil {
+			t.Fatalf("round trip %d (%d B): %v", i, size, err)
+		}
+		if !bytes.Equal(resp, req) {
+			t.Fatalf("round trip %d (%d B): the response differs from the request", i, size)
+		}
+		sent = append(sent, req...)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	rest, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(sent)
+	if want := floorAnswer(int64(len(sent)), sum[:]); !bytes.Equal(rest, want) {
+		t.Fatalf("after EOF: %d B, want the %d B answer (%q...)", len(rest), len(want), rest[:min(len(rest), 80)])
+	}
+}
+
+// bothWays sends n bytes while the echo comes back, then reads the answer.
+func bothWays(t *testing.T, addr string, n int) {
+	c := dialFloor(t, addr)
+	defer c.Close()
+	req := append([]byte{floorEcho}, pattern(3, n)...)
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := c.Write(req)
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		wrote <- err
+	}()
+	got, err := io.ReadAll(c)
+	if werr := <-wrote; werr != nil {
+		t.Fatalf("write: %v", werr)
+	}
+	if err != nil {
+		t.Fatalf("read: %v after %d B", err, len(got))
+	}
+	sum := sha256.Sum256(req)
+	want := append(slices.Clone(req), floorAnswer(int64(len(req)), sum[:])...)
+	if !bytes.Equal(got, want) {
+		i := 0
+		for i < min(len(got), len(want)) && got[i] == want[i] {
+			i++
+		}
+		t.Fatalf("read %d B, want %d B; the first difference at byte %d", len(got), len(want), i)
+	}
+}
+
+// halfClose sends a request and its EOF at once: the server answers only
+// after it has seen EOF, and the answer arrives whole, then EOF.
+func halfClose(t *testing.T, addr string) {
+	c := dialFloor(t, addr)
+	defer c.Close()
+	req := append([]byte{floorEcho}, pattern(5, 1000)...)
+	if _, err := c.Write(req); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := io.ReadAll(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(req)
+	if want := append(slices.Clone(req), floorAnswer(int64(len(req)), sum[:])...); !bytes.Equal(got, want) {
+		t.Fatalf("read %d B, want %d B", len(got), len(want))
+	}
+}
+
+// shortLinks has workers clients each make n links: connect, one request,
+// its response, close.
+func shortLinks(t *testing.T, addr string, workers, n int) {
+	errs := make(chan error, workers)
+	for w := range workers {
+		go func() {
+			for i := range n {
+				req := []byte(fmt.Sprintf("%cworker %d link %d", floorEcho, w, i))
+				errs <- func() error {
+					c, err := net.Dial("tcp", addr)
+					if err != nil {
+						return err
+					}
+					defer c.Close()
+					if err := c.SetDeadline(time.Now().Add(2 * time.Minute)); err != nil {
+						return err
+					}
+					if _, err := c.Write(req); err != nil {
+						return err
+					}
+					got := make([]byte, len(req))
+					if _, err := io.ReadFull(c, got); err != nil {
+						return fmt.Errorf("worker %d link %d: %w", w, i, err)
+					}
+					if !bytes.Equal(got, req) {
+						return fmt.Errorf("worker %d link %d: got %q", w, i, got)
+					}
+					return nil
+				}()
+			}
+		}()
+	}
+	for range workers * n {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// A link whose upstream refuses the connect is reset (SO_LINGER 0), in
+// both designs, not closed as if the upstream had answered and left.
+func TestFloorRefusedUpstream(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	tmp := t.TempDir()
+	bin, err := floorBinary(context.Background(), tmp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, design := range []string{"goroutines", "epoll"} {
+		t.Run(design, func(t *testing.T) {
+			addr, err1 := testutil.PickClosedAddr()
+			refused, err2 := testutil.PickClosedAddr()
+			if err := errors.Join(err1, err2); err != nil {
+				t.Fatal(err)
+			}
+			cmd := exec.Command(bin, "-listen", addr, "-upstream", refused, "-design", design)
+			c, err := startChild("floor-"+design, cmd, nil, filepath.Join(tmp, design+".log"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.stop()
+			if err := waitListening(context.Background(), addr, c, readyWait); err != nil {
+				t.Fatal(err)
+			}
+			// The reset may come before the dial has seen its connect
+			// complete (SO_ERROR is then ECONNRESET), or after.
+			conn, err := net.Dial("tcp", addr)
+			if err == nil {
+				defer conn.Close()
+				if err = conn.SetDeadline(time.Now().Add(2 * time.Minute)); err == nil {
+					_, err = io.ReadAll(conn)
+				}
+			}
+			if !errors.Is(err, syscall.ECONNRESET) {
+				t.Fatalf("dial and read: %v, want a reset", err)
+			}
+		})
+	}
+}
+
+// The floors table has a column per proxy path of the run, in a fixed
+// order, and only when a floor path ran.
+func TestFloorsTable(t *testing.T) {
+	ss := []summary{
+		{Scenario: "rr1", Path: pathDirect},
+		{Scenario: "rr1", Path: pathLP, ProxyCPUus: 60, VsDirect: ratios{Throughput: 0.4}},
+		{Scenario: "rr1", Path: pathFloorE, ProxyCPUus: 20, VsDirect: ratios{Throughput: 0.8}},
+		{Scenario: "rr1", Path: pathFloorG, ProxyCPUus: 30, VsDirect: ratios{Throughput: 0.7}},
+		{Scenario: "cps", Path: pathLP, ProxyCPUus: 150, VsDirect: ratios{Throughput: 0.45}},
+	}
+	var b strings.Builder
+	writeFloors(&b, ss)
+	for _, line := range []string{
+		"scenario         livenessproxy     floor-goroutines          floor-epoll\n",
+		"rr1            0.40x    60.0µs      0.70x    30.0µs      0.80x    20.0µs\n",
+		"cps            0.45x   150.0µs                    -                    -\n",
+	} {
+		if !strings.Contains(b.String(), line) {
+			t.Errorf("table:\n%s\nwant the line\n%q", b.String(), line)
+		}
+	}
+	b.Reset()
+	writeFloors(&b, ss[:2])
+	if b.Len() != 0 {
+		t.Errorf("no floor path, yet a table:\n%s", b.String())
+	}
 }

@@ -261,17 +261,17 @@ func writeIdleTable(w io.Writer, rs []idleResult) {
 		return
 	}
 	fmt.Fprintf(w, "\nidle links: one %d KiB exchange each way, then idle %s; memory per link\n", idleExchange>>10, idleSettle)
-	fmt.Fprintf(w, "%-13s %7s %10s %10s %10s %12s\n", "path", "links", "RSS/link", "heap/link", "stack/link", "RSS before→after")
+	fmt.Fprintf(w, "%-16s %7s %10s %10s %10s %12s\n", "path", "links", "RSS/link", "heap/link", "stack/link", "RSS before→after")
 	for _, r := range rs {
 		if r.Skipped != "" {
-			fmt.Fprintf(w, "%-13s %7d SKIPPED: %s\n", r.Path, r.Links, r.Skipped)
+			fmt.Fprintf(w, "%-16s %7d SKIPPED: %s\n", r.Path, r.Links, r.Skipped)
 			continue
 		}
 		heap, stack := "-", "-"
 		if r.HeapPerLink != 0 || r.StackPerLink != 0 {
 			heap, stack = fmtKiB(r.HeapPerLink), fmtKiB(r.StackPerLink)
 		}
-		fmt.Fprintf(w, "%-13s %7d %10s %10s %10s %6.0f→%.0f MiB\n", r.Path, r.Links, fmtKiB(r.RSSPerLink), heap, stack,
+		fmt.Fprintf(w, "%-16s %7d %10s %10s %10s %6.0f→%.0f MiB\n", r.Path, r.Links, fmtKiB(r.RSSPerLink), heap, stack,
 			r.RSSBeforeMiB, r.RSSAfterMiB)
 	}
 }

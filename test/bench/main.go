@@ -3,7 +3,8 @@
 // Command bench measures, on loopback, what a proxy hop costs: the same
 // workloads go client -> server directly, through livenessproxy, and through
 // HAProxy (when installed), interleaved per scenario; with -baseline-bin,
-// also through a livenessproxy built from another commit. See README.md.
+// also through a livenessproxy built from another commit, and on request
+// through the floor relays of ./test/bench/floor. See README.md.
 //
 //	go run ./test/bench [-duration 3s] [-rounds N] [-pin proxy-core] [-json]
 package main
@@ -57,7 +58,7 @@ func main() {
 	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
 	flag.StringVar(&o.baselineBin, "baseline-bin", "", "prebuilt livenessproxy binary of another commit, measured as the baseline path (with -paths ...,baseline) exactly like livenessproxy")
 	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
-	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, baseline (the -baseline-bin livenessproxy), haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS; direct is always measured: ratios need it)")
+	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, baseline (the -baseline-bin livenessproxy), haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS), floor-goroutines and floor-epoll (minimal relays of the two data-plane designs, ./test/bench/floor); direct is always measured: ratios need it")
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
@@ -96,7 +97,7 @@ func (o options) validate() error {
 		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
 	for p := range strings.SplitSeq(o.paths, ",") {
-		if !slices.Contains([]string{pathDirect, pathLP, pathBase, pathHA, pathMesh, pathMeshTLS}, p) {
+		if !slices.Contains([]string{pathDirect, pathLP, pathBase, pathHA, pathMesh, pathMeshTLS, pathFloorG, pathFloorE}, p) {
 			return fmt.Errorf("-paths: unknown path %q", p)
 		}
 	}
@@ -215,7 +216,7 @@ func run(ctx context.Context, o options) error {
 				continue
 			}
 			r := measureIdle(ctx, p, o.idleLinks)
-			logf("idle %-13s %d links: %s RSS/link (%s)", p.Name, r.Links, fmtKiB(r.RSSPerLink), r.Skipped)
+			logf("idle %-16s %d links: %s RSS/link (%s)", p.Name, r.Links, fmtKiB(r.RSSPerLink), r.Skipped)
 			doc.Idle = append(doc.Idle, r)
 			// Let the closed links end before the next proxy's run.
 			sleepUntil(ctx, time.Now().Add(2*time.Second))
@@ -248,6 +249,12 @@ func setupPaths(ctx context.Context, o options, tmp, serverAddr string, cpus *un
 		logf("setting up the mesh over mutual TLS ...")
 		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, cpus, true))
 	}
+	for _, f := range []struct{ name, design string }{{pathFloorG, "goroutines"}, {pathFloorE, "epoll"}} {
+		if o.wants(f.name) {
+			logf("setting up the %s relay ...", f.name)
+			paths = append(paths, setupFloor(ctx, f.name, f.design, tmp, serverAddr, cpus))
+		}
+	}
 	if o.wants(pathHA) {
 		logf("setting up haproxy ...")
 		paths = append(paths, setupHAProxy(ctx, o, tmp, serverAddr, cpus))
@@ -269,7 +276,7 @@ func measureRounds(ctx context.Context, o options, scs []scenario, paths []path,
 					return err
 				}
 				r := measure(ctx, o, sc, p, round, serverPID)
-				logf("round %d %-9s %-13s %s", round, sc.name, p.Name, oneLine(r))
+				logf("round %d %-9s %-16s %s", round, sc.name, p.Name, oneLine(r))
 				doc.Runs = append(doc.Runs, r)
 				// Let the previous run's sockets and goroutines settle.
 				sleepUntil(ctx, time.Now().Add(200*time.Millisecond))

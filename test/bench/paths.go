@@ -22,7 +22,7 @@ type path struct {
 	Name     string `json:"name"`
 	Addr     string `json:"addr,omitempty"`
 	Version  string `json:"version,omitempty"`
-	Bin      string `json:"bin,omitempty"`      // the livenessproxy binary run (livenessproxy and baseline)
+	Bin      string `json:"bin,omitempty"`      // the binary run (livenessproxy, baseline, the floor relays)
 	Affinity string `json:"affinity,omitempty"` // the proxy's CPU list, read back
 	Skipped  string `json:"skipped,omitempty"`
 	proc     *child // nil for direct
@@ -40,8 +40,12 @@ const (
 	pathMeshTLS = "mesh-tls"
 	// pathBase is a second livenessproxy, -baseline-bin (another commit's
 	// build), run exactly like pathLP: the two builds side by side.
-	pathBase  = "baseline"
-	readyWait = 15 * time.Second
+	pathBase = "baseline"
+	// pathFloorG and pathFloorE are the floor relays (./test/bench/floor):
+	// the two data-plane designs of issue 25 with no liveness features.
+	pathFloorG = "floor-goroutines"
+	pathFloorE = "floor-epoll"
+	readyWait  = 15 * time.Second
 )
 
 // setupLivenessproxy builds (unless -proxy-bin is given) and starts
@@ -200,23 +204,31 @@ listeners:
 
 // buildLivenessproxy runs `go build ./cmd/livenessproxy` in the module root.
 func buildLivenessproxy(ctx context.Context, tmp string) (string, error) {
+	out := filepath.Join(tmp, "livenessproxy")
+	if err := goBuild(ctx, out, "./cmd/livenessproxy"); err != nil {
+		return "", err
+	}
+	return out, nil
+}
+
+// goBuild runs `go build -o out pkg` in the module root.
+func goBuild(ctx context.Context, out, pkg string) error {
 	root, err := moduleRoot()
 	if err != nil {
-		return "", err
+		return err
 	}
 	goBin, err := exec.LookPath("go")
 	if err != nil {
-		return "", err
+		return err
 	}
-	out := filepath.Join(tmp, "livenessproxy")
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, goBin, "build", "-o", out, "./cmd/livenessproxy")
+	cmd := exec.CommandContext(ctx, goBin, "build", "-o", out, pkg)
 	cmd.Dir = root
 	if b, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("%v: %s", err, tailLines(string(b), 3))
+		return fmt.Errorf("%v: %s", err, tailLines(string(b), 3))
 	}
-	return out, nil
+	return nil
 }
 
 // moduleRoot finds the directory holding go.mod, from the working directory up.
@@ -235,6 +247,39 @@ func moduleRoot() (string, error) {
 		}
 		dir = parent
 	}
+}
+
+// setupFloor builds the floor relay (once per run) and starts it, with
+// -design design, in front of serverAddr. Any failure skips the path.
+func setupFloor(ctx context.Context, name, design, tmp, serverAddr string, cpus *unix.CPUSet) path {
+	p := path{Name: name}
+	bin, err := floorBinary(ctx, tmp)
+	if err != nil {
+		p.Skipped = err.Error()
+		return p
+	}
+	addr, err := testutil.PickClosedAddr()
+	if err != nil {
+		p.Skipped = err.Error()
+		return p
+	}
+	const procs = "1" // livenessproxy's default limits.procs
+	p.Bin, p.Version = bin, "floor relay, -design "+design+" -procs "+procs
+	cmd := exec.Command(bin, "-listen", addr, "-upstream", serverAddr, "-design", design, "-procs", procs)
+	return startProxy(ctx, p, cmd, addr, cpus, filepath.Join(tmp, name+".log"))
+}
+
+// floorBinary runs `go build ./test/bench/floor` in the module root, once
+// per run.
+func floorBinary(ctx context.Context, tmp string) (string, error) {
+	out := filepath.Join(tmp, "floor")
+	if _, err := os.Stat(out); err == nil {
+		return out, nil // built for the other design
+	}
+	if err := goBuild(ctx, out, "./test/bench/floor"); err != nil {
+		return "", fmt.Errorf("build failed: %w", err)
+	}
+	return out, nil
 }
 
 // setupHAProxy starts HAProxy in TCP mode, one thread, no logging.

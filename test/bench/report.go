@@ -319,20 +319,20 @@ func writeTable(w io.Writer, d document) {
 	for _, p := range d.Paths {
 		switch {
 		case p.Skipped != "":
-			fmt.Fprintf(w, "path %-13s SKIPPED: %s\n", p.Name, p.Skipped)
+			fmt.Fprintf(w, "path %-16s SKIPPED: %s\n", p.Name, p.Skipped)
 		case p.Name == pathDirect:
-			fmt.Fprintf(w, "path %-13s client -> server %s\n", p.Name, p.Addr)
+			fmt.Fprintf(w, "path %-16s client -> server %s\n", p.Name, p.Addr)
 		case p.Bin != "":
-			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin)
+			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin)
 		default:
-			fmt.Fprintf(w, "path %-13s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
+			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
 		}
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
+	fmt.Fprintf(w, "%-9s %-16s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
 		"scenario", "path", "throughput", "p50", "p99", "proxyCPU", "proxy", "totalCPU", "errs",
 		"thr", "p50", "p99", "CPU")
-	fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %s\n",
+	fmt.Fprintf(w, "%-9s %-16s %14s %9s %9s %9s %6s %9s %5s | %s\n",
 		"", "", "", "", "", "/op", "cores", "/op", "", "ratio to direct")
 	prev := ""
 	for _, s := range d.Summary {
@@ -343,7 +343,7 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintln(w)
 		}
 		prev = s.Scenario
-		fmt.Fprintf(w, "%-9s %-13s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
+		fmt.Fprintf(w, "%-9s %-16s %14s %9s %9s %9s %6s %9s %5s | %5s %5s %5s %5s\n",
 			name, s.Path, fmtThroughput(s.Throughput, s.Unit), fmtUs(s.P50us), fmtUs(s.P99us),
 			fmtUs(s.ProxyCPUus), fmtF(s.ProxyCores, 2), fmtUs(s.TotalCPUus), fmtErrs(s.Errors),
 			fmtF(s.VsDirect.Throughput, 2), fmtF(s.VsDirect.P50, 2), fmtF(s.VsDirect.P99, 2), fmtF(s.VsDirect.TotalCPU, 2))
@@ -359,6 +359,7 @@ func writeTable(w io.Writer, d document) {
 	}
 	writeBaseline(w, d.VsBaseline)
 	writeSideBySide(w, d.Summary)
+	writeFloors(w, d.Summary)
 	writeSyscallTable(w, d.Syscalls)
 	writeIdleTable(w, d.Idle)
 }
@@ -436,6 +437,45 @@ func writeSideBySide(w io.Writer, ss []summary) {
 		}
 		fmt.Fprintf(w, "%-9s %11sx %11sx %12s %12s %9s\n", s.Scenario, fmtF(ha.VsDirect.Throughput, 2), fmtF(s.VsDirect.Throughput, 2),
 			fmtUs(ha.ProxyCPUus), fmtUs(s.ProxyCPUus), fmtF(ratio(s.ProxyCPUus, ha.ProxyCPUus), 2))
+	}
+}
+
+// writeFloors prints, when a floor relay was measured, each proxy path per
+// scenario: its throughput ratio to direct and its own CPU per operation,
+// livenessproxy and HAProxy beside the floors of the two data-plane designs.
+func writeFloors(w io.Writer, ss []summary) {
+	if !slices.ContainsFunc(ss, func(s summary) bool { return s.Path == pathFloorG || s.Path == pathFloorE }) {
+		return
+	}
+	var cols []string
+	for _, p := range []string{pathLP, pathFloorG, pathFloorE, pathHA} {
+		if slices.ContainsFunc(ss, func(s summary) bool { return s.Path == p }) {
+			cols = append(cols, p)
+		}
+	}
+	fmt.Fprintln(w, "\nthe floors (medians): per proxy, throughput vs direct and the proxy's own CPU per op")
+	fmt.Fprintf(w, "%-9s", "scenario")
+	for _, c := range cols {
+		fmt.Fprintf(w, " %20s", c)
+	}
+	fmt.Fprintln(w)
+	var scs []string
+	for _, s := range ss {
+		if !slices.Contains(scs, s.Scenario) {
+			scs = append(scs, s.Scenario)
+		}
+	}
+	for _, sc := range scs {
+		fmt.Fprintf(w, "%-9s", sc)
+		for _, c := range cols {
+			i := slices.IndexFunc(ss, func(s summary) bool { return s.Scenario == sc && s.Path == c })
+			cell := "-"
+			if i >= 0 {
+				cell = fmt.Sprintf("%sx %9s", fmtF(ss[i].VsDirect.Throughput, 2), fmtUs(ss[i].ProxyCPUus))
+			}
+			fmt.Fprintf(w, " %20s", cell)
+		}
+		fmt.Fprintln(w)
 	}
 }
 

@@ -235,10 +235,10 @@ func writeSyscallTable(w io.Writer, rs []syscallResult) {
 		return
 	}
 	fmt.Fprintln(w, "\nsystem calls per operation (strace -c -f on the proxy, one traced run each; bulk: per MiB)")
-	fmt.Fprintf(w, "%-9s %-13s %8s %8s  %s\n", "scenario", "path", "calls", "failed", "by call (failed)")
+	fmt.Fprintf(w, "%-9s %-16s %8s %8s  %s\n", "scenario", "path", "calls", "failed", "by call (failed)")
 	for _, r := range rs {
 		if r.Skipped != "" {
-			fmt.Fprintf(w, "%-9s %-13s SKIPPED: %s\n", r.Scenario, r.Path, r.Skipped)
+			fmt.Fprintf(w, "%-9s %-16s SKIPPED: %s\n", r.Scenario, r.Path, r.Skipped)
 			continue
 		}
 		var parts []string
@@ -252,7 +252,7 @@ func writeSyscallTable(w io.Writer, rs []syscallResult) {
 			}
 			parts = append(parts, s)
 		}
-		fmt.Fprintf(w, "%-9s %-13s %8s %8s  %s\n", r.Scenario, r.Path, fmtCount(r.PerOp), fmtCount(r.ErrsOp), strings.Join(parts, ", "))
+		fmt.Fprintf(w, "%-9s %-16s %8s %8s  %s\n", r.Scenario, r.Path, fmtCount(r.PerOp), fmtCount(r.ErrsOp), strings.Join(parts, ", "))
 	}
 }
 
@@ -273,9 +273,9 @@ func traceScenario(ctx context.Context, o options, sc scenario, paths []path, di
 		}
 		r := measureSyscalls(ctx, o, sc, p, dir, bin)
 		if r.Skipped != "" {
-			logf("syscalls %-9s %-13s SKIPPED: %s", sc.name, p.Name, r.Skipped)
+			logf("syscalls %-9s %-16s SKIPPED: %s", sc.name, p.Name, r.Skipped)
 		} else {
-			logf("syscalls %-9s %-13s %s/op (%s failed)", sc.name, p.Name, fmtCount(r.PerOp), fmtCount(r.ErrsOp))
+			logf("syscalls %-9s %-16s %s/op (%s failed)", sc.name, p.Name, fmtCount(r.PerOp), fmtCount(r.ErrsOp))
 		}
 		out = append(out, r)
 		sleepUntil(ctx, time.Now().Add(200*time.Millisecond))
