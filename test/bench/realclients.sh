@@ -24,7 +24,9 @@
 #
 # Settings (environment): ROUNDS (3), REDIS_N (200000), REDIS_C (50),
 # PG_CLIENTS (8), PG_THREADS (2), PG_SECONDS (10), PG_SCALE (10),
-# PATHS ("direct haproxy lp-procs1 lp-procs0"), LP_BIN (default: go build
+# PATHS ("direct haproxy lp-procs1 lp-procs0"; also base-procsN: the
+# livenessproxy binary LP_BASE_BIN, another commit's build, run as lp-procsN
+# is, to compare two builds in one run), LP_BIN (default: go build
 # ./cmd/livenessproxy), HAPROXY_BIN (haproxy), PG_USER (lpbench),
 # MAX_SECONDS (1500), KEEP (1: keep the work directory).
 set -euo pipefail
@@ -80,12 +82,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# free_port prints a loopback TCP port nothing listens on.
+# free_port prints a loopback TCP port no socket uses: below the kernel's
+# ephemeral range (32768 and up by default), where the benches' own
+# connections take their local ports, and checked against every socket,
+# not only listeners (a server's bind fails on a port a connection holds).
 free_port() {
 	local p
 	while :; do
-		p=$((20000 + RANDOM % 20000))
-		if ! ss -Htln "sport = :$p" | grep -q .; then
+		p=$((20000 + RANDOM % 12000))
+		if ! ss -Htan "sport = :$p" | grep -q .; then
 			echo "$p"
 			return
 		fi
@@ -195,11 +200,12 @@ start_haproxy() {
 	log "$("$HAPROXY_BIN" -v | head -1 | awk '{print $1, $2, $3}') (pid ${pids[-1]})"
 }
 
-# start_lp starts livenessproxy with limits.procs $2 as path $1: the
-# bench's config (an opaque listener with every default, log at warn), one
-# listener per server; GOMAXPROCS is unset so that the key decides.
+# start_lp starts livenessproxy (the binary $3, default LP_BIN) with
+# limits.procs $2 as path $1: the bench's config (an opaque listener with
+# every default, log at warn), one listener per server; GOMAXPROCS is unset
+# so that the key decides.
 start_lp() {
-	local name=$1 procs=$2 cfg=$work/$1.yaml t port admin
+	local name=$1 procs=$2 bin=${3:-$LP_BIN} cfg=$work/$1.yaml t port admin
 	admin=$(free_port)
 	printf 'admin: {listen: 127.0.0.1:%s, control_listen: ""}\nlog: {level: warn}\nshutdown_grace: 0s\nlimits: {procs: %s}\nlisteners:\n' "$admin" "$procs" >"$cfg"
 	for t in "${targets[@]}"; do
@@ -207,12 +213,12 @@ start_lp() {
 		path_port["$name $t"]=$port
 		printf '  - name: %s\n    listen: 127.0.0.1:%s\n    upstream: 127.0.0.1:%s\n' "$t" "$port" "${server_port[$t]}" >>"$cfg"
 	done
-	env -u GOMAXPROCS "$LP_BIN" run --config "$cfg" >"$work/$name.log" 2>&1 &
+	env -u GOMAXPROCS "$bin" run --config "$cfg" >"$work/$name.log" 2>&1 &
 	pids+=($!)
 	path_pid[$name]=$!
 	for t in "${targets[@]}"; do wait_port "${path_port["$name $t"]}"; done
 	active+=("$name")
-	log "livenessproxy, limits.procs $procs: GOMAXPROCS $(curl -s "http://127.0.0.1:$admin/metrics" | awk '$1 == "go_sched_gomaxprocs_threads" {print $2}') (pid ${pids[-1]})"
+	log "livenessproxy $bin, limits.procs $procs: GOMAXPROCS $(curl -s "http://127.0.0.1:$admin/metrics" | awk '$1 == "go_sched_gomaxprocs_threads" {print $2}') (pid ${pids[-1]})"
 }
 
 # --- clients ------------------------------------------------------------
@@ -300,6 +306,10 @@ for p in $PATHS; do
 		;;
 	haproxy) start_haproxy ;;
 	lp-procs*) start_lp "$p" "${p#lp-procs}" ;;
+	base-procs*)
+		[[ -n ${LP_BASE_BIN:-} ]] || { log "path $p needs LP_BASE_BIN" && exit 2; }
+		start_lp "$p" "${p#base-procs}" "$LP_BASE_BIN"
+		;;
 	*) log "unknown path $p" && exit 2 ;;
 	esac
 done
