@@ -27,11 +27,10 @@ type tcpEnd struct {
 	// (see windowGuard); nil without tcp_user_timeout.
 	win *windowGuard
 
-	// batch is the writer's view of queued bytes (toWrite what is left to
-	// write of it), kept here so that a batch costs no allocation; w
-	// writes it.
-	batch, toWrite net.Buffers
-	w              flow.Writer
+	// batch is the writer's view of queued bytes, kept here so that a
+	// batch costs no allocation; w writes it.
+	batch net.Buffers
+	w     flow.Writer
 
 	// rawP, rawN, rawErr and rawWriteFn carry tryWrite's arguments so the
 	// per-write callback is allocated once per link, not once per write.
@@ -305,6 +304,13 @@ func (e *tcpEnd) tryWrite(p []byte) (int, error) {
 	n, err := e.rawN, e.rawErr
 	e.rawP, e.rawErr = nil, nil
 	if werr != nil {
+		if errors.Is(werr, os.ErrDeadlineExceeded) {
+			// The writer's deadline for the batch that just drained the
+			// queue, in the moment before it clears it: not this write's.
+			// The bytes queue, and a writer judges them by a deadline of
+			// its own.
+			return 0, nil
+		}
 		return 0, werr
 	}
 	if err == syscall.EAGAIN || err == syscall.EINTR {
@@ -349,14 +355,19 @@ func (e *tcpEnd) writeUpstream() {
 			lk.progressed()
 			_ = e.conn.SetWriteDeadline(time.Now().Add(wt))
 		}
-		e.toWrite = e.batch
-		n, err := e.w.WriteBuffers(e.toWrite)
-		e.toWrite = nil
+		n, err := e.w.WriteBuffers(e.batch)
 		clear(e.batch) // the views go back with Consume
 
 		lk.q.Consume(int(n), handed, low)
 		if err != nil && !e.writeFailed(err, n) {
 			return
+		}
+		if wt > 0 && lk.q.Bytes() == 0 {
+			// Drained: the deadline was this batch's. Left on the socket it
+			// would pass while the link idles and fail the next direct
+			// write (tryWrite). Cleared before Next, so that a writer
+			// started after this one ends sets its own after this.
+			_ = e.conn.SetWriteDeadline(time.Time{})
 		}
 	}
 }

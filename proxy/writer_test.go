@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/policy"
 )
 
 // The writer that drains a link's queue toward the upstream ends once it
@@ -77,4 +78,27 @@ func onlyLink(t *testing.T, p *Proxy) *link {
 		return lk
 	}
 	return nil
+}
+
+// Do no harm: a link whose writer once ran (a transfer larger than the
+// kernel took at once) and that then idles for longer than write_timeout
+// is alive, and its next request goes through. The writer's write
+// deadline must not outlive the writer: a direct write of the next
+// request found it passed and ended the link as an upstream error,
+// blaming a healthy server (the twin: TestWriteTimeoutClosesStalledLink).
+func TestLinkThatQueuedSurvivesIdleBeyondWriteTimeout(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Buffer: 16 << 10})
+	const wt = 300 * time.Millisecond
+	h := start(t, peer.Addr(), func(s *policy.Settings) { s.WriteTimeout = policy.Duration(wt) })
+	c := h.dial()
+	echoLarge(t, c, 8<<20, 7)
+	lk := onlyLink(t, h.p)
+	if lk.q.Peak() == 0 {
+		t.Fatal("nothing was ever queued: the test did not start a writer")
+	}
+	time.Sleep(3 * wt) // idle: no bytes wait, nothing is judged
+	roundTrip(t, c, []byte("after the pause"))
+	if r := lk.reason.Load(); r != nil {
+		t.Fatalf("the link ended (%s) after an idle pause longer than write_timeout", *r)
+	}
 }

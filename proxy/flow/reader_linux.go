@@ -33,7 +33,8 @@ func readInq(fd int, p []byte, inq bool) (n, queued int, err error) {
 	if e != 0 {
 		return 0, -1, e
 	}
-	raceAcquireIO(fd)
+	raceAcquireIO()
+	raceWrote(p[:r])
 	n, queued = int(r), -1
 	if int(msg.Controllen) >= unix.SizeofCmsghdr+4 {
 		h := (*unix.Cmsghdr)(unsafe.Pointer(&oob[0]))

@@ -78,3 +78,21 @@ func TestSysWritevWritesInOrder(t *testing.T) {
 		t.Fatalf("read %q, %v; want \"xyz\"", p[:max(rn, 0)], rerr)
 	}
 }
+
+// A Writer writes nothing for an empty p and says so as net.Conn.Write
+// does: (0, nil).
+func TestWriterEmptyWrite(t *testing.T) {
+	c, _ := tcpPair(t)
+	raw, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var w Writer
+	w.Init(raw)
+	if n, err := w.Write(nil); n != 0 || err != nil {
+		t.Fatalf("Write(nil) = %d, %v; want 0, nil", n, err)
+	}
+	if n, err := w.WriteBuffers([][]byte{{}, nil}); n != 0 || err != nil {
+		t.Fatalf("WriteBuffers of empty buffers = %d, %v; want 0, nil", n, err)
+	}
+}

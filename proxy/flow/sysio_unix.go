@@ -15,10 +15,13 @@ import (
 // exitsyscall), as syscall.RawSyscall makes them.
 //
 // Why it is safe: the data plane's sockets are non-blocking, so neither
-// call ever waits in the kernel (the runtime's poller does the waiting, in
+// call waits for the peer (the runtime's poller does the waiting, in
 // RawConn.Read and RawConn.Write); a call the runtime does not see lasts
-// as long as one copy of at most a chunk, and a goroutine in it holds its
-// P no longer than it would running Go code.
+// about as long as one copy of at most a chunk. The kernel may still put
+// the thread to sleep for a moment (the socket's lock, held by another
+// thread's call on the same socket when limits.procs is above 1; memory
+// reclaim while it allocates buffers), and meanwhile the P is not handed
+// to another thread: bounded, and the price of not waking sysmon.
 //
 // Why it matters: the proxy runs one P by default (limits.procs), and
 // between two requests that P is idle, so the runtime's sysmon thread
@@ -32,13 +35,15 @@ func SysRead(fd int, p []byte) (int, error) {
 	if e != 0 {
 		return -1, e
 	}
-	raceAcquireIO(fd)
+	raceAcquireIO()
+	raceWrote(p[:r])
 	return int(r), nil
 }
 
 // SysWrite: see SysRead.
 func SysWrite(fd int, p []byte) (int, error) {
-	raceReleaseIO(fd)
+	raceReleaseIO()
+	raceRead(p)
 	r, _, e := syscall.RawSyscall(syscall.SYS_WRITE, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)))
 	if e != 0 {
 		return -1, e
@@ -67,6 +72,7 @@ func SysWritev(fd int, bufs [][]byte, iov []syscall.Iovec) (int, []syscall.Iovec
 		v := syscall.Iovec{Base: &b[0]}
 		v.SetLen(len(b))
 		iov = append(iov, v)
+		raceRead(b)
 		if len(iov) == maxIovecs {
 			break
 		}
@@ -74,7 +80,7 @@ func SysWritev(fd int, bufs [][]byte, iov []syscall.Iovec) (int, []syscall.Iovec
 	if len(iov) == 0 {
 		return 0, iov, nil
 	}
-	raceReleaseIO(fd)
+	raceReleaseIO()
 	r, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
 	clear(iov) // drop the pointers into the chunks
 	if e != 0 {
@@ -131,6 +137,9 @@ func (w *Writer) WriteBuffers(bufs net.Buffers) (int64, error) {
 // call is the RawConn.Write callback: it writes what is left and asks the
 // poller to wait when the socket takes nothing more now.
 func (w *Writer) call(fd uintptr) bool {
+	for len(w.bufs) > 0 && len(w.bufs[0]) == 0 {
+		w.bufs = w.bufs[1:] // nothing to write: Write of an empty p is (0, nil)
+	}
 	for len(w.bufs) > 0 {
 		var n int
 		var err error
@@ -198,7 +207,7 @@ func getsockopt(fd, level, opt int, p unsafe.Pointer, size uint32) error {
 func ShutdownWrite(rc syscall.RawConn) error {
 	var e syscall.Errno
 	err := rc.Control(func(fd uintptr) {
-		raceReleaseIO(int(fd))
+		raceReleaseIO()
 		_, _, e = syscall.RawSyscall(syscall.SYS_SHUTDOWN, fd, syscall.SHUT_WR, 0)
 	})
 	if err == nil && e != 0 {
