@@ -51,14 +51,12 @@ type tcpEnd struct {
 func newTCPEnd(lk *link, c *net.TCPConn) (*tcpEnd, error) {
 	e := &tcpEnd{lk: lk, conn: c}
 	raw, err := c.SyscallConn()
-	if err == nil {
-		err = e.r.Init(c)
-	}
 	if err != nil {
 		_ = c.Close()
 		return nil, err
 	}
 	e.raw = raw
+	e.r.InitRaw(raw) // the reader, the writer and tryWrite share one raw connection
 	e.rawWriteFn = func(fd uintptr) bool {
 		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
 		return true

@@ -18,9 +18,9 @@ import (
 )
 
 // setUpstreamOptions applies the liveness socket options to an upstream
-// socket before it connects (with setsockoptInt: no wake of the runtime's
-// sysmon, see SysRead) (TCP_NODELAY is Go's default for every TCP
-// connection). A disabled (non-positive) setting leaves the
+// socket before it connects, with setsockoptInt (no wake of the runtime's
+// sysmon; see SysRead). TCP_NODELAY is Go's default for every TCP
+// connection. A disabled (non-positive) setting leaves the
 // kernel's default untouched. Keepalive times have one-second granularity
 // in the kernel; shorter values round up to one second.
 func setUpstreamOptions(fd int, s policy.Settings) error {
