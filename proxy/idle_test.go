@@ -52,10 +52,15 @@ func TestIdleLinkHoldsNoBuffer(t *testing.T) {
 
 // heapInuse is the Go heap in use once garbage (and the pooled chunks, which
 // a sync.Pool drops over two collections) is collected.
-func heapInuse() uint64 {
+func heapInuse() uint64 { return settledMemStats().HeapInuse }
+
+// settledMemStats are the runtime's memory statistics after two GCs: the
+// garbage collected, the pooled chunks dropped, the stacks that may shrink
+// shrunk and the free ones returned.
+func settledMemStats() runtime.MemStats {
 	runtime.GC()
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)
-	return ms.HeapInuse
+	return ms
 }

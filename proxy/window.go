@@ -57,7 +57,15 @@ func newWindowGuard(lk *link, raw syscall.RawConn, ut time.Duration) *windowGuar
 	if _, ok := flow.SampleSendWindow(raw); !ok {
 		return nil // the kernel does not say (not Linux)
 	}
-	return &windowGuard{lk: lk, raw: raw, ut: ut, period: max(ut/4, 10*time.Millisecond)}
+	g := &windowGuard{lk: lk, raw: raw, ut: ut, period: max(ut/4, 10*time.Millisecond)}
+	// The timer is made here, on the goroutine that dials, and not at the
+	// first arm: arm runs inside the request pump's read, where an
+	// allocation that takes the allocator's slow path grows the pump's
+	// stack past its first 2 KiB, and a grown stack stays grown while the
+	// link idles (see flow.Writer.Write).
+	g.timer = time.AfterFunc(time.Hour, g.check)
+	g.timer.Stop()
+	return g
 }
 
 // arm starts the guard's samples after a send, unless they run already.
@@ -68,10 +76,6 @@ func (g *windowGuard) arm() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.stopped {
-		return
-	}
-	if g.timer == nil {
-		g.timer = time.AfterFunc(g.period, g.check)
 		return
 	}
 	g.timer.Reset(g.period)
@@ -85,9 +89,7 @@ func (g *windowGuard) stop() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.stopped = true
-	if g.timer != nil {
-		g.timer.Stop()
-	}
+	g.timer.Stop()
 }
 
 // check is one sample: lift or set back the bound, and sample again while

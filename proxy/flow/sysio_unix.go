@@ -100,8 +100,9 @@ const maxIovecs = 1024
 // allocates nothing.
 type Writer struct {
 	rc   syscall.RawConn
-	fn   func(fd uintptr) bool
-	one  [1][]byte
+	fn   func(fd uintptr) bool // call
+	fn1  func(fd uintptr) bool // call1
+	p    []byte
 	bufs net.Buffers
 	iov  []syscall.Iovec
 	n    int64
@@ -109,14 +110,56 @@ type Writer struct {
 }
 
 // Init has w write to rc's socket.
-func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn = rc, w.call }
+func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn, w.fn1 = rc, w.call, w.call1 }
 
-// Write writes all of p (see WriteBuffers).
+// Write writes all of p, as WriteBuffers does, with write(2).
+//
+// It is WriteBuffers without the vector, and for a reason: the response
+// pump writes to the client inside its read of the upstream (under
+// RawConn.Read's frames, see SockReader.call), and a pump's goroutine
+// should not outgrow its first 2 KiB stack there. A stack that has grown
+// stays grown while the link idles (the runtime shrinks a parked stack
+// only when it uses under a quarter of it, its guard counted), so one
+// frame too many is 2 KiB more per idle link. WriteBuffers and SysWritev
+// together went past the first 2 KiB (docs/performance.md, "Idle links:
+// the response pump's stack").
 func (w *Writer) Write(p []byte) (int, error) {
-	w.one[0] = p
-	n, err := w.WriteBuffers(w.one[:])
-	w.one[0] = nil
+	if len(p) == 0 {
+		return 0, nil
+	}
+	w.p, w.n, w.err = p, 0, nil
+	err := w.rc.Write(w.fn1)
+	n, werr := w.n, w.err
+	w.p, w.err = nil, nil
+	if err == nil && werr != nil {
+		err = os.NewSyscallError("write", werr)
+	}
 	return int(n), err
+}
+
+// call1 is Write's RawConn.Write callback, as call is WriteBuffers': the
+// same loop with write(2) for writev(2), kept apart rather than shared
+// because a shared step would be one more frame on the path above.
+func (w *Writer) call1(fd uintptr) bool {
+	for len(w.p) > 0 {
+		n, err := SysWrite(int(fd), w.p)
+		if n > 0 {
+			w.n += int64(n)
+			w.p = w.p[n:]
+		}
+		switch {
+		case err == syscall.EINTR:
+		case err == syscall.EAGAIN:
+			return false
+		case err != nil:
+			w.err = err
+			return true
+		case n == 0:
+			w.err = io.ErrUnexpectedEOF
+			return true
+		}
+	}
+	return true
 }
 
 // WriteBuffers writes all of bufs, in order, and returns how many bytes

@@ -1,0 +1,161 @@
+//go:build !race
+
+package proxy
+
+import (
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// An idle link's two goroutines wait on their first 2 KiB stacks. A pump
+// whose work once went deeper than that keeps the grown stack for the
+// link's life: the runtime shrinks a parked stack only when it uses under
+// a quarter of it, its guard counted, and a pump parked in the poller uses
+// more. One frame too many on a request's or a response's way is 2 KiB
+// more per idle link (docs/performance.md, "Idle links: the pumps'
+// stacks").
+//
+// Each profile's links carry the protocol's own exchange (a Kafka
+// Metadata request and its response, a Pinot InstanceRequest and its
+// DataTable, 64 KiB each way for opaque), so the requests are tracked and
+// answered as in production. Measured in the runtime's own accounting
+// (stack spans in use, after a GC), in a fresh process for each profile
+// (this test run again as a child), so that no earlier test's goroutines
+// lend their stacks. The upstream is the child's test goroutine, which
+// answers each link in turn: the proxy's are the only goroutines the links
+// add (a peer's goroutine per connection would also move the runtime's
+// starting stack size, which follows the average stack in use).
+//
+// Not under -race: its instrumentation deepens every frame, so there the
+// stacks grow by design.
+func TestIdleLinkStacksStayAtTheirStart(t *testing.T) {
+	if p, ok := os.LookupEnv(stackChildEnv); ok {
+		idleLinkStacks(t, p)
+		return
+	}
+	for _, profile := range []string{"opaque", policy.FramingKafka, policy.FramingPinot} {
+		t.Run(profile, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestIdleLinkStacksStayAtTheirStart$", "-test.v", "-test.count=1")
+			cmd.Env = append(os.Environ(), stackChildEnv+"="+profile)
+			out, err := cmd.CombinedOutput()
+			t.Logf("%s", out)
+			if err != nil {
+				t.Fatalf("the %s child: %v", profile, err)
+			}
+		})
+	}
+}
+
+const stackChildEnv = "LIVENESSPROXY_STACK_CHILD"
+
+// idleLinkStacks measures, in this process, the stacks of n idle links
+// under profile, and fails above two 2 KiB stacks a link (with room for
+// the stack pool's spans).
+func idleLinkStacks(t *testing.T, profile string) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var tune func(*policy.Settings)
+	if profile != "opaque" {
+		tune = func(s *policy.Settings) { s.Framing.Type = profile }
+	}
+	h := start(t, ln.Addr().String(), tune)
+	const n = 200
+	var open []net.Conn
+	defer func() {
+		for _, c := range open {
+			_ = c.Close()
+		}
+	}()
+	before := stackInuse()
+	for i := range n {
+		c, err := net.DialTimeout("tcp", h.addr, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		open = append(open, c)
+		_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+		var u net.Conn
+		// Two exchanges: a framed link's first request is recorded
+		// outside the read (its first bytes are checked for TLS), the
+		// next ones inside it, deeper.
+		for j := range int32(2) {
+			req, resp := exchangeOf(profile, int32(2*i)+j+1)
+			if _, err := c.Write(req); err != nil {
+				t.Fatal(err)
+			}
+			if u == nil {
+				_ = ln.(*net.TCPListener).SetDeadline(time.Now().Add(10 * time.Second))
+				if u, err = ln.Accept(); err != nil {
+					t.Fatal(err)
+				}
+				open = append(open, u)
+				_ = u.SetDeadline(time.Now().Add(10 * time.Second))
+			}
+			if _, err := io.ReadFull(u, make([]byte, len(req))); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := u.Write(resp); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, make([]byte, len(resp))); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	perLink := (int64(stackInuse()) - int64(before)) / n
+	for _, r := range metrics.UntrackedReasons {
+		if got := testutil.ToFloat64(h.m.ForListener("test").Untracked(r)); got != 0 {
+			t.Fatalf("untracked{%s} = %v: the exchange is not the protocol's", r, got)
+		}
+	}
+	t.Logf("%s: goroutine stacks per idle link: %d B", profile, perLink)
+	// An opaque link's pumps both stay at their 2 KiB start. A framed
+	// link's request pump parses the protocol's request header (Kafka's
+	// parser alone takes over 500 B of stack, on top of the poller's and
+	// the scanner's frames), so it grows once to 4 KiB; its response pump
+	// stays at 2 KiB. The limits leave 1 KiB for the stack pool's spans.
+	want, what := int64(5<<10), "two stacks at their 2 KiB start"
+	if profile != "opaque" {
+		want, what = 7<<10, "the request pump's 4 KiB and the response pump's 2 KiB"
+	}
+	if perLink > want {
+		t.Fatalf("%s: an idle link's goroutines hold %d B of stack, want %s (at most %d B): a pump's stack grew and stays grown", profile, perLink, what, want)
+	}
+}
+
+// exchangeOf is one request of profile, with correlation id or request id
+// id, and its response.
+func exchangeOf(profile string, id int32) (req, resp []byte) {
+	switch profile {
+	case policy.FramingKafka:
+		resp = binary.BigEndian.AppendUint32(nil, 8)
+		resp = binary.BigEndian.AppendUint32(resp, uint32(id))
+		return metadataReq(id), append(resp, 0, 0, 0, 0)
+	case policy.FramingPinot:
+		q := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: int64(id), Table: "t_OFFLINE", TimeoutMs: 10_000})
+		return pinotsim.AppendFrame(nil, q), pinotsim.AppendFrame(nil, pinotsim.AppendResponse(nil, int64(id)))
+	}
+	msg := make([]byte, 64<<10)
+	return msg, msg
+}
+
+// stackInuse is the memory in goroutine stacks once a GC has shrunk the
+// stacks it may and returned the free ones.
+func stackInuse() uint64 { return settledMemStats().StackInuse }
