@@ -426,7 +426,9 @@ func TestMeshPortOfMatchEntry(t *testing.T) {
 	if meshed.meshPort.Load() != 15008 || other.meshPort.Load() != 0 {
 		t.Fatalf("endpoints remember %d and %d", meshed.meshPort.Load(), other.meshPort.Load())
 	}
-	lk.settings.Mesh.Port = 15009 // the listener's, for entries without their own
+	s := *lk.settings   // the link's settings are its listener's spec's: change a copy
+	s.Mesh.Port = 15009 // the listener's, for entries without their own
+	lk.settings = &s
 	if got := lk.meshPortFor(other); got != 15009 {
 		t.Fatalf("mesh port = %d, want the listener's 15009", got)
 	}
