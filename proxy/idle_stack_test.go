@@ -1,5 +1,3 @@
-//go:build !race
-
 package proxy
 
 import (
@@ -9,6 +7,8 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"runtime"
 	"testing"
 	"time"
 
@@ -38,19 +38,22 @@ import (
 // add (a peer's goroutine per connection would also move the runtime's
 // starting stack size, which follows the average stack in use).
 //
-// Not under -race: its instrumentation deepens every frame, so there the
-// stacks grow by design.
+// The child is this package's tests built without -race (the race
+// detector's instrumentation deepens every frame, so under it the stacks
+// grow by design), and runs with GOMAXPROCS=1, the proxy's default
+// (limits.procs): each P keeps a cache of free stacks of its own.
 func TestIdleLinkStacksStayAtTheirStart(t *testing.T) {
 	if p, ok := os.LookupEnv(stackChildEnv); ok {
 		idleLinkStacks(t, p)
 		return
 	}
+	bin := nonRaceTestBinary(t)
 	for _, profile := range []string{"opaque", policy.FramingKafka, policy.FramingPinot} {
 		t.Run(profile, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestIdleLinkStacksStayAtTheirStart$", "-test.v", "-test.count=1")
-			cmd.Env = append(os.Environ(), stackChildEnv+"="+profile)
+			cmd := exec.CommandContext(ctx, bin, "-test.run=^TestIdleLinkStacksStayAtTheirStart$", "-test.v", "-test.count=1")
+			cmd.Env = append(os.Environ(), stackChildEnv+"="+profile, "GOMAXPROCS=1")
 			out, err := cmd.CombinedOutput()
 			t.Logf("%s", out)
 			if err != nil {
@@ -58,6 +61,24 @@ func TestIdleLinkStacksStayAtTheirStart(t *testing.T) {
 			}
 		})
 	}
+}
+
+// nonRaceTestBinary builds this package's tests without the race detector
+// (whatever this binary was built with) and returns the binary's path.
+func nonRaceTestBinary(t *testing.T) string {
+	t.Helper()
+	goTool, err := exec.LookPath("go")
+	if err != nil {
+		goTool = filepath.Join(runtime.GOROOT(), "bin", "go")
+	}
+	bin := filepath.Join(t.TempDir(), "proxy.test")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, goTool, "test", "-c", "-race=false", "-o", bin, "github.com/livenessproxy/livenessproxy/proxy")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go test -c: %v\n%s", err, out)
+	}
+	return bin
 }
 
 const stackChildEnv = "LIVENESSPROXY_STACK_CHILD"

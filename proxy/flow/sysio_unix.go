@@ -122,7 +122,7 @@ func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn, w.fn1 = rc, w.call, w.ca
 // only when it uses under a quarter of it, its guard counted), so one
 // frame too many is 2 KiB more per idle link. WriteBuffers and SysWritev
 // together went past the first 2 KiB (docs/performance.md, "Idle links:
-// the response pump's stack").
+// the pumps' stacks"). An empty p writes nothing: (0, nil).
 func (w *Writer) Write(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
