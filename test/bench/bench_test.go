@@ -545,6 +545,12 @@ func floorAnswer(n int64, sum []byte) []byte {
 
 var answerTail = pattern(7, 1<<20)
 
+// answerTo is floorAnswer for a client that sent sent and nothing more.
+func answerTo(sent []byte) []byte {
+	sum := sha256.Sum256(sent)
+	return floorAnswer(int64(len(sent)), sum[:])
+}
+
 // pattern is n pseudo-random bytes, the same for the same seed.
 func pattern(seed byte, n int) []byte {
 	b := make([]byte, n)
@@ -685,8 +691,7 @@ func roundTrips(t *testing.T, addr string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sum := sha256.Sum256(sent)
-	if want := floorAnswer(int64(len(sent)), sum[:]); !bytes.Equal(rest, want) {
+	if want := answerTo(sent); !bytes.Equal(rest, want) {
 		t.Fatalf("after EOF: %d B, want the %d B answer (%q...)", len(rest), len(want), rest[:min(len(rest), 80)])
 	}
 }
@@ -711,8 +716,7 @@ func bothWays(t *testing.T, addr string, n int) {
 	if err != nil {
 		t.Fatalf("read: %v after %d B", err, len(got))
 	}
-	sum := sha256.Sum256(req)
-	want := append(slices.Clone(req), floorAnswer(int64(len(req)), sum[:])...)
+	want := append(slices.Clone(req), answerTo(req)...)
 	if !bytes.Equal(got, want) {
 		i := 0
 		for i < min(len(got), len(want)) && got[i] == want[i] {
@@ -738,8 +742,7 @@ func halfClose(t *testing.T, addr string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sum := sha256.Sum256(req)
-	if want := append(slices.Clone(req), floorAnswer(int64(len(req)), sum[:])...); !bytes.Equal(got, want) {
+	if want := append(slices.Clone(req), answerTo(req)...); !bytes.Equal(got, want) {
 		t.Fatalf("read %d B, want %d B", len(got), len(want))
 	}
 }
