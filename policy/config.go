@@ -83,6 +83,13 @@ type Limits struct {
 	// default (the CPUs, the affinity mask, the cgroup's CPU limit);
 	// negative is invalid. Applied by the binary only (proxy.ApplyRuntime).
 	Procs int `yaml:"procs"`
+	// ParkIdleAfter parks the pumps of a TCP link that moved no byte
+	// either way for this long: their goroutines end, and one epoll set
+	// for the process waits for the sockets; the next byte, FIN or error
+	// (or the link's close) starts them again. An idle link then costs no
+	// goroutine stack. 2s by default (see DefaultConfig); 0: never (unlike
+	// the other keys, 0 is not "derived"); negative is invalid.
+	ParkIdleAfter Duration `yaml:"park_idle_after"`
 }
 
 // Interception configures the proxy's side of transparent interception.
@@ -772,9 +779,15 @@ func DefaultConfig() Config {
 		ShutdownGrace: Duration(10 * time.Second),
 		ShutdownIdle:  Duration(2 * time.Second),
 		Defaults:      DefaultSettings(),
-		Limits:        Limits{Procs: DefaultProcs},
+		Limits:        Limits{Procs: DefaultProcs, ParkIdleAfter: DefaultParkIdleAfter},
 	}
 }
+
+// DefaultParkIdleAfter is limits.park_idle_after when a config says
+// nothing: long enough that a link with a request a second never parks,
+// short enough that a broker's idle connections give their stacks back
+// within seconds (docs/performance.md, "Parking idle links").
+const DefaultParkIdleAfter = Duration(2 * time.Second)
 
 // DefaultProcs is limits.procs when a config says nothing: one thread
 // runs Go code at a time (docs/performance.md, "Real clients").

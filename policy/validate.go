@@ -223,6 +223,9 @@ func (v *validator) limits(c *Config) {
 	if c.Limits.MaxLinks < 0 {
 		v.add("limits.max_links", "%d is negative: use 0 to derive it", c.Limits.MaxLinks)
 	}
+	if c.Limits.ParkIdleAfter < 0 {
+		v.add("limits.park_idle_after", "%v is negative: use 0 to never park idle links", c.Limits.ParkIdleAfter)
+	}
 	if c.Limits.Procs < 0 {
 		v.add("limits.procs", "%d is negative: use 0 for the Go runtime's default, 1 for one thread", c.Limits.Procs)
 	}

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"syscall"
 	"testing"
 	"time"
 
@@ -48,7 +49,7 @@ func TestIdleLinkStacksStayAtTheirStart(t *testing.T) {
 		return
 	}
 	bin := nonRaceTestBinary(t)
-	for _, profile := range []string{"opaque", policy.FramingKafka, policy.FramingPinot} {
+	for _, profile := range []string{"opaque", policy.FramingKafka, policy.FramingPinot, "parked"} {
 		t.Run(profile, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
@@ -92,16 +93,40 @@ func idleLinkStacks(t *testing.T, profile string) {
 		t.Fatal(err)
 	}
 	defer ln.Close()
-	var tune func(*policy.Settings)
-	if profile != "opaque" {
-		tune = func(s *policy.Settings) { s.Framing.Type = profile }
+	// As many links as the descriptors allow, up to 1000: the runtime's
+	// caches of free stacks are a few hundred KiB whatever the links, and
+	// more links make them less of each link's share. Four descriptors a
+	// link (the client's, the upstream's, the proxy's two), 600 for the
+	// rest, and the proxy's derived max_links (the same 600, two a link).
+	n := 200
+	var rl syscall.Rlimit
+	if syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl) == nil {
+		rl.Cur = rl.Max
+		if syscall.Setrlimit(syscall.RLIMIT_NOFILE, &rl) == nil && rl.Cur >= 1000*4+600 {
+			n = 1000
+		}
 	}
-	h := start(t, ln.Addr().String(), tune)
-	const n = 200
+	var h *harness
+	exchange := profile
+	switch profile {
+	case "opaque":
+		h = start(t, ln.Addr().String(), nil)
+	case "parked":
+		// Kafka's links, whose request pump grew, parked once idle.
+		h = startParking(t, ln.Addr().String(), 20*time.Millisecond, func(s *policy.Settings) { s.Framing.Type = policy.FramingKafka })
+		exchange = policy.FramingKafka
+	default:
+		h = start(t, ln.Addr().String(), func(s *policy.Settings) { s.Framing.Type = profile })
+	}
 	var open []net.Conn
 	defer func() {
 		for _, c := range open {
 			_ = c.Close()
+		}
+		// The links' ends, taken here: the harness holds 256 of them,
+		// and a link whose end is not taken never ends.
+		for range n {
+			h.linkEnd(time.Minute)
 		}
 	}()
 	before := stackInuse()
@@ -117,7 +142,7 @@ func idleLinkStacks(t *testing.T, profile string) {
 		// outside the read (its first bytes are checked for TLS), the
 		// next ones inside it, deeper.
 		for j := range int32(2) {
-			req, resp := exchangeOf(profile, int32(2*i)+j+1)
+			req, resp := exchangeOf(exchange, int32(2*i)+j+1)
 			if _, err := c.Write(req); err != nil {
 				t.Fatal(err)
 			}
@@ -140,7 +165,13 @@ func idleLinkStacks(t *testing.T, profile string) {
 			}
 		}
 	}
-	perLink := (int64(stackInuse()) - int64(before)) / n
+	if profile == "parked" {
+		h.waitParked(2*n, time.Minute)
+		if g := pumpGoroutines(); g != 0 {
+			t.Fatalf("%d pump goroutines with every pump parked", g)
+		}
+	}
+	perLink := (int64(stackInuse()) - int64(before)) / int64(n)
 	for _, r := range metrics.UntrackedReasons {
 		if got := testutil.ToFloat64(h.m.ForListener("test").Untracked(r)); got != 0 {
 			t.Fatalf("untracked{%s} = %v: the exchange is not the protocol's", r, got)
@@ -153,7 +184,17 @@ func idleLinkStacks(t *testing.T, profile string) {
 	// the scanner's frames), so it grows once to 4 KiB; its response pump
 	// stays at 2 KiB. The limits leave 1 KiB for the stack pool's spans.
 	want, what := int64(5<<10), "two stacks at their 2 KiB start"
-	if profile != "opaque" {
+	switch profile {
+	case "parked":
+		// No goroutine: what is left is the runtime's caches (the stacks
+		// of up to 64 dead goroutines per P, the stack pool's partly used
+		// spans: 60-400 KiB in all, whatever the links: 230-260 B a link of
+		// 1000), far below the 4 KiB a link's two waiting pumps take.
+		want, what = 1<<10, "none of the link's: both pumps parked"
+		if n < 1000 {
+			want = 3 << 10 // the caches' share is five times larger
+		}
+	case policy.FramingKafka, policy.FramingPinot:
 		want, what = 7<<10, "the request pump's 4 KiB and the response pump's 2 KiB"
 	}
 	if perLink > want {

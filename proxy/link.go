@@ -77,6 +77,10 @@ type link struct {
 
 	readAny bool // the request pump has read bytes before
 
+	// idleBytes is bytesUp+bytesDown at the park sweep that last saw them
+	// move, at idleSince (unix ns); the sweep alone uses them (park.go).
+	idleBytes, idleSince int64
+
 	bytesUp   atomic.Int64
 	bytesDown atomic.Int64
 

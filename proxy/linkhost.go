@@ -49,7 +49,12 @@ type linkHost interface {
 
 	// linkEnded accounts for a link that has ended with stats s.
 	linkEnded(lk *link, s LinkStats)
+	// parker holds the parked pumps of idle links (park.go); a link asks
+	// for it only once the sweep asked it to park, which needs one.
+	parker() *parker
 }
+
+func (l *listener) parker() *parker { return l.p.parker }
 
 func (l *listener) dialContext() context.Context { return l.ctx }
 

@@ -79,8 +79,13 @@ type Proxy struct {
 
 	// budget is the memory budget of every link's queue and read buffers;
 	// slots is max_links; limits is how both were derived.
-	budget        flow.Budget
-	slots         linkSlots
+	budget flow.Budget
+	slots  linkSlots
+	// parkAfter is limits.park_idle_after (ns; 0: never); parker holds the
+	// parked pumps of idle links (park.go), from Start on (nil if its
+	// epoll set could not be made).
+	parkAfter     atomic.Int64
+	parker        *parker
 	manageRuntime bool
 	limitsMu      sync.Mutex
 	limits        Limits
@@ -201,6 +206,7 @@ func (p *Proxy) setLimits(c policy.Limits) Limits {
 	}
 	p.budget.SetLimit(l.Budget)
 	p.slots.setMax(l.MaxLinks)
+	p.parkAfter.Store(int64(c.ParkIdleAfter))
 	return l
 }
 
@@ -233,14 +239,21 @@ func (p *Proxy) Start() error {
 		lns = append(lns, ln)
 	}
 	p.started = true
+	pk, err := newParker(&p.log, p.metrics.ParkedPumps)
+	if err != nil {
+		p.log.Warn().Err(err).Msg("idle links cannot be parked: each keeps its goroutines (limits.park_idle_after has no effect)")
+	} else {
+		p.parker = pk
+	}
 	for i, l := range p.listeners {
 		addr, paused := l.open(lns[i])
 		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
 	}
 	p.ready.Store(true)
-	p.bg.Add(2)
+	p.bg.Add(3)
 	go p.sweepLoop()
 	go p.reap()
+	go p.parkSweepLoop()
 	p.mu.Unlock()
 	return nil
 }
@@ -326,7 +339,10 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 			<-done
 		}
 		p.cancel()
-		p.bg.Wait()   // drains of removed listeners end on cancel
+		p.bg.Wait() // drains of removed listeners end on cancel
+		if p.parker != nil {
+			p.parker.stop() // every link has ended: none is parked
+		}
 		p.det.Close() // probes first: a mesh probe may open a session
 		p.closeMesh()
 		for _, l := range ls {

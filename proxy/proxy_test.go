@@ -37,20 +37,7 @@ type harness struct {
 
 func start(t *testing.T, upstream string, tune func(*policy.Settings)) *harness {
 	t.Helper()
-	cfg := policy.DefaultConfig()
-	s := cfg.Defaults
-	if tune != nil {
-		tune(&s)
-	}
-	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: upstream, Settings: s}}
-	h := &harness{t: t, m: metrics.New(), ended: make(chan LinkStats, 256)}
-	h.p = New(cfg, Options{metrics: h.m, Logger: testLogger(), OnLinkEnd: func(s LinkStats) { h.ended <- s }})
-	if err := h.p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = h.p.Close() })
-	h.addr = h.p.Addr("test").String()
-	return h
+	return startParking(t, upstream, policy.DefaultParkIdleAfter.D(), tune)
 }
 
 // startEcho starts a proxy (tuned by tune) in front of an echo peer and

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -44,6 +45,13 @@ type tcpEnd struct {
 	// kernel took reqSent bytes (with reqBegun).
 	reqSent  int32
 	reqBegun bool
+
+	// Parking (park.go): parkReq marks the pumps the sweep asked to park
+	// (bit parkRequests, parkResponses); parked, the pumps parked now;
+	// parkKey their keys in the parker (under its mu).
+	parkReq atomic.Uint32
+	parked  atomic.Uint32
+	parkKey [2]uint64
 }
 
 // newTCPEnd makes the end of lk over c, a connection just dialled; on an
@@ -103,7 +111,15 @@ func (*tcpEnd) finByClose() bool { return true }
 
 func (e *tcpEnd) abortive() { _ = e.conn.SetLinger(0) }
 
-func (e *tcpEnd) close() { _ = e.conn.Close() }
+// close closes the socket, then resumes the pumps that are parked: each
+// sees the close as a waiting pump would (park.go). The client is closed
+// already (closeBoth).
+func (e *tcpEnd) close() {
+	_ = e.conn.Close()
+	if e.parked.Load() != 0 {
+		e.lk.host.parker().resumeAll(e)
+	}
+}
 
 func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
@@ -117,46 +133,123 @@ func (e *tcpEnd) writeUpstreamOwned() {
 	e.writeUpstream()
 }
 
+// pumpResponsesOwned and pumpRequestsOwned run a pump in its goroutine:
+// the link's last goroutine to end finishes it, and a pump that parked
+// ends its goroutine without ending (resume starts it again).
 func (e *tcpEnd) pumpResponsesOwned() {
-	defer e.lk.exit()
-	e.pumpResponses()
+	if !e.pumpResponses() {
+		e.lk.exit()
+	}
 }
 
 func (e *tcpEnd) pumpRequestsOwned() {
-	defer e.lk.exit()
-	e.pumpRequests()
+	if !e.pumpRequests() {
+		e.lk.exit()
+	}
+}
+
+// resume starts the goroutine of the parked pump dir again.
+func (e *tcpEnd) resume(dir int) {
+	if dir == parkRequests {
+		go e.pumpRequestsOwned()
+	} else {
+		go e.pumpResponsesOwned()
+	}
+}
+
+// requestPark asks the link's pumps that are not parked to park: each
+// wakes from its wait with os.ErrDeadlineExceeded and sees the mark (see
+// park).
+func (e *tcpEnd) requestPark() {
+	want := uint32(1<<parkRequests|1<<parkResponses) &^ e.parked.Load()
+	e.parkReq.Or(want)
+	if want&(1<<parkRequests) != 0 {
+		if c, ok := e.lk.client.(*tcpClient); ok {
+			_ = c.SetReadDeadline(pastDeadline)
+		}
+	}
+	if want&(1<<parkResponses) != 0 {
+		_ = e.conn.SetReadDeadline(pastDeadline)
+	}
+}
+
+// park parks the pump dir when err, the error its read returned, is the
+// sweep's request to (see park.go): it clears the deadline, hands the
+// pump to the parker and has the parker's epoll set wait for the socket.
+// parkDone: the pump's goroutine ends (a resume starts it again, or has
+// already); parkContinue: parking failed, the pump reads on; parkNone:
+// err is the read's own.
+func (e *tcpEnd) park(dir int, err error) parkOutcome {
+	bit := uint32(1) << dir
+	if e.parkReq.Load()&bit == 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+		return parkNone
+	}
+	e.parkReq.And(^bit)
+	conn, rc := e.conn, e.raw
+	if dir == parkRequests {
+		c := e.lk.client.(*tcpClient) // only such links are asked (parkableEnd)
+		conn, rc = c.TCPConn, c.rc
+	}
+	_ = conn.SetReadDeadline(time.Time{})
+	pk := e.lk.host.parker()
+	key, ok := pk.hold(e, dir)
+	if !ok {
+		return parkContinue // the proxy is stopping
+	}
+	// Nothing of the pump's is touched past hold: a resume may run it in
+	// another goroutine from here on.
+	var werr error
+	if cerr := rc.Control(func(fd uintptr) { werr = pk.watch(int(fd), key) }); cerr != nil {
+		werr = cerr
+	}
+	if werr == nil {
+		return parkDone
+	}
+	if _, _, mine := pk.claim(key); !mine {
+		return parkDone // the link's close resumed it meanwhile
+	}
+	if !errors.Is(werr, net.ErrClosed) {
+		pk.parkFailed(werr)
+	}
+	return parkContinue // a closed socket: the read says so
 }
 
 // pumpRequests reads the client for as long as the link lives and hands
 // the bytes to the upstream: directly when nothing is queued and the
 // kernel takes them at once (requests.Handle, inside the read), through the
 // queue otherwise (here, outside it: the queue may wait, or close the
-// link).
-func (e *tcpEnd) pumpRequests() {
+// link). It reports true when the pump parked (park.go).
+func (e *tcpEnd) pumpRequests() (parked bool) {
 	lk := e.lk
 	high := int64(lk.settings.WriteBuffer.HighWaterMark)
 	for {
 		if lk.backpressure() {
 			if _, ok := lk.q.WaitForRoom(high, int64(lk.settings.WriteBuffer.LowWaterMark)); !ok {
-				return
+				return false
 			}
 		}
 		bp, n, err, werr := lk.client.readEach((*requests)(e))
 		if werr != nil {
 			lk.fail(werr)
-			return
+			return false
 		}
 		if n > 0 {
 			if !e.sendRead(bp, n, high) {
-				return
+				return false
 			}
 			continue
 		}
 		if err == nil {
 			continue // no room below the high watermark, or the queue closed
 		}
+		switch e.park(parkRequests, err) {
+		case parkDone:
+			return true
+		case parkContinue:
+			continue
+		}
 		e.requestsEnded(err)
-		return
+		return false
 	}
 }
 
@@ -397,23 +490,32 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 }
 
 // pumpResponses copies the upstream to the client (responses.Handle,
-// inside the read).
-func (e *tcpEnd) pumpResponses() {
+// inside the read). It reports true when the pump parked (park.go).
+func (e *tcpEnd) pumpResponses() (parked bool) {
 	lk := e.lk
-	_, _, err, werr := e.r.ReadEach((*responses)(e))
-	if werr != nil {
-		lk.abort(CloseClientError, werr)
-		return
-	}
-	if errors.Is(err, io.EOF) {
-		if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.MidFrame() {
-			lk.badFrame("response", flow.ErrTruncated)
-			return
+	for {
+		_, _, err, werr := e.r.ReadEach((*responses)(e))
+		if werr != nil {
+			lk.abort(CloseClientError, werr)
+			return false
 		}
-		lk.passFinToClient()
-		return
+		switch e.park(parkResponses, err) {
+		case parkDone:
+			return true
+		case parkContinue:
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.MidFrame() {
+				lk.badFrame("response", flow.ErrTruncated)
+				return false
+			}
+			lk.passFinToClient()
+			return false
+		}
+		lk.fail(err)
+		return false
 	}
-	lk.fail(err)
 }
 
 // Handle is the response pump's ReadEach handler: it passes a chunk read

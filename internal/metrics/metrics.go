@@ -69,6 +69,9 @@ type Metrics struct {
 	acceptWaiting       *prometheus.GaugeVec
 	// BudgetWaits counts reads held back by the memory budget (process-wide).
 	BudgetWaits prometheus.Counter
+	// ParkedPumps is how many pumps of idle links are parked now
+	// (limits.park_idle_after; process-wide).
+	ParkedPumps prometheus.Gauge
 }
 
 // Mesh session roles, the role label of the mesh series.
@@ -223,6 +226,10 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "memory_budget_waits_total",
 			Help: "Reads whose bytes waited for room in the budget: backpressure toward a client (process-wide).",
 		}),
+		ParkedPumps: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "parked_pumps",
+			Help: "Pumps of idle links parked now: their goroutines ended, an epoll set waits for their sockets (limits.park_idle_after; process-wide).",
+		}),
 	}
 	for _, r := range []string{MeshEgress, MeshIngress} {
 		m.meshSessions.WithLabelValues(r)
@@ -233,7 +240,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
-		m.acceptWaits, m.acceptWaiting, m.BudgetWaits,
+		m.acceptWaits, m.acceptWaiting, m.BudgetWaits, m.ParkedPumps,
 	)
 	return m
 }
