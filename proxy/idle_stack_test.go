@@ -167,9 +167,7 @@ func idleLinkStacks(t *testing.T, profile string) {
 	}
 	if profile == "parked" {
 		h.waitParked(2*n, time.Minute)
-		if g := pumpGoroutines(); g != 0 {
-			t.Fatalf("%d pump goroutines with every pump parked", g)
-		}
+		waitNoPumpGoroutines(t, time.Minute)
 	}
 	perLink := (int64(stackInuse()) - int64(before)) / int64(n)
 	for _, r := range metrics.UntrackedReasons {

@@ -7,6 +7,7 @@ import (
 	"runtime/debug"
 	"strconv"
 	"syscall"
+	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
@@ -37,6 +38,9 @@ type Limits struct {
 	// ApplyRuntime then reads back.
 	Procs       int
 	ProcsSource string
+	// ParkIdleAfter is limits.park_idle_after: a link idle this long parks
+	// its pumps (park.go); 0: never.
+	ParkIdleAfter time.Duration
 }
 
 // Sizing rules: the budget is half the memory; the rest holds the Go
@@ -110,6 +114,7 @@ func PlanLimits(c policy.Limits) Limits {
 	}
 	l.NoFileNeeded = uint64(l.MaxLinks)*2 + fdReserve
 	l.Procs, l.ProcsSource = planProcs(c.Procs)
+	l.ParkIdleAfter = c.ParkIdleAfter.D()
 	return l
 }
 

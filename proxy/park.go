@@ -1,8 +1,6 @@
 package proxy
 
 import (
-	"errors"
-	"os"
 	"sync"
 	"time"
 
@@ -85,20 +83,45 @@ func newParker(log *zerolog.Logger, gauge prometheus.Gauge) (*parker, error) {
 		return nil, err
 	}
 	pk := &parker{log: log, gauge: gauge, set: set, runErr: make(chan error, 1)}
-	go func() { pk.runErr <- set.run(pk.wake) }()
+	go pk.run()
 	return pk, nil
 }
 
+// run waits on the epoll set until stop. Should the wait fail before that
+// (the proxy's own failure), the parker closes and gives every parked
+// pump its goroutine back: a pump left in a set nobody waits on would
+// never see its socket again.
+func (pk *parker) run() {
+	err := pk.set.run(pk.wake)
+	pk.mu.Lock()
+	stopping := pk.closed
+	pk.closed = true
+	var held []parkSlot
+	for i := range pk.slots {
+		if pk.slots[i].e != nil {
+			held = append(held, pk.slots[i])
+			_, _ = pk.releaseLocked(uint32(i))
+		}
+	}
+	pk.mu.Unlock()
+	if !stopping {
+		pk.log.Error().Err(err).Int("resumed", len(held)).Msg("parker: waiting on its epoll set failed; idle links keep their goroutines from now on")
+	}
+	for _, s := range held {
+		s.e.resume(int(s.dir))
+	}
+	pk.runErr <- err
+}
+
 // stop closes the epoll set and waits for run to end. Pumps still parked
-// then are resumed by their links' close, which needs no epoll.
+// then are resumed by their links' close, which needs no epoll (or by run,
+// on its way out).
 func (pk *parker) stop() {
 	pk.mu.Lock()
 	pk.closed = true
 	pk.mu.Unlock()
 	pk.set.close()
-	if err := <-pk.runErr; err != nil && !errors.Is(err, os.ErrClosed) {
-		pk.log.Error().Err(err).Msg("parker: waiting on its epoll set failed")
-	}
+	<-pk.runErr // the closed set's error: expected
 }
 
 // hold records e's pump dir as parked and returns its key; false once the
@@ -119,7 +142,9 @@ func (pk *parker) hold(e *tcpEnd, dir int) (uint64, bool) {
 	}
 	s := &pk.slots[i]
 	s.e, s.dir = e, uint8(dir)
-	s.gen++
+	if s.gen++; s.gen == 0 {
+		s.gen = 1 // a key is never 0, which parkKey reads as "not parked"
+	}
 	key := uint64(s.gen)<<32 | uint64(i)
 	e.parkKey[dir] = key
 	e.parked.Or(1 << dir)

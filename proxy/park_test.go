@@ -68,6 +68,20 @@ func pumpGoroutines() int {
 	return strings.Count(string(buf), "(*tcpEnd).pumpRequests(") + strings.Count(string(buf), "(*tcpEnd).pumpResponses(")
 }
 
+// waitNoPumpGoroutines waits until no goroutine runs a pump: a pump
+// counted as parked ends its goroutine just after (it adds its socket to
+// the epoll set first).
+func waitNoPumpGoroutines(t *testing.T, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for n := pumpGoroutines(); n != 0; n = pumpGoroutines() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d pump goroutines %v after every pump was counted as parked", n, within)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // upstreamPair is a link through h to a listener the test goroutine
 // serves itself: the client's end and the upstream's.
 func upstreamPair(t *testing.T, h *harness, ln net.Listener) (c, u *net.TCPConn) {
@@ -132,9 +146,7 @@ func TestIdleLinkParksAndResumes(t *testing.T) {
 	c, u := upstreamPair(t, h, ln)
 	for round := range 3 {
 		h.waitParked(2, 10*time.Second)
-		if n := pumpGoroutines(); n != 0 {
-			t.Fatalf("round %d: %d pump goroutines while both pumps are parked", round, n)
-		}
+		waitNoPumpGoroutines(t, 10*time.Second)
 		// A request wakes the request pump, its answer the response pump.
 		msg := []byte{'r', 'e', 'q', '0' + byte(round), '.'}
 		roundTripVia(t, c, nil, msg)
@@ -312,5 +324,64 @@ func TestParkSweepAsksOnlyIdleLinks(t *testing.T) {
 	}
 	if n := sweep(now + after + 1); n != 0 {
 		t.Fatal("a link asked to park was asked again before another park_idle_after")
+	}
+}
+
+// The sweep marks a pump, then sets the deadline that wakes it; a pump
+// may see the mark first, park, and find the deadline only once resumed.
+// Such a late deadline, without a mark, is never taken for the link's
+// error: the pump clears it and reads on.
+func TestLateParkDeadlineCutsNothing(t *testing.T) {
+	ln := listenLoopback(t)
+	h := startParking(t, ln.Addr().String(), 0, nil) // 0: no sweep of its own
+	c, u := upstreamPair(t, h, ln)
+	l := h.p.listeners[0]
+	l.mu.Lock()
+	var e *tcpEnd
+	for lk := range l.links {
+		lk.connMu.Lock()
+		e = lk.up.(*tcpEnd)
+		lk.connMu.Unlock()
+	}
+	l.mu.Unlock()
+	for round := range 3 {
+		_ = e.lk.client.(*tcpClient).SetReadDeadline(pastDeadline)
+		_ = e.conn.SetReadDeadline(pastDeadline)
+		msg := []byte{'l', 'a', 't', 'e', '0' + byte(round)}
+		roundTripVia(t, c, nil, msg)
+		roundTripVia(t, u, c, nil)
+	}
+	select {
+	case s := <-h.ended:
+		t.Fatalf("a late park deadline ended the link: %+v", s)
+	default:
+	}
+	if n := h.parked(); n != 0 {
+		t.Fatalf("%d pumps parked without being asked", n)
+	}
+}
+
+// Should the parker's wait fail (the proxy's own failure), its parked
+// pumps get their goroutines back and the links carry on unparked: none
+// is left in a set nobody waits on, and none is cut.
+func TestParkerFailureResumesParkedPumps(t *testing.T) {
+	ln := listenLoopback(t)
+	h := startParking(t, ln.Addr().String(), 20*time.Millisecond, nil)
+	c, u := upstreamPair(t, h, ln)
+	h.waitParked(2, 10*time.Second)
+	h.p.parker.set.close() // its wait fails as a broken epoll set's would
+	h.waitParked(0, 10*time.Second)
+	for round := range 3 {
+		roundTripVia(t, c, nil, []byte{'a', 'f', 't', 'e', '0' + byte(round)})
+		roundTripVia(t, u, c, nil)
+		time.Sleep(50 * time.Millisecond) // sweeps ask again; parking now fails, and the pump reads on
+	}
+	if n := h.parked(); n != 0 {
+		t.Fatalf("%d pumps parked after the parker stopped", n)
+	}
+	select {
+	case s := <-h.ended:
+		t.Fatalf("the link ended: %+v", s)
+	default:
 	}
 }

@@ -206,7 +206,7 @@ func (p *Proxy) setLimits(c policy.Limits) Limits {
 	}
 	p.budget.SetLimit(l.Budget)
 	p.slots.setMax(l.MaxLinks)
-	p.parkAfter.Store(int64(c.ParkIdleAfter))
+	p.parkAfter.Store(int64(l.ParkIdleAfter))
 	return l
 }
 

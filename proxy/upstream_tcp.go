@@ -161,7 +161,10 @@ func (e *tcpEnd) resume(dir int) {
 // wakes from its wait with os.ErrDeadlineExceeded and sees the mark (see
 // park).
 func (e *tcpEnd) requestPark() {
-	want := uint32(1<<parkRequests|1<<parkResponses) &^ e.parked.Load()
+	want := uint32(1<<parkRequests|1<<parkResponses) &^ e.parked.Load() &^ e.parkReq.Load()
+	if want == 0 {
+		return // parked, or asked already and not yet there (a pump in a write or a wait for room)
+	}
 	e.parkReq.Or(want)
 	if want&(1<<parkRequests) != 0 {
 		if c, ok := e.lk.client.(*tcpClient); ok {
@@ -177,20 +180,32 @@ func (e *tcpEnd) requestPark() {
 // sweep's request to (see park.go): it clears the deadline, hands the
 // pump to the parker and has the parker's epoll set wait for the socket.
 // parkDone: the pump's goroutine ends (a resume starts it again, or has
-// already); parkContinue: parking failed, the pump reads on; parkNone:
-// err is the read's own.
+// already); parkContinue: the pump reads on; parkNone: err is the read's
+// own.
+//
+// The proxy sets a read deadline on a TCP link's sockets (its client's, a
+// tcpClient, and its upstream's) for nothing but this request, so a
+// deadline error there is never the link's: one without the
+// mark is the late deadline of a request the pump has served already (the
+// sweep marks, then sets the deadline; the pump may see the mark first),
+// and the pump reads on.
 func (e *tcpEnd) park(dir int, err error) parkOutcome {
-	bit := uint32(1) << dir
-	if e.parkReq.Load()&bit == 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
 		return parkNone
 	}
-	e.parkReq.And(^bit)
 	conn, rc := e.conn, e.raw
 	if dir == parkRequests {
-		c := e.lk.client.(*tcpClient) // only such links are asked (parkableEnd)
+		c, ok := e.lk.client.(*tcpClient)
+		if !ok {
+			return parkNone // a mesh stream's deadline: its own (streamClient)
+		}
 		conn, rc = c.TCPConn, c.rc
 	}
 	_ = conn.SetReadDeadline(time.Time{})
+	bit := uint32(1) << dir
+	if e.parkReq.And(^bit)&bit == 0 {
+		return parkContinue
+	}
 	pk := e.lk.host.parker()
 	key, ok := pk.hold(e, dir)
 	if !ok {

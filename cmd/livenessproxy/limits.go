@@ -18,6 +18,7 @@ func logLimits(log zerolog.Logger, l proxy.Limits) {
 		Int("max_links", l.MaxLinks).Str("max_links_source", l.MaxLinksSource).
 		Uint64("nofile_soft", l.NoFileSoft).Uint64("nofile_hard", l.NoFileHard).Uint64("nofile_needed", l.NoFileNeeded).
 		Int("gomaxprocs", l.Procs).Str("gomaxprocs_source", l.ProcsSource).
+		Dur("park_idle_after_ms", l.ParkIdleAfter).
 		Msg("limits")
 	for _, w := range l.Warnings() {
 		log.Warn().Msg(w)
@@ -36,6 +37,11 @@ func printLimits(w io.Writer, l proxy.Limits) {
 	fmt.Fprintf(w, "max_links: %d (%s)\n", l.MaxLinks, l.MaxLinksSource)
 	fmt.Fprintf(w, "descriptors: RLIMIT_NOFILE hard %d, max_links needs %d\n", l.NoFileHard, l.NoFileNeeded)
 	fmt.Fprintf(w, "GOMAXPROCS: %d (%s)\n", l.Procs, l.ProcsSource)
+	if l.ParkIdleAfter > 0 {
+		fmt.Fprintf(w, "idle links park after: %v (limits.park_idle_after)\n", l.ParkIdleAfter)
+	} else {
+		fmt.Fprintf(w, "idle links park: never (limits.park_idle_after 0)\n")
+	}
 	for _, m := range l.Warnings() {
 		fmt.Fprintf(w, "warning: %s\n", m)
 	}
