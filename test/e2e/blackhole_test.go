@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
@@ -54,6 +55,12 @@ const blackhole9000 = `table inet lpfault {
 // proxy, and then a drop of the server's port in the peer's namespace (a
 // remote blackhole: the proxy's kernel retransmits into silence).
 func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan proxy.LinkStats) {
+	return blackholeSetupWith(t, tune, nil, proxy.Options{})
+}
+
+// blackholeSetupWith is blackholeSetup with the process's limits tuned by
+// limits (nil: the defaults) and the proxy made with opts.
+func blackholeSetupWith(t *testing.T, tune func(*policy.Settings), limits func(*policy.Limits), opts proxy.Options) (net.Conn, chan proxy.LinkStats) {
 	testutil.RequireCommand(t, "ip")
 	testutil.RequireCommand(t, "nft")
 	peer := netns.NewNS(t)
@@ -64,9 +71,13 @@ func blackholeSetup(t *testing.T, tune func(*policy.Settings)) (net.Conn, chan p
 	cfg := policy.DefaultConfig()
 	s := cfg.Defaults
 	tune(&s)
+	if limits != nil {
+		limits(&cfg.Limits)
+	}
 	cfg.Listeners = []policy.Listener{{Name: "bh", Listen: "127.0.0.1:0", Upstream: srv, Settings: s}}
 	ended := make(chan proxy.LinkStats, 4)
-	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	opts.OnLinkEnd = func(s proxy.LinkStats) { ended <- s }
+	p := proxy.New(cfg, opts)
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -123,6 +134,68 @@ func TestBlackholedUpstreamClosesWithinUserTimeout(t *testing.T) {
 		}
 	case <-time.After(2 * time.Second):
 		t.Fatal("link did not end")
+	}
+}
+
+// An idle link parks its pumps (limits.park_idle_after): nothing waits in
+// a goroutine on its sockets. When its upstream's path dies while it idles,
+// keepalive still finds it, and the socket's error wakes the parked pump,
+// which ends the link as upstream_timeout within keepalive's own bound
+// (idle + count x interval = 3 s here), as it would unparked. The healthy
+// twin is TestIdleLinkToALiveUpstreamStaysOpen (proxy), whose link parks
+// for the second half of its idle time.
+func TestBlackholedParkedLinkEndsByKeepalive(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	reg := prometheus.NewRegistry()
+	c, ended := blackholeSetupWith(t, func(s *policy.Settings) {
+		s.TCPUserTimeout = 0 // keepalive alone
+		s.Keepalive = policy.Keepalive{Idle: policy.Duration(time.Second), Interval: policy.Duration(time.Second), Count: 2}
+	}, func(l *policy.Limits) { l.ParkIdleAfter = policy.Duration(100 * time.Millisecond) }, proxy.Options{Registerer: reg})
+	begin := time.Now()
+	for parked := 0.0; parked != 2; {
+		if time.Since(begin) > 10*time.Second {
+			t.Fatalf("%v pumps parked after 10s, want 2", parked)
+		}
+		time.Sleep(10 * time.Millisecond)
+		mfs, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, mf := range mfs {
+			if mf.GetName() == "livenessproxy_parked_pumps" {
+				parked = mf.GetMetric()[0].GetGauge().GetValue()
+			}
+		}
+	}
+	select {
+	case s := <-ended:
+		elapsed := time.Since(begin)
+		if s.Reason != proxy.CloseUpstreamTimeout {
+			t.Fatalf("reason %q (%v), want %q", s.Reason, s.Err, proxy.CloseUpstreamTimeout)
+		}
+		t.Logf("the parked link ended %v after the blackhole (%s)", elapsed.Round(time.Millisecond), s.Reason)
+		// 3 s of keepalive from the last byte, which came before begin.
+		if elapsed > 4*time.Second {
+			t.Fatalf("the parked link ended %v after the blackhole, want within keepalive's 3 s and a second", elapsed)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the parked link to a dead path did not end within 10 s")
+	}
+	if err, _ := readUntilClosed(c, 5*time.Second); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("the client's side still open after the link ended: %v", err)
+	}
+}
+
+// readUntilClosed reads c until it fails, within d.
+func readUntilClosed(c net.Conn, d time.Duration) (error, time.Time) {
+	_ = c.SetReadDeadline(time.Now().Add(d))
+	buf := make([]byte, 4096)
+	for {
+		if _, err := c.Read(buf); err != nil {
+			return err, time.Now()
+		}
 	}
 }
 
