@@ -48,14 +48,23 @@ type windowGuard struct {
 	stopped bool
 }
 
+// tcpInfoSays is set once a socket's TCP_INFO gave a send window: the
+// kernel has it, for every socket after.
+var tcpInfoSays atomic.Bool
+
 // newWindowGuard returns the guard of a link whose upstream socket carries
 // tcp_user_timeout ut; nil when there is none to guard.
 func newWindowGuard(lk *link, raw syscall.RawConn, ut time.Duration) *windowGuard {
 	if ut <= 0 || raw == nil {
 		return nil
 	}
-	if _, ok := flow.SampleSendWindow(raw); !ok {
-		return nil // the kernel does not say (not Linux)
+	if !tcpInfoSays.Load() {
+		// Asked once for the process, not once per link (a getsockopt per
+		// new connection): whether the kernel has TCP_INFO is the kernel's.
+		if _, ok := flow.SampleSendWindow(raw); !ok {
+			return nil // the kernel does not say (not Linux)
+		}
+		tcpInfoSays.Store(true)
 	}
 	g := &windowGuard{lk: lk, raw: raw, ut: ut, period: max(ut/4, 10*time.Millisecond)}
 	// The timer is made here, on the goroutine that dials, and not at the
