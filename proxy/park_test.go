@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -384,4 +385,36 @@ func TestParkerFailureResumesParkedPumps(t *testing.T) {
 		t.Fatalf("the link ended: %+v", s)
 	default:
 	}
+}
+
+// Detection does not wait for a pump: a server that answers nothing
+// (request_timeout 300ms, threshold 1) is judged by the tracker's own
+// timer while both links' pumps are parked, and the eviction that follows
+// ends the parked links within the same bound as unparked ones
+// (TestUnansweredThresholdExcludesEndpoint).
+func TestParkedLinksStillJudged(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := startParking(t, peer.Addr(), 20*time.Millisecond, framed(300*time.Millisecond, 1, nil))
+	c, other := h.dial(), h.dial()
+	h.waitParked(4, 10*time.Second)
+	begin := time.Now()
+	sendFrame(t, c, "q1")
+	err, at := waitClosed(t, c, 3*time.Second)
+	if !isCloseSignal(err) {
+		t.Fatalf("client saw %v, want EOF or reset", err)
+	}
+	if d := at.Sub(begin); d < 300*time.Millisecond || d > 1300*time.Millisecond {
+		t.Fatalf("parked link closed %v after its unanswered request, want request_timeout (300ms) and at most a second", d)
+	}
+	if err, _ := waitClosed(t, other, 2*time.Second); !isCloseSignal(err) {
+		t.Fatalf("the other parked link saw %v", err)
+	}
+	for range 2 {
+		if s := h.linkEnd(2 * time.Second); s.Reason != CloseUnanswered {
+			t.Fatalf("reason %q, want unanswered", s.Reason)
+		}
+	}
+	h.waitState("excluded", 2*time.Second)
+	h.waitParked(0, 10*time.Second)
 }
