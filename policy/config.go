@@ -57,9 +57,9 @@ type Config struct {
 }
 
 // Limits bounds the whole process, whatever each link's own settings say.
-// Every key's 0 means "derived" (see proxy.PlanLimits): from the
-// container's memory limit and the descriptor limit, and for Procs by the
-// Go runtime.
+// A key's 0 means "derived" (see proxy.PlanLimits): from the container's
+// memory limit and the descriptor limit, and for Procs by the Go runtime;
+// except ParkIdleAfter, whose 0 means never.
 type Limits struct {
 	// Memory is the memory the process plans for: GOMEMLIMIT (unless the
 	// environment sets it) is 90% of it and the memory budget half of it.
@@ -85,10 +85,11 @@ type Limits struct {
 	Procs int `yaml:"procs"`
 	// ParkIdleAfter parks the pumps of a TCP link that moved no byte
 	// either way for this long: their goroutines end, and one epoll set
-	// for the process waits for the sockets; the next byte, FIN or error
-	// (or the link's close) starts them again. An idle link then costs no
-	// goroutine stack. 2s by default (see DefaultConfig); 0: never (unlike
-	// the other keys, 0 is not "derived"); negative is invalid.
+	// for the process waits for the sockets; bytes, a FIN or an error on
+	// a socket start that socket's pump again, the link's close both. An
+	// idle link then costs no goroutine stack. 2s by default (see
+	// DefaultConfig); 0: never (unlike the other keys, 0 is not
+	// "derived"); negative is invalid.
 	ParkIdleAfter Duration `yaml:"park_idle_after"`
 }
 
