@@ -43,6 +43,10 @@ type listener struct {
 	// refresh loop).
 	stopped chan struct{}
 
+	// swept is the park sweep's copy of links, kept between sweeps so
+	// that a sweep allocates nothing (park.go; the sweep's alone).
+	swept []*link
+
 	untrackedSeen sync.Map // untrack reasons already logged at info
 	// localErrors counts the proxy's own failures since the last log line
 	// about them, logged at most every localErrorLogEvery (mono time).

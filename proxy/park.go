@@ -271,12 +271,23 @@ func (p *Proxy) parkIdle(after time.Duration) {
 
 // idleEnds appends to out the TCP ends of l's links that moved no byte
 // for after (as far as sweeps at now tell) and have a pump not yet
-// parked.
-// The sweep alone reads and writes a link's idleBytes and idleSince.
+// parked. The listener's lock is held only to copy its links (accepts and
+// link ends wait on it), not while each is looked at: a link that ends
+// meanwhile is no longer parkable (parkableEnd).
+// The sweep alone reads and writes a link's idleBytes and idleSince, and
+// l.swept.
 func (l *listener) idleEnds(now, after int64, out []*tcpEnd) []*tcpEnd {
 	l.mu.Lock()
-	defer l.mu.Unlock()
+	links := l.swept[:0]
 	for lk := range l.links {
+		links = append(links, lk)
+	}
+	l.mu.Unlock()
+	defer func() {
+		clear(links) // holds no ended link until the next sweep
+		l.swept = links[:0]
+	}()
+	for _, lk := range links {
 		moved := lk.bytesUp.Load() + lk.bytesDown.Load()
 		if moved != lk.idleBytes || lk.idleSince == 0 {
 			lk.idleBytes, lk.idleSince = moved, now
