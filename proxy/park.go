@@ -37,7 +37,8 @@ import (
 // the parker's epoll set level-triggered, so bytes already there (or a
 // FIN) report it at once.
 
-// parkDir is a pump of a TCP end, by the socket it reads.
+// A TCP end's pumps, by the socket each reads (the bits of tcpEnd.parkReq
+// and tcpEnd.parked, the index of tcpEnd.parkKey).
 const (
 	parkRequests  = 0 // the request pump, reading the client
 	parkResponses = 1 // the response pump, reading the upstream
@@ -201,12 +202,6 @@ func (pk *parker) resumeAll(e *tcpEnd) {
 	for _, dir := range dirs[:n] {
 		e.resume(dir)
 	}
-}
-
-// watch has the epoll set wait for fd, the socket of the pump parked as
-// key. On an error the caller takes the pump back (claim) and reads on.
-func (pk *parker) watch(fd int, key uint64) error {
-	return pk.set.watch(fd, key)
 }
 
 // parkFailed logs, once, that a pump could not be parked: the proxy's own

@@ -40,6 +40,16 @@ func startParking(t *testing.T, upstream string, after time.Duration, tune func(
 	return h
 }
 
+// noLinkEnded fails the test if a link ended (what says when).
+func (h *harness) noLinkEnded(what string) {
+	h.t.Helper()
+	select {
+	case s := <-h.ended:
+		h.t.Fatalf("%s: %+v", what, s)
+	default:
+	}
+}
+
 // parked is the parker's own count of parked pumps.
 func (h *harness) parked() int { return int(testutil.ToFloat64(h.m.ParkedPumps)) }
 
@@ -81,6 +91,15 @@ func waitNoPumpGoroutines(t *testing.T, within time.Duration) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// onlyEnd is the TCP end of h's one link.
+func (h *harness) onlyEnd() *tcpEnd {
+	h.t.Helper()
+	lk := h.onlyLink(5 * time.Second)
+	lk.connMu.Lock()
+	defer lk.connMu.Unlock()
+	return lk.up.(*tcpEnd)
 }
 
 // upstreamPair is a link through h to a listener the test goroutine
@@ -165,11 +184,7 @@ func TestIdleLinkParksAndResumes(t *testing.T) {
 			t.Fatalf("round %d: the upstream's bytes reached the client as %q, %v", round, got, err)
 		}
 	}
-	select {
-	case s := <-h.ended:
-		t.Fatalf("the link ended while it parked: %+v", s)
-	default:
-	}
+	h.noLinkEnded("the link ended while it parked")
 }
 
 // A parked link ends as a waiting one would: a FIN from either side is
@@ -285,11 +300,7 @@ func TestParkedLinkKeepsSlowAnswer(t *testing.T) {
 	if n := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); n != 0 {
 		t.Fatalf("%v unanswered timeouts for a request answered within its timeout", n)
 	}
-	select {
-	case s := <-h.ended:
-		t.Fatalf("the link ended: %+v", s)
-	default:
-	}
+	h.noLinkEnded("the link ended")
 }
 
 // The sweep asks a link to park only once no byte moved for
@@ -336,15 +347,7 @@ func TestLateParkDeadlineCutsNothing(t *testing.T) {
 	ln := listenLoopback(t)
 	h := startParking(t, ln.Addr().String(), 0, nil) // 0: no sweep of its own
 	c, u := upstreamPair(t, h, ln)
-	l := h.p.listeners[0]
-	l.mu.Lock()
-	var e *tcpEnd
-	for lk := range l.links {
-		lk.connMu.Lock()
-		e = lk.up.(*tcpEnd)
-		lk.connMu.Unlock()
-	}
-	l.mu.Unlock()
+	e := h.onlyEnd()
 	for round := range 3 {
 		_ = e.lk.client.(*tcpClient).SetReadDeadline(pastDeadline)
 		_ = e.conn.SetReadDeadline(pastDeadline)
@@ -352,11 +355,7 @@ func TestLateParkDeadlineCutsNothing(t *testing.T) {
 		roundTripVia(t, c, nil, msg)
 		roundTripVia(t, u, c, nil)
 	}
-	select {
-	case s := <-h.ended:
-		t.Fatalf("a late park deadline ended the link: %+v", s)
-	default:
-	}
+	h.noLinkEnded("a late park deadline ended the link")
 	if n := h.parked(); n != 0 {
 		t.Fatalf("%d pumps parked without being asked", n)
 	}
@@ -372,19 +371,24 @@ func TestParkerFailureResumesParkedPumps(t *testing.T) {
 	h.waitParked(2, 10*time.Second)
 	h.p.parker.set.close() // its wait fails as a broken epoll set's would
 	h.waitParked(0, 10*time.Second)
+	h.p.parkAfter.Store(0) // the loop sweeps no more: the test asks by hand
+	e := h.onlyEnd()
 	for round := range 3 {
 		roundTripVia(t, c, nil, []byte{'a', 'f', 't', 'e', '0' + byte(round)})
 		roundTripVia(t, u, c, nil)
-		time.Sleep(50 * time.Millisecond) // sweeps ask again; parking now fails, and the pump reads on
+		// Asked to park again: each pump takes the request, the parker
+		// refuses it, and the pump reads on.
+		e.requestPark()
+		for deadline := time.Now().Add(10 * time.Second); e.parkReq.Load() != 0; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: the pumps did not take the request to park (marks %b)", round, e.parkReq.Load())
+			}
+		}
 	}
 	if n := h.parked(); n != 0 {
 		t.Fatalf("%d pumps parked after the parker stopped", n)
 	}
-	select {
-	case s := <-h.ended:
-		t.Fatalf("the link ended: %+v", s)
-	default:
-	}
+	h.noLinkEnded("the link ended")
 }
 
 // Detection does not wait for a pump: a server that answers nothing

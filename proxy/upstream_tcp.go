@@ -214,7 +214,7 @@ func (e *tcpEnd) park(dir int, err error) parkOutcome {
 	// Nothing of the pump's is touched past hold: a resume may run it in
 	// another goroutine from here on.
 	var werr error
-	if cerr := rc.Control(func(fd uintptr) { werr = pk.watch(int(fd), key) }); cerr != nil {
+	if cerr := rc.Control(func(fd uintptr) { werr = pk.set.watch(int(fd), key) }); cerr != nil {
 		werr = cerr
 	}
 	if werr == nil {
