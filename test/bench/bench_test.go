@@ -463,7 +463,7 @@ func closeRatios(a, b baselineRatios) bool {
 }
 
 // TestFloorRelays builds the floor relay and starts each design as the
-// bench does (-paths floor-goroutines,floor-epoll), in front of an
+// bench does (-paths floor-goroutines,floor-raw,floor-epoll), in front of an
 // in-process server, and checks that it relays: round trips on one link,
 // 4 MiB each way at once byte for byte, a half-close (the server sees the
 // client's EOF and its answer after it still arrives whole, then EOF), 200
@@ -476,7 +476,7 @@ func TestFloorRelays(t *testing.T) {
 
 	ctx := context.Background()
 	tmp := t.TempDir()
-	o := options{duration: time.Second, rounds: 1, pin: "one-core", paths: "direct,floor-goroutines,floor-epoll",
+	o := options{duration: time.Second, rounds: 1, pin: "one-core", paths: "direct,floor-goroutines,floor-raw,floor-epoll",
 		scenarios: "cps", cpsWorkers: 1, maxOps: 1, lpFraming: "none"}
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
@@ -491,8 +491,8 @@ func TestFloorRelays(t *testing.T) {
 			defer p.proc.stop()
 		}
 	}
-	if len(paths) != 3 || paths[1].Name != pathFloorG || paths[2].Name != pathFloorE {
-		t.Fatalf("paths %+v, want direct, floor-goroutines, floor-epoll", paths)
+	if len(paths) != 4 || paths[1].Name != pathFloorG || paths[2].Name != pathFloorR || paths[3].Name != pathFloorE {
+		t.Fatalf("paths %+v, want direct, floor-goroutines, floor-raw, floor-epoll", paths)
 	}
 	for _, p := range paths[1:] {
 		t.Run(p.Name, func(t *testing.T) {

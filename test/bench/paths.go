@@ -45,6 +45,8 @@ const (
 	// the two data-plane designs of issue 25 with no liveness features.
 	pathFloorG = "floor-goroutines"
 	pathFloorE = "floor-epoll"
+	// pathFloorR is the goroutines design with its sockets outside net.
+	pathFloorR = "floor-raw"
 	readyWait  = 15 * time.Second
 )
 

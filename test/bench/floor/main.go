@@ -8,6 +8,9 @@
 //   - -design goroutines is what livenessproxy does today: a goroutine per
 //     direction per link, reading and writing through syscall.RawConn on
 //     Go's netpoller;
+//   - -design goroutines-raw is the same with its sockets outside Go's
+//     net: raw accept4, socket and connect, each socket on the runtime's
+//     poller through os.NewFile;
 //   - -design epoll is one edge-triggered epoll event loop for the whole
 //     process, owning its sockets outright.
 //
@@ -40,7 +43,7 @@ import (
 func main() {
 	listen := flag.String("listen", "", "address to listen on (127.0.0.1:PORT)")
 	upstream := flag.String("upstream", "", "address every link is relayed to (127.0.0.1:PORT)")
-	design := flag.String("design", "goroutines", "data plane: goroutines | epoll")
+	design := flag.String("design", "goroutines", "data plane: goroutines | goroutines-raw | epoll")
 	procs := flag.Int("procs", 1, "GOMAXPROCS (livenessproxy's default limits.procs is 1; 0: the runtime's default)")
 	flag.Parse()
 	if *procs > 0 {
@@ -61,6 +64,12 @@ func main() {
 			fail(err)
 		}
 		go serveGoroutines(ln, *upstream)
+	case "goroutines-raw":
+		ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(context.Background(), "tcp", *listen)
+		if err != nil {
+			fail(err)
+		}
+		go serveRaw(ln.(*net.TCPListener), sockaddr4(upAP))
 	case "epoll":
 		lp, err := newLoop(listenAP, upAP)
 		if err != nil {
@@ -68,7 +77,7 @@ func main() {
 		}
 		go func() { failed <- lp.run() }()
 	default:
-		fail(errors.New("-design must be goroutines or epoll"))
+		fail(errors.New("-design must be goroutines, goroutines-raw or epoll"))
 	}
 	select {
 	case <-sig:
@@ -161,7 +170,7 @@ func (lk *glink) close(reset bool) {
 // waits in the kernel. A chunk is taken from the pool only for a read,
 // and given back when the read found nothing: an idle direction holds
 // no buffer.
-func copyRaw(src, dst *net.TCPConn) error {
+func copyRaw(src, dst syscall.Conn) error {
 	rc, err := src.SyscallConn()
 	if err != nil {
 		return err
@@ -237,7 +246,166 @@ func copyRaw(src, dst *net.TCPConn) error {
 	}
 }
 
-// ---- raw system calls (both designs) ----
+// ---- -design goroutines-raw ----
+//
+// The goroutines design with its sockets outside Go's net: accept4,
+// socket, connect and the options are raw system calls, and each socket
+// joins the runtime's poller through os.NewFile. What net does per
+// connection and this does not: getsockname after the accept and the
+// connect, TCP_NODELAY on the accepted socket (inherited from the
+// listening socket), and entersyscall (the sysmon wake-ups, the P handed
+// on during a long connect) on every call but the two closes. What it adds:
+// os.NewFile's fcntl(F_GETFL) per socket.
+
+func sockaddr4(ap netip.AddrPort) *unix.RawSockaddrInet4 {
+	sa := &unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: ap.Addr().As4()}
+	port := (*[2]byte)(unsafe.Pointer(&sa.Port))
+	port[0], port[1] = byte(ap.Port()>>8), byte(ap.Port()) // network byte order
+	return sa
+}
+
+func serveRaw(ln *net.TCPListener, upstream *unix.RawSockaddrInet4) {
+	// A net listener's RawConn has no Read (EINVAL): accept on the
+	// duplicate of its descriptor that File makes, which is on the poller
+	// (O_NONBLOCK belongs to the open file, so the duplicate has it too).
+	lf, err := ln.File()
+	if err != nil {
+		fail(err)
+	}
+	lrc, err := lf.SyscallConn()
+	if err != nil {
+		fail(err)
+	}
+	_ = lrc.Control(func(fd uintptr) { setNoDelay(int(fd)) }) // accepted sockets inherit it
+	for {
+		nfd, e := -1, syscall.Errno(0)
+		err := lrc.Read(func(fd uintptr) bool {
+			r, _, en := syscall.RawSyscall6(unix.SYS_ACCEPT4, fd, 0, 0, unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+			if en == syscall.EAGAIN {
+				return false
+			}
+			nfd, e = int(r), en
+			return true
+		})
+		if err != nil {
+			return
+		}
+		if e != 0 {
+			time.Sleep(time.Millisecond) // out of descriptors: let links end
+			continue
+		}
+		go relayRawSock(nfd, upstream)
+	}
+}
+
+// rawLink is a link of the goroutines-raw design.
+type rawLink struct {
+	client, server *os.File
+	eofs           atomic.Int32
+	closing        sync.Once
+}
+
+func relayRawSock(cfd int, upstream *unix.RawSockaddrInet4) {
+	client := os.NewFile(uintptr(cfd), "client")
+	r, _, e := syscall.RawSyscall(unix.SYS_SOCKET, unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if e != 0 {
+		setLinger0(cfd)
+		_ = client.Close()
+		return
+	}
+	sfd := int(r)
+	setNoDelay(sfd)
+	server := os.NewFile(uintptr(sfd), "upstream")
+	lk := &rawLink{client: client, server: server}
+	if err := rawConnect(server, upstream); err != nil {
+		lk.close(true)
+		return
+	}
+	go lk.pump(client, server)
+	go lk.pump(server, client)
+}
+
+// rawConnect connects f inside its RawConn's Write, so that the poller's
+// readiness is reset before the connect starts and its completion's edge
+// wakes the wait; a wake with SO_ERROR 0 is confirmed with getpeername, as
+// net does (a socket registered before its connect is writable at once).
+func rawConnect(f *os.File, sa *unix.RawSockaddrInet4) error {
+	wc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	started := false
+	var cerr syscall.Errno
+	err = wc.Write(func(fd uintptr) bool {
+		if !started {
+			started = true
+			_, _, e := syscall.RawSyscall(unix.SYS_CONNECT, fd, uintptr(unsafe.Pointer(sa)), unix.SizeofSockaddrInet4)
+			switch e {
+			case 0:
+				return true
+			case syscall.EINPROGRESS:
+				return false
+			default:
+				cerr = e
+				return true
+			}
+		}
+		if e := soError(int(fd)); e != 0 {
+			cerr = e
+			return true
+		}
+		var rsa unix.RawSockaddrAny
+		size := uint32(unix.SizeofSockaddrAny)
+		_, _, e := syscall.RawSyscall(unix.SYS_GETPEERNAME, fd, uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&size)))
+		return e != syscall.ENOTCONN
+	})
+	if err != nil {
+		return err
+	}
+	if cerr != 0 {
+		return cerr
+	}
+	return nil
+}
+
+func (lk *rawLink) pump(src, dst *os.File) {
+	if err := copyRaw(src, dst); err != nil {
+		lk.close(true)
+		return
+	}
+	wc, err := dst.SyscallConn()
+	if err == nil {
+		var e syscall.Errno
+		err = wc.Control(func(fd uintptr) {
+			_, _, e = syscall.RawSyscall(unix.SYS_SHUTDOWN, fd, unix.SHUT_WR, 0)
+		})
+		if err == nil && e != 0 {
+			err = e
+		}
+	}
+	if err != nil {
+		lk.close(true)
+		return
+	}
+	if lk.eofs.Add(1) == 2 {
+		lk.close(false)
+	}
+}
+
+func (lk *rawLink) close(reset bool) {
+	lk.closing.Do(func() {
+		for _, f := range []*os.File{lk.client, lk.server} {
+			if reset {
+				if rc, err := f.SyscallConn(); err == nil {
+					_ = rc.Control(func(fd uintptr) { setLinger0(int(fd)) })
+				}
+			}
+			_ = f.Close()
+		}
+	})
+}
+
+// ---- raw system calls (all designs) ----
 //
 // syscall.RawSyscall makes the call without entersyscall/exitsyscall,
 // which would wake the runtime's sysmon thread when the one P is idle (see
