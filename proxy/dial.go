@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"net"
+	"net/netip"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/mesh"
@@ -31,12 +32,24 @@ var chain dialer = meshDialer{next: directDialer{}}
 type directDialer struct{}
 
 func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
-	c, err := lk.dialer.DialContext(lk.host.dialContext(), "tcp", ep.dial)
-	if err != nil {
-		return nil, err
+	var c upstreamSocket
+	if ap, err := netip.ParseAddrPort(ep.dial); err == nil && flow.RawDialSupported && ap.Addr().Zone() == "" {
+		// An address: the socket outside net (flow.DialRaw), with the
+		// options lk.dialer's Control would set.
+		f, err := flow.DialRaw(lk.host.dialContext(), ap, *lk.settings, lk.dialer.Timeout)
+		if err != nil {
+			return nil, err
+		}
+		c = f
+	} else {
+		nc, err := lk.dialer.DialContext(lk.host.dialContext(), "tcp", ep.dial)
+		if err != nil {
+			return nil, err
+		}
+		c = nc.(*net.TCPConn)
 	}
 	ep.dialSucceeded()
-	e, err := newTCPEnd(lk, c.(*net.TCPConn))
+	e, err := newTCPEnd(lk, c)
 	if err != nil {
 		return nil, errLocal{err}
 	}

@@ -39,8 +39,9 @@ type linkHost interface {
 
 	// ownConn registers (add) or forgets the local address of an upstream
 	// connection the proxy dialled: a transparent listener refuses it if
-	// it comes back (an interception loop).
-	ownConn(local net.Addr, add bool)
+	// it comes back (an interception loop). local is asked only when a
+	// transparent listener is open: it may cost a getsockname.
+	ownConn(local func() net.Addr, add bool)
 	// meshPeer is the ingress sidecar at host:port.
 	meshPeer(host string, port int) *meshPeer
 	// meshFallback counts a link that reached its endpoint directly
@@ -82,13 +83,17 @@ func (l *listener) countUnanswered(ep *endpoint, n, thr int, since int64) {
 
 func (l *listener) sawTLS(ep *endpoint) { l.p.sawTLS(ep) }
 
-func (l *listener) ownConn(local net.Addr, add bool) {
+func (l *listener) ownConn(local func() net.Addr, add bool) {
+	if !l.p.transparent.Load() {
+		return
+	}
+	a := local()
 	switch {
-	case !l.p.transparent.Load():
+	case a == nil: // the kernel did not say: nothing to guard
 	case add:
-		l.p.ownUp.Store(local.String(), struct{}{})
+		l.p.ownUp.Store(a.String(), struct{}{})
 	default:
-		l.p.ownUp.Delete(local.String())
+		l.p.ownUp.Delete(a.String())
 	}
 }
 

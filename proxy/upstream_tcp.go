@@ -18,9 +18,15 @@ import (
 // deadline), and the response pump reads the socket only when it is
 // readable.
 type tcpEnd struct {
-	lk   *link
-	conn *net.TCPConn
+	lk *link
+	// conn is the socket: an *os.File from flow.DialRaw, or a
+	// *net.TCPConn where net dialled it (a name to resolve, a zone, or
+	// not Linux).
+	conn upstreamSocket
 	raw  syscall.RawConn
+	// local is the socket's local address, asked for once and only where
+	// it is used (see localAddr).
+	local net.Addr
 	// r reads the upstream only when it is readable (the response pump
 	// owns it).
 	r flow.SockReader
@@ -54,9 +60,18 @@ type tcpEnd struct {
 	parkKey [2]uint64
 }
 
+// upstreamSocket is what a TCP end needs of its socket; *os.File and
+// *net.TCPConn have it.
+type upstreamSocket interface {
+	syscall.Conn
+	SetReadDeadline(t time.Time) error
+	SetWriteDeadline(t time.Time) error
+	Close() error
+}
+
 // newTCPEnd makes the end of lk over c, a connection just dialled; on an
 // error c is closed.
-func newTCPEnd(lk *link, c *net.TCPConn) (*tcpEnd, error) {
+func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 	e := &tcpEnd{lk: lk, conn: c}
 	raw, err := c.SyscallConn()
 	if err != nil {
@@ -86,13 +101,13 @@ func (*responses) Limit() int { return flow.ChunkSize }
 
 func (e *tcpEnd) attach(ep *endpoint) bool {
 	lk := e.lk
-	lk.host.ownConn(e.conn.LocalAddr(), true)
+	lk.host.ownConn(e.localAddr, true)
 	lk.ackedAt.Store(flow.Mono()) // progress is measured from the connect on
 	lk.attach(ep)
 	if !lk.adopt(e) {
 		// Aborted while dialling: the reason is already set (release, at
 		// the link's finish, forgets the socket).
-		_ = e.conn.SetLinger(0)
+		e.abortive()
 		_ = e.conn.Close()
 		return false
 	}
@@ -109,7 +124,20 @@ func (e *tcpEnd) closeWrite() error { return flow.ShutdownWrite(e.raw) }
 
 func (*tcpEnd) finByClose() bool { return true }
 
-func (e *tcpEnd) abortive() { _ = e.conn.SetLinger(0) }
+func (e *tcpEnd) abortive() { _ = flow.SetLinger0(e.raw) }
+
+// localAddr is the socket's local address: net's, which it recorded at the
+// connect, or asked of the kernel once.
+func (e *tcpEnd) localAddr() net.Addr {
+	if e.local == nil {
+		if tc, ok := e.conn.(*net.TCPConn); ok {
+			e.local = tc.LocalAddr()
+		} else {
+			e.local = flow.LocalAddr(e.raw)
+		}
+	}
+	return e.local
+}
 
 // close closes the socket, then resumes the pumps that are parked: each
 // sees the close as a waiting pump would (park.go). The client is closed
@@ -124,7 +152,7 @@ func (e *tcpEnd) close() {
 func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) release() {
-	e.lk.host.ownConn(e.conn.LocalAddr(), false)
+	e.lk.host.ownConn(e.localAddr, false)
 	e.win.stop()
 }
 
@@ -223,7 +251,11 @@ func (e *tcpEnd) park(dir int, err error) parkOutcome {
 	if _, _, mine := pk.claim(key); !mine {
 		return parkDone // the link's close resumed it meanwhile
 	}
-	if !errors.Is(werr, net.ErrClosed) {
+	if !errors.Is(werr, net.ErrClosed) && !e.lk.isClosed() {
+		// A socket of net's says net.ErrClosed once closed; an upstream
+		// from flow.DialRaw (an *os.File) says "use of closed file",
+		// which nothing exported names, and closeBoth marks the link
+		// closed before it closes the upstream.
 		pk.parkFailed(werr)
 	}
 	return parkContinue // a closed socket: the read says so

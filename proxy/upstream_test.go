@@ -24,7 +24,7 @@ func (lk *link) upRaw() syscall.RawConn {
 }
 
 // upstreamConn is the link's TCP upstream connection (nil as for upRaw).
-func (lk *link) upstreamConn() *net.TCPConn {
+func (lk *link) upstreamConn() upstreamSocket {
 	if e, ok := lk.up.(*tcpEnd); ok {
 		return e.conn
 	}

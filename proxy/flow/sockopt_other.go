@@ -3,9 +3,11 @@
 package flow
 
 import (
+	"context"
 	"errors"
 	"net"
 	"net/netip"
+	"os"
 	"syscall"
 	"time"
 
@@ -39,3 +41,12 @@ type SendWindow struct{ Zero, Answered, Idle bool }
 func SampleSendWindow(syscall.RawConn) (SendWindow, bool) { return SendWindow{}, false }
 
 func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
+
+// RawDialSupported: DialRaw is Linux's; elsewhere the proxy dials through
+// net.
+const RawDialSupported = false
+
+// DialRaw is not made outside Linux (RawDialSupported is false).
+func DialRaw(context.Context, netip.AddrPort, policy.Settings, time.Duration) (*os.File, error) {
+	return nil, errors.New("raw dial needs Linux")
+}

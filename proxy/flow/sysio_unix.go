@@ -264,3 +264,40 @@ func ShutdownWrite(rc syscall.RawConn) error {
 	}
 	return nil
 }
+
+// LocalAddr is the local address of the socket behind rc (getsockname),
+// as net's TCPConn.LocalAddr gives it; nil when the kernel does not say.
+func LocalAddr(rc syscall.RawConn) net.Addr {
+	var addr net.Addr
+	_ = rc.Control(func(fd uintptr) {
+		sa, err := syscall.Getsockname(int(fd))
+		if err != nil {
+			return
+		}
+		switch sa := sa.(type) {
+		case *syscall.SockaddrInet4:
+			addr = &net.TCPAddr{IP: net.IP(sa.Addr[:]), Port: sa.Port}
+		case *syscall.SockaddrInet6:
+			addr = &net.TCPAddr{IP: net.IP(sa.Addr[:]), Port: sa.Port}
+		}
+	})
+	return addr
+}
+
+// SetLinger0 makes the socket's coming close a reset (SO_LINGER 0), as
+// net's TCPConn.SetLinger(0) does.
+func SetLinger0(rc syscall.RawConn) error {
+	var serr error
+	err := rc.Control(func(fd uintptr) {
+		l := syscall.Linger{Onoff: 1}
+		_, _, e := syscall.RawSyscall6(syscall.SYS_SETSOCKOPT, fd, syscall.SOL_SOCKET, syscall.SO_LINGER,
+			uintptr(unsafe.Pointer(&l)), unsafe.Sizeof(l), 0)
+		if e != 0 {
+			serr = os.NewSyscallError("setsockopt", e)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}

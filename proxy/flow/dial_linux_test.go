@@ -1,0 +1,222 @@
+package flow
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+func dialSettings() policy.Settings {
+	s := policy.Settings{TCPUserTimeout: policy.Duration(7 * time.Second)}
+	s.Keepalive.Idle = policy.Duration(11 * time.Second)
+	s.Keepalive.Interval = policy.Duration(4 * time.Second)
+	s.Keepalive.Count = 5
+	s.WriteBuffer.HighWaterMark = 256 << 10
+	return s
+}
+
+func sockoptOf(t *testing.T, f *os.File, level, opt int) int {
+	t.Helper()
+	rc, err := f.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v int32
+	var gerr error
+	if err := rc.Control(func(fd uintptr) { gerr = getsockopt(int(fd), level, opt, unsafe.Pointer(&v), 4) }); err != nil {
+		t.Fatal(err)
+	}
+	if gerr != nil {
+		t.Fatal(gerr)
+	}
+	return int(v)
+}
+
+// TestDialRawConnectsWithTheUpstreamOptions: the socket DialRaw makes
+// carries every option UpstreamControl sets and net's TCP_NODELAY, moves
+// bytes both ways through the runtime's poller (a read that has to wait
+// is woken), and names its local address as net would.
+func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
+	for _, network := range []string{"tcp4", "tcp6"} {
+		t.Run(network, func(t *testing.T) {
+			host := "127.0.0.1:0"
+			if network == "tcp6" {
+				host = "[::1]:0"
+			}
+			ln, err := net.Listen(network, host)
+			if err != nil {
+				t.Skipf("no %s loopback: %v", network, err)
+			}
+			defer ln.Close()
+			accepted := make(chan net.Conn, 1)
+			go func() {
+				c, err := ln.Accept()
+				if err == nil {
+					accepted <- c
+				}
+				close(accepted)
+			}()
+			s := dialSettings()
+			f, err := DialRaw(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), s, 5*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			srv := <-accepted
+			if srv == nil {
+				t.Fatal("accept failed")
+			}
+			defer srv.Close()
+
+			for _, o := range []struct {
+				name       string
+				level, opt int
+				want       int
+			}{
+				{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+				{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 7000},
+				{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+				{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 11},
+				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 4},
+				{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 5},
+				{"TCP_NOTSENT_LOWAT", unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(256 << 10)},
+			} {
+				if got := sockoptOf(t, f, o.level, o.opt); got != o.want {
+					t.Errorf("%s = %d, want %d", o.name, got, o.want)
+				}
+			}
+
+			rc, err := f.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, want := LocalAddr(rc).String(), srv.RemoteAddr().String(); got != want {
+				t.Errorf("LocalAddr %s, the server sees %s", got, want)
+			}
+			if _, err := f.Write([]byte("ping")); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, 4)
+			if _, err := io.ReadFull(srv, buf); err != nil || string(buf) != "ping" {
+				t.Fatalf("server read %q, %v", buf, err)
+			}
+			// The answer comes after the read began to wait.
+			go func() {
+				time.Sleep(20 * time.Millisecond)
+				_, _ = srv.Write([]byte("pong"))
+			}()
+			_ = f.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if _, err := io.ReadFull(f, buf); err != nil || string(buf) != "pong" {
+				t.Fatalf("read %q, %v", buf, err)
+			}
+		})
+	}
+}
+
+// TestDialRawRefused: a refused connect is net's error, ECONNREFUSED
+// inside a dial OpError, so the proxy blames the endpoint as before.
+func TestDialRawRefused(t *testing.T) {
+	addr, err := testutil.PickClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := DialRaw(context.Background(), netip.MustParseAddrPort(addr), dialSettings(), 5*time.Second)
+	if err == nil {
+		f.Close()
+		t.Fatal("dial to a closed port succeeded")
+	}
+	var oe *net.OpError
+	if !errors.As(err, &oe) || oe.Op != "dial" || !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("err %#v (%v), want a dial OpError with ECONNREFUSED", err, err)
+	}
+}
+
+// fullListener is a listening socket whose accept queue is full: a connect
+// to it gets no answer (the kernel drops its SYN) until the test accepts.
+// It returns the address and the descriptor.
+func fullListener(t *testing.T) (netip.AddrPort, int) {
+	t.Helper()
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, 0); err != nil { // one connection fills it
+		t.Fatal(err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ap := netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 1}), uint16(sa.(*unix.SockaddrInet4).Port))
+	c, err := net.Dial("tcp", ap.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return ap, fd
+}
+
+// TestDialRawTimesOut: a connect that gets no answer ends at the timeout
+// with the deadline's error, which the proxy reads as connect_timeout.
+func TestDialRawTimesOut(t *testing.T) {
+	ap, _ := fullListener(t)
+	f, err := DialRaw(context.Background(), ap, dialSettings(), 150*time.Millisecond)
+	if err == nil {
+		f.Close()
+		t.Fatal("dial to a full accept queue succeeded")
+	}
+	var ne net.Error
+	if !errors.Is(err, os.ErrDeadlineExceeded) || !errors.As(err, &ne) || !ne.Timeout() {
+		t.Fatalf("err %v, want the deadline's", err)
+	}
+}
+
+// TestDialRawWaitsForASlowHandshake is TestDialRawTimesOut's twin: a
+// connect whose SYN was dropped and answered on the kernel's retransmit
+// (about a second later) completes within the timeout.
+func TestDialRawWaitsForASlowHandshake(t *testing.T) {
+	ap, lfd := fullListener(t)
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		if nfd, _, err := unix.Accept(lfd); err == nil { // room for the retransmitted SYN
+			unix.Close(nfd)
+		}
+	}()
+	f, err := DialRaw(context.Background(), ap, dialSettings(), 10*time.Second)
+	if err != nil {
+		t.Fatalf("a slow handshake failed: %v", err)
+	}
+	f.Close()
+}
+
+// TestDialRawEndsWithItsContext: the proxy's shutdown (the dial's context)
+// ends a connect that is waiting, with the context's error.
+func TestDialRawEndsWithItsContext(t *testing.T) {
+	ap, _ := fullListener(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(50*time.Millisecond, cancel)
+	f, err := DialRaw(ctx, ap, dialSettings(), time.Minute)
+	if err == nil {
+		f.Close()
+		t.Fatal("dial succeeded")
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("err %v, want the context's", err)
+	}
+}
