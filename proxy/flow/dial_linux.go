@@ -2,9 +2,14 @@ package flow
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"os"
+	"strconv"
+	"strings"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -36,48 +41,75 @@ const RawDialSupported = true
 // errors are net.Dialer's: a *net.OpError with Op "dial" wrapping the
 // system call's errno (ECONNREFUSED, EMFILE, an option refused) or
 // os.ErrDeadlineExceeded when timeout passed, or ctx's error when ctx
-// ended first. A timeout of 0 or less sets no deadline of ours.
+// ended first. A timeout of 0 or less sets no deadline of ours. As net
+// does, a socket that connected to itself (a local destination's port
+// taken as the connect's own while nothing listens there) is closed and
+// the connect made again, as is one the kernel refused a spurious
+// EADDRNOTAVAIL; twice at most, within the one timeout.
 func DialRaw(ctx context.Context, ap netip.AddrPort, s policy.Settings, timeout time.Duration) (*os.File, error) {
 	addr := net.TCPAddrFromAddrPort(ap)
-	fail := func(call string, err error) error {
-		if errno, ok := err.(syscall.Errno); ok {
-			err = os.NewSyscallError(call, errno)
-		}
-		return &net.OpError{Op: "dial", Net: "tcp", Addr: addr, Err: err}
+	var deadline time.Time
+	if timeout > 0 {
+		deadline = time.Now().Add(timeout)
 	}
+	for retries := 0; ; retries++ {
+		f, err := dialOnce(ctx, ap, s, deadline)
+		if err != nil {
+			if retries < 2 && errors.Is(err, syscall.EADDRNOTAVAIL) && ctx.Err() == nil {
+				continue
+			}
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: addr, Err: err}
+		}
+		if !selfConnected(f, ap) {
+			return f, nil
+		}
+		_ = f.Close()
+		if retries == 2 {
+			// net would hand the socket over by now; but nothing listens
+			// at ap, or the connect could not have met itself: refused.
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: addr,
+				Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
+		}
+	}
+}
+
+// dialOnce is one connect of DialRaw's, its error not yet net's.
+func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadline time.Time) (*os.File, error) {
 	if err := ctx.Err(); err != nil {
-		return nil, fail("", err)
+		return nil, err
 	}
 	family, sa, salen := sockaddr(ap)
 	r, _, e := syscall.RawSyscall(syscall.SYS_SOCKET, uintptr(family), syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
 	if e != 0 {
-		return nil, fail("socket", e)
+		return nil, os.NewSyscallError("socket", e)
 	}
 	fd := int(r)
 	if err := setUpstreamOptions(fd, s); err != nil {
 		rawClose(fd)
-		return nil, fail("setsockopt", err)
+		return nil, err
 	}
-	if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); err != nil {
-		rawClose(fd)
-		return nil, fail("setsockopt", err)
-	}
+	// net ignores a refusal of TCP_NODELAY; so does this.
+	_ = setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	_, _, e = syscall.RawSyscall(syscall.SYS_CONNECT, r, uintptr(sa), uintptr(salen))
 	switch e {
 	case 0, syscall.EINPROGRESS, syscall.EINTR:
 		// EINTR: the connect goes on in the background, as EINPROGRESS.
 	default:
 		rawClose(fd)
-		return nil, fail("connect", e)
+		return nil, os.NewSyscallError("connect", e)
 	}
 	f := os.NewFile(r, "tcp") // registers the socket with the runtime's poller
+	// os.NewFile keeps a socket the poller refused (epoll_ctl: ENOSPC at
+	// max_user_watches, ENOMEM); its deadlines then fail, and so does the
+	// dial, as net's would: the proxy's own failure, not the upstream's.
+	if err := f.SetWriteDeadline(deadline); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("the runtime's poller did not take the socket: %w", err)
+	}
 	rc, err := f.SyscallConn()
 	if err != nil {
 		_ = f.Close()
-		return nil, fail("", err)
-	}
-	if timeout > 0 {
-		_ = f.SetWriteDeadline(time.Now().Add(timeout))
+		return nil, err
 	}
 	// The dial's context (the proxy's shutdown) ends the wait at once.
 	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
@@ -108,20 +140,65 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s policy.Settings, timeout 
 		// ctx ended: its deadline may have landed on the socket, whatever
 		// the wait's end was.
 		_ = f.Close()
-		return nil, fail("", ctx.Err())
+		return nil, ctx.Err()
 	}
 	switch {
 	case err != nil:
 		_ = f.Close()
-		return nil, fail("", err)
+		return nil, err
 	case cerr != nil:
 		_ = f.Close()
-		return nil, fail("", cerr)
+		return nil, cerr
 	}
-	if timeout > 0 {
+	if !deadline.IsZero() {
 		_ = f.SetWriteDeadline(time.Time{})
 	}
 	return f, nil
+}
+
+// selfConnected reports whether f, connected to ap, is connected to
+// itself: its local address is ap. That takes a destination on this host
+// whose port lies in the kernel's range for local ports, so only such a
+// destination costs the getsockname.
+func selfConnected(f *os.File, ap netip.AddrPort) bool {
+	if lo, hi := localPortRange(); ap.Port() < lo || ap.Port() > hi {
+		return false
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return false
+	}
+	la, ok := LocalAddr(rc).(*net.TCPAddr)
+	return ok && la.AddrPort().Addr().Unmap() == ap.Addr().Unmap() && la.Port == int(ap.Port())
+}
+
+var portRange struct {
+	once   sync.Once
+	lo, hi uint16
+}
+
+// localPortRange is net.ipv4.ip_local_port_range (both families take
+// their connects' ports from it), read once; all ports when it cannot
+// be read. A range changed later by sysctl is not seen: a destination
+// port moved into it meanwhile is not checked for a self-connect.
+func localPortRange() (lo, hi uint16) {
+	portRange.once.Do(func() {
+		portRange.lo, portRange.hi = 1, 65535
+		b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+		if err != nil {
+			return
+		}
+		f := strings.Fields(string(b))
+		if len(f) != 2 {
+			return
+		}
+		l, err1 := strconv.ParseUint(f[0], 10, 16)
+		h, err2 := strconv.ParseUint(f[1], 10, 16)
+		if err1 == nil && err2 == nil && l <= h {
+			portRange.lo, portRange.hi = uint16(l), uint16(h)
+		}
+	})
+	return portRange.lo, portRange.hi
 }
 
 // sockaddr is ap as the kernel takes it (its family, the address, its

@@ -57,7 +57,7 @@ func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
 			}
 			ln, err := net.Listen(network, host)
 			if err != nil {
-				t.Skipf("no %s loopback: %v", network, err)
+				testutil.SkipOrFail(t, "no %s loopback: %v", network, err)
 			}
 			defer ln.Close()
 			accepted := make(chan net.Conn, 1)
@@ -169,7 +169,75 @@ func fullListener(t *testing.T) (netip.AddrPort, int) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
+	// The client is connected when the server's SYN-ACK is in; the queue
+	// is full once the client's ACK is: wait for the listener to say so
+	// (a listening socket's tcpi_unacked is its accept queue's length).
+	for start := time.Now(); ; time.Sleep(time.Millisecond) {
+		ti, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ti.Unacked >= 1 {
+			break
+		}
+		if time.Since(start) > 10*time.Second {
+			t.Fatal("the connection never reached the accept queue")
+		}
+	}
 	return ap, fd
+}
+
+// TestSelfConnectedTellsASocketConnectedToItself: DialRaw's guard against
+// the connect that meets itself (net's selfConnect) sees a socket bound to
+// the port it connects to, and not an ordinary connection.
+func TestSelfConnectedTellsASocketConnectedToItself(t *testing.T) {
+	lo, hi := localPortRange()
+	if lo < 1 || hi < lo {
+		t.Fatalf("local port range %d-%d", lo, hi)
+	}
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A port of the local range that is free now: bind to it, then connect
+	// to it, a simultaneous open with itself.
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	port := sa.(*unix.SockaddrInet4).Port
+	if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}, Port: port}); err != nil && err != unix.EINPROGRESS {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "self")
+	defer f.Close()
+	ap := netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 1}), uint16(port))
+	if uint16(port) < lo || uint16(port) > hi {
+		t.Fatalf("the kernel bound port %d, outside its range %d-%d", port, lo, hi)
+	}
+	if !selfConnected(f, ap) {
+		t.Fatal("a socket connected to itself was not told")
+	}
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	g, err := DialRaw(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), dialSettings(), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if selfConnected(g, ln.Addr().(*net.TCPAddr).AddrPort()) {
+		t.Fatal("an ordinary connection taken for a self-connect")
+	}
 }
 
 // TestDialRawTimesOut: a connect that gets no answer ends at the timeout
