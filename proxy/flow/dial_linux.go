@@ -111,10 +111,24 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadlin
 		_ = f.Close()
 		return nil, err
 	}
+	if err := awaitConnect(ctx, f, rc); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	if !deadline.IsZero() {
+		_ = f.SetWriteDeadline(time.Time{})
+	}
+	return f, nil
+}
+
+// awaitConnect waits until the connect of f (on rc) completes or fails,
+// its deadline passes or ctx ends; the error is the connect's, the
+// deadline's or ctx's. The caller closes f on an error.
+func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn) error {
 	// The dial's context (the proxy's shutdown) ends the wait at once.
 	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
 	var cerr error
-	err = rc.Write(func(fd uintptr) bool {
+	err := rc.Write(func(fd uintptr) bool {
 		// Connected once the kernel names the peer. Until then the
 		// socket's error says whether the connect failed; a wake with
 		// neither (a readiness from before the connect went out) waits
@@ -139,21 +153,12 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadlin
 	if !stop() {
 		// ctx ended: its deadline may have landed on the socket, whatever
 		// the wait's end was.
-		_ = f.Close()
-		return nil, ctx.Err()
+		return ctx.Err()
 	}
-	switch {
-	case err != nil:
-		_ = f.Close()
-		return nil, err
-	case cerr != nil:
-		_ = f.Close()
-		return nil, cerr
+	if err != nil {
+		return err
 	}
-	if !deadline.IsZero() {
-		_ = f.SetWriteDeadline(time.Time{})
-	}
-	return f, nil
+	return cerr
 }
 
 // selfConnected reports whether f, connected to ap, is connected to
