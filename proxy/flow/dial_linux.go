@@ -173,8 +173,9 @@ func selfConnected(f *os.File, ap netip.AddrPort) bool {
 	if err != nil {
 		return false
 	}
-	la, ok := LocalAddr(rc).(*net.TCPAddr)
-	return ok && la.AddrPort().Addr().Unmap() == ap.Addr().Unmap() && la.Port == int(ap.Port())
+	var local netip.AddrPort
+	_ = rc.Control(func(fd uintptr) { local, _ = sockname(int(fd)) })
+	return local.Addr().Unmap() == ap.Addr().Unmap() && local.Port() == ap.Port()
 }
 
 var portRange struct {

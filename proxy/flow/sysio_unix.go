@@ -5,6 +5,7 @@ package flow
 import (
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"syscall"
 	"unsafe"
@@ -265,23 +266,38 @@ func ShutdownWrite(rc syscall.RawConn) error {
 	return nil
 }
 
-// LocalAddr is the local address of the socket behind rc (getsockname),
-// as net's TCPConn.LocalAddr gives it; nil when the kernel does not say.
+// LocalAddr is the local address of the socket behind rc (getsockname,
+// made as SysRead is), as net's TCPConn.LocalAddr gives it; nil when the
+// kernel does not say.
 func LocalAddr(rc syscall.RawConn) net.Addr {
-	var addr net.Addr
-	_ = rc.Control(func(fd uintptr) {
-		sa, err := syscall.Getsockname(int(fd))
-		if err != nil {
-			return
-		}
-		switch sa := sa.(type) {
-		case *syscall.SockaddrInet4:
-			addr = &net.TCPAddr{IP: net.IP(sa.Addr[:]), Port: sa.Port}
-		case *syscall.SockaddrInet6:
-			addr = &net.TCPAddr{IP: net.IP(sa.Addr[:]), Port: sa.Port}
-		}
-	})
-	return addr
+	var ap netip.AddrPort
+	var err error
+	if cerr := rc.Control(func(fd uintptr) { ap, err = sockname(int(fd)) }); cerr != nil || err != nil {
+		return nil
+	}
+	return net.TCPAddrFromAddrPort(ap)
+}
+
+// sockname is the socket's local address (getsockname(2), made as SysRead
+// is); an IPv4 socket's is an IPv4 address.
+func sockname(fd int) (netip.AddrPort, error) {
+	var rsa syscall.RawSockaddrAny
+	size := uint32(syscall.SizeofSockaddrAny)
+	_, _, e := syscall.RawSyscall(syscall.SYS_GETSOCKNAME, uintptr(fd), uintptr(unsafe.Pointer(&rsa)), uintptr(unsafe.Pointer(&size)))
+	if e != 0 {
+		return netip.AddrPort{}, os.NewSyscallError("getsockname", e)
+	}
+	switch rsa.Addr.Family {
+	case syscall.AF_INET:
+		sa := (*syscall.RawSockaddrInet4)(unsafe.Pointer(&rsa))
+		p := (*[2]byte)(unsafe.Pointer(&sa.Port))
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(p[0])<<8|uint16(p[1])), nil
+	case syscall.AF_INET6:
+		sa := (*syscall.RawSockaddrInet6)(unsafe.Pointer(&rsa))
+		p := (*[2]byte)(unsafe.Pointer(&sa.Port))
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(p[0])<<8|uint16(p[1])), nil
+	}
+	return netip.AddrPort{}, os.NewSyscallError("getsockname", syscall.EAFNOSUPPORT)
 }
 
 // SetLinger0 makes the socket's coming close a reset (SO_LINGER 0), as
