@@ -30,7 +30,8 @@ const RawDialSupported = true
 // calls (see SysRead: they do not wake the runtime's sysmon thread, and
 // connect, which on a local peer runs the whole handshake, does not hand
 // the P to another thread), and the socket joins the runtime's poller
-// through os.NewFile. What net does per connection and this does not: the
+// through os.NewFile (whose fcntl(F_GETFL) is the one call made the
+// ordinary way). What net does per connection and this does not: the
 // getsockname and the getsockopt(SO_ERROR) after the connect (the proxy
 // asks for its local address only where it uses it, and getpeername
 // alone says whether the connect completed), and net's own address
