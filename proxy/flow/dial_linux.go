@@ -30,13 +30,14 @@ const RawDialSupported = true
 // calls (see SysRead: they do not wake the runtime's sysmon thread, and
 // connect, which on a local peer runs the whole handshake, does not hand
 // the P to another thread), and the socket joins the runtime's poller
-// through os.NewFile (whose fcntl(F_GETFL) is the one call made the
-// ordinary way). What net does per connection and this does not: the
-// getsockname and the getsockopt(SO_ERROR) after the connect (the proxy
-// asks for its local address only where it uses it, and getpeername
-// alone says whether the connect completed), and net's own address
-// bookkeeping. See docs/performance.md, "The upstream's socket outside
-// net".
+// through os.NewFile (whose fcntl(F_GETFL) the runtime makes raw too).
+// What net does per connection and this does not: the getsockname after
+// the connect (the proxy asks for its local address only where it uses
+// it), the getsockopt(SO_ERROR) when the connect has completed by the
+// first look (getpeername alone says so; a connect still under way costs
+// getpeername and SO_ERROR, a wait, and getpeername again), and net's own
+// address bookkeeping. See docs/performance.md, "The upstream's socket
+// outside net".
 //
 // ap must be an IP address without a zone (net handles the others). The
 // errors are net.Dialer's: a *net.OpError with Op "dial" wrapping the
@@ -176,7 +177,10 @@ func selfConnected(f *os.File, ap netip.AddrPort) bool {
 	}
 	var local netip.AddrPort
 	_ = rc.Control(func(fd uintptr) { local, _ = sockname(int(fd)) })
-	return local.Addr().Unmap() == ap.Addr().Unmap() && local.Port() == ap.Port()
+	// A connect to the unspecified address goes to this host's loopback
+	// address, which is then the socket's own too.
+	return local.IsValid() && local.Port() == ap.Port() &&
+		(ap.Addr().IsUnspecified() || local.Addr().Unmap() == ap.Addr().Unmap())
 }
 
 var portRange struct {

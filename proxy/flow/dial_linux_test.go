@@ -224,6 +224,10 @@ func TestSelfConnectedTellsASocketConnectedToItself(t *testing.T) {
 	if !selfConnected(f, ap) {
 		t.Fatal("a socket connected to itself was not told")
 	}
+	// A connect to 0.0.0.0 goes to this host: the same socket, named so.
+	if !selfConnected(f, netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(port))) {
+		t.Fatal("a self-connect through the unspecified address was not told")
+	}
 
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
