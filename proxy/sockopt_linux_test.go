@@ -71,11 +71,12 @@ func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 	if lk == nil {
 		t.Fatal("no live link")
 	}
-	out := map[string]int{}
-	raw, err := lk.upstreamConn().SyscallConn()
-	if err != nil {
-		t.Fatal(err)
+	// An address dials outside net (flow.DialRaw): the socket is a file.
+	if _, ok := lk.upstreamConn().(*os.File); !ok {
+		t.Fatalf("the upstream socket is a %T, want the *os.File of flow.DialRaw", lk.upstreamConn())
 	}
+	out := map[string]int{}
+	raw := lk.upRaw()
 	_ = raw.Control(func(fd uintptr) {
 		for name, o := range map[string][2]int{
 			"user_timeout": {unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT},

@@ -217,14 +217,10 @@ func localPortRange() (lo, hi uint16) {
 func sockaddr(ap netip.AddrPort) (family int, sa unsafe.Pointer, size int) {
 	ip, port := ap.Addr().Unmap(), ap.Port()
 	if ip.Is4() {
-		s := &unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: ip.As4()}
-		p := (*[2]byte)(unsafe.Pointer(&s.Port))
-		p[0], p[1] = byte(port>>8), byte(port) // network byte order
+		s := &unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: ip.As4(), Port: netOrder(port)}
 		return unix.AF_INET, unsafe.Pointer(s), unix.SizeofSockaddrInet4
 	}
-	s := &unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: ip.As16()}
-	p := (*[2]byte)(unsafe.Pointer(&s.Port))
-	p[0], p[1] = byte(port>>8), byte(port)
+	s := &unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: ip.As16(), Port: netOrder(port)}
 	return unix.AF_INET6, unsafe.Pointer(s), unix.SizeofSockaddrInet6
 }
 

@@ -290,12 +290,10 @@ func sockname(fd int) (netip.AddrPort, error) {
 	switch rsa.Addr.Family {
 	case syscall.AF_INET:
 		sa := (*syscall.RawSockaddrInet4)(unsafe.Pointer(&rsa))
-		p := (*[2]byte)(unsafe.Pointer(&sa.Port))
-		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), uint16(p[0])<<8|uint16(p[1])), nil
+		return netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netOrder(sa.Port)), nil
 	case syscall.AF_INET6:
 		sa := (*syscall.RawSockaddrInet6)(unsafe.Pointer(&rsa))
-		p := (*[2]byte)(unsafe.Pointer(&sa.Port))
-		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), uint16(p[0])<<8|uint16(p[1])), nil
+		return netip.AddrPortFrom(netip.AddrFrom16(sa.Addr), netOrder(sa.Port)), nil
 	}
 	return netip.AddrPort{}, os.NewSyscallError("getsockname", syscall.EAFNOSUPPORT)
 }
@@ -316,4 +314,11 @@ func SetLinger0(rc syscall.RawConn) error {
 		return err
 	}
 	return serr
+}
+
+// netOrder swaps a port between the host's byte order and the network's
+// (a sockaddr's port field): the same swap both ways.
+func netOrder(port uint16) uint16 {
+	b := (*[2]byte)(unsafe.Pointer(&port))
+	return uint16(b[0])<<8 | uint16(b[1])
 }
