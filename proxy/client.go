@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -37,24 +38,58 @@ type clientSide interface {
 	RemoteAddr() net.Addr
 }
 
-// tcpClient is a client connection accepted by a listener.
+// tcpClient is a client connection accepted by a listener: an *os.File
+// from flow.Listener (Linux), or a *net.TCPConn where net accepted it.
 type tcpClient struct {
-	*net.TCPConn
-	once sync.Once
-	err  error
-	rc   syscall.RawConn
-	r    flow.SockReader
+	sock   clientSocket
+	remote net.Addr
+	once   sync.Once
+	err    error
+	rc     syscall.RawConn
+	r      flow.SockReader
 	// w writes to the client for the link's one writer to it (the
 	// response pump); see Write.
 	w flow.Writer
 }
 
-func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{TCPConn: c} }
+// clientSocket is what a tcpClient needs of its socket; *os.File and
+// *net.TCPConn have it.
+type clientSocket interface {
+	syscall.Conn
+	SetReadDeadline(t time.Time) error
+	Close() error
+}
+
+func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{sock: c, remote: c.RemoteAddr()} }
+
+// newRawClient is the client of a socket flow.Listener accepted from
+// remote.
+func newRawClient(f *os.File, remote net.Addr) *tcpClient {
+	return &tcpClient{sock: f, remote: remote}
+}
+
+func (c *tcpClient) RemoteAddr() net.Addr { return c.remote }
+
+// localAddr is the socket's local address, asked of the kernel: only a
+// write's error names it.
+func (c *tcpClient) localAddr() net.Addr {
+	if tc, ok := c.sock.(*net.TCPConn); ok {
+		return tc.LocalAddr()
+	}
+	if c.raw() != nil {
+		return nil
+	}
+	return flow.LocalAddr(c.rc)
+}
+
+func (c *tcpClient) SetReadDeadline(t time.Time) error { return c.sock.SetReadDeadline(t) }
+
+func (c *tcpClient) Close() error { return c.sock.Close() }
 
 // raw makes the client's raw connection, its reader and its writer, once.
 func (c *tcpClient) raw() error {
 	c.once.Do(func() {
-		c.rc, c.err = c.SyscallConn()
+		c.rc, c.err = c.sock.SyscallConn()
 		if c.err == nil {
 			c.r.InitRaw(c.rc)
 			c.w.Init(c.rc)
@@ -77,7 +112,7 @@ func (c *tcpClient) Write(p []byte) (int, error) {
 		if oe, ok := err.(*net.OpError); ok {
 			err = oe.Err // the raw-write's own: a closed socket, a deadline
 		}
-		return n, &net.OpError{Op: "write", Net: "tcp", Source: c.LocalAddr(), Addr: c.RemoteAddr(), Err: err}
+		return n, &net.OpError{Op: "write", Net: "tcp", Source: c.localAddr(), Addr: c.remote, Err: err}
 	}
 	return n, nil
 }
@@ -105,7 +140,11 @@ func (c *tcpClient) readEach(sink flow.ChunkSink) (*[]byte, int, error, error) {
 	return c.r.ReadEach(sink)
 }
 
-func (c *tcpClient) abortive() { _ = c.SetLinger(0) }
+func (c *tcpClient) abortive() {
+	if c.raw() == nil {
+		_ = flow.SetLinger0(c.rc)
+	}
+}
 
 func (c *tcpClient) upstreamConnected() error { return nil }
 

@@ -57,7 +57,7 @@ type listener struct {
 	linkWG   sync.WaitGroup // one per link goroutine
 
 	mu       sync.Mutex
-	ln       net.Listener // nil while paused or stopped
+	ln       acceptor // nil while paused or stopped
 	links    map[*link]struct{}
 	closedUp int64 // bytes of links that ended, for bytes_total
 	closedDn int64
@@ -197,18 +197,40 @@ func (l *listener) serve() {
 	}
 }
 
+// acceptor is a bound listening socket: a *flow.Listener (Linux, every
+// listener but a mesh ingress), or net's.
+type acceptor interface {
+	Addr() net.Addr
+	Close() error
+}
+
 // listenTCP binds addr for a listener. The connections it accepts get no
-// keepalive of the runtime's: a link sets its own (or leaves the
-// kernel's).
+// keepalive of the runtime's (a link sets its own, or leaves the
+// kernel's) and are plain TCP: Go's listeners take MPTCP by default,
+// which a sidecar on loopback gains nothing from, and a plain TCP
+// listening socket is what passes TCP_NODELAY on to the sockets it
+// accepts (flow.Listener).
 func listenTCP(ctx context.Context, addr string) (net.Listener, error) {
-	return (&net.ListenConfig{KeepAlive: -1}).Listen(ctx, "tcp", addr)
+	lc := net.ListenConfig{KeepAlive: -1}
+	lc.SetMultipathTCP(false)
+	return lc.Listen(ctx, "tcp", addr)
+}
+
+// listen binds addr for l: accepting with flow.Listener where it can (a
+// mesh ingress hands its connections to yamux, which takes net's).
+func (l *listener) listen(addr string) (acceptor, error) {
+	ln, err := listenTCP(l.ctx, addr)
+	if err != nil || l.ingress != nil || !flow.RawAcceptSupported {
+		return ln, err
+	}
+	return flow.NewListener(ln.(*net.TCPListener))
 }
 
 // bind listens on the listener's configured address (Start, and a reload
 // that added it); the error names the listener. open serves what it
 // bound.
-func (l *listener) bind() (net.Listener, error) {
-	ln, err := listenTCP(l.ctx, l.cfg.Listen)
+func (l *listener) bind() (acceptor, error) {
+	ln, err := l.listen(l.cfg.Listen)
 	if err != nil {
 		return nil, fmt.Errorf("listener %q: %w", l.cfg.Name, err)
 	}
@@ -221,7 +243,7 @@ func (l *listener) bind() (net.Listener, error) {
 // it bound): then ln was bound once to reserve the address (and learn a
 // :0 port) and is closed; the accept loop binds it again when the
 // endpoint is back.
-func (l *listener) open(ln net.Listener) (addr string, paused bool) {
+func (l *listener) open(ln acceptor) (addr string, paused bool) {
 	addr = ln.Addr().String()
 	l.mu.Lock()
 	l.addr = addr
@@ -251,7 +273,7 @@ func (l *listener) waitToListen() bool {
 			return false
 		}
 		if !paused {
-			ln, err := listenTCP(l.ctx, l.addr)
+			ln, err := l.listen(l.addr)
 			if err == nil {
 				l.mu.Lock()
 				if l.stopping || l.paused {
@@ -283,7 +305,7 @@ func (l *listener) waitToListen() bool {
 }
 
 // acceptLoop accepts until ln is closed (pause or stop).
-func (l *listener) acceptLoop(ln net.Listener) {
+func (l *listener) acceptLoop(ln acceptor) {
 	var backoff time.Duration
 	// A mesh ingress's connections are sessions; every other connection
 	// is a link and takes a max_links slot before it is accepted.
@@ -292,7 +314,7 @@ func (l *listener) acceptLoop(ln net.Listener) {
 		if gated && !l.p.slots.acquire(l) {
 			return
 		}
-		c, err := ln.Accept()
+		tc, c, err := l.acceptOne(ln)
 		if err != nil {
 			if gated {
 				l.p.slots.release(l)
@@ -315,39 +337,68 @@ func (l *listener) acceptLoop(ln net.Listener) {
 			continue
 		}
 		backoff = 0
-		tc := c.(*net.TCPConn)
-		if l.ingress != nil {
+		if tc != nil {
 			l.ingress.serveConn(tc) // each stream is a link
 			continue
 		}
-		l.m.LinksTotal.Inc()
-		var ep *endpoint // a pool listener's link picks its endpoint when it dials
-		if l.matches != nil {
-			var why CloseReason
-			if ep, why = l.resolve(tc); ep == nil {
-				resetConn(tc)
-				l.m.Closed(string(why))
-				l.p.slots.release(l)
-				continue
-			}
-		}
-		if l.refusing(ep) {
-			// Out of routing (a pool listener: in the moment before its
-			// pause took effect): reset before reading.
-			resetConn(tc)
-			l.m.Closed(string(CloseRefused))
-			l.p.slots.release(l)
-			continue
-		}
-		lk := newLink(l, ep, newTCPClient(tc))
-		lk.slot = true
-		if !l.track(lk) {
-			_ = c.Close()
-			l.p.slots.release(l)
-			continue
-		}
-		go l.serveLink(lk)
+		l.admit(c)
 	}
+}
+
+// acceptOne takes ln's next connection: a mesh ingress's as net's
+// *net.TCPConn (tc), every other listener's as the client of a link (c).
+func (l *listener) acceptOne(ln acceptor) (tc *net.TCPConn, c *tcpClient, err error) {
+	if rl, ok := ln.(*flow.Listener); ok {
+		f, remote, err := rl.Accept()
+		if err != nil {
+			return nil, nil, err
+		}
+		return nil, newRawClient(f, remote), nil
+	}
+	nc, err := ln.(net.Listener).Accept()
+	if err != nil {
+		return nil, nil, err
+	}
+	tc = nc.(*net.TCPConn)
+	if l.ingress != nil {
+		return tc, nil, nil
+	}
+	return nil, newTCPClient(tc), nil
+}
+
+// admit makes a link of client c, which holds a max_links slot, and
+// starts it, or refuses c (with a reset, before reading it) and gives
+// the slot back.
+func (l *listener) admit(c *tcpClient) {
+	l.m.LinksTotal.Inc()
+	var ep *endpoint // a pool listener's link picks its endpoint when it dials
+	if l.matches != nil {
+		var why CloseReason
+		if ep, why = l.resolve(c); ep == nil {
+			c.abortive()
+			_ = c.Close()
+			l.m.Closed(string(why))
+			l.p.slots.release(l)
+			return
+		}
+	}
+	if l.refusing(ep) {
+		// Out of routing (a pool listener: in the moment before its
+		// pause took effect).
+		c.abortive()
+		_ = c.Close()
+		l.m.Closed(string(CloseRefused))
+		l.p.slots.release(l)
+		return
+	}
+	lk := newLink(l, ep, c)
+	lk.slot = true
+	if !l.track(lk) {
+		_ = c.Close()
+		l.p.slots.release(l)
+		return
+	}
+	go l.serveLink(lk)
 }
 
 // track registers a new link; it refuses once the listener is stopping.

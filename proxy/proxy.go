@@ -226,7 +226,7 @@ func (p *Proxy) Start() error {
 		p.mu.Unlock()
 		return errors.New("proxy already started")
 	}
-	lns := make([]net.Listener, 0, len(p.listeners))
+	lns := make([]acceptor, 0, len(p.listeners))
 	for _, l := range p.listeners {
 		ln, err := l.bind()
 		if err != nil {

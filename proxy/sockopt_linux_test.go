@@ -62,15 +62,7 @@ func readSysctl(t *testing.T, path string) int {
 
 func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 	t.Helper()
-	l := p.listeners[0]
-	l.mu.Lock()
-	var lk *link
-	for lk = range l.links {
-	}
-	l.mu.Unlock()
-	if lk == nil {
-		t.Fatal("no live link")
-	}
+	lk := onlyLink(t, p)
 	// An address dials outside net (flow.DialRaw): the socket is a file.
 	if _, ok := lk.upstreamConn().(*os.File); !ok {
 		t.Fatalf("the upstream socket is a %T, want the *os.File of flow.DialRaw", lk.upstreamConn())
@@ -94,4 +86,40 @@ func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 		}
 	})
 	return out
+}
+
+// TestClientSocketFromRawAccept: a listener accepts outside net
+// (flow.Listener): the link's client socket is a file, has TCP_NODELAY
+// (the listening socket's, inherited) and no keepalive of the runtime's,
+// and the link names the client by the address the client dialled from.
+func TestClientSocketFromRawAccept(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	roundTrip(t, c, []byte("hello"))
+	lk := onlyLink(t, h.p)
+	tc, ok := lk.client.(*tcpClient)
+	if !ok {
+		t.Fatalf("the client is a %T", lk.client)
+	}
+	if _, ok := tc.sock.(*os.File); !ok {
+		t.Fatalf("the client socket is a %T, want the *os.File of flow.Listener", tc.sock)
+	}
+	if got, want := lk.stats().Client, c.LocalAddr().String(); got != want {
+		t.Errorf("link's client %s, the client dialled from %s", got, want)
+	}
+	if err := tc.raw(); err != nil {
+		t.Fatal(err)
+	}
+	_ = tc.rc.Control(func(fd uintptr) {
+		if v, err := unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY); err != nil || v == 0 {
+			t.Errorf("TCP_NODELAY = %d, %v; want it set", v, err)
+		}
+		if v, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE); err != nil || v != 0 {
+			t.Errorf("SO_KEEPALIVE = %d, %v; want none", v, err)
+		}
+	})
+	if tc.localAddr().String() != c.RemoteAddr().String() {
+		t.Errorf("client socket's local address %s, the client dialled %s", tc.localAddr(), c.RemoteAddr())
+	}
 }

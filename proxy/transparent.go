@@ -50,8 +50,8 @@ func (l *listener) matchesDst(dst netip.AddrPort) bool {
 // accepted: its original destination, if the match list covers it. It
 // returns nil and the close reason otherwise: the proxy is never an open
 // relay, and never proxies to itself.
-func (l *listener) resolve(c *net.TCPConn) (*endpoint, CloseReason) {
-	dst, err := flow.OriginalDst(c)
+func (l *listener) resolve(c *tcpClient) (*endpoint, CloseReason) {
+	dst, err := flow.OriginalDst(c.sock, c.remote)
 	if err != nil {
 		l.log.Debug().Err(err).Str("client", c.RemoteAddr().String()).Msg("no original destination: refused")
 		return nil, CloseNoMatch

@@ -221,13 +221,14 @@ func (e *tcpEnd) park(dir int, err error) parkOutcome {
 	if !errors.Is(err, os.ErrDeadlineExceeded) {
 		return parkNone
 	}
-	conn, rc := e.conn, e.raw
+	var conn interface{ SetReadDeadline(time.Time) error } = e.conn
+	rc := e.raw
 	if dir == parkRequests {
 		c, ok := e.lk.client.(*tcpClient)
 		if !ok {
 			return parkNone // a mesh stream's deadline: its own (streamClient)
 		}
-		conn, rc = c.TCPConn, c.rc
+		conn, rc = c.sock, c.rc
 	}
 	_ = conn.SetReadDeadline(time.Time{})
 	bit := uint32(1) << dir

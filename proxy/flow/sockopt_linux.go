@@ -101,14 +101,16 @@ const ip6tSOOriginalDst = 80
 
 // OriginalDst reads the destination a connection had before an nftables
 // REDIRECT sent it to the proxy (SO_ORIGINAL_DST; IP6T_SO_ORIGINAL_DST for
-// IPv6). Reading it needs no privilege.
-func OriginalDst(c *net.TCPConn) (netip.AddrPort, error) {
+// IPv6). Reading it needs no privilege. peer is the client's address,
+// which tells the family: a client of a dual-stack listener over IPv4
+// (an IPv4-mapped address) was redirected by an IPv4 rule.
+func OriginalDst(c syscall.Conn, peer net.Addr) (netip.AddrPort, error) {
 	raw, err := c.SyscallConn()
 	if err != nil {
 		return netip.AddrPort{}, err
 	}
 	v6 := false
-	if la, ok := c.LocalAddr().(*net.TCPAddr); ok && la.IP.To4() == nil {
+	if pa, ok := peer.(*net.TCPAddr); ok && pa.IP.To4() == nil {
 		v6 = true
 	}
 	var dst netip.AddrPort

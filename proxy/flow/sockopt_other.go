@@ -27,7 +27,7 @@ func BytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
 
 // OriginalDst needs Linux's SO_ORIGINAL_DST: transparent listeners work
 // only there.
-func OriginalDst(*net.TCPConn) (netip.AddrPort, error) {
+func OriginalDst(syscall.Conn, net.Addr) (netip.AddrPort, error) {
 	return netip.AddrPort{}, errors.New("transparent mode needs Linux (SO_ORIGINAL_DST)")
 }
 
@@ -50,3 +50,21 @@ const RawDialSupported = false
 func DialRaw(context.Context, netip.AddrPort, policy.Settings, time.Duration) (*os.File, error) {
 	return nil, errors.New("raw dial needs Linux")
 }
+
+// RawAcceptSupported: the raw Listener is Linux's; elsewhere listeners
+// accept through net.
+const RawAcceptSupported = false
+
+// Listener is not made outside Linux (RawAcceptSupported is false).
+type Listener struct{}
+
+func NewListener(ln *net.TCPListener) (*Listener, error) {
+	_ = ln.Close()
+	return nil, errors.New("raw accept needs Linux")
+}
+
+func (*Listener) Addr() net.Addr { return nil }
+
+func (*Listener) Close() error { return net.ErrClosed }
+
+func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net.ErrClosed }

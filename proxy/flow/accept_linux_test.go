@@ -1,0 +1,114 @@
+package flow
+
+import (
+	"errors"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+)
+
+// plainListen binds a plain TCP (not MPTCP) listener, as the proxy's are.
+func plainListen(t *testing.T, network, addr string) *net.TCPListener {
+	t.Helper()
+	lc := net.ListenConfig{KeepAlive: -1}
+	lc.SetMultipathTCP(false)
+	ln, err := lc.Listen(t.Context(), network, addr)
+	if err != nil {
+		testutil.SkipOrFail(t, "no %s loopback: %v", network, err)
+	}
+	return ln.(*net.TCPListener)
+}
+
+// TestListenerAccepts: a socket the raw Listener accepts is on the
+// runtime's poller (a read that has to wait is woken), has TCP_NODELAY
+// from the listening socket without a setsockopt of its own, and comes
+// with the client's address as net would give it; over IPv4 and IPv6.
+func TestListenerAccepts(t *testing.T) {
+	for _, c := range []struct{ network, addr string }{{"tcp4", "127.0.0.1:0"}, {"tcp6", "[::1]:0"}} {
+		t.Run(c.network, func(t *testing.T) {
+			l, err := NewListener(plainListen(t, c.network, c.addr))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close()
+			client, err := net.Dial(c.network, l.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer client.Close()
+			f, remote, err := l.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if got, want := remote.String(), client.LocalAddr().String(); got != want {
+				t.Fatalf("client address %s, the client says %s", got, want)
+			}
+			if v := sockoptOf(t, f, unix.IPPROTO_TCP, unix.TCP_NODELAY); v == 0 {
+				t.Fatal("the accepted socket has no TCP_NODELAY: it did not inherit the listener's")
+			}
+			// A read that waits for bytes sent after it started.
+			got := make(chan []byte, 1)
+			go func() {
+				b := make([]byte, 5)
+				_, err := io.ReadFull(f, b)
+				if err != nil {
+					b = []byte(err.Error())
+				}
+				got <- b
+			}()
+			time.Sleep(20 * time.Millisecond)
+			if _, err := client.Write([]byte("hello")); err != nil {
+				t.Fatal(err)
+			}
+			if b := <-got; string(b) != "hello" {
+				t.Fatalf("read %q", b)
+			}
+			if _, err := f.Write([]byte("back")); err != nil {
+				t.Fatal(err)
+			}
+			b := make([]byte, 4)
+			if _, err := io.ReadFull(client, b); err != nil || string(b) != "back" {
+				t.Fatalf("client read %q, %v", b, err)
+			}
+		})
+	}
+}
+
+// TestListenerClose: Close ends an Accept that waits with net.ErrClosed,
+// frees the address (it can be bound again at once), and a second Close
+// says it was closed.
+func TestListenerClose(t *testing.T) {
+	l, err := NewListener(plainListen(t, "tcp4", "127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	done := make(chan error, 1)
+	go func() {
+		_, _, err := l.Accept()
+		done <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if !errors.Is(err, net.ErrClosed) {
+			t.Fatalf("Accept after Close: %v, want net.ErrClosed", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Accept still waits after Close")
+	}
+	if err := l.Close(); !errors.Is(err, net.ErrClosed) {
+		t.Fatalf("second Close: %v", err)
+	}
+	again := plainListen(t, "tcp4", addr)
+	_ = again.Close()
+}
