@@ -3,6 +3,7 @@
 package proxy
 
 import (
+	"bytes"
 	"os"
 	"strconv"
 	"strings"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // Socket options read back from the upstream socket match the config;
@@ -121,5 +123,36 @@ func TestClientSocketFromRawAccept(t *testing.T) {
 	})
 	if tc.localAddr().String() != c.RemoteAddr().String() {
 		t.Errorf("client socket's local address %s, the client dialled %s", tc.localAddr(), c.RemoteAddr())
+	}
+}
+
+// TestNotsentLowatSetBeforeItCanMatter: the upstream socket of a raw dial
+// gets TCP_NOTSENT_LOWAT before the link has written more than its value
+// in all, and not before: a link whose requests add up to no more than
+// that leaves the kernel unable to hold more unsent, and saves the call.
+func TestNotsentLowatSetBeforeItCanMatter(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	const high = 128 << 10
+	lowat := flow.NotsentLowat(high)
+	h := start(t, peer.Addr(), func(s *policy.Settings) { s.WriteBuffer.HighWaterMark = high })
+	c := h.dial()
+	lowatNow := func() int {
+		v := -1
+		_ = onlyLink(t, h.p).upRaw().Control(func(fd uintptr) {
+			var err error
+			if v, err = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT); err != nil {
+				t.Fatal(err)
+			}
+		})
+		return v
+	}
+	roundTrip(t, c, []byte("hello"))
+	roundTrip(t, c, bytes.Repeat([]byte{'a'}, lowat-5)) // lowat in all
+	if v := lowatNow(); v != 0 {
+		t.Fatalf("TCP_NOTSENT_LOWAT = %d after %d bytes, want it unset (0) until more than %d", v, lowat, lowat)
+	}
+	roundTrip(t, c, []byte("b"))
+	if v := lowatNow(); v != lowat {
+		t.Fatalf("TCP_NOTSENT_LOWAT = %d after %d bytes, want %d", v, lowat+1, lowat)
 	}
 }

@@ -46,6 +46,13 @@ type tcpEnd struct {
 	rawErr     error
 	rawWriteFn func(fd uintptr) bool
 
+	// lowatAt: TCP_NOTSENT_LOWAT is set on the socket (flow.SetNotsentLowat)
+	// before the request pump hands it more than this many bytes in all;
+	// -1 once set (by the dial's Control, where net dialled). Until then
+	// the kernel cannot hold more than that unsent, which is all the
+	// option bounds; handed counts the bytes (the request pump's alone).
+	lowatAt, handed int64
+
 	// What requests.Handle leaves for pumpRequests to do outside the read
 	// (see flow.SockReader.readEach): a chunk it began to send, of which the
 	// kernel took reqSent bytes (with reqBegun).
@@ -72,7 +79,10 @@ type upstreamSocket interface {
 // newTCPEnd makes the end of lk over c, a connection just dialled; on an
 // error c is closed.
 func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
-	e := &tcpEnd{lk: lk, conn: c}
+	e := &tcpEnd{lk: lk, conn: c, lowatAt: -1}
+	if _, raw := c.(*os.File); raw {
+		e.lowatAt = int64(flow.NotsentLowat(int64(lk.settings.WriteBuffer.HighWaterMark)))
+	}
 	raw, err := c.SyscallConn()
 	if err != nil {
 		_ = c.Close()
@@ -313,6 +323,11 @@ func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
 		buf = buf[int(e.reqSent):]
 		e.reqBegun, e.reqSent = false, 0
 	} else {
+		if err := e.hand(n); err != nil {
+			flow.PutChunk(bp)
+			lk.fail(err)
+			return false
+		}
 		lk.budget.Reading(int64(cap(*bp)))
 		lk.countRequest(buf)
 	}
@@ -360,6 +375,9 @@ func (s *requests) Handle(bp *[]byte, n int) (flow.Handled, error) {
 	if empty, open := lk.q.Idle(); !empty || !open {
 		return flow.HandledKeep, nil
 	}
+	if err := e.hand(n); err != nil {
+		return flow.HandledStop, err
+	}
 	buf := (*bp)[:n]
 	lk.budget.Reading(int64(cap(*bp)))
 	lk.countRequest(buf)
@@ -399,6 +417,20 @@ func (e *tcpEnd) send(p []byte, high int64) bool {
 		p = p[n:]
 	}
 	return e.queue(p, high)
+}
+
+// hand counts n bytes handed to the upstream and sets TCP_NOTSENT_LOWAT
+// before they take the total past it (see lowatAt). A refusal is the
+// proxy's own failure (closeReasonFor: local_error).
+func (e *tcpEnd) hand(n int) error {
+	if e.lowatAt < 0 {
+		return nil
+	}
+	if e.handed += int64(n); e.handed <= e.lowatAt {
+		return nil
+	}
+	e.lowatAt = -1
+	return flow.SetNotsentLowat(e.raw, int64(e.lk.settings.WriteBuffer.HighWaterMark))
 }
 
 // queue pushes p, bytes the kernel did not take, to the link's queue and

@@ -45,7 +45,8 @@ func sockoptOf(t *testing.T, f *os.File, level, opt int) int {
 }
 
 // TestDialRawConnectsWithTheUpstreamOptions: the socket DialRaw makes
-// carries every option UpstreamControl sets and net's TCP_NODELAY, moves
+// carries every option UpstreamControl sets but TCP_NOTSENT_LOWAT (which
+// SetNotsentLowat sets), and net's TCP_NODELAY, moves
 // bytes both ways through the runtime's poller (a read that has to wait
 // is woken), and names its local address as net would.
 func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
@@ -91,7 +92,8 @@ func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
 				{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 11},
 				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 4},
 				{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 5},
-				{"TCP_NOTSENT_LOWAT", unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(256 << 10)},
+				// Not set: 0, the kernel's tcp_notsent_lowat (SetNotsentLowat's to set).
+				{"TCP_NOTSENT_LOWAT", unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, 0},
 			} {
 				if got := sockoptOf(t, f, o.level, o.opt); got != o.want {
 					t.Errorf("%s = %d, want %d", o.name, got, o.want)
@@ -101,6 +103,12 @@ func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
 			rc, err := f.SyscallConn()
 			if err != nil {
 				t.Fatal(err)
+			}
+			if err := SetNotsentLowat(rc, 256<<10); err != nil {
+				t.Fatal(err)
+			}
+			if got, want := sockoptOf(t, f, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT), NotsentLowat(256<<10); got != want {
+				t.Errorf("TCP_NOTSENT_LOWAT after SetNotsentLowat = %d, want %d", got, want)
 			}
 			if got, want := LocalAddr(rc).String(), srv.RemoteAddr().String(); got != want {
 				t.Errorf("LocalAddr %s, the server sees %s", got, want)

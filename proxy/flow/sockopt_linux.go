@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"syscall"
 	"time"
 	"unsafe"
@@ -23,7 +24,7 @@ import (
 // connection. A disabled (non-positive) setting leaves the
 // kernel's default untouched. Keepalive times have one-second granularity
 // in the kernel; shorter values round up to one second.
-func setUpstreamOptions(fd int, s policy.Settings) error {
+func setUpstreamOptions(fd int, s policy.Settings, lowat bool) error {
 	if s.UpstreamMark > 0 {
 		// Lets interception rules exempt the proxy's own connections.
 		if err := setsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, s.UpstreamMark); err != nil {
@@ -31,9 +32,12 @@ func setUpstreamOptions(fd int, s policy.Settings) error {
 		}
 	}
 	// A small unsent backlog in the kernel: the proxy's own queue, bounded
-	// by high_water_mark, holds the rest (see NotsentLowat).
-	if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
-		return err
+	// by high_water_mark, holds the rest (see NotsentLowat). DialRaw's
+	// caller sets it when it can first matter (SetNotsentLowat).
+	if lowat {
+		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(int64(s.WriteBuffer.HighWaterMark))); err != nil {
+			return err
+		}
 	}
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
 		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
@@ -66,11 +70,30 @@ func ceilSeconds(d policy.Duration) int {
 func UpstreamControl(s policy.Settings) func(network, address string, c syscall.RawConn) error {
 	return func(_, _ string, c syscall.RawConn) error {
 		var serr error
-		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), s) }); err != nil {
+		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), s, true) }); err != nil {
 			return err
 		}
 		return serr
 	}
+}
+
+// SetNotsentLowat sets TCP_NOTSENT_LOWAT, NotsentLowat(high), on a
+// socket DialRaw made, which leaves it unset: until more than that many
+// bytes have been written to the socket the kernel cannot hold more than
+// that unsent, which is all the option bounds, so a caller sets it before
+// the write that takes the total past it, and a link that never writes
+// that much (most request/response links) saves the system call.
+func SetNotsentLowat(rc syscall.RawConn, high int64) error {
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, NotsentLowat(high))
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return os.NewSyscallError("setsockopt TCP_NOTSENT_LOWAT", serr)
+	}
+	return nil
 }
 
 // BytesAcked is the stream offset the peer has acknowledged: TCP_INFO's

@@ -42,6 +42,9 @@ func SampleSendWindow(syscall.RawConn) (SendWindow, bool) { return SendWindow{},
 
 func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
 
+// SetNotsentLowat is Linux's (DialRaw, which leaves it to the caller, too).
+func SetNotsentLowat(syscall.RawConn, int64) error { return nil }
+
 // RawDialSupported: DialRaw is Linux's; elsewhere the proxy dials through
 // net.
 const RawDialSupported = false
