@@ -43,6 +43,7 @@ type clientSide interface {
 type tcpClient struct {
 	sock   clientSocket
 	remote net.Addr
+	inq    bool // the socket has TCP_INQ from its listener (flow.Listener.Inq)
 	once   sync.Once
 	err    error
 	rc     syscall.RawConn
@@ -63,9 +64,9 @@ type clientSocket interface {
 func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{sock: c, remote: c.RemoteAddr()} }
 
 // newRawClient is the client of a socket flow.Listener accepted from
-// remote.
-func newRawClient(f *os.File, remote net.Addr) *tcpClient {
-	return &tcpClient{sock: f, remote: remote}
+// remote; inq says the socket has TCP_INQ on (flow.Listener.Inq).
+func newRawClient(f *os.File, remote net.Addr, inq bool) *tcpClient {
+	return &tcpClient{sock: f, remote: remote, inq: inq}
 }
 
 func (c *tcpClient) RemoteAddr() net.Addr { return c.remote }
@@ -92,6 +93,9 @@ func (c *tcpClient) raw() error {
 		c.rc, c.err = c.sock.SyscallConn()
 		if c.err == nil {
 			c.r.InitRaw(c.rc)
+			if c.inq {
+				c.r.InqOn()
+			}
 			c.w.Init(c.rc)
 		}
 	})

@@ -353,7 +353,7 @@ func (l *listener) acceptOne(ln acceptor) (tc *net.TCPConn, c *tcpClient, err er
 		if err != nil {
 			return nil, nil, err
 		}
-		return nil, newRawClient(f, remote), nil
+		return nil, newRawClient(f, remote, rl.Inq()), nil
 	}
 	nc, err := ln.(net.Listener).Accept()
 	if err != nil {

@@ -92,7 +92,8 @@ func upstreamOptions(t *testing.T, p *Proxy) map[string]int {
 
 // TestClientSocketFromRawAccept: a listener accepts outside net
 // (flow.Listener): the link's client socket is a file, has TCP_NODELAY
-// (the listening socket's, inherited) and no keepalive of the runtime's,
+// and TCP_INQ (the listening socket's, inherited; the client's reader is
+// told of TCP_INQ) and no keepalive of the runtime's,
 // and the link names the client by the address the client dialled from.
 func TestClientSocketFromRawAccept(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
@@ -119,6 +120,10 @@ func TestClientSocketFromRawAccept(t *testing.T) {
 		}
 		if v, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_KEEPALIVE); err != nil || v != 0 {
 			t.Errorf("SO_KEEPALIVE = %d, %v; want none", v, err)
+		}
+		// TCP_INQ from the listening socket, and the client's reader told.
+		if v, err := unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_INQ); err != nil || v != 1 || !tc.inq {
+			t.Errorf("TCP_INQ = %d, %v, the client told %v; want it on and told", v, err, tc.inq)
 		}
 	})
 	if tc.localAddr().String() != c.RemoteAddr().String() {

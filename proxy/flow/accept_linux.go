@@ -24,8 +24,10 @@ const RawAcceptSupported = true
 //     accepts; a link never uses it but in an error message, where the
 //     client asks for it then);
 //   - no TCP_NODELAY: the listening socket has it, and a socket accepted
-//     from a TCP listener inherits it from there (TestListener reads it
-//     back from an accepted socket);
+//     from a TCP listener inherits it from there (TestListenerAccepts
+//     reads it back from an accepted socket); so with TCP_INQ, which
+//     spares the client's reader the read that finds nothing after each
+//     request from the first request on (Inq, SockReader.InqOn);
 //   - no entersyscall: net's accept4 and setsockopt go through
 //     syscall.Syscall, whose entersyscall wakes the runtime's sysmon
 //     thread whenever it sleeps (as it does while the process idles
@@ -43,6 +45,7 @@ type Listener struct {
 	rc     syscall.RawConn
 	addr   net.Addr
 	closed atomic.Bool
+	inq    bool // the listening socket has TCP_INQ: so has every socket it accepts
 	fn     func(fd uintptr) bool
 
 	// What the accept4 in fn returned.
@@ -73,13 +76,22 @@ func NewListener(ln *net.TCPListener) (*Listener, error) {
 	}
 	var serr error
 	if err := l.rc.Control(func(fd uintptr) {
-		serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+		if serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); serr == nil {
+			// Linux 4.18 on; without it each client's reader turns it on
+			// once its connection proves to live (SockReader).
+			l.inq = enableInq(int(fd))
+		}
 	}); err != nil || serr != nil {
 		_ = f.Close()
 		return nil, os.NewSyscallError("setsockopt TCP_NODELAY", errors.Join(err, serr))
 	}
 	return l, nil
 }
+
+// Inq reports whether the sockets the Listener accepts have TCP_INQ on
+// from the start, inherited from the listening socket (see
+// SockReader.InqOn).
+func (l *Listener) Inq() bool { return l.inq }
 
 // Addr is the address the socket is bound to.
 func (l *Listener) Addr() net.Addr { return l.addr }

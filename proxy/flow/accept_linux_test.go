@@ -26,7 +26,8 @@ func plainListen(t *testing.T, network, addr string) *net.TCPListener {
 
 // TestListenerAccepts: a socket the raw Listener accepts is on the
 // runtime's poller (a read that has to wait is woken), has TCP_NODELAY
-// from the listening socket without a setsockopt of its own, and comes
+// (and TCP_INQ, where Inq says so) from the listening socket without a
+// setsockopt of its own, and comes
 // with the client's address as net would give it; over IPv4 and IPv6.
 func TestListenerAccepts(t *testing.T) {
 	for _, c := range []struct{ network, addr string }{{"tcp4", "127.0.0.1:0"}, {"tcp6", "[::1]:0"}} {
@@ -51,6 +52,9 @@ func TestListenerAccepts(t *testing.T) {
 			}
 			if v := sockoptOf(t, f, unix.IPPROTO_TCP, unix.TCP_NODELAY); v == 0 {
 				t.Fatal("the accepted socket has no TCP_NODELAY: it did not inherit the listener's")
+			}
+			if v := sockoptOf(t, f, unix.IPPROTO_TCP, unix.TCP_INQ); l.Inq() != (v == 1) {
+				t.Fatalf("TCP_INQ %d on the accepted socket; the Listener says Inq %v", v, l.Inq())
 			}
 			// A read that waits for bytes sent after it started.
 			got := make(chan []byte, 1)
@@ -111,4 +115,70 @@ func TestListenerClose(t *testing.T) {
 	}
 	again := plainListen(t, "tcp4", addr)
 	_ = again.Close()
+}
+
+// TestReadEachWithInqFromTheListener: a reader told that its socket has
+// TCP_INQ from the listener (InqOn) makes no read that finds nothing
+// after a request from the first on: over five round trips its count of
+// such reads stays at most 1 (the first read may come before the first
+// request), where a reader that turns TCP_INQ on itself makes inqAfter
+// of them first (the twin, on a socket from the same listener).
+func TestReadEachWithInqFromTheListener(t *testing.T) {
+	l, err := NewListener(plainListen(t, "tcp4", "127.0.0.1:0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if !l.Inq() {
+		testutil.SkipOrFail(t, "the kernel has no TCP_INQ (Linux 4.18)")
+	}
+	for _, told := range []bool{true, false} {
+		c, err := net.Dial("tcp4", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, _, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var r SockReader
+		r.InitRaw(mustRaw(f))
+		if told {
+			r.InqOn()
+		}
+		done := make(chan error, 1)
+		go func() {
+			_, _, err, werr := r.ReadEach(&echoSink{s: f})
+			done <- errors.Join(err, werr)
+		}()
+		msg, got := []byte("ping"), make([]byte, 4)
+		_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+		for i := range 5 {
+			if _, err := c.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := io.ReadFull(c, got); err != nil || string(got) != "ping" {
+				t.Fatalf("round %d: %q, %v", i, got, err)
+			}
+		}
+		_ = c.(*net.TCPConn).CloseWrite()
+		select {
+		case err := <-done:
+			if !errors.Is(err, io.EOF) {
+				t.Fatalf("ReadEach ended with %v, want io.EOF", err)
+			}
+		case <-time.After(20 * time.Second):
+			_ = f.Close()
+			t.Fatal("ReadEach did not see the FIN")
+		}
+		t.Logf("told %v: waits %d inq %v", told, r.waits, r.inq)
+		switch {
+		case told && r.waits > 1:
+			t.Errorf("told: %d reads found nothing in 5 round trips, want at most 1", r.waits)
+		case !told && r.waits < inqAfter:
+			t.Errorf("not told: %d reads found nothing, want inqAfter (%d) at least", r.waits, inqAfter)
+		}
+		_ = c.Close()
+		_ = f.Close()
+	}
 }

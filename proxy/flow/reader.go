@@ -73,6 +73,14 @@ func (r *SockReader) Init(c *net.TCPConn) error {
 // InitRaw has r read rc's socket.
 func (r *SockReader) InitRaw(rc syscall.RawConn) { r.rc, r.fn = rc, r.call }
 
+// InqOn tells r that its socket has TCP_INQ on already (a socket accepted
+// from a listening socket that has it inherits it: Listener.Inq), so
+// that ReadEach waits after a read that drained the socket from the
+// first read on, instead of once the socket has waited inqAfter times.
+// Were the option off after all, no read would say what it left
+// (queued -1), and each would be followed by another, as without it.
+func (r *SockReader) InqOn() { r.inq = true }
+
 func (r *SockReader) try(fd uintptr) bool {
 	bp := GetChunk()
 	for {

@@ -122,7 +122,7 @@ func waitCloseWait(t *testing.T, s *net.TCPConn) {
 // echoSink writes each chunk back to s; with a gate it first says it is
 // there (a send on gate) and waits to be let go (a receive).
 type echoSink struct {
-	s    *net.TCPConn
+	s    io.Writer
 	gate chan struct{}
 }
 

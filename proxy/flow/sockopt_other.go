@@ -70,4 +70,6 @@ func (*Listener) Addr() net.Addr { return nil }
 
 func (*Listener) Close() error { return net.ErrClosed }
 
+func (*Listener) Inq() bool { return false }
+
 func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net.ErrClosed }
