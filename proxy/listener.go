@@ -208,22 +208,34 @@ type acceptor interface {
 // keepalive of the runtime's (a link sets its own, or leaves the
 // kernel's) and are plain TCP: Go's listeners take MPTCP by default,
 // which a sidecar on loopback gains nothing from, and a plain TCP
-// listening socket is what passes TCP_NODELAY on to the sockets it
-// accepts (flow.Listener).
-func listenTCP(ctx context.Context, addr string) (net.Listener, error) {
+// listening socket is what passes TCP_NODELAY and TCP_INQ on to the
+// sockets it accepts. raw: the socket is for a flow.Listener, which
+// needs those two set before it listens (flow.ListenControl).
+func listenTCP(ctx context.Context, addr string, raw bool) (net.Listener, error) {
 	lc := net.ListenConfig{KeepAlive: -1}
 	lc.SetMultipathTCP(false)
+	if raw {
+		lc.Control = flow.ListenControl
+	}
 	return lc.Listen(ctx, "tcp", addr)
 }
 
 // listen binds addr for l: accepting with flow.Listener where it can (a
 // mesh ingress hands its connections to yamux, which takes net's).
 func (l *listener) listen(addr string) (acceptor, error) {
-	ln, err := listenTCP(l.ctx, addr)
-	if err != nil || l.ingress != nil || !flow.RawAcceptSupported {
-		return ln, err
+	raw := l.ingress == nil && flow.RawAcceptSupported
+	ln, err := listenTCP(l.ctx, addr, raw)
+	if err != nil {
+		return nil, err
 	}
-	return flow.NewListener(ln.(*net.TCPListener))
+	if !raw {
+		return ln, nil
+	}
+	fl, err := flow.NewListener(ln.(*net.TCPListener))
+	if err != nil {
+		return nil, err
+	}
+	return fl, nil
 }
 
 // bind listens on the listener's configured address (Start, and a reload

@@ -262,11 +262,11 @@ func (e *tcpEnd) park(dir int, err error) parkOutcome {
 	if _, _, mine := pk.claim(key); !mine {
 		return parkDone // the link's close resumed it meanwhile
 	}
-	if !errors.Is(werr, net.ErrClosed) && !e.lk.isClosed() {
-		// A socket of net's says net.ErrClosed once closed; an upstream
-		// from flow.DialRaw (an *os.File) says "use of closed file",
-		// which nothing exported names, and closeBoth marks the link
-		// closed before it closes the upstream.
+	if _, open := e.lk.q.Idle(); open && !errors.Is(werr, net.ErrClosed) {
+		// A socket of net's says net.ErrClosed once closed; one of
+		// flow.DialRaw's or flow.Listener's (an *os.File) says "use of
+		// closed file", which nothing exported names, and closeBoth
+		// closes the link's queue before it closes either socket.
 		pk.parkFailed(werr)
 	}
 	return parkContinue // a closed socket: the read says so

@@ -54,8 +54,9 @@ type Listener struct {
 	sa    unix.RawSockaddrAny
 }
 
-// NewListener takes ln's socket: ln is closed, whatever the outcome, and
-// the Listener accepts on the socket from then on.
+// NewListener takes ln's socket, which ListenControl prepared: ln is
+// closed, whatever the outcome, and the Listener accepts on the socket
+// from then on.
 func NewListener(ln *net.TCPListener) (*Listener, error) {
 	addr := ln.Addr()
 	f, err := ln.File()
@@ -74,18 +75,37 @@ func NewListener(ln *net.TCPListener) (*Listener, error) {
 		_ = f.Close()
 		return nil, errors.New("the runtime's poller refused the listening socket")
 	}
-	var serr error
+	nodelay := 0
 	if err := l.rc.Control(func(fd uintptr) {
-		if serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); serr == nil {
-			// Linux 4.18 on; without it each client's reader turns it on
-			// once its connection proves to live (SockReader).
-			l.inq = enableInq(int(fd))
-		}
-	}); err != nil || serr != nil {
+		nodelay, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY)
+		v, err := unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_INQ)
+		l.inq = err == nil && v == 1
+	}); err != nil || nodelay == 0 {
 		_ = f.Close()
-		return nil, os.NewSyscallError("setsockopt TCP_NODELAY", errors.Join(err, serr))
+		return nil, errors.New("the listening socket has no TCP_NODELAY for its connections to inherit: bind it with ListenControl")
 	}
 	return l, nil
+}
+
+// ListenControl is the net.ListenConfig Control of a socket that a
+// Listener will take: it sets TCP_NODELAY, and TCP_INQ where the kernel
+// has it (Linux 4.18 on; without it each client's reader turns it on
+// once its connection proves to live: SockReader), before the socket is
+// bound and listens, so that every connection the kernel completes,
+// even one completed before NewListener, inherits them.
+func ListenControl(_, _ string, c syscall.RawConn) error {
+	var serr error
+	if err := c.Control(func(fd uintptr) {
+		if serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); serr == nil {
+			_ = enableInq(int(fd)) // NewListener reads back whether it took
+		}
+	}); err != nil {
+		return err
+	}
+	if serr != nil {
+		return os.NewSyscallError("setsockopt TCP_NODELAY", serr)
+	}
+	return nil
 }
 
 // Inq reports whether the sockets the Listener accepts have TCP_INQ on

@@ -12,10 +12,11 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
-// plainListen binds a plain TCP (not MPTCP) listener, as the proxy's are.
+// plainListen binds a plain TCP (not MPTCP) listener for a Listener, as
+// the proxy's are.
 func plainListen(t *testing.T, network, addr string) *net.TCPListener {
 	t.Helper()
-	lc := net.ListenConfig{KeepAlive: -1}
+	lc := net.ListenConfig{KeepAlive: -1, Control: ListenControl}
 	lc.SetMultipathTCP(false)
 	ln, err := lc.Listen(t.Context(), network, addr)
 	if err != nil {
@@ -32,11 +33,28 @@ func plainListen(t *testing.T, network, addr string) *net.TCPListener {
 func TestListenerAccepts(t *testing.T) {
 	for _, c := range []struct{ network, addr string }{{"tcp4", "127.0.0.1:0"}, {"tcp6", "[::1]:0"}} {
 		t.Run(c.network, func(t *testing.T) {
-			l, err := NewListener(plainListen(t, c.network, c.addr))
+			ln := plainListen(t, c.network, c.addr)
+			// A connection the kernel completes before NewListener takes
+			// the socket inherits the options too (ListenControl set them
+			// before listen).
+			early, err := net.Dial(c.network, ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer early.Close()
+			l, err := NewListener(ln)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer l.Close()
+			ef, _, err := l.Accept()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ef.Close()
+			if v := sockoptOf(t, ef, unix.IPPROTO_TCP, unix.TCP_NODELAY); v == 0 {
+				t.Fatal("a connection completed before NewListener has no TCP_NODELAY")
+			}
 			client, err := net.Dial(c.network, l.Addr().String())
 			if err != nil {
 				t.Fatal(err)
@@ -181,4 +199,24 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 		_ = c.Close()
 		_ = f.Close()
 	}
+}
+
+// TestNewListenerWantsListenControl: a listening socket bound without
+// ListenControl (no TCP_NODELAY for its connections to inherit) is
+// refused, and closed, instead of accepting connections that would keep
+// Nagle's algorithm for life.
+func TestNewListenerWantsListenControl(t *testing.T) {
+	lc := net.ListenConfig{KeepAlive: -1}
+	lc.SetMultipathTCP(false)
+	ln, err := lc.Listen(t.Context(), "tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	if l, err := NewListener(ln.(*net.TCPListener)); err == nil {
+		_ = l.Close()
+		t.Fatal("NewListener took a socket without TCP_NODELAY")
+	}
+	again := plainListen(t, "tcp4", addr) // the refused one was closed
+	_ = again.Close()
 }

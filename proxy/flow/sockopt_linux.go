@@ -3,7 +3,6 @@
 package flow
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -136,28 +135,23 @@ func OriginalDst(c syscall.Conn, peer net.Addr) (netip.AddrPort, error) {
 	if pa, ok := peer.(*net.TCPAddr); ok && pa.IP.To4() == nil {
 		v6 = true
 	}
+	// Raw getsockopts (see getsockopt): a transparent listener asks at
+	// every accept, and the call through syscall.Syscall would wake the
+	// runtime's sysmon thread as net's accept did.
 	var dst netip.AddrPort
 	var serr error
 	if err := raw.Control(func(fd uintptr) {
 		if v6 {
-			mi, err := unix.GetsockoptIPv6MTUInfo(int(fd), unix.SOL_IPV6, ip6tSOOriginalDst)
-			if err != nil {
-				serr = err
-				return
+			var sa unix.RawSockaddrInet6
+			if serr = getsockopt(int(fd), unix.SOL_IPV6, ip6tSOOriginalDst, unsafe.Pointer(&sa), unix.SizeofSockaddrInet6); serr == nil {
+				dst = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), netOrder(sa.Port))
 			}
-			// The port is in network byte order in memory.
-			port := binary.BigEndian.Uint16((*[2]byte)(unsafe.Pointer(&mi.Addr.Port))[:])
-			dst = netip.AddrPortFrom(netip.AddrFrom16(mi.Addr.Addr).Unmap(), port)
 			return
 		}
-		m, err := unix.GetsockoptIPv6Mreq(int(fd), unix.SOL_IP, unix.SO_ORIGINAL_DST)
-		if err != nil {
-			serr = err
-			return
+		var sa unix.RawSockaddrInet4
+		if serr = getsockopt(int(fd), unix.SOL_IP, unix.SO_ORIGINAL_DST, unsafe.Pointer(&sa), unix.SizeofSockaddrInet4); serr == nil {
+			dst = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), netOrder(sa.Port))
 		}
-		// m.Multiaddr holds a sockaddr_in: family(2) port(2, network order) addr(4).
-		b := m.Multiaddr
-		dst = netip.AddrPortFrom(netip.AddrFrom4([4]byte{b[4], b[5], b[6], b[7]}), binary.BigEndian.Uint16(b[2:4]))
 	}); err != nil {
 		return netip.AddrPort{}, err
 	}
