@@ -89,8 +89,8 @@ func NewListener(ln *net.TCPListener) (*Listener, error) {
 
 // ListenControl is the net.ListenConfig Control of a socket that a
 // Listener will take: it sets TCP_NODELAY, and TCP_INQ where the kernel
-// has it (Linux 4.18 on; without it each client's reader turns it on
-// once its connection proves to live: SockReader), before the socket is
+// has it (Linux 4.18 on; without it, each read of a client is followed
+// by another, as net.Conn.Read's would be: SockReader), before the socket is
 // bound and listens, so that every connection the kernel completes,
 // even one completed before NewListener, inherits them.
 func ListenControl(_, _ string, c syscall.RawConn) error {
