@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -201,9 +202,41 @@ func peerAddr(rsa *unix.RawSockaddrAny) *net.TCPAddr {
 
 // zoneName names interface index i as net does: its name, or the number
 // where the interface is unknown. Only a link-local client asks.
-func zoneName(i int) string {
-	if ifi, err := net.InterfaceByIndex(i); err == nil {
-		return ifi.Name
+func zoneName(i int) string { return zones.name(i) }
+
+// zones caches interface names by index, as net's own zone cache does
+// (refreshed at most once a minute), so that a link-local client's
+// accept does not cost a netlink dump of the interfaces each time.
+var zones = zoneCache{lookup: net.Interfaces, maxAge: time.Minute}
+
+type zoneCache struct {
+	lookup func() ([]net.Interface, error)
+	maxAge time.Duration
+
+	mu      sync.Mutex
+	names   map[int]string
+	fetched time.Time
+}
+
+// name is index i's interface name; an index the cache does not know
+// refreshes it once its entries are older than maxAge.
+func (z *zoneCache) name(i int) string {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	if n, ok := z.names[i]; ok {
+		return n
+	}
+	if z.names == nil || time.Since(z.fetched) >= z.maxAge {
+		if ifs, err := z.lookup(); err == nil {
+			z.names = make(map[int]string, len(ifs))
+			for _, ifi := range ifs {
+				z.names[ifi.Index] = ifi.Name
+			}
+			z.fetched = time.Now()
+			if n, ok := z.names[i]; ok {
+				return n
+			}
+		}
 	}
 	return strconv.Itoa(i)
 }

@@ -220,3 +220,35 @@ func TestNewListenerWantsListenControl(t *testing.T) {
 	again := plainListen(t, "tcp4", addr) // the refused one was closed
 	_ = again.Close()
 }
+
+// TestZoneNamesAreCached: a link-local client's zone is named as net
+// names it (the interface's name, or the index where none has it), from
+// a cache that asks the kernel for the interfaces once per maxAge, not
+// once per accept.
+func TestZoneNamesAreCached(t *testing.T) {
+	ifs, err := net.Interfaces()
+	if err != nil || len(ifs) == 0 {
+		t.Fatalf("no interfaces: %v", err)
+	}
+	asked := 0
+	z := zoneCache{maxAge: time.Hour, lookup: func() ([]net.Interface, error) {
+		asked++
+		return ifs, nil
+	}}
+	for range 3 {
+		if got := z.name(ifs[0].Index); got != ifs[0].Name {
+			t.Fatalf("index %d named %q, want %q", ifs[0].Index, got, ifs[0].Name)
+		}
+	}
+	if got := z.name(1 << 20); got != "1048576" {
+		t.Fatalf("an unknown index named %q, want its number", got)
+	}
+	if asked != 1 {
+		t.Fatalf("the interfaces were asked for %d times, want once within maxAge", asked)
+	}
+	z.maxAge = 0 // stale: an unknown index asks again
+	_ = z.name(1 << 20)
+	if asked != 2 {
+		t.Fatalf("a stale cache was not refreshed for an unknown index (%d asks)", asked)
+	}
+}
