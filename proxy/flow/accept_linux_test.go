@@ -139,8 +139,10 @@ func TestListenerClose(t *testing.T) {
 // TCP_INQ from the listener (InqOn) makes no read that finds nothing
 // after a request from the first on: over five round trips its count of
 // such reads stays at most 1 (the first read may come before the first
-// request), where a reader that turns TCP_INQ on itself makes inqAfter
-// of them first (the twin, on a socket from the same listener).
+// request). Its twin, a reader not told, on a socket from the same
+// listener, reads again after each echo until it has found nothing
+// inqAfter times (a mutation that makes InqOn do nothing fails the told
+// case with inqAfter); both echo every round and end at the FIN.
 func TestReadEachWithInqFromTheListener(t *testing.T) {
 	l, err := NewListener(plainListen(t, "tcp4", "127.0.0.1:0"))
 	if err != nil {
@@ -189,12 +191,14 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 			_ = f.Close()
 			t.Fatal("ReadEach did not see the FIN")
 		}
-		t.Logf("told %v: waits %d inq %v", told, r.waits, r.inq)
-		switch {
-		case told && r.waits > 1:
+		// The untold twin's count is logged, not judged: whether its read
+		// after each echo finds nothing depends on whether the client's
+		// next request came first, which is the scheduler's to decide
+		// (mostly inqAfter, sometimes 0 on a busy machine). A told reader
+		// never makes that read, so its count is the reader's own.
+		t.Logf("told %v: %d reads found nothing, TCP_INQ %v", told, r.waits, r.inq)
+		if told && r.waits > 1 {
 			t.Errorf("told: %d reads found nothing in 5 round trips, want at most 1", r.waits)
-		case !told && r.waits < inqAfter:
-			t.Errorf("not told: %d reads found nothing, want inqAfter (%d) at least", r.waits, inqAfter)
 		}
 		_ = c.Close()
 		_ = f.Close()

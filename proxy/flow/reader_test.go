@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // tcpPair is a connected loopback pair: c dialled, s accepted.
@@ -211,11 +213,12 @@ func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
+	inqOn(t, s, &r)
 	done := echoEach(t, &r, s, nil)
 	msg := []byte("ping")
 	got := make([]byte, len(msg))
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-	for range 10 { // TCP_INQ on after inqAfter waits
+	for range 10 { // the reader waits after each drained read (TCP_INQ says 0)
 		if _, err := c.Write(msg); err != nil {
 			t.Fatal(err)
 		}
@@ -251,12 +254,13 @@ func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
+	inqOn(t, s, &r)
 	gate := make(chan struct{})
 	done := echoEach(t, &r, s, gate)
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
 	msg := []byte("ping")
 	got := make([]byte, 2*len(msg))
-	for range 10 { // TCP_INQ on after inqAfter waits
+	for range 10 {
 		if _, err := c.Write(msg); err != nil {
 			t.Fatal(err)
 		}
@@ -283,6 +287,25 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 		t.Fatalf("echo %q, %v; want both writes back", got, err)
 	}
 	endsAtEOF(t, c, s, done, &r)
+}
+
+// inqOn turns TCP_INQ on for s and tells r, as for a socket that
+// inherited it from its listener: a test that needs it on does not wait
+// for the reader to turn it on by its own count of reads that found
+// nothing, which depends on how the scheduler interleaves the test's
+// round trips (a busy machine can leave each read something to take).
+func inqOn(t *testing.T, s *net.TCPConn, r *SockReader) {
+	t.Helper()
+	rc, err := s.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	on := false
+	_ = rc.Control(func(fd uintptr) { on = enableInq(int(fd)) })
+	if !on {
+		testutil.SkipOrFail(t, "the kernel has no TCP_INQ (Linux 4.18)")
+	}
+	r.InqOn()
 }
 
 // endsAtEOF half-closes c and checks that the ReadEach on s ends at the
