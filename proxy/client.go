@@ -43,7 +43,6 @@ type clientSide interface {
 type tcpClient struct {
 	sock   clientSocket
 	remote net.Addr
-	inq    bool // the socket has TCP_INQ from its listener (flow.Listener.Inq)
 	once   sync.Once
 	err    error
 	rc     syscall.RawConn
@@ -66,7 +65,11 @@ func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{sock: c, remote
 // newRawClient is the client of a socket flow.Listener accepted from
 // remote; inq says the socket has TCP_INQ on (flow.Listener.Inq).
 func newRawClient(f *os.File, remote net.Addr, inq bool) *tcpClient {
-	return &tcpClient{sock: f, remote: remote, inq: inq}
+	c := &tcpClient{sock: f, remote: remote}
+	if inq {
+		c.r.InqOn() // kept by raw's InitRaw, which sets the socket only
+	}
+	return c
 }
 
 func (c *tcpClient) RemoteAddr() net.Addr { return c.remote }
@@ -93,9 +96,6 @@ func (c *tcpClient) raw() error {
 		c.rc, c.err = c.sock.SyscallConn()
 		if c.err == nil {
 			c.r.InitRaw(c.rc)
-			if c.inq {
-				c.r.InqOn()
-			}
 			c.w.Init(c.rc)
 		}
 	})

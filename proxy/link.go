@@ -502,13 +502,6 @@ func (lk *link) closeBoth() {
 	})
 }
 
-// isClosed reports whether closeBoth has begun to close the upstream.
-func (lk *link) isClosed() bool {
-	lk.connMu.Lock()
-	defer lk.connMu.Unlock()
-	return lk.closed
-}
-
 func (lk *link) stats() LinkStats {
 	s := LinkStats{
 		Listener:  lk.name,

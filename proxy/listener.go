@@ -387,20 +387,14 @@ func (l *listener) admit(c *tcpClient) {
 	if l.matches != nil {
 		var why CloseReason
 		if ep, why = l.resolve(c); ep == nil {
-			c.abortive()
-			_ = c.Close()
-			l.m.Closed(string(why))
-			l.p.slots.release(l)
+			l.refuse(c, why)
 			return
 		}
 	}
 	if l.refusing(ep) {
 		// Out of routing (a pool listener: in the moment before its
 		// pause took effect).
-		c.abortive()
-		_ = c.Close()
-		l.m.Closed(string(CloseRefused))
-		l.p.slots.release(l)
+		l.refuse(c, CloseRefused)
 		return
 	}
 	lk := newLink(l, ep, c)
@@ -411,6 +405,15 @@ func (l *listener) admit(c *tcpClient) {
 		return
 	}
 	go l.serveLink(lk)
+}
+
+// refuse resets c before reading it, counts the close with reason why,
+// and gives c's max_links slot back.
+func (l *listener) refuse(c *tcpClient, why CloseReason) {
+	c.abortive()
+	_ = c.Close()
+	l.m.Closed(string(why))
+	l.p.slots.release(l)
 }
 
 // track registers a new link; it refuses once the listener is stopping.

@@ -128,21 +128,21 @@ func (l *Listener) Close() error {
 
 // accept is the RawConn.Read callback: one accept4, false to wait.
 func (l *Listener) accept(fd uintptr) bool {
-	size := uint32(unix.SizeofSockaddrAny)
-	r, _, e := syscall.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&l.sa)),
-		uintptr(unsafe.Pointer(&size)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
-	for e == syscall.EINTR || e == syscall.ECONNABORTED {
-		// As net's accept: a connection reset while it waited in the queue
-		// is not the listener's error.
-		size = uint32(unix.SizeofSockaddrAny)
-		r, _, e = syscall.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&l.sa)),
+	for {
+		size := uint32(unix.SizeofSockaddrAny)
+		r, _, e := syscall.RawSyscall6(unix.SYS_ACCEPT4, fd, uintptr(unsafe.Pointer(&l.sa)),
 			uintptr(unsafe.Pointer(&size)), unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0, 0)
+		switch e {
+		case syscall.EINTR, syscall.ECONNABORTED:
+			// As net's accept: a connection reset while it waited in the
+			// queue is not the listener's error.
+			continue
+		case syscall.EAGAIN:
+			return false
+		}
+		l.nfd, l.errno = int(r), e
+		return true
 	}
-	if e == syscall.EAGAIN {
-		return false
-	}
-	l.nfd, l.errno = int(r), e
-	return true
 }
 
 // Accept waits for a connection and returns its socket, on the runtime's

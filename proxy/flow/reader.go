@@ -81,6 +81,9 @@ func (r *SockReader) InitRaw(rc syscall.RawConn) { r.rc, r.fn = rc, r.call }
 // (queued -1), and each would be followed by another, as without it.
 func (r *SockReader) InqOn() { r.inq = true }
 
+// Inq reports whether r reads with TCP_INQ (told, or turned on itself).
+func (r *SockReader) Inq() bool { return r.inq }
+
 func (r *SockReader) try(fd uintptr) bool {
 	bp := GetChunk()
 	for {

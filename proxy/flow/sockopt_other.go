@@ -72,7 +72,7 @@ func (*Listener) Close() error { return net.ErrClosed }
 
 func (*Listener) Inq() bool { return false }
 
+func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net.ErrClosed }
+
 // ListenControl is Linux's (nil: no Control).
 var ListenControl func(network, address string, c syscall.RawConn) error
-
-func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net.ErrClosed }
