@@ -18,29 +18,55 @@ import (
 )
 
 // Socket options read back from the upstream socket match the config;
-// disabled values leave the kernel's defaults.
+// disabled values leave the kernel's defaults. tcp_user_timeout and
+// keepalive are set by the window guard's first sample, liveDelay after
+// the connect (flow.DialRaw leaves them): unset before, set after; with
+// no tcp_user_timeout (no guard) keepalive is set at the connect.
 func TestUpstreamSocketOptions(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	kernelIdle := readSysctl(t, "/proc/sys/net/ipv4/tcp_keepalive_time")
 	for _, tc := range []struct {
-		name string
-		spec func(*policy.Settings)
-		want map[string]int
+		name  string
+		spec  func(*policy.Settings)
+		want  map[string]int
+		later bool // set liveDelay after the connect
 	}{
 		{"configured", func(s *policy.Settings) {
 			s.TCPUserTimeout = policy.Duration(2500 * time.Millisecond)
 			s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(3 * time.Second), Count: 4}
-		}, map[string]int{"user_timeout": 2500, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}},
+		}, map[string]int{"user_timeout": 2500, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}, true},
+		{"keepalive alone", func(s *policy.Settings) {
+			s.TCPUserTimeout = 0
+			s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(3 * time.Second), Count: 4}
+		}, map[string]int{"user_timeout": 0, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}, false},
 		{"disabled", func(s *policy.Settings) {
 			s.TCPUserTimeout = 0
 			s.Keepalive = policy.Keepalive{Idle: -1}
-		}, map[string]int{"user_timeout": 0, "keepalive": 0, "idle": kernelIdle, "nodelay": 1}},
+		}, map[string]int{"user_timeout": 0, "keepalive": 0, "idle": kernelIdle, "nodelay": 1}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := start(t, peer.Addr(), tc.spec)
+			delay := liveDelay(&h.p.listeners[0].current.Load().settings)
+			dialled := time.Now() // the proxy dials after this
 			c := h.dial()
 			roundTrip(t, c, []byte("hello"))
 			got := upstreamOptions(t, h.p)
+			if early := time.Since(dialled); tc.later && early < delay {
+				// The guard's timer, reset after dialled, cannot have fired.
+				if got["user_timeout"] != 0 || got["keepalive"] != 0 {
+					t.Errorf("%v after the connect (before %v): user_timeout %d, keepalive %d; want both unset",
+						early, delay, got["user_timeout"], got["keepalive"])
+				}
+			} else if tc.later {
+				t.Logf("first read %v after the connect, not before %v: the options may be set already", early, delay)
+			}
+			if tc.later {
+				waitFor(t, 10*time.Second, "tcp_user_timeout and keepalive set by the window guard", func() bool {
+					got = upstreamOptions(t, h.p)
+					return got["keepalive"] == 1
+				})
+				roundTrip(t, c, []byte("still there"))
+			}
 			for k, v := range tc.want {
 				if got[k] != v {
 					t.Errorf("%s = %d, want %d", k, got[k], v)

@@ -46,6 +46,10 @@ type tcpEnd struct {
 	rawErr     error
 	rawWriteFn func(fd uintptr) bool
 
+	// livePending: flow.DialRaw left tcp_user_timeout and keepalive
+	// unset, for the window guard to set (windowGuard.setLivenessLater).
+	livePending bool
+
 	// lowatAt: TCP_NOTSENT_LOWAT is set on the socket (flow.SetNotsentLowat)
 	// before the request pump hands it more than this many bytes in all;
 	// -1 once set (by the dial's Control, where net dialled). Until then
@@ -80,7 +84,8 @@ type upstreamSocket interface {
 // error c is closed.
 func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 	e := &tcpEnd{lk: lk, conn: c, lowatAt: -1}
-	if _, raw := c.(*os.File); raw {
+	_, dialRaw := c.(*os.File)
+	if dialRaw {
 		e.lowatAt = int64(flow.NotsentLowat(int64(lk.settings.WriteBuffer.HighWaterMark)))
 	}
 	raw, err := c.SyscallConn()
@@ -89,6 +94,16 @@ func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 		return nil, err
 	}
 	e.raw = raw
+	e.win = newWindowGuard(lk, raw, lk.settings.TCPUserTimeout.D())
+	if dialRaw && e.win == nil {
+		// flow.DialRaw left tcp_user_timeout and keepalive unset, and
+		// there is no guard to set them later (attach): now.
+		if err := flow.SetLiveness(raw, *lk.settings); err != nil {
+			_ = c.Close()
+			return nil, err
+		}
+	}
+	e.livePending = dialRaw && e.win != nil
 	e.r.InitRaw(raw) // the reader, the writer and tryWrite share one raw connection
 	e.rawWriteFn = func(fd uintptr) bool {
 		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
@@ -121,7 +136,9 @@ func (e *tcpEnd) attach(ep *endpoint) bool {
 		_ = e.conn.Close()
 		return false
 	}
-	e.win = newWindowGuard(lk, e.raw, lk.settings.TCPUserTimeout.D())
+	if e.livePending {
+		e.win.setLivenessLater(liveDelay(lk.settings))
+	}
 	return true
 }
 

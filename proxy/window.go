@@ -1,11 +1,15 @@
 package proxy
 
 import (
+	"errors"
+	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
@@ -35,6 +39,14 @@ import (
 // when it is not armed, and it stops once the socket is idle. It costs no
 // goroutine; the timer's callback is the only one to touch the socket
 // option.
+//
+// Its first sample also sets the liveness options on a socket flow.DialRaw
+// made, which leaves them unset (setLivenessLater): a quarter of the
+// shorter of tcp_user_timeout and keepalive's idle time after the connect,
+// before either can expire, so a link that ends sooner (one request per
+// connection) makes five system calls fewer, and a longer one is judged as
+// it would have been with them set at the connect (see flow.SetLiveness
+// for the kernel's clocks).
 type windowGuard struct {
 	lk     *link
 	raw    syscall.RawConn // the link's upstream socket
@@ -46,6 +58,9 @@ type windowGuard struct {
 	timer   *time.Timer
 	lifted  bool // TCP_USER_TIMEOUT is lifted from the socket
 	stopped bool
+	// live: the next sample sets tcp_user_timeout and keepalive first
+	// (setLivenessLater).
+	live bool
 }
 
 // tcpInfoSays is set once a socket's TCP_INFO gave a send window: the
@@ -90,6 +105,35 @@ func (g *windowGuard) arm() {
 	g.timer.Reset(g.period)
 }
 
+// liveDelay is when, after the connect, a link's window guard sets the
+// liveness options a raw dial left unset: a quarter of the shorter of
+// tcp_user_timeout and keepalive's idle time. Set then, neither verdict
+// moves (flow.SetLiveness): keepalive's first probe is due idle after the
+// last segment received, and a bound set while the kernel retransmits
+// counts from the first retransmission, whose backoff puts the next one
+// (when the bound takes hold) near half of tcp_user_timeout at the latest.
+func liveDelay(s *policy.Settings) time.Duration {
+	d := s.TCPUserTimeout.D()
+	if idle := s.Keepalive.Idle.D(); idle > 0 {
+		d = min(d, idle)
+	}
+	return d / 4
+}
+
+// setLivenessLater makes the guard's first sample, after d, set the
+// link's tcp_user_timeout and keepalive. A send before then does not
+// re-arm it: that sample is the send's too.
+func (g *windowGuard) setLivenessLater(d time.Duration) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.stopped {
+		return
+	}
+	g.live = true
+	g.armed.Store(true)
+	g.timer.Reset(d)
+}
+
 // stop ends the samples for good (the link ended).
 func (g *windowGuard) stop() {
 	if g == nil {
@@ -111,6 +155,19 @@ func (g *windowGuard) check() {
 	}
 	g.armed.Store(false) // a send from now on arms it again
 	raw := g.raw
+	if g.live {
+		// Before any lift: this is the guard's first sample.
+		g.live = false
+		if err := flow.SetLiveness(raw, *g.lk.settings); err != nil {
+			if errors.Is(err, os.ErrClosed) {
+				return
+			}
+			// The proxy's own failure (the options are validated against
+			// the kernel's limits): logged, never the upstream's, and the
+			// link goes on under write_timeout and the tracker.
+			g.lk.host.localError(g.lk.ep, fmt.Errorf("setting tcp_user_timeout and keepalive on a connected upstream socket: %w", err))
+		}
+	}
 	w, ok := flow.SampleSendWindow(raw)
 	if !ok {
 		return // closed

@@ -25,9 +25,9 @@ const RawDialSupported = true
 
 // DialRaw connects to ap as a net.Dialer with UpstreamControl(s), TCP
 // keepalive left to UpstreamControl and Timeout timeout would, with the
-// socket outside Go's net: socket(2), the upstream options but
-// TCP_NOTSENT_LOWAT (the caller sets it when it can first matter:
-// SetNotsentLowat), TCP_NODELAY
+// socket outside Go's net: socket(2), SO_MARK (the upstream options
+// but TCP_NOTSENT_LOWAT and the liveness options, which the caller sets
+// when they can first matter: SetNotsentLowat, SetLiveness), TCP_NODELAY
 // (as net sets it on every TCP connection) and connect(2) are raw system
 // calls (see SysRead: they do not wake the runtime's sysmon thread, and
 // connect, which on a local peer runs the whole handshake, does not hand
@@ -88,7 +88,7 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadlin
 		return nil, os.NewSyscallError("socket", e)
 	}
 	fd := int(r)
-	if err := setUpstreamOptions(fd, s, false); err != nil {
+	if err := setUpstreamOptions(fd, s, false, false); err != nil {
 		rawClose(fd)
 		return nil, err
 	}

@@ -44,9 +44,27 @@ func sockoptOf(t *testing.T, f *os.File, level, opt int) int {
 	return int(v)
 }
 
+// sockoptWant is a socket option and the value a test wants of it.
+type sockoptWant struct {
+	name       string
+	level, opt int
+	want       int
+}
+
+// checkSockopts reports each option of f that is not as wanted, when.
+func checkSockopts(t *testing.T, f *os.File, when string, opts []sockoptWant) {
+	t.Helper()
+	for _, o := range opts {
+		if got := sockoptOf(t, f, o.level, o.opt); got != o.want {
+			t.Errorf("%s %s = %d, want %d", when, o.name, got, o.want)
+		}
+	}
+}
+
 // TestDialRawConnectsWithTheUpstreamOptions: the socket DialRaw makes
-// carries every option UpstreamControl sets but TCP_NOTSENT_LOWAT (which
-// SetNotsentLowat sets), and net's TCP_NODELAY, moves
+// carries net's TCP_NODELAY and none of the options UpstreamControl sets
+// that its caller sets later (TCP_NOTSENT_LOWAT, tcp_user_timeout and
+// keepalive: SetNotsentLowat and SetLiveness set them), moves
 // bytes both ways through the runtime's poller (a read that has to wait
 // is woken), and names its local address as net would.
 func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
@@ -81,29 +99,29 @@ func TestDialRawConnectsWithTheUpstreamOptions(t *testing.T) {
 			}
 			defer srv.Close()
 
-			for _, o := range []struct {
-				name       string
-				level, opt int
-				want       int
-			}{
+			// Not set by the dial: TCP_NOTSENT_LOWAT (0, the kernel's
+			// tcp_notsent_lowat), tcp_user_timeout and keepalive, the
+			// caller's to set (SetNotsentLowat, SetLiveness).
+			checkSockopts(t, f, "after the dial", []sockoptWant{
 				{"TCP_NODELAY", unix.IPPROTO_TCP, unix.TCP_NODELAY, 1},
+				{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 0},
+				{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 0},
+				{"TCP_NOTSENT_LOWAT", unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, 0},
+			})
+			rc, err := f.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := SetLiveness(rc, s); err != nil {
+				t.Fatal(err)
+			}
+			checkSockopts(t, f, "after SetLiveness", []sockoptWant{
 				{"TCP_USER_TIMEOUT", unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, 7000},
 				{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
 				{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, 11},
 				{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, 4},
 				{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, 5},
-				// Not set: 0, the kernel's tcp_notsent_lowat (SetNotsentLowat's to set).
-				{"TCP_NOTSENT_LOWAT", unix.IPPROTO_TCP, unix.TCP_NOTSENT_LOWAT, 0},
-			} {
-				if got := sockoptOf(t, f, o.level, o.opt); got != o.want {
-					t.Errorf("%s = %d, want %d", o.name, got, o.want)
-				}
-			}
-
-			rc, err := f.SyscallConn()
-			if err != nil {
-				t.Fatal(err)
-			}
+			})
 			if err := SetNotsentLowat(rc, 256<<10); err != nil {
 				t.Fatal(err)
 			}

@@ -17,13 +17,12 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-// setUpstreamOptions applies the liveness socket options to an upstream
-// socket before it connects, with setsockoptInt (no wake of the runtime's
-// sysmon; see SysRead). TCP_NODELAY is Go's default for every TCP
-// connection. A disabled (non-positive) setting leaves the
-// kernel's default untouched. Keepalive times have one-second granularity
-// in the kernel; shorter values round up to one second.
-func setUpstreamOptions(fd int, s policy.Settings, lowat bool) error {
+// setUpstreamOptions applies the socket options of an upstream socket
+// before it connects, with setsockoptInt (no wake of the runtime's
+// sysmon; see SysRead): SO_MARK, and TCP_NOTSENT_LOWAT (lowat) and the
+// liveness options (live, setLiveness) where the caller does not set them
+// later. TCP_NODELAY is Go's default for every TCP connection.
+func setUpstreamOptions(fd int, s policy.Settings, lowat, live bool) error {
 	if s.UpstreamMark > 0 {
 		// Lets interception rules exempt the proxy's own connections.
 		if err := setsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, s.UpstreamMark); err != nil {
@@ -38,20 +37,40 @@ func setUpstreamOptions(fd int, s policy.Settings, lowat bool) error {
 			return err
 		}
 	}
+	if live {
+		return setLiveness(fd, s)
+	}
+	return nil
+}
+
+// setLiveness sets tcp_user_timeout and keepalive. A disabled
+// (non-positive) setting leaves the kernel's default untouched. Keepalive
+// times have one-second granularity in the kernel; shorter values round up
+// to one second.
+//
+// On a connected socket (SetLiveness) the order keeps keepalive's clock:
+// SO_KEEPALIVE first, then TCP_KEEPIDLE, which the kernel applies from the
+// last segment received (tcp_sock_set_keepidle_locked re-arms the timer
+// for idle less the time since then), so the first probe goes out when it
+// would have had keepalive been on since the connect.
+func setLiveness(fd int, s policy.Settings) error {
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
 		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
-			return err
+			return os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
 		}
 	}
 	if ka := s.Keepalive; ka.Idle > 0 {
-		for _, o := range []struct{ level, opt, val int }{
-			{unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, ceilSeconds(ka.Idle)},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, ceilSeconds(ka.Interval)},
-			{unix.IPPROTO_TCP, unix.TCP_KEEPCNT, ka.Count},
+		for _, o := range []struct {
+			name            string
+			level, opt, val int
+		}{
+			{"SO_KEEPALIVE", unix.SOL_SOCKET, unix.SO_KEEPALIVE, 1},
+			{"TCP_KEEPIDLE", unix.IPPROTO_TCP, unix.TCP_KEEPIDLE, ceilSeconds(ka.Idle)},
+			{"TCP_KEEPINTVL", unix.IPPROTO_TCP, unix.TCP_KEEPINTVL, ceilSeconds(ka.Interval)},
+			{"TCP_KEEPCNT", unix.IPPROTO_TCP, unix.TCP_KEEPCNT, ka.Count},
 		} {
 			if err := setsockoptInt(fd, o.level, o.opt, o.val); err != nil {
-				return err
+				return os.NewSyscallError("setsockopt "+o.name, err)
 			}
 		}
 	}
@@ -69,11 +88,28 @@ func ceilSeconds(d policy.Duration) int {
 func UpstreamControl(s policy.Settings) func(network, address string, c syscall.RawConn) error {
 	return func(_, _ string, c syscall.RawConn) error {
 		var serr error
-		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), s, true) }); err != nil {
+		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), s, true, true) }); err != nil {
 			return err
 		}
 		return serr
 	}
+}
+
+// SetLiveness sets tcp_user_timeout and keepalive (as Settings has them)
+// on a connected socket DialRaw made, which leaves them unset for its
+// caller to set when they can first matter. Set late, each still judges
+// by its own clock: the kernel counts TCP_USER_TIMEOUT from the first
+// retransmission of the oldest unacknowledged segment (retrans_stamp)
+// and clamps the retransmission timer to what is left of it from the
+// next retransmission on, and keepalive's idle time from the last segment
+// received (see setLiveness). So a caller that sets them well before
+// either can expire (a quarter of the shorter) changes no verdict.
+func SetLiveness(rc syscall.RawConn, s policy.Settings) error {
+	var serr error
+	if err := rc.Control(func(fd uintptr) { serr = setLiveness(int(fd), s) }); err != nil {
+		return err
+	}
+	return serr
 }
 
 // SetNotsentLowat sets TCP_NOTSENT_LOWAT, NotsentLowat(high), on a

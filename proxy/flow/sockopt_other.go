@@ -42,6 +42,9 @@ func SampleSendWindow(syscall.RawConn) (SendWindow, bool) { return SendWindow{},
 
 func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
 
+// SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
+func SetLiveness(syscall.RawConn, policy.Settings) error { return nil }
+
 // SetNotsentLowat is Linux's (DialRaw, which leaves it to the caller, too).
 func SetNotsentLowat(syscall.RawConn, int64) error { return nil }
 
