@@ -4,6 +4,8 @@ package proxy
 
 import (
 	"bytes"
+	"context"
+	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -198,4 +200,60 @@ func TestNotsentLowatSetBeforeItCanMatter(t *testing.T) {
 	if v := lowatNow(); v != lowat {
 		t.Fatalf("TCP_NOTSENT_LOWAT = %d after %d bytes, want %d", v, lowat+1, lowat)
 	}
+}
+
+// TestLateLivenessBlame: the window guard's first sample sets the
+// liveness options (setLivenessLater). On a socket closed under it (the
+// link ending from another goroutine before the guard stopped) that is no
+// error of anyone's: nothing is counted or logged. A refusal on an open
+// socket (here a keepalive count above the kernel's 127, which config
+// validation would have refused) is the proxy's own error: counted and
+// logged as such, never the upstream's.
+func TestLateLivenessBlame(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	roundTrip(t, c, []byte("hello"))
+	lk := onlyLink(t, h.p)
+	l := h.p.listeners[0]
+	guardOn := func(s policy.Settings) (*windowGuard, *os.File) {
+		ap, err := netip.ParseAddrPort(peer.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		f, err := flow.DialRaw(context.Background(), ap, s, 5*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = f.Close() })
+		raw, err := f.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		g := newWindowGuard(lk, raw, s.TCPUserTimeout.D())
+		if g == nil {
+			t.Fatal("no window guard")
+		}
+		t.Cleanup(g.stop)
+		g.live = &s
+		return g, f
+	}
+	s := *lk.settings
+	g, f := guardOn(s)
+	_ = f.Close()
+	g.check()
+	if n, at := l.localErrors.Load(), l.localErrorLogged.Load(); n != 0 || at != 0 {
+		t.Fatalf("a closed socket under the guard's first sample: %d local errors, logged at %d; want none", n, at)
+	}
+	bad := s
+	bad.Keepalive.Count = 1000
+	g, _ = guardOn(bad)
+	g.check()
+	if n, at := l.localErrors.Load(), l.localErrorLogged.Load(); n == 0 && at == 0 {
+		t.Fatal("a refused TCP_KEEPCNT was not counted as the proxy's own error")
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) after the proxy's own refusal, want healthy", ep.State, ep.Reason)
+	}
+	roundTrip(t, c, []byte("still here"))
 }

@@ -58,9 +58,9 @@ type windowGuard struct {
 	timer   *time.Timer
 	lifted  bool // TCP_USER_TIMEOUT is lifted from the socket
 	stopped bool
-	// live: the next sample sets tcp_user_timeout and keepalive first
-	// (setLivenessLater).
-	live bool
+	// live: the next sample sets tcp_user_timeout and keepalive, as these
+	// settings have them, first (setLivenessLater); nil once set.
+	live *policy.Settings
 }
 
 // tcpInfoSays is set once a socket's TCP_INFO gave a send window: the
@@ -110,8 +110,10 @@ func (g *windowGuard) arm() {
 // tcp_user_timeout and keepalive's idle time. Set then, neither verdict
 // moves (flow.SetLiveness): keepalive's first probe is due idle after the
 // last segment received, and a bound set while the kernel retransmits
-// counts from the first retransmission, whose backoff puts the next one
-// (when the bound takes hold) near half of tcp_user_timeout at the latest.
+// counts from the first unacknowledged send; the retransmission timer
+// then pending (at most twice an interval that began within that quarter)
+// fires by three quarters of the bound, and the kernel clamps every later
+// one to what is left of it.
 func liveDelay(s *policy.Settings) time.Duration {
 	d := s.TCPUserTimeout.D()
 	if idle := s.Keepalive.Idle.D(); idle > 0 {
@@ -129,7 +131,7 @@ func (g *windowGuard) setLivenessLater(d time.Duration) {
 	if g.stopped {
 		return
 	}
-	g.live = true
+	g.live = g.lk.settings
 	g.armed.Store(true)
 	g.timer.Reset(d)
 }
@@ -155,12 +157,13 @@ func (g *windowGuard) check() {
 	}
 	g.armed.Store(false) // a send from now on arms it again
 	raw := g.raw
-	if g.live {
+	if s := g.live; s != nil {
 		// Before any lift: this is the guard's first sample.
-		g.live = false
-		if err := flow.SetLiveness(raw, *g.lk.settings); err != nil {
-			if errors.Is(err, os.ErrClosed) {
-				return
+		g.live = nil
+		if err := flow.SetLiveness(raw, *s); err != nil {
+			var refused *os.SyscallError
+			if !errors.As(err, &refused) {
+				return // the socket was closed (the link is ending)
 			}
 			// The proxy's own failure (the options are validated against
 			// the kernel's limits): logged, never the upstream's, and the

@@ -27,7 +27,10 @@ const RawDialSupported = true
 // keepalive left to UpstreamControl and Timeout timeout would, with the
 // socket outside Go's net: socket(2), SO_MARK (the upstream options
 // but TCP_NOTSENT_LOWAT and the liveness options, which the caller sets
-// when they can first matter: SetNotsentLowat, SetLiveness), TCP_NODELAY
+// when they can first matter: SetNotsentLowat, SetLiveness; but
+// TCP_USER_TIMEOUT where it bounds the connect, at or below timeout or
+// with no timeout, since the kernel applies it to the SYN's
+// retransmissions), TCP_NODELAY
 // (as net sets it on every TCP connection) and connect(2) are raw system
 // calls (see SysRead: they do not wake the runtime's sysmon thread, and
 // connect, which on a local peer runs the whole handshake, does not hand
@@ -56,8 +59,12 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s policy.Settings, timeout 
 	if timeout > 0 {
 		deadline = time.Now().Add(timeout)
 	}
+	// TCP_USER_TIMEOUT bounds the SYN's retransmissions too: where the
+	// dial's own timeout would not end the connect first, it is set before
+	// the connect, as UpstreamControl sets it (and SetLiveness again).
+	synBound := s.TCPUserTimeout.D() > 0 && (timeout <= 0 || timeout >= s.TCPUserTimeout.D())
 	for retries := 0; ; retries++ {
-		f, err := dialOnce(ctx, ap, s, deadline)
+		f, err := dialOnce(ctx, ap, s, deadline, synBound)
 		if err != nil {
 			if retries < 2 && errors.Is(err, syscall.EADDRNOTAVAIL) && ctx.Err() == nil {
 				continue
@@ -78,7 +85,7 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s policy.Settings, timeout 
 }
 
 // dialOnce is one connect of DialRaw's, its error not yet net's.
-func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadline time.Time) (*os.File, error) {
+func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadline time.Time, synBound bool) (*os.File, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -91,6 +98,12 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadlin
 	if err := setUpstreamOptions(fd, s, false, false); err != nil {
 		rawClose(fd)
 		return nil, err
+	}
+	if synBound {
+		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(s.TCPUserTimeout.D().Milliseconds())); err != nil {
+			rawClose(fd)
+			return nil, os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
+		}
 	}
 	// net ignores a refusal of TCP_NODELAY; so does this.
 	_ = setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)

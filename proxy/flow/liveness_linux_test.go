@@ -195,3 +195,78 @@ func TestSetLivenessLateKeepsTheUserTimeoutsClock(t *testing.T) {
 		t.Fatalf("the bound set late failed the connection %v after the one set at the connect, want together", d)
 	}
 }
+
+// TestDialRawBoundsTheConnectByUserTimeout: the kernel applies
+// TCP_USER_TIMEOUT to the SYN's retransmissions, so DialRaw sets it before
+// the connect wherever the dial's own timeout would not end the connect
+// first (no timeout, or one at or above the bound), as a dial through net
+// with UpstreamControl does: a connect whose SYNs a peer namespace drops
+// fails with ETIMEDOUT at tcp_user_timeout (1.5 s), not at the dial's
+// timeout (6 s) or the kernel's SYN retries (about 2 minutes). Where the
+// timeout is the shorter (1 s), the timeout ends it.
+func TestDialRawBoundsTheConnectByUserTimeout(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.10.1/24", "10.231.10.2/24")
+	if err := peer.NFT(`table inet lpfault {
+	chain in { type filter hook input priority 0; policy accept; tcp dport 9000 drop; }
+}
+`); err != nil {
+		t.Fatalf("installing the drop in the peer namespace: %v", err)
+	}
+	ap := netip.AddrPortFrom(link.PeerIP(), 9000)
+	ut := policy.Duration(1500 * time.Millisecond)
+	type result struct {
+		name    string
+		err     error
+		elapsed time.Duration
+	}
+	cases := []struct {
+		name    string
+		timeout time.Duration
+		want    func(error) bool
+		within  [2]time.Duration
+	}{
+		{"no timeout", 0, func(err error) bool { return errors.Is(err, syscall.ETIMEDOUT) }, [2]time.Duration{1400 * time.Millisecond, 4 * time.Second}},
+		{"timeout above the bound", 6 * time.Second, func(err error) bool { return errors.Is(err, syscall.ETIMEDOUT) }, [2]time.Duration{1400 * time.Millisecond, 4 * time.Second}},
+		{"timeout below the bound", time.Second, func(err error) bool { return errors.Is(err, os.ErrDeadlineExceeded) }, [2]time.Duration{900 * time.Millisecond, 2900 * time.Millisecond}},
+	}
+	// Together: the three connects wait out the same seconds.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	results := make(chan result, len(cases))
+	for _, tc := range cases {
+		s := policy.Settings{TCPUserTimeout: ut}
+		if tc.timeout == time.Second {
+			s.TCPUserTimeout = policy.Duration(3 * time.Second)
+		}
+		go func() {
+			begin := time.Now()
+			f, err := DialRaw(ctx, ap, s, tc.timeout)
+			if err == nil {
+				_ = f.Close()
+			}
+			results <- result{tc.name, err, time.Since(begin)}
+		}()
+	}
+	got := map[string]result{}
+	for range cases {
+		r := <-results
+		got[r.name] = r
+	}
+	for _, tc := range cases {
+		r := got[tc.name]
+		t.Logf("%s: %v after %v", tc.name, r.err, r.elapsed.Round(time.Millisecond))
+		if !tc.want(r.err) {
+			t.Errorf("%s: the connect ended with %v after %v", tc.name, r.err, r.elapsed)
+		}
+		// The lower bound is the kernel's (or the deadline's); the upper
+		// leaves a goroutine's wake-up on a loaded machine a second and
+		// more, below what a connect the bound did not end would take.
+		if r.elapsed < tc.within[0] || r.elapsed > tc.within[1] {
+			t.Errorf("%s: the connect ended after %v, want within %v", tc.name, r.elapsed, tc.within)
+		}
+	}
+}

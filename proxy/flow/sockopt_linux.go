@@ -103,7 +103,11 @@ func UpstreamControl(s policy.Settings) func(network, address string, c syscall.
 // and clamps the retransmission timer to what is left of it from the
 // next retransmission on, and keepalive's idle time from the last segment
 // received (see setLiveness). So a caller that sets them well before
-// either can expire (a quarter of the shorter) changes no verdict.
+// either can expire (a quarter of the shorter) changes no verdict on a
+// connected socket (TCP_USER_TIMEOUT also bounds the SYN's retransmissions:
+// DialRaw sets it before the connect where that matters). A refused option
+// is an *os.SyscallError; any other error is rc's own (the socket was
+// closed).
 func SetLiveness(rc syscall.RawConn, s policy.Settings) error {
 	var serr error
 	if err := rc.Control(func(fd uintptr) { serr = setLiveness(int(fd), s) }); err != nil {

@@ -141,9 +141,9 @@ func TestBlackholedUpstreamClosesWithinUserTimeout(t *testing.T) {
 // a goroutine on its sockets. When its upstream's path dies while it idles,
 // keepalive still finds it, and the socket's error wakes the parked pump,
 // which ends the link as upstream_timeout within keepalive's own bound, as
-// it would unparked: idle + count x interval = 3 s alone; with
+// it would unparked: idle + count x interval = 5 s alone; with
 // tcp_user_timeout (2 s) the kernel ends it at the first probe past that
-// bound, 2 s after the last byte. With tcp_user_timeout the window guard
+// bound, 2 s after the last byte (and 5 s if the bound were not set). With tcp_user_timeout the window guard
 // sets both a quarter of the shorter after the connect (flow.DialRaw
 // leaves them): the verdict is the same as with them set at the connect.
 // The healthy twin is TestIdleLinkToALiveUpstreamStaysOpen (proxy), whose
@@ -157,7 +157,7 @@ func TestBlackholedParkedLinkEndsByKeepalive(t *testing.T) {
 		ut    time.Duration
 		bound time.Duration // keepalive's, from the last byte
 	}{
-		{"keepalive alone", 0, 3 * time.Second},
+		{"keepalive alone", 0, 5 * time.Second},
 		{"with tcp_user_timeout", 2 * time.Second, 2 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -170,7 +170,7 @@ func parkedEndsByKeepalive(t *testing.T, ut, bound time.Duration) {
 	reg := prometheus.NewRegistry()
 	c, ended := blackholeSetupWith(t, func(s *policy.Settings) {
 		s.TCPUserTimeout = policy.Duration(ut)
-		s.Keepalive = policy.Keepalive{Idle: policy.Duration(time.Second), Interval: policy.Duration(time.Second), Count: 2}
+		s.Keepalive = policy.Keepalive{Idle: policy.Duration(time.Second), Interval: policy.Duration(time.Second), Count: 4}
 	}, func(l *policy.Limits) { l.ParkIdleAfter = policy.Duration(100 * time.Millisecond) }, proxy.Options{Registerer: reg})
 	begin := time.Now()
 	for parked := 0.0; parked != 2; {
