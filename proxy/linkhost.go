@@ -37,11 +37,14 @@ type linkHost interface {
 	// localError logs an error of the proxy's own, never the endpoint's.
 	localError(ep *endpoint, err error)
 
-	// ownConn registers (add) or forgets the local address of an upstream
-	// connection the proxy dialled: a transparent listener refuses it if
-	// it comes back (an interception loop). local is asked only when a
-	// transparent listener is open: it may cost a getsockname.
-	ownConn(local func() net.Addr, add bool)
+	// ownConn registers the local address of an upstream connection the
+	// proxy dialled while a transparent listener is open (one refuses it
+	// if it comes back: an interception loop) and reports whether it did.
+	// local is asked only then: it may cost a getsockname.
+	ownConn(local func() net.Addr) bool
+	// forgetConn forgets an address ownConn registered, whether or not a
+	// transparent listener is still open.
+	forgetConn(local net.Addr)
 	// meshPeer is the ingress sidecar at host:port.
 	meshPeer(host string, port int) *meshPeer
 	// meshFallback counts a link that reached its endpoint directly
@@ -83,19 +86,19 @@ func (l *listener) countUnanswered(ep *endpoint, n, thr int, since int64) {
 
 func (l *listener) sawTLS(ep *endpoint) { l.p.sawTLS(ep) }
 
-func (l *listener) ownConn(local func() net.Addr, add bool) {
+func (l *listener) ownConn(local func() net.Addr) bool {
 	if !l.p.transparent.Load() {
-		return
+		return false
 	}
 	a := local()
-	switch {
-	case a == nil: // the kernel did not say: nothing to guard
-	case add:
-		l.p.ownUp.Store(a.String(), struct{}{})
-	default:
-		l.p.ownUp.Delete(a.String())
+	if a == nil { // the kernel did not say: nothing to guard
+		return false
 	}
+	l.p.ownUp.Store(a.String(), struct{}{})
+	return true
 }
+
+func (l *listener) forgetConn(local net.Addr) { l.p.ownUp.Delete(local.String()) }
 
 func (l *listener) meshPeer(host string, port int) *meshPeer { return l.p.meshPeer(host, port) }
 

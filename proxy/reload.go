@@ -101,6 +101,10 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	errs := p.bindAdded(&set, &ch)
 	p.mu.Lock()
 	p.listeners = set.keep
+	// The loop guard (ownConn) is kept while a transparent listener
+	// accepts; the removed ones accept no more. Links that registered
+	// still forget their addresses when they end.
+	p.transparent.Store(slices.ContainsFunc(set.keep, func(l *listener) bool { return l.cfg.IsTransparent() }))
 	p.mu.Unlock()
 
 	p.enableUnlisted(plan.enable, &ch)

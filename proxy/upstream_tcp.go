@@ -49,6 +49,8 @@ type tcpEnd struct {
 	// livePending: flow.DialRaw left tcp_user_timeout and keepalive
 	// unset, for the window guard to set (windowGuard.setLivenessLater).
 	livePending bool
+	// owned: the loop guard holds local (ownConn), for release to forget.
+	owned bool
 
 	// lowatAt: TCP_NOTSENT_LOWAT is set on the socket (flow.SetNotsentLowat)
 	// before the request pump hands it more than this many bytes in all;
@@ -126,7 +128,7 @@ func (*responses) Limit() int { return flow.ChunkSize }
 
 func (e *tcpEnd) attach(ep *endpoint) bool {
 	lk := e.lk
-	lk.host.ownConn(e.localAddr, true)
+	e.owned = lk.host.ownConn(e.localAddr)
 	lk.ackedAt.Store(flow.Mono()) // progress is measured from the connect on
 	lk.attach(ep)
 	if !lk.adopt(e) {
@@ -179,7 +181,9 @@ func (e *tcpEnd) close() {
 func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) release() {
-	e.lk.host.ownConn(e.localAddr, false)
+	if e.owned {
+		e.lk.host.forgetConn(e.local)
+	}
 	e.win.stop()
 }
 

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
@@ -102,4 +103,71 @@ func TestFailedStartReleasesItsEnd(t *testing.T) {
 	if _, err := c.Read(make([]byte, 1)); err == nil {
 		t.Fatal("the upstream connection is still open")
 	}
+}
+
+// ownedCount is how many upstream addresses the loop guard holds.
+func (p *Proxy) ownedCount() int {
+	n := 0
+	p.ownUp.Range(func(any, any) bool { n++; return true })
+	return n
+}
+
+// The loop guard holds a link's upstream address only while a transparent
+// listener accepts: once a reload removed the last one, a new link asks
+// the kernel for nothing (its address is not registered), and a link that
+// registered before the reload still forgets its address when it ends.
+func TestLoopGuardEndsWithTheLastTransparentListener(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	ended := make(chan LinkStats, 4)
+	cfg := policy.DefaultConfig()
+	tr := policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}},
+		MaxDestinations: 16, ForgetExcludedAfter: policy.Duration(time.Minute)}
+	cfg.Listeners = []policy.Listener{
+		listenerCfg("plain", peer.Addr(), nil),
+		{Name: "out", Listen: "127.0.0.1:0", Settings: cfg.Defaults, Transparent: tr},
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	p := New(cfg, Options{OnLinkEnd: func(s LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	plain := p.Addr("plain").String()
+	dial := func() net.Conn {
+		c, err := net.Dial("tcp", plain)
+		if err != nil {
+			t.Fatal(err)
+		}
+		roundTrip(t, c, []byte("hello")) // the link reached its upstream
+		return c
+	}
+
+	before := dial()
+	defer before.Close()
+	if n := p.ownedCount(); n != 1 {
+		t.Fatalf("with a transparent listener open the loop guard holds %d addresses, want the link's 1", n)
+	}
+
+	cfg2 := cfg
+	cfg2.Listeners = cfg.Listeners[:1]
+	cfg2.Listeners[0].Listen = p.Addr("plain").String()
+	if err := p.Reload(cfg2); err != nil {
+		t.Fatal(err)
+	}
+	after := dial()
+	defer after.Close()
+	if n := p.ownedCount(); n != 1 {
+		t.Fatalf("after the last transparent listener went the loop guard holds %d addresses, want only the first link's 1", n)
+	}
+
+	before.Close()
+	if s := <-ended; s.Client != before.LocalAddr().String() {
+		t.Fatalf("link of %s ended, want %s's", s.Client, before.LocalAddr())
+	}
+	if n := p.ownedCount(); n != 0 {
+		t.Fatalf("the link that registered ended; the loop guard still holds %d addresses", n)
+	}
+	roundTrip(t, after, []byte("the link after the reload works"))
 }
