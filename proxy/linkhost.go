@@ -94,11 +94,11 @@ func (l *listener) ownConn(local func() net.Addr) bool {
 	if a == nil { // the kernel did not say: nothing to guard
 		return false
 	}
-	l.p.ownUp.Store(a.String(), struct{}{})
+	l.p.ownUp.add(a.String())
 	return true
 }
 
-func (l *listener) forgetConn(local net.Addr) { l.p.ownUp.Delete(local.String()) }
+func (l *listener) forgetConn(local net.Addr) { l.p.ownUp.remove(local.String()) }
 
 func (l *listener) meshPeer(host string, port int) *meshPeer { return l.p.meshPeer(host, port) }
 

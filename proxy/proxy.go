@@ -92,7 +92,7 @@ type Proxy struct {
 
 	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
 	excludedSet *intercept.ExcludedSet // nil: excluded destinations are reset after accept
-	ownUp       sync.Map               // local addresses of upstream sockets, for the loop guard
+	ownUp       ownAddrs               // local addresses of upstream sockets, for the loop guard
 
 	reloadMu sync.Mutex     // one Reload at a time; Shutdown holds it to the end
 	closing  bool           // Shutdown began: no more reloads (under mu)

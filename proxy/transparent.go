@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
@@ -126,6 +127,48 @@ func (l *listener) group(ep *endpoint) []*endpoint {
 	return peers
 }
 
+// ownAddrs is the loop guard's set of the local addresses of upstream
+// sockets, each with the number of live sockets that have it: the kernel
+// gives two connections to different destinations the same local port
+// when it can, so one that ends must not take the other's guard with it.
+// At most one entry per link.
+type ownAddrs struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (o *ownAddrs) add(a string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.n == nil {
+		o.n = make(map[string]int)
+	}
+	o.n[a]++
+}
+
+func (o *ownAddrs) remove(a string) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.n[a] <= 1 {
+		delete(o.n, a)
+		return
+	}
+	o.n[a]--
+}
+
+func (o *ownAddrs) has(a string) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.n[a] > 0
+}
+
+// len is how many distinct addresses the set holds.
+func (o *ownAddrs) len() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return len(o.n)
+}
+
 // isOwn reports whether a connection is the proxy's own: its original
 // destination is one of the proxy's listeners, or it comes from one of the
 // proxy's upstream sockets (a redirect rule that does not exempt them). A
@@ -133,7 +176,7 @@ func (l *listener) group(ep *endpoint) []*endpoint {
 // address of the host: a destination on its port is the proxy's own when
 // the address is one of the host's.
 func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
-	if _, ok := p.ownUp.Load(from.String()); ok {
+	if p.ownUp.has(from.String()) {
 		return true
 	}
 	addr := dst.Addr().Unmap()

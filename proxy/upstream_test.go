@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/netip"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -88,9 +89,7 @@ func TestFailedStartReleasesItsEnd(t *testing.T) {
 	if !client.closed.Load() {
 		t.Fatal("the client side was not closed")
 	}
-	own := 0
-	p.ownUp.Range(func(any, any) bool { own++; return true })
-	if own != 0 {
+	if own := p.ownUp.len(); own != 0 {
 		t.Fatalf("the loop guard still holds %d upstream address(es) of a link that ended", own)
 	}
 	// The upstream was connected, and is closed (the server reads its end).
@@ -105,27 +104,20 @@ func TestFailedStartReleasesItsEnd(t *testing.T) {
 	}
 }
 
-// ownedCount is how many upstream addresses the loop guard holds.
-func (p *Proxy) ownedCount() int {
-	n := 0
-	p.ownUp.Range(func(any, any) bool { n++; return true })
-	return n
-}
-
-// The loop guard holds a link's upstream address only while a transparent
-// listener accepts: once a reload removed the last one, a new link asks
-// the kernel for nothing (its address is not registered), and a link that
-// registered before the reload still forgets its address when it ends.
-func TestLoopGuardEndsWithTheLastTransparentListener(t *testing.T) {
+// The loop guard holds a link's upstream address while a transparent
+// listener accepts, and only then: a reload that keeps one keeps the
+// guard, one that removes the last one ends it (a link registered before
+// still forgets its address when it ends), a transparent listener whose
+// bind failed does not turn it on, and one added back does.
+func TestLoopGuardFollowsTheTransparentListeners(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	ended := make(chan LinkStats, 4)
+	ended := make(chan LinkStats, 8)
 	cfg := policy.DefaultConfig()
 	tr := policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}},
 		MaxDestinations: 16, ForgetExcludedAfter: policy.Duration(time.Minute)}
-	cfg.Listeners = []policy.Listener{
-		listenerCfg("plain", peer.Addr(), nil),
-		{Name: "out", Listen: "127.0.0.1:0", Settings: cfg.Defaults, Transparent: tr},
-	}
+	plainCfg := listenerCfg("plain", peer.Addr(), nil)
+	out := policy.Listener{Name: "out", Listen: "127.0.0.1:0", Settings: cfg.Defaults, Transparent: tr}
+	cfg.Listeners = []policy.Listener{plainCfg, out}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
@@ -136,38 +128,98 @@ func TestLoopGuardEndsWithTheLastTransparentListener(t *testing.T) {
 	defer p.Close()
 	plain := p.Addr("plain").String()
 	dial := func() net.Conn {
+		t.Helper()
 		c, err := net.Dial("tcp", plain)
 		if err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() { _ = c.Close() })
 		roundTrip(t, c, []byte("hello")) // the link reached its upstream
 		return c
 	}
-
-	before := dial()
-	defer before.Close()
-	if n := p.ownedCount(); n != 1 {
-		t.Fatalf("with a transparent listener open the loop guard holds %d addresses, want the link's 1", n)
+	end := func(c net.Conn) {
+		t.Helper()
+		_ = c.Close()
+		select {
+		case s := <-ended:
+			if s.Client != c.LocalAddr().String() {
+				t.Fatalf("link of %s ended, want %s's", s.Client, c.LocalAddr())
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("link of %s did not end", c.LocalAddr())
+		}
+	}
+	want := func(n int, when string) {
+		t.Helper()
+		if got := p.ownUp.len(); got != n {
+			t.Fatalf("%s: the loop guard holds %d addresses, want %d", when, got, n)
+		}
+	}
+	reload := func(ls ...policy.Listener) error {
+		c := cfg
+		c.Listeners = ls
+		return p.Reload(c)
 	}
 
-	cfg2 := cfg
-	cfg2.Listeners = cfg.Listeners[:1]
-	cfg2.Listeners[0].Listen = p.Addr("plain").String()
-	if err := p.Reload(cfg2); err != nil {
+	first := dial()
+	want(1, "a transparent listener open")
+
+	retuned := out
+	retuned.Settings.WriteTimeout = policy.Duration(3 * time.Second)
+	if err := reload(plainCfg, retuned); err != nil {
 		t.Fatal(err)
 	}
-	after := dial()
-	defer after.Close()
-	if n := p.ownedCount(); n != 1 {
-		t.Fatalf("after the last transparent listener went the loop guard holds %d addresses, want only the first link's 1", n)
-	}
+	second := dial()
+	want(2, "after a reload that kept the transparent listener")
+	end(second)
+	want(1, "the second link ended")
 
-	before.Close()
-	if s := <-ended; s.Client != before.LocalAddr().String() {
-		t.Fatalf("link of %s ended, want %s's", s.Client, before.LocalAddr())
+	if err := reload(plainCfg); err != nil {
+		t.Fatal(err)
 	}
-	if n := p.ownedCount(); n != 0 {
-		t.Fatalf("the link that registered ended; the loop guard still holds %d addresses", n)
+	third := dial()
+	want(1, "after the last transparent listener went (only the first link's)")
+	end(first)
+	want(0, "the first link, registered before the reload, ended")
+
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
 	}
-	roundTrip(t, after, []byte("the link after the reload works"))
+	defer busy.Close()
+	unbound := out
+	unbound.Name, unbound.Listen = "unbound", busy.Addr().String()
+	if err := reload(plainCfg, unbound); err == nil {
+		t.Fatal("a listener on a taken address was bound")
+	}
+	dial()
+	want(0, "after a transparent listener's bind failed")
+
+	if err := reload(plainCfg, out); err != nil {
+		t.Fatal(err)
+	}
+	dial()
+	want(1, "a transparent listener added back")
+	roundTrip(t, third, []byte("the link from between the reloads still works"))
+}
+
+// Two upstream sockets may share a local address (the kernel gives
+// connections to different destinations the same local port when it
+// can): the guard holds it until both have ended.
+func TestLoopGuardCountsASharedAddress(t *testing.T) {
+	p, l := transparentProxy(t, nil)
+	a := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 40000}
+	dst := netip.MustParseAddrPort("10.9.0.1:8098")
+	local := func() net.Addr { return a }
+	if !l.ownConn(local) || !l.ownConn(local) {
+		t.Fatal("an upstream address was not registered with a transparent listener open")
+	}
+	l.forgetConn(a)
+	if !p.isOwn(dst, a) {
+		t.Fatal("one of two sockets with the address ended; the other is no longer guarded")
+	}
+	l.forgetConn(a)
+	if p.isOwn(dst, a) {
+		t.Fatal("both sockets ended; the address is still guarded")
+	}
 }
