@@ -42,13 +42,16 @@ func endedBy(reason CloseReason) string {
 // reason, the error), bytes each way under the names of bytes_total's
 // direction, the connect time and attempts, the queue peak, when it opened
 // and how long it lived.
-func (l *listener) logLinkEnd(s LinkStats) {
+func (l *listener) logLinkEnd(lk *link, s LinkStats) {
 	e := l.log.Debug()
 	if l.p.accessLog {
 		e = l.log.Info()
 	}
 	if !e.Enabled() {
 		return
+	}
+	if s.Client == "" {
+		s.Client = lk.client.RemoteAddr().String()
 	}
 	e = e.Str("client", s.Client).Str("upstream", s.Upstream).
 		Str("ended_by", endedBy(s.Reason)).Str("reason", string(s.Reason)).AnErr("cause", s.Err).

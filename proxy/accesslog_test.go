@@ -27,8 +27,8 @@ func waitLine(t *testing.T, sink *syncBuffer, msg string) map[string]any {
 	}
 }
 
-// A pool link that failed over: the access log names the member it
-// reached, the two attempts it took and the connect time of the one that
+// A pool link that failed over: the access log names the client, the
+// member it reached, the two attempts it took and the connect time of the one that
 // succeeded; who ended it and why.
 func TestAccessLogFailover(t *testing.T) {
 	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
@@ -49,6 +49,9 @@ func TestAccessLogFailover(t *testing.T) {
 	}
 	if ms, _ := l["connect_ms"].(float64); ms <= 0 {
 		t.Errorf("connect_ms %v", l["connect_ms"])
+	}
+	if l["client"] != c.LocalAddr().String() {
+		t.Errorf("client %v, the client dialled from %s", l["client"], c.LocalAddr())
 	}
 }
 

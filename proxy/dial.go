@@ -36,7 +36,7 @@ func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 	if ap, err := netip.ParseAddrPort(ep.dial); err == nil && flow.RawDialSupported && ap.Addr().Zone() == "" {
 		// An address: the socket outside net (flow.DialRaw), with the
 		// options lk.dialer's Control would set.
-		f, err := flow.DialRaw(lk.host.dialContext(), ap, *lk.settings, lk.dialer.Timeout)
+		f, err := flow.DialRaw(lk.host.dialContext(), ap, lk.settings, lk.dialer.Timeout)
 		if err != nil {
 			return nil, err
 		}

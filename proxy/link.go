@@ -146,12 +146,17 @@ func (lk *link) start() bool {
 // exit ends one of the link's goroutines; the last one finishes the link.
 func (lk *link) exit() {
 	if lk.live.Add(-1) == 0 {
-		lk.host.linkEnded(lk, lk.finish())
+		// finish, then the stats, each from here: the last pump's
+		// goroutine, about to end, then needs no more than its first
+		// stack (finish returning the stats grew it once per link).
+		lk.finish()
+		lk.host.linkEnded(lk, lk.stats())
 	}
 }
 
-// finish releases what the link holds once its goroutines have ended.
-func (lk *link) finish() LinkStats {
+// finish releases what the link holds once its goroutines have ended;
+// lk.stats() then says how it went.
+func (lk *link) finish() {
 	lk.closeBoth()
 	lk.connMu.Lock()
 	up := lk.up
@@ -179,7 +184,6 @@ func (lk *link) finish() LinkStats {
 		lk.halfTimer.Stop()
 	}
 	lk.finMu.Unlock()
-	return lk.stats()
 }
 
 // attach makes ep the link's endpoint once its dial succeeded: its
@@ -502,10 +506,15 @@ func (lk *link) closeBoth() {
 	})
 }
 
+// stats says how the link went, so far.
+//
+// Client is left empty: linkEnded fills it where it is read (the access
+// log, Options.OnLinkEnd), so that a link nobody reports on formats no
+// address, and its last goroutine's first stack holds its end (the
+// formatting alone outgrew it).
 func (lk *link) stats() LinkStats {
 	s := LinkStats{
 		Listener:  lk.name,
-		Client:    lk.client.RemoteAddr().String(),
 		BytesUp:   lk.bytesUp.Load(),
 		BytesDown: lk.bytesDown.Load(),
 		Opened:    lk.opened,

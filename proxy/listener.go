@@ -451,7 +451,8 @@ func (l *listener) serveLink(lk *link) {
 		// finish, not just the stats: a link whose start failed after its
 		// upstream connected (a mesh stream whose ack could not be written)
 		// holds its end, which release gives back.
-		l.linkEnded(lk, lk.finish())
+		lk.finish()
+		l.linkEnded(lk, lk.stats())
 	}
 }
 
@@ -481,7 +482,10 @@ func (l *listener) linkEnded(lk *link, s LinkStats) {
 		l.ingress.kickCheck() // the local server may have gone: announce it at once
 	}
 
-	l.logLinkEnd(s) // the access log (accesslog.go)
+	if l.p.onLinkEnd != nil {
+		s.Client = lk.client.RemoteAddr().String()
+	}
+	l.logLinkEnd(lk, s) // the access log (accesslog.go)
 	if l.p.onLinkEnd != nil {
 		l.p.onLinkEnd(s)
 	}

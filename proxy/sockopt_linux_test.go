@@ -148,7 +148,7 @@ func TestClientSocketFromRawAccept(t *testing.T) {
 	if _, ok := tc.sock.(*os.File); !ok {
 		t.Fatalf("the client socket is a %T, want the *os.File of flow.Listener", tc.sock)
 	}
-	if got, want := lk.stats().Client, c.LocalAddr().String(); got != want {
+	if got, want := lk.client.RemoteAddr().String(), c.LocalAddr().String(); got != want {
 		t.Errorf("link's client %s, the client dialled from %s", got, want)
 	}
 	if err := tc.raw(); err != nil {
@@ -221,7 +221,7 @@ func TestLateLivenessBlame(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		f, err := flow.DialRaw(context.Background(), ap, s, 5*time.Second)
+		f, err := flow.DialRaw(context.Background(), ap, &s, 5*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -100,7 +100,7 @@ func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 	if dialRaw && e.win == nil {
 		// flow.DialRaw left tcp_user_timeout and keepalive unset, and
 		// there is no guard to set them later (attach): now.
-		if err := flow.SetLiveness(raw, *lk.settings); err != nil {
+		if err := flow.SetLiveness(raw, lk.settings); err != nil {
 			_ = c.Close()
 			return nil, err
 		}

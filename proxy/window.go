@@ -160,7 +160,7 @@ func (g *windowGuard) check() {
 	if s := g.live; s != nil {
 		// Before any lift: this is the guard's first sample.
 		g.live = nil
-		if err := flow.SetLiveness(raw, *s); err != nil {
+		if err := flow.SetLiveness(raw, s); err != nil {
 			var refused *os.SyscallError
 			if !errors.As(err, &refused) {
 				return // the socket was closed (the link is ending)

@@ -53,7 +53,7 @@ const RawDialSupported = true
 // taken as the connect's own while nothing listens there) is closed and
 // the connect made again, as is one the kernel refused a spurious
 // EADDRNOTAVAIL; twice at most, within the one timeout.
-func DialRaw(ctx context.Context, ap netip.AddrPort, s policy.Settings, timeout time.Duration) (*os.File, error) {
+func DialRaw(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout time.Duration) (*os.File, error) {
 	addr := net.TCPAddrFromAddrPort(ap)
 	var deadline time.Time
 	if timeout > 0 {
@@ -85,7 +85,7 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s policy.Settings, timeout 
 }
 
 // dialOnce is one connect of DialRaw's, its error not yet net's.
-func dialOnce(ctx context.Context, ap netip.AddrPort, s policy.Settings, deadline time.Time, synBound bool) (*os.File, error) {
+func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadline time.Time, synBound bool) (*os.File, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}

@@ -18,13 +18,13 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-func dialSettings() policy.Settings {
+func dialSettings() *policy.Settings {
 	s := policy.Settings{TCPUserTimeout: policy.Duration(7 * time.Second)}
 	s.Keepalive.Idle = policy.Duration(11 * time.Second)
 	s.Keepalive.Interval = policy.Duration(4 * time.Second)
 	s.Keepalive.Count = 5
 	s.WriteBuffer.HighWaterMark = 256 << 10
-	return s
+	return &s
 }
 
 func sockoptOf(t *testing.T, f *os.File, level, opt int) int {

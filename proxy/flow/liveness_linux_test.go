@@ -65,7 +65,7 @@ func TestSetLivenessLateKeepsKeepalivesClock(t *testing.T) {
 	}
 	defer ln.Close()
 	s := policy.Settings{Keepalive: policy.Keepalive{Idle: policy.Duration(3 * time.Second), Interval: policy.Duration(time.Second), Count: 3}}
-	f, err := DialRaw(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), s, 5*time.Second)
+	f, err := DialRaw(context.Background(), ln.Addr().(*net.TCPAddr).AddrPort(), &s, 5*time.Second)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +96,7 @@ func TestSetLivenessLateKeepsKeepalivesClock(t *testing.T) {
 	const idled = 700 * time.Millisecond
 	time.Sleep(idled)
 	set := time.Now()
-	if err := SetLiveness(rc, s); err != nil {
+	if err := SetLiveness(rc, &s); err != nil {
 		t.Fatal(err)
 	}
 	keepalive, left := keepaliveTimer(t, local, remote)
@@ -137,7 +137,7 @@ func TestSetLivenessLateKeepsTheUserTimeoutsClock(t *testing.T) {
 	var conns [2]*os.File
 	var raws [2]syscall.RawConn
 	for i := range conns {
-		f, err := DialRaw(context.Background(), addr.(*net.TCPAddr).AddrPort(), s, 5*time.Second)
+		f, err := DialRaw(context.Background(), addr.(*net.TCPAddr).AddrPort(), &s, 5*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -154,7 +154,7 @@ func TestSetLivenessLateKeepsTheUserTimeoutsClock(t *testing.T) {
 		}
 		conns[i] = f
 	}
-	if err := SetLiveness(raws[0], s); err != nil {
+	if err := SetLiveness(raws[0], &s); err != nil {
 		t.Fatal(err)
 	}
 	if err := peer.NFT(`table inet lpfault {
@@ -177,7 +177,7 @@ func TestSetLivenessLateKeepsTheUserTimeoutsClock(t *testing.T) {
 		}()
 	}
 	time.Sleep(time.Until(sent.Add(1500 * time.Millisecond)))
-	if err := SetLiveness(raws[1], s); err != nil {
+	if err := SetLiveness(raws[1], &s); err != nil {
 		t.Fatal(err)
 	}
 	var at [2]time.Duration
@@ -244,7 +244,7 @@ func TestDialRawBoundsTheConnectByUserTimeout(t *testing.T) {
 		}
 		go func() {
 			begin := time.Now()
-			f, err := DialRaw(ctx, ap, s, tc.timeout)
+			f, err := DialRaw(ctx, ap, &s, tc.timeout)
 			if err == nil {
 				_ = f.Close()
 			}

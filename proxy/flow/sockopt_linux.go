@@ -22,7 +22,7 @@ import (
 // sysmon; see SysRead): SO_MARK, and TCP_NOTSENT_LOWAT (lowat) and the
 // liveness options (live, setLiveness) where the caller does not set them
 // later. TCP_NODELAY is Go's default for every TCP connection.
-func setUpstreamOptions(fd int, s policy.Settings, lowat, live bool) error {
+func setUpstreamOptions(fd int, s *policy.Settings, lowat, live bool) error {
 	if s.UpstreamMark > 0 {
 		// Lets interception rules exempt the proxy's own connections.
 		if err := setsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, s.UpstreamMark); err != nil {
@@ -53,7 +53,7 @@ func setUpstreamOptions(fd int, s policy.Settings, lowat, live bool) error {
 // last segment received (tcp_sock_set_keepidle_locked re-arms the timer
 // for idle less the time since then), so the first probe goes out when it
 // would have had keepalive been on since the connect.
-func setLiveness(fd int, s policy.Settings) error {
+func setLiveness(fd int, s *policy.Settings) error {
 	if ut := s.TCPUserTimeout.D(); ut > 0 {
 		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
 			return os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
@@ -88,7 +88,7 @@ func ceilSeconds(d policy.Duration) int {
 func UpstreamControl(s policy.Settings) func(network, address string, c syscall.RawConn) error {
 	return func(_, _ string, c syscall.RawConn) error {
 		var serr error
-		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), s, true, true) }); err != nil {
+		if err := c.Control(func(fd uintptr) { serr = setUpstreamOptions(int(fd), &s, true, true) }); err != nil {
 			return err
 		}
 		return serr
@@ -108,7 +108,7 @@ func UpstreamControl(s policy.Settings) func(network, address string, c syscall.
 // DialRaw sets it before the connect where that matters). A refused option
 // is an *os.SyscallError; any other error is rc's own (the socket was
 // closed).
-func SetLiveness(rc syscall.RawConn, s policy.Settings) error {
+func SetLiveness(rc syscall.RawConn, s *policy.Settings) error {
 	var serr error
 	if err := rc.Control(func(fd uintptr) { serr = setLiveness(int(fd), s) }); err != nil {
 		return err

@@ -43,7 +43,7 @@ func SampleSendWindow(syscall.RawConn) (SendWindow, bool) { return SendWindow{},
 func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
 
 // SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
-func SetLiveness(syscall.RawConn, policy.Settings) error { return nil }
+func SetLiveness(syscall.RawConn, *policy.Settings) error { return nil }
 
 // SetNotsentLowat is Linux's (DialRaw, which leaves it to the caller, too).
 func SetNotsentLowat(syscall.RawConn, int64) error { return nil }
@@ -53,7 +53,7 @@ func SetNotsentLowat(syscall.RawConn, int64) error { return nil }
 const RawDialSupported = false
 
 // DialRaw is not made outside Linux (RawDialSupported is false).
-func DialRaw(context.Context, netip.AddrPort, policy.Settings, time.Duration) (*os.File, error) {
+func DialRaw(context.Context, netip.AddrPort, *policy.Settings, time.Duration) (*os.File, error) {
 	return nil, errors.New("raw dial needs Linux")
 }
 
