@@ -57,15 +57,18 @@ func rowOf(t *testing.T, table, key string) []string {
 func TestCtlAgainstARunningProxy(t *testing.T) {
 	a := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, controlAddr, echoAddr, poolAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
-	cfgPath := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
+	var adminAddr, controlAddr, echoAddr, poolAddr, cfgPath string
+	p := startProcReady(t, func() (string, string) {
+		adminAddr, controlAddr, echoAddr, poolAddr = testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
+		cfgPath = writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 shutdown_grace: 0s
 drain_timeout: 100ms
 listeners:
   - {name: echo, listen: %q, upstream: %q}
   - {name: pool, listen: %q, pool: {endpoints: [%q, %q]}}
 `, adminAddr, controlAddr, echoAddr, a.Addr(), poolAddr, a.Addr(), b.Addr()))
-	p := startProc(t, cfgPath)
+		return cfgPath, controlAddr
+	})
 	ctlAt := func(args ...string) string { return mustCtl(t, append([]string{"--control", controlAddr}, args...)...) }
 
 	if out := mustCtl(t, "wait-ready", "--control", controlAddr, "--timeout", "10s"); out != "ready\n" {

@@ -3,6 +3,7 @@ package main
 import (
 	"os"
 	"os/exec"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -67,5 +68,30 @@ func (p *proc) running() bool {
 		return false
 	default:
 		return true
+	}
+}
+
+// startProcReady writes a configuration with render (which picks its
+// addresses afresh each time and returns the config's path and its
+// control address), starts the binary on it and waits until its control
+// server says ready. A port picked closed can be taken by another
+// process's connect before the proxy binds it (the tests of other
+// packages run beside these): when the process exits for that reason,
+// it starts again with new addresses, three times at most. Any other
+// failure fails the test with the process's output.
+func startProcReady(t *testing.T, render func() (cfg, control string)) *proc {
+	t.Helper()
+	for try := 1; ; try++ {
+		cfg, control := render()
+		p := startProc(t, cfg)
+		code, _, errb := ctl(t, "wait-ready", "--control", control, "--timeout", "10s")
+		if code == 0 {
+			return p
+		}
+		if !p.running() && strings.Contains(p.stderr.String(), "address already in use") && try < 3 {
+			t.Logf("try %d: a port was taken before the proxy bound it; again with new ones", try)
+			continue
+		}
+		t.Fatalf("the proxy was not ready within 10s: %s\nits output:\n%s", errb, p.stderr.String())
 	}
 }
