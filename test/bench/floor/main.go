@@ -12,7 +12,8 @@
 //     net: raw accept4, socket and connect, each socket on the runtime's
 //     poller through os.NewFile;
 //   - -design epoll is one edge-triggered epoll event loop for the whole
-//     process, owning its sockets outright.
+//     process, owning its sockets outright, with HAProxy's rule of no
+//     read after a short read (see end.hup).
 //
 // It is a measuring instrument, not a product: it prints nothing per
 // connection, bounds nothing, trusts its peers, and runs until SIGTERM or
@@ -471,10 +472,16 @@ type end struct {
 	// canRead and canWrite: an edge said so and no call has since
 	// returned EAGAIN (edge-triggered: no new edge comes until then).
 	canRead, canWrite bool
-	connecting        bool // the upstream's connect has not completed
-	eof               bool // fd has sent its FIN
-	done              bool // ... and it went on: peer is shut down for writing
-	closed            bool
+	// hup: an edge said the peer sent its FIN (or the socket is shut
+	// down both ways). Until then a read that returned less than it
+	// asked for drained the socket, and the next byte raises a new edge
+	// (HAProxy's rule: no read after a short read); after it, a short
+	// read may have left the EOF behind, and reading goes on to EAGAIN.
+	hup        bool
+	connecting bool // the upstream's connect has not completed
+	eof        bool // fd has sent its FIN
+	done       bool // ... and it went on: peer is shut down for writing
+	closed     bool
 }
 
 // loop is the event loop: the listening socket, the epoll instance, and
@@ -603,6 +610,9 @@ func (lp *loop) handle(ev unix.EpollEvent) {
 	// wait to be read; the read and write calls tell what is left.
 	if ev.Events&(unix.EPOLLIN|unix.EPOLLRDHUP|unix.EPOLLHUP) != 0 {
 		e.canRead = true
+	}
+	if ev.Events&(unix.EPOLLRDHUP|unix.EPOLLHUP) != 0 {
+		e.hup = true
 	}
 	if ev.Events&(unix.EPOLLOUT|unix.EPOLLHUP) != 0 {
 		e.canWrite = true
@@ -737,6 +747,9 @@ func (lp *loop) flow(src *end) bool {
 				src.eof = true
 			default:
 				src.buf, src.off, src.n = b, 0, n
+				if n < len(*b) && !src.hup {
+					src.canRead = false // drained (see hup)
+				}
 			}
 		}
 	}
