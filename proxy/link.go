@@ -122,6 +122,9 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 		ep: ep, settings: &t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
 		client: client, opened: time.Now()}
 	lk.q.Init(&l.p.budget)
+	if tc, ok := client.(*tcpClient); ok {
+		tc.r.SetResetWatch(l.resetWatch())
+	}
 	return lk
 }
 
@@ -158,6 +161,9 @@ func (lk *link) exit() {
 // lk.stats() then says how it went.
 func (lk *link) finish() {
 	lk.closeBoth()
+	if tc, ok := lk.client.(*tcpClient); ok {
+		tc.r.Forget()
+	}
 	lk.connMu.Lock()
 	up := lk.up
 	lk.connMu.Unlock()

@@ -5,6 +5,7 @@ import (
 	"net"
 
 	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // linkHost is what a link needs from its owner: its listener, and
@@ -56,9 +57,19 @@ type linkHost interface {
 	// parker holds the parked pumps of idle links (park.go); a link asks
 	// for it only once the sweep asked it to park, which needs one.
 	parker() *parker
+	// resetWatch is the watch that lets a link's readers wait after a
+	// drained read (resetwatch.go); nil where there is none.
+	resetWatch() flow.ResetWatch
 }
 
 func (l *listener) parker() *parker { return l.p.parker }
+
+func (l *listener) resetWatch() flow.ResetWatch {
+	if l.p.rwatch == nil {
+		return nil // not a typed nil in the interface
+	}
+	return l.p.rwatch
+}
 
 func (l *listener) dialContext() context.Context { return l.ctx }
 

@@ -98,5 +98,18 @@ func (s *epollSet) watch(fd int, key uint64) error {
 	return nil
 }
 
+// watchErrors waits once for fd to have an error or to be shut down both
+// ways (EPOLLERR, EPOLLHUP, which epoll reports whatever else is asked),
+// reported with key: one-shot, level-triggered (an error already there is
+// reported at once), and nothing for bytes or a FIN. fd leaves the set when
+// it is closed.
+func (s *epollSet) watchErrors(fd int, key uint64) error {
+	ev := unix.EpollEvent{Events: unix.EPOLLONESHOT, Fd: int32(uint32(key)), Pad: int32(uint32(key >> 32))}
+	if err := unix.EpollCtl(s.fd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
+		return os.NewSyscallError("epoll_ctl", err)
+	}
+	return nil
+}
+
 // close ends run.
 func (s *epollSet) close() { _ = s.f.Close() }

@@ -86,6 +86,7 @@ type Proxy struct {
 	// epoll set could not be made).
 	parkAfter     atomic.Int64
 	parker        *parker
+	rwatch        *resetWatch // nil where it could not be made: readers read on after every read
 	manageRuntime bool
 	limitsMu      sync.Mutex
 	limits        Limits
@@ -245,6 +246,12 @@ func (p *Proxy) Start() error {
 	} else {
 		p.parker = pk
 	}
+	rw, err := newResetWatch(&p.log)
+	if err != nil {
+		p.log.Warn().Err(err).Msg("no reset watch: each read of a link is followed by another, as without TCP_INQ")
+	} else {
+		p.rwatch = rw
+	}
 	for i, l := range p.listeners {
 		addr, paused := l.open(lns[i])
 		l.log.Info().Str("listen", addr).Str("upstream", l.cfg.Upstream).Bool("paused", paused).Msg("listening")
@@ -342,6 +349,9 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 		p.bg.Wait() // drains of removed listeners end on cancel
 		if p.parker != nil {
 			p.parker.stop() // every link has ended: none is parked
+		}
+		if p.rwatch != nil {
+			p.rwatch.stop() // every link has ended: none is watched
 		}
 		p.det.Close() // probes first: a mesh probe may open a session
 		p.closeMesh()

@@ -107,6 +107,7 @@ func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 	}
 	e.livePending = dialRaw && e.win != nil
 	e.r.InitRaw(raw) // the reader, the writer and tryWrite share one raw connection
+	e.r.SetResetWatch(lk.host.resetWatch())
 	e.rawWriteFn = func(fd uintptr) bool {
 		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
 		return true
@@ -181,6 +182,7 @@ func (e *tcpEnd) close() {
 func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) release() {
+	e.r.Forget()
 	if e.owned {
 		e.lk.host.forgetConn(e.local)
 	}

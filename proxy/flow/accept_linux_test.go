@@ -136,13 +136,14 @@ func TestListenerClose(t *testing.T) {
 }
 
 // TestReadEachWithInqFromTheListener: a reader told that its socket has
-// TCP_INQ from the listener (InqOn) makes no read that finds nothing
-// after a request from the first on: over five round trips its count of
-// such reads stays at most 1 (the first read may come before the first
-// request). Its twin, a reader not told, on a socket from the same
-// listener, reads again after each echo until it has found nothing
-// inqAfter times (a mutation that makes InqOn do nothing fails the told
-// case with inqAfter); both echo every round and end at the FIN.
+// TCP_INQ from the listener (InqOn) reads with it from the first read
+// and makes no setsockopt of its own; once the socket has waited inqAfter
+// times (a connection that lives) and its reset watch watches it, it
+// makes no read that finds nothing after a request: over five round
+// trips its count of such reads stays at most inqAfter. Its twin, a
+// reader not told, on a socket from the same listener, turns TCP_INQ on
+// itself after inqAfter such reads; both echo every round and end at the
+// FIN.
 func TestReadEachWithInqFromTheListener(t *testing.T) {
 	l, err := NewListener(plainListen(t, "tcp4", "127.0.0.1:0"))
 	if err != nil {
@@ -163,6 +164,8 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 		}
 		var r SockReader
 		r.InitRaw(mustRaw(f))
+		w := &fakeWatch{live: true}
+		r.SetResetWatch(w)
 		if told {
 			r.InqOn()
 		}
@@ -195,10 +198,14 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 		// after each echo finds nothing depends on whether the client's
 		// next request came first, which is the scheduler's to decide
 		// (mostly inqAfter, sometimes 0 on a busy machine). A told reader
-		// never makes that read, so its count is the reader's own.
-		t.Logf("told %v: %d reads found nothing, TCP_INQ %v", told, r.waits, r.inq)
-		if told && r.waits > 1 {
-			t.Errorf("told: %d reads found nothing in 5 round trips, want at most 1", r.waits)
+		// makes that read only until the socket has waited inqAfter times
+		// (then the watch watches it), so its count is the reader's own.
+		t.Logf("told %v: %d reads found nothing, TCP_INQ %v, watched %d", told, r.waits, r.inq, w.watches)
+		if told && r.waits > inqAfter {
+			t.Errorf("told: %d reads found nothing in 5 round trips, want at most %d", r.waits, inqAfter)
+		}
+		if told && r.waits == inqAfter && w.watches != 1 {
+			t.Errorf("told: the socket waited %d times and was given to the watch %d times, want once", r.waits, w.watches)
 		}
 		_ = c.Close()
 		_ = f.Close()

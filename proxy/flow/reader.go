@@ -5,6 +5,7 @@ import (
 	"math"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 )
 
@@ -33,6 +34,38 @@ type SockReader struct {
 	// once TCP_INQ is on (see call).
 	waits uint8
 	inq   bool
+
+	// watch sees the resets a wait after a drained read could miss (see
+	// ReadEach); watched once it watches this socket, under key, and
+	// reported once it has seen the socket's error or hang-up. Without a
+	// watch every read is followed by another, as without TCP_INQ.
+	watch    ResetWatch
+	watched  bool
+	key      uint64
+	reported atomic.Bool
+}
+
+// ResetWatch is what lets a SockReader wait after a read that drained its
+// socket (see ReadEach): a watch of the socket for an error or a hang-up
+// (EPOLLERR, EPOLLHUP) that, when one comes, first sets the reader's
+// reported flag and then makes the socket raise a new edge for the
+// reader's wait (shutdown(2) of its read side: the socket is dead or shut
+// down both ways already, and the bytes still queued are read before the
+// end). A reader that sees the flag reads on after every read; one that
+// does not waits, and the edge comes after the wait's start (the flag is
+// checked after the read, which comes after the runtime cleared the
+// socket's readiness), so the wait sees it.
+type ResetWatch interface {
+	// Watch starts watching fd, rc's socket, and returns the key that
+	// Forget takes; false when it cannot (the reader then reads on after
+	// every read, as without TCP_INQ). On the socket's error or hang-up
+	// it sets reported, then raises the edge.
+	Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (key uint64, ok bool)
+	// Forget ends the watch of key, at the socket's end.
+	Forget(key uint64)
+	// Live reports whether the watch still watches: a reader stops
+	// waiting after drained reads once it does not.
+	Live() bool
 }
 
 // ChunkSink is what ReadEach hands chunks to.
@@ -83,6 +116,39 @@ func (r *SockReader) InqOn() { r.inq = true }
 
 // Inq reports whether r reads with TCP_INQ (told, or turned on itself).
 func (r *SockReader) Inq() bool { return r.inq }
+
+// SetResetWatch gives r the watch that lets it wait after a read that
+// drained its socket (see ReadEach); before any read.
+func (r *SockReader) SetResetWatch(w ResetWatch) { r.watch = w }
+
+// Forget ends the watch of r's socket, if it began one. The socket's owner
+// calls it once the socket's readers have ended.
+func (r *SockReader) Forget() {
+	if r.watched {
+		r.watch.Forget(r.key)
+		r.watched = false
+	}
+}
+
+// waitsDrained reports whether a read that left nothing in fd's receive
+// queue (TCP_INQ) is followed by a wait instead of a read: on a socket
+// that has waited for data inqAfter times (a connection that lives), once
+// the reset watch watches it (see ReadEach).
+func (r *SockReader) waitsDrained(fd uintptr) bool {
+	if r.watched {
+		return !r.reported.Load() && r.watch.Live()
+	}
+	if r.watch == nil || r.waits < inqAfter {
+		return false
+	}
+	key, ok := r.watch.Watch(int(fd), r.rc, &r.reported)
+	if !ok {
+		r.watch = nil // not again: reads on, as without TCP_INQ
+		return false
+	}
+	r.key, r.watched = key, true
+	return !r.reported.Load() && r.watch.Live()
+}
 
 func (r *SockReader) try(fd uintptr) bool {
 	bp := GetChunk()
@@ -147,15 +213,24 @@ func (r *SockReader) result() (*[]byte, int, error) {
 // Why a read is not followed by one that finds nothing: when the kernel
 // says (TCP_INQ) that a read left nothing in the receive queue and no FIN
 // behind it, the callback asks the poller to wait instead of reading
-// again. That loses no wake-up: whatever arrives after the read (bytes,
-// FIN, an error) makes a new edge on the runtime's epoll, which it
-// records for this descriptor until the next wait, and the wait comes
-// within this same RawConn.Read call. (Each RawConn.Read starts by
-// clearing the recorded readiness, which is why the handling happens
-// inside the callback and not after it returns.) A read that leaves bytes
-// or a FIN (TCP_INQ says 1 then: the next read returns 0, which is how
-// EOF is seen), or a socket without TCP_INQ, is followed by another read
-// at once, as net.Conn.Read would.
+// again. Whatever arrives after the read (bytes, FIN, an error) makes a
+// new edge on the runtime's epoll, which it records for this descriptor
+// until the next wait, and the wait comes within this same RawConn.Read
+// call. (Each RawConn.Read starts by clearing the recorded readiness,
+// which is why the handling happens inside the callback and not after it
+// returns.) A read that leaves bytes or a FIN (TCP_INQ says 1 then: the
+// next read returns 0, which is how EOF is seen), or a socket without
+// TCP_INQ, is followed by another read at once, as net.Conn.Read would.
+//
+// What TCP_INQ does not say is a reset: an RST that came in behind the
+// last bytes, before the read that took them, leaves the queue empty and
+// no FIN, and its edge was the one that woke this wait (the runtime's
+// epoll reports bytes and reset as one event). Waiting then would miss
+// it. So a reader waits after a drained read only once its ResetWatch
+// watches the socket for an error or a hang-up, which gives the wait the
+// edge it needs; and only on a socket that has waited inqAfter times, a
+// connection that lives (one that makes a request and closes pays the
+// read that finds nothing, not the watch).
 func (r *SockReader) ReadEach(sink ChunkSink) (bp *[]byte, n int, err, sinkErr error) {
 	r.sink = sink
 	err = r.rc.Read(r.fn)
@@ -221,8 +296,8 @@ func (r *SockReader) call(fd uintptr) bool {
 			return true
 		}
 		PutChunk(bp)
-		if queued == 0 {
-			return false // drained, no FIN: wait (see ReadEach)
+		if queued == 0 && r.waitsDrained(fd) {
+			return false // drained, no FIN, the watch on: wait (see ReadEach)
 		}
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -87,37 +89,12 @@ func TestReadInqSaysWhatIsLeft(t *testing.T) {
 	if err := c.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
-	waitCloseWait(t, s) // the FIN has arrived, behind the 6 bytes
+	testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE_WAIT) // the FIN has arrived, behind the 6 bytes
 	if n, q := waitRead(t, s, buf[:6]); n != 6 || q != 1 {
 		t.Fatalf("read %d, left %d; want the last 6 bytes and 1 (the FIN)", n, q)
 	}
 	if n, _ := waitRead(t, s, buf); n != 0 {
 		t.Fatalf("read %d after the FIN, want 0 (EOF)", n)
-	}
-}
-
-// waitCloseWait waits until s has received its peer's FIN (CLOSE_WAIT).
-func waitCloseWait(t *testing.T, s *net.TCPConn) {
-	t.Helper()
-	rc, err := s.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		var state uint8
-		_ = rc.Control(func(fd uintptr) {
-			if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-				state = ti.State
-			}
-		})
-		if state == unix.BPF_TCP_CLOSE_WAIT {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no FIN within 5 s (state %d)", state)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -183,6 +160,8 @@ func endOf(t *testing.T, done <-chan error, s *net.TCPConn) error {
 func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
+	w := &fakeWatch{live: true}
+	r.SetResetWatch(w)
 	done := echoEach(t, &r, s, nil)
 	const rounds = 200
 	msg := []byte("sixteen bytes..")
@@ -203,6 +182,13 @@ func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 	if r.waits > inqAfter+rounds/4 {
 		t.Fatalf("%d reads found nothing in %d round trips: the read after a drained one is still made", r.waits, rounds)
 	}
+	if w.watches != 1 {
+		t.Fatalf("the socket was given to the watch %d times, want once", w.watches)
+	}
+	r.Forget()
+	if w.forgotten != 1 || r.watched {
+		t.Fatalf("Forget: the watch forgot %d sockets (watched %v), want 1", w.forgotten, r.watched)
+	}
 }
 
 // A FIN that came in the same segment as the last bytes is seen: the read
@@ -214,6 +200,7 @@ func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
 	inqOn(t, s, &r)
+	r.SetResetWatch(&fakeWatch{live: true})
 	done := echoEach(t, &r, s, nil)
 	msg := []byte("ping")
 	got := make([]byte, len(msg))
@@ -255,6 +242,7 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
 	inqOn(t, s, &r)
+	r.SetResetWatch(&fakeWatch{live: true})
 	gate := make(chan struct{})
 	done := echoEach(t, &r, s, gate)
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
@@ -332,5 +320,89 @@ func waitQueued(t *testing.T, s *net.TCPConn, n int) {
 			t.Fatalf("receive queue holds %d bytes, want %d", UnreadBytes(s), n)
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// fakeWatch is a flow.ResetWatch that watches nothing: for the tests of
+// the reads a reader makes (proxy's resetWatch, the real one, has the
+// tests of resets). ok false refuses every socket; live is what Live says.
+// Read only after the reader's goroutine has ended.
+type fakeWatch struct {
+	refuse, live       bool
+	watches, forgotten int
+}
+
+func (w *fakeWatch) Watch(int, syscall.RawConn, *atomic.Bool) (uint64, bool) {
+	w.watches++
+	return uint64(w.watches), !w.refuse
+}
+
+func (w *fakeWatch) Forget(uint64) { w.forgotten++ }
+
+func (w *fakeWatch) Live() bool { return w.live }
+
+// An RST that came in behind the last bytes, before the read that takes
+// them, is seen by a reader that nothing watches for resets: TCP_INQ says
+// nothing is left (a reset is not a FIN), and the reader reads again,
+// which returns the reset. So it does when the watch refuses the socket,
+// or has stopped watching. (With a live watch the reader waits instead,
+// and the watch's wake-up ends the wait: proxy's resetWatch tests.)
+func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		watch *fakeWatch
+	}{
+		{"no watch", nil},
+		{"refused", &fakeWatch{refuse: true, live: true}},
+		{"not live", &fakeWatch{live: false}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, s := tcpPair(t)
+			var r SockReader
+			inqOn(t, s, &r)
+			if tc.watch != nil {
+				r.SetResetWatch(tc.watch)
+			}
+			if err := r.Init(s); err != nil {
+				t.Fatal(err)
+			}
+			// Round trips until the socket has waited inqAfter times, when
+			// a watched reader would start to wait after drained reads: each
+			// ReadEach echoes "ping", then finds nothing and waits, until a
+			// read deadline ends the wait.
+			sink := &echoSink{s: s}
+			got := make([]byte, 4)
+			for range inqAfter {
+				if _, err := c.Write([]byte("ping")); err != nil {
+					t.Fatal(err)
+				}
+				_ = s.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+				if _, _, err, werr := r.ReadEach(sink); !errors.Is(err, os.ErrDeadlineExceeded) || werr != nil {
+					t.Fatalf("round trip: %v, %v; want the deadline", err, werr)
+				}
+				if _, err := io.ReadFull(c, got); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if r.waits != inqAfter {
+				t.Fatalf("%d reads found nothing, want %d", r.waits, inqAfter)
+			}
+			if _, err := c.Write([]byte("last")); err != nil {
+				t.Fatal(err)
+			}
+			waitQueued(t, s, 4)
+			_ = c.SetLinger(0)
+			// an RST behind "last":
+			_ = c.Close()
+			testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE) // the reset is in
+			_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
+			_, _, err, werr := r.ReadEach(&echoSink{s: io.Discard})
+			if werr != nil || !errors.Is(err, syscall.ECONNRESET) {
+				t.Fatalf("ReadEach ended with %v (%v), want ECONNRESET (a timeout: the reader waited after the drained read)", err, werr)
+			}
+			if w := tc.watch; w != nil && w.refuse && w.watches != 1 {
+				t.Fatalf("a refused watch was asked %d times, want once", w.watches)
+			}
+		})
 	}
 }

@@ -1,0 +1,137 @@
+package proxy
+
+import (
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/rs/zerolog"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+)
+
+// resetWatch is the proxy's flow.ResetWatch: one epoll set for the
+// process (as the parker's, waited on through the runtime's poller) in
+// which each socket of a link that lives is watched, one-shot, for an
+// error or a hang-up. A pump's reader waits after a read that drained its
+// socket only while its socket is watched: TCP_INQ says nothing of an RST
+// that came in behind the last bytes, whose edge the same wake-up took
+// (flow.SockReader.ReadEach). When the watch reports the socket, it shuts
+// the socket's read side (the socket is dead, or shut down both ways,
+// already; bytes still queued are read before the end), which raises a new
+// edge for the reader: it reads, and sees the reset as without TCP_INQ.
+//
+// Its run goroutine ends at stop. Should its wait fail before that (the
+// proxy's own failure), Live turns false and readers read on after every
+// read from then on.
+type resetWatch struct {
+	log    *zerolog.Logger
+	set    *epollSet
+	runErr chan error // run's end
+	live   atomic.Bool
+
+	mu     sync.Mutex
+	next   uint64
+	socks  map[uint64]watchedSock // by key
+	failed bool                   // a watch failed and was logged
+
+	shut atomic.Int64 // sockets shut for reading on a report (tests)
+}
+
+// watchedSock is a socket under watch: its raw connection, and its
+// reader's flag for the report.
+type watchedSock struct {
+	rc       syscall.RawConn
+	reported *atomic.Bool
+}
+
+// newResetWatch opens the watch's epoll set and starts waiting on it.
+func newResetWatch(log *zerolog.Logger) (*resetWatch, error) {
+	set, err := newEpollSet()
+	if err != nil {
+		return nil, err
+	}
+	w := &resetWatch{log: log, set: set, runErr: make(chan error, 1), socks: make(map[uint64]watchedSock)}
+	w.live.Store(true)
+	go w.run()
+	return w, nil
+}
+
+func (w *resetWatch) run() {
+	err := w.set.run(w.report)
+	stopping := !w.live.Swap(false)
+	if !stopping {
+		w.log.Error().Err(err).Msg("reset watch: waiting on its epoll set failed; readers read on after every read from now on")
+	}
+	w.runErr <- err
+}
+
+// stop closes the epoll set and waits for run to end. Every link has
+// ended by then.
+func (w *resetWatch) stop() {
+	w.live.Store(false)
+	w.set.close()
+	<-w.runErr
+}
+
+// Watch implements flow.ResetWatch. It runs inside the reader's read
+// (the socket cannot close meanwhile).
+func (w *resetWatch) Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (uint64, bool) {
+	if !w.live.Load() {
+		return 0, false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.next++
+	key := w.next
+	if err := w.set.watchErrors(fd, key); err != nil {
+		// The proxy's own failure (the epoll set's limit, memory): the
+		// reader reads on after every read, as without TCP_INQ.
+		if !w.failed {
+			w.failed = true
+			w.log.Warn().Err(err).Msg("reset watch: a socket could not be watched; its reader reads on after every read (logged once)")
+		}
+		return 0, false
+	}
+	w.socks[key] = watchedSock{rc: rc, reported: reported}
+	return key, true
+}
+
+// Forget implements flow.ResetWatch.
+func (w *resetWatch) Forget(key uint64) {
+	w.mu.Lock()
+	delete(w.socks, key)
+	w.mu.Unlock()
+}
+
+// Live implements flow.ResetWatch.
+func (w *resetWatch) Live() bool { return w.live.Load() }
+
+// report is the epoll set's: the socket of key has an error or is shut
+// down both ways. Its watch was one-shot, and ends here.
+func (w *resetWatch) report(key uint64) {
+	w.mu.Lock()
+	ws, ok := w.socks[key]
+	delete(w.socks, key)
+	w.mu.Unlock()
+	if !ok {
+		return // forgotten: its link has ended
+	}
+	// The flag first: a reader that has not yet read the bytes ahead of
+	// the error sees it after that read and reads on; one that checked it
+	// before it was set waits, and the edge below comes after its wait
+	// began (flow.ResetWatch).
+	ws.reported.Store(true)
+	// Through rc: a socket closed meanwhile refuses, so no other socket
+	// that took its descriptor number is touched.
+	if flow.ShutdownRead(ws.rc) == nil {
+		w.shut.Add(1)
+	}
+}
+
+// watched is the count of sockets under watch (tests).
+func (w *resetWatch) watched() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.socks)
+}

@@ -1,0 +1,360 @@
+//go:build linux
+
+package proxy
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+)
+
+// watchedPair is a loopback pair whose accepted end s is read by r with
+// TCP_INQ on and w as its reset watch, after the round trips that make r
+// wait after drained reads (the socket has waited for data twice): each
+// echoes "ping" and ends at a short read deadline.
+func watchedPair(t *testing.T, w *resetWatch) (c, s *net.TCPConn, r *flow.SockReader) {
+	t.Helper()
+	s, c = acceptedPair(t)
+	rc, err := s.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	on := false
+	_ = rc.Control(func(fd uintptr) { on = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_INQ, 1) == nil })
+	if !on {
+		t.Skip("the kernel has no TCP_INQ (Linux 4.18)")
+	}
+	r = &flow.SockReader{}
+	r.InqOn()
+	r.SetResetWatch(w)
+	r.InitRaw(rc)
+	got := make([]byte, 4)
+	for range 2 {
+		if _, err := c.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		_ = s.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+		if _, _, err, werr := r.ReadEach(echoTo{s}); !errors.Is(err, os.ErrDeadlineExceeded) || werr != nil {
+			t.Fatalf("round trip: %v, %v; want the deadline", err, werr)
+		}
+		if _, err := io.ReadFull(c, got); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_ = s.SetReadDeadline(time.Time{})
+	return c, s, r
+}
+
+// echoTo is a flow.ChunkSink that writes each chunk to w.
+type echoTo struct{ w io.Writer }
+
+func (echoTo) Limit() int { return flow.ChunkSize }
+
+func (e echoTo) Handle(bp *[]byte, n int) (flow.Handled, error) {
+	if _, err := e.w.Write((*bp)[:n]); err != nil {
+		return flow.HandledStop, err
+	}
+	return flow.HandledMore, nil
+}
+
+func newTestResetWatch(t *testing.T) *resetWatch {
+	t.Helper()
+	w, err := newResetWatch(testLogger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.stop)
+	return w
+}
+
+// A reset that came in behind the last bytes, before the read that takes
+// them, is seen: TCP_INQ says nothing is left, and the edge the reset
+// raised is gone (the runtime cleared the socket's readiness as the read
+// began). Two orders:
+//   - watched at that read: the watch reports the socket's error at once
+//     (its registration is level-triggered) and shuts its read side,
+//     which wakes the reader's wait, and the next read returns the reset;
+//   - watched before the reset: the report came before the read, and its
+//     edge went the same way as the reset's; the reader sees the report's
+//     flag after the read and reads on.
+//
+// Without the shutdown the first order waits for the 10 s deadline, and
+// without the flag the second does (each mutation fails here). The watch
+// forgets the socket on its report, and has nothing left.
+func TestResetWatchWakesAReaderForAResetBehindTheLastBytes(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		name := "watched at the read"
+		if early {
+			name = "watched before the reset"
+		}
+		t.Run(name, func(t *testing.T) {
+			w := newTestResetWatch(t)
+			c, s, r := watchedPair(t, w)
+			if early {
+				// One more round trip: its drained read has the watch take
+				// the socket.
+				if _, err := c.Write([]byte("ping")); err != nil {
+					t.Fatal(err)
+				}
+				_ = s.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+				if _, _, err, _ := r.ReadEach(echoTo{s}); !errors.Is(err, os.ErrDeadlineExceeded) {
+					t.Fatalf("round trip: %v", err)
+				}
+				if n := w.watched(); n != 1 {
+					t.Fatalf("%d sockets watched, want 1", n)
+				}
+				if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := c.Write([]byte("last")); err != nil {
+				t.Fatal(err)
+			}
+			waitUnread(t, s, 4)
+			_ = c.SetLinger(0)
+			// an RST behind "last":
+			_ = c.Close()
+			testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE) // the reset is in
+			if early {
+				waitShut(t, w, 1) // the report, before the read
+			}
+			// An idle moment, in which the runtime's poller takes the
+			// edges there are (and ReadEach's start then clears them): the
+			// case the watch is for. With the watch the test passes
+			// whether or not the poller took them.
+			time.Sleep(20 * time.Millisecond)
+			_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
+			_, _, err, werr := r.ReadEach(echoTo{io.Discard})
+			if werr != nil || !errors.Is(err, syscall.ECONNRESET) {
+				t.Fatalf("ReadEach ended with %v (%v), want ECONNRESET (a timeout: the reset was missed)", err, werr)
+			}
+			// The watch reports the socket whether the reader needed it or
+			// not: its registration is level-triggered, and the error stays.
+			waitShut(t, w, 1)
+			r.Forget()
+			if n := w.watched(); n != 0 {
+				t.Fatalf("%d sockets still watched", n)
+			}
+		})
+	}
+}
+
+// waitShut waits until w has shut n sockets.
+func waitShut(t *testing.T, w *resetWatch, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for w.shut.Load() != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("the watch shut %d sockets in 5 s, want %d", w.shut.Load(), n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// The realistic shape, twenty times: the reader already waits (drained,
+// watched) when the peer answers and closes with bytes of ours unread in
+// its receive queue, so that the kernel sends an RST right behind the
+// answer. Every reader sees the answer and then the reset.
+func TestResetWatchAnswerThenResetWhileTheReaderWaits(t *testing.T) {
+	w := newTestResetWatch(t)
+	for i := range 20 {
+		c, s, r := watchedPair(t, w)
+		if _, err := s.Write([]byte("a request the peer never reads")); err != nil {
+			t.Fatal(err)
+		}
+		var answer []byte
+		done := make(chan error, 1)
+		_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
+		go func() {
+			_, _, err, werr := r.ReadEach(sinkFunc(func(p []byte) { answer = append(answer, p...) }))
+			done <- errors.Join(err, werr)
+		}()
+		waitUnread(t, c, len("a request the peer never reads"))
+		if _, err := c.Write([]byte("answer")); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.Close() // unread bytes: an RST, not a FIN
+		err := <-done
+		if !errors.Is(err, syscall.ECONNRESET) || string(answer) != "answer" {
+			t.Fatalf("round %d: ReadEach ended with %v after %q, want ECONNRESET after the answer", i, err, answer)
+		}
+		r.Forget()
+	}
+	if n := w.watched(); n != 0 {
+		t.Fatalf("%d sockets still watched after every reader forgot its own", n)
+	}
+}
+
+// The twin: a peer that is slow but alive. A watched reader waits through
+// a pause longer than any of the watch's work, the watch reports nothing
+// and shuts nothing, and the answer after the pause arrives whole; bytes
+// and the peer's FIN are not the watch's (the reader sees EOF after the
+// last answer, as without it).
+func TestResetWatchLeavesASlowPeerAlone(t *testing.T) {
+	w := newTestResetWatch(t)
+	c, s, r := watchedPair(t, w)
+	var answers []byte
+	done := make(chan error, 1)
+	_ = s.SetReadDeadline(time.Now().Add(20 * time.Second))
+	go func() {
+		_, _, err, werr := r.ReadEach(sinkFunc(func(p []byte) { answers = append(answers, p...) }))
+		done <- errors.Join(err, werr)
+	}()
+	for _, a := range []string{"slow", "slower"} {
+		time.Sleep(300 * time.Millisecond) // a pause, not a synchronisation: the reader waits either way
+		if _, err := c.Write([]byte(a)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := w.shut.Load(); got != 0 {
+		t.Fatalf("the watch shut %d sockets of a live peer", got)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !errors.Is(err, io.EOF) {
+		t.Fatalf("ReadEach ended with %v, want io.EOF", err)
+	}
+	if string(answers) != "slowslower" {
+		t.Fatalf("read %q, want both answers", answers)
+	}
+	if got := w.shut.Load(); got != 0 {
+		t.Fatalf("the watch shut %d sockets on a FIN (one way)", got)
+	}
+	r.Forget()
+	if n := w.watched(); n != 0 {
+		t.Fatalf("%d sockets still watched", n)
+	}
+}
+
+// sinkFunc is a flow.ChunkSink that hands each chunk's bytes to f.
+type sinkFunc func(p []byte)
+
+func (sinkFunc) Limit() int { return flow.ChunkSize }
+
+func (f sinkFunc) Handle(bp *[]byte, n int) (flow.Handled, error) {
+	f((*bp)[:n])
+	return flow.HandledMore, nil
+}
+
+// waitUnread waits until c's receive queue holds n bytes.
+func waitUnread(t *testing.T, c *net.TCPConn, n int) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for flow.UnreadBytes(c) != n {
+		if time.Now().After(deadline) {
+			t.Fatalf("receive queue holds %d bytes, want %d", flow.UnreadBytes(c), n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// Through the proxy: an upstream answers and closes with request bytes
+// unread, so that its kernel sends an RST right behind the answer, on a
+// link that lives (round trips first, so that both readers wait after
+// drained reads). The client gets the answer and then the link's end
+// within 10 s (where the reset is missed it waits for park_idle_after's
+// level-triggered wait, or for ever without parking: the two subtests),
+// and the link ends as the upstream's reset. The watch holds nothing once
+// the links are gone.
+func TestUpstreamResetBehindTheAnswerEndsTheLink(t *testing.T) {
+	for _, park := range []time.Duration{0, time.Minute} {
+		t.Run("park_idle_after "+park.String(), func(t *testing.T) {
+			addr, wait := oneUpstream(t, func(c *net.TCPConn) error {
+				buf := make([]byte, 4)
+				for range 6 {
+					if _, err := io.ReadFull(c, buf); err != nil {
+						return err
+					}
+					if _, err := c.Write(buf); err != nil {
+						return err
+					}
+				}
+				if _, err := io.ReadFull(c, buf); err != nil { // "last"; "UNREAD" stays behind it
+					return err
+				}
+				for flow.UnreadBytes(c) == 0 { // the unread bytes are in
+					time.Sleep(time.Millisecond)
+				}
+				_, err := c.Write([]byte("resp"))
+				return err // the deferred close, with unread bytes: an RST
+			})
+			h := startParking(t, addr, park, nil)
+			c := h.dial()
+			for range 6 {
+				roundTrip(t, c, []byte("ping"))
+			}
+			if _, err := c.Write([]byte("lastUNREAD")); err != nil {
+				t.Fatal(err)
+			}
+			got := make([]byte, 4)
+			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if _, err := io.ReadFull(c, got); err != nil || string(got) != "resp" {
+				t.Fatalf("answer %q, %v", got, err)
+			}
+			err, _ := waitClosed(t, c, 10*time.Second)
+			wait()
+			st := h.linkEnd(10 * time.Second)
+			t.Logf("client saw %v; link ended as %s", err, st.Reason)
+			if st.Reason != CloseUpstreamError {
+				t.Errorf("link ended as %s, want %s", st.Reason, CloseUpstreamError)
+			}
+			if n := h.p.rwatch.watched(); n != 0 {
+				t.Errorf("the reset watch holds %d sockets after the link ended", n)
+			}
+		})
+	}
+}
+
+// The client's side of the same: a client that sends its last request and
+// resets right behind it (SO_LINGER 0), on a link that lives, while the
+// upstream holds the request unanswered (a long poll). The link ends as
+// the client's error within 10 s, not when the upstream answers: the
+// client's socket, with TCP_INQ from its listener, is watched too.
+func TestClientResetBehindTheLastRequestEndsTheLink(t *testing.T) {
+	release := make(chan struct{})
+	addr, wait := oneUpstream(t, func(c *net.TCPConn) error {
+		buf := make([]byte, 4)
+		for range 6 {
+			if _, err := io.ReadFull(c, buf); err != nil {
+				return err
+			}
+			if _, err := c.Write(buf); err != nil {
+				return err
+			}
+		}
+		if _, err := io.ReadFull(c, buf); err != nil { // "last", held unanswered
+			return err
+		}
+		<-release
+		return nil
+	})
+	defer wait()
+	defer close(release)
+	h := startParking(t, addr, 0, nil)
+	c := h.dial()
+	for range 6 {
+		roundTrip(t, c, []byte("ping"))
+	}
+	if _, err := c.Write([]byte("last")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetLinger(0)
+	_ = c.Close() // an RST behind "last"
+	st := h.linkEnd(10 * time.Second)
+	if st.Reason != CloseClientError {
+		t.Errorf("link ended as %s, want %s", st.Reason, CloseClientError)
+	}
+	if n := h.p.rwatch.watched(); n != 0 {
+		t.Errorf("the reset watch holds %d sockets after the link ended", n)
+	}
+}
