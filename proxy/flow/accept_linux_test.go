@@ -204,8 +204,8 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 		if told && r.waits > inqAfter {
 			t.Errorf("told: %d reads found nothing in 5 round trips, want at most %d", r.waits, inqAfter)
 		}
-		if told && r.waits == inqAfter && w.watches != 1 {
-			t.Errorf("told: the socket waited %d times and was given to the watch %d times, want once", r.waits, w.watches)
+		if w.watches > 1 {
+			t.Errorf("told %v: the socket was given to the watch %d times, want once at most", told, w.watches)
 		}
 		_ = c.Close()
 		_ = f.Close()

@@ -384,8 +384,8 @@ func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if r.waits != inqAfter {
-				t.Fatalf("%d reads found nothing, want %d", r.waits, inqAfter)
+			if r.waits < inqAfter { // more where a "ping" came after a read
+				t.Fatalf("%d reads found nothing, want at least %d", r.waits, inqAfter)
 			}
 			if _, err := c.Write([]byte("last")); err != nil {
 				t.Fatal(err)
