@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -416,11 +417,19 @@ func TestFailedFastOnServerClose(t *testing.T) {
 	if d := time.Since(start); d > time.Second {
 		t.Fatalf("failing took %v, want well under the 5s timeout", d)
 	}
-	mu.Lock()
-	if len(closes) != 1 || closes[0].FailedFast != 20 || closes[0].Addr != addr {
-		t.Fatalf("OnClose: %+v", closes)
+	// OnClose comes after the queries have failed (the broker fails them
+	// first), so wait for it; and never hold mu across a Fatalf: the
+	// broker's Close, in the cleanup, waits for the goroutine that calls
+	// OnClose, which would wait for mu.
+	got := func() []ConnClose {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(closes)
 	}
-	mu.Unlock()
+	waitFor(t, "OnClose", func() bool { return len(got()) > 0 })
+	if cs := got(); len(cs) != 1 || cs[0].FailedFast != 20 || cs[0].Addr != addr {
+		t.Fatalf("OnClose: %+v", cs)
+	}
 	if b.Connected(addr) {
 		t.Fatal("still connected after the server closed")
 	}
