@@ -17,9 +17,10 @@ import (
 // socket only while its socket is watched: TCP_INQ says nothing of an RST
 // that came in behind the last bytes, whose edge the same wake-up took
 // (flow.SockReader.ReadEach). When the watch reports the socket, it shuts
-// the socket's read side (the socket is dead, or shut down both ways,
-// already; bytes still queued are read before the end), which raises a new
-// edge for the reader: it reads, and sees the reset as without TCP_INQ.
+// the socket's read side where it can receive nothing more (dead, or the
+// peer's FIN in; bytes still queued are read before the end), which raises
+// a new edge for the reader: it reads, and sees the reset as without
+// TCP_INQ.
 //
 // Its run goroutine ends at stop. Should its wait fail before that (the
 // proxy's own failure), Live turns false and readers read on after every
@@ -123,8 +124,9 @@ func (w *resetWatch) report(key uint64) {
 	// began (flow.ResetWatch).
 	ws.reported.Store(true)
 	// Through rc: a socket closed meanwhile refuses, so no other socket
-	// that took its descriptor number is touched.
-	if flow.ShutdownRead(ws.rc) == nil {
+	// that took its descriptor number is touched; and only a socket that
+	// can receive nothing more is shut.
+	if flow.ShutdownReadAtEnd(ws.rc) {
 		w.shut.Add(1)
 	}
 }

@@ -49,9 +49,9 @@ type SockReader struct {
 // socket (see ReadEach): a watch of the socket for an error or a hang-up
 // (EPOLLERR, EPOLLHUP) that, when one comes, first sets the reader's
 // reported flag and then makes the socket raise a new edge for the
-// reader's wait (shutdown(2) of its read side: the socket is dead or shut
-// down both ways already, and the bytes still queued are read before the
-// end). A reader that sees the flag reads on after every read; one that
+// reader's wait (ShutdownReadAtEnd: shutdown(2) of its read side, where
+// the socket can receive nothing more; the bytes still queued are read
+// before the end). A reader that sees the flag reads on after every read; one that
 // does not waits, and the edge comes after the wait's start (the flag is
 // checked after the read, which comes after the runtime cleared the
 // socket's readiness), so the wait sees it.

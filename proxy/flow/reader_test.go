@@ -406,3 +406,75 @@ func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
 		})
 	}
 }
+
+// ShutdownReadAtEnd shuts the read side only of a socket that can receive
+// nothing more, and wakes its waiters then: a live socket is left as it
+// is (a byte sent after the call still arrives); one closed by a reset,
+// or one whose peer's FIN is in, is shut, its queued bytes still read
+// first (then the reset, or EOF).
+func TestShutdownReadAtEnd(t *testing.T) {
+	t.Run("live", func(t *testing.T) {
+		c, s := tcpPair(t)
+		if ShutdownReadAtEnd(rawOf(t, s)) {
+			t.Fatal("shut a live socket")
+		}
+		if _, err := c.Write([]byte("still")); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, 5)
+		_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.ReadFull(s, got); err != nil || string(got) != "still" {
+			t.Fatalf("after the call: %q, %v", got, err)
+		}
+	})
+	t.Run("reset", func(t *testing.T) {
+		c, s := tcpPair(t)
+		if _, err := c.Write([]byte("last")); err != nil {
+			t.Fatal(err)
+		}
+		waitQueued(t, s, 4)
+		_ = c.SetLinger(0)
+		_ = c.Close()
+		testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE)
+		if !ShutdownReadAtEnd(rawOf(t, s)) {
+			t.Fatal("a socket closed by a reset was not shut")
+		}
+		got := make([]byte, 4)
+		if _, err := io.ReadFull(s, got); err != nil || string(got) != "last" {
+			t.Fatalf("queued bytes: %q, %v", got, err)
+		}
+		if _, err := s.Read(got); !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatalf("after the bytes: %v, want ECONNRESET", err)
+		}
+	})
+	t.Run("peer's FIN in", func(t *testing.T) {
+		c, s := tcpPair(t)
+		if _, err := c.Write([]byte("last")); err != nil {
+			t.Fatal(err)
+		}
+		if err := c.CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+		testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE_WAIT)
+		if !ShutdownReadAtEnd(rawOf(t, s)) {
+			t.Fatal("a socket whose peer's FIN is in was not shut")
+		}
+		got := make([]byte, 4)
+		if _, err := io.ReadFull(s, got); err != nil || string(got) != "last" {
+			t.Fatalf("queued bytes: %q, %v", got, err)
+		}
+		if _, err := s.Read(got); !errors.Is(err, io.EOF) {
+			t.Fatalf("after the bytes: %v, want EOF", err)
+		}
+	})
+}
+
+// rawOf is c's raw connection.
+func rawOf(t *testing.T, c *net.TCPConn) syscall.RawConn {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rc
+}

@@ -158,6 +158,34 @@ func tcpInfo(raw syscall.RawConn) (ti *unix.TCPInfo, ok bool) {
 	return ti, ok
 }
 
+// ShutdownReadAtEnd shuts rc's socket for reading (shutdown(2) with
+// SHUT_RD), made as SysRead is, for what it wakes: the kernel wakes every
+// waiter on the socket, which raises a new edge for the runtime's epoll
+// (see ResetWatch). It does so only where no byte can come in any more
+// (TCP_INFO's state: closed by a reset or an error, or the peer's FIN in:
+// CLOSE_WAIT, LAST_ACK, CLOSING, TIME_WAIT), so that it never shuts a
+// socket that lives, whatever else raised its EPOLLERR (an error-queue
+// entry would, with options the proxy does not set today). It reports
+// whether it shut the socket; the call's own errno is not looked at (on
+// a socket a reset closed it is ENOTCONN, and it wakes the waiters all
+// the same).
+func ShutdownReadAtEnd(rc syscall.RawConn) bool {
+	shut := false
+	_ = rc.Control(func(fd uintptr) {
+		var ti unix.TCPInfo
+		if getsockopt(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti))) != nil {
+			return
+		}
+		switch ti.State {
+		case unix.BPF_TCP_CLOSE, unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING, unix.BPF_TCP_TIME_WAIT:
+			raceReleaseIO()
+			syscall.RawSyscall(syscall.SYS_SHUTDOWN, fd, syscall.SHUT_RD, 0)
+			shut = true
+		}
+	})
+	return shut
+}
+
 // ip6tSOOriginalDst is IP6T_SO_ORIGINAL_DST, which x/sys does not name.
 const ip6tSOOriginalDst = 80
 

@@ -79,3 +79,6 @@ func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net
 
 // ListenControl is Linux's (nil: no Control).
 var ListenControl func(network, address string, c syscall.RawConn) error
+
+// ShutdownReadAtEnd is Linux's (the reset watch is: no TCP_INQ elsewhere).
+func ShutdownReadAtEnd(syscall.RawConn) bool { return false }

@@ -266,19 +266,6 @@ func ShutdownWrite(rc syscall.RawConn) error {
 	return nil
 }
 
-// ShutdownRead shuts rc's socket for reading (shutdown(2) with SHUT_RD),
-// made as SysRead is, for what it wakes: the kernel wakes every waiter on
-// the socket, which raises a new edge for the runtime's epoll (see
-// ResetWatch). On a socket a reset closed the call fails with ENOTCONN
-// and wakes them all the same, so only rc's own error (a socket closed
-// meanwhile) is returned.
-func ShutdownRead(rc syscall.RawConn) error {
-	return rc.Control(func(fd uintptr) {
-		raceReleaseIO()
-		syscall.RawSyscall(syscall.SYS_SHUTDOWN, fd, syscall.SHUT_RD, 0)
-	})
-}
-
 // LocalAddr is the local address of the socket behind rc (getsockname,
 // made as SysRead is), as net's TCPConn.LocalAddr gives it; nil when the
 // kernel does not say.
