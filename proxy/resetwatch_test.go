@@ -280,16 +280,7 @@ func TestUpstreamResetBehindTheAnswerEndsTheLink(t *testing.T) {
 	for _, park := range []time.Duration{0, time.Minute} {
 		t.Run("park_idle_after "+park.String(), func(t *testing.T) {
 			addr, wait := oneUpstream(t, func(c *net.TCPConn) error {
-				buf := make([]byte, 4)
-				for range 6 {
-					if _, err := io.ReadFull(c, buf); err != nil {
-						return err
-					}
-					if _, err := c.Write(buf); err != nil {
-						return err
-					}
-				}
-				if _, err := io.ReadFull(c, buf); err != nil { // "last"; "UNREAD" stays behind it
+				if err := echoThenRead(c, 6); err != nil { // "last"; "UNREAD" stays behind it
 					return err
 				}
 				for flow.UnreadBytes(c) == 0 { // the unread bytes are in
@@ -333,16 +324,7 @@ func TestUpstreamResetBehindTheAnswerEndsTheLink(t *testing.T) {
 func TestClientResetBehindTheLastRequestEndsTheLink(t *testing.T) {
 	release := make(chan struct{})
 	addr, wait := oneUpstream(t, func(c *net.TCPConn) error {
-		buf := make([]byte, 4)
-		for range 6 {
-			if _, err := io.ReadFull(c, buf); err != nil {
-				return err
-			}
-			if _, err := c.Write(buf); err != nil {
-				return err
-			}
-		}
-		if _, err := io.ReadFull(c, buf); err != nil { // "last", held unanswered
+		if err := echoThenRead(c, 6); err != nil { // "last", held unanswered
 			return err
 		}
 		<-release
@@ -367,4 +349,20 @@ func TestClientResetBehindTheLastRequestEndsTheLink(t *testing.T) {
 	if n := h.p.rwatch.watched(); n != 0 {
 		t.Errorf("the reset watch holds %d sockets after the link ended", n)
 	}
+}
+
+// echoThenRead echoes n 4-byte requests on c and reads one more, which it
+// does not answer.
+func echoThenRead(c *net.TCPConn, n int) error {
+	buf := make([]byte, 4)
+	for range n {
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return err
+		}
+		if _, err := c.Write(buf); err != nil {
+			return err
+		}
+	}
+	_, err := io.ReadFull(c, buf)
+	return err
 }
