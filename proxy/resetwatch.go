@@ -23,15 +23,16 @@ import (
 // TCP_INQ.
 //
 // Its run goroutine ends at stop. Should its wait fail before that (the
-// proxy's own failure), Live turns false and readers read on after every
-// read from then on.
+// proxy's own failure), it marks every socket it watches as reported, so
+// that their readers read on after every read from then on, and takes no
+// more.
 type resetWatch struct {
 	log    *zerolog.Logger
 	set    *epollSet
 	runErr chan error // run's end
-	live   atomic.Bool
 
 	mu     sync.Mutex
+	closed bool // stopped, or its wait failed: Watch refuses
 	next   uint64
 	socks  map[uint64]watchedSock // by key
 	failed bool                   // a watch failed and was logged
@@ -53,14 +54,19 @@ func newResetWatch(log *zerolog.Logger) (*resetWatch, error) {
 		return nil, err
 	}
 	w := &resetWatch{log: log, set: set, runErr: make(chan error, 1), socks: make(map[uint64]watchedSock)}
-	w.live.Store(true)
 	go w.run()
 	return w, nil
 }
 
 func (w *resetWatch) run() {
 	err := w.set.run(w.report)
-	stopping := !w.live.Swap(false)
+	w.mu.Lock()
+	stopping := w.closed
+	w.closed = true
+	for _, ws := range w.socks {
+		ws.reported.Store(true) // nobody will report it now: its reader reads on
+	}
+	w.mu.Unlock()
 	if !stopping {
 		w.log.Error().Err(err).Msg("reset watch: waiting on its epoll set failed; readers read on after every read from now on")
 	}
@@ -70,7 +76,9 @@ func (w *resetWatch) run() {
 // stop closes the epoll set and waits for run to end. Every link has
 // ended by then.
 func (w *resetWatch) stop() {
-	w.live.Store(false)
+	w.mu.Lock()
+	w.closed = true
+	w.mu.Unlock()
 	w.set.close()
 	<-w.runErr
 }
@@ -78,11 +86,11 @@ func (w *resetWatch) stop() {
 // Watch implements flow.ResetWatch. It runs inside the reader's read
 // (the socket cannot close meanwhile).
 func (w *resetWatch) Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (uint64, bool) {
-	if !w.live.Load() {
-		return 0, false
-	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if w.closed {
+		return 0, false
+	}
 	w.next++
 	key := w.next
 	if err := w.set.watchErrors(fd, key); err != nil {
@@ -104,9 +112,6 @@ func (w *resetWatch) Forget(key uint64) {
 	delete(w.socks, key)
 	w.mu.Unlock()
 }
-
-// Live implements flow.ResetWatch.
-func (w *resetWatch) Live() bool { return w.live.Load() }
 
 // report is the epoll set's: the socket of key has an error or is shut
 // down both ways. Its watch was one-shot, and ends here.

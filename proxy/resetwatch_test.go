@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -365,4 +366,49 @@ func echoThenRead(c *net.TCPConn, n int) error {
 	}
 	_, err := io.ReadFull(c, buf)
 	return err
+}
+
+// A watch whose wait fails (the proxy's own failure; here its epoll set is
+// closed under it) marks every socket it held as reported, so that their
+// readers read on after every read and a reset behind the last bytes is
+// still seen, and takes no more sockets.
+func TestResetWatchFailureMarksItsSockets(t *testing.T) {
+	w := newTestResetWatch(t)
+	c, s, r := watchedPair(t, w)
+	// One more round trip: its drained read has the watch take the socket.
+	if _, err := c.Write([]byte("ping")); err != nil {
+		t.Fatal(err)
+	}
+	_ = s.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+	if _, _, err, _ := r.ReadEach(echoTo{s}); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("round trip: %v", err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 4)); err != nil {
+		t.Fatal(err)
+	}
+	if n := w.watched(); n != 1 {
+		t.Fatalf("%d sockets watched, want 1", n)
+	}
+	w.set.close()
+	err := <-w.runErr
+	w.runErr <- err // for stop, in the cleanup
+	if _, ok := w.Watch(-1, nil, new(atomic.Bool)); ok {
+		t.Fatal("a failed watch took a socket")
+	}
+	if _, err := c.Write([]byte("last")); err != nil {
+		t.Fatal(err)
+	}
+	waitUnread(t, s, 4)
+	_ = c.SetLinger(0)
+	// an RST behind "last":
+	_ = c.Close()
+	testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE)
+	time.Sleep(20 * time.Millisecond) // as in TestResetWatchWakes...: the poller takes the edge
+	_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, _, err, werr := r.ReadEach(echoTo{io.Discard}); werr != nil || !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("ReadEach ended with %v (%v), want ECONNRESET (a timeout: the reset was missed)", err, werr)
+	}
+	if got := w.shut.Load(); got != 0 {
+		t.Fatalf("a failed watch shut %d sockets", got)
+	}
 }

@@ -164,7 +164,7 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 		}
 		var r SockReader
 		r.InitRaw(mustRaw(f))
-		w := &fakeWatch{live: true}
+		w := &fakeWatch{}
 		r.SetResetWatch(w)
 		if told {
 			r.InqOn()

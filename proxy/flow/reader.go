@@ -36,11 +36,11 @@ type SockReader struct {
 	inq   bool
 
 	// watch sees the resets a wait after a drained read could miss (see
-	// ReadEach); watched once it watches this socket, under key, and
-	// reported once it has seen the socket's error or hang-up. Without a
-	// watch every read is followed by another, as without TCP_INQ.
+	// ReadEach); key (never 0) once it watches this socket, and reported
+	// once it has seen the socket's error or hang-up, or can no longer
+	// watch. Without a watch every read is followed by another, as
+	// without TCP_INQ.
 	watch    ResetWatch
-	watched  bool
 	key      uint64
 	reported atomic.Bool
 }
@@ -56,16 +56,14 @@ type SockReader struct {
 // checked after the read, which comes after the runtime cleared the
 // socket's readiness), so the wait sees it.
 type ResetWatch interface {
-	// Watch starts watching fd, rc's socket, and returns the key that
-	// Forget takes; false when it cannot (the reader then reads on after
-	// every read, as without TCP_INQ). On the socket's error or hang-up
-	// it sets reported, then raises the edge.
+	// Watch starts watching fd, rc's socket, and returns the key (not 0)
+	// that Forget takes; false when it cannot (the reader then reads on
+	// after every read, as without TCP_INQ). On the socket's error or
+	// hang-up it sets reported, then raises the edge; so it does, without
+	// the edge, when it stops watching before the socket's end.
 	Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (key uint64, ok bool)
 	// Forget ends the watch of key, at the socket's end.
 	Forget(key uint64)
-	// Live reports whether the watch still watches: a reader stops
-	// waiting after drained reads once it does not.
-	Live() bool
 }
 
 // ChunkSink is what ReadEach hands chunks to.
@@ -124,9 +122,9 @@ func (r *SockReader) SetResetWatch(w ResetWatch) { r.watch = w }
 // Forget ends the watch of r's socket, if it began one. The socket's owner
 // calls it once the socket's readers have ended.
 func (r *SockReader) Forget() {
-	if r.watched {
+	if r.key != 0 {
 		r.watch.Forget(r.key)
-		r.watched = false
+		r.key = 0
 	}
 }
 
@@ -135,19 +133,18 @@ func (r *SockReader) Forget() {
 // that has waited for data inqAfter times (a connection that lives), once
 // the reset watch watches it (see ReadEach).
 func (r *SockReader) waitsDrained(fd uintptr) bool {
-	if r.watched {
-		return !r.reported.Load() && r.watch.Live()
+	if r.key == 0 {
+		if r.watch == nil || r.waits < inqAfter {
+			return false
+		}
+		key, ok := r.watch.Watch(int(fd), r.rc, &r.reported)
+		if !ok {
+			r.watch = nil // not again: reads on, as without TCP_INQ
+			return false
+		}
+		r.key = key
 	}
-	if r.watch == nil || r.waits < inqAfter {
-		return false
-	}
-	key, ok := r.watch.Watch(int(fd), r.rc, &r.reported)
-	if !ok {
-		r.watch = nil // not again: reads on, as without TCP_INQ
-		return false
-	}
-	r.key, r.watched = key, true
-	return !r.reported.Load() && r.watch.Live()
+	return !r.reported.Load()
 }
 
 func (r *SockReader) try(fd uintptr) bool {

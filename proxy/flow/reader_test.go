@@ -160,7 +160,7 @@ func endOf(t *testing.T, done <-chan error, s *net.TCPConn) error {
 func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
-	w := &fakeWatch{live: true}
+	w := &fakeWatch{}
 	r.SetResetWatch(w)
 	done := echoEach(t, &r, s, nil)
 	const rounds = 200
@@ -186,8 +186,8 @@ func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 		t.Fatalf("the socket was given to the watch %d times, want once", w.watches)
 	}
 	r.Forget()
-	if w.forgotten != 1 || r.watched {
-		t.Fatalf("Forget: the watch forgot %d sockets (watched %v), want 1", w.forgotten, r.watched)
+	if w.forgotten != 1 || r.key != 0 {
+		t.Fatalf("Forget: the watch forgot %d sockets (key %d), want 1", w.forgotten, r.key)
 	}
 }
 
@@ -200,7 +200,7 @@ func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
 	inqOn(t, s, &r)
-	r.SetResetWatch(&fakeWatch{live: true})
+	r.SetResetWatch(&fakeWatch{})
 	done := echoEach(t, &r, s, nil)
 	msg := []byte("ping")
 	got := make([]byte, len(msg))
@@ -242,7 +242,7 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
 	inqOn(t, s, &r)
-	r.SetResetWatch(&fakeWatch{live: true})
+	r.SetResetWatch(&fakeWatch{})
 	gate := make(chan struct{})
 	done := echoEach(t, &r, s, gate)
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
@@ -325,36 +325,39 @@ func waitQueued(t *testing.T, s *net.TCPConn, n int) {
 
 // fakeWatch is a flow.ResetWatch that watches nothing: for the tests of
 // the reads a reader makes (proxy's resetWatch, the real one, has the
-// tests of resets). ok false refuses every socket; live is what Live says.
-// Read only after the reader's goroutine has ended.
+// tests of resets). refuse refuses every socket; stopped marks each one
+// reported as it takes it, as a watch whose wait failed marks those it
+// held. Read only after the reader's goroutine has ended.
 type fakeWatch struct {
-	refuse, live       bool
+	refuse, stopped    bool
 	watches, forgotten int
 }
 
-func (w *fakeWatch) Watch(int, syscall.RawConn, *atomic.Bool) (uint64, bool) {
+func (w *fakeWatch) Watch(_ int, _ syscall.RawConn, reported *atomic.Bool) (uint64, bool) {
 	w.watches++
+	if w.stopped {
+		reported.Store(true)
+	}
 	return uint64(w.watches), !w.refuse
 }
 
 func (w *fakeWatch) Forget(uint64) { w.forgotten++ }
 
-func (w *fakeWatch) Live() bool { return w.live }
-
 // An RST that came in behind the last bytes, before the read that takes
 // them, is seen by a reader that nothing watches for resets: TCP_INQ says
 // nothing is left (a reset is not a FIN), and the reader reads again,
 // which returns the reset. So it does when the watch refuses the socket,
-// or has stopped watching. (With a live watch the reader waits instead,
-// and the watch's wake-up ends the wait: proxy's resetWatch tests.)
+// or has stopped watching (the socket is marked reported). (With a live
+// watch the reader waits instead, and the watch's wake-up ends the wait:
+// proxy's resetWatch tests.)
 func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		watch *fakeWatch
 	}{
 		{"no watch", nil},
-		{"refused", &fakeWatch{refuse: true, live: true}},
-		{"not live", &fakeWatch{live: false}},
+		{"refused", &fakeWatch{refuse: true}},
+		{"stopped", &fakeWatch{stopped: true}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, s := tcpPair(t)
