@@ -140,7 +140,8 @@ func TestListenerClose(t *testing.T) {
 // and makes no setsockopt of its own; once the socket has waited inqAfter
 // times (a connection that lives) and its reset watch watches it, it
 // makes no read that finds nothing after a request: over five round
-// trips its count of such reads stays at most inqAfter. Its twin, a
+// trips its count of such reads stays at most inqAfter, and one more
+// where its first read came before the first request. Its twin, a
 // reader not told, on a socket from the same listener, turns TCP_INQ on
 // itself after inqAfter such reads; both echo every round and end at the
 // FIN.
@@ -201,8 +202,9 @@ func TestReadEachWithInqFromTheListener(t *testing.T) {
 		// makes that read only until the socket has waited inqAfter times
 		// (then the watch watches it), so its count is the reader's own.
 		t.Logf("told %v: %d reads found nothing, TCP_INQ %v, watched %d", told, r.waits, r.inq, w.watches)
-		if told && r.waits > inqAfter {
-			t.Errorf("told: %d reads found nothing in 5 round trips, want at most %d", r.waits, inqAfter)
+		// The first read may come before the first request: one more.
+		if told && r.waits > inqAfter+1 {
+			t.Errorf("told: %d reads found nothing in 5 round trips, want at most %d", r.waits, inqAfter+1)
 		}
 		if w.watches > 1 {
 			t.Errorf("told %v: the socket was given to the watch %d times, want once at most", told, w.watches)
