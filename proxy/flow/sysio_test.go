@@ -5,9 +5,13 @@ package flow
 import (
 	"bytes"
 	"io"
+	"os"
+	"os/signal"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // SysWritev writes the buffers in order, skips empty ones, and takes at
@@ -28,7 +32,7 @@ func TestSysWritevWritesInOrder(t *testing.T) {
 		want = append(want, b...)
 	}
 	var n int
-	var iov []syscall.Iovec
+	var iov []unix.Iovec
 	if werr := raw.Write(func(fd uintptr) bool {
 		n, iov, err = SysWritev(int(fd), bufs, iov)
 		return true
@@ -94,5 +98,60 @@ func TestWriterEmptyWrite(t *testing.T) {
 	}
 	if n, err := w.WriteBuffers([][]byte{{}, nil}); n != 0 || err != nil {
 		t.Fatalf("WriteBuffers of empty buffers = %d, %v; want 0, nil", n, err)
+	}
+}
+
+// SysWrite and SysWritev send with MSG_NOSIGNAL: writes to a connection
+// its peer reset fail (ECONNRESET, then EPIPE) and raise no SIGPIPE. With
+// write(2) or writev(2) the write that fails with EPIPE raises one, in
+// the system call itself, so it is on its way before the write returns;
+// the wait after the writes is for the runtime to pass it on.
+func TestSysWriteToAResetPeerRaisesNoSigpipe(t *testing.T) {
+	sig := make(chan os.Signal, 8)
+	signal.Notify(sig, syscall.SIGPIPE)
+	defer signal.Stop(sig)
+	for _, vec := range []bool{false, true} {
+		c, s := tcpPair(t)
+		_ = s.SetLinger(0)
+		_ = s.Close()
+		raw, err := c.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var werr error
+		for deadline := time.Now().Add(10 * time.Second); werr != syscall.EPIPE; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("vector %v: the writes to a reset peer never failed with EPIPE (last: %v)", vec, werr)
+			}
+			_ = raw.Control(func(fd uintptr) {
+				if vec {
+					_, _, werr = SysWritev(int(fd), [][]byte{[]byte("x")}, nil)
+				} else {
+					_, werr = SysWrite(int(fd), []byte("x"))
+				}
+			})
+		}
+	}
+	select {
+	case <-sig:
+		t.Fatal("a write to a reset peer raised SIGPIPE")
+	case <-time.After(300 * time.Millisecond):
+	}
+}
+
+// SysWrite is send(2) and SysRead recv(2): a descriptor that is not a
+// socket is refused.
+func TestSysWriteNeedsASocket(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	if n, err := SysWrite(int(w.Fd()), []byte("x")); err != syscall.ENOTSOCK || n != -1 {
+		t.Fatalf("SysWrite to a pipe: %d, %v; want -1, ENOTSOCK", n, err)
+	}
+	if n, err := SysRead(int(r.Fd()), make([]byte, 1)); err != syscall.ENOTSOCK || n != -1 {
+		t.Fatalf("SysRead of a pipe: %d, %v; want -1, ENOTSOCK", n, err)
 	}
 }

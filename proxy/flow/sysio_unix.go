@@ -9,11 +9,13 @@ import (
 	"os"
 	"syscall"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
-// SysRead and SysWrite are read(2) and write(2) on a non-blocking socket
-// without the Go runtime's system call bookkeeping (entersyscall and
-// exitsyscall), as syscall.RawSyscall makes them.
+// SysRead and SysWrite are recv(2) and send(2) (see SysWrite) on a
+// non-blocking socket without the Go runtime's system call bookkeeping
+// (entersyscall and exitsyscall), as syscall.RawSyscall makes them.
 //
 // Why it is safe: the data plane's sockets are non-blocking, so neither
 // call waits for the peer (the runtime's poller does the waiting, in
@@ -32,7 +34,8 @@ import (
 // with its clients and servers. These calls do not wake it (see
 // docs/performance.md, "System calls the runtime does not see").
 func SysRead(fd int, p []byte) (int, error) {
-	r, _, e := syscall.RawSyscall(syscall.SYS_READ, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)))
+	// recvfrom(2) without an address (recv(2)), not read(2): see SysWrite.
+	r, _, e := syscall.RawSyscall6(syscall.SYS_RECVFROM, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)), 0, 0, 0)
 	if e != 0 {
 		return -1, e
 	}
@@ -41,11 +44,19 @@ func SysRead(fd int, p []byte) (int, error) {
 	return int(r), nil
 }
 
-// SysWrite: see SysRead.
+// SysWrite writes p to the socket fd: see SysRead. It is sendto(2)
+// without an address (send(2)), not write(2): the same bytes go out the
+// same way, but write(2) passes through the file layer first (its file
+// position lock and checks; about 4% of the proxy's CPU on rr64, see
+// docs/performance.md, "send, not write"), and send(2) takes flags: with
+// MSG_NOSIGNAL (where the system has it) a write to a connection the peer
+// reset fails with EPIPE without a SIGPIPE for the runtime to field.
+// Sockets only, as SysRead: on any other descriptor they fail with
+// ENOTSOCK.
 func SysWrite(fd int, p []byte) (int, error) {
 	raceReleaseIO()
 	raceRead(p)
-	r, _, e := syscall.RawSyscall(syscall.SYS_WRITE, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)))
+	r, _, e := syscall.RawSyscall6(syscall.SYS_SENDTO, uintptr(fd), uintptr(bufPtr(p)), uintptr(len(p)), sendFlags, 0, 0)
 	if e != 0 {
 		return -1, e
 	}
@@ -61,16 +72,17 @@ func bufPtr(p []byte) unsafe.Pointer {
 	return unsafe.Pointer(&p[0])
 }
 
-// SysWritev is writev(2), made as SysWrite is, of bufs in order: iov is
-// scratch space for the vector, returned for reuse. It returns what the
-// kernel took (possibly less than all) or the error.
-func SysWritev(fd int, bufs [][]byte, iov []syscall.Iovec) (int, []syscall.Iovec, error) {
+// SysWritev writes bufs in order to the socket fd, as writev(2) would,
+// made as SysWrite is (sendmsg(2), for the same reasons): iov is scratch
+// space for the vector, returned for reuse. It returns what the kernel
+// took (possibly less than all) or the error.
+func SysWritev(fd int, bufs [][]byte, iov []unix.Iovec) (int, []unix.Iovec, error) {
 	iov = iov[:0]
 	for _, b := range bufs {
 		if len(b) == 0 {
 			continue
 		}
-		v := syscall.Iovec{Base: &b[0]}
+		v := unix.Iovec{Base: &b[0]}
 		v.SetLen(len(b))
 		iov = append(iov, v)
 		raceRead(b)
@@ -82,7 +94,9 @@ func SysWritev(fd int, bufs [][]byte, iov []syscall.Iovec) (int, []syscall.Iovec
 		return 0, iov, nil
 	}
 	raceReleaseIO()
-	r, _, e := syscall.RawSyscall(syscall.SYS_WRITEV, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+	msg := unix.Msghdr{Iov: &iov[0]}
+	msg.SetIovlen(len(iov))
+	r, _, e := syscall.RawSyscall(syscall.SYS_SENDMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), sendFlags)
 	clear(iov) // drop the pointers into the chunks
 	if e != 0 {
 		return -1, iov, e
@@ -105,7 +119,7 @@ type Writer struct {
 	fn1  func(fd uintptr) bool // call1
 	p    []byte
 	bufs net.Buffers
-	iov  []syscall.Iovec
+	iov  []unix.Iovec
 	n    int64
 	err  error
 }

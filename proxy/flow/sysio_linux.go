@@ -1,0 +1,9 @@
+//go:build linux
+
+package flow
+
+import "syscall"
+
+// sendFlags are SysWrite's and SysWritev's: no SIGPIPE on a connection the
+// peer reset (EPIPE says it).
+const sendFlags = syscall.MSG_NOSIGNAL
