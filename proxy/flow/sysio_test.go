@@ -16,7 +16,7 @@ import (
 
 // SysWritev writes the buffers in order, skips empty ones, and takes at
 // most maxIovecs buffers in one call; SysWrite and SysRead move bytes as
-// write(2) and read(2) do, and say EAGAIN as they do.
+// write(2) and read(2) would, and say EAGAIN as they do.
 func TestSysWritevWritesInOrder(t *testing.T) {
 	c, s := tcpPair(t)
 	raw, err := c.SyscallConn()
@@ -57,7 +57,7 @@ func TestSysWritevWritesInOrder(t *testing.T) {
 		t.Fatalf("read %q, want %q", got, want[:n])
 	}
 
-	// Nothing to read: EAGAIN, as read(2) says; then what SysWrite wrote.
+	// Nothing to read: EAGAIN, as recv(2) says; then what SysWrite wrote.
 	sraw, err := s.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
@@ -139,8 +139,8 @@ func TestSysWriteToAResetPeerRaisesNoSigpipe(t *testing.T) {
 	}
 }
 
-// SysWrite is send(2) and SysRead recv(2): a descriptor that is not a
-// socket is refused.
+// SysWrite is send(2), SysWritev sendmsg(2) and SysRead recv(2): a
+// descriptor that is not a socket is refused.
 func TestSysWriteNeedsASocket(t *testing.T) {
 	r, w, err := os.Pipe()
 	if err != nil {
@@ -150,6 +150,9 @@ func TestSysWriteNeedsASocket(t *testing.T) {
 	defer w.Close()
 	if n, err := SysWrite(int(w.Fd()), []byte("x")); err != syscall.ENOTSOCK || n != -1 {
 		t.Fatalf("SysWrite to a pipe: %d, %v; want -1, ENOTSOCK", n, err)
+	}
+	if n, _, err := SysWritev(int(w.Fd()), [][]byte{[]byte("x")}, nil); err != syscall.ENOTSOCK || n != -1 {
+		t.Fatalf("SysWritev to a pipe: %d, %v; want -1, ENOTSOCK", n, err)
 	}
 	if n, err := SysRead(int(r.Fd()), make([]byte, 1)); err != syscall.ENOTSOCK || n != -1 {
 		t.Fatalf("SysRead of a pipe: %d, %v; want -1, ENOTSOCK", n, err)

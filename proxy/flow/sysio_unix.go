@@ -49,7 +49,7 @@ func SysRead(fd int, p []byte) (int, error) {
 // same way, but write(2) passes through the file layer first (its file
 // position lock and checks; about 4% of the proxy's CPU on rr64, see
 // docs/performance.md, "send, not write"), and send(2) takes flags: with
-// MSG_NOSIGNAL (where the system has it) a write to a connection the peer
+// MSG_NOSIGNAL (all but darwin) a write to a connection the peer
 // reset fails with EPIPE without a SIGPIPE for the runtime to field.
 // Sockets only, as SysRead: on any other descriptor they fail with
 // ENOTSOCK.
@@ -104,13 +104,13 @@ func SysWritev(fd int, bufs [][]byte, iov []unix.Iovec) (int, []unix.Iovec, erro
 	return int(r), iov, nil
 }
 
-// maxIovecs is the most buffers one writev takes (IOV_MAX is 1024).
+// maxIovecs is the most buffers one sendmsg takes (IOV_MAX is 1024).
 const maxIovecs = 1024
 
 // Writer writes all of some buffers to a non-blocking socket, as
 // net.Buffers.WriteTo does on a net.Conn (waiting on the runtime's poller,
 // under the socket's write deadline, while the socket takes nothing), with
-// writev(2) made as SysWritev makes it. One goroutine writes with a Writer
+// SysWritev's sendmsg(2). One goroutine writes with a Writer
 // at a time; it keeps its vector and callback between writes, so a write
 // allocates nothing.
 type Writer struct {
@@ -127,7 +127,7 @@ type Writer struct {
 // Init has w write to rc's socket.
 func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn, w.fn1 = rc, w.call, w.call1 }
 
-// Write writes all of p, as WriteBuffers does, with write(2).
+// Write writes all of p, as WriteBuffers does, with SysWrite's send(2).
 //
 // It is WriteBuffers without the vector, and for a reason: the response
 // pump writes to the client inside its read of the upstream (under
@@ -153,7 +153,7 @@ func (w *Writer) Write(p []byte) (int, error) {
 }
 
 // call1 is Write's RawConn.Write callback, as call is WriteBuffers': the
-// same loop with write(2) for writev(2), kept apart rather than shared
+// same loop with send(2) for sendmsg(2), kept apart rather than shared
 // because a shared step would be one more frame on the path above.
 func (w *Writer) call1(fd uintptr) bool {
 	for len(w.p) > 0 {

@@ -482,7 +482,15 @@ type end struct {
 	eof        bool // fd has sent its FIN
 	done       bool // ... and it went on: peer is shut down for writing
 	closed     bool
+	// rt is a duplicate of fd in the runtime's poller, never read, with
+	// FLOOR_RUNTIME_POLLER=1: what the runtime's poller costs a loop whose
+	// sockets are in it too (docs/performance.md).
+	rt *os.File
 }
+
+// alsoRuntimePoller: FLOOR_RUNTIME_POLLER=1 (see end.rt).
+var alsoRuntimePoller = os.Getenv("FLOOR_RUNTIME_POLLER") == "1"
+
 
 // loop is the event loop: the listening socket, the epoll instance, and
 // every link's sockets by descriptor.
@@ -678,6 +686,14 @@ func (lp *loop) open(cfd int) {
 			return
 		}
 	}
+	if alsoRuntimePoller {
+		for _, x := range [2]*end{client, up} {
+			r, _, e := syscall.RawSyscall(syscall.SYS_FCNTL, uintptr(x.fd), syscall.F_DUPFD_CLOEXEC, 0)
+			if e == 0 {
+				x.rt = os.NewFile(r, "runtime-poller") // non-blocking: the runtime's poller takes it
+			}
+		}
+	}
 }
 
 // flow moves src -> src.peer as far as the two sockets allow: write what
@@ -766,6 +782,10 @@ func (lp *loop) closeLink(e *end, reset bool) {
 			setLinger0(x.fd)
 		}
 		rawClose(x.fd)
+		if x.rt != nil {
+			_ = x.rt.Close()
+			x.rt = nil
+		}
 		lp.ends[x.fd] = nil
 		if x.buf != nil {
 			chunks.Put(x.buf)

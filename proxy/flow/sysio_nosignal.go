@@ -1,4 +1,4 @@
-//go:build linux
+//go:build linux || freebsd || netbsd || openbsd || dragonfly
 
 package flow
 
