@@ -491,7 +491,6 @@ type end struct {
 // alsoRuntimePoller: FLOOR_RUNTIME_POLLER=1 (see end.rt).
 var alsoRuntimePoller = os.Getenv("FLOOR_RUNTIME_POLLER") == "1"
 
-
 // loop is the event loop: the listening socket, the epoll instance, and
 // every link's sockets by descriptor.
 type loop struct {
