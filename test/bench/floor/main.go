@@ -13,7 +13,10 @@
 //     poller through os.NewFile;
 //   - -design epoll is one edge-triggered epoll event loop for the whole
 //     process, owning its sockets outright, with HAProxy's rule of no
-//     read after a short read (see end.hup).
+//     read after a short read (see end.hup). With FLOOR_RUNTIME_POLLER=1
+//     in its environment (the bench passes its own on) each socket is
+//     also in the runtime's poller, through a duplicate never read: what
+//     that registration costs a loop (docs/performance.md).
 //
 // It is a measuring instrument, not a product: it prints nothing per
 // connection, bounds nothing, trusts its peers, and runs until SIGTERM or
