@@ -127,14 +127,7 @@ func TestResetWatchWakesAReaderForAResetBehindTheLastBytes(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if _, err := c.Write([]byte("last")); err != nil {
-				t.Fatal(err)
-			}
-			waitUnread(t, s, 4)
-			_ = c.SetLinger(0)
-			// an RST behind "last":
-			_ = c.Close()
-			testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE) // the reset is in
+			testutil.ResetBehind(t, c, s, []byte("last"))
 			if early {
 				waitShut(t, w, 1) // the report, before the read
 			}
@@ -189,7 +182,7 @@ func TestResetWatchAnswerThenResetWhileTheReaderWaits(t *testing.T) {
 			_, _, err, werr := r.ReadEach(sinkFunc(func(p []byte) { answer = append(answer, p...) }))
 			done <- errors.Join(err, werr)
 		}()
-		waitUnread(t, c, len("a request the peer never reads"))
+		testutil.WaitUnread(t, c, len("a request the peer never reads"))
 		if _, err := c.Write([]byte("answer")); err != nil {
 			t.Fatal(err)
 		}
@@ -255,18 +248,6 @@ func (sinkFunc) Limit() int { return flow.ChunkSize }
 func (f sinkFunc) Handle(bp *[]byte, n int) (flow.Handled, error) {
 	f((*bp)[:n])
 	return flow.HandledMore, nil
-}
-
-// waitUnread waits until c's receive queue holds n bytes.
-func waitUnread(t *testing.T, c *net.TCPConn, n int) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for flow.UnreadBytes(c) != n {
-		if time.Now().After(deadline) {
-			t.Fatalf("receive queue holds %d bytes, want %d", flow.UnreadBytes(c), n)
-		}
-		time.Sleep(time.Millisecond)
-	}
 }
 
 // Through the proxy: an upstream answers and closes with request bytes
@@ -395,14 +376,7 @@ func TestResetWatchFailureMarksItsSockets(t *testing.T) {
 	if _, ok := w.Watch(-1, nil, new(atomic.Bool)); ok {
 		t.Fatal("a failed watch took a socket")
 	}
-	if _, err := c.Write([]byte("last")); err != nil {
-		t.Fatal(err)
-	}
-	waitUnread(t, s, 4)
-	_ = c.SetLinger(0)
-	// an RST behind "last":
-	_ = c.Close()
-	testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE)
+	testutil.ResetBehind(t, c, s, []byte("last"))
 	time.Sleep(20 * time.Millisecond) // as in TestResetWatchWakes...: the poller takes the edge
 	_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if _, _, err, werr := r.ReadEach(echoTo{io.Discard}); werr != nil || !errors.Is(err, syscall.ECONNRESET) {

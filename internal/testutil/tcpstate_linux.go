@@ -36,3 +36,43 @@ func WaitTCPState(t testing.TB, c *net.TCPConn, want uint8) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// WaitUnread waits up to 5 s until c's receive queue holds n bytes
+// (SIOCINQ), and fails the test otherwise.
+func WaitUnread(t testing.TB, c *net.TCPConn, n int) {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		queued := -1
+		_ = rc.Control(func(fd uintptr) {
+			if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
+				queued = v
+			}
+		})
+		if queued == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("receive queue holds %d bytes after 5 s, want %d", queued, n)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// ResetBehind has c send last and then a reset right behind it: once s
+// holds last unread, c closes with SO_LINGER 0, and the call returns once
+// the reset is in at s (TCP state CLOSE), last still queued there.
+func ResetBehind(t testing.TB, c, s *net.TCPConn, last []byte) {
+	t.Helper()
+	if _, err := c.Write(last); err != nil {
+		t.Fatal(err)
+	}
+	WaitUnread(t, s, len(last))
+	_ = c.SetLinger(0)
+	_ = c.Close()
+	WaitTCPState(t, s, unix.BPF_TCP_CLOSE)
+}

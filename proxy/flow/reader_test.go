@@ -267,7 +267,7 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	if _, err := c.Write([]byte("pong")); err != nil {
 		t.Fatal(err)
 	}
-	waitQueued(t, s, len("pong"))
+	testutil.WaitUnread(t, s, len("pong"))
 	gate <- struct{}{}
 	<-gate // the handler of "pong": the wait woke
 	gate <- struct{}{}
@@ -308,18 +308,6 @@ func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *SockReader
 	}
 	if !r.inq {
 		t.Fatal("TCP_INQ never turned on")
-	}
-}
-
-// waitQueued waits until s's receive queue holds n bytes (SIOCINQ).
-func waitQueued(t *testing.T, s *net.TCPConn, n int) {
-	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for UnreadBytes(s) != n {
-		if time.Now().After(deadline) {
-			t.Fatalf("receive queue holds %d bytes, want %d", UnreadBytes(s), n)
-		}
-		time.Sleep(time.Millisecond)
 	}
 }
 
@@ -390,14 +378,7 @@ func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
 			if r.waits < inqAfter { // more where a "ping" came after a read
 				t.Fatalf("%d reads found nothing, want at least %d", r.waits, inqAfter)
 			}
-			if _, err := c.Write([]byte("last")); err != nil {
-				t.Fatal(err)
-			}
-			waitQueued(t, s, 4)
-			_ = c.SetLinger(0)
-			// an RST behind "last":
-			_ = c.Close()
-			testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE) // the reset is in
+			testutil.ResetBehind(t, c, s, []byte("last"))
 			_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))
 			_, _, err, werr := r.ReadEach(&echoSink{s: io.Discard})
 			if werr != nil || !errors.Is(err, syscall.ECONNRESET) {
@@ -432,13 +413,7 @@ func TestShutdownReadAtEnd(t *testing.T) {
 	})
 	t.Run("reset", func(t *testing.T) {
 		c, s := tcpPair(t)
-		if _, err := c.Write([]byte("last")); err != nil {
-			t.Fatal(err)
-		}
-		waitQueued(t, s, 4)
-		_ = c.SetLinger(0)
-		_ = c.Close()
-		testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE)
+		testutil.ResetBehind(t, c, s, []byte("last"))
 		if !ShutdownReadAtEnd(rawOf(t, s)) {
 			t.Fatal("a socket closed by a reset was not shut")
 		}
