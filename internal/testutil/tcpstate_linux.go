@@ -15,31 +15,29 @@ import (
 // reset is), and fails the test otherwise.
 func WaitTCPState(t testing.TB, c *net.TCPConn, want uint8) {
 	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		var state uint8
-		_ = rc.Control(func(fd uintptr) {
-			if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
-				state = ti.State
-			}
-		})
-		if state == want {
-			return
+	waitSock(t, c, "in TCP state", int(want), func(fd int) int {
+		if ti, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			return int(ti.State)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("socket in TCP state %d after 5 s, want %d", state, want)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return -1
+	})
 }
 
 // WaitUnread waits up to 5 s until c's receive queue holds n bytes
 // (SIOCINQ), and fails the test otherwise.
 func WaitUnread(t testing.TB, c *net.TCPConn, n int) {
+	t.Helper()
+	waitSock(t, c, "with bytes unread", n, func(fd int) int {
+		if v, err := unix.IoctlGetInt(fd, unix.SIOCINQ); err == nil {
+			return v
+		}
+		return -1
+	})
+}
+
+// waitSock waits up to 5 s until probe of c's descriptor says want (-1:
+// the kernel did not say), and fails the test otherwise.
+func waitSock(t testing.TB, c *net.TCPConn, what string, want int, probe func(fd int) int) {
 	t.Helper()
 	rc, err := c.SyscallConn()
 	if err != nil {
@@ -47,17 +45,13 @@ func WaitUnread(t testing.TB, c *net.TCPConn, n int) {
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		queued := -1
-		_ = rc.Control(func(fd uintptr) {
-			if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
-				queued = v
-			}
-		})
-		if queued == n {
+		got := -1
+		_ = rc.Control(func(fd uintptr) { got = probe(int(fd)) })
+		if got == want {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("receive queue holds %d bytes after 5 s, want %d", queued, n)
+			t.Fatalf("socket %s %d after 5 s, want %d", what, got, want)
 		}
 		time.Sleep(time.Millisecond)
 	}
