@@ -40,6 +40,7 @@ type options struct {
 	lpFraming  string
 	idleLinks  int
 	syscalls   bool
+	serverPort string
 	// baselineBin is the livenessproxy of the baseline path (another
 	// commit's build); "" leaves the path out.
 	baselineBin string
@@ -65,6 +66,7 @@ func main() {
 	flag.StringVar(&o.lpFraming, "lp-framing", "none", "livenessproxy listener framing: none | length_field (4-byte big-endian, like the bench protocol) | kafka | pinot (requests carry a Kafka or Pinot header that the profile reads)")
 	flag.IntVar(&o.idleLinks, "idle", 0, "after the scenarios, hold N idle links through each proxy (one 64 KiB exchange each way) and report memory per link; -1: as many as the descriptor limit allows")
 	flag.BoolVar(&o.syscalls, "syscalls", false, "after round 1 of each scenario, one more run per proxy with strace -c attached: system calls per operation (skipped when strace is not on PATH)")
+	flag.StringVar(&o.serverPort, "server-port", "below-range", "the bench server's port: below-range (a free port below the kernel's local port range, where production servers listen), kernel (the kernel's pick, inside that range: a client that guards against connecting to itself pays a getsockname per connect) or a number")
 	flag.Parse()
 	if err := o.validate(); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -176,7 +178,7 @@ func run(ctx context.Context, o options) error {
 		doc.Scenarios = append(doc.Scenarios, scenInfo{Name: sc.name, About: sc.about})
 	}
 
-	server, serverAddr, err := startServer(ctx, tmp, pin.setFor("server"))
+	server, serverAddr, err := startServer(ctx, tmp, o.serverPort, pin.setFor("server"))
 	if err != nil {
 		return err
 	}

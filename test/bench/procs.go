@@ -223,13 +223,13 @@ func cpuTime(pid int) (time.Duration, error) {
 }
 
 // startServer starts the bench server child and returns its address.
-func startServer(ctx context.Context, tmp string, cpus *unix.CPUSet) (*child, string, error) {
+func startServer(ctx context.Context, tmp, port string, cpus *unix.CPUSet) (*child, string, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, "", err
 	}
 	cmd := exec.Command(exe)
-	cmd.Env = append(os.Environ(), serverEnv+"=1")
+	cmd.Env = append(os.Environ(), serverEnv+"=1", serverPortEnv+"="+port)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, "", err

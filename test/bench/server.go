@@ -10,6 +10,8 @@ import (
 	"io"
 	"net"
 	"os"
+	"strconv"
+	"strings"
 	"time"
 )
 
@@ -28,10 +30,13 @@ import (
 // The same server process serves every path and every scenario.
 const serverEnv = "LPBENCH_ROLE_SERVER"
 
+// serverPortEnv carries -server-port to the server process.
+const serverPortEnv = "LPBENCH_SERVER_PORT"
+
 // serverMain listens on a loopback port, prints "LISTEN addr" on stdout and
 // serves until its stdin reaches EOF (the parent closed it or died).
 func serverMain() int {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := serverListen(os.Getenv(serverPortEnv))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "bench server:", err)
 		return 1
@@ -43,6 +48,65 @@ func serverMain() int {
 		return 1
 	}
 	return 0
+}
+
+// serverListen listens on 127.0.0.1 at the port -server-port asks for:
+//   - "below-range" (the default): a free port below the kernel's local
+//     port range (net.ipv4.ip_local_port_range), where servers listen in
+//     production (Pinot's 8098, Kafka's 9092, Redis's 6379). A client's
+//     connect can then never take the server's port as its own, so a
+//     client that guards against connecting to itself (net's dial, and
+//     livenessproxy's) has nothing to check;
+//   - "kernel": port 0, the kernel's pick, which lies inside that range;
+//   - a number: that port.
+func serverListen(spec string) (net.Listener, error) {
+	switch spec {
+	case "kernel":
+		return net.Listen("tcp", "127.0.0.1:0")
+	case "", "below-range":
+		lo := localPortRangeLow()
+		// Search [first, lo) from an offset of the pid, so two benches at
+		// once do not try the same ports in the same order.
+		const first = 10000
+		if lo <= first {
+			return nil, fmt.Errorf("the local port range starts at %d: no port below it from %d on (use -server-port kernel or a number)", lo, first)
+		}
+		span := lo - first
+		start := os.Getpid() % span
+		var lastErr error
+		for i := 0; i < min(span, 2000); i++ {
+			port := first + (start+i)%span
+			ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+			if err == nil {
+				return ln, nil
+			}
+			lastErr = err
+		}
+		return nil, fmt.Errorf("no free port below the local port range (from %d): %w", lo, lastErr)
+	}
+	port, err := strconv.ParseUint(spec, 10, 16)
+	if err != nil || port == 0 {
+		return nil, fmt.Errorf("-server-port %q: want below-range, kernel or a port from 1 to 65535", spec)
+	}
+	return net.Listen("tcp", net.JoinHostPort("127.0.0.1", spec))
+}
+
+// localPortRangeLow is the first port of net.ipv4.ip_local_port_range
+// (32768 when it cannot be read: the kernel's default).
+func localPortRangeLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return 32768
+	}
+	f := strings.Fields(string(b))
+	if len(f) != 2 {
+		return 32768
+	}
+	lo, err := strconv.Atoi(f[0])
+	if err != nil || lo < 1 || lo > 65535 {
+		return 32768
+	}
+	return lo
 }
 
 // watchStdin closes the listener once stdin ends, which ends acceptLoop and
