@@ -88,28 +88,6 @@ func stalledUpstream(t *testing.T, high policy.Size, onOverflow string) (h *harn
 	return h, c, writeAsync(c, 64<<20, 64<<10)
 }
 
-// onlyLink returns the listener's one link once it has its upstream.
-func (h *harness) onlyLink(within time.Duration) *link {
-	h.t.Helper()
-	l := h.p.listeners[0]
-	for deadline := time.Now().Add(within); ; time.Sleep(5 * time.Millisecond) {
-		l.mu.Lock()
-		for lk := range l.links {
-			lk.connMu.Lock()
-			up := lk.upRaw()
-			lk.connMu.Unlock()
-			if up != nil {
-				l.mu.Unlock()
-				return lk
-			}
-		}
-		l.mu.Unlock()
-		if time.Now().After(deadline) {
-			h.t.Fatalf("no link with an upstream within %v", within)
-		}
-	}
-}
-
 // sockQueue reads an ioctl byte count (SIOCOUTQ, SIOCOUTQNSD) of the
 // link's upstream socket.
 func sockQueue(t *testing.T, lk *link, req uint) int {

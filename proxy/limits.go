@@ -105,7 +105,7 @@ func PlanLimits(c policy.Limits) Limits {
 	}
 	var rl syscall.Rlimit
 	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl); err == nil {
-		l.NoFileSoft, l.NoFileHard = rl.Cur, rl.Max
+		l.NoFileSoft, l.NoFileHard = uint64(rl.Cur), uint64(rl.Max) // int64 on the BSDs
 	}
 	if c.MaxLinks > 0 {
 		l.MaxLinks, l.MaxLinksSource = c.MaxLinks, "limits.max_links"
@@ -186,7 +186,7 @@ func ApplyRuntime(l Limits) Limits {
 			_ = syscall.Setrlimit(syscall.RLIMIT_NOFILE, &rl)
 			_ = syscall.Getrlimit(syscall.RLIMIT_NOFILE, &rl)
 		}
-		l.NoFileSoft, l.NoFileHard = rl.Cur, rl.Max
+		l.NoFileSoft, l.NoFileHard = uint64(rl.Cur), uint64(rl.Max) // int64 on the BSDs
 	}
 	if os.Getenv(goMemLimitEnv) == "" && l.GoMemLimit > 0 {
 		debug.SetMemoryLimit(l.GoMemLimit)

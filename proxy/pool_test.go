@@ -13,7 +13,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
-	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/dnstest"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -50,92 +49,12 @@ func startPool(t *testing.T, pool policy.Pool, resolver *net.Resolver, tune func
 	return h
 }
 
-// commonPort returns a port free on every host (any 127/8 address works
-// on Linux without setup).
-func commonPort(t *testing.T, hosts ...string) int {
-	t.Helper()
-	for range 50 {
-		ln, err := net.Listen("tcp", net.JoinHostPort(hosts[0], "0"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := ln.Addr().(*net.TCPAddr).Port
-		ln.Close()
-		free := true
-		for _, h := range hosts {
-			l, err := net.Listen("tcp", fmt.Sprintf("%s:%d", h, port))
-			if err != nil {
-				free = false
-				break
-			}
-			l.Close()
-		}
-		if free {
-			return port
-		}
-	}
-	t.Fatalf("no port free on all of %v", hosts)
-	return 0
-}
-
-// peersOn starts a fault peer on each host, all on one port.
-func peersOn(t *testing.T, b faultpeer.Behavior, hosts ...string) ([]*faultpeer.Server, []string) {
-	t.Helper()
-	port := commonPort(t, hosts...)
-	var peers []*faultpeer.Server
-	var addrs []string
-	for _, h := range hosts {
-		addr := fmt.Sprintf("%s:%d", h, port)
-		peers = append(peers, faultpeer.New(t, b, faultpeer.Options{Addr: addr}))
-		addrs = append(addrs, addr)
-	}
-	return peers, addrs
-}
-
 func acceptedBy(peers []*faultpeer.Server) []int64 {
 	out := make([]int64, len(peers))
 	for i, p := range peers {
 		out[i] = p.Accepted()
 	}
 	return out
-}
-
-func (h *harness) stateOf(addr string) string {
-	for _, ep := range h.p.Endpoints() {
-		if ep.Endpoint == addr {
-			return ep.State
-		}
-	}
-	return "unknown"
-}
-
-func (h *harness) waitStateOf(addr, state string, within time.Duration) {
-	h.t.Helper()
-	deadline := time.Now().Add(within)
-	for h.stateOf(addr) != state {
-		if time.Now().After(deadline) {
-			h.t.Fatalf("%s is %s after %v, want %s", addr, h.stateOf(addr), within, state)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// waitReadmitted waits until addr has been excluded and readmitted by a
-// probe: an exclusion may last less than one poll of the state.
-func (h *harness) waitReadmitted(addr string, within time.Duration) {
-	h.t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		for _, ep := range h.p.Endpoints() {
-			if ep.Endpoint == addr && ep.State == "healthy" && ep.Reason == health.ReasonProbeOK {
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			h.t.Fatalf("%s is %s after %v, want readmitted by a probe", addr, h.stateOf(addr), within)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // Round-robin spreads links evenly over the members.
@@ -377,22 +296,4 @@ func TestUpstreamNameFollowsDNS(t *testing.T) {
 		t.Fatalf("disable by name: %v, %v", changed, err)
 	}
 	expectRefusedSoon(t, h.addr)
-}
-
-func expectRefusedSoon(t *testing.T, addr string) {
-	t.Helper()
-	deadline := time.Now().Add(2 * time.Second)
-	for {
-		c, err := net.Dial("tcp", addr)
-		if err != nil && errors.Is(err, syscall.ECONNREFUSED) {
-			return
-		}
-		if c != nil {
-			c.Close()
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("connect to %s: %v, want it refused", addr, err)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
 }

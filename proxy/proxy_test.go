@@ -548,3 +548,27 @@ func startB(b *testing.B, upstream string) string {
 	b.Cleanup(func() { _ = p.Close() })
 	return p.Addr("bench").String()
 }
+
+// stateOf is the state the proxy reports for the endpoint addr
+// ("unknown" when it has none).
+func (h *harness) stateOf(addr string) string {
+	for _, ep := range h.p.Endpoints() {
+		if ep.Endpoint == addr {
+			return ep.State
+		}
+	}
+	return "unknown"
+}
+
+// waitStateOf waits until the proxy reports addr in state, failing the
+// test after within.
+func (h *harness) waitStateOf(addr, state string, within time.Duration) {
+	h.t.Helper()
+	deadline := time.Now().Add(within)
+	for h.stateOf(addr) != state {
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s is %s after %v, want %s", addr, h.stateOf(addr), within, state)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

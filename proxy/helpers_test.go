@@ -1,0 +1,114 @@
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+)
+
+// waitReadmitted waits until addr has been excluded and readmitted by a
+// probe: an exclusion may last less than one poll of the state.
+func (h *harness) waitReadmitted(addr string, within time.Duration) {
+	h.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		for _, ep := range h.p.Endpoints() {
+			if ep.Endpoint == addr && ep.State == "healthy" && ep.Reason == health.ReasonProbeOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s is %s after %v, want readmitted by a probe", addr, h.stateOf(addr), within)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// peersOn starts a fault peer on each host, all on one port.
+func peersOn(t *testing.T, b faultpeer.Behavior, hosts ...string) ([]*faultpeer.Server, []string) {
+	t.Helper()
+	port := commonPort(t, hosts...)
+	var peers []*faultpeer.Server
+	var addrs []string
+	for _, h := range hosts {
+		addr := fmt.Sprintf("%s:%d", h, port)
+		peers = append(peers, faultpeer.New(t, b, faultpeer.Options{Addr: addr}))
+		addrs = append(addrs, addr)
+	}
+	return peers, addrs
+}
+
+// commonPort returns a port free on every host (any 127/8 address works
+// on Linux without setup).
+func commonPort(t *testing.T, hosts ...string) int {
+	t.Helper()
+	for range 50 {
+		ln, err := net.Listen("tcp", net.JoinHostPort(hosts[0], "0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		free := true
+		for _, h := range hosts {
+			l, err := net.Listen("tcp", fmt.Sprintf("%s:%d", h, port))
+			if err != nil {
+				free = false
+				break
+			}
+			l.Close()
+		}
+		if free {
+			return port
+		}
+	}
+	t.Fatalf("no port free on all of %v", hosts)
+	return 0
+}
+
+// expectRefusedSoon waits (2s at most) until a connect to addr is refused.
+func expectRefusedSoon(t *testing.T, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		c, err := net.Dial("tcp", addr)
+		if err != nil && errors.Is(err, syscall.ECONNREFUSED) {
+			return
+		}
+		if c != nil {
+			c.Close()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("connect to %s: %v, want it refused", addr, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// onlyLink returns the listener's one link once it has its upstream.
+func (h *harness) onlyLink(within time.Duration) *link {
+	h.t.Helper()
+	l := h.p.listeners[0]
+	for deadline := time.Now().Add(within); ; time.Sleep(5 * time.Millisecond) {
+		l.mu.Lock()
+		for lk := range l.links {
+			lk.connMu.Lock()
+			up := lk.upRaw()
+			lk.connMu.Unlock()
+			if up != nil {
+				l.mu.Unlock()
+				return lk
+			}
+		}
+		l.mu.Unlock()
+		if time.Now().After(deadline) {
+			h.t.Fatalf("no link with an upstream within %v", within)
+		}
+	}
+}
