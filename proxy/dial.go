@@ -33,10 +33,16 @@ type directDialer struct{}
 
 func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 	var c upstreamSocket
+	var guard *ownDial
 	if ap, err := netip.ParseAddrPort(ep.dial); err == nil && flow.RawDialSupported && ap.Addr().Zone() == "" {
 		// An address: the socket outside net (flow.DialRaw), with the
-		// options lk.dialer's Control would set.
-		f, err := flow.DialRaw(lk.host.dialContext(), ap, lk.settings, lk.dialer.Timeout)
+		// options lk.dialer's Control would set; the loop guard knows
+		// its local address from the connect on.
+		var g flow.ConnectGuard
+		if guard = lk.host.connectGuard(); guard != nil {
+			g = guard
+		}
+		f, err := flow.DialRawGuarded(lk.host.dialContext(), ap, lk.settings, lk.dialer.Timeout, g)
 		if err != nil {
 			return nil, err
 		}
@@ -51,7 +57,14 @@ func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 	ep.dialSucceeded()
 	e, err := newTCPEnd(lk, c)
 	if err != nil {
+		if guard != nil {
+			guard.forget()
+		}
 		return nil, errLocal{err}
+	}
+	if guard != nil && guard.local != nil {
+		// Registered at the connect: the end forgets it at its release.
+		e.local, e.owned = guard.local, true
 	}
 	return e, nil
 }

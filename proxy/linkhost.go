@@ -43,6 +43,9 @@ type linkHost interface {
 	// if it comes back: an interception loop) and reports whether it did.
 	// local is asked only then: it may cost a getsockname.
 	ownConn(local func() net.Addr) bool
+	// connectGuard is the loop guard's guard of a raw dial (see ownDial)
+	// while a transparent listener is open, nil otherwise.
+	connectGuard() *ownDial
 	// forgetConn forgets an address ownConn registered, whether or not a
 	// transparent listener is still open.
 	forgetConn(local net.Addr)
@@ -107,6 +110,13 @@ func (l *listener) ownConn(local func() net.Addr) bool {
 	}
 	l.p.ownUp.add(a.String())
 	return true
+}
+
+func (l *listener) connectGuard() *ownDial {
+	if !l.p.transparent.Load() {
+		return nil
+	}
+	return &ownDial{p: l.p}
 }
 
 func (l *listener) forgetConn(local net.Addr) { l.p.ownUp.remove(local.String()) }

@@ -94,6 +94,11 @@ type Proxy struct {
 	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
 	excludedSet *intercept.ExcludedSet // nil: excluded destinations are reset after accept
 	ownUp       ownAddrs               // local addresses of upstream sockets, for the loop guard
+	// connecting is read-held by each raw connect of the proxy's own
+	// from just before connect(2) until its local address is in ownUp
+	// (ownDial); isOwn takes it for writing before it calls a connection
+	// not the proxy's own, so that no connect in flight is missed.
+	connecting sync.RWMutex
 
 	reloadMu sync.Mutex     // one Reload at a time; Shutdown holds it to the end
 	closing  bool           // Shutdown began: no more reloads (under mu)

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
@@ -176,7 +177,7 @@ func (o *ownAddrs) len() int {
 // address of the host: a destination on its port is the proxy's own when
 // the address is one of the host's.
 func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
-	if p.ownUp.has(from.String()) {
+	if p.ownUpHas(from.String()) {
 		return true
 	}
 	addr := dst.Addr().Unmap()
@@ -195,6 +196,64 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 	}
 	p.mu.Unlock()
 	return wildcard && isLocalAddr(addr)
+}
+
+// ownUpHas reports whether from is the local address of one of the
+// proxy's upstream sockets. A raw connect's SYN can reach a listener,
+// and its connection be accepted, before the connect(2) that sent it has
+// returned and its local address is known: on a miss, it waits for the
+// connects in flight to say theirs (ownDial) and looks again. That wait
+// is as long as a connect(2) call and a getsockname.
+func (p *Proxy) ownUpHas(from string) bool {
+	if p.ownUp.has(from) {
+		return true
+	}
+	p.connecting.Lock() // an empty critical section: the wait is the point
+	p.connecting.Unlock()
+	return p.ownUp.has(from)
+}
+
+// ownDial is the loop guard's flow.ConnectGuard of one raw dial made
+// while a transparent listener is open: it puts each connect's local
+// address in ownUp as soon as connect(2) has returned, before the dial
+// waits for the handshake, holding connecting (read) from before the
+// connect until then, so a looping connection is known as the proxy's
+// own whenever it is accepted (ownUpHas). The tcpEnd that takes the
+// socket forgets the address at its release; a dial that fails forgets
+// it itself (Abandoned, or forget when the socket is not taken).
+type ownDial struct {
+	p     *Proxy
+	local net.Addr // registered in ownUp, nil when none is
+}
+
+func (d *ownDial) Connecting() { d.p.connecting.RLock() }
+
+// testHookConnected, when set (by a test), runs in Connected before the
+// address is asked for: a connect whose SYN came back is still in flight.
+var testHookConnected atomic.Pointer[func()]
+
+func (d *ownDial) Connected(fd int, ok bool) {
+	defer d.p.connecting.RUnlock()
+	if !ok {
+		return
+	}
+	if hook := testHookConnected.Load(); hook != nil {
+		(*hook)()
+	}
+	if ap, err := flow.SockName(fd); err == nil {
+		d.local = net.TCPAddrFromAddrPort(ap)
+		d.p.ownUp.add(d.local.String())
+	}
+}
+
+func (d *ownDial) Abandoned() { d.forget() }
+
+// forget takes the registered address out of ownUp.
+func (d *ownDial) forget() {
+	if d.local != nil {
+		d.p.ownUp.remove(d.local.String())
+		d.local = nil
+	}
 }
 
 // isLocalAddr reports whether a is an address of one of the host's

@@ -129,7 +129,9 @@ func (*responses) Limit() int { return flow.ChunkSize }
 
 func (e *tcpEnd) attach(ep *endpoint) bool {
 	lk := e.lk
-	e.owned = lk.host.ownConn(e.localAddr)
+	if !e.owned { // a raw dial's guard registered it at the connect (directDialer)
+		e.owned = lk.host.ownConn(e.localAddr)
+	}
 	lk.ackedAt.Store(flow.Mono()) // progress is measured from the connect on
 	lk.attach(ep)
 	if !lk.adopt(e) {

@@ -54,6 +54,12 @@ const RawDialSupported = true
 // the connect made again, as is one the kernel refused a spurious
 // EADDRNOTAVAIL; twice at most, within the one timeout.
 func DialRaw(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout time.Duration) (*os.File, error) {
+	return DialRawGuarded(ctx, ap, s, timeout, nil)
+}
+
+// DialRawGuarded is DialRaw with g told of each connect(2) as it is made
+// (see ConnectGuard); g nil is DialRaw.
+func DialRawGuarded(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout time.Duration, g ConnectGuard) (*os.File, error) {
 	addr := net.TCPAddrFromAddrPort(ap)
 	var deadline time.Time
 	if timeout > 0 {
@@ -64,7 +70,7 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout
 	// the connect, as UpstreamControl sets it (and SetLiveness again).
 	synBound := s.TCPUserTimeout.D() > 0 && (timeout <= 0 || timeout >= s.TCPUserTimeout.D())
 	for retries := 0; ; retries++ {
-		f, err := dialOnce(ctx, ap, s, deadline, synBound)
+		f, err := dialOnce(ctx, ap, s, deadline, synBound, g)
 		if err != nil {
 			if retries < 2 && errors.Is(err, syscall.EADDRNOTAVAIL) && ctx.Err() == nil {
 				continue
@@ -73,6 +79,9 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout
 		}
 		if !selfConnected(f, ap) {
 			return f, nil
+		}
+		if g != nil {
+			g.Abandoned()
 		}
 		_ = f.Close()
 		if retries == 2 {
@@ -84,8 +93,12 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout
 	}
 }
 
+// SockName is fd's local address (getsockname(2), made raw as SysRead
+// is); an IPv4 socket's is an IPv4 address.
+func SockName(fd int) (netip.AddrPort, error) { return sockname(fd) }
+
 // dialOnce is one connect of DialRaw's, its error not yet net's.
-func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadline time.Time, synBound bool) (*os.File, error) {
+func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadline time.Time, synBound bool, g ConnectGuard) (f *os.File, err error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -107,15 +120,29 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 	}
 	// net ignores a refusal of TCP_NODELAY; so does this.
 	_ = setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
+	if g != nil {
+		g.Connecting()
+	}
 	_, _, e = syscall.RawSyscall(syscall.SYS_CONNECT, r, uintptr(sa), uintptr(salen))
 	switch e {
 	case 0, syscall.EINPROGRESS, syscall.EINTR:
 		// EINTR: the connect goes on in the background, as EINPROGRESS.
+		if g != nil {
+			g.Connected(fd, true)
+			defer func() {
+				if err != nil {
+					g.Abandoned()
+				}
+			}()
+		}
 	default:
+		if g != nil {
+			g.Connected(fd, false)
+		}
 		rawClose(fd)
 		return nil, os.NewSyscallError("connect", e)
 	}
-	f := os.NewFile(r, "tcp") // registers the socket with the runtime's poller
+	f = os.NewFile(r, "tcp") // registers the socket with the runtime's poller
 	// os.NewFile keeps a socket the poller refused (epoll_ctl: ENOSPC at
 	// max_user_watches, ENOMEM); its deadlines then fail, and so does the
 	// dial, as net's would: the proxy's own failure, not the upstream's.

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -316,5 +317,65 @@ func TestDialRawEndsWithItsContext(t *testing.T) {
 	}
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("err %v, want the context's", err)
+	}
+}
+
+// guardLog records what a ConnectGuard was told, in order.
+type guardLog struct {
+	calls []string
+	local netip.AddrPort // SockName of the socket Connected saw
+}
+
+func (g *guardLog) Connecting() { g.calls = append(g.calls, "connecting") }
+
+func (g *guardLog) Connected(fd int, ok bool) {
+	if ok {
+		g.local, _ = SockName(fd)
+		g.calls = append(g.calls, "connected")
+		return
+	}
+	g.calls = append(g.calls, "failed")
+}
+
+func (g *guardLog) Abandoned() { g.calls = append(g.calls, "abandoned") }
+
+// The guard hears of the connect as it is made, with the socket's local
+// address already known, before the handshake is waited for; a connect
+// that fails after going out is abandoned, one that succeeds is not.
+func TestDialRawGuardedTellsTheGuard(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var g guardLog
+	f, err := DialRawGuarded(context.Background(), netip.MustParseAddrPort(ln.Addr().String()), dialSettings(), 5*time.Second, &g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if got := strings.Join(g.calls, ","); got != "connecting,connected" {
+		t.Fatalf("guard told %s, want connecting,connected", got)
+	}
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if peer := c.RemoteAddr().(*net.TCPAddr).AddrPort(); peer != g.local {
+		t.Fatalf("Connected saw local address %v; the server sees the connection from %v", g.local, peer)
+	}
+
+	addr, err := testutil.PickClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	g = guardLog{}
+	if f, err := DialRawGuarded(context.Background(), netip.MustParseAddrPort(addr), dialSettings(), 5*time.Second, &g); err == nil {
+		f.Close()
+		t.Fatal("dial to a closed port succeeded")
+	}
+	if got := strings.Join(g.calls, ","); got != "connecting,connected,abandoned" {
+		t.Fatalf("refused: guard told %s, want connecting,connected,abandoned", got)
 	}
 }

@@ -57,6 +57,16 @@ func DialRaw(context.Context, netip.AddrPort, *policy.Settings, time.Duration) (
 	return nil, errors.New("raw dial needs Linux")
 }
 
+// DialRawGuarded is not made outside Linux either.
+func DialRawGuarded(context.Context, netip.AddrPort, *policy.Settings, time.Duration, ConnectGuard) (*os.File, error) {
+	return nil, errors.New("raw dial needs Linux")
+}
+
+// SockName is not asked for outside Linux.
+func SockName(int) (netip.AddrPort, error) {
+	return netip.AddrPort{}, errors.New("SockName needs Linux")
+}
+
 // RawAcceptSupported: the raw Listener is Linux's; elsewhere listeners
 // accept through net.
 const RawAcceptSupported = false
