@@ -407,12 +407,14 @@ func (l *listener) admit(c *tcpClient) {
 	go l.serveLink(lk)
 }
 
-// refuse resets c before reading it, counts the close with reason why,
-// and gives c's max_links slot back.
+// refuse counts the close with reason why, resets c before reading it,
+// and gives c's max_links slot back. It counts first: whoever sees the
+// reset (the client, or the proxy's own link for a loop) finds it
+// counted.
 func (l *listener) refuse(c *tcpClient, why CloseReason) {
+	l.m.Closed(string(why))
 	c.abortive()
 	_ = c.Close()
-	l.m.Closed(string(why))
 	l.p.slots.release(l)
 }
 

@@ -99,6 +99,9 @@ type Proxy struct {
 	// (ownDial); isOwn takes it for writing before it calls a connection
 	// not the proxy's own, so that no connect in flight is missed.
 	connecting sync.RWMutex
+	// inFlight counts those connects, from before the read lock until
+	// after the address is in ownUp: while it is 0, a miss needs no wait.
+	inFlight atomic.Int32
 
 	reloadMu sync.Mutex     // one Reload at a time; Shutdown holds it to the end
 	closing  bool           // Shutdown began: no more reloads (under mu)

@@ -203,10 +203,17 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 // and its connection be accepted, before the connect(2) that sent it has
 // returned and its local address is known: on a miss, it waits for the
 // connects in flight to say theirs (ownDial) and looks again. That wait
-// is as long as a connect(2) call and a getsockname.
+// is as long as a connect(2) call and a getsockname, and there is none
+// when no connect is in flight: a connect counts itself in inFlight
+// before it is made and out only once its address is in ownUp, so a
+// looping connection, accepted after its connect began, finds either the
+// count above 0 or the address.
 func (p *Proxy) ownUpHas(from string) bool {
 	if p.ownUp.has(from) {
 		return true
+	}
+	if p.inFlight.Load() == 0 {
+		return p.ownUp.has(from)
 	}
 	p.connecting.Lock() // an empty critical section: the wait is the point
 	p.connecting.Unlock()
@@ -226,13 +233,17 @@ type ownDial struct {
 	local net.Addr // registered in ownUp, nil when none is
 }
 
-func (d *ownDial) Connecting() { d.p.connecting.RLock() }
+func (d *ownDial) Connecting() {
+	d.p.inFlight.Add(1)
+	d.p.connecting.RLock()
+}
 
 // testHookConnected, when set (by a test), runs in Connected before the
 // address is asked for: a connect whose SYN came back is still in flight.
 var testHookConnected atomic.Pointer[func()]
 
 func (d *ownDial) Connected(fd int, ok bool) {
+	defer d.p.inFlight.Add(-1) // after the RUnlock, and after the address is in ownUp
 	defer d.p.connecting.RUnlock()
 	if !ok {
 		return
