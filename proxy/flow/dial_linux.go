@@ -98,7 +98,7 @@ func DialRawGuarded(ctx context.Context, ap netip.AddrPort, s *policy.Settings, 
 func SockName(fd int) (netip.AddrPort, error) { return sockname(fd) }
 
 // dialOnce is one connect of DialRaw's, its error not yet net's.
-func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadline time.Time, synBound bool, g ConnectGuard) (f *os.File, err error) {
+func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadline time.Time, synBound bool, g ConnectGuard) (*os.File, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -129,11 +129,6 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 		// EINTR: the connect goes on in the background, as EINPROGRESS.
 		if g != nil {
 			g.Connected(fd, true)
-			defer func() {
-				if err != nil {
-					g.Abandoned()
-				}
-			}()
 		}
 	default:
 		if g != nil {
@@ -142,21 +137,29 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 		rawClose(fd)
 		return nil, os.NewSyscallError("connect", e)
 	}
-	f = os.NewFile(r, "tcp") // registers the socket with the runtime's poller
+	f := os.NewFile(r, "tcp") // registers the socket with the runtime's poller
+	// abandon closes f after a failure; the guard forgets it first, while
+	// its port is still f's own.
+	abandon := func() {
+		if g != nil {
+			g.Abandoned()
+		}
+		_ = f.Close()
+	}
 	// os.NewFile keeps a socket the poller refused (epoll_ctl: ENOSPC at
 	// max_user_watches, ENOMEM); its deadlines then fail, and so does the
 	// dial, as net's would: the proxy's own failure, not the upstream's.
 	if err := f.SetWriteDeadline(deadline); err != nil {
-		_ = f.Close()
+		abandon()
 		return nil, fmt.Errorf("the runtime's poller did not take the socket: %w", err)
 	}
 	rc, err := f.SyscallConn()
 	if err != nil {
-		_ = f.Close()
+		abandon()
 		return nil, err
 	}
 	if err := awaitConnect(ctx, f, rc); err != nil {
-		_ = f.Close()
+		abandon()
 		return nil, err
 	}
 	if !deadline.IsZero() {
