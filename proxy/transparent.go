@@ -207,16 +207,12 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 // when no connect is in flight: a connect counts itself in inFlight
 // before it is made and out only once its address is in ownUp, so a
 // looping connection, accepted after its connect began, finds either the
-// count above 0 or the address.
+// count above 0 or, looking after the count, the address.
 func (p *Proxy) ownUpHas(from string) bool {
-	if p.ownUp.has(from) {
-		return true
+	if p.inFlight.Load() > 0 && !p.ownUp.has(from) {
+		p.connecting.Lock() // an empty critical section: the wait is the point
+		p.connecting.Unlock()
 	}
-	if p.inFlight.Load() == 0 {
-		return p.ownUp.has(from)
-	}
-	p.connecting.Lock() // an empty critical section: the wait is the point
-	p.connecting.Unlock()
 	return p.ownUp.has(from)
 }
 

@@ -213,7 +213,7 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn) error {
 // whose port lies in the kernel's range for local ports, so only such a
 // destination costs the getsockname.
 func selfConnected(f *os.File, ap netip.AddrPort) bool {
-	if lo, hi := localPortRange(); ap.Port() < lo || ap.Port() > hi {
+	if lo, hi := LocalPortRange(); ap.Port() < lo || ap.Port() > hi {
 		return false
 	}
 	rc, err := f.SyscallConn()
@@ -233,11 +233,11 @@ var portRange struct {
 	lo, hi uint16
 }
 
-// localPortRange is net.ipv4.ip_local_port_range (both families take
+// LocalPortRange is net.ipv4.ip_local_port_range (both families take
 // their connects' ports from it), read once; all ports when it cannot
 // be read. A range changed later by sysctl is not seen: a destination
 // port moved into it meanwhile is not checked for a self-connect.
-func localPortRange() (lo, hi uint16) {
+func LocalPortRange() (lo, hi uint16) {
 	portRange.once.Do(func() {
 		portRange.lo, portRange.hi = 1, 65535
 		b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")

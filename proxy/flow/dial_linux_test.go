@@ -218,7 +218,7 @@ func fullListener(t *testing.T) (netip.AddrPort, int) {
 // the connect that meets itself (net's selfConnect) sees a socket bound to
 // the port it connects to, and not an ordinary connection.
 func TestSelfConnectedTellsASocketConnectedToItself(t *testing.T) {
-	lo, hi := localPortRange()
+	lo, hi := LocalPortRange()
 	if lo < 1 || hi < lo {
 		t.Fatalf("local port range %d-%d", lo, hi)
 	}

@@ -11,8 +11,9 @@ import (
 	"net"
 	"os"
 	"strconv"
-	"strings"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // The bench server runs as a child process: the bench re-executes its own
@@ -64,7 +65,8 @@ func serverListen(spec string) (net.Listener, error) {
 	case "kernel":
 		return net.Listen("tcp", "127.0.0.1:0")
 	case "", "below-range":
-		lo := localPortRangeLow()
+		lo16, _ := flow.LocalPortRange() // the range the kernel takes connects' ports from
+		lo := int(lo16)
 		// Search [first, lo) from an offset of the pid, so two benches at
 		// once do not try the same ports in the same order.
 		const first = 10000
@@ -89,24 +91,6 @@ func serverListen(spec string) (net.Listener, error) {
 		return nil, fmt.Errorf("-server-port %q: want below-range, kernel or a port from 1 to 65535", spec)
 	}
 	return net.Listen("tcp", net.JoinHostPort("127.0.0.1", spec))
-}
-
-// localPortRangeLow is the first port of net.ipv4.ip_local_port_range
-// (32768 when it cannot be read: the kernel's default).
-func localPortRangeLow() int {
-	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
-	if err != nil {
-		return 32768
-	}
-	f := strings.Fields(string(b))
-	if len(f) != 2 {
-		return 32768
-	}
-	lo, err := strconv.Atoi(f[0])
-	if err != nil || lo < 1 || lo > 65535 {
-		return 32768
-	}
-	return lo
 }
 
 // watchStdin closes the listener once stdin ends, which ends acceptLoop and
