@@ -187,34 +187,47 @@ func TestLateAnswerResetsCount(t *testing.T) {
 	h.waitState("excluded", time.Second)
 }
 
-// A slow server that still answers (each answer 350ms after its request,
-// past the 200ms timeout) never reaches the threshold.
+// A slow server that still answers never reaches the threshold: every
+// request is judged unanswered (its answer comes only after its 200ms
+// deadline), and every answer starts the count over, so the count never
+// passes 1 (threshold 2). The client has one request in flight at a time,
+// as many clients do: the proxy records an answer before it passes it on,
+// so the next request goes out after the reset. The server answers each
+// request once the proxy has judged it, and 150ms after that: late
+// whatever the machine's load, so the counts are the proxy's own.
 func TestSlowServerThatAnswersNeverTrips(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
-	peer.SetAnswer(func(int64) (time.Duration, bool) { return 350 * time.Millisecond, true })
-	h := start(t, peer.Addr(), framed(200*time.Millisecond, 3, nil))
-	c := h.dial()
-	const n = 20
-	go func() {
-		for i := range n {
-			b := binary.BigEndian.AppendUint32(nil, 1)
-			if _, err := c.Write(append(b, byte('a'+i))); err != nil {
-				return
+	h := start(t, peer.Addr(), framed(200*time.Millisecond, 2, nil))
+	m := h.m.ForListener("test")
+	peer.SetAnswer(func(n int64) (time.Duration, bool) {
+		// Runs in the peer's read loop: the next request is read after.
+		for deadline := time.Now().Add(10 * time.Second); testutil.ToFloat64(m.UnansweredTimeouts) < float64(n); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				break // the test fails on the count below
 			}
-			time.Sleep(100 * time.Millisecond)
 		}
-	}()
-	for range n {
-		readFrame(t, c, 2*time.Second)
+		return 150 * time.Millisecond, true
+	})
+	c := h.dial()
+	const n = 8
+	for i := range n {
+		sendFrame(t, c, string(rune('a'+i)))
+		if got := readFrame(t, c, 15*time.Second); got != string(rune('a'+i)) {
+			t.Fatalf("answer %d: %q", i, got)
+		}
+		if got := h.endpoint().ConsecutiveUnanswered; got != 0 {
+			t.Fatalf("consecutive = %d after answer %d reached the client, want 0 (an answer starts the count over)", got, i)
+		}
 	}
 	ep := h.endpoint()
 	if ep.State != "healthy" {
 		t.Fatalf("slow but answering server was %s (%s)", ep.State, ep.Reason)
 	}
-	timeouts := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts)
-	t.Logf("%d answers, %v requests counted unanswered before the first answer, endpoint %s", n, timeouts, ep.State)
-	if timeouts < 1 || timeouts > 2 {
-		t.Fatalf("unanswered_timeouts_total = %v, want 1 or 2 (only those judged before any answer arrived)", timeouts)
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != n {
+		t.Fatalf("unanswered_timeouts_total = %v, want %d: each request judged once, before its answer", got, n)
+	}
+	if got := testutil.ToFloat64(m.EndpointSuspect); got != 0 {
+		t.Fatalf("endpoint_suspect_total = %v, want 0", got)
 	}
 }
 
