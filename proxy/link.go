@@ -172,10 +172,14 @@ func (lk *link) finish() {
 	}
 	if lk.trk != nil {
 		orphans := lk.trk.Stop()
-		if lk.conv != nil && lk.conv.profile && lk.clientEnded() {
+		if lk.conv != nil && lk.conv.profile && lk.clientEnded() || lk.proxyCut() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
 			// first abandons its requests, which can no longer be answered.
+			// A link the proxy cut for a reason that says nothing of its
+			// upstream (an eviction, a client's bad frame, its own error)
+			// took away the answers itself: the endpoint's silence on
+			// other links is no evidence about them.
 			orphans = nil
 		}
 		if len(orphans) > 0 {
@@ -547,6 +551,24 @@ func (lk *link) stats() LinkStats {
 func (lk *link) clientEnded() bool {
 	r := lk.reason.Load()
 	return r != nil && (*r == CloseClientClosed || *r == CloseClientError)
+}
+
+// proxyCut reports whether the proxy ended the link itself for a reason
+// that is no evidence against its upstream, so the answers its requests
+// were owed could no longer be seen. A watermark or budget overflow is
+// such a reason unless the upstream had stalled (then it is evidence).
+func (lk *link) proxyCut() bool {
+	r := lk.reason.Load()
+	if r == nil {
+		return false
+	}
+	switch *r {
+	case CloseEvicted, CloseBadFrame, CloseHalfCloseTimeout, CloseLocalError, CloseShutdown:
+		return true
+	case CloseWatermark, CloseBudget:
+		return !lk.overflowStalled.Load()
+	}
+	return false
 }
 
 // fail ends the link on an error of its upstream socket, with the reason

@@ -682,3 +682,75 @@ func TestAddDueSaturates(t *testing.T) {
 		}
 	}
 }
+
+// A link the proxy cut for a reason that is no evidence against the
+// server leaves nothing for the endpoint to judge: its requests' answers
+// could no longer be seen, and a quiet client's silence would be taken
+// for the server's. Here a Kafka client ends its stream inside a frame
+// (bad_frame) with a Metadata request in flight to a live broker; the
+// twin (a client that closes while its request is in flight to a
+// silent server, TestUnansweredCountsAfterClientCloses) still hands its
+// requests on.
+func TestProxyCutLinkLeavesNoOrphans(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) {
+		return 150 * time.Millisecond, true // live, a little slow
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	if _, err := c.Write(append(metadataReq(1), metadataReq(2)[:6]...)); err != nil { // one request, then half of one
+		t.Fatal(err)
+	}
+	_ = c.CloseWrite()
+	if st := h.linkEnd(2 * time.Second); st.Reason != CloseBadFrame {
+		t.Fatalf("link ended %s, want bad_frame", st.Reason)
+	}
+	// The link's requests are handed on (or not) before its end is reported.
+	ep := h.p.lookupEndpoint(broker.ln.Addr().String())
+	if n := ep.orphans.Pending(); n != 0 {
+		t.Fatalf("the endpoint holds %d request(s) of a link the proxy cut for a client's bad frame, want 0", n)
+	}
+	time.Sleep(600 * time.Millisecond) // past the request's deadline (300ms) and the slack
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("live broker is %s (%s) after a client's bad frame: %s", st.State, st.Reason, st.Evidence)
+	}
+}
+
+// An operator's evict of a live Pinot server's link, a query in flight,
+// and no other query for a while: the server is not judged by the query
+// the evict took away.
+func TestEvictedLinkLeavesNoOrphans(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{Delay: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h := start(t, srv.Addr(), func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot
+		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+	})
+	c := h.dial()
+	payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: 1, Table: "t_OFFLINE", TimeoutMs: 500})
+	if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
+		t.Fatal(err)
+	}
+	lk := h.onlyLink(5 * time.Second)
+	for deadline := time.Now().Add(5 * time.Second); lk.trk.Pending() < 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the link did not record the query within 5s")
+		}
+	}
+	if n, err := h.p.Evict(h.endpoint().Endpoint); err != nil || n != 1 {
+		t.Fatalf("evict: %d, %v", n, err)
+	}
+	if st := h.linkEnd(2 * time.Second); st.Reason != CloseEvicted {
+		t.Fatalf("link ended %s, want evicted", st.Reason)
+	}
+	if n := h.p.lookupEndpoint(srv.Addr()).orphans.Pending(); n != 0 {
+		t.Fatalf("the endpoint holds %d request(s) of a link an operator evicted, want 0", n)
+	}
+	time.Sleep(2 * time.Second) // past timeoutMs + 1s and the slack
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("live Pinot server is %s (%s) after an operator evict: %s", st.State, st.Reason, st.Evidence)
+	}
+}

@@ -297,6 +297,18 @@ func (t *Tracker) Unanswered(judged []PendingRequest) (n int, since int64) {
 	return n, since
 }
 
+// Pending is how many requests wait for their verdict.
+func (t *Tracker) Pending() (n int) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, r := range t.pending {
+		if !r.judged {
+			n += int(r.N)
+		}
+	}
+	return n
+}
+
 // Stop ends tracking and returns the requests not yet given their verdict
 // that have seen no answer, so that the endpoint can judge them. A judgement already
 // running finishes first.
