@@ -114,6 +114,10 @@ func listenerKind(cfg policy.Listener) string {
 }
 
 func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
+	if p.names == nil {
+		p.names = map[string]int{}
+	}
+	p.names[cfg.Name]++
 	l := &listener{
 		p:       p,
 		cfg:     cfg,
@@ -223,8 +227,12 @@ func listenTCP(ctx context.Context, addr string, raw bool) (net.Listener, error)
 // listen binds addr for l: accepting with flow.Listener where it can (a
 // mesh ingress hands its connections to yamux, which takes net's).
 func (l *listener) listen(addr string) (acceptor, error) {
-	raw := l.ingress == nil && flow.RawAcceptSupported
-	ln, err := listenTCP(l.ctx, addr, raw)
+	return listenAcceptor(l.ctx, addr, l.ingress != nil)
+}
+
+func listenAcceptor(ctx context.Context, addr string, ingress bool) (acceptor, error) {
+	raw := !ingress && flow.RawAcceptSupported
+	ln, err := listenTCP(ctx, addr, raw)
 	if err != nil {
 		return nil, err
 	}

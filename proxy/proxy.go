@@ -119,6 +119,7 @@ type Proxy struct {
 	listeners []*listener
 	endpoints map[string]*endpoint // by normalized host:port
 	disabled  map[string]bool      // endpoints.disabled of the running config
+	names     map[string]int       // listeners made per name, live or draining: the last to go forgets the name's series (releaseName)
 	drained   sync.Map             // endpoints the operator drained: address -> struct{} (drain.go)
 	started   bool
 	ready     atomic.Bool

@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"errors"
+	"fmt"
 	"maps"
+	"net"
 	"reflect"
 	"slices"
 	"time"
@@ -87,7 +89,13 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		return ch, errors.New("reload: proxy not running")
 	}
 	plan := planReload(p.runningLocked(), p.disabled, cfg)
+	pre, err := p.prebindLocked(plan)
+	if err != nil {
+		p.mu.Unlock()
+		return ch, err
+	}
 	set := p.swapListenersLocked(plan, &ch)
+	set.pre = pre
 	p.mu.Unlock()
 
 	p.swapSettings(cfg, plan.disabled)
@@ -109,6 +117,42 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 
 	p.enableUnlisted(plan.enable, &ch)
 	return ch, errors.Join(errs...)
+}
+
+// ErrNothingApplied marks a reload that was refused before it changed
+// anything: the running configuration stays in force.
+var ErrNothingApplied = errors.New("nothing applied; the running configuration is unchanged")
+
+// prebindLocked binds, before the reload changes anything, every listener
+// it adds on a port that no listener it retires holds: a listener moved to
+// a port another process holds (or another listener of the new
+// configuration) fails the reload whole, and the one in force keeps
+// serving. A port a retiring listener holds is bound after it is retired
+// (bindAdded), as before. p.mu is held.
+func (p *Proxy) prebindLocked(plan reloadPlan) (map[string]acceptor, error) {
+	vacated := map[string]bool{}
+	for _, l := range p.listeners {
+		if slices.Contains(plan.remove, l.cfg.Name) {
+			if _, port, err := net.SplitHostPort(l.addr); err == nil {
+				vacated[port] = true
+			}
+		}
+	}
+	pre := map[string]acceptor{}
+	for i, lp := range plan.listeners {
+		if _, port, err := net.SplitHostPort(lp.cfg.Listen); lp.keep || err != nil || vacated[port] {
+			continue
+		}
+		ln, err := listenAcceptor(p.ctx, lp.cfg.Listen, lp.cfg.IsIngress())
+		if err != nil {
+			for _, b := range pre {
+				_ = b.Close()
+			}
+			return nil, fmt.Errorf("listeners[%d].listen (listener %q): %w: %w", i, lp.cfg.Name, err, ErrNothingApplied)
+		}
+		pre[lp.cfg.Name] = ln
+	}
+	return pre, nil
 }
 
 // runningListener is what planReload knows of a listener in force: the
@@ -194,10 +238,11 @@ func planReload(running []runningListener, prevDisabled map[string]bool, cfg pol
 // reloadSet is the listeners a reload works on, made from its plan by
 // swapListenersLocked.
 type reloadSet struct {
-	keep  []*listener // kept, in the new config's order; bindAdded appends those it binds
-	added []*listener // made for the new configuration, to bind
-	pools []*listener // kept and added pools, in the new config's order
-	gone  []*listener // to retire, in plan.remove's order
+	keep  []*listener         // kept, in the new config's order; bindAdded appends those it binds
+	added []*listener         // made for the new configuration, to bind
+	pools []*listener         // kept and added pools, in the new config's order
+	gone  []*listener         // to retire, in plan.remove's order
+	pre   map[string]acceptor // bound by prebindLocked, by name
 }
 
 // swapListenersLocked gives every kept listener its new configuration
@@ -298,10 +343,14 @@ func (p *Proxy) byConfig(addrs []string, change func(endpoint, reason string) bo
 func (p *Proxy) bindAdded(set *reloadSet, ch *Changes) []error {
 	var errs []error
 	for _, l := range set.added {
-		ln, err := l.bind()
+		ln, err := set.pre[l.cfg.Name], error(nil)
+		if ln == nil {
+			ln, err = l.bind()
+		}
 		if err != nil {
 			errs = append(errs, err)
 			p.detach(l)
+			p.releaseName(l.cfg.Name)
 			continue
 		}
 		addr, _ := l.open(ln)
@@ -336,15 +385,7 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 			l.ingress.close()
 		}
 		p.detach(l)
-		p.mu.Lock()
-		reused := false
-		for _, x := range p.listeners {
-			reused = reused || x.cfg.Name == l.cfg.Name
-		}
-		p.mu.Unlock()
-		if !reused { // a listener that moved keeps its series
-			p.metrics.Forget(l.cfg.Name)
-		}
+		p.releaseName(l.cfg.Name)
 	}()
 }
 
@@ -392,6 +433,17 @@ func (p *Proxy) detachFromLocked(l *listener, ep *endpoint) (orphan bool) {
 		delete(p.endpoints, ep.addr)
 	}
 	return orphan
+}
+
+// releaseName ends one incarnation of a listener name; the last one's
+// series are deleted (under p.mu, as newListenerLocked creates them).
+func (p *Proxy) releaseName(name string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.names[name]--; p.names[name] <= 0 {
+		delete(p.names, name)
+		p.metrics.Forget(name)
+	}
 }
 
 // forget drops what the detector and the excluded set hold for an

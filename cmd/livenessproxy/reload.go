@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"reflect"
 	"time"
@@ -78,6 +79,11 @@ func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Process, sta
 	inForce := cfg
 	inForce.Admin, inForce.Log, inForce.Interception = started.Admin, started.Log, started.Interception
 	ch, err := p.Apply(cfg)
+	if errors.Is(err, proxy.ErrNothingApplied) {
+		log.Error().Err(err).Str("trigger", trigger).Msg("config reload rejected; keeping the last good config")
+		m.ConfigReload("error")
+		return cfg, false
+	}
 	if err != nil {
 		ev := log.Error().Err(err).Str("trigger", trigger)
 		changes(ev, ch).Msg("config reload applied in part")

@@ -1,0 +1,51 @@
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy"
+)
+
+// A reload whose new listener cannot bind (another process holds the
+// port) is rejected, not "applied in part": the configuration in force
+// stays the one the proxy runs, and the log says the last good one keeps
+// serving.
+func TestReloadToABusyPortIsRejected(t *testing.T) {
+	busy, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	started, err := policy.Parse([]byte("listeners:\n  - {name: a, listen: 127.0.0.1:0, upstream: 127.0.0.1:9}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	log := newLogger(policy.Log{Level: "info", Format: "json"}, "", &buf)
+	reg := prometheus.NewRegistry()
+	p := proxy.New(started, proxy.Options{Logger: &log, Registerer: reg})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	data := fmt.Sprintf("listeners:\n  - {name: a, listen: %s, upstream: 127.0.0.1:9}\n", busy.Addr())
+	if _, ok := reload([]byte(data), triggerFile, p, metrics.NewProcess(reg), started, log); ok {
+		t.Fatal("a reload onto a busy port was taken as applied")
+	}
+	out := buf.String()
+	if !strings.Contains(out, "config reload rejected; keeping the last good config") ||
+		!strings.Contains(out, `listeners[0].listen (listener \"a\")`) || strings.Contains(out, "applied in part") {
+		t.Fatalf("log:\n%s\nwant the reload rejected, naming listeners[0].listen", out)
+	}
+	if p.Addr("a") == nil {
+		t.Fatal("listener a is gone after a rejected reload")
+	}
+}
