@@ -106,8 +106,17 @@ func (lk *link) dial() bool {
 			break // nothing eligible is left
 		}
 		lk.dialed.try(ep)
+		pooled := lk.host.routing() != nil
+		if pooled {
+			ep.add(lk) // a leaving member's drain counts it from now on
+		}
 		start, began := time.Now(), flow.Mono()
 		end, err := chain.dial(lk, ep)
+		if err != nil && pooled {
+			if _, local := err.(errLocal); !local {
+				ep.remove(lk) // an errLocal attaches below, and stays
+			}
+		}
 		if err == nil {
 			lk.countDial(start, failOpen)
 			return end.attach(ep)

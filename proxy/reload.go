@@ -452,6 +452,18 @@ func (p *Proxy) forget(ep *endpoint) {
 	p.det.Unregister(ep.addr)
 	p.unexclude(ep.addr)
 	ep.orphans.Stop()
+	p.drained.Delete(ep.addr)
+	p.meshMu.Lock()
+	peers := make([]*meshPeer, 0, len(p.peers))
+	for _, pr := range p.peers {
+		peers = append(peers, pr)
+	}
+	p.meshMu.Unlock()
+	for _, pr := range peers {
+		pr.mu.Lock()
+		delete(pr.endpoints, ep)
+		pr.mu.Unlock()
+	}
 }
 
 func (l *listener) snapshotLinks() []*link {

@@ -411,7 +411,7 @@ func (p *Proxy) sweepIdle() int {
 		}
 		ep.mu.Unlock()
 		switch {
-		case !idle:
+		case !idle, p.isDrained(addr): // a drained one is kept, as a disabled one
 		case st.State == health.Healthy && ep.lastUsed.Load() <= cutoff,
 			st.State == health.Excluded && time.Since(st.Since) >= forget:
 			delete(p.endpoints, addr)
@@ -427,9 +427,7 @@ func (p *Proxy) sweepIdle() int {
 	}
 	p.mu.Unlock()
 	for _, ep := range gone {
-		p.det.Unregister(ep.addr)
-		p.unexclude(ep.addr)
-		ep.orphans.Stop()
+		p.forget(ep)
 	}
 	return len(gone)
 }

@@ -1,0 +1,157 @@
+//go:build linux
+
+package proxy
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/dnstest"
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// A pool link still connecting when its member leaves the pool is the
+// member's link for the drain: it is evicted (removed) once drain_timeout
+// has passed, like the member's open links. Before, the drain counted
+// only links that had connected: the member was forgotten at once, and
+// the link attached later to an endpoint no one knew (never evicted,
+// never judged, out of the admin API's reach).
+func TestDiallingLinkOfALeavingMemberIsDrained(t *testing.T) {
+	port := commonPort(t, "127.0.0.2", "127.0.0.3")
+	faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: fmt.Sprintf("127.0.0.3:%d", port)})
+	// 127.0.0.2:port drops SYNs: a backlog of 0, its queue filled.
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	member := fmt.Sprintf("127.0.0.2:%d", port)
+	for range 2 {
+		if c, err := net.DialTimeout("tcp", member, 200*time.Millisecond); err == nil {
+			defer c.Close()
+		}
+	}
+
+	dns := dnstest.Start(t)
+	setRecords(dns, "127.0.0.2")
+	h := startPool(t, policy.Pool{DNS: fmt.Sprintf("pods.svc:%d", port), Refresh: policy.Duration(50 * time.Millisecond)}, dns.Resolver(),
+		func(s *policy.Settings) { s.ConnectTimeout = policy.Duration(2 * time.Second) })
+	h.p.drain.Store(int64(300 * time.Millisecond))
+	h.waitMembers([]string{member}, 3*time.Second)
+
+	c := h.dial() // its link connects to 127.0.0.2, whose SYNs are dropped
+	ep := h.p.lookupEndpoint(member)
+	for deadline := time.Now().Add(3 * time.Second); ep.linksOf(h.p.listeners[0]) != 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the dialling link is not counted as the member's")
+		}
+	}
+	setRecords(dns, "127.0.0.3") // the member leaves while the link connects
+	h.waitMembers([]string{fmt.Sprintf("127.0.0.3:%d", port)}, 3*time.Second)
+	// The drain (300ms) closes the client; the link ends once its connect
+	// gives up (connect_timeout, 2s: an abort does not cut a connect short).
+	if err, _ := waitClosed(t, c, 3*time.Second); !isCloseSignal(err) {
+		t.Fatalf("the client of the dialling link saw %v, want it closed by the drain", err)
+	}
+	st := h.linkEnd(5 * time.Second)
+	if st.Reason != CloseEvicted {
+		t.Fatalf("the dialling link of the member that left ended %s, want evicted", st.Reason)
+	}
+	if got := h.removedEvictions(); got != 1 {
+		t.Fatalf("evictions{cause=removed} = %v, want 1", got)
+	}
+}
+
+// An operator's drain ends with the endpoint: a pool member drained, then
+// gone from the pool's records and forgotten, is not drained when a new
+// pod gets its address ("one that comes back after its drain starts
+// afresh"), and no drain of an address the proxy no longer knows is kept.
+func TestDrainEndsWithTheForgottenEndpoint(t *testing.T) {
+	h, dns, _, addrs := dnsPool(t, []string{"127.0.0.2", "127.0.0.3"}, []string{"127.0.0.2", "127.0.0.3"})
+	h.p.drain.Store(0)
+	h.waitMembers(addrs, 3*time.Second)
+	if _, _, err := h.p.Drain(addrs[0]); err != nil {
+		t.Fatal(err)
+	}
+	setRecords(dns, "127.0.0.3") // the drained pod goes away
+	h.waitMembers(addrs[1:], 3*time.Second)
+	for deadline := time.Now().Add(3 * time.Second); h.p.lookupEndpoint(addrs[0]) != nil; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("left member not forgotten")
+		}
+	}
+	if _, ok := h.p.drained.Load(addrs[0]); ok {
+		t.Errorf("forgotten endpoint %s is still in the drained set (invisible to GET /v1/endpoints)", addrs[0])
+	}
+	setRecords(dns, "127.0.0.2", "127.0.0.3") // a new pod gets the address
+	h.waitMembers(addrs, 3*time.Second)
+	for _, ep := range h.p.Endpoints() {
+		if ep.Endpoint == addrs[0] && ep.Draining {
+			t.Fatalf("%s came back after its drain ended and is still drained (state %s): not a fresh start", ep.Endpoint, ep.State)
+		}
+	}
+}
+
+// A mesh peer holds the endpoints it reached only while the proxy knows
+// them: a member forgotten and back, again and again, with the same peer
+// sidecar, leaves at most its live endpoint with the peer. Before, the
+// peer's set was pruned only when a new peer was made, and grew by one
+// endpoint per cycle.
+func TestMeshPeerForgetsForgottenEndpoints(t *testing.T) {
+	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3")
+	port := netip.MustParseAddrPort(addrs[0]).Port()
+	closed, err := net.Listen("tcp", "127.0.0.2:0") // a mesh port nobody serves
+	if err != nil {
+		t.Fatal(err)
+	}
+	meshPort := closed.Addr().(*net.TCPAddr).Port
+	closed.Close()
+	dns := dnstest.Start(t)
+	setRecords(dns, "127.0.0.2")
+	h := startPool(t, policy.Pool{DNS: fmt.Sprintf("pods.svc:%d", port), Refresh: policy.Duration(50 * time.Millisecond)}, dns.Resolver(),
+		func(s *policy.Settings) {
+			s.Mesh.Port = meshPort
+			s.Mesh.Fallback = policy.MeshFallbackRefuse
+		})
+	h.p.drain.Store(0)
+	const rounds = 4
+	for i := range rounds {
+		setRecords(dns, "127.0.0.2")
+		h.waitMembers(addrs[:1], 3*time.Second)
+		c := h.dialWhenReadmitted(3 * time.Second)
+		_ = c.SetReadDeadline(time.Now().Add(3 * time.Second))
+		_, _ = c.Read(make([]byte, 1)) // the link tries the mesh port: refused
+		c.Close()
+		setRecords(dns, "127.0.0.3")
+		h.waitMembers(addrs[1:], 3*time.Second)
+		for deadline := time.Now().Add(3 * time.Second); h.p.lookupEndpoint(addrs[0]) != nil; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: left member not forgotten", i)
+			}
+		}
+	}
+	h.p.meshMu.Lock()
+	pr := h.p.peers[net.JoinHostPort("127.0.0.2", fmt.Sprint(meshPort))]
+	h.p.meshMu.Unlock()
+	if pr == nil {
+		t.Fatal("no mesh peer: the links did not try the mesh")
+	}
+	pr.mu.Lock()
+	n := len(pr.endpoints)
+	pr.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("the mesh peer keeps %d endpoint(s) after %d forget/return cycles of one address, all forgotten (want 0)", n, rounds)
+	}
+}
