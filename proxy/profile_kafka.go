@@ -19,9 +19,10 @@ func kafkaReaders(c *conv) (req, resp flow.FrameReader) {
 		parse: kafkawire.ParseRequest, record: (*conv).kafkaRequest}, &kafkaResponses{c: c}
 }
 
-// maxOutstanding bounds the Kafka requests a link remembers for matching;
-// past it the link is no longer tracked. Java clients keep at most 5 in
-// flight per connection by default.
+// maxOutstanding bounds the entries a link keeps for matching Kafka
+// responses; past it a new request joins the newest entry (see
+// outstanding). Java clients keep at most 5 in flight per connection by
+// default.
 const maxOutstanding = 1024
 
 // kafkaFirstWindow is how much of a Kafka request the reader asks for
@@ -31,11 +32,20 @@ const kafkaFirstWindow = 128
 
 const kafkaSyncGroup = 14
 
-// outstanding is a Kafka request that expects a response.
+// outstanding is a Kafka request that expects a response; past
+// maxOutstanding, the requests that joined the newest entry too (n of
+// them: responses still come in order and count them off, only the
+// first's correlation id is checked, and the entry's deadline is the
+// first's, so the oldest request still gives the verdict).
 type outstanding struct {
-	id  int32 // correlation id
-	due int64 // mono deadline; never: not judged
-	end int64 // stream offset just past its last byte
+	id   int32 // correlation id (of the first)
+	n    int32 // requests in the entry
+	hold int64 // how long the broker may hold it once it starts on it, nanoseconds; the longest of the entry's
+	due  int64 // mono deadline; never: not judged
+	end  int64 // stream offset just past its last byte
+	// joined: the entry's first request was answered; the others' ids
+	// were not kept.
+	joined bool
 }
 
 // kafkaRequest records a parsed Kafka request whose last byte is at end.
@@ -61,18 +71,16 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 		c.mu.Unlock()
 		return
 	}
-	if len(c.queue)-c.head >= maxOutstanding {
-		c.mu.Unlock()
-		c.untrack(metrics.UntrackedLimit, errors.New("too many requests outstanding"))
-		return
-	}
 	// The broker answers a connection's requests one at a time, in order:
 	// a request cannot be answered before the one ahead of it, so it is
 	// not due before that one is. It is due no later either than its own
 	// deadline, or that one's: the answer to the request ahead comes after
 	// this one was sent, so it covers this one (any answer since a request
 	// was sent is life, see tracker). Queued requests therefore do not add
-	// their deadlines up: the first one past its own is the evidence.
+	// their deadlines up: the first one past its own is the evidence. A
+	// request the broker may hold is the exception: its hold begins only
+	// when the broker starts on it, once the one ahead is answered, and
+	// kafkaResponse moves its deadline then (started).
 	due := int64(flow.Never)
 	if known {
 		due = addDue(c.sendAt, int64(hold), c.rt)
@@ -85,7 +93,17 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 		c.queue = c.queue[:copy(c.queue, c.queue[c.head:])]
 		c.head = 0
 	}
-	c.queue = append(c.queue, outstanding{id: r.CorrelationID, due: due, end: end})
+	h := int64(hold)
+	if !known {
+		h = -1
+	}
+	if len(c.queue)-c.head >= maxOutstanding {
+		l := &c.queue[len(c.queue)-1]
+		l.n++
+		l.due, l.end, l.hold = max(l.due, due), end, max(l.hold, h)
+	} else {
+		c.queue = append(c.queue, outstanding{id: r.CorrelationID, n: 1, hold: h, due: due, end: end})
+	}
 	// The broker may hold it until request_timeout before it is due;
 	// its own response (matched in order) covers it before that.
 	c.trackLocked(due-c.rt, due, end, 1)
@@ -107,19 +125,57 @@ func (c *conv) holding(now int64) bool {
 }
 
 // kafkaResponse matches a response to the oldest outstanding request.
-func (c *conv) kafkaResponse(id int32) {
+func (c *conv) kafkaResponse(id int32) { c.kafkaResponseAt(id, flow.Mono()) }
+
+// kafkaResponseAt is kafkaResponse for a response read at mono time now.
+func (c *conv) kafkaResponseAt(id int32, now int64) {
 	c.mu.Lock()
-	if c.head == len(c.queue) || c.queue[c.head].id != id {
+	if c.head == len(c.queue) {
 		c.mu.Unlock()
 		c.untrack(metrics.UntrackedDesync, nil)
 		return
 	}
-	c.lk.trk.AnsweredThrough(c.queue[c.head].end)
+	h := &c.queue[c.head]
+	if h.id != id && !h.joined {
+		c.mu.Unlock()
+		c.untrack(metrics.UntrackedDesync, nil)
+		return
+	}
+	if h.n > 1 {
+		h.n, h.joined = h.n-1, true
+		c.mu.Unlock()
+		return
+	}
+	c.lk.trk.AnsweredThrough(h.end)
 	c.head++
 	if c.head == len(c.queue) {
 		c.queue, c.head = c.queue[:0], 0
+	} else {
+		c.startedLocked(now)
 	}
 	c.mu.Unlock()
+}
+
+// startedLocked: the broker starts on the oldest outstanding request at
+// mono time now, the one ahead of it just answered (it answers a
+// connection's requests one at a time). A request it may hold is due its
+// hold and request_timeout from now, if that is later than it was due:
+// a Fetch queued behind a Fetch the broker held for its whole max_wait
+// may be held for its own too. The requests behind it cannot be due
+// before it. c.mu is held.
+func (c *conv) startedLocked(now int64) {
+	next := &c.queue[c.head]
+	if next.hold <= 0 || next.due == flow.Never {
+		return // nothing held: the answer just given covers it (see kafkaRequest)
+	}
+	due := addDue(now, next.hold, c.rt)
+	if due <= next.due {
+		return
+	}
+	for i := c.head; i < len(c.queue) && c.queue[i].due < due; i++ {
+		c.queue[i].due = due
+	}
+	c.lk.trk.Extend(c.queue[c.head-1].end, due-c.rt, due)
 }
 
 // kafkaResponses reads Kafka response frames: their correlation id.

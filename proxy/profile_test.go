@@ -639,7 +639,8 @@ func TestKafkaLargeSlowAnswerIsLife(t *testing.T) {
 // Requests queued on one Kafka connection are each due no earlier than
 // the one ahead of them (the broker answers in order) and no later than the
 // later of their own deadline and that one's: their deadlines do not add
-// up, so the fifth of five queued requests is judged with the first.
+// up, so the fifth of five queued requests is judged with the first. Only
+// a hold begins when the broker starts on its request.
 func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
 	var answer atomic.Int64
 	answer.Store(flow.NoAnswer)
@@ -668,6 +669,29 @@ func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
 	for i, r := range reqs {
 		if got := time.Duration(c.queue[i].due - t0); got != r.want {
 			t.Fatalf("request %d due at +%v, want +%v (all: %+v)", i, got, r.want, c.queue)
+		}
+	}
+
+	// The broker starts on a request once the one ahead is answered: one
+	// it may hold is due its hold and request_timeout from then, when that
+	// is later, and those behind it with it.
+	for _, a := range []struct {
+		at   time.Duration // the answer, from t0
+		want []time.Duration
+	}{
+		// The first Produce held its whole 10s: the second starts now.
+		{10 * time.Second, []time.Duration{23 * time.Second, 23 * time.Second, 33030 * time.Millisecond, 33030 * time.Millisecond}},
+		// The second answered at once: the Metadata holds nothing (the
+		// answer covers it), nothing moves.
+		{10001 * time.Millisecond, []time.Duration{23 * time.Second, 33030 * time.Millisecond, 33030 * time.Millisecond}},
+		// The Metadata answered 5s later: the Fetch starts then.
+		{15001 * time.Millisecond, []time.Duration{48001 * time.Millisecond, 48001 * time.Millisecond}},
+	} {
+		c.kafkaResponseAt(c.queue[c.head].id, t0+int64(a.at))
+		for i, want := range a.want {
+			if got := time.Duration(c.queue[c.head+i].due - t0); got != want {
+				t.Fatalf("answered at +%v: request %d due at +%v, want +%v", a.at, c.queue[c.head+i].id, got, want)
+			}
 		}
 	}
 }
@@ -752,5 +776,157 @@ func TestEvictedLinkLeavesNoOrphans(t *testing.T) {
 	time.Sleep(2 * time.Second) // past timeoutMs + 1s and the slack
 	if st := h.endpoint(); st.State != "healthy" {
 		t.Fatalf("live Pinot server is %s (%s) after an operator evict: %s", st.State, st.Reason, st.Evidence)
+	}
+}
+
+// produceAllReq is an acks=all Produce asking the broker to wait up to
+// timeout for its replicas.
+func produceAllReq(timeout time.Duration, corr int32) []byte {
+	r := kmsg.NewPtrProduceRequest()
+	r.Acks = -1
+	r.TimeoutMillis = int32(timeout / time.Millisecond)
+	return kafkaReq(r, 9, corr)
+}
+
+// Two held requests pipelined on one connection, the broker holding each
+// for its whole wait: it starts on the second only once it has answered
+// the first, so the second may be held for its own wait after that
+// (KAFKA.md: a request's legitimate wait includes the holds of every
+// request ahead of it). The broker is healthy: it must not be judged.
+// Before, the second was due request_timeout after the first's hold, and
+// a healthy broker was excluded. The twin is
+// TestQueuedHeldRequestOfADeadBrokerIsJudged.
+func TestPipelinedHeldRequestsAreNotJudgedEarly(t *testing.T) {
+	// The hold longer than request_timeout: the second's answer comes
+	// after the deadline it had before (its own send, hold and timeout).
+	const hold, rt = 2 * time.Second, 700 * time.Millisecond
+	for _, tc := range []struct {
+		name string
+		key  int16
+		req  func(corr int32) []byte
+	}{
+		{"fetch long polls", 1, func(corr int32) []byte { return fetchReq(hold, corr) }},
+		{"acks=all produces", 0, func(corr int32) []byte { return produceAllReq(hold, corr) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+				if key == tc.key {
+					return hold, true // held for its whole wait, as the protocol allows
+				}
+				return 0, true
+			})
+			h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+			c := h.dial()
+			if _, err := c.Write(tc.req(1)); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(150 * time.Millisecond) // past the judging slack (70ms): two records
+			if _, err := c.Write(tc.req(2)); err != nil {
+				t.Fatal(err)
+			}
+			for want := int32(1); want <= 2; want++ {
+				if got := readResponse(t, c, 10*time.Second); got != want {
+					t.Fatalf("response %d, want %d", got, want)
+				}
+			}
+			if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+				t.Errorf("unanswered_timeouts_total = %v, want 0: every request was answered in order within its hold", got)
+			}
+			if ep := h.endpoint(); ep.State != "healthy" {
+				t.Errorf("healthy broker is %s (%s): %s", ep.State, ep.Reason, ep.Evidence)
+			}
+		})
+	}
+}
+
+// The twin: a broker that answers the first of two queued long polls
+// after its hold and then stops is judged by the second's own deadline,
+// counted from the first's answer: its hold and request_timeout, and a
+// second at most (the judging slack and the time to close its links).
+func TestQueuedHeldRequestOfADeadBrokerIsJudged(t *testing.T) {
+	const hold, rt = 500 * time.Millisecond, 300 * time.Millisecond
+	broker := startKafkaBroker(t, func(_ int16, corr int32) (time.Duration, bool) {
+		return hold, corr == 1 // the first held and answered; then nothing
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+	c := h.dial()
+	if _, err := c.Write(append(fetchReq(hold, 1), fetchReq(hold, 2)...)); err != nil {
+		t.Fatal(err)
+	}
+	if got := readResponse(t, c, 5*time.Second); got != 1 {
+		t.Fatalf("response %d, want 1", got)
+	}
+	answered := time.Now()
+	ep := h.waitState("excluded", hold+rt+3*time.Second)
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
+	}
+	// Not before the second's own deadline, counted from the first answer.
+	if took := time.Since(answered); took < hold+rt-50*time.Millisecond {
+		t.Fatalf("excluded %v after the first answer, before the second request's hold (%v) and request_timeout (%v) had passed", took, hold, rt)
+	}
+}
+
+// A stopped broker (its kernel still takes the bytes) with more requests
+// pipelined on one connection than a link keeps entries for is still
+// judged by the oldest request's deadline. Before, past 1,024 the link
+// stopped tracking, and the dead broker was never judged.
+func TestThousandsQueuedToADeadBrokerAreJudged(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, false })
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	var batch []byte
+	for i := range maxOutstanding + 100 { // bounded: about 50 KB, within any socket buffer
+		batch = append(batch, metadataReq(int32(i))...)
+	}
+	if _, err := c.Write(batch); err != nil {
+		t.Fatal(err)
+	}
+	ep := h.waitState("excluded", 300*time.Millisecond+3*time.Second)
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").Untracked(metrics.UntrackedLimit)); got != 0 {
+		t.Fatalf("untracked{reason=limit} = %v, want 0", got)
+	}
+}
+
+// The twin: as many requests to a broker that answers every one are
+// matched to the end (the link stays tracked, in step), and nothing is
+// judged.
+func TestThousandsQueuedToALiveBrokerStayMatched(t *testing.T) {
+	broker := startKafkaBroker(t, func(int16, int32) (time.Duration, bool) { return 0, true })
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(2*time.Second, 1))
+	c := h.dial()
+	const n = maxOutstanding + 100
+	var batch []byte
+	for i := range n {
+		batch = append(batch, metadataReq(int32(i))...)
+	}
+	go func() { _, _ = c.Write(batch) }() // read below as it is answered
+	for i := range n {
+		if got := readResponse(t, c, 10*time.Second); got != int32(i) {
+			t.Fatalf("response %d, want %d", got, i)
+		}
+	}
+	// One more, after the queue emptied: still matched, still tracked.
+	if _, err := c.Write(metadataReq(n)); err != nil {
+		t.Fatal(err)
+	}
+	if got := readResponse(t, c, 10*time.Second); got != n {
+		t.Fatalf("response %d, want %d", got, n)
+	}
+	m := h.m.ForListener("test")
+	for _, reason := range []string{metrics.UntrackedLimit, metrics.UntrackedDesync} {
+		if got := testutil.ToFloat64(m.Untracked(reason)); got != 0 {
+			t.Fatalf("untracked{reason=%s} = %v, want 0", reason, got)
+		}
+	}
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if lk := h.onlyLink(time.Second); lk.conv.off.Load() {
+		t.Fatal("the link is no longer tracked")
 	}
 }

@@ -297,6 +297,21 @@ func (t *Tracker) Unanswered(judged []PendingRequest) (n int, since int64) {
 	return n, since
 }
 
+// Extend moves the deadlines of every request after stream offset after
+// that has no verdict yet to due at the earliest, and the end of their
+// hold to held: the server cannot have started on them before now (a
+// Kafka broker answers a connection's requests one at a time, and may hold
+// each for its own time once it starts on it).
+func (t *Tracker) Extend(after, held, due int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.pending {
+		if r := &t.pending[i]; !r.judged && r.End > after {
+			r.Due, r.Held, r.last = max(r.Due, due), max(r.Held, held), max(r.last, due)
+		}
+	}
+}
+
 // Pending is how many requests wait for their verdict.
 func (t *Tracker) Pending() (n int) {
 	t.mu.Lock()
