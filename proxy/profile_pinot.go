@@ -27,10 +27,17 @@ const pinotTimeoutSlack = time.Second
 // usually the query options.
 const pinotFirstWindow = 2 << 10
 
+// pinotServerDefaultTimeout is how long a Pinot server lets a query run
+// that carries no timeoutMs (pinot.server.query.executor.timeout's
+// default, PINOT.md).
+const pinotServerDefaultTimeout = 15 * time.Second
+
 // pinotRequest records a parsed Pinot InstanceRequest: due by its own
-// timeoutMs, or request_timeout when it carries none.
+// timeoutMs, or, when it carries none, by the server's default timeout
+// (request_timeout when that is longer: a server configured with a longer
+// default), each with the slack.
 func (c *conv) pinotRequest(r *pinotwire.Request, end int64) {
-	due := addDue(c.sendAt, c.rt)
+	due := addDue(c.sendAt, max(c.rt, int64(pinotServerDefaultTimeout)), int64(pinotTimeoutSlack))
 	if r.HasTimeout {
 		due = addDue(c.sendAt, int64(r.Timeout), int64(pinotTimeoutSlack))
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -928,5 +929,68 @@ func TestThousandsQueuedToALiveBrokerStayMatched(t *testing.T) {
 	}
 	if lk := h.onlyLink(time.Second); lk.conv.off.Load() {
 		t.Fatal("the link is no longer tracked")
+	}
+}
+
+// A Pinot request is due by its own timeoutMs plus a second; one that
+// carries no timeoutMs runs under the server's default (15s, PINOT.md),
+// and is due then plus a second, or at request_timeout plus a second where
+// that is longer. Before, it was due at request_timeout (3s by default).
+func TestPinotRequestDeadlines(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		rt   time.Duration
+		req  pinotwire.Request
+		want time.Duration
+	}{
+		{"own timeoutMs", 3 * time.Second, pinotwire.Request{Timeout: 500 * time.Millisecond, HasTimeout: true}, 1500 * time.Millisecond},
+		{"no timeoutMs: the server's default", 3 * time.Second, pinotwire.Request{}, 16 * time.Second},
+		{"no timeoutMs, a longer request_timeout", 20 * time.Second, pinotwire.Request{}, 21 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var answer atomic.Int64
+			answer.Store(flow.NoAnswer)
+			lk := &link{}
+			lk.trk = flow.NewTracker(time.Millisecond, false, &answer, func([]flow.PendingRequest, int) {})
+			defer lk.trk.Stop()
+			c := &conv{lk: lk, profile: true, rt: int64(tc.rt), thr: 1}
+			c.sendAt = flow.Mono()
+			c.pinotRequest(&tc.req, 100)
+			if got := time.Duration(lk.trk.NextDue() - c.sendAt); got != tc.want {
+				t.Fatalf("due %v after it was sent, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// A live Pinot server answers a query that carries no timeoutMs in 4s,
+// within the server's own default (15s) but past request_timeout (3s):
+// it is not judged.
+func TestPinotQueryWithoutTimeoutIsNotJudgedAtRequestTimeout(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{Delay: 4 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h := start(t, srv.Addr(), func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot // request_timeout: the default, 3s
+		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+	})
+	c := h.dial()
+	payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: 1, Table: "t_OFFLINE"}) // no timeoutMs
+	if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	var hdr [4]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		t.Fatalf("no answer: %v", err)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("live Pinot server is %s (%s): %s", ep.State, ep.Reason, ep.Evidence)
 	}
 }

@@ -312,6 +312,20 @@ func (t *Tracker) Extend(after, held, due int64) {
 	}
 }
 
+// NextDue is the earliest deadline of the requests waiting for their
+// verdict; Never when none waits.
+func (t *Tracker) NextDue() int64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	due := int64(Never)
+	for _, r := range t.pending {
+		if !r.judged {
+			due = min(due, r.Due)
+		}
+	}
+	return due
+}
+
 // Pending is how many requests wait for their verdict.
 func (t *Tracker) Pending() (n int) {
 	t.mu.Lock()
