@@ -357,6 +357,9 @@ func (lk *link) badFrame(direction string, err error) {
 // dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []flow.PendingRequest, left int) {
 	n, since := lk.trk.Unanswered(judged)
+	if n > 0 && lk.heardUnread(judged) {
+		n = 0
+	}
 	lk.host.countUnanswered(lk.ep, n, int(judged[0].Thr), since)
 	if lk.conv == nil {
 		return
@@ -375,6 +378,52 @@ func (lk *link) judge(judged []flow.PendingRequest, left int) {
 	if acked, ok := lk.ackedBytes(); ok && last > acked {
 		lk.dropStale(frames)
 	}
+}
+
+// heardUnread looks, before requests of the link are counted unanswered,
+// at what the upstream's kernel took in that the proxy has not passed on:
+// the endpoint's silence must be the endpoint's, not the proxy's.
+//   - Bytes that arrived after a request was sent, which the response pump
+//     had not read yet (the proxy was descheduled or throttled past the
+//     deadline), are an answer, at the time the kernel says they came:
+//     the verdict is taken again with it.
+//   - Bytes still unread that arrived before (the client is not reading
+//     what the pump passes on, so the pump stopped reading the upstream,
+//     whose window closed: it cannot answer) put the verdict off: the
+//     requests not covered are judged again a slack later, until the pump
+//     has read what the upstream sent.
+//
+// It reports true when nothing is to be counted now. Only the link's own
+// socket is asked, once per verdict that would count.
+func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
+	lk.connMu.Lock()
+	up := lk.up
+	lk.connMu.Unlock()
+	if up == nil {
+		return false
+	}
+	got, at, ok := up.received()
+	if !ok {
+		return false
+	}
+	if at > lk.ep.lastAnswer.Load() {
+		lk.ep.answered(at)
+		if n, _ := lk.trk.Unanswered(judged); n == 0 {
+			return true
+		}
+	}
+	if got <= lk.bytesDown.Load() {
+		return false // the pump has read all of it: the silence is the endpoint's
+	}
+	var again []flow.PendingRequest
+	for i := range judged {
+		if r := &judged[i]; r.Verdict && !lk.trk.Covered(r) {
+			again = append(again, *r)
+		}
+	}
+	lk.trk.Defer(again, flow.Mono()+max(int64(flow.JudgingSlack(lk.settings.Unanswered.RequestTimeout.D())), int64(10*time.Millisecond)))
+	lk.m.UnansweredDeferred.Inc()
+	return true
 }
 
 func (lk *link) dropStale(frames int) {

@@ -37,6 +37,10 @@ type upstreamEnd interface {
 	// (false: the transport does not say). Progress is what the upstream
 	// acknowledged, not what the kernel took.
 	acked() (int64, bool)
+	// received is how many bytes the upstream's kernel took in from it and
+	// when the latest arrived (flow.Received; false: the transport does not
+	// say, or nothing arrived).
+	received() (n, at int64, ok bool)
 	// release gives back what the end holds once the link's goroutines
 	// have ended.
 	release()

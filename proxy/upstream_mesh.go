@@ -202,6 +202,8 @@ func (e *meshEnd) close() {
 
 func (*meshEnd) acked() (int64, bool) { return 0, false }
 
+func (*meshEnd) received() (n, at int64, ok bool) { return 0, 0, false }
+
 func (e *meshEnd) release() { e.sess.remove(e.lk) }
 
 func (e *meshEnd) requestsOwned() {

@@ -183,6 +183,8 @@ func (e *tcpEnd) close() {
 
 func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
+func (e *tcpEnd) received() (n, at int64, ok bool) { return flow.Received(e.raw) }
+
 func (e *tcpEnd) release() {
 	e.r.Forget()
 	if e.owned {

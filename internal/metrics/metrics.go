@@ -53,6 +53,7 @@ type Metrics struct {
 	writeTimeouts       *prometheus.CounterVec
 	watermarkRejections *prometheus.CounterVec
 	unansweredTimeouts  *prometheus.CounterVec
+	unansweredDeferred  *prometheus.CounterVec
 	endpointSuspect     *prometheus.CounterVec
 	evictions           *prometheus.CounterVec
 	probes              *prometheus.CounterVec
@@ -165,6 +166,10 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "unanswered_timeouts_total",
 			Help: "Requests past their own deadline with no answer from the endpoint since they were sent.",
 		}, []string{"listener"}),
+		unansweredDeferred: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "unanswered_deferred_total",
+			Help: "Verdicts on requests past their deadline put off because bytes of the endpoint's waited unread in the proxy (its client not reading them): the endpoint's silence was the proxy's.",
+		}, []string{"listener"}),
 		endpointSuspect: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "endpoint_suspect_total",
 			Help: "Times an endpoint reached the unanswered threshold.",
@@ -237,7 +242,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
 		m.acceptWaits, m.acceptWaiting, m.BudgetWaits, m.ParkedPumps,
@@ -285,6 +290,7 @@ type Listener struct {
 	WriteTimeouts       prometheus.Counter
 	WatermarkRejections prometheus.Counter
 	UnansweredTimeouts  prometheus.Counter
+	UnansweredDeferred  prometheus.Counter
 	EndpointSuspect     prometheus.Counter
 	ProbesOK            prometheus.Counter
 	ProbesFailed        prometheus.Counter
@@ -329,6 +335,7 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		WriteTimeouts:       m.writeTimeouts.WithLabelValues(name),
 		WatermarkRejections: m.watermarkRejections.WithLabelValues(name),
 		UnansweredTimeouts:  m.unansweredTimeouts.WithLabelValues(name),
+		UnansweredDeferred:  m.unansweredDeferred.WithLabelValues(name),
 		EndpointSuspect:     m.endpointSuspect.WithLabelValues(name),
 		ProbesOK:            m.probes.WithLabelValues(name, "ok"),
 		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
@@ -415,7 +422,7 @@ func (l *Listener) Closed(reason string) { l.Closes(reason).Inc() }
 func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.endpointSuspect,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
 		m.meshFallbacks, m.acceptWaits, m.acceptWaiting,
 	} {

@@ -148,6 +148,27 @@ func BytesAcked(raw syscall.RawConn) (int64, bool) {
 	return max(int64(ti.Bytes_acked)-1, 0), true
 }
 
+// Received is what the kernel says of the bytes the peer sent: how many
+// it has taken in, in order (TCP_INFO's tcpi_bytes_received), and when the
+// latest of them arrived, as a mono time no later than the arrival
+// (tcpi_last_data_recv counts in jiffies, 10 ms at the coarsest, so a
+// jiffy and a millisecond are taken off). ok is false when no byte has
+// arrived (the kernel's count then starts at the handshake) or the kernel
+// does not say.
+func Received(raw syscall.RawConn) (n, at int64, ok bool) {
+	now := Mono()
+	ti, ok := tcpInfo(raw)
+	if !ok || ti.Bytes_received == 0 {
+		return 0, 0, false
+	}
+	return int64(ti.Bytes_received), now - int64(ti.Last_data_recv)*int64(time.Millisecond) - receivedSlack, true
+}
+
+// receivedSlack is how much earlier than the kernel's figure Received
+// puts an arrival: a jiffy at HZ=100, and the millisecond the conversion
+// may round away.
+const receivedSlack = int64(11 * time.Millisecond)
+
 // tcpInfo reads the socket's TCP_INFO; false when the kernel does not say
 // (the socket is closed).
 func tcpInfo(raw syscall.RawConn) (ti *unix.TCPInfo, ok bool) {

@@ -25,6 +25,9 @@ func UpstreamControl(policy.Settings) func(network, address string, c syscall.Ra
 // skipped there (the writer still Never sends an overdue request).
 func BytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
 
+// Received is unknown outside Linux.
+func Received(syscall.RawConn) (n, at int64, ok bool) { return 0, 0, false }
+
 // OriginalDst needs Linux's SO_ORIGINAL_DST: transparent listeners work
 // only there.
 func OriginalDst(syscall.Conn, net.Addr) (netip.AddrPort, error) {

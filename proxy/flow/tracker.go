@@ -202,6 +202,23 @@ func (t *Tracker) Adopt(rs []PendingRequest) {
 	}
 }
 
+// Defer gives the requests of entries just given their verdict another
+// one at due: the judge could not tell (the server's bytes wait unread in
+// the proxy, whose client is not reading).
+func (t *Tracker) Defer(rs []PendingRequest, due int64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.stopped {
+		return
+	}
+	for _, r := range rs {
+		r.judged, r.Verdict, r.Expired = false, false, false
+		r.Due, r.last = due, max(r.last, due)
+		t.pending = append(t.pending, r)
+		t.armLocked(due)
+	}
+}
+
 // Clear forgets every pending request (an endpoint readmitted starts
 // afresh: requests sent to the previous incarnation are not held against
 // the new one; a link no longer tracked forgets what it recorded).

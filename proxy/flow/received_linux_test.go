@@ -1,0 +1,63 @@
+package flow
+
+import (
+	"net"
+	"testing"
+	"time"
+)
+
+// Received says how many bytes of the peer's the kernel took in, and
+// when the latest arrived, never later than it did: nothing before the
+// first byte (the kernel's clock then starts at the handshake, which is no
+// answer), then the count, with an arrival between the write that sent
+// them less the kernel's granularity (Received takes 11ms off) and now.
+func TestReceivedSaysWhatCameAndWhen(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(30 * time.Millisecond) // the handshake well behind
+	if n, _, ok := Received(raw); ok {
+		t.Fatalf("Received = %d bytes before any came", n)
+	}
+	before := Mono()
+	if _, err := s.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	var n, at int64
+	var ok bool
+	for deadline := time.Now().Add(5 * time.Second); n < 5; time.Sleep(time.Millisecond) {
+		if n, at, ok = Received(raw); time.Now().After(deadline) {
+			t.Fatalf("Received = %d, %v after 5s, want 5 bytes", n, ok)
+		}
+	}
+	after := Mono()
+	if n != 5 {
+		t.Fatalf("Received = %d bytes, want 5", n)
+	}
+	if at > after || at < before-int64(25*time.Millisecond) {
+		t.Fatalf("arrival %v after the write began, want within [-25ms, %v]", time.Duration(at-before), time.Duration(after-before))
+	}
+	// Unread or read, the kernel's count and clock are the same.
+	if _, err := c.Read(make([]byte, 5)); err != nil {
+		t.Fatal(err)
+	}
+	if n2, at2, _ := Received(raw); n2 != 5 || at2 > after || at2 < before-int64(25*time.Millisecond) {
+		t.Fatalf("after the read: %d bytes at %v, want 5 at the same arrival", n2, time.Duration(at2-before))
+	}
+}

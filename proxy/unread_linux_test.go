@@ -1,0 +1,170 @@
+//go:build linux
+
+package proxy
+
+import (
+	"encoding/binary"
+	"io"
+	"net"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+)
+
+// slowClient dials h with a small receive buffer, so that a client that
+// does not read stops the response pump soon.
+func slowClient(t *testing.T, h *harness) *net.TCPConn {
+	t.Helper()
+	d := net.Dialer{Control: func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		if err := rc.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 16<<10)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}}
+	c, err := d.Dial("tcp", h.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c.(*net.TCPConn)
+}
+
+// bigFrames is n frames of a mebibyte less their length fields: within
+// framed()'s max_frame_length, and echoed back by a Framed fault peer.
+func bigFrames(n int) []byte {
+	var b []byte
+	for range n {
+		b = binary.BigEndian.AppendUint32(b, 1<<20-4)
+		b = append(b, make([]byte, 1<<20-4)...)
+	}
+	return b
+}
+
+// stalledByClient waits until the link's upstream has sent what it can:
+// bytes the proxy has not read wait in the socket, and no more have
+// arrived for 300ms (the client reads nothing, so the response pump
+// stopped, and the upstream's window closed; the kernel may still open it
+// a little later, which the tests allow for).
+func stalledByClient(t *testing.T, h *harness) {
+	t.Helper()
+	e := h.onlyEnd()
+	var last int64 = -1
+	still := 0
+	for deadline := time.Now().Add(10 * time.Second); still < 6; time.Sleep(50 * time.Millisecond) {
+		got, _, ok := e.received()
+		if ok && got == last && got > e.lk.bytesDown.Load() {
+			still++
+		} else {
+			still = 0
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the upstream's bytes did not stop arriving with some unread within 10s (received %d, read %d)", got, e.lk.bytesDown.Load())
+		}
+		last = got
+	}
+}
+
+// judgedOrPutOff waits until the link's requests have had their verdict
+// or had it put off (unanswered_deferred_total), and reports whether one
+// was put off.
+func judgedOrPutOff(t *testing.T, h *harness) bool {
+	t.Helper()
+	lk := h.onlyLink(time.Second)
+	m := h.m.ForListener("test")
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if testutil.ToFloat64(m.UnansweredDeferred) >= 1 {
+			return true
+		}
+		if lk.trk.Pending() == 0 {
+			return false
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d request(s) still wait for a verdict after 5s", lk.trk.Pending())
+		}
+	}
+}
+
+// A client that does not read what its server answers stops the response
+// pump, and with it the server: its answers wait in the proxy's socket,
+// then its window closes. A request the client sends meanwhile is past
+// its deadline with no answer seen, but the silence is the proxy's (its
+// client's), not the server's: the verdict is put off until the pump has
+// read what the server sent, and nothing is counted. Before, the server
+// was excluded. The twin is TestDeadServerBehindASlowClientIsJudged.
+func TestUnreadAnswersAreNotSilence(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
+	c := slowClient(t, h)
+	const n = 20 // 20 MiB of answers: more than the buffers between hold
+	if _, err := c.Write(bigFrames(n)); err != nil {
+		t.Fatal(err)
+	}
+	stalledByClient(t, h)
+	sendFrame(t, c, "q2")
+	m := h.m.ForListener("test")
+	// Put off, or covered by bytes the kernel let in after q2 was sent
+	// (an answer, at the time the kernel says it came).
+	t.Logf("verdict put off: %v", judgedOrPutOff(t, h))
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v while the server's answers waited unread in the proxy, want 0", got)
+	}
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) behind a client that does not read, want healthy", st.State, st.Reason)
+	}
+	// The client reads at last: every answer comes, q2's too.
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, int64(n)<<20); err != nil {
+		t.Fatalf("reading the big answers: %v", err)
+	}
+	if got := readFrame(t, c, 10*time.Second); got != "q2" {
+		t.Fatalf("answer %q, want q2", got)
+	}
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if st := h.endpoint(); st.State != "healthy" || st.ConsecutiveUnanswered != 0 {
+		t.Fatalf("endpoint %s with %d consecutive unanswered, want healthy with 0", st.State, st.ConsecutiveUnanswered)
+	}
+}
+
+// The twin: a server that answers the big requests and then nothing, behind
+// a client that reads late. Once the client has read the backlog, the next
+// request is judged by its own deadline: putting verdicts off while the
+// proxy held the server's bytes hides nothing after.
+func TestDeadServerBehindASlowClientIsJudged(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	const n = 20
+	peer.SetAnswer(func(seq int64) (time.Duration, bool) { return 0, seq <= n })
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
+	c := slowClient(t, h)
+	if _, err := c.Write(bigFrames(n)); err != nil {
+		t.Fatal(err)
+	}
+	stalledByClient(t, h)
+	sendFrame(t, c, "q2") // never answered
+	judgedOrPutOff(t, h)
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) while its answers waited unread in the proxy, want healthy", st.State, st.Reason)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, int64(n)<<20); err != nil {
+		t.Fatalf("reading the big answers: %v", err)
+	}
+	sent := time.Now()
+	sendFrame(t, c, "q3") // after the backlog: the server's silence is its own
+	st := h.waitState("excluded", 300*time.Millisecond+2*time.Second)
+	if st.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", st.Reason)
+	}
+	if took := time.Since(sent); took < 300*time.Millisecond {
+		t.Fatalf("excluded %v after the request, before its deadline (300ms)", took)
+	}
+}
