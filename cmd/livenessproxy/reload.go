@@ -27,7 +27,8 @@ const (
 )
 
 // watchConfig reloads the configuration when the file's content changes
-// or on SIGHUP, until ctx ends. A config that fails validation is logged
+// (and two reads a tick apart agree on it: settle) or on SIGHUP, until
+// ctx ends. A config that fails validation is logged
 // with every problem by key path and the last good one keeps serving.
 // started is the configuration the process started with: the keys that
 // need a restart keep its values.
@@ -36,6 +37,7 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 	tick := time.NewTicker(watchInterval)
 	defer tick.Stop()
 	last := applied
+	var settled settle
 	for {
 		trigger := triggerFile
 		select {
@@ -53,14 +55,36 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 			}
 			continue // mid-swap or briefly missing: try again next tick
 		}
-		if trigger == triggerFile && bytes.Equal(data, last) {
+		if trigger == triggerFile && !settled.ready(data, last) {
 			continue
 		}
+		settled = settle{}
 		last = data
 		if cfg, ok := reload(data, trigger, p, m, started, log); ok {
 			run.applied(cfg)
 		}
 	}
+}
+
+// settle holds a change of the config file until a second read finds
+// the same content: a file written in place, not swapped, can be read
+// half-written, and the first part of a configuration often parses on its
+// own (the listeners after the cut would be retired). A ConfigMap's swap
+// is atomic, and waits one read more for nothing worse than a second.
+type settle struct{ seen []byte }
+
+// ready reports whether data, read now, is to be applied: it differs from
+// last, the content applied, and the read before found it too.
+func (s *settle) ready(data, last []byte) bool {
+	if bytes.Equal(data, last) {
+		s.seen = nil
+		return false
+	}
+	if !bytes.Equal(data, s.seen) {
+		s.seen = data
+		return false
+	}
+	return true
 }
 
 // reload applies data, a new configuration file, and logs what trigger

@@ -49,3 +49,31 @@ func TestReloadToABusyPortIsRejected(t *testing.T) {
 		t.Fatal("listener a is gone after a rejected reload")
 	}
 }
+
+// A change of the config file is applied only once two reads a tick apart
+// agree on it: a file written in place may be read half-written, and its
+// first part often parses on its own.
+func TestConfigChangeWaitsToSettle(t *testing.T) {
+	applied := []byte("a")
+	var s settle
+	for i, step := range []struct {
+		read  string
+		ready bool
+	}{
+		{"a", false},    // unchanged
+		{"ab", false},   // half-written: seen once
+		{"abc", false},  // still being written
+		{"abc", true},   // the same twice: settled
+		{"abcd", false}, // another change, seen once
+		{"a", false},    // back to what is applied: nothing to do
+		{"abcd", false}, // the earlier sighting does not count
+		{"abcd", true},
+	} {
+		if got := s.ready([]byte(step.read), applied); got != step.ready {
+			t.Fatalf("step %d, read %q: ready = %v, want %v", i, step.read, got, step.ready)
+		}
+		if step.ready {
+			applied, s = []byte(step.read), settle{}
+		}
+	}
+}
