@@ -168,7 +168,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		unansweredDeferred: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "unanswered_deferred_total",
-			Help: "Verdicts on requests past their deadline put off because bytes of the endpoint's waited unread in the proxy (its client not reading them): the endpoint's silence was the proxy's.",
+			Help: "Verdicts put off because bytes of the endpoint's waited unread in the proxy (its client not reading them).",
 		}, []string{"listener"}),
 		endpointSuspect: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "endpoint_suspect_total",

@@ -1,6 +1,7 @@
 package flow
 
 import (
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -59,5 +60,42 @@ func TestReceivedSaysWhatCameAndWhen(t *testing.T) {
 	}
 	if n2, at2, _ := Received(raw); n2 != 5 || at2 > after || at2 < before-int64(25*time.Millisecond) {
 		t.Fatalf("after the read: %d bytes at %v, want 5 at the same arrival", n2, time.Duration(at2-before))
+	}
+	// The peer's FIN takes a sequence number, not a byte.
+	_ = s.Close()
+	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("read after the peer's close: %v, want EOF", err)
+	}
+	if n3, _, ok := Received(raw); n3 != 5 || !ok {
+		t.Fatalf("after the peer's FIN: %d bytes (%v), want 5", n3, ok)
+	}
+}
+
+// A connection whose peer sent only its FIN has received nothing.
+func TestReceivedCountsNoFIN(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Close()
+	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("read: %v, want EOF", err)
+	}
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, _, ok := Received(raw); ok {
+		t.Fatalf("Received = %d bytes from a peer that sent only its FIN", n)
 	}
 }

@@ -149,19 +149,30 @@ func BytesAcked(raw syscall.RawConn) (int64, bool) {
 }
 
 // Received is what the kernel says of the bytes the peer sent: how many
-// it has taken in, in order (TCP_INFO's tcpi_bytes_received), and when the
-// latest of them arrived, as a mono time no later than the arrival
-// (tcpi_last_data_recv counts in jiffies, 10 ms at the coarsest, so a
-// jiffy and a millisecond are taken off). ok is false when no byte has
-// arrived (the kernel's count then starts at the handshake) or the kernel
-// does not say.
+// it has taken in, in order (TCP_INFO's tcpi_bytes_received, less the
+// sequence number a FIN takes), and when the latest of them arrived, as a
+// mono time no later than the arrival (tcpi_last_data_recv counts in
+// jiffies, 10 ms at the coarsest, so a jiffy and a millisecond are taken
+// off). ok is false when no byte has arrived (the kernel's clock then
+// starts at the handshake), when the connection is closed (a reset: no
+// telling whether a FIN was counted), or when the kernel does not say.
 func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 	now := Mono()
 	ti, ok := tcpInfo(raw)
-	if !ok || ti.Bytes_received == 0 {
+	if !ok {
 		return 0, 0, false
 	}
-	return int64(ti.Bytes_received), now - int64(ti.Last_data_recv)*int64(time.Millisecond) - receivedSlack, true
+	n = int64(ti.Bytes_received)
+	switch ti.State {
+	case unix.BPF_TCP_CLOSE:
+		return 0, 0, false
+	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING, unix.BPF_TCP_TIME_WAIT:
+		n-- // the peer's FIN
+	}
+	if n <= 0 {
+		return 0, 0, false
+	}
+	return n, now - int64(ti.Last_data_recv)*int64(time.Millisecond) - receivedSlack, true
 }
 
 // receivedSlack is how much earlier than the kernel's figure Received
