@@ -108,10 +108,12 @@ func (lk *link) dial() bool {
 		lk.dialed.try(ep)
 		pooled := lk.host.routing() != nil
 		if pooled {
+			lk.dialing.Store(true)
 			ep.add(lk) // a leaving member's drain counts it from now on
 		}
 		start, began := time.Now(), flow.Mono()
 		end, err := chain.dial(lk, ep)
+		lk.dialing.Store(false)
 		if err != nil && pooled {
 			if _, local := err.(errLocal); !local {
 				ep.remove(lk) // an errLocal attaches below, and stays

@@ -204,8 +204,13 @@ func (ep *endpoint) remove(lk *link) {
 // evict closes every link to the endpoint opened before `before` (all of
 // them when before is zero) with the given close reason, and counts them
 // per listener as evictions for evictReason.
+// A pool link still connecting to ep is not among them: it fails over to
+// another member if its connect fails, and is judged when it attaches
+// (only a leaving member's drain, evictOf, ends such links).
 func (ep *endpoint) evict(before time.Time, closeReason CloseReason, evictReason string) int {
-	return ep.evictWhere(func(lk *link) bool { return before.IsZero() || lk.opened.Before(before) }, closeReason, evictReason)
+	return ep.evictWhere(func(lk *link) bool {
+		return !lk.dialing.Load() && (before.IsZero() || lk.opened.Before(before))
+	}, closeReason, evictReason)
 }
 
 // evictWhere closes the endpoint's links that which picks (called under

@@ -4,8 +4,10 @@ package proxy
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
+	"syscall"
 	"testing"
 	"time"
 
@@ -154,4 +156,56 @@ func TestMeshPeerForgetsForgottenEndpoints(t *testing.T) {
 	if n != 0 {
 		t.Fatalf("the mesh peer keeps %d endpoint(s) after %d forget/return cycles of one address, all forgotten (want 0)", n, rounds)
 	}
+}
+
+// A pool link still connecting to a member that is disabled (or excluded)
+// meanwhile is not evicted with the member's links: its connect times out
+// and it fails over to the other member. (Only a leaving member's drain
+// ends a link still connecting: TestDiallingLinkOfALeavingMemberIsDrained.)
+func TestDiallingLinkFailsOverWhenItsMemberIsDisabled(t *testing.T) {
+	port := commonPort(t, "127.0.0.2", "127.0.0.3")
+	// A: a listening socket whose accept queue is full: SYNs are dropped.
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fd)
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	a := fmt.Sprintf("127.0.0.2:%d", port)
+	fill, err := net.Dial("tcp", a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fill.Close()
+	b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: fmt.Sprintf("127.0.0.3:%d", port)})
+	h := startPool(t, policy.Pool{Endpoints: []string{a, b.Addr()}}, nil, nil)
+	for range 3 {
+		before := b.Accepted()
+		c := h.dial()
+		if _, err := c.Write([]byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond)
+		if b.Accepted() > before {
+			c.Close()
+			continue
+		}
+		// Dialling A.
+		if _, err := h.p.Disable(a); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.SetReadDeadline(time.Now().Add(6 * time.Second))
+		buf := make([]byte, 1)
+		_, err := io.ReadFull(c, buf)
+		if err != nil {
+			t.Fatalf("client of a pool link dialling a member disabled meanwhile: %v, want its byte back from the other member", err)
+		}
+		return
+	}
+	t.Fatal("no link of three went to A (round robin over two members)")
 }

@@ -103,6 +103,17 @@ type link struct {
 	// was set.
 	conv *conv
 
+	// dialing: a pool link's connect to a member is under way; it is in
+	// the member's links for the member's drain only (see evict).
+	dialing atomic.Bool
+	// heldUnread: the last verdict on the link's requests was put off, the
+	// upstream's bytes unread in the proxy (heardUnread); its requests are
+	// not handed on when it ends then.
+	heldUnread atomic.Bool
+	// upstreamBadFrame: the bad frame that ended the link was the
+	// upstream's (a response cut short), not the client's.
+	upstreamBadFrame atomic.Bool
+
 	reason    atomic.Pointer[CloseReason] // first reason that ended the link
 	endErr    atomic.Pointer[error]
 	closeOnce sync.Once
@@ -172,14 +183,17 @@ func (lk *link) finish() {
 	}
 	if lk.trk != nil {
 		orphans := lk.trk.Stop()
-		if lk.conv != nil && lk.conv.profile && lk.clientEnded() || lk.proxyCut() {
+		if lk.conv != nil && lk.conv.profile && lk.clientEnded() || lk.proxyCut() || lk.heldUnread.Load() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
 			// first abandons its requests, which can no longer be answered.
 			// A link the proxy cut for a reason that says nothing of its
 			// upstream (an eviction, a client's bad frame, its own error)
 			// took away the answers itself: the endpoint's silence on
-			// other links is no evidence about them.
+			// other links is no evidence about them. Nor is it for a link
+			// whose verdicts were put off, the upstream's bytes unread in
+			// the proxy (its client not reading): the upstream could not
+			// answer.
 			orphans = nil
 		}
 		if len(orphans) > 0 {
@@ -343,6 +357,9 @@ func (lk *link) passFin(closeWrite func() error) error {
 // badFrame ends the link on a frame the proxy cannot follow. It is not a
 // server failure: the detector hears nothing of it.
 func (lk *link) badFrame(direction string, err error) {
+	if direction == "response" {
+		lk.upstreamBadFrame.Store(true)
+	}
 	if lk.abort(CloseBadFrame, err) {
 		lk.log.Warn().Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
 			Str("client", lk.client.RemoteAddr().String()).Msg("bad frame: link closed")
@@ -357,8 +374,12 @@ func (lk *link) badFrame(direction string, err error) {
 // dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []flow.PendingRequest, left int) {
 	n, since := lk.trk.Unanswered(judged)
-	if n > 0 && lk.heardUnread(judged) {
-		n = 0
+	if n > 0 {
+		if lk.heardUnread(judged) {
+			n = 0
+		} else {
+			n, since = lk.trk.Unanswered(judged) // an answer the kernel gave may cover some
+		}
 	}
 	lk.host.countUnanswered(lk.ep, n, int(judged[0].Thr), since)
 	if lk.conv == nil {
@@ -413,8 +434,10 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 		}
 	}
 	if got <= lk.bytesDown.Load() {
+		lk.heldUnread.Store(false)
 		return false // the pump has read all of it: the silence is the endpoint's
 	}
+	lk.heldUnread.Store(true)
 	var again []flow.PendingRequest
 	for i := range judged {
 		if r := &judged[i]; r.Verdict && !lk.trk.Covered(r) {
@@ -605,15 +628,18 @@ func (lk *link) clientEnded() bool {
 // proxyCut reports whether the proxy ended the link itself for a reason
 // that is no evidence against its upstream, so the answers its requests
 // were owed could no longer be seen. A watermark or budget overflow is
-// such a reason unless the upstream had stalled (then it is evidence).
+// such a reason unless the upstream had stalled (then it is evidence); a
+// bad frame is, unless it was the upstream's.
 func (lk *link) proxyCut() bool {
 	r := lk.reason.Load()
 	if r == nil {
 		return false
 	}
 	switch *r {
-	case CloseEvicted, CloseBadFrame, CloseHalfCloseTimeout, CloseLocalError, CloseShutdown:
+	case CloseEvicted, CloseHalfCloseTimeout, CloseLocalError, CloseShutdown:
 		return true
+	case CloseBadFrame:
+		return !lk.upstreamBadFrame.Load() // a response cut short is the upstream's
 	case CloseWatermark, CloseBudget:
 		return !lk.overflowStalled.Load()
 	}

@@ -35,6 +35,11 @@ type conv struct {
 	queue     []outstanding // Kafka: requests awaiting a response, in order
 	head      int           // queue[head:] are outstanding
 	rebalance time.Duration // Kafka: the last JoinGroup's rebalance timeout on this link
+	// Kafka: a response was matched and is being read (kafkaAnswered
+	// starts the next request's hold at its end); answered is the stream
+	// end of the last request answered in full.
+	starting bool
+	answered int64
 }
 
 // untrack stops tracking the link: it is still proxied, byte for byte,

@@ -125,10 +125,7 @@ func (c *conv) holding(now int64) bool {
 }
 
 // kafkaResponse matches a response to the oldest outstanding request.
-func (c *conv) kafkaResponse(id int32) { c.kafkaResponseAt(id, flow.Mono()) }
-
-// kafkaResponseAt is kafkaResponse for a response read at mono time now.
-func (c *conv) kafkaResponseAt(id int32, now int64) {
+func (c *conv) kafkaResponse(id int32) {
 	c.mu.Lock()
 	if c.head == len(c.queue) {
 		c.mu.Unlock()
@@ -143,22 +140,37 @@ func (c *conv) kafkaResponseAt(id int32, now int64) {
 	}
 	if h.n > 1 {
 		h.n, h.joined = h.n-1, true
-		c.mu.Unlock()
+	} else {
+		c.lk.trk.AnsweredThrough(h.end)
+		c.answered = h.end
+		c.head++
+		if c.head == len(c.queue) {
+			c.queue, c.head = c.queue[:0], 0
+		}
+	}
+	c.starting = true // once the response is read to its end (kafkaAnswered)
+	c.mu.Unlock()
+}
+
+// kafkaAnswered: the response kafkaResponse matched has been read to its
+// end, at mono time now. A broker writes a response whole before it reads
+// the connection's next request: it starts on that one only now.
+func (c *conv) kafkaAnswered(now int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.starting {
 		return
 	}
-	c.lk.trk.AnsweredThrough(h.end)
-	c.head++
-	if c.head == len(c.queue) {
-		c.queue, c.head = c.queue[:0], 0
-	} else {
+	c.starting = false
+	if c.head < len(c.queue) {
 		c.startedLocked(now)
 	}
-	c.mu.Unlock()
 }
 
 // startedLocked: the broker starts on the oldest outstanding request at
 // mono time now, the one ahead of it just answered (it answers a
-// connection's requests one at a time). A request it may hold is due its
+// connection's requests one at a time; past maxOutstanding, the next of
+// the entry's requests). A request it may hold is due its
 // hold and request_timeout from now, if that is later than it was due:
 // a Fetch queued behind a Fetch the broker held for its whole max_wait
 // may be held for its own too. The requests behind it cannot be due
@@ -175,7 +187,7 @@ func (c *conv) startedLocked(now int64) {
 	for i := c.head; i < len(c.queue) && c.queue[i].due < due; i++ {
 		c.queue[i].due = due
 	}
-	c.lk.trk.Extend(c.queue[c.head-1].end, due-c.rt, due)
+	c.lk.trk.Extend(c.answered, due-c.rt, due)
 }
 
 // kafkaResponses reads Kafka response frames: their correlation id.
@@ -196,4 +208,4 @@ func (r *kafkaResponses) Read(b []byte) flow.Window {
 	return flow.Window{}
 }
 
-func (r *kafkaResponses) End(int64) {}
+func (r *kafkaResponses) End(int64) { r.c.kafkaAnswered(flow.Mono()) }

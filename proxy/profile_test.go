@@ -688,7 +688,8 @@ func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
 		// The Metadata answered 5s later: the Fetch starts then.
 		{15001 * time.Millisecond, []time.Duration{48001 * time.Millisecond, 48001 * time.Millisecond}},
 	} {
-		c.kafkaResponseAt(c.queue[c.head].id, t0+int64(a.at))
+		c.kafkaResponse(c.queue[c.head].id)
+		c.kafkaAnswered(t0 + int64(a.at)) // the response read to its end
 		for i, want := range a.want {
 			if got := time.Duration(c.queue[c.head+i].due - t0); got != want {
 				t.Fatalf("answered at +%v: request %d due at +%v, want +%v", a.at, c.queue[c.head+i].id, got, want)
@@ -992,5 +993,112 @@ func TestPinotQueryWithoutTimeoutIsNotJudgedAtRequestTimeout(t *testing.T) {
 	}
 	if ep := h.endpoint(); ep.State != "healthy" {
 		t.Fatalf("live Pinot server is %s (%s): %s", ep.State, ep.Reason, ep.Evidence)
+	}
+}
+
+// Past 1,024 outstanding, two long polls held their whole wait join one
+// entry: the second's hold starts when the first is answered, as a
+// request's of its own would.
+func TestMergedHeldRequestsStartInTurn(t *testing.T) {
+	const hold, rt = 2 * time.Second, 700 * time.Millisecond
+	broker := startKafkaBroker(t, func(key int16, corr int32) (time.Duration, bool) {
+		if key == 1 {
+			return hold, true
+		}
+		if corr == 0 {
+			return 300 * time.Millisecond, true
+		}
+		return 0, true
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+	c := h.dial()
+	var batch []byte
+	for i := range maxOutstanding - 1 {
+		batch = append(batch, metadataReq(int32(i))...)
+	}
+	batch = append(batch, fetchReq(hold, 5000)...)
+	batch = append(batch, fetchReq(hold, 5001)...)
+	if _, err := c.Write(batch); err != nil {
+		t.Fatal(err)
+	}
+	for i := range maxOutstanding - 1 {
+		if got := readResponse(t, c, 10*time.Second); got != int32(i) {
+			t.Fatalf("response %d, want %d", got, i)
+		}
+	}
+	for want := int32(5000); want <= 5001; want++ {
+		if got := readResponse(t, c, 10*time.Second); got != want {
+			t.Fatalf("response %d, want %d", got, want)
+		}
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Errorf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Errorf("healthy broker is %s (%s): %s", ep.State, ep.Reason, ep.Evidence)
+	}
+}
+
+// A broker writes a response whole before it reads the connection's next
+// request: a request held behind a large answer that streams for 1.2s
+// (more than request_timeout) starts its hold when that answer ends, not
+// when its first bytes came.
+func TestHoldStartsWhenTheAnswerAheadEnds(t *testing.T) {
+	const hold, rt = 2 * time.Second, 700 * time.Millisecond
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	done, served := make(chan struct{}), make(chan struct{})
+	defer func() { close(done); <-served }()
+	go func() {
+		defer close(served)
+		s, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer s.Close()
+		read := func() int32 {
+			var hdr [4]byte
+			if _, err := io.ReadFull(s, hdr[:]); err != nil {
+				return -1
+			}
+			p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+			if _, err := io.ReadFull(s, p); err != nil {
+				return -1
+			}
+			return int32(binary.BigEndian.Uint32(p[4:]))
+		}
+		corr := read()
+		const chunks, size = 12, 1024
+		resp := binary.BigEndian.AppendUint32(nil, 4+chunks*size)
+		resp = binary.BigEndian.AppendUint32(resp, uint32(corr))
+		_, _ = s.Write(resp)
+		for range chunks {
+			time.Sleep(100 * time.Millisecond)
+			_, _ = s.Write(make([]byte, size))
+		}
+		corr = read()
+		time.Sleep(hold)
+		resp = binary.BigEndian.AppendUint32(nil, 8)
+		resp = binary.BigEndian.AppendUint32(resp, uint32(corr))
+		_, _ = s.Write(append(resp, 0, 0, 0, 0))
+		<-done
+	}()
+	h := start(t, ln.Addr().String(), kafkaProfile(rt, 1))
+	c := h.dial()
+	if _, err := c.Write(append(fetchReq(hold, 1), fetchReq(hold, 2)...)); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, 8+12*1024+12); err != nil {
+		t.Fatalf("reading both answers: %v", err)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Errorf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Errorf("healthy broker is %s (%s): %s", ep.State, ep.Reason, ep.Evidence)
 	}
 }

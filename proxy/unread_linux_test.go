@@ -168,3 +168,29 @@ func TestDeadServerBehindASlowClientIsJudged(t *testing.T) {
 		t.Fatalf("excluded %v after the request, before its deadline (300ms)", took)
 	}
 }
+
+// A client that does not read, then gives up and closes: its requests,
+// whose verdicts were put off while the server's answers waited unread in
+// the proxy, are not handed to the endpoint's judgement (the server could
+// not answer them).
+func TestSlowClientThatGivesUpHandsNothingOn(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
+	c := slowClient(t, h)
+	const n = 20
+	if _, err := c.Write(bigFrames(n)); err != nil {
+		t.Fatal(err)
+	}
+	stalledByClient(t, h)
+	sendFrame(t, c, "q2")
+	t.Logf("verdict put off: %v", judgedOrPutOff(t, h))
+	ep := h.p.lookupEndpoint(peer.Addr())
+	_ = c.Close() // gives up
+	h.linkEnd(5 * time.Second)
+	if p := ep.orphans.Pending(); p != 0 {
+		t.Fatalf("the endpoint holds %d request(s) of a link whose verdicts were put off, want 0", p)
+	}
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("endpoint %s (%s): a live server behind a client that did not read, then closed", st.State, st.Reason)
+	}
+}
