@@ -543,6 +543,24 @@ func (ep *endpoint) answered(now int64) {
 	}
 }
 
+// heardAt records bytes from the endpoint that its kernel took in at mono
+// time at, before the proxy read them (see link.heardUnread): an answer
+// then. Unlike answered, it starts the consecutive count over only when
+// at is later than the silence the count rests on: requests counted
+// since were sent after those bytes came, and stay counted.
+func (ep *endpoint) heardAt(at int64) {
+	for {
+		last := ep.lastAnswer.Load()
+		if last >= at || ep.lastAnswer.CompareAndSwap(last, at) {
+			break
+		}
+	}
+	if s := ep.silentSince.Load(); ep.consecutive.Load() != 0 && s != 0 && at > s {
+		ep.consecutive.Store(0)
+		ep.silentSince.Store(0)
+	}
+}
+
 // suspect handles an endpoint that reached the unanswered threshold: it is
 // excluded and every link to it closed, client sides included. overdue is
 // how many requests were past their deadline with no answer since.

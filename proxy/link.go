@@ -428,7 +428,7 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 		return false
 	}
 	if at > lk.ep.lastAnswer.Load() {
-		lk.ep.answered(at)
+		lk.ep.heardAt(at)
 		if n, _ := lk.trk.Unanswered(judged); n == 0 {
 			return true
 		}
@@ -438,6 +438,9 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 		return false // the pump has read all of it: the silence is the endpoint's
 	}
 	lk.heldUnread.Store(true)
+	if lk.conv != nil && lk.conv.off.Load() {
+		return true // no longer tracked meanwhile: nothing to judge again
+	}
 	var again []flow.PendingRequest
 	for i := range judged {
 		if r := &judged[i]; r.Verdict && !lk.trk.Covered(r) {

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // slowClient dials h with a small receive buffer, so that a client that
@@ -192,5 +193,23 @@ func TestSlowClientThatGivesUpHandsNothingOn(t *testing.T) {
 	}
 	if st := h.endpoint(); st.State != "healthy" {
 		t.Fatalf("endpoint %s (%s): a live server behind a client that did not read, then closed", st.State, st.Reason)
+	}
+}
+
+// Bytes the kernel took in before the silence the consecutive count rests
+// on are life, but not since then: the requests counted, sent after them,
+// stay counted; bytes after it start the count over.
+func TestHeardAtKeepsCountsOfLaterRequests(t *testing.T) {
+	ep := &endpoint{}
+	ep.lastAnswer.Store(flow.NoAnswer)
+	ep.consecutive.Store(2)
+	ep.silentSince.Store(1000)
+	ep.heardAt(900)
+	if got := ep.consecutive.Load(); got != 2 || ep.lastAnswer.Load() != 900 {
+		t.Fatalf("after bytes from before the silence: consecutive %d, last answer %d; want 2, 900", got, ep.lastAnswer.Load())
+	}
+	ep.heardAt(1100)
+	if got := ep.consecutive.Load(); got != 0 || ep.lastAnswer.Load() != 1100 {
+		t.Fatalf("after bytes from within the silence: consecutive %d, last answer %d; want 0, 1100", got, ep.lastAnswer.Load())
 	}
 }
