@@ -106,10 +106,12 @@ type link struct {
 	// dialing: a pool link's connect to a member is under way; it is in
 	// the member's links for the member's drain only (see evict).
 	dialing atomic.Bool
-	// heldUnread: the last verdict on the link's requests was put off, the
-	// upstream's bytes unread in the proxy (heardUnread); its requests are
-	// not handed on when it ends then.
-	heldUnread atomic.Bool
+	// heldUnread is what the upstream's kernel had taken in when a verdict
+	// on the link's requests was put off (heardUnread), or when the link
+	// closed, with bytes unread in the proxy; 0: none. While the response
+	// pump has not read that far, its requests are not handed on when it
+	// ends.
+	heldUnread atomic.Int64
 	// upstreamBadFrame: the bad frame that ended the link was the
 	// upstream's (a response cut short), not the client's.
 	upstreamBadFrame atomic.Bool
@@ -183,7 +185,7 @@ func (lk *link) finish() {
 	}
 	if lk.trk != nil {
 		orphans := lk.trk.Stop()
-		if lk.conv != nil && lk.conv.profile && lk.clientEnded() || lk.proxyCut() || lk.heldUnread.Load() {
+		if lk.conv != nil && lk.conv.profile && lk.clientEnded() || lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
 			// first abandons its requests, which can no longer be answered.
@@ -434,10 +436,10 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 		}
 	}
 	if got <= lk.bytesDown.Load() {
-		lk.heldUnread.Store(false)
+		lk.heldUnread.Store(0)
 		return false // the pump has read all of it: the silence is the endpoint's
 	}
-	lk.heldUnread.Store(true)
+	lk.heldUnread.Store(got)
 	if lk.conv != nil && lk.conv.off.Load() {
 		return true // no longer tracked meanwhile: nothing to judge again
 	}
@@ -586,6 +588,13 @@ func (lk *link) closeBoth() {
 		up := lk.up
 		lk.connMu.Unlock()
 		if up != nil {
+			if lk.trk != nil && lk.trk.Pending() > 0 {
+				// The upstream's bytes still unread when the link ends: it
+				// could not answer the requests it is left with (finish).
+				if got, _, ok := up.received(); ok && got > lk.bytesDown.Load() {
+					lk.heldUnread.Store(got)
+				}
+			}
 			up.close()
 		}
 	})

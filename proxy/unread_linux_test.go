@@ -73,6 +73,19 @@ func stalledByClient(t *testing.T, h *harness) {
 	}
 }
 
+// sendRecorded sends a frame on c and waits until the link has recorded it.
+func sendRecorded(t *testing.T, h *harness, c *net.TCPConn, payload string) {
+	t.Helper()
+	lk := h.onlyLink(time.Second)
+	before := lk.trk.Pending()
+	sendFrame(t, c, payload)
+	for deadline := time.Now().Add(5 * time.Second); lk.trk.Pending() <= before; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%q not recorded within 5s", payload)
+		}
+	}
+}
+
 // judgedOrPutOff waits until the link's requests have had their verdict
 // or had it put off (unanswered_deferred_total), and reports whether one
 // was put off.
@@ -109,7 +122,7 @@ func TestUnreadAnswersAreNotSilence(t *testing.T) {
 		t.Fatal(err)
 	}
 	stalledByClient(t, h)
-	sendFrame(t, c, "q2")
+	sendRecorded(t, h, c, "q2")
 	m := h.m.ForListener("test")
 	// Put off, or covered by bytes the kernel let in after q2 was sent
 	// (an answer, at the time the kernel says it came).
@@ -150,7 +163,7 @@ func TestDeadServerBehindASlowClientIsJudged(t *testing.T) {
 		t.Fatal(err)
 	}
 	stalledByClient(t, h)
-	sendFrame(t, c, "q2") // never answered
+	sendRecorded(t, h, c, "q2") // never answered
 	judgedOrPutOff(t, h)
 	if st := h.endpoint(); st.State != "healthy" {
 		t.Fatalf("endpoint %s (%s) while its answers waited unread in the proxy, want healthy", st.State, st.Reason)
@@ -170,29 +183,62 @@ func TestDeadServerBehindASlowClientIsJudged(t *testing.T) {
 	}
 }
 
-// A client that does not read, then gives up and closes: its requests,
-// whose verdicts were put off while the server's answers waited unread in
-// the proxy, are not handed to the endpoint's judgement (the server could
-// not answer them).
+// A client that does not read, then gives up and closes, whether or not
+// a verdict was put off yet: its requests are not handed to the
+// endpoint's judgement while the server's answers wait unread in the
+// proxy (the server could not answer them).
 func TestSlowClientThatGivesUpHandsNothingOn(t *testing.T) {
+	for _, wait := range []bool{false, true} {
+		peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+		h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
+		c := slowClient(t, h)
+		const n = 20
+		if _, err := c.Write(bigFrames(n)); err != nil {
+			t.Fatal(err)
+		}
+		stalledByClient(t, h)
+		sendRecorded(t, h, c, "q2")
+		if wait {
+			t.Logf("verdict put off: %v", judgedOrPutOff(t, h))
+		}
+		ep := h.p.lookupEndpoint(peer.Addr())
+		_ = c.Close() // gives up
+		h.linkEnd(5 * time.Second)
+		if p := ep.orphans.Pending(); p != 0 {
+			t.Fatalf("the endpoint holds %d request(s) of a link that ended with the server's answers unread (after the verdict: %v), want 0", p, wait)
+		}
+		if st := h.endpoint(); st.State != "healthy" {
+			t.Fatalf("endpoint %s (%s): a live server behind a client that did not read, then closed", st.State, st.Reason)
+		}
+	}
+}
+
+// Once the client has read the backlog, a verdict put off before says
+// nothing more: a request sent after, to a server that stopped, whose
+// client gives up before its deadline, is still judged by the endpoint.
+func TestPutOffVerdictEndsWithTheBacklog(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	const n = 20
+	peer.SetAnswer(func(seq int64) (time.Duration, bool) { return 0, seq <= n })
 	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
 	c := slowClient(t, h)
-	const n = 20
 	if _, err := c.Write(bigFrames(n)); err != nil {
 		t.Fatal(err)
 	}
 	stalledByClient(t, h)
-	sendFrame(t, c, "q2")
+	sendRecorded(t, h, c, "q2")
 	t.Logf("verdict put off: %v", judgedOrPutOff(t, h))
-	ep := h.p.lookupEndpoint(peer.Addr())
-	_ = c.Close() // gives up
-	h.linkEnd(5 * time.Second)
-	if p := ep.orphans.Pending(); p != 0 {
-		t.Fatalf("the endpoint holds %d request(s) of a link whose verdicts were put off, want 0", p)
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, int64(n)<<20); err != nil {
+		t.Fatalf("reading the big answers: %v", err)
 	}
-	if st := h.endpoint(); st.State != "healthy" {
-		t.Fatalf("endpoint %s (%s): a live server behind a client that did not read, then closed", st.State, st.Reason)
+	sendRecorded(t, h, c, "q3") // never answered
+	_ = c.SetLinger(0)
+	_ = c.Close() // gives up before q3's deadline
+	h.linkEnd(5 * time.Second)
+	st := h.waitState("excluded", 300*time.Millisecond+2*time.Second)
+	if st.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", st.Reason)
 	}
 }
 

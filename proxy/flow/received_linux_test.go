@@ -3,8 +3,11 @@ package flow
 import (
 	"io"
 	"net"
+	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Received says how many bytes of the peer's the kernel took in, and
@@ -98,4 +101,56 @@ func TestReceivedCountsNoFIN(t *testing.T) {
 	if n, _, ok := Received(raw); ok {
 		t.Fatalf("Received = %d bytes from a peer that sent only its FIN", n)
 	}
+}
+
+// A socket that half-closed first (FIN_WAIT2) goes to CLOSE, not
+// TIME_WAIT, when the peer's FIN comes (a user's socket never shows
+// TIME_WAIT): bytes that came with it and wait unread are still counted.
+func TestReceivedAfterOurFINThenThePeers(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadAll(s); err != nil { // our FIN has reached the peer
+		t.Fatal(err)
+	}
+	if _, err := s.Write([]byte("hello")); err != nil {
+		t.Fatal(err)
+	}
+	_ = s.Close()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); tcpState(raw) != unix.BPF_TCP_CLOSE; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("state %d after 5s, want CLOSE", tcpState(raw))
+		}
+	}
+	if n, _, ok := Received(raw); !ok || n != 5 {
+		t.Fatalf("Received = %d, %v with 5 bytes unread after both FINs; want 5", n, ok)
+	}
+}
+
+func tcpState(raw syscall.RawConn) uint8 {
+	var st uint8
+	_ = raw.Control(func(fd uintptr) {
+		if ti, err := unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO); err == nil {
+			st = ti.State
+		}
+	})
+	return st
 }

@@ -154,8 +154,8 @@ func BytesAcked(raw syscall.RawConn) (int64, bool) {
 // mono time no later than the arrival (tcpi_last_data_recv counts in
 // jiffies, 10 ms at the coarsest, so a jiffy and a millisecond are taken
 // off). ok is false when no byte has arrived (the kernel's clock then
-// starts at the handshake), when the connection is closed (a reset: no
-// telling whether a FIN was counted), or when the kernel does not say.
+// starts at the handshake), when the connection is closed with nothing
+// left unread (SIOCINQ), or when the kernel does not say.
 func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 	now := Mono()
 	ti, ok := tcpInfo(raw)
@@ -165,7 +165,16 @@ func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 	n = int64(ti.Bytes_received)
 	switch ti.State {
 	case unix.BPF_TCP_CLOSE:
-		return 0, 0, false
+		// FIN_WAIT2, CLOSING or LAST_ACK then the last segment land here
+		// (a user's socket never shows TIME_WAIT), as does a reset: only
+		// bytes still unread say anything.
+		var inq int
+		var err error
+		_ = raw.Control(func(fd uintptr) { inq, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+		if err != nil || inq <= 0 {
+			return 0, 0, false
+		}
+		n-- // a FIN, if any: after a reset, one byte short
 	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_LAST_ACK, unix.BPF_TCP_CLOSING, unix.BPF_TCP_TIME_WAIT:
 		n-- // the peer's FIN
 	}
