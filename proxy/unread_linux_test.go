@@ -77,9 +77,9 @@ func stalledByClient(t *testing.T, h *harness) {
 func sendRecorded(t *testing.T, h *harness, c *net.TCPConn, payload string) {
 	t.Helper()
 	lk := h.onlyLink(time.Second)
-	before := lk.trk.Pending()
+	before := lk.trk.Recorded()
 	sendFrame(t, c, payload)
-	for deadline := time.Now().Add(5 * time.Second); lk.trk.Pending() <= before; time.Sleep(time.Millisecond) {
+	for deadline := time.Now().Add(5 * time.Second); lk.trk.Recorded() <= before; time.Sleep(time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("%q not recorded within 5s", payload)
 		}

@@ -106,6 +106,9 @@ type Tracker struct {
 	armed   int64 // the due time the timer is set for; 0: not set
 	stopped bool
 	judging sync.WaitGroup // an expire in progress; stop waits for it
+	// recorded counts the requests Sent recorded (per-burst: the bursts'
+	// records), for tests and diagnostics.
+	recorded int64
 }
 
 func NewTracker(slack time.Duration, perBurst bool, answer *atomic.Int64, judge func([]PendingRequest, int)) *Tracker {
@@ -153,6 +156,7 @@ func (t *Tracker) Sent(r PendingRequest) {
 	if t.stopped {
 		return
 	}
+	t.recorded += int64(r.N)
 	if last := len(t.pending) - 1; last >= 0 {
 		l := &t.pending[last]
 		switch {
@@ -341,6 +345,13 @@ func (t *Tracker) NextDue() int64 {
 		}
 	}
 	return due
+}
+
+// Recorded is how many requests Sent has recorded.
+func (t *Tracker) Recorded() int64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.recorded
 }
 
 // Pending is how many requests wait for their verdict.
