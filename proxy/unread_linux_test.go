@@ -49,6 +49,39 @@ func bigFrames(n int) []byte {
 	return b
 }
 
+// backlogFrames is how many big requests behindAStalledClient sends: 20
+// MiB of answers, more than the buffers between hold.
+const backlogFrames = 20
+
+// behindAStalledClient starts a proxy (request_timeout 300ms, threshold
+// 1) in front of a Framed peer that answers the big requests (and, when
+// answerAll, every later one too), and a client that sent backlogFrames
+// big requests and reads nothing; it returns once the upstream is stalled
+// by the client (stalledByClient).
+func behindAStalledClient(t *testing.T, answerAll bool) (*harness, *net.TCPConn, *faultpeer.Server) {
+	t.Helper()
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	if !answerAll {
+		peer.SetAnswer(func(seq int64) (time.Duration, bool) { return 0, seq <= backlogFrames })
+	}
+	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
+	c := slowClient(t, h)
+	if _, err := c.Write(bigFrames(backlogFrames)); err != nil {
+		t.Fatal(err)
+	}
+	stalledByClient(t, h)
+	return h, c, peer
+}
+
+// readBacklog reads the answers to behindAStalledClient's big requests.
+func readBacklog(t *testing.T, c *net.TCPConn) {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, int64(backlogFrames)<<20); err != nil {
+		t.Fatalf("reading the big answers: %v", err)
+	}
+}
+
 // stalledByClient waits until the link's upstream has sent what it can:
 // bytes the proxy has not read wait in the socket, and no more have
 // arrived for 300ms (the client reads nothing, so the response pump
@@ -114,14 +147,7 @@ func judgedOrPutOff(t *testing.T, h *harness) bool {
 // read what the server sent, and nothing is counted. Before, the server
 // was excluded. The twin is TestDeadServerBehindASlowClientIsJudged.
 func TestUnreadAnswersAreNotSilence(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
-	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
-	c := slowClient(t, h)
-	const n = 20 // 20 MiB of answers: more than the buffers between hold
-	if _, err := c.Write(bigFrames(n)); err != nil {
-		t.Fatal(err)
-	}
-	stalledByClient(t, h)
+	h, c, _ := behindAStalledClient(t, true)
 	sendRecorded(t, h, c, "q2")
 	m := h.m.ForListener("test")
 	// Put off, or covered by bytes the kernel let in after q2 was sent
@@ -134,10 +160,7 @@ func TestUnreadAnswersAreNotSilence(t *testing.T) {
 		t.Fatalf("endpoint %s (%s) behind a client that does not read, want healthy", st.State, st.Reason)
 	}
 	// The client reads at last: every answer comes, q2's too.
-	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
-	if _, err := io.CopyN(io.Discard, c, int64(n)<<20); err != nil {
-		t.Fatalf("reading the big answers: %v", err)
-	}
+	readBacklog(t, c)
 	if got := readFrame(t, c, 10*time.Second); got != "q2" {
 		t.Fatalf("answer %q, want q2", got)
 	}
@@ -154,24 +177,13 @@ func TestUnreadAnswersAreNotSilence(t *testing.T) {
 // request is judged by its own deadline: putting verdicts off while the
 // proxy held the server's bytes hides nothing after.
 func TestDeadServerBehindASlowClientIsJudged(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
-	const n = 20
-	peer.SetAnswer(func(seq int64) (time.Duration, bool) { return 0, seq <= n })
-	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
-	c := slowClient(t, h)
-	if _, err := c.Write(bigFrames(n)); err != nil {
-		t.Fatal(err)
-	}
-	stalledByClient(t, h)
+	h, c, _ := behindAStalledClient(t, false)
 	sendRecorded(t, h, c, "q2") // never answered
 	judgedOrPutOff(t, h)
 	if st := h.endpoint(); st.State != "healthy" {
 		t.Fatalf("endpoint %s (%s) while its answers waited unread in the proxy, want healthy", st.State, st.Reason)
 	}
-	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
-	if _, err := io.CopyN(io.Discard, c, int64(n)<<20); err != nil {
-		t.Fatalf("reading the big answers: %v", err)
-	}
+	readBacklog(t, c)
 	sent := time.Now()
 	sendFrame(t, c, "q3") // after the backlog: the server's silence is its own
 	st := h.waitState("excluded", 300*time.Millisecond+2*time.Second)
@@ -189,14 +201,7 @@ func TestDeadServerBehindASlowClientIsJudged(t *testing.T) {
 // proxy (the server could not answer them).
 func TestSlowClientThatGivesUpHandsNothingOn(t *testing.T) {
 	for _, wait := range []bool{false, true} {
-		peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
-		h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
-		c := slowClient(t, h)
-		const n = 20
-		if _, err := c.Write(bigFrames(n)); err != nil {
-			t.Fatal(err)
-		}
-		stalledByClient(t, h)
+		h, c, peer := behindAStalledClient(t, true)
 		sendRecorded(t, h, c, "q2")
 		if wait {
 			t.Logf("verdict put off: %v", judgedOrPutOff(t, h))
@@ -217,21 +222,10 @@ func TestSlowClientThatGivesUpHandsNothingOn(t *testing.T) {
 // nothing more: a request sent after, to a server that stopped, whose
 // client gives up before its deadline, is still judged by the endpoint.
 func TestPutOffVerdictEndsWithTheBacklog(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
-	const n = 20
-	peer.SetAnswer(func(seq int64) (time.Duration, bool) { return 0, seq <= n })
-	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
-	c := slowClient(t, h)
-	if _, err := c.Write(bigFrames(n)); err != nil {
-		t.Fatal(err)
-	}
-	stalledByClient(t, h)
+	h, c, _ := behindAStalledClient(t, false)
 	sendRecorded(t, h, c, "q2")
 	t.Logf("verdict put off: %v", judgedOrPutOff(t, h))
-	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
-	if _, err := io.CopyN(io.Discard, c, int64(n)<<20); err != nil {
-		t.Fatalf("reading the big answers: %v", err)
-	}
+	readBacklog(t, c)
 	sendRecorded(t, h, c, "q3") // never answered
 	_ = c.SetLinger(0)
 	_ = c.Close() // gives up before q3's deadline

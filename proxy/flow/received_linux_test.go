@@ -2,7 +2,6 @@ package flow
 
 import (
 	"io"
-	"net"
 	"syscall"
 	"testing"
 	"time"
@@ -16,22 +15,8 @@ import (
 // answer), then the count, with an arrival between the write that sent
 // them less the kernel's granularity (Received takes 11ms off) and now.
 func TestReceivedSaysWhatCameAndWhen(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	raw, err := c.(*net.TCPConn).SyscallConn()
+	c, s := tcpPair(t)
+	raw, err := c.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,25 +61,12 @@ func TestReceivedSaysWhatCameAndWhen(t *testing.T) {
 
 // A connection whose peer sent only its FIN has received nothing.
 func TestReceivedCountsNoFIN(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, s := tcpPair(t)
 	_ = s.Close()
 	if _, err := c.Read(make([]byte, 1)); err != io.EOF {
 		t.Fatalf("read: %v, want EOF", err)
 	}
-	raw, err := c.(*net.TCPConn).SyscallConn()
+	raw, err := c.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,21 +79,8 @@ func TestReceivedCountsNoFIN(t *testing.T) {
 // TIME_WAIT, when the peer's FIN comes (a user's socket never shows
 // TIME_WAIT): bytes that came with it and wait unread are still counted.
 func TestReceivedAfterOurFINThenThePeers(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	c, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	s, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+	c, s := tcpPair(t)
+	if err := c.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := io.ReadAll(s); err != nil { // our FIN has reached the peer
@@ -131,7 +90,7 @@ func TestReceivedAfterOurFINThenThePeers(t *testing.T) {
 		t.Fatal(err)
 	}
 	_ = s.Close()
-	raw, err := c.(*net.TCPConn).SyscallConn()
+	raw, err := c.SyscallConn()
 	if err != nil {
 		t.Fatal(err)
 	}
