@@ -63,14 +63,8 @@ type clientSocket interface {
 func newTCPClient(c *net.TCPConn) *tcpClient { return &tcpClient{sock: c, remote: c.RemoteAddr()} }
 
 // newRawClient is the client of a socket flow.Listener accepted from
-// remote; inq says the socket has TCP_INQ on (flow.Listener.Inq).
-func newRawClient(f *os.File, remote net.Addr, inq bool) *tcpClient {
-	c := &tcpClient{sock: f, remote: remote}
-	if inq {
-		c.r.InqOn() // kept by raw's InitRaw, which sets the socket only
-	}
-	return c
-}
+// remote.
+func newRawClient(f *os.File, remote net.Addr) *tcpClient { return &tcpClient{sock: f, remote: remote} }
 
 func (c *tcpClient) RemoteAddr() net.Addr { return c.remote }
 

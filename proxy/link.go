@@ -136,7 +136,7 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 		client: client, opened: time.Now()}
 	lk.q.Init(&l.p.budget)
 	if tc, ok := client.(*tcpClient); ok {
-		tc.r.SetResetWatch(l.resetWatch())
+		tc.r.SetResetWatch(l.resetWatch(), tc.sock)
 	}
 	return lk
 }

@@ -212,9 +212,9 @@ type acceptor interface {
 // keepalive of the runtime's (a link sets its own, or leaves the
 // kernel's) and are plain TCP: Go's listeners take MPTCP by default,
 // which a sidecar on loopback gains nothing from, and a plain TCP
-// listening socket is what passes TCP_NODELAY and TCP_INQ on to the
-// sockets it accepts. raw: the socket is for a flow.Listener, which
-// needs those two set before it listens (flow.ListenControl).
+// listening socket is what passes TCP_NODELAY on to the sockets it
+// accepts. raw: the socket is for a flow.Listener, which needs it set
+// before it listens (flow.ListenControl).
 func listenTCP(ctx context.Context, addr string, raw bool) (net.Listener, error) {
 	lc := net.ListenConfig{KeepAlive: -1}
 	lc.SetMultipathTCP(false)
@@ -373,7 +373,7 @@ func (l *listener) acceptOne(ln acceptor) (tc *net.TCPConn, c *tcpClient, err er
 		if err != nil {
 			return nil, nil, err
 		}
-		return nil, newRawClient(f, remote, rl.Inq()), nil
+		return nil, newRawClient(f, remote), nil
 	}
 	nc, err := ln.(net.Listener).Accept()
 	if err != nil {

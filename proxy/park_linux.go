@@ -98,13 +98,13 @@ func (s *epollSet) watch(fd int, key uint64) error {
 	return nil
 }
 
-// watchErrors waits once for fd to have an error or to be shut down both
-// ways (EPOLLERR, EPOLLHUP, which epoll reports whatever else is asked),
-// reported with key: one-shot, level-triggered (an error already there is
-// reported at once), and nothing for bytes or a FIN. fd leaves the set when
-// it is closed.
-func (s *epollSet) watchErrors(fd int, key uint64) error {
-	ev := unix.EpollEvent{Events: unix.EPOLLONESHOT, Fd: int32(uint32(key)), Pad: int32(uint32(key >> 32))}
+// watchEnd waits once for fd's end (the peer's FIN, EPOLLRDHUP; an
+// error or a shutdown both ways, EPOLLERR and EPOLLHUP, which epoll
+// reports whatever else is asked) or for urgent data (EPOLLPRI), reported
+// with key: one-shot, level-triggered (what is there already is reported
+// at once), and nothing for bytes. fd leaves the set when it is closed.
+func (s *epollSet) watchEnd(fd int, key uint64) error {
+	ev := unix.EpollEvent{Events: unix.EPOLLRDHUP | unix.EPOLLPRI | unix.EPOLLONESHOT, Fd: int32(uint32(key)), Pad: int32(uint32(key >> 32))}
 	if err := unix.EpollCtl(s.fd, unix.EPOLL_CTL_ADD, fd, &ev); err != nil {
 		return os.NewSyscallError("epoll_ctl", err)
 	}

@@ -16,6 +16,6 @@ func (*epollSet) run(func(uint64)) error { return nil }
 
 func (*epollSet) watch(int, uint64) error { return errors.ErrUnsupported }
 
-func (*epollSet) watchErrors(int, uint64) error { return errors.ErrUnsupported }
+func (*epollSet) watchEnd(int, uint64) error { return errors.ErrUnsupported }
 
 func (*epollSet) close() {}

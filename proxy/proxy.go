@@ -257,7 +257,7 @@ func (p *Proxy) Start() error {
 	}
 	rw, err := newResetWatch(&p.log)
 	if err != nil {
-		p.log.Warn().Err(err).Msg("no reset watch: each read of a link is followed by another, as without TCP_INQ")
+		p.log.Warn().Err(err).Msg("no reset watch: each read of a link is followed by another")
 	} else {
 		p.rwatch = rw
 	}

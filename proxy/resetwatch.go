@@ -12,15 +12,20 @@ import (
 
 // resetWatch is the proxy's flow.ResetWatch: one epoll set for the
 // process (as the parker's, waited on through the runtime's poller) in
-// which each socket of a link that lives is watched, one-shot, for an
-// error or a hang-up. A pump's reader waits after a read that drained its
-// socket only while its socket is watched: TCP_INQ says nothing of an RST
-// that came in behind the last bytes, whose edge the same wake-up took
-// (flow.SockReader.ReadEach). When the watch reports the socket, it shuts
-// the socket's read side where it can receive nothing more (dead, or the
-// peer's FIN in; bytes still queued are read before the end), which raises
-// a new edge for the reader: it reads, and sees the reset as without
-// TCP_INQ.
+// which each socket of a link that lives is watched, one-shot, for its
+// end (the peer's FIN, an error, a hang-up) and for urgent data. A pump's
+// reader waits after a short read only while its socket is watched: the
+// read does not say what came in behind its bytes (a FIN, an RST) and
+// raised its edge before it, the edge the same wake-up took, nor where it
+// stopped short at an urgent mark (flow.SockReader.ReadEach). When the
+// watch reports the socket, it marks the reader (which reads on after
+// every read from then on) and raises a new edge for it: it shuts the
+// socket's read side where it can receive nothing more (dead, or the
+// peer's FIN in; bytes still queued are read before the end), and
+// otherwise sets a read deadline in the past, which the pump takes as a
+// wake-up and reads on (tcpEnd.park: a deadline without the sweep's mark
+// is not the link's). The reader then reads, and sees the end or the
+// bytes as if it had read on.
 //
 // Its run goroutine ends at stop. Should its wait fail before that (the
 // proxy's own failure), it marks every socket it watches as reported, so
@@ -37,13 +42,15 @@ type resetWatch struct {
 	socks  map[uint64]watchedSock // by key
 	failed bool                   // a watch failed and was logged
 
-	shut atomic.Int64 // sockets shut for reading on a report (tests)
+	shut  atomic.Int64 // sockets shut for reading on a report (tests)
+	woken atomic.Int64 // readers woken by a deadline on a report (tests)
 }
 
-// watchedSock is a socket under watch: its raw connection, and its
-// reader's flag for the report.
+// watchedSock is a socket under watch: its raw connection, what wakes
+// its reader, and its reader's flag for the report.
 type watchedSock struct {
 	rc       syscall.RawConn
+	wake     flow.Deadliner
 	reported *atomic.Bool
 }
 
@@ -85,7 +92,7 @@ func (w *resetWatch) stop() {
 
 // Watch implements flow.ResetWatch. It runs inside the reader's read
 // (the socket cannot close meanwhile).
-func (w *resetWatch) Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (uint64, bool) {
+func (w *resetWatch) Watch(fd int, rc syscall.RawConn, wake flow.Deadliner, reported *atomic.Bool) (uint64, bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed {
@@ -93,16 +100,16 @@ func (w *resetWatch) Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (u
 	}
 	w.next++
 	key := w.next
-	if err := w.set.watchErrors(fd, key); err != nil {
+	if err := w.set.watchEnd(fd, key); err != nil {
 		// The proxy's own failure (the epoll set's limit, memory): the
-		// reader reads on after every read, as without TCP_INQ.
+		// reader reads on after every read.
 		if !w.failed {
 			w.failed = true
 			w.log.Warn().Err(err).Msg("reset watch: a socket could not be watched; its reader reads on after every read (logged once)")
 		}
 		return 0, false
 	}
-	w.socks[key] = watchedSock{rc: rc, reported: reported}
+	w.socks[key] = watchedSock{rc: rc, wake: wake, reported: reported}
 	return key, true
 }
 
@@ -113,8 +120,9 @@ func (w *resetWatch) Forget(key uint64) {
 	w.mu.Unlock()
 }
 
-// report is the epoll set's: the socket of key has an error or is shut
-// down both ways. Its watch was one-shot, and ends here.
+// report is the epoll set's: the socket of key has its peer's FIN in, an
+// error, is shut down both ways, or has urgent data. Its watch was
+// one-shot, and ends here.
 func (w *resetWatch) report(key uint64) {
 	w.mu.Lock()
 	ws, ok := w.socks[key]
@@ -130,9 +138,14 @@ func (w *resetWatch) report(key uint64) {
 	ws.reported.Store(true)
 	// Through rc: a socket closed meanwhile refuses, so no other socket
 	// that took its descriptor number is touched; and only a socket that
-	// can receive nothing more is shut.
-	if flow.ShutdownReadAtEnd(ws.rc) {
+	// can receive nothing more is shut. One that can (urgent data) has its
+	// reader woken by a deadline instead, through the socket's own
+	// descriptor in the runtime's poller (a closed one refuses it too).
+	switch {
+	case flow.ShutdownReadAtEnd(ws.rc):
 		w.shut.Add(1)
+	case ws.wake != nil && ws.wake.SetReadDeadline(pastDeadline) == nil:
+		w.woken.Add(1)
 	}
 }
 

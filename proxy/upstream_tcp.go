@@ -107,7 +107,7 @@ func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 	}
 	e.livePending = dialRaw && e.win != nil
 	e.r.InitRaw(raw) // the reader, the writer and tryWrite share one raw connection
-	e.r.SetResetWatch(lk.host.resetWatch())
+	e.r.SetResetWatch(lk.host.resetWatch(), e.conn)
 	e.rawWriteFn = func(fd uintptr) bool {
 		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
 		return true

@@ -26,9 +26,7 @@ const RawAcceptSupported = true
 //     client asks for it then);
 //   - no TCP_NODELAY: the listening socket has it, and a socket accepted
 //     from a TCP listener inherits it from there (TestListenerAccepts
-//     reads it back from an accepted socket); so with TCP_INQ, which
-//     spares the client's reader the read that finds nothing after each
-//     request from the first request on (Inq, SockReader.InqOn);
+//     reads it back from an accepted socket);
 //   - no entersyscall: net's accept4 and setsockopt go through
 //     syscall.Syscall, whose entersyscall wakes the runtime's sysmon
 //     thread whenever it sleeps (as it does while the process idles
@@ -46,7 +44,6 @@ type Listener struct {
 	rc     syscall.RawConn
 	addr   net.Addr
 	closed atomic.Bool
-	inq    bool // the listening socket has TCP_INQ: so has every socket it accepts
 	fn     func(fd uintptr) bool
 
 	// What the accept4 in fn returned.
@@ -79,8 +76,6 @@ func NewListener(ln *net.TCPListener) (*Listener, error) {
 	nodelay := 0
 	if err := l.rc.Control(func(fd uintptr) {
 		nodelay, _ = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY)
-		v, err := unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_INQ)
-		l.inq = err == nil && v == 1
 	}); err != nil || nodelay == 0 {
 		_ = f.Close()
 		return nil, errors.New("the listening socket has no TCP_NODELAY for its connections to inherit: bind it with ListenControl")
@@ -89,17 +84,13 @@ func NewListener(ln *net.TCPListener) (*Listener, error) {
 }
 
 // ListenControl is the net.ListenConfig Control of a socket that a
-// Listener will take: it sets TCP_NODELAY, and TCP_INQ where the kernel
-// has it (Linux 4.18 on; without it, each read of a client is followed
-// by another, as net.Conn.Read's would be: SockReader), before the socket is
-// bound and listens, so that every connection the kernel completes,
-// even one completed before NewListener, inherits them.
+// Listener will take: it sets TCP_NODELAY before the socket is bound and
+// listens, so that every connection the kernel completes, even one
+// completed before NewListener, inherits it.
 func ListenControl(_, _ string, c syscall.RawConn) error {
 	var serr error
 	if err := c.Control(func(fd uintptr) {
-		if serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1); serr == nil {
-			_ = enableInq(int(fd)) // NewListener reads back whether it took
-		}
+		serr = setsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY, 1)
 	}); err != nil {
 		return err
 	}
@@ -108,11 +99,6 @@ func ListenControl(_, _ string, c syscall.RawConn) error {
 	}
 	return nil
 }
-
-// Inq reports whether the sockets the Listener accepts have TCP_INQ on
-// from the start, inherited from the listening socket (see
-// SockReader.InqOn).
-func (l *Listener) Inq() bool { return l.inq }
 
 // Addr is the address the socket is bound to.
 func (l *Listener) Addr() net.Addr { return l.addr }

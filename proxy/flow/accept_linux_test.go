@@ -27,7 +27,7 @@ func plainListen(t *testing.T, network, addr string) *net.TCPListener {
 
 // TestListenerAccepts: a socket the raw Listener accepts is on the
 // runtime's poller (a read that has to wait is woken), has TCP_NODELAY
-// (and TCP_INQ, where Inq says so) from the listening socket without a
+// from the listening socket without a
 // setsockopt of its own, and comes
 // with the client's address as net would give it; over IPv4 and IPv6.
 func TestListenerAccepts(t *testing.T) {
@@ -70,9 +70,6 @@ func TestListenerAccepts(t *testing.T) {
 			}
 			if v := sockoptOf(t, f, unix.IPPROTO_TCP, unix.TCP_NODELAY); v == 0 {
 				t.Fatal("the accepted socket has no TCP_NODELAY: it did not inherit the listener's")
-			}
-			if v := sockoptOf(t, f, unix.IPPROTO_TCP, unix.TCP_INQ); l.Inq() != (v == 1) {
-				t.Fatalf("TCP_INQ %d on the accepted socket; the Listener says Inq %v", v, l.Inq())
 			}
 			// A read that waits for bytes sent after it started.
 			got := make(chan []byte, 1)
@@ -135,82 +132,63 @@ func TestListenerClose(t *testing.T) {
 	_ = again.Close()
 }
 
-// TestReadEachWithInqFromTheListener: a reader told that its socket has
-// TCP_INQ from the listener (InqOn) reads with it from the first read
-// and makes no setsockopt of its own; once the socket has waited inqAfter
-// times (a connection that lives) and its reset watch watches it, it
-// makes no read that finds nothing after a request: over five round
-// trips its count of such reads stays at most inqAfter, and one more
-// where its first read came before the first request. Its twin, a
-// reader not told, on a socket from the same listener, turns TCP_INQ on
-// itself after inqAfter such reads; both echo every round and end at the
-// FIN.
-func TestReadEachWithInqFromTheListener(t *testing.T) {
+// TestReadEachOnAnAcceptedSocket: a reader of a socket the Listener
+// accepted makes no read that finds nothing after a request once the
+// socket has waited watchAfter times (a connection that lives) and its
+// watch watches it: over five round trips its count of such reads stays
+// at most watchAfter, and one more where its first read came before the
+// first request. It echoes every round and ends at the FIN.
+func TestReadEachOnAnAcceptedSocket(t *testing.T) {
 	l, err := NewListener(plainListen(t, "tcp4", "127.0.0.1:0"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	if !l.Inq() {
-		testutil.SkipOrFail(t, "the kernel has no TCP_INQ (Linux 4.18)")
+	c, err := net.Dial("tcp4", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, told := range []bool{true, false} {
-		c, err := net.Dial("tcp4", l.Addr().String())
-		if err != nil {
+	defer c.Close()
+	f, _, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var r SockReader
+	r.InitRaw(mustRaw(f))
+	w := &fakeWatch{}
+	r.SetResetWatch(w, f)
+	done := make(chan error, 1)
+	go func() {
+		_, _, err, werr := r.ReadEach(&echoSink{s: f})
+		done <- errors.Join(err, werr)
+	}()
+	msg, got := []byte("ping"), make([]byte, 4)
+	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+	for i := range 5 {
+		if _, err := c.Write(msg); err != nil {
 			t.Fatal(err)
 		}
-		f, _, err := l.Accept()
-		if err != nil {
-			t.Fatal(err)
+		if _, err := io.ReadFull(c, got); err != nil || string(got) != "ping" {
+			t.Fatalf("round %d: %q, %v", i, got, err)
 		}
-		var r SockReader
-		r.InitRaw(mustRaw(f))
-		w := &fakeWatch{}
-		r.SetResetWatch(w)
-		if told {
-			r.InqOn()
+	}
+	_ = c.(*net.TCPConn).CloseWrite()
+	select {
+	case err := <-done:
+		if !errors.Is(err, io.EOF) {
+			t.Fatalf("ReadEach ended with %v, want io.EOF", err)
 		}
-		done := make(chan error, 1)
-		go func() {
-			_, _, err, werr := r.ReadEach(&echoSink{s: f})
-			done <- errors.Join(err, werr)
-		}()
-		msg, got := []byte("ping"), make([]byte, 4)
-		_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-		for i := range 5 {
-			if _, err := c.Write(msg); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := io.ReadFull(c, got); err != nil || string(got) != "ping" {
-				t.Fatalf("round %d: %q, %v", i, got, err)
-			}
-		}
-		_ = c.(*net.TCPConn).CloseWrite()
-		select {
-		case err := <-done:
-			if !errors.Is(err, io.EOF) {
-				t.Fatalf("ReadEach ended with %v, want io.EOF", err)
-			}
-		case <-time.After(20 * time.Second):
-			_ = f.Close()
-			t.Fatal("ReadEach did not see the FIN")
-		}
-		// The untold twin's count is logged, not judged: whether its read
-		// after each echo finds nothing depends on whether the client's
-		// next request came first, which is the scheduler's to decide
-		// (mostly inqAfter, sometimes 0 on a busy machine). A told reader
-		// makes that read only until the socket has waited inqAfter times
-		// (then the watch watches it), so its count is the reader's own.
-		t.Logf("told %v: %d reads found nothing, TCP_INQ %v, watched %d", told, r.waits, r.inq, w.watches)
-		// The first read may come before the first request: one more.
-		if told && r.waits > inqAfter+1 {
-			t.Errorf("told: %d reads found nothing in 5 round trips, want at most %d", r.waits, inqAfter+1)
-		}
-		if w.watches > 1 {
-			t.Errorf("told %v: the socket was given to the watch %d times, want once at most", told, w.watches)
-		}
-		_ = c.Close()
+	case <-time.After(20 * time.Second):
 		_ = f.Close()
+		t.Fatal("ReadEach did not see the FIN")
+	}
+	// The first read may come before the first request: one more.
+	if r.waits > watchAfter+1 {
+		t.Errorf("%d reads found nothing in 5 round trips, want at most %d", r.waits, watchAfter+1)
+	}
+	if w.watches != 1 {
+		t.Errorf("the socket was given to the watch %d times, want once", w.watches)
 	}
 }
 

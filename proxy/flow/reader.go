@@ -7,6 +7,7 @@ import (
 	"os"
 	"sync/atomic"
 	"syscall"
+	"time"
 )
 
 // SockReader reads a socket into pooled chunks, taking a chunk only once
@@ -30,38 +31,50 @@ type SockReader struct {
 	n       int32
 	sinkErr bool
 
-	// waits counts the reads that found nothing (up to 255); inq is set
-	// once TCP_INQ is on (see call).
+	// waits counts the reads that found nothing (up to 255).
 	waits uint8
-	inq   bool
 
-	// watch sees the resets a wait after a drained read could miss (see
-	// ReadEach); key (never 0) once it watches this socket, and reported
-	// once it has seen the socket's error or hang-up, or can no longer
-	// watch. Without a watch every read is followed by another, as
-	// without TCP_INQ.
+	// watch sees what a wait after a short read could miss (see
+	// ReadEach), and wake is what it wakes the reader's wait with; key
+	// (never 0) once it watches this socket, and reported once it has
+	// seen the socket's end (the peer's FIN, an error, a hang-up) or
+	// urgent data, or can no longer watch. Without a watch every read is
+	// followed by another, as net.Conn.Read's are.
 	watch    ResetWatch
+	wake     Deadliner
 	key      uint64
 	reported atomic.Bool
 }
 
-// ResetWatch is what lets a SockReader wait after a read that drained its
-// socket (see ReadEach): a watch of the socket for an error or a hang-up
-// (EPOLLERR, EPOLLHUP) that, when one comes, first sets the reader's
-// reported flag and then makes the socket raise a new edge for the
-// reader's wait (ShutdownReadAtEnd: shutdown(2) of its read side, where
-// the socket can receive nothing more; the bytes still queued are read
-// before the end). A reader that sees the flag reads on after every read; one that
-// does not waits, and the edge comes after the wait's start (the flag is
-// checked after the read, which comes after the runtime cleared the
-// socket's readiness), so the wait sees it.
+// Deadliner is what a ResetWatch wakes a reader's wait with: a read
+// deadline in the past (*os.File and *net.TCPConn have it).
+type Deadliner interface {
+	SetReadDeadline(t time.Time) error
+}
+
+// ResetWatch is what lets a SockReader wait after a short read (see
+// ReadEach): a watch of the socket, one-shot, for what a short read does
+// not say and raises no edge after it: the peer's FIN or an error that
+// came in behind the bytes the read took (their edge was the one that
+// woke the wait), and urgent data (a read stops short at its mark, with
+// bytes left behind it). When one comes, the watch first sets the
+// reader's reported flag and then gives the reader's wait a new edge:
+// shutdown(2) of the read side where the socket can receive nothing more
+// (ShutdownReadAtEnd; the bytes still queued are read before the end),
+// otherwise a read deadline in the past through the reader's Deadliner,
+// which the reader's owner takes as a wake-up and reads on. A reader that
+// sees the flag reads on after every read; one that does not waits, and
+// the edge comes after the wait's start (the flag is checked after the
+// read, which comes after the runtime cleared the socket's readiness), so
+// the wait sees it.
 type ResetWatch interface {
 	// Watch starts watching fd, rc's socket, and returns the key (not 0)
 	// that Forget takes; false when it cannot (the reader then reads on
-	// after every read, as without TCP_INQ). On the socket's error or
-	// hang-up it sets reported, then raises the edge; so it does, without
-	// the edge, when it stops watching before the socket's end.
-	Watch(fd int, rc syscall.RawConn, reported *atomic.Bool) (key uint64, ok bool)
+	// after every read). On the socket's end or urgent data it sets
+	// reported, then raises the edge (wake is the reader's Deadliner); so
+	// it does, without the edge, when it stops watching before the
+	// socket's end.
+	Watch(fd int, rc syscall.RawConn, wake Deadliner, reported *atomic.Bool) (key uint64, ok bool)
 	// Forget ends the watch of key, at the socket's end.
 	Forget(key uint64)
 }
@@ -85,12 +98,13 @@ const (
 	HandledKeep                // ReadEach returns the chunk to its caller, which returns it with PutChunk
 )
 
-// inqAfter is how many reads of a socket find nothing before TCP_INQ is
-// turned on for it: a connection that makes one request and closes (two
-// waits at most, one each way) never pays the setsockopt; one that waits
-// for a third time is a connection that lives, and saves a read per
-// request from then on.
-const inqAfter = 2
+// watchAfter is how many reads of a socket find nothing before it is
+// given to the watch and its reads start to wait after a short read: a
+// connection that makes one request and closes (two waits at most, one
+// each way) never pays the watch's epoll_ctl; one that waits for a third
+// time is a connection that lives, and saves a read per request from
+// then on.
+const watchAfter = 2
 
 func (r *SockReader) Init(c *net.TCPConn) error {
 	rc, err := c.SyscallConn()
@@ -104,20 +118,10 @@ func (r *SockReader) Init(c *net.TCPConn) error {
 // InitRaw has r read rc's socket.
 func (r *SockReader) InitRaw(rc syscall.RawConn) { r.rc, r.fn = rc, r.call }
 
-// InqOn tells r that its socket has TCP_INQ on already (a socket accepted
-// from a listening socket that has it inherits it: Listener.Inq), so
-// that ReadEach waits after a read that drained the socket from the
-// first read on, instead of once the socket has waited inqAfter times.
-// Were the option off after all, no read would say what it left
-// (queued -1), and each would be followed by another, as without it.
-func (r *SockReader) InqOn() { r.inq = true }
-
-// Inq reports whether r reads with TCP_INQ (told, or turned on itself).
-func (r *SockReader) Inq() bool { return r.inq }
-
-// SetResetWatch gives r the watch that lets it wait after a read that
-// drained its socket (see ReadEach); before any read.
-func (r *SockReader) SetResetWatch(w ResetWatch) { r.watch = w }
+// SetResetWatch gives r the watch that lets it wait after a short read
+// (see ReadEach), and what the watch wakes its wait with; before any
+// read.
+func (r *SockReader) SetResetWatch(w ResetWatch, wake Deadliner) { r.watch, r.wake = w, wake }
 
 // Forget ends the watch of r's socket, if it began one. The socket's owner
 // calls it once the socket's readers have ended.
@@ -128,18 +132,18 @@ func (r *SockReader) Forget() {
 	}
 }
 
-// waitsDrained reports whether a read that left nothing in fd's receive
-// queue (TCP_INQ) is followed by a wait instead of a read: on a socket
-// that has waited for data inqAfter times (a connection that lives), once
-// the reset watch watches it (see ReadEach).
+// waitsDrained reports whether a short read (one that drained the
+// socket's receive queue) is followed by a wait instead of a read: on a
+// socket that has waited for data watchAfter times (a connection that
+// lives), once the watch watches it (see ReadEach).
 func (r *SockReader) waitsDrained(fd uintptr) bool {
 	if r.key == 0 {
-		if r.watch == nil || r.waits < inqAfter {
+		if r.watch == nil || r.waits < watchAfter {
 			return false
 		}
-		key, ok := r.watch.Watch(int(fd), r.rc, &r.reported)
+		key, ok := r.watch.Watch(int(fd), r.rc, r.wake, &r.reported)
 		if !ok {
-			r.watch = nil // not again: reads on, as without TCP_INQ
+			r.watch = nil // not again: reads on after every read
 			return false
 		}
 		r.key = key
@@ -207,27 +211,31 @@ func (r *SockReader) result() (*[]byte, int, error) {
 // the caller. It may block on the other socket of the link, which
 // closeBoth closes first.
 //
-// Why a read is not followed by one that finds nothing: when the kernel
-// says (TCP_INQ) that a read left nothing in the receive queue and no FIN
-// behind it, the callback asks the poller to wait instead of reading
-// again. Whatever arrives after the read (bytes, FIN, an error) makes a
-// new edge on the runtime's epoll, which it records for this descriptor
-// until the next wait, and the wait comes within this same RawConn.Read
-// call. (Each RawConn.Read starts by clearing the recorded readiness,
-// which is why the handling happens inside the callback and not after it
-// returns.) A read that leaves bytes or a FIN (TCP_INQ says 1 then: the
-// next read returns 0, which is how EOF is seen), or a socket without
-// TCP_INQ, is followed by another read at once, as net.Conn.Read would.
+// Why a read is not followed by one that finds nothing (HAProxy's rule):
+// a read that returned less than it asked for took everything the
+// receive queue held (tcp_recvmsg copies until the queue is empty or the
+// buffer full, the backlog included), so the callback asks the poller to
+// wait instead of reading again. Whatever arrives after the read (bytes,
+// a FIN, an error) makes a new edge on the runtime's epoll, which it
+// records for this descriptor until the next wait, and the wait comes
+// within this same RawConn.Read call. (Each RawConn.Read starts by
+// clearing the recorded readiness, which is why the handling happens
+// inside the callback and not after it returns.) A read that filled its
+// buffer is followed by another at once, as net.Conn.Read would be.
 //
-// What TCP_INQ does not say is a reset: an RST that came in behind the
-// last bytes, before the read that took them, leaves the queue empty and
-// no FIN, and its edge was the one that woke this wait (the runtime's
-// epoll reports bytes and reset as one event). Waiting then would miss
-// it. So a reader waits after a drained read only once its ResetWatch
-// watches the socket for an error or a hang-up, which gives the wait the
-// edge it needs; and only on a socket that has waited inqAfter times, a
-// connection that lives (one that makes a request and closes pays the
-// read that finds nothing, not the watch).
+// What a short read does not say is what came in behind its bytes before
+// it, and raised no edge of its own after it: the peer's FIN (the next
+// read would return 0) or a reset, whose edge was the one that woke this
+// wait (the runtime's epoll reports bytes and their end as one event);
+// and urgent data, at whose mark a read stops short with bytes behind it.
+// Waiting then would miss them. So a reader waits after a short read only
+// once its ResetWatch watches the socket for them, which gives the wait
+// the edge it needs; and only on a socket that has waited watchAfter
+// times, a connection that lives (one that makes a request and closes
+// pays the read that finds nothing, not the watch). The rule costs a
+// plain recv per read: the TCP_INQ control message that said the same
+// (what the read left behind) cost a recvmsg, about 5% of the proxy's CPU
+// per request at 64 connections (docs/performance.md).
 func (r *SockReader) ReadEach(sink ChunkSink) (bp *[]byte, n int, err, sinkErr error) {
 	r.sink = sink
 	err = r.rc.Read(r.fn)
@@ -263,7 +271,7 @@ func (r *SockReader) call(fd uintptr) bool {
 			return true
 		}
 		bp := GetChunk()
-		n, queued, err := readInq(int(fd), (*bp)[:limit], r.inq)
+		n, err := SysRead(int(fd), (*bp)[:limit])
 		switch err {
 		case syscall.EINTR:
 			PutChunk(bp)
@@ -272,9 +280,6 @@ func (r *SockReader) call(fd uintptr) bool {
 			PutChunk(bp)
 			if r.waits < math.MaxUint8 {
 				r.waits++
-			}
-			if r.waits == inqAfter && !r.inq {
-				r.inq = enableInq(int(fd))
 			}
 			return false
 		}
@@ -293,8 +298,8 @@ func (r *SockReader) call(fd uintptr) bool {
 			return true
 		}
 		PutChunk(bp)
-		if queued == 0 && r.waitsDrained(fd) {
-			return false // drained, no FIN, the watch on: wait (see ReadEach)
+		if n < limit && r.waitsDrained(fd) {
+			return false // a short read, the watch on: wait (see ReadEach)
 		}
 	}
 }

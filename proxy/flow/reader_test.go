@@ -38,63 +38,56 @@ func tcpPair(t *testing.T) (c, s *net.TCPConn) {
 	return dc.(*net.TCPConn), ac.(*net.TCPConn)
 }
 
-// waitRead reads s once it is readable: what readInq returned.
-func waitRead(t *testing.T, s *net.TCPConn, p []byte) (n, queued int) {
+// rawRead is one recv of s, raw as the reader's: the count, or the error
+// (EAGAIN when the receive queue is empty).
+func rawRead(t *testing.T, s *net.TCPConn, p []byte) (n int, err error) {
 	t.Helper()
-	rc, err := s.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
+	if cerr := rawOf(t, s).Control(func(fd uintptr) { n, err = SysRead(int(fd), p) }); cerr != nil {
+		t.Fatal(cerr)
 	}
-	_ = s.SetReadDeadline(time.Now().Add(5 * time.Second))
-	var rerr error
-	if err := rc.Read(func(fd uintptr) bool {
-		n, queued, rerr = readInq(int(fd), p, true)
-		return rerr != syscall.EAGAIN
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if rerr != nil {
-		t.Fatal(rerr)
-	}
-	return n, queued
+	return n, err
 }
 
-// With TCP_INQ on, a read says what it left behind: nothing (wait for
-// the poller), bytes (read on), or a FIN (1: the next read returns 0).
-// This is what lets ReadEach skip the read that would find nothing.
-func TestReadInqSaysWhatIsLeft(t *testing.T) {
+// The kernel's side of the reader's rule (ReadEach): a read that returns
+// less than it asked for took everything the receive queue held, however
+// many segments it came in (the writes below are separate segments: the
+// client has TCP_NODELAY), so the read after it finds nothing; a read
+// that fills its buffer may leave bytes behind. What a short read does
+// not say is the FIN behind its bytes: the read after it returns 0, not
+// EAGAIN (the watch's part, not the rule's).
+func TestShortReadTakesAllThereIs(t *testing.T) {
 	c, s := tcpPair(t)
-	rc, err := s.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ok := false
-	_ = rc.Control(func(fd uintptr) { ok = enableInq(int(fd)) })
-	if !ok {
-		t.Fatal("TCP_INQ refused (Linux has had it since 4.18)")
+	in := 0
+	for _, w := range []string{"0123", "4567", "89"} {
+		if _, err := c.Write([]byte(w)); err != nil {
+			t.Fatal(err)
+		}
+		in += len(w)
+		testutil.WaitUnread(t, s, in) // each in, before the next is written
 	}
 	buf := make([]byte, 64)
+	if n, err := rawRead(t, s, buf); n != 10 || err != nil {
+		t.Fatalf("read %d, %v; want all 10 bytes of three segments", n, err)
+	}
+	if _, err := rawRead(t, s, buf); err != syscall.EAGAIN {
+		t.Fatalf("the read after a short one: %v, want EAGAIN", err)
+	}
 	if _, err := c.Write([]byte("0123456789")); err != nil {
 		t.Fatal(err)
 	}
-	if n, q := waitRead(t, s, buf); n != 10 || q != 0 {
-		t.Fatalf("read %d, left %d; want 10 and nothing left", n, q)
-	}
-	if _, err := c.Write([]byte("0123456789")); err != nil {
-		t.Fatal(err)
-	}
-	if n, q := waitRead(t, s, buf[:4]); n != 4 || q != 6 {
-		t.Fatalf("read %d of 10, left %d; want 4 and 6 left", n, q)
+	testutil.WaitUnread(t, s, 10)
+	if n, err := rawRead(t, s, buf[:4]); n != 4 || err != nil {
+		t.Fatalf("read %d of 10, %v; want a full 4", n, err)
 	}
 	if err := c.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
 	testutil.WaitTCPState(t, s, unix.BPF_TCP_CLOSE_WAIT) // the FIN has arrived, behind the 6 bytes
-	if n, q := waitRead(t, s, buf[:6]); n != 6 || q != 1 {
-		t.Fatalf("read %d, left %d; want the last 6 bytes and 1 (the FIN)", n, q)
+	if n, err := rawRead(t, s, buf); n != 6 || err != nil {
+		t.Fatalf("read %d, %v; want the last 6 bytes", n, err)
 	}
-	if n, _ := waitRead(t, s, buf); n != 0 {
-		t.Fatalf("read %d after the FIN, want 0 (EOF)", n)
+	if n, err := rawRead(t, s, buf); n != 0 || err != nil {
+		t.Fatalf("read %d, %v after the FIN, want 0 (EOF)", n, err)
 	}
 }
 
@@ -151,17 +144,18 @@ func endOf(t *testing.T, done <-chan error, s *net.TCPConn) error {
 	}
 }
 
-// Once a socket has waited for data twice, TCP_INQ is on and a read that
-// drains it is not followed by one that finds nothing: the reader waits
-// for the poller in the same RawConn.Read instead. No wake-up is lost
-// (every round trip completes) and EOF is still seen. The reader's own
-// count of reads that found nothing stays near inqAfter, where it would
-// be one per round trip without TCP_INQ.
+// Once a socket has waited for data twice and is watched, a short read
+// is not followed by one that finds nothing: the reader waits for the
+// poller in the same RawConn.Read instead. No wake-up is lost (every
+// round trip completes) and EOF is still seen (a FIN that comes while
+// the reader waits raises an edge of its own). The reader's own count of
+// reads that found nothing stays near watchAfter, where it would be one
+// per round trip without the rule.
 func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
 	w := &fakeWatch{}
-	r.SetResetWatch(w)
+	r.SetResetWatch(w, s)
 	done := echoEach(t, &r, s, nil)
 	const rounds = 200
 	msg := []byte("sixteen bytes..")
@@ -179,7 +173,7 @@ func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 		}
 	}
 	endsAtEOF(t, c, s, done, &r)
-	if r.waits > inqAfter+rounds/4 {
+	if r.waits > watchAfter+rounds/4 {
 		t.Fatalf("%d reads found nothing in %d round trips: the read after a drained one is still made", r.waits, rounds)
 	}
 	if w.watches != 1 {
@@ -191,47 +185,57 @@ func TestReadEachSkipsTheReadThatFindsNothing(t *testing.T) {
 	}
 }
 
-// A FIN that came in the same segment as the last bytes is seen: the read
-// that takes the bytes also says a FIN is behind them (TCP_INQ says 1),
-// so the reader reads again instead of waiting for an edge that will
-// never come. The client corks its socket so that the kernel tacks the
-// FIN onto the unsent bytes.
+// A FIN that came in the same segment as the last bytes is seen by a
+// reader that nothing watches, or whose watch refused the socket: it
+// reads on after every read, and the read after the last bytes returns 0.
+// (A watched reader waits after the short read instead, and the watch's
+// report of the FIN ends the wait: proxy's resetWatch tests.) The client
+// corks its socket so that the kernel tacks the FIN onto the unsent
+// bytes.
 func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
-	c, s := tcpPair(t)
-	var r SockReader
-	inqOn(t, s, &r)
-	r.SetResetWatch(&fakeWatch{})
-	done := echoEach(t, &r, s, nil)
-	msg := []byte("ping")
-	got := make([]byte, len(msg))
-	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
-	for range 10 { // the reader waits after each drained read (TCP_INQ says 0)
-		if _, err := c.Write(msg); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(c, got); err != nil {
-			t.Fatal(err)
-		}
-	}
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	_ = rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 1) })
-	if _, err := c.Write([]byte("last")); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
-	if err := endOf(t, done, s); !errors.Is(err, io.EOF) {
-		t.Fatalf("readEach ended with %v, want io.EOF", err)
-	}
-	if _, err := io.ReadFull(c, got); err != nil || string(got) != "last" {
-		t.Fatalf("echo of the last bytes: %q, %v", got, err)
-	}
-	if !r.inq {
-		t.Fatal("TCP_INQ never turned on")
+	for _, tc := range []struct {
+		name  string
+		watch *fakeWatch
+	}{{"no watch", nil}, {"refused", &fakeWatch{refuse: true}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, s := tcpPair(t)
+			var r SockReader
+			if tc.watch != nil {
+				r.SetResetWatch(tc.watch, s)
+			}
+			done := echoEach(t, &r, s, nil)
+			msg := []byte("ping")
+			got := make([]byte, len(msg))
+			_ = c.SetDeadline(time.Now().Add(20 * time.Second))
+			for range 10 { // past watchAfter: a watched reader would wait after each short read
+				if _, err := c.Write(msg); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, got); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rc, err := c.SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = rc.Control(func(fd uintptr) { _ = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 1) })
+			if _, err := c.Write([]byte("last")); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.CloseWrite(); err != nil {
+				t.Fatal(err)
+			}
+			if err := endOf(t, done, s); !errors.Is(err, io.EOF) {
+				t.Fatalf("readEach ended with %v, want io.EOF", err)
+			}
+			if _, err := io.ReadFull(c, got); err != nil || string(got) != "last" {
+				t.Fatalf("echo of the last bytes: %q, %v", got, err)
+			}
+			if r.key != 0 {
+				t.Fatal("the reader is watched")
+			}
+		})
 	}
 }
 
@@ -241,8 +245,7 @@ func TestReadEachSeesAFINThatCameWithTheLastBytes(t *testing.T) {
 func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	c, s := tcpPair(t)
 	var r SockReader
-	inqOn(t, s, &r)
-	r.SetResetWatch(&fakeWatch{})
+	r.SetResetWatch(&fakeWatch{}, s)
 	gate := make(chan struct{})
 	done := echoEach(t, &r, s, gate)
 	_ = c.SetDeadline(time.Now().Add(20 * time.Second))
@@ -277,27 +280,8 @@ func TestReadEachWakesForBytesThatCameDuringTheHandler(t *testing.T) {
 	endsAtEOF(t, c, s, done, &r)
 }
 
-// inqOn turns TCP_INQ on for s and tells r, as for a socket that
-// inherited it from its listener: a test that needs it on does not wait
-// for the reader to turn it on by its own count of reads that found
-// nothing, which depends on how the scheduler interleaves the test's
-// round trips (a busy machine can leave each read something to take).
-func inqOn(t *testing.T, s *net.TCPConn, r *SockReader) {
-	t.Helper()
-	rc, err := s.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	on := false
-	_ = rc.Control(func(fd uintptr) { on = enableInq(int(fd)) })
-	if !on {
-		testutil.SkipOrFail(t, "the kernel has no TCP_INQ (Linux 4.18)")
-	}
-	r.InqOn()
-}
-
 // endsAtEOF half-closes c and checks that the ReadEach on s ends at the
-// FIN, with TCP_INQ on by then.
+// FIN, the reader watched by then (so that it waited after short reads).
 func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *SockReader) {
 	t.Helper()
 	if err := c.CloseWrite(); err != nil {
@@ -306,8 +290,8 @@ func endsAtEOF(t *testing.T, c, s *net.TCPConn, done <-chan error, r *SockReader
 	if err := endOf(t, done, s); !errors.Is(err, io.EOF) {
 		t.Fatalf("readEach ended with %v, want io.EOF", err)
 	}
-	if !r.inq {
-		t.Fatal("TCP_INQ never turned on")
+	if r.key == 0 {
+		t.Fatal("the reader was never watched: it never waited after a short read")
 	}
 }
 
@@ -321,7 +305,7 @@ type fakeWatch struct {
 	watches, forgotten int
 }
 
-func (w *fakeWatch) Watch(_ int, _ syscall.RawConn, reported *atomic.Bool) (uint64, bool) {
+func (w *fakeWatch) Watch(_ int, _ syscall.RawConn, _ Deadliner, reported *atomic.Bool) (uint64, bool) {
 	w.watches++
 	if w.stopped {
 		reported.Store(true)
@@ -332,9 +316,8 @@ func (w *fakeWatch) Watch(_ int, _ syscall.RawConn, reported *atomic.Bool) (uint
 func (w *fakeWatch) Forget(uint64) { w.forgotten++ }
 
 // An RST that came in behind the last bytes, before the read that takes
-// them, is seen by a reader that nothing watches for resets: TCP_INQ says
-// nothing is left (a reset is not a FIN), and the reader reads again,
-// which returns the reset. So it does when the watch refuses the socket,
+// them, is seen by a reader that nothing watches: the read is short, and
+// the reader reads again, which returns the reset. So it does when the watch refuses the socket,
 // or has stopped watching (the socket is marked reported). (With a live
 // watch the reader waits instead, and the watch's wake-up ends the wait:
 // proxy's resetWatch tests.)
@@ -350,20 +333,19 @@ func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			c, s := tcpPair(t)
 			var r SockReader
-			inqOn(t, s, &r)
 			if tc.watch != nil {
-				r.SetResetWatch(tc.watch)
+				r.SetResetWatch(tc.watch, s)
 			}
 			if err := r.Init(s); err != nil {
 				t.Fatal(err)
 			}
-			// Round trips until the socket has waited inqAfter times, when
+			// Round trips until the socket has waited watchAfter times, when
 			// a watched reader would start to wait after drained reads: each
 			// ReadEach echoes "ping", then finds nothing and waits, until a
 			// read deadline ends the wait.
 			sink := &echoSink{s: s}
 			got := make([]byte, 4)
-			for range inqAfter {
+			for range watchAfter {
 				if _, err := c.Write([]byte("ping")); err != nil {
 					t.Fatal(err)
 				}
@@ -375,8 +357,8 @@ func TestReadEachWithoutAWatchSeesAResetBehindTheLastBytes(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if r.waits < inqAfter { // more where a "ping" came after a read
-				t.Fatalf("%d reads found nothing, want at least %d", r.waits, inqAfter)
+			if r.waits < watchAfter { // more where a "ping" came after a read
+				t.Fatalf("%d reads found nothing, want at least %d", r.waits, watchAfter)
 			}
 			testutil.ResetBehind(t, c, s, []byte("last"))
 			_ = s.SetReadDeadline(time.Now().Add(10 * time.Second))

@@ -86,12 +86,10 @@ func (*Listener) Addr() net.Addr { return nil }
 
 func (*Listener) Close() error { return net.ErrClosed }
 
-func (*Listener) Inq() bool { return false }
-
 func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net.ErrClosed }
 
 // ListenControl is Linux's (nil: no Control).
 var ListenControl func(network, address string, c syscall.RawConn) error
 
-// ShutdownReadAtEnd is Linux's (the reset watch is: no TCP_INQ elsewhere).
+// ShutdownReadAtEnd is Linux's (the reset watch is: its epoll set is).
 func ShutdownReadAtEnd(syscall.RawConn) bool { return false }

@@ -11,7 +11,7 @@ import (
 // For the race detector, syscall.Write and syscall.Read say that a write
 // happens before a read that follows it (through a global of syscall's
 // own), and that the buffer was read or written. The raw calls (SysRead,
-// SysWrite, SysWritev, readInq) bypass both: a test that reads what the
+// SysWrite, SysWritev) bypass both: a test that reads what the
 // proxy wrote and then looks at the proxy's state would be reported as
 // racing with it, and a chunk used after it went back to its pool would go
 // unseen. Built only with -race, these make the same annotations: the

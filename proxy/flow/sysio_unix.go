@@ -236,7 +236,7 @@ func discard(bufs net.Buffers, n int) net.Buffers {
 
 // setsockoptInt is setsockopt(2) of an int option, made as SysRead is
 // (setsockopt never waits): the liveness options of every upstream socket
-// and TCP_INQ.
+// and TCP_NODELAY.
 func setsockoptInt(fd, level, opt, value int) error {
 	v := int32(value)
 	_, _, e := syscall.RawSyscall6(syscall.SYS_SETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
