@@ -137,7 +137,8 @@ func TestListenerClose(t *testing.T) {
 // socket has waited watchAfter times (a connection that lives) and its
 // watch watches it: over five round trips its count of such reads stays
 // at most watchAfter, and one more where its first read came before the
-// first request. It echoes every round and ends at the FIN.
+// first request; it is given to the watch once at most. It echoes every
+// round and ends at the FIN.
 func TestReadEachOnAnAcceptedSocket(t *testing.T) {
 	l, err := NewListener(plainListen(t, "tcp4", "127.0.0.1:0"))
 	if err != nil {
@@ -187,8 +188,12 @@ func TestReadEachOnAnAcceptedSocket(t *testing.T) {
 	if r.waits > watchAfter+1 {
 		t.Errorf("%d reads found nothing in 5 round trips, want at most %d", r.waits, watchAfter+1)
 	}
-	if w.watches != 1 {
-		t.Errorf("the socket was given to the watch %d times, want once", w.watches)
+	// Whether it was watched at all is the scheduler's: the reader's read
+	// after an echo finds nothing only when it comes before the client's
+	// next request (a busy machine can leave each read something to take).
+	t.Logf("%d reads found nothing, watched %d times", r.waits, w.watches)
+	if w.watches > 1 {
+		t.Errorf("the socket was given to the watch %d times, want once at most", w.watches)
 	}
 }
 
