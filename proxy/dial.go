@@ -119,6 +119,20 @@ func (lk *link) dial() bool {
 				ep.remove(lk) // an errLocal attaches below, and stays
 			}
 		}
+		if err == nil && pooled && !lk.host.keeps(ep, failOpen) {
+			// The member was disabled or excluded while the connect was
+			// under way: its links were evicted then, and this one, not
+			// yet attached, was not among them. It has carried no byte
+			// (the pumps start after the attach), so it moves on to the
+			// next member as a failed connect would, and the member's
+			// socket is closed with a FIN, like a connect that was never
+			// used. The attempt counts.
+			ep.remove(lk)
+			end.close()
+			end.release()
+			avoid, lastErr = ep.addr, nil
+			continue
+		}
 		if err == nil {
 			lk.countDial(start, failOpen)
 			return end.attach(ep)

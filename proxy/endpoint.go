@@ -205,8 +205,9 @@ func (ep *endpoint) remove(lk *link) {
 // them when before is zero) with the given close reason, and counts them
 // per listener as evictions for evictReason.
 // A pool link still connecting to ep is not among them: it fails over to
-// another member if its connect fails, and is judged when it attaches
-// (only a leaving member's drain, evictOf, ends such links).
+// another member if its connect fails, and moves on if it succeeds to a
+// member disabled or excluded meanwhile (listener.keeps; only a leaving
+// member's drain, evictOf, ends such links).
 func (ep *endpoint) evict(before time.Time, closeReason CloseReason, evictReason string) int {
 	return ep.evictWhere(func(lk *link) bool {
 		return !lk.dialing.Load() && (before.IsZero() || lk.opened.Before(before))

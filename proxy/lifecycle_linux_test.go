@@ -158,9 +158,101 @@ func TestMeshPeerForgetsForgottenEndpoints(t *testing.T) {
 	}
 }
 
+// A pool link whose connect to a member completes after the operator
+// disabled the member does not stay there: the disable evicted the
+// member's links, and this one, still connecting, was not among them.
+// It has carried no byte, so it moves on to the other member, and the
+// disabled member's connection ends without a byte (a FIN). Its twin: the
+// same slow connect to a member still enabled stays there, and the
+// client's byte reaches it. (The connect is slow because the member's
+// accept queue is full until the test makes room: the SYN is dropped and
+// the kernel's retransmission a second later completes the handshake.)
+func TestLinkConnectedToAMemberDisabledMeanwhileMovesOn(t *testing.T) {
+	for _, disable := range []bool{true, false} {
+		name := "disabled meanwhile"
+		if !disable {
+			name = "still enabled"
+		}
+		t.Run(name, func(t *testing.T) {
+			port := commonPort(t, "127.0.0.2", "127.0.0.3")
+			fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer syscall.Close(fd)
+			if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+				t.Fatal(err)
+			}
+			if err := syscall.Listen(fd, 0); err != nil {
+				t.Fatal(err)
+			}
+			a := fmt.Sprintf("127.0.0.2:%d", port)
+			fill, err := net.Dial("tcp", a)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer fill.Close()
+			b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: fmt.Sprintf("127.0.0.3:%d", port)})
+			h := startPool(t, policy.Pool{Endpoints: []string{a, b.Addr()}}, nil, func(s *policy.Settings) {
+				s.ConnectTimeout = policy.Duration(5 * time.Second) // past the SYN's retransmission
+			})
+			for range 3 {
+				before := b.Accepted()
+				c := h.dial()
+				if _, err := c.Write([]byte("x")); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(300 * time.Millisecond)
+				if b.Accepted() > before {
+					c.Close()
+					continue
+				}
+				// Connecting to A.
+				if disable {
+					if _, err := h.p.Disable(a); err != nil {
+						t.Fatal(err)
+					}
+				}
+				// Room in A's queue: fill's connection taken off it.
+				nfd, _, err := syscall.Accept(fd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_ = syscall.Close(nfd)
+				// The link's connection, once the retransmitted SYN is in.
+				lfd, _, err := syscall.Accept(fd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer syscall.Close(lfd)
+				tv := syscall.Timeval{Sec: 6}
+				_ = syscall.SetsockoptTimeval(lfd, syscall.SOL_SOCKET, syscall.SO_RCVTIMEO, &tv)
+				buf := make([]byte, 8)
+				n, rerr := syscall.Read(lfd, buf)
+				if !disable {
+					if rerr != nil || string(buf[:max(n, 0)]) != "x" {
+						t.Fatalf("the enabled member got %q, %v; want the client's byte", buf[:max(n, 0)], rerr)
+					}
+					return
+				}
+				if rerr != nil || n != 0 {
+					t.Fatalf("the disabled member's connection: %d bytes, %v; want its end without a byte", n, rerr)
+				}
+				_ = c.SetReadDeadline(time.Now().Add(6 * time.Second))
+				if _, err := io.ReadFull(c, buf[:1]); err != nil || buf[0] != 'x' {
+					t.Fatalf("client: %q, %v; want its byte back from the other member", buf[:1], err)
+				}
+				return
+			}
+			t.Fatal("no link of three went to A (round robin over two members)")
+		})
+	}
+}
+
 // A pool link still connecting to a member that is disabled (or excluded)
 // meanwhile is not evicted with the member's links: its connect times out
-// and it fails over to the other member. (Only a leaving member's drain
+// and it fails over to the other member (one whose connect succeeds moves
+// on too: TestLinkConnectedToAMemberDisabledMeanwhileMovesOn). (Only a leaving member's drain
 // ends a link still connecting: TestDiallingLinkOfALeavingMemberIsDrained.)
 func TestDiallingLinkFailsOverWhenItsMemberIsDisabled(t *testing.T) {
 	port := commonPort(t, "127.0.0.2", "127.0.0.3")

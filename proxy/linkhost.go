@@ -25,6 +25,11 @@ type linkHost interface {
 
 	// excluded reports whether the detector has ep excluded.
 	excluded(ep *endpoint) bool
+	// keeps reports whether a pool link whose connect to ep has just
+	// succeeded may stay there: the operator has not disabled ep since the
+	// pick, and the detector has not excluded it, unless the link went
+	// there failing open.
+	keeps(ep *endpoint, failOpen bool) bool
 	// report passes a data-plane failure of ep to the detector.
 	report(ep *endpoint, reason CloseReason)
 	// countUnanswered counts n requests of a link to ep past their
@@ -90,6 +95,16 @@ func (l *listener) meshPort(ep *endpoint, port int) int {
 func (l *listener) excluded(ep *endpoint) bool {
 	st, _ := l.p.det.State(ep.addr)
 	return st == health.Excluded
+}
+
+func (l *listener) keeps(ep *endpoint, failOpen bool) bool {
+	switch st, _ := l.p.det.State(ep.addr); st {
+	case health.Disabled:
+		return false
+	case health.Excluded:
+		return failOpen
+	}
+	return true
 }
 
 func (l *listener) report(ep *endpoint, reason CloseReason) { l.p.report(ep, reason) }
