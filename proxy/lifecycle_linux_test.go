@@ -158,6 +158,32 @@ func TestMeshPeerForgetsForgottenEndpoints(t *testing.T) {
 	}
 }
 
+// queueFull is a listening socket on addr:port whose accept queue is full
+// (one connection in it, backlog 0): the SYNs of further connects are
+// dropped until its descriptor fd accepts one. It is closed at the test's
+// end, as is the connection that fills it.
+func queueFull(t *testing.T, addr [4]byte, port int) (fd int, hostPort string) {
+	t.Helper()
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: addr}); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	hostPort = fmt.Sprintf("%d.%d.%d.%d:%d", addr[0], addr[1], addr[2], addr[3], port)
+	fill, err := net.Dial("tcp", hostPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = fill.Close() })
+	return fd, hostPort
+}
+
 // A pool link whose connect to a member completes after the operator
 // disabled the member does not stay there: the disable evicted the
 // member's links, and this one, still connecting, was not among them.
@@ -175,23 +201,7 @@ func TestLinkConnectedToAMemberDisabledMeanwhileMovesOn(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			port := commonPort(t, "127.0.0.2", "127.0.0.3")
-			fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer syscall.Close(fd)
-			if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 2}}); err != nil {
-				t.Fatal(err)
-			}
-			if err := syscall.Listen(fd, 0); err != nil {
-				t.Fatal(err)
-			}
-			a := fmt.Sprintf("127.0.0.2:%d", port)
-			fill, err := net.Dial("tcp", a)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer fill.Close()
+			fd, a := queueFull(t, [4]byte{127, 0, 0, 2}, port)
 			b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: fmt.Sprintf("127.0.0.3:%d", port)})
 			h := startPool(t, policy.Pool{Endpoints: []string{a, b.Addr()}}, nil, func(s *policy.Settings) {
 				s.ConnectTimeout = policy.Duration(5 * time.Second) // past the SYN's retransmission
@@ -256,24 +266,7 @@ func TestLinkConnectedToAMemberDisabledMeanwhileMovesOn(t *testing.T) {
 // ends a link still connecting: TestDiallingLinkOfALeavingMemberIsDrained.)
 func TestDiallingLinkFailsOverWhenItsMemberIsDisabled(t *testing.T) {
 	port := commonPort(t, "127.0.0.2", "127.0.0.3")
-	// A: a listening socket whose accept queue is full: SYNs are dropped.
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer syscall.Close(fd)
-	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: [4]byte{127, 0, 0, 2}}); err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Listen(fd, 0); err != nil {
-		t.Fatal(err)
-	}
-	a := fmt.Sprintf("127.0.0.2:%d", port)
-	fill, err := net.Dial("tcp", a)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fill.Close()
+	_, a := queueFull(t, [4]byte{127, 0, 0, 2}, port) // A: SYNs are dropped
 	b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: fmt.Sprintf("127.0.0.3:%d", port)})
 	h := startPool(t, policy.Pool{Endpoints: []string{a, b.Addr()}}, nil, nil)
 	for range 3 {
