@@ -130,7 +130,10 @@ func (lk *link) dial() bool {
 			ep.remove(lk)
 			end.close()
 			end.release()
-			avoid, lastErr = ep.addr, nil
+			if lk.abortedMeanwhile() {
+				return false // the reason is set; no other member is dialled for it
+			}
+			avoid = ep.addr // an earlier attempt's error, if any, stays the link's
 			continue
 		}
 		if err == nil {

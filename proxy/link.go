@@ -241,6 +241,14 @@ func (lk *link) adopt(up upstreamEnd) bool {
 	return !lk.closed
 }
 
+// abortedMeanwhile reports whether the link was closed (aborted) while
+// its dial was under way.
+func (lk *link) abortedMeanwhile() bool {
+	lk.connMu.Lock()
+	defer lk.connMu.Unlock()
+	return lk.closed
+}
+
 // answered accounts for buf, bytes of the upstream's on their way to the
 // client. Any byte from the upstream is an answer: the server is alive
 // (see tracker), for the requests of every link to it, tracked by this

@@ -249,11 +249,12 @@ func (e *tcpEnd) requestPark() {
 // own.
 //
 // The proxy sets a read deadline on a TCP link's sockets (its client's, a
-// tcpClient, and its upstream's) for nothing but this request, so a
-// deadline error there is never the link's: one without the
-// mark is the late deadline of a request the pump has served already (the
-// sweep marks, then sets the deadline; the pump may see the mark first),
-// and the pump reads on.
+// tcpClient, and its upstream's) for nothing but this request and the
+// reset watch's wake-up (urgent data on a live socket: resetWatch.report),
+// so a deadline error there is never the link's: one without the mark is
+// the watch's, or the late deadline of a request the pump has served
+// already (the sweep marks, then sets the deadline; the pump may see the
+// mark first), and the pump reads on.
 func (e *tcpEnd) park(dir int, err error) parkOutcome {
 	if !errors.Is(err, os.ErrDeadlineExceeded) {
 		return parkNone

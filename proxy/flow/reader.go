@@ -214,9 +214,11 @@ func (r *SockReader) result() (*[]byte, int, error) {
 // Why a read is not followed by one that finds nothing (HAProxy's rule):
 // a read that returned less than it asked for took everything the
 // receive queue held (tcp_recvmsg copies until the queue is empty or the
-// buffer full, the backlog included), so the callback asks the poller to
-// wait instead of reading again. Whatever arrives after the read (bytes,
-// a FIN, an error) makes a new edge on the runtime's epoll, which it
+// buffer full; segments that came in while it held the socket wait in
+// its backlog, which release_sock then processes, raising an edge of
+// their own), so the callback asks the poller to wait instead of reading
+// again. Whatever arrives after the read (bytes, a FIN, an error) makes a
+// new edge on the runtime's epoll, which it
 // records for this descriptor until the next wait, and the wait comes
 // within this same RawConn.Read call. (Each RawConn.Read starts by
 // clearing the recorded readiness, which is why the handling happens
