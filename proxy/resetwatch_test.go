@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -342,6 +343,82 @@ func sendUrgent(t *testing.T, c *net.TCPConn, before string, mark byte, after st
 	if serr != nil {
 		t.Fatal(serr)
 	}
+}
+
+// A read that starts at an urgent mark while the thread has a signal
+// pending returns EAGAIN with the bytes behind the mark queued, and no
+// edge comes for them. A reader whose watch reported (it reads on after
+// every read from then on) asks whether it stands at a mark and reads
+// again. The test floods the process with SIGURG (the runtime's own
+// preemption signal, harmless) while the peer sends 200 requests each
+// with an urgent byte in its middle, one at a time: every request's bytes
+// but the urgent one arrive within a second. Without the read made again
+// some stall, their bytes read only when the next request's come (1, 2
+// and 1 of 200 in three runs without it).
+func TestUrgentMarkWithASignalPendingIsReadPast(t *testing.T) {
+	w := newTestResetWatch(t)
+	c, s, r := watchedInOrder(t, w, true)
+	var (
+		mu  sync.Mutex
+		got []byte
+	)
+	done := make(chan error, 1)
+	go func() {
+		for {
+			_, _, err, werr := r.ReadEach(sinkFunc(func(p []byte) { mu.Lock(); got = append(got, p...); mu.Unlock() }))
+			if errors.Is(err, os.ErrDeadlineExceeded) { // the watch's wake-up, as tcpEnd.park takes it
+				_ = s.SetReadDeadline(time.Time{})
+				continue
+			}
+			done <- errors.Join(err, werr)
+			return
+		}
+	}()
+	stop := make(chan struct{})
+	flooded := make(chan struct{})
+	go func() {
+		defer close(flooded)
+		for pid := os.Getpid(); ; {
+			select {
+			case <-stop:
+				return
+			default:
+				_ = syscall.Kill(pid, syscall.SIGURG)
+			}
+		}
+	}()
+	const rounds = 200
+	stalls := 0
+	for i := range rounds {
+		sendUrgent(t, c, "ab", 'X', "def")
+		want := (i + 1) * len("abdef")
+		for deadline := time.Now().Add(time.Second); ; time.Sleep(100 * time.Microsecond) {
+			mu.Lock()
+			n := len(got)
+			mu.Unlock()
+			if n >= want {
+				break
+			}
+			if time.Now().After(deadline) {
+				stalls++
+				break
+			}
+		}
+	}
+	close(stop)
+	<-flooded
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; !errors.Is(err, io.EOF) {
+		t.Fatalf("ReadEach ended with %v, want io.EOF", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if stalls != 0 || len(got) != rounds*len("abdef") {
+		t.Fatalf("%d of %d requests stalled at the urgent mark; %d bytes read in all, want %d", stalls, rounds, len(got), rounds*len("abdef"))
+	}
+	r.Forget()
 }
 
 // received is what s's socket has received so far, read or not

@@ -273,6 +273,13 @@ func OriginalDst(c syscall.Conn, peer net.Addr) (netip.AddrPort, error) {
 	return dst, nil
 }
 
+// AtUrgentMark reports whether fd's next read starts at an urgent mark
+// (SIOCATMARK), with bytes behind it.
+func AtUrgentMark(fd int) bool {
+	v, err := unix.IoctlGetInt(fd, unix.SIOCATMARK)
+	return err == nil && v == 1
+}
+
 // UnreadBytes is how many bytes wait in c's receive queue (SIOCINQ): a
 // mesh session's heartbeat counts them as life, so that its own process
 // being slow to read is never blamed on the peer.

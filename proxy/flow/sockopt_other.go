@@ -91,5 +91,8 @@ func (*Listener) Accept() (*os.File, *net.TCPAddr, error) { return nil, nil, net
 // ListenControl is Linux's (nil: no Control).
 var ListenControl func(network, address string, c syscall.RawConn) error
 
+// AtUrgentMark is Linux's (the reset watch is).
+func AtUrgentMark(int) bool { return false }
+
 // ShutdownReadAtEnd is Linux's (the reset watch is: its epoll set is).
 func ShutdownReadAtEnd(syscall.RawConn) bool { return false }
