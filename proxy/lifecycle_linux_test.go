@@ -184,6 +184,37 @@ func queueFull(t *testing.T, addr [4]byte, port int) (fd int, hostPort string) {
 	return fd, hostPort
 }
 
+// dialConnectingTo dials h, a pool of a (whose SYNs are dropped: see
+// queueFull) and b (an echo), until a link is connecting to a, and
+// returns its client, which has written "x". Where a link went is the
+// proxy's own accounting: a pool link is a's from the start of its connect
+// (a accepts none, so a's links are the ones connecting), or b's peer
+// accepted it. Round robin sends one of the first two to a; links that
+// went to b are closed.
+func dialConnectingTo(t *testing.T, h *harness, a string, b *faultpeer.Server) *net.TCPConn {
+	t.Helper()
+	ep := h.p.lookupEndpoint(a)
+	if ep == nil {
+		t.Fatalf("no endpoint %s", a)
+	}
+	for range 3 {
+		atA, atB := ep.liveLinks(), b.Accepted()
+		c := h.dial()
+		if _, err := c.Write([]byte("x")); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 5*time.Second, "the link to connect to a member", func() bool {
+			return ep.liveLinks() > atA || b.Accepted() > atB
+		})
+		if ep.liveLinks() > atA {
+			return c
+		}
+		_ = c.Close()
+	}
+	t.Fatal("no link of three went to A (round robin over two members)")
+	return nil
+}
+
 // A pool link whose connect to a member completes after the operator
 // disabled the member does not stay there: the disable evicted the
 // member's links, and this one, still connecting, was not among them.
@@ -206,55 +237,41 @@ func TestLinkConnectedToAMemberDisabledMeanwhileMovesOn(t *testing.T) {
 			h := startPool(t, policy.Pool{Endpoints: []string{a, b.Addr()}}, nil, func(s *policy.Settings) {
 				s.ConnectTimeout = policy.Duration(5 * time.Second) // past the SYN's retransmission
 			})
-			for range 3 {
-				before := b.Accepted()
-				c := h.dial()
-				if _, err := c.Write([]byte("x")); err != nil {
+			c := dialConnectingTo(t, h, a, b)
+			if disable {
+				if _, err := h.p.Disable(a); err != nil {
 					t.Fatal(err)
 				}
-				time.Sleep(300 * time.Millisecond)
-				if b.Accepted() > before {
-					c.Close()
-					continue
-				}
-				// Connecting to A.
-				if disable {
-					if _, err := h.p.Disable(a); err != nil {
-						t.Fatal(err)
-					}
-				}
-				// Room in A's queue: fill's connection taken off it.
-				nfd, _, err := syscall.Accept(fd)
-				if err != nil {
-					t.Fatal(err)
-				}
-				_ = syscall.Close(nfd)
-				// The link's connection, once the retransmitted SYN is in.
-				lfd, _, err := syscall.Accept(fd)
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer syscall.Close(lfd)
-				tv := syscall.Timeval{Sec: 6}
-				_ = syscall.SetsockoptTimeval(lfd, syscall.SOL_SOCKET, syscall.SO_RCVTIMEO, &tv)
-				buf := make([]byte, 8)
-				n, rerr := syscall.Read(lfd, buf)
-				if !disable {
-					if rerr != nil || string(buf[:max(n, 0)]) != "x" {
-						t.Fatalf("the enabled member got %q, %v; want the client's byte", buf[:max(n, 0)], rerr)
-					}
-					return
-				}
-				if rerr != nil || n != 0 {
-					t.Fatalf("the disabled member's connection: %d bytes, %v; want its end without a byte", n, rerr)
-				}
-				_ = c.SetReadDeadline(time.Now().Add(6 * time.Second))
-				if _, err := io.ReadFull(c, buf[:1]); err != nil || buf[0] != 'x' {
-					t.Fatalf("client: %q, %v; want its byte back from the other member", buf[:1], err)
+			}
+			// Room in A's queue: fill's connection taken off it.
+			nfd, _, err := syscall.Accept(fd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_ = syscall.Close(nfd)
+			// The link's connection, once the retransmitted SYN is in.
+			lfd, _, err := syscall.Accept(fd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer syscall.Close(lfd)
+			tv := syscall.Timeval{Sec: 6}
+			_ = syscall.SetsockoptTimeval(lfd, syscall.SOL_SOCKET, syscall.SO_RCVTIMEO, &tv)
+			buf := make([]byte, 8)
+			n, rerr := syscall.Read(lfd, buf)
+			if !disable {
+				if rerr != nil || string(buf[:max(n, 0)]) != "x" {
+					t.Fatalf("the enabled member got %q, %v; want the client's byte", buf[:max(n, 0)], rerr)
 				}
 				return
 			}
-			t.Fatal("no link of three went to A (round robin over two members)")
+			if rerr != nil || n != 0 {
+				t.Fatalf("the disabled member's connection: %d bytes, %v; want its end without a byte", n, rerr)
+			}
+			_ = c.SetReadDeadline(time.Now().Add(6 * time.Second))
+			if _, err := io.ReadFull(c, buf[:1]); err != nil || buf[0] != 'x' {
+				t.Fatalf("client: %q, %v; want its byte back from the other member", buf[:1], err)
+			}
 		})
 	}
 }
@@ -269,28 +286,13 @@ func TestDiallingLinkFailsOverWhenItsMemberIsDisabled(t *testing.T) {
 	_, a := queueFull(t, [4]byte{127, 0, 0, 2}, port) // A: SYNs are dropped
 	b := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: fmt.Sprintf("127.0.0.3:%d", port)})
 	h := startPool(t, policy.Pool{Endpoints: []string{a, b.Addr()}}, nil, nil)
-	for range 3 {
-		before := b.Accepted()
-		c := h.dial()
-		if _, err := c.Write([]byte("x")); err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(300 * time.Millisecond)
-		if b.Accepted() > before {
-			c.Close()
-			continue
-		}
-		// Dialling A.
-		if _, err := h.p.Disable(a); err != nil {
-			t.Fatal(err)
-		}
-		_ = c.SetReadDeadline(time.Now().Add(6 * time.Second))
-		buf := make([]byte, 1)
-		_, err := io.ReadFull(c, buf)
-		if err != nil {
-			t.Fatalf("client of a pool link dialling a member disabled meanwhile: %v, want its byte back from the other member", err)
-		}
-		return
+	c := dialConnectingTo(t, h, a, b)
+	if _, err := h.p.Disable(a); err != nil {
+		t.Fatal(err)
 	}
-	t.Fatal("no link of three went to A (round robin over two members)")
+	_ = c.SetReadDeadline(time.Now().Add(6 * time.Second))
+	buf := make([]byte, 1)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		t.Fatalf("client of a pool link dialling a member disabled meanwhile: %v, want its byte back from the other member", err)
+	}
 }

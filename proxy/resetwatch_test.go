@@ -559,18 +559,8 @@ func TestUpstreamResetBehindTheAnswerEndsTheLink(t *testing.T) {
 				return err // the deferred close, with unread bytes: an RST
 			})
 			h := startParking(t, addr, park, nil)
-			c := h.dial()
-			for range 6 {
-				roundTrip(t, c, []byte("ping"))
-			}
-			if _, err := c.Write([]byte("lastUNREAD")); err != nil {
-				t.Fatal(err)
-			}
-			got := make([]byte, 4)
-			_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-			if _, err := io.ReadFull(c, got); err != nil || string(got) != "resp" {
-				t.Fatalf("answer %q, %v", got, err)
-			}
+			c := liveLink(t, h)
+			lastAnswered(t, c, "lastUNREAD")
 			err, _ := waitClosed(t, c, 10*time.Second)
 			wait()
 			st := h.linkEnd(10 * time.Second)
@@ -602,10 +592,7 @@ func TestClientResetBehindTheLastRequestEndsTheLink(t *testing.T) {
 	defer wait()
 	defer close(release)
 	h := startParking(t, addr, 0, nil)
-	c := h.dial()
-	for range 6 {
-		roundTrip(t, c, []byte("ping"))
-	}
+	c := liveLink(t, h)
 	if _, err := c.Write([]byte("last")); err != nil {
 		t.Fatal(err)
 	}
@@ -655,18 +642,9 @@ func TestUpstreamFinBehindTheAnswerEndsTheLink(t *testing.T) {
 		return err
 	})
 	h := startParking(t, addr, 0, nil)
-	c := h.dial()
-	for range 6 {
-		roundTrip(t, c, []byte("ping"))
-	}
-	if _, err := c.Write([]byte("last")); err != nil {
-		t.Fatal(err)
-	}
+	c := liveLink(t, h)
+	lastAnswered(t, c, "last")
 	got := make([]byte, 4)
-	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(c, got); err != nil || string(got) != "resp" {
-		t.Fatalf("answer %q, %v", got, err)
-	}
 	if n, err := c.Read(got); n != 0 || !errors.Is(err, io.EOF) {
 		t.Fatalf("after the answer: %d bytes, %v; want the FIN (a timeout: the proxy missed it)", n, err)
 	}
@@ -698,10 +676,7 @@ func TestClientUrgentDataDoesNotStallTheLink(t *testing.T) {
 		return err
 	})
 	h := startParking(t, addr, 0, nil)
-	c := h.dial()
-	for range 6 {
-		roundTrip(t, c, []byte("ping"))
-	}
+	c := liveLink(t, h)
 	sendUrgent(t, c, "pi", 'X', "ng")
 	got := make([]byte, 4)
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
@@ -718,6 +693,32 @@ func TestClientUrgentDataDoesNotStallTheLink(t *testing.T) {
 	wait()
 	if st := h.linkEnd(10 * time.Second); st.Reason != CloseClientClosed {
 		t.Errorf("link ended as %s, want %s", st.Reason, CloseClientClosed)
+	}
+}
+
+// liveLink dials h and makes six round trips of "ping" on the link (its
+// upstream echoes them: echoThenRead), so that both of its readers wait
+// after short reads and are watched.
+func liveLink(t *testing.T, h *harness) *net.TCPConn {
+	t.Helper()
+	c := h.dial()
+	for range 6 {
+		roundTrip(t, c, []byte("ping"))
+	}
+	return c
+}
+
+// lastAnswered sends last on c and reads the upstream's 4-byte answer,
+// "resp", within 10 s (the read deadline stays).
+func lastAnswered(t *testing.T, c *net.TCPConn, last string) {
+	t.Helper()
+	if _, err := c.Write([]byte(last)); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 4)
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, got); err != nil || string(got) != "resp" {
+		t.Fatalf("answer %q, %v", got, err)
 	}
 }
 
