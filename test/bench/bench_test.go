@@ -463,7 +463,7 @@ func closeRatios(a, b baselineRatios) bool {
 }
 
 // TestFloorRelays builds the floor relay and starts each design as the
-// bench does (-paths floor-goroutines,floor-raw,floor-epoll), in front of an
+// bench does (-paths floor-goroutines,floor-raw,floor-own,floor-epoll), in front of an
 // in-process server, and checks that it relays: round trips on one link,
 // 4 MiB each way at once byte for byte, a half-close (the server sees the
 // client's EOF and its answer after it still arrives whole, then EOF), 200
@@ -476,7 +476,7 @@ func TestFloorRelays(t *testing.T) {
 
 	ctx := context.Background()
 	tmp := t.TempDir()
-	o := options{duration: time.Second, rounds: 1, pin: "one-core", paths: "direct,floor-goroutines,floor-raw,floor-epoll",
+	o := options{duration: time.Second, rounds: 1, pin: "one-core", paths: "direct,floor-goroutines,floor-raw,floor-own,floor-epoll",
 		scenarios: "cps", cpsWorkers: 1, maxOps: 1, lpFraming: "none"}
 	if err := o.validate(); err != nil {
 		t.Fatal(err)
@@ -491,8 +491,8 @@ func TestFloorRelays(t *testing.T) {
 			defer p.proc.stop()
 		}
 	}
-	if len(paths) != 4 || paths[1].Name != pathFloorG || paths[2].Name != pathFloorR || paths[3].Name != pathFloorE {
-		t.Fatalf("paths %+v, want direct, floor-goroutines, floor-raw, floor-epoll", paths)
+	if len(paths) != 5 || paths[1].Name != pathFloorG || paths[2].Name != pathFloorR || paths[3].Name != pathFloorO || paths[4].Name != pathFloorE {
+		t.Fatalf("paths %+v, want direct, floor-goroutines, floor-raw, floor-own, floor-epoll", paths)
 	}
 	for _, p := range paths[1:] {
 		t.Run(p.Name, func(t *testing.T) {
@@ -787,7 +787,7 @@ func shortLinks(t *testing.T, addr string, workers, n int) {
 }
 
 // A link whose upstream refuses the connect is reset (SO_LINGER 0), in
-// both designs, not closed as if the upstream had answered and left.
+// every design, not closed as if the upstream had answered and left.
 func TestFloorRefusedUpstream(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	tmp := t.TempDir()
@@ -795,7 +795,7 @@ func TestFloorRefusedUpstream(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, design := range []string{"goroutines", "epoll"} {
+	for _, design := range []string{"goroutines", "goroutines-raw", "goroutines-own", "epoll"} {
 		t.Run(design, func(t *testing.T) {
 			addr, err1 := testutil.PickClosedAddr()
 			refused, err2 := testutil.PickClosedAddr()

@@ -59,7 +59,7 @@ func main() {
 	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
 	flag.StringVar(&o.baselineBin, "baseline-bin", "", "prebuilt livenessproxy binary of another commit, measured as the baseline path (with -paths ...,baseline) exactly like livenessproxy")
 	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
-	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, baseline (the -baseline-bin livenessproxy), haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS), floor-goroutines, floor-raw (goroutines, sockets outside net) and floor-epoll (minimal relays of the data-plane designs, ./test/bench/floor); direct is always measured: ratios need it")
+	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, baseline (the -baseline-bin livenessproxy), haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS), floor-goroutines, floor-raw (goroutines, sockets outside net), floor-own (the same outside the runtime's poller too) and floor-epoll (minimal relays of the data-plane designs, ./test/bench/floor); direct is always measured: ratios need it")
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
 	flag.IntVar(&o.cpsWorkers, "cps-workers", 4, "concurrent workers in the cps scenario")
 	flag.Int64Var(&o.maxOps, "max-ops", 20_000_000, "upper bound on operations per run (a safety bound; the duration normally ends a run)")
@@ -99,7 +99,7 @@ func (o options) validate() error {
 		return errors.New("-lp-framing must be none, length_field, kafka or pinot")
 	}
 	for p := range strings.SplitSeq(o.paths, ",") {
-		if !slices.Contains([]string{pathDirect, pathLP, pathBase, pathHA, pathMesh, pathMeshTLS, pathFloorG, pathFloorR, pathFloorE}, p) {
+		if !slices.Contains([]string{pathDirect, pathLP, pathBase, pathHA, pathMesh, pathMeshTLS, pathFloorG, pathFloorR, pathFloorO, pathFloorE}, p) {
 			return fmt.Errorf("-paths: unknown path %q", p)
 		}
 	}
@@ -251,7 +251,7 @@ func setupPaths(ctx context.Context, o options, tmp, serverAddr string, cpus *un
 		logf("setting up the mesh over mutual TLS ...")
 		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, cpus, true))
 	}
-	for _, f := range []struct{ name, design string }{{pathFloorG, "goroutines"}, {pathFloorR, "goroutines-raw"}, {pathFloorE, "epoll"}} {
+	for _, f := range []struct{ name, design string }{{pathFloorG, "goroutines"}, {pathFloorR, "goroutines-raw"}, {pathFloorO, "goroutines-own"}, {pathFloorE, "epoll"}} {
 		if o.wants(f.name) {
 			logf("setting up the %s relay ...", f.name)
 			paths = append(paths, setupFloor(ctx, f.name, f.design, tmp, serverAddr, cpus))

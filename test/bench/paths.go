@@ -47,6 +47,9 @@ const (
 	pathFloorE = "floor-epoll"
 	// pathFloorR is the goroutines design with its sockets outside net.
 	pathFloorR = "floor-raw"
+	// pathFloorO is the goroutines design with its sockets outside net
+	// and outside the runtime's poller (an epoll set of its own).
+	pathFloorO = "floor-own"
 	readyWait  = 15 * time.Second
 )
 

@@ -444,11 +444,13 @@ func writeSideBySide(w io.Writer, ss []summary) {
 // scenario: its throughput ratio to direct and its own CPU per operation,
 // livenessproxy and HAProxy beside the floors of the two data-plane designs.
 func writeFloors(w io.Writer, ss []summary) {
-	if !slices.ContainsFunc(ss, func(s summary) bool { return s.Path == pathFloorG || s.Path == pathFloorR || s.Path == pathFloorE }) {
+	if !slices.ContainsFunc(ss, func(s summary) bool {
+		return s.Path == pathFloorG || s.Path == pathFloorR || s.Path == pathFloorO || s.Path == pathFloorE
+	}) {
 		return
 	}
 	var cols []string
-	for _, p := range []string{pathLP, pathFloorG, pathFloorR, pathFloorE, pathHA} {
+	for _, p := range []string{pathLP, pathFloorG, pathFloorR, pathFloorO, pathFloorE, pathHA} {
 		if slices.ContainsFunc(ss, func(s summary) bool { return s.Path == p }) {
 			cols = append(cols, p)
 		}

@@ -47,7 +47,7 @@ import (
 func main() {
 	listen := flag.String("listen", "", "address to listen on (127.0.0.1:PORT)")
 	upstream := flag.String("upstream", "", "address every link is relayed to (127.0.0.1:PORT)")
-	design := flag.String("design", "goroutines", "data plane: goroutines | goroutines-raw | epoll")
+	design := flag.String("design", "goroutines", "data plane: goroutines | goroutines-raw | goroutines-own | epoll")
 	procs := flag.Int("procs", 1, "GOMAXPROCS (livenessproxy's default limits.procs is 1; 0: the runtime's default)")
 	flag.Parse()
 	if *procs > 0 {
@@ -74,6 +74,12 @@ func main() {
 			fail(err)
 		}
 		go serveRaw(ln.(*net.TCPListener), sockaddr4(upAP))
+	case "goroutines-own":
+		ln, err := (&net.ListenConfig{KeepAlive: -1}).Listen(context.Background(), "tcp", *listen)
+		if err != nil {
+			fail(err)
+		}
+		go serveOwn(ln.(*net.TCPListener), sockaddr4(upAP))
 	case "epoll":
 		lp, err := newLoop(listenAP, upAP)
 		if err != nil {
@@ -81,7 +87,7 @@ func main() {
 		}
 		go func() { failed <- lp.run() }()
 	default:
-		fail(errors.New("-design must be goroutines, goroutines-raw or epoll"))
+		fail(errors.New("-design must be goroutines, goroutines-raw, goroutines-own or epoll"))
 	}
 	select {
 	case <-sig:
@@ -269,6 +275,12 @@ func sockaddr4(ap netip.AddrPort) *unix.RawSockaddrInet4 {
 }
 
 func serveRaw(ln *net.TCPListener, upstream *unix.RawSockaddrInet4) {
+	acceptRaw(ln, func(nfd int) { go relayRawSock(nfd, upstream) })
+}
+
+// acceptRaw hands each socket accepted on ln to relay, with raw accept4
+// calls, until ln fails.
+func acceptRaw(ln *net.TCPListener, relay func(nfd int)) {
 	// A net listener's RawConn has no Read (EINVAL): accept on the
 	// duplicate of its descriptor that File makes, which is on the poller
 	// (O_NONBLOCK belongs to the open file, so the duplicate has it too).
@@ -298,7 +310,7 @@ func serveRaw(ln *net.TCPListener, upstream *unix.RawSockaddrInet4) {
 			time.Sleep(time.Millisecond) // out of descriptors: let links end
 			continue
 		}
-		go relayRawSock(nfd, upstream)
+		relay(nfd)
 	}
 }
 
