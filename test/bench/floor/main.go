@@ -1,7 +1,7 @@
 //go:build linux
 
 // Command floor is a minimal TCP relay for the bench (test/bench, paths
-// floor-goroutines and floor-epoll): the floor of each data-plane design
+// floor-goroutines, floor-raw, floor-own and floor-epoll): the floor of each data-plane design
 // that issue 25 weighs, in Go, with none of livenessproxy's liveness
 // features (no framing, tracking, timeouts, metrics, config or logs).
 //
@@ -11,6 +11,9 @@
 //   - -design goroutines-raw is the same with its sockets outside Go's
 //     net: raw accept4, socket and connect, each socket on the runtime's
 //     poller through os.NewFile;
+//   - -design goroutines-own keeps the goroutines and takes the sockets
+//     out of the runtime's poller too: an edge-triggered epoll set of its
+//     own, readiness kept per socket (own.go);
 //   - -design epoll is one edge-triggered epoll event loop for the whole
 //     process, owning its sockets outright, with HAProxy's rule of no
 //     read after a short read (see end.hup). With FLOOR_RUNTIME_POLLER=1
