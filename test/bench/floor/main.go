@@ -570,17 +570,27 @@ func newLoop(listen, upstream netip.AddrPort) (*loop, error) {
 // (the one call run makes); its wait after the callback returns false
 // sees an edge recorded since, and calls the callback again at once.
 func (lp *loop) run() error {
-	f := os.NewFile(uintptr(lp.epfd), "epoll")
+	if err := waitEpoll(lp.epfd, lp.poll); err != nil {
+		return err
+	}
+	return lp.err
+}
+
+// waitEpoll runs poll, a RawConn.Read callback, on the epoll descriptor
+// epfd (non-blocking) through the runtime's poller, until poll says done
+// or the wait fails (see loop.run).
+func waitEpoll(epfd int, poll func(uintptr) bool) error {
+	f := os.NewFile(uintptr(epfd), "epoll")
 	rc, err := f.SyscallConn()
 	if err != nil {
 		return err
 	}
-	err = rc.Read(lp.poll)
+	err = rc.Read(poll)
 	runtime.KeepAlive(f) // its finalizer would close the epoll descriptor
 	if err != nil {
 		return fmt.Errorf("waiting on the epoll descriptor: %w", err)
 	}
-	return lp.err
+	return nil
 }
 
 // poll is the RawConn.Read callback (see run).

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"net"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -96,14 +95,7 @@ func newOwnPoller() (*ownPoller, error) {
 // which the runtime's poller wakes when the set has events (see loop.run:
 // no wake-up is lost).
 func (p *ownPoller) run() error {
-	f := os.NewFile(uintptr(p.epfd), "own-epoll")
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return err
-	}
-	err = rc.Read(p.poll)
-	runtime.KeepAlive(f)
-	if err != nil {
+	if err := waitEpoll(p.epfd, p.poll); err != nil {
 		return err
 	}
 	return p.err
