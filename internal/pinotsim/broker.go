@@ -243,6 +243,12 @@ func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Ti
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
 
+	// The request is serialized before the channel lock is taken, as
+	// Pinot's ServerChannels.sendRequest does: the lock is held only to
+	// connect and queue, so a large request does not make the queries
+	// behind it wait out their timeout for the lock.
+	id, frame := b.frame(start, deadline)
+
 	// Take the channel lock, with the query's remaining time.
 	select {
 	case r.lock <- struct{}{}:
@@ -255,7 +261,7 @@ func (b *Broker) query(ctx context.Context, addr string, start, deadline time.Ti
 	if c == nil {
 		return res
 	}
-	id, ch, err := b.send(c, start, deadline)
+	ch, err := c.send(id, frame)
 	<-r.lock
 	if err != nil {
 		return Result{Outcome: FailedFast, ID: id, Err: err}
@@ -313,9 +319,9 @@ func (b *Broker) connected(ctx context.Context, r *route, addr string, deadline 
 	return c, Result{}
 }
 
-// send frames a query sent at start with its deadline and queues it on c;
-// it returns the query's id and the channel its answer comes on.
-func (b *Broker) send(c *brokerConn, start, deadline time.Time) (int64, chan error, error) {
+// frame is the framed request for a query sent at start with its
+// deadline, and the query's id.
+func (b *Broker) frame(start, deadline time.Time) (int64, []byte) {
 	id := b.idBase + b.seq.Add(1)%1_000_000_000
 	req := Request{
 		ID: id, Table: b.cfg.Table, Segments: b.segments, BrokerID: b.cfg.ID,
@@ -326,8 +332,7 @@ func (b *Broker) send(c *brokerConn, start, deadline time.Time) (int64, chan err
 	}
 	frame := AppendRequest(make([]byte, HeaderLen, HeaderLen+b.cfg.RequestSize+256), &req)
 	binary.BigEndian.PutUint32(frame, uint32(len(frame)-HeaderLen))
-	ch, err := c.send(id, frame)
-	return id, ch, err
+	return id, frame
 }
 
 // await waits for the answer to query id on ch until timer fires or ctx
