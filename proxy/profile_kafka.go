@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"errors"
+	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/kafkawire"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -46,6 +47,9 @@ type outstanding struct {
 	// joined: the entry's first request was answered; the others' ids
 	// were not kept.
 	joined bool
+	// key and version of the (first) request: they say where its
+	// response carries a throttle.
+	key, version int16
 }
 
 // kafkaRequest records a parsed Kafka request whose last byte is at end.
@@ -84,6 +88,12 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	due := int64(flow.Never)
 	if known {
 		due = addDue(c.sendAt, int64(hold), c.rt)
+		if c.mutedUntil > c.sendAt {
+			// Sent while the broker throttles the connection (a client
+			// that does not wait out the throttle, KIP-219): the broker
+			// reads it, and starts on it, only once the throttle is over.
+			due = max(due, addDue(c.mutedUntil, int64(hold), c.rt))
+		}
 		if c.head < len(c.queue) {
 			due = max(due, c.queue[len(c.queue)-1].due)
 		}
@@ -102,7 +112,8 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 		l.n++
 		l.due, l.end, l.hold = max(l.due, due), end, max(l.hold, h)
 	} else {
-		c.queue = append(c.queue, outstanding{id: r.CorrelationID, n: 1, hold: h, due: due, end: end})
+		c.queue = append(c.queue, outstanding{id: r.CorrelationID, n: 1, hold: h, due: due, end: end,
+			key: r.APIKey, version: r.APIVersion})
 	}
 	// The broker may hold it until request_timeout before it is due;
 	// its own response (matched in order) covers it before that.
@@ -124,20 +135,24 @@ func (c *conv) holding(now int64) bool {
 	return c.head < len(c.queue) && c.queue[c.head].due > now
 }
 
-// kafkaResponse matches a response to the oldest outstanding request.
-func (c *conv) kafkaResponse(id int32) {
+// kafkaResponse matches a response to the oldest outstanding request and
+// returns that request's api key and version; ok false when the response
+// matched none, or a request that joined an entry past maxOutstanding
+// (whose key was not kept).
+func (c *conv) kafkaResponse(id int32) (key, version int16, ok bool) {
 	c.mu.Lock()
 	if c.head == len(c.queue) {
 		c.mu.Unlock()
 		c.untrack(metrics.UntrackedDesync, nil)
-		return
+		return 0, 0, false
 	}
 	h := &c.queue[c.head]
 	if h.id != id && !h.joined {
 		c.mu.Unlock()
 		c.untrack(metrics.UntrackedDesync, nil)
-		return
+		return 0, 0, false
 	}
+	key, version, ok = h.key, h.version, !h.joined
 	if h.n > 1 {
 		h.n, h.joined = h.n-1, true
 	} else {
@@ -149,7 +164,23 @@ func (c *conv) kafkaResponse(id int32) {
 		}
 	}
 	c.starting = true // once the response is read to its end (kafkaAnswered)
+	c.throttle = 0
 	c.mu.Unlock()
+	return key, version, ok
+}
+
+// kafkaThrottled: the response being read carries a throttle of ms
+// milliseconds that the broker applies after sending it (KIP-219):
+// kafkaAnswered mutes the connection from the response's end.
+func (c *conv) kafkaThrottled(ms int32) {
+	c.mu.Lock()
+	// In full, as KIP-219 asks of clients and franz-go's honours it:
+	// Kafka bounds only its request-time quota's throttles; a bandwidth
+	// quota's grows with the overshoot, and the broker reads nothing for
+	// all of it.
+	c.throttle = int64(ms) * int64(time.Millisecond)
+	c.mu.Unlock()
+	c.lk.m.KafkaThrottles.Inc()
 }
 
 // kafkaAnswered: the response kafkaResponse matched has been read to its
@@ -162,8 +193,16 @@ func (c *conv) kafkaAnswered(now int64) {
 		return
 	}
 	c.starting = false
+	start := now
+	if c.throttle > 0 {
+		// The broker mutes the connection for the throttle once it has
+		// sent the response (seen here a little after it did): it reads
+		// the next request, and starts on it, only then.
+		start = now + c.throttle
+		c.mutedUntil, c.throttle = start, 0
+	}
 	if c.head < len(c.queue) {
-		c.startedLocked(now)
+		c.startedLocked(start, start > now)
 	}
 }
 
@@ -174,13 +213,16 @@ func (c *conv) kafkaAnswered(now int64) {
 // hold and request_timeout from now, if that is later than it was due:
 // a Fetch queued behind a Fetch the broker held for its whole max_wait
 // may be held for its own too. The requests behind it cannot be due
-// before it. c.mu is held.
-func (c *conv) startedLocked(now int64) {
+// before it. While the connection is muted for a throttle (muted), now
+// is when the throttle ends, and every request is due from then: the
+// answer just given does not cover a request the broker has not read.
+// c.mu is held.
+func (c *conv) startedLocked(now int64, muted bool) {
 	next := &c.queue[c.head]
-	if next.hold <= 0 || next.due == flow.Never {
+	if next.due == flow.Never || (next.hold <= 0 && !muted) {
 		return // nothing held: the answer just given covers it (see kafkaRequest)
 	}
-	due := addDue(now, next.hold, c.rt)
+	due := addDue(now, max(next.hold, 0), c.rt)
 	if due <= next.due {
 		return
 	}
@@ -190,20 +232,50 @@ func (c *conv) startedLocked(now int64) {
 	c.lk.trk.Extend(c.answered, due-c.rt, due)
 }
 
-// kafkaResponses reads Kafka response frames: their correlation id.
-type kafkaResponses struct{ c *conv }
+// kafkaResponses reads Kafka response frames: their correlation id, and
+// the throttle of a response whose broker mutes the connection after it
+// (kafkawire.ThrottleAfter).
+type kafkaResponses struct {
+	c *conv
+	n int64 // the frame's payload size
+	// key and version of the request answered, once matched; key < 0
+	// before.
+	key, version int16
+}
 
 func (r *kafkaResponses) Begin(n int64) flow.Window {
 	if n < 4 {
 		r.c.untrack(metrics.UntrackedProtocol, errors.New("a response frame too short for a correlation id"))
 		return flow.Window{}
 	}
+	r.n, r.key = n, -1
 	return flow.Window{Need: 4}
 }
 
 func (r *kafkaResponses) Read(b []byte) flow.Window {
-	if id, ok := kafkawire.ResponseCorrelationID(b); ok {
-		r.c.kafkaResponse(id)
+	if r.key < 0 {
+		id, ok := kafkawire.ResponseCorrelationID(b)
+		if !ok {
+			return flow.Window{}
+		}
+		key, version, ok := r.c.kafkaResponse(id)
+		if !ok || !kafkawire.ThrottleAfter(key, version) {
+			return flow.Window{}
+		}
+		r.key, r.version = key, version
+	}
+	ms, need, err := kafkawire.ResponseThrottle(r.key, r.version, b, int64(len(b)) >= r.n)
+	switch {
+	case err != nil:
+		// Not read (a layout this package does not read, or a response
+		// that is not one): the connection is judged as unthrottled.
+		return flow.Window{}
+	case need > len(b):
+		return flow.Window{Need: need} // the same bytes and more
+	case need > 0:
+		return flow.Window{} // more than a window holds: not read
+	case ms > 0:
+		r.c.kafkaThrottled(ms)
 	}
 	return flow.Window{}
 }

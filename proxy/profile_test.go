@@ -66,11 +66,14 @@ func metadataReq(corr int32) []byte { return kafkaReq(kmsg.NewPtrMetadataRequest
 type kafkaBroker struct {
 	ln     net.Listener
 	policy func(key int16, corr int32) (time.Duration, bool)
-	wg     sync.WaitGroup
-	done   chan struct{}
-	mu     sync.Mutex
-	conns  []net.Conn
-	seen   int // requests read
+	// serveConn, if set, serves each connection instead (a broker of
+	// another behaviour on the same plumbing); done ends it.
+	serveConn func(c net.Conn, done <-chan struct{})
+	wg        sync.WaitGroup
+	done      chan struct{}
+	mu        sync.Mutex
+	conns     []net.Conn
+	seen      int // requests read
 }
 
 func startKafkaBroker(t *testing.T, policy func(key int16, corr int32) (time.Duration, bool)) *kafkaBroker {
@@ -86,7 +89,14 @@ func startKafkaBroker(t *testing.T, policy func(key int16, corr int32) (time.Dur
 // (small receive buffers, say).
 func startKafkaBrokerOn(t *testing.T, ln net.Listener, policy func(key int16, corr int32) (time.Duration, bool)) *kafkaBroker {
 	t.Helper()
-	b := &kafkaBroker{ln: ln, policy: policy, done: make(chan struct{})}
+	return runKafkaBroker(t, &kafkaBroker{ln: ln, policy: policy})
+}
+
+// runKafkaBroker starts b on its listener; the test's cleanup stops it.
+func runKafkaBroker(t *testing.T, b *kafkaBroker) *kafkaBroker {
+	t.Helper()
+	ln := b.ln
+	b.done = make(chan struct{})
 	b.wg.Add(1)
 	go b.accept()
 	t.Cleanup(func() {
@@ -113,19 +123,36 @@ func (b *kafkaBroker) accept() {
 		b.conns = append(b.conns, c)
 		b.mu.Unlock()
 		b.wg.Add(1)
+		if b.serveConn != nil {
+			go func() {
+				defer b.wg.Done()
+				b.serveConn(c, b.done)
+			}()
+			continue
+		}
 		go b.serve(c)
 	}
+}
+
+// readKafkaRequest reads one request frame's payload from c; ok false at
+// the connection's end or for a payload too short for a header.
+func readKafkaRequest(c net.Conn) (p []byte, ok bool) {
+	var hdr [4]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return nil, false
+	}
+	p = make([]byte, binary.BigEndian.Uint32(hdr[:]))
+	if _, err := io.ReadFull(c, p); err != nil || len(p) < 8 {
+		return nil, false
+	}
+	return p, true
 }
 
 func (b *kafkaBroker) serve(c net.Conn) {
 	defer b.wg.Done()
 	for {
-		var hdr [4]byte
-		if _, err := io.ReadFull(c, hdr[:]); err != nil {
-			return
-		}
-		p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
-		if _, err := io.ReadFull(c, p); err != nil || len(p) < 8 {
+		p, ok := readKafkaRequest(c)
+		if !ok {
 			return
 		}
 		b.mu.Lock()

@@ -54,6 +54,7 @@ type Metrics struct {
 	watermarkRejections *prometheus.CounterVec
 	unansweredTimeouts  *prometheus.CounterVec
 	unansweredDeferred  *prometheus.CounterVec
+	kafkaThrottles      *prometheus.CounterVec
 	endpointSuspect     *prometheus.CounterVec
 	evictions           *prometheus.CounterVec
 	probes              *prometheus.CounterVec
@@ -170,6 +171,10 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "unanswered_deferred_total",
 			Help: "Verdicts put off because bytes of the endpoint's waited unread in the proxy (its client not reading them).",
 		}, []string{"listener"}),
+		kafkaThrottles: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "kafka_throttles_total",
+			Help: "Kafka responses carrying a quota throttle after which the broker reads nothing from the connection (KIP-219); requests it holds unread meanwhile are due from the throttle's end.",
+		}, []string{"listener"}),
 		endpointSuspect: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "endpoint_suspect_total",
 			Help: "Times an endpoint reached the unanswered threshold.",
@@ -242,7 +247,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.endpointSuspect,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.kafkaThrottles, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
 		m.acceptWaits, m.acceptWaiting, m.BudgetWaits, m.ParkedPumps,
@@ -291,6 +296,7 @@ type Listener struct {
 	WatermarkRejections prometheus.Counter
 	UnansweredTimeouts  prometheus.Counter
 	UnansweredDeferred  prometheus.Counter
+	KafkaThrottles      prometheus.Counter
 	EndpointSuspect     prometheus.Counter
 	ProbesOK            prometheus.Counter
 	ProbesFailed        prometheus.Counter
@@ -336,6 +342,7 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		WatermarkRejections: m.watermarkRejections.WithLabelValues(name),
 		UnansweredTimeouts:  m.unansweredTimeouts.WithLabelValues(name),
 		UnansweredDeferred:  m.unansweredDeferred.WithLabelValues(name),
+		KafkaThrottles:      m.kafkaThrottles.WithLabelValues(name),
 		EndpointSuspect:     m.endpointSuspect.WithLabelValues(name),
 		ProbesOK:            m.probes.WithLabelValues(name, "ok"),
 		ProbesFailed:        m.probes.WithLabelValues(name, "fail"),
@@ -422,7 +429,7 @@ func (l *Listener) Closed(reason string) { l.Closes(reason).Inc() }
 func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.endpointSuspect,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.kafkaThrottles, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
 		m.meshFallbacks, m.acceptWaits, m.acceptWaiting,
 	} {

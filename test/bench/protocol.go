@@ -20,9 +20,13 @@ import (
 //
 // The head makes the requests readable by livenessproxy's protocol
 // profiles, so that a framed run costs what a real one does:
-//   - kafka: api_key 3 (Metadata), version 0, a correlation id; the
+//   - kafka: api_key 3 (Metadata), version 6, a correlation id; the
 //     response starts with the correlation id, and the client_id length
-//     the header reads next is the response length's top half (0);
+//     the header reads next is the response length's top half (0). From
+//     version 6 on the broker mutes a connection after a throttled
+//     Metadata response, so the profile reads the throttle (0, the
+//     zeros after the correlation id) from every response, as it does
+//     for a current client's Fetch and Produce;
 //   - pinot: a Thrift compact InstanceRequest with only its requestId
 //     (0x16, zigzag varint, stop);
 //   - none and length_field: zeros.
@@ -61,6 +65,7 @@ func makeRequest(payloadLen, respLen int, framing string) []byte {
 	switch framing {
 	case "kafka":
 		binary.BigEndian.PutUint16(head[0:2], 3)    // Metadata
+		binary.BigEndian.PutUint16(head[2:4], 6)    // version 6
 		binary.BigEndian.PutUint32(head[4:8], 4242) // correlation id
 	case "pinot":
 		head[0], head[1], head[2] = 0x16, 0x02, 0x00 // requestId 1, stop
