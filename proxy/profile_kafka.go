@@ -110,7 +110,12 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	if len(c.queue)-c.head >= maxOutstanding {
 		l := &c.queue[len(c.queue)-1]
 		l.n++
-		l.due, l.end, l.hold = max(l.due, due), end, max(l.hold, h)
+		l.due, l.end = max(l.due, due), end
+		if l.hold >= 0 && h >= 0 {
+			l.hold = max(l.hold, h)
+		} else {
+			l.hold = -1 // one of them unknown: the entry is never judged
+		}
 	} else {
 		c.queue = append(c.queue, outstanding{id: r.CorrelationID, n: 1, hold: h, due: due, end: end,
 			key: r.APIKey, version: r.APIVersion})
@@ -219,10 +224,20 @@ func (c *conv) kafkaAnswered(now int64) {
 // c.mu is held.
 func (c *conv) startedLocked(now int64, muted bool) {
 	next := &c.queue[c.head]
-	if next.due == flow.Never || (next.hold <= 0 && !muted) {
-		return // nothing held: the answer just given covers it (see kafkaRequest)
+	if next.hold < 0 || (next.hold == 0 && !muted) {
+		// Its own hold unknown: never judged. Or nothing held: the
+		// answer just given covers it (see kafkaRequest).
+		return
 	}
-	due := addDue(now, max(next.hold, 0), c.rt)
+	due := addDue(now, next.hold, c.rt)
+	if next.due == flow.Never {
+		// It queued behind a request whose hold is unknown and took that
+		// one's "never" (kafkaRequest), so the tracker never had it. That
+		// one is answered: its own clock starts now.
+		next.due = due
+		c.lk.trk.Sent(flow.PendingRequest{At: now, Held: due - c.rt, Due: due, End: next.end, N: next.n, Thr: c.thr})
+		return
+	}
 	if due <= next.due {
 		return
 	}

@@ -1126,3 +1126,61 @@ func (h *harness) nothingCounted() {
 		h.t.Errorf("healthy upstream is %s (%s): %s", ep.State, ep.Reason, ep.Evidence)
 	}
 }
+
+func listOffsetsReq(corr int32) []byte {
+	return kafkaReq(kmsg.NewPtrListOffsetsRequest(), 10, corr) // v10: a timeout_ms the proxy does not read
+}
+
+// A Fetch queued behind a request whose hold the proxy does not read (a
+// ListOffsets v10, never judged) is judged once that one is answered:
+// its own hold and request_timeout from then. The broker answers the
+// ListOffsets and then nothing more; the Fetch is the evidence.
+func TestHeldRequestBehindAnUnknownHoldIsJudged(t *testing.T) {
+	const rt, wait = 300 * time.Millisecond, 500 * time.Millisecond
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+		return 200 * time.Millisecond, key == 2 // ListOffsets answered, the Fetch never
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+	c := h.dial()
+	sent := time.Now()
+	if _, err := c.Write(append(listOffsetsReq(1), fetchReq(wait, 2)...)); err != nil {
+		t.Fatal(err)
+	}
+	if id := readResponse(t, c, 5*time.Second); id != 1 {
+		t.Fatalf("response %d, want 1", id)
+	}
+	ep := h.waitState("excluded", 10*time.Second)
+	if d := ep.Since.Sub(sent); d < 200*time.Millisecond+wait+rt {
+		t.Fatalf("excluded %v after the requests, before the Fetch's own deadline from the answer ahead", d)
+	}
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
+	}
+}
+
+// Its healthy twin: the broker holds the Fetch for its whole max_wait
+// after answering the ListOffsets ahead of it (and the ListOffsets
+// itself for longer than request_timeout); nothing is counted.
+func TestHeldRequestBehindAnUnknownHoldHeldInFull(t *testing.T) {
+	const rt, wait = 300 * time.Millisecond, 800 * time.Millisecond
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+		if key == 2 {
+			return 2 * rt, true
+		}
+		return wait, true
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+	c := h.dial()
+	if _, err := c.Write(append(listOffsetsReq(1), fetchReq(wait, 2)...)); err != nil {
+		t.Fatal(err)
+	}
+	for want := int32(1); want <= 2; want++ {
+		if id := readResponse(t, c, 5*time.Second); id != want {
+			t.Fatalf("response %d, want %d", id, want)
+		}
+	}
+	h.nothingCounted()
+	if h.p.ActiveLinks() != 1 {
+		t.Fatal("the link was cut")
+	}
+}
