@@ -27,20 +27,34 @@ func startThrottlingBroker(t *testing.T, throttle time.Duration, dies bool) *kaf
 	if err != nil {
 		t.Fatal(err)
 	}
+	return startThrottlingBrokerOn(t, ln, throttle, dies)
+}
+
+// startThrottlingBrokerOn is startThrottlingBroker on a listener of the
+// test's own (small receive buffers, say).
+func startThrottlingBrokerOn(t *testing.T, ln net.Listener, throttle time.Duration, dies bool) *kafkaBroker {
+	t.Helper()
 	return runKafkaBroker(t, &kafkaBroker{ln: ln, serveConn: func(c net.Conn, done <-chan struct{}) {
 		serveThrottling(c, throttle, dies, done)
 	}})
 }
 
-// metadataResponse is the payload of a Metadata v9 response (header v1)
-// with throttle ms: correlation id, the header's empty tagged fields, the
-// throttle first in the body, then an empty rest of the body.
-func metadataResponse(corr int32, ms int32) []byte {
+// throttledResponse is the frame of a response to the request of key
+// and version with correlation id corr, throttle ms, as kmsg encodes it
+// (header v1, with its empty tagged fields, where the version is
+// flexible, except ApiVersions'), its fields otherwise empty.
+func throttledResponse(key, version int16, corr, ms int32) []byte {
+	r := kmsg.ResponseForKey(key)
+	r.SetVersion(version)
+	if tr, ok := r.(kmsg.SetThrottleResponse); ok {
+		tr.SetThrottle(ms)
+	}
 	b := binary.BigEndian.AppendUint32(nil, 0)
 	b = binary.BigEndian.AppendUint32(b, uint32(corr))
-	b = append(b, 0)
-	b = binary.BigEndian.AppendUint32(b, uint32(ms))
-	b = append(b, 1, 0, 1, 0xff, 0xff, 0xff, 0xff, 0) // brokers, cluster_id, controller_id, topics, tags
+	if r.IsFlexible() && key != 18 {
+		b = append(b, 0)
+	}
+	b = r.AppendTo(b)
 	binary.BigEndian.PutUint32(b, uint32(len(b)-4))
 	return b
 }
@@ -51,14 +65,15 @@ func serveThrottling(c net.Conn, throttle time.Duration, dies bool, done <-chan 
 		if !ok {
 			return
 		}
+		key, version := int16(binary.BigEndian.Uint16(p)), int16(binary.BigEndian.Uint16(p[2:]))
 		corr := int32(binary.BigEndian.Uint32(p[4:]))
 		if corr != 1 {
-			if _, err := c.Write(metadataResponse(corr, 0)); err != nil {
+			if _, err := c.Write(throttledResponse(key, version, corr, 0)); err != nil {
 				return
 			}
 			continue
 		}
-		if _, err := c.Write(metadataResponse(corr, int32(throttle/time.Millisecond))); err != nil {
+		if _, err := c.Write(throttledResponse(key, version, corr, int32(throttle/time.Millisecond))); err != nil {
 			return
 		}
 		if dies {

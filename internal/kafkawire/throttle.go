@@ -229,23 +229,27 @@ func (p *parser) throttle(key, version int16, layout uint8) (int32, bool) {
 	return p.int32(), true
 }
 
-// count reads an array's element count followed by at least rest needed
-// bytes: an INT32, or in flexible versions a COMPACT_ARRAY's
-// UNSIGNED_VARINT count+1. A null array (-1, or 0 compact) reads as
-// empty.
+// count reads a non-nullable array's element count followed by at
+// least rest needed bytes: an INT32, or in flexible versions a
+// COMPACT_ARRAY's UNSIGNED_VARINT count+1. Null (-1, or 0 compact) is
+// malformed: no array this package walks is nullable, and the Java
+// readers refuse it ("non-nullable field ... was serialized as null").
 func (p *parser) count(compact bool, rest int) (int, bool) {
 	if compact {
 		n, ok := p.uvarint(rest)
-		return max(n-1, 0), ok
+		if ok && n == 0 {
+			return 0, p.fail()
+		}
+		return n - 1, ok
 	}
 	if !p.have(4, rest) {
 		return 0, false
 	}
 	n := p.int32()
-	if n < -1 {
+	if n < 0 {
 		return 0, p.fail()
 	}
-	return max(int(n), 0), true
+	return int(n), true
 }
 
 // skipString skips a string followed by at least rest needed bytes.

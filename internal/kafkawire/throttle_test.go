@@ -225,6 +225,15 @@ func TestResponseThrottleCases(t *testing.T) {
 	if _, _, err := ResponseThrottle(keyProduce, 8, huge, true); !errors.Is(err, ErrNotKafka) {
 		t.Errorf("huge count, complete: %v", err)
 	}
+	// Null arrays, which no walked array may be.
+	nullTopics := []byte{0, 0, 0, 9, 0xff, 0xff, 0xff, 0xff, 0, 0, 0, 5}
+	if _, _, err := ResponseThrottle(keyProduce, 8, nullTopics, true); !errors.Is(err, ErrNotKafka) {
+		t.Errorf("Produce v8, null topics: %v, want ErrNotKafka", err)
+	}
+	nullCompact := []byte{0, 0, 0, 9, 0, 0, 0, 0, 0, 5, 0}
+	if _, _, err := ResponseThrottle(keyProduce, 9, nullCompact, true); !errors.Is(err, ErrNotKafka) {
+		t.Errorf("Produce v9, null topics: %v, want ErrNotKafka", err)
+	}
 	for _, k := range []int16{-1, 4, 17, 36, 38, 95, 1000} {
 		if ThrottleAfter(k, 5) {
 			t.Errorf("key %d: ThrottleAfter", k)
