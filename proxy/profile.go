@@ -40,10 +40,8 @@ type conv struct {
 	// end of the last request answered in full.
 	starting bool
 	answered int64
-	// Kafka: the throttle of the response being read (kafkaAnswered
-	// applies it at its end), and until when the broker reads nothing
-	// more from the connection (mono; 0: not muted).
-	throttle   int64
+	// Kafka: until when the broker reads nothing more from the
+	// connection, for a throttle (mono; 0: not muted).
 	mutedUntil int64
 }
 

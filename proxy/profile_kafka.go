@@ -169,29 +169,18 @@ func (c *conv) kafkaResponse(id int32) (key, version int16, ok bool) {
 		}
 	}
 	c.starting = true // once the response is read to its end (kafkaAnswered)
-	c.throttle = 0
 	c.mu.Unlock()
 	return key, version, ok
 }
 
-// kafkaThrottled: the response being read carries a throttle of ms
-// milliseconds that the broker applies after sending it (KIP-219):
-// kafkaAnswered mutes the connection from the response's end.
-func (c *conv) kafkaThrottled(ms int32) {
-	c.mu.Lock()
-	// In full, as KIP-219 asks of clients and franz-go's honours it:
-	// Kafka bounds only its request-time quota's throttles; a bandwidth
-	// quota's grows with the overshoot, and the broker reads nothing for
-	// all of it.
-	c.throttle = int64(ms) * int64(time.Millisecond)
-	c.mu.Unlock()
-	c.lk.m.KafkaThrottles.Inc()
-}
-
 // kafkaAnswered: the response kafkaResponse matched has been read to its
-// end, at mono time now. A broker writes a response whole before it reads
-// the connection's next request: it starts on that one only now.
-func (c *conv) kafkaAnswered(now int64) {
+// end, at mono time now, with a throttle (nanoseconds; 0: none) that the
+// broker applies after sending it (KIP-219). A broker writes a response
+// whole before it reads the connection's next request: it starts on that
+// one only now, or, throttled, only once the throttle is over: it mutes
+// the connection for it once it has sent the response (seen here a
+// little after it did).
+func (c *conv) kafkaAnswered(now, throttle int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.starting {
@@ -199,41 +188,38 @@ func (c *conv) kafkaAnswered(now int64) {
 	}
 	c.starting = false
 	start := now
-	if c.throttle > 0 {
-		// The broker mutes the connection for the throttle once it has
-		// sent the response (seen here a little after it did): it reads
-		// the next request, and starts on it, only then.
-		start = now + c.throttle
-		c.mutedUntil, c.throttle = start, 0
+	if throttle > 0 {
+		start = now + throttle
+		c.mutedUntil = start
 	}
 	if c.head < len(c.queue) {
-		c.startedLocked(start, start > now)
+		c.startedLocked(now, start)
 	}
 }
 
-// startedLocked: the broker starts on the oldest outstanding request at
-// mono time now, the one ahead of it just answered (it answers a
-// connection's requests one at a time; past maxOutstanding, the next of
-// the entry's requests). A request it may hold is due its
-// hold and request_timeout from now, if that is later than it was due:
-// a Fetch queued behind a Fetch the broker held for its whole max_wait
-// may be held for its own too. The requests behind it cannot be due
-// before it. While the connection is muted for a throttle (muted), now
-// is when the throttle ends, and every request is due from then: the
+// startedLocked: the one ahead of the oldest outstanding request was
+// answered at mono time now, and the broker starts on it at start (it
+// answers a connection's requests one at a time; past maxOutstanding,
+// the next of the entry's requests): now, or the end of a throttle. A
+// request it may hold is due its hold and request_timeout from start, if
+// that is later than it was due: a Fetch queued behind a Fetch the broker
+// held for its whole max_wait may be held for its own too. The requests
+// behind it cannot be due before it. While the connection is muted for a
+// throttle (start after now), every request is due from its end: the
 // answer just given does not cover a request the broker has not read.
 // c.mu is held.
-func (c *conv) startedLocked(now int64, muted bool) {
+func (c *conv) startedLocked(now, start int64) {
 	next := &c.queue[c.head]
-	if next.hold < 0 || (next.hold == 0 && !muted) {
+	if next.hold < 0 || (next.hold == 0 && start == now) {
 		// Its own hold unknown: never judged. Or nothing held: the
 		// answer just given covers it (see kafkaRequest).
 		return
 	}
-	due := addDue(now, next.hold, c.rt)
+	due := addDue(start, next.hold, c.rt)
 	if next.due == flow.Never {
 		// It queued behind a request whose hold is unknown and took that
 		// one's "never" (kafkaRequest), so the tracker never had it. That
-		// one is answered: its own clock starts now.
+		// one is answered: its own clock starts.
 		next.due = due
 		c.lk.trk.Sent(flow.PendingRequest{At: now, Held: due - c.rt, Due: due, End: next.end, N: next.n, Thr: c.thr})
 		return
@@ -256,6 +242,7 @@ type kafkaResponses struct {
 	// key and version of the request answered, once matched; key < 0
 	// before.
 	key, version int16
+	throttle     int64 // the response's, in nanoseconds; 0: none
 }
 
 func (r *kafkaResponses) Begin(n int64) flow.Window {
@@ -263,7 +250,7 @@ func (r *kafkaResponses) Begin(n int64) flow.Window {
 		r.c.untrack(metrics.UntrackedProtocol, errors.New("a response frame too short for a correlation id"))
 		return flow.Window{}
 	}
-	r.n, r.key = n, -1
+	r.n, r.key, r.throttle = n, -1, 0
 	return flow.Window{Need: 4}
 }
 
@@ -290,9 +277,14 @@ func (r *kafkaResponses) Read(b []byte) flow.Window {
 	case need > 0:
 		return flow.Window{} // more than a window holds: not read
 	case ms > 0:
-		r.c.kafkaThrottled(ms)
+		// In full, as KIP-219 asks of clients and franz-go's honours it:
+		// Kafka bounds only its request-time quota's throttles; a
+		// bandwidth quota's grows with the overshoot, and the broker
+		// reads nothing for all of it.
+		r.throttle = int64(ms) * int64(time.Millisecond)
+		r.c.lk.m.KafkaThrottles.Inc()
 	}
 	return flow.Window{}
 }
 
-func (r *kafkaResponses) End(int64) { r.c.kafkaAnswered(flow.Mono()) }
+func (r *kafkaResponses) End(int64) { r.c.kafkaAnswered(flow.Mono(), r.throttle) }

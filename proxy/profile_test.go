@@ -716,7 +716,7 @@ func TestKafkaQueuedDeadlinesDoNotAddUp(t *testing.T) {
 		{15001 * time.Millisecond, []time.Duration{48001 * time.Millisecond, 48001 * time.Millisecond}},
 	} {
 		c.kafkaResponse(c.queue[c.head].id)
-		c.kafkaAnswered(t0 + int64(a.at)) // the response read to its end
+		c.kafkaAnswered(t0+int64(a.at), 0) // the response read to its end
 		for i, want := range a.want {
 			if got := time.Duration(c.queue[c.head+i].due - t0); got != want {
 				t.Fatalf("answered at +%v: request %d due at +%v, want +%v", a.at, c.queue[c.head+i].id, got, want)
@@ -1162,7 +1162,7 @@ func TestHeldRequestBehindAnUnknownHoldIsJudged(t *testing.T) {
 // after answering the ListOffsets ahead of it (and the ListOffsets
 // itself for longer than request_timeout); nothing is counted.
 func TestHeldRequestBehindAnUnknownHoldHeldInFull(t *testing.T) {
-	const rt, wait = 300 * time.Millisecond, 800 * time.Millisecond
+	const rt, wait = time.Second, 800 * time.Millisecond
 	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
 		if key == 2 {
 			return 2 * rt, true

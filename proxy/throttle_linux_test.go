@@ -14,14 +14,14 @@ import (
 // A client that does not wait out a throttle pipelines four 1 MiB batches
 // into the mute (acks=all, timeout_ms 100 ms: their own holds are short).
 // The broker reads nothing for the throttle, four times write_timeout and
-// eight times request_timeout here: its 100 KiB receive buffer fills, the
+// four times request_timeout here: its 100 KiB receive buffer fills, the
 // window goes to zero and the proxy's writes make no progress. That is the
 // broker keeping to its protocol: the requests it holds unread excuse the
 // stalled writes as a held request's do (TestMutedBrokerHoldingARequestIsNotDead),
 // nothing ends, nothing is counted, and every batch is answered once the
 // throttle is over.
 func TestKafkaThrottleMuteWithFullWindowIsNotDead(t *testing.T) {
-	const throttle, rt = 4 * time.Second, 500 * time.Millisecond
+	const throttle, rt = 4 * time.Second, time.Second
 	broker := startThrottlingBrokerOn(t, smallRcvbufListener(t, 100<<10), throttle, false)
 	h := start(t, broker.ln.Addr().String(), func(s *policy.Settings) {
 		kafkaProfile(rt, 1)(s)

@@ -92,11 +92,11 @@ func serveThrottling(c net.Conn, throttle time.Duration, dies bool, done <-chan 
 // Java producer's five, say), and one that does not wait out the
 // throttle (KIP-219 asks it to; not every client does) sends more into
 // the mute. The broker reads none of them until the throttle is over:
-// five times request_timeout here, with no other link answering
+// three times request_timeout here, with no other link answering
 // meanwhile. That is the broker keeping to its protocol, not a dead one:
 // the endpoint stays in, the link open, nothing counted.
 func TestKafkaThrottleMuteIsNotASilence(t *testing.T) {
-	const rt, throttle = 300 * time.Millisecond, 1500 * time.Millisecond
+	const rt, throttle = time.Second, 3 * time.Second
 	broker := startThrottlingBroker(t, throttle, false)
 	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
 	c := h.dial()
@@ -186,7 +186,7 @@ func TestKafkaThrottledThenSilentBrokerExcluded(t *testing.T) {
 // client's own Produce version gets, and the second record goes through
 // on the same connection with nothing counted against the broker.
 func TestKafkaThrottleRealClient(t *testing.T) {
-	const rt, throttle = 300 * time.Millisecond, 1200 * time.Millisecond
+	const rt, throttle = time.Second, 2 * time.Second
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "t"))
 	if err != nil {
 		t.Fatal(err)
