@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -233,16 +234,7 @@ func TestBaselinePathLikeLivenessproxy(t *testing.T) {
 	defer stop()
 
 	ctx := context.Background()
-	tmp := t.TempDir()
-	bin, err := buildLivenessproxy(ctx, tmp)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The baseline binary is a copy: each path must run its own file.
-	baseBin := filepath.Join(t.TempDir(), "livenessproxy-baseline")
-	if b, err := os.ReadFile(bin); err != nil || os.WriteFile(baseBin, b, 0o755) != nil {
-		t.Fatalf("copy %s: %v", bin, err)
-	}
+	tmp, bin, baseBin := twoBuilds(t)
 	o := options{duration: 300 * time.Millisecond, warmup: 50 * time.Millisecond, rounds: 2, pin: "one-core",
 		paths: "direct,livenessproxy,baseline", scenarios: "cps", cpsWorkers: 2, maxOps: 1_000_000,
 		lpFraming: "length_field", proxyBin: bin, baselineBin: baseBin}
@@ -289,6 +281,101 @@ func TestBaselinePathLikeLivenessproxy(t *testing.T) {
 			t.Fatalf("%s has no throughput ratio to direct: %+v", s.Path, s)
 		}
 	}
+}
+
+// -baseline-settings: the baseline path runs the config the livenessproxy
+// path runs plus the given lines, and the proxy takes them (its own
+// /v1/config says so); a key the proxy does not know skips the path with
+// the proxy's error, which names the key.
+func TestBaselineSettings(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	serverAddr, stop := serveInProcess(t)
+	defer stop()
+
+	ctx := context.Background()
+	_, bin, baseBin := twoBuilds(t)
+	start := func(t *testing.T, settings string) (tmp string, paths []path) {
+		t.Helper()
+		tmp = t.TempDir()
+		o := options{duration: time.Second, rounds: 1, paths: "direct,livenessproxy,baseline", scenarios: "rr1",
+			cpsWorkers: 1, maxOps: 1, lpFraming: "none", proxyBin: bin, baselineBin: baseBin, baselineSettings: settings}
+		if err := o.validate(); err != nil {
+			t.Fatal(err)
+		}
+		paths = setupPaths(ctx, o, tmp, serverAddr, nil)
+		for _, p := range paths {
+			if p.proc != nil {
+				t.Cleanup(p.proc.stop)
+			}
+		}
+		if len(paths) != 3 || paths[1].Skipped != "" {
+			t.Fatalf("paths %+v: want direct, livenessproxy and baseline, livenessproxy started", paths)
+		}
+		return tmp, paths
+	}
+
+	t.Run("taken", func(t *testing.T) {
+		tmp, paths := start(t, " write_timeout: 0s;keepalive: {idle: 0s} ; ")
+		lp, base := paths[1], paths[2]
+		if base.Skipped != "" {
+			t.Fatalf("baseline not started: %s", base.Skipped)
+		}
+		if want := "write_timeout: 0s; keepalive: {idle: 0s}"; base.Settings != want {
+			t.Fatalf("baseline settings %q, want %q", base.Settings, want)
+		}
+		if got, want := configOf(t, tmp, base), configOf(t, tmp, lp)+"    write_timeout: 0s\n    keepalive: {idle: 0s}\n"; got != want {
+			t.Fatalf("baseline config:\n%s\nwant the livenessproxy path's with the two lines:\n%s", got, want)
+		}
+		for _, c := range []struct {
+			p                  path
+			writeTimeout, idle string
+		}{{lp, "10s", "10s"}, {base, "0s", "0s"}} {
+			l := configInForce(t, c.p.metricsAddr)
+			ka, _ := l["keepalive"].(map[string]any)
+			if l["write_timeout"] != c.writeTimeout || ka["idle"] != c.idle {
+				t.Errorf("%s runs write_timeout %v, keepalive %v; want %s and idle %s", c.p.Name, l["write_timeout"], ka, c.writeTimeout, c.idle)
+			}
+		}
+	})
+	t.Run("refused", func(t *testing.T) {
+		_, paths := start(t, "writ_timeout: 0s")
+		if base := paths[2]; base.proc != nil || !strings.Contains(base.Skipped, "writ_timeout: unknown key") {
+			t.Fatalf("baseline with an unknown key: %+v, want skipped with the proxy's error naming it", base)
+		}
+	})
+}
+
+// twoBuilds builds livenessproxy into tmp, a temp dir, and copies it as
+// the baseline binary: each path runs its own file (the tests tell the two
+// processes apart by /proc/PID/exe).
+func twoBuilds(t *testing.T) (tmp, bin, baseBin string) {
+	t.Helper()
+	tmp = t.TempDir()
+	bin, err := buildLivenessproxy(context.Background(), tmp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	baseBin = filepath.Join(t.TempDir(), "livenessproxy-baseline")
+	if b, err := os.ReadFile(bin); err != nil || os.WriteFile(baseBin, b, 0o755) != nil {
+		t.Fatalf("copy %s: %v", bin, err)
+	}
+	return tmp, bin, baseBin
+}
+
+// configInForce is the first listener of the configuration a livenessproxy
+// runs, from its admin server's /v1/config.
+func configInForce(t *testing.T, adminAddr string) map[string]any {
+	t.Helper()
+	resp, err := http.Get("http://" + adminAddr + "/v1/config")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v struct{ Listeners []map[string]any }
+	if err := json.NewDecoder(resp.Body).Decode(&v); err != nil || len(v.Listeners) == 0 {
+		t.Fatalf("GET /v1/config: %v, %d listeners", err, len(v.Listeners))
+	}
+	return v.Listeners[0]
 }
 
 // measureThrough runs sc on every path, round after round as the bench
@@ -368,7 +455,7 @@ func TestValidateBaseline(t *testing.T) {
 	}
 	base := options{duration: time.Second, rounds: 1, cpsWorkers: 1, maxOps: 1, lpFraming: "none", scenarios: "rr1"}
 	for _, c := range []struct {
-		paths, bin, want string // want: a part of the error; "" for none
+		paths, bin, want string // bin: -baseline-bin, then "|" and -baseline-settings; want: a part of the error; "" for none
 	}{
 		{"direct,livenessproxy", "", ""},
 		{"direct,livenessproxy,baseline", exe, ""},
@@ -376,9 +463,14 @@ func TestValidateBaseline(t *testing.T) {
 		{"direct,livenessproxy", exe, "-baseline-bin is set but -paths has no baseline"},
 		{"direct,baseline", filepath.Join(t.TempDir(), "none"), "-baseline-bin: stat "},
 		{"direct,baseline", t.TempDir(), "is not an executable file"},
+		{"direct,livenessproxy,baseline", exe + "|write_timeout: 0s; keepalive: {idle: 0s}", ""},
+		{"direct,livenessproxy", "|write_timeout: 0s", "-baseline-settings is set but -paths has no baseline"},
+		{"direct,livenessproxy,baseline", exe + "|write_timeout 0s", `"write_timeout 0s" is not a "key: value" line`},
+		{"direct,livenessproxy,baseline", exe + "|{write_timeout: 0s}", "is not a \"key: value\" line"},
 	} {
 		o := base
-		o.paths, o.baselineBin = c.paths, c.bin
+		o.paths = c.paths
+		o.baselineBin, o.baselineSettings, _ = strings.Cut(c.bin, "|")
 		err := o.validate()
 		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
 			t.Errorf("-paths %s -baseline-bin %q: error %v, want %q", c.paths, c.bin, err, c.want)

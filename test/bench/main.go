@@ -44,6 +44,10 @@ type options struct {
 	// baselineBin is the livenessproxy of the baseline path (another
 	// commit's build); "" leaves the path out.
 	baselineBin string
+	// baselineSettings are listener settings the baseline path's config
+	// adds ("key: value" lines, ';' between them): one build measured
+	// against itself with a setting changed.
+	baselineSettings string
 }
 
 func main() {
@@ -58,6 +62,7 @@ func main() {
 	flag.StringVar(&o.pin, "pin", "none", "CPU affinity: "+pinPresetNames())
 	flag.StringVar(&o.proxyBin, "proxy-bin", "", "prebuilt livenessproxy binary (default: go build ./cmd/livenessproxy)")
 	flag.StringVar(&o.baselineBin, "baseline-bin", "", "prebuilt livenessproxy binary of another commit, measured as the baseline path (with -paths ...,baseline) exactly like livenessproxy")
+	flag.StringVar(&o.baselineSettings, "baseline-settings", "", "listener settings the baseline path adds to the config both paths share, as YAML \"key: value\" lines separated by ';' (e.g. \"write_timeout: 0s; keepalive: {idle: 0s}\"): with the same binary as -baseline-bin, what a setting costs")
 	flag.StringVar(&o.haproxyBin, "haproxy-bin", "haproxy", "HAProxy binary, looked up on PATH")
 	flag.StringVar(&o.paths, "paths", "direct,livenessproxy,haproxy", "paths to measure: direct, livenessproxy, baseline (the -baseline-bin livenessproxy), haproxy, mesh (two livenessproxy sidecars), mesh-tls (the same over mutual TLS), floor-goroutines, floor-raw (goroutines, sockets outside net), floor-own (the same outside the runtime's poller too) and floor-epoll (minimal relays of the data-plane designs, ./test/bench/floor); direct is always measured: ratios need it")
 	flag.StringVar(&o.scenarios, "scenarios", "rr1,rr64,pipe8x16,bulk,cps", "scenarios to run, in order")
@@ -118,8 +123,15 @@ func (o options) validateBaseline() error {
 		return errors.New("-paths has baseline but -baseline-bin is not set: give the livenessproxy binary to compare against (go build -o FILE ./cmd/livenessproxy at that commit)")
 	case !o.wants(pathBase) && o.baselineBin != "":
 		return errors.New("-baseline-bin is set but -paths has no baseline: add baseline to -paths to measure it")
+	case !o.wants(pathBase) && o.baselineSettings != "":
+		return errors.New("-baseline-settings is set but -paths has no baseline: add baseline to -paths (and -baseline-bin) to measure it")
 	case o.baselineBin == "":
 		return nil
+	}
+	for _, l := range baselineSettingLines(o.baselineSettings) {
+		if k, _, ok := strings.Cut(l, ":"); !ok || strings.TrimSpace(k) == "" || strings.ContainsAny(k, " {}[]\"'") {
+			return fmt.Errorf("-baseline-settings: %q is not a \"key: value\" line", l)
+		}
 	}
 	fi, err := os.Stat(o.baselineBin)
 	if err != nil {

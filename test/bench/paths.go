@@ -23,6 +23,7 @@ type path struct {
 	Addr     string `json:"addr,omitempty"`
 	Version  string `json:"version,omitempty"`
 	Bin      string `json:"bin,omitempty"`      // the binary run (livenessproxy, baseline, the floor relays)
+	Settings string `json:"settings,omitempty"` // the baseline's -baseline-settings lines, "; " between them
 	Affinity string `json:"affinity,omitempty"` // the proxy's CPU list, read back
 	Skipped  string `json:"skipped,omitempty"`
 	proc     *child // nil for direct
@@ -60,20 +61,41 @@ func setupLivenessproxy(ctx context.Context, o options, tmp, serverAddr string, 
 	if err != nil {
 		return path{Name: pathLP, Skipped: err.Error()}
 	}
-	return startLPInFront(ctx, o, path{Name: pathLP, Bin: bin}, tmp, serverAddr, cpus)
+	return startLPInFront(ctx, o, path{Name: pathLP, Bin: bin}, tmp, serverAddr, "", cpus)
 }
 
 // setupBaseline starts the -baseline-bin livenessproxy as setupLivenessproxy
-// starts the one under test: the same config (-lp-framing included), on
-// the same CPUs. Any failure skips the path.
+// starts the one under test: the same config (-lp-framing included), with
+// the -baseline-settings lines added, on the same CPUs. Any failure skips
+// the path (a setting the proxy refuses: with the proxy's error, which
+// names the key).
 func setupBaseline(ctx context.Context, o options, tmp, serverAddr string, cpus *unix.CPUSet) path {
-	return startLPInFront(ctx, o, path{Name: pathBase, Bin: o.baselineBin}, tmp, serverAddr, cpus)
+	lines := baselineSettingLines(o.baselineSettings)
+	var extra strings.Builder
+	for _, l := range lines {
+		extra.WriteString("    " + l + "\n")
+	}
+	p := path{Name: pathBase, Bin: o.baselineBin, Settings: strings.Join(lines, "; ")}
+	return startLPInFront(ctx, o, p, tmp, serverAddr, extra.String(), cpus)
+}
+
+// baselineSettingLines splits -baseline-settings into its lines, trimmed,
+// the empty ones left out.
+func baselineSettingLines(s string) []string {
+	var lines []string
+	for l := range strings.SplitSeq(s, ";") {
+		if l = strings.TrimSpace(l); l != "" {
+			lines = append(lines, l)
+		}
+	}
+	return lines
 }
 
 // startLPInFront starts p.Bin with one listener whose upstream is
-// serverAddr, framed as -lp-framing says.
-func startLPInFront(ctx context.Context, o options, p path, tmp, serverAddr string, cpus *unix.CPUSet) path {
-	return startLP(ctx, p, p.Bin, tmp, "upstream: "+serverAddr+"\n"+lpFraming(o), cpus)
+// serverAddr, framed as -lp-framing says, with the settings lines extra
+// (each indented as the listener's) after the framing.
+func startLPInFront(ctx context.Context, o options, p path, tmp, serverAddr, extra string, cpus *unix.CPUSet) path {
+	return startLP(ctx, p, p.Bin, tmp, "upstream: "+serverAddr+"\n"+lpFraming(o)+extra, cpus)
 }
 
 // setupMesh starts two livenessproxy processes, as two sidecars: the
