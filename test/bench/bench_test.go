@@ -320,8 +320,18 @@ func TestBaselineSettings(t *testing.T) {
 		if base.Skipped != "" {
 			t.Fatalf("baseline not started: %s", base.Skipped)
 		}
-		if want := "write_timeout: 0s; keepalive: {idle: 0s}"; base.Settings != want {
+		const want = "write_timeout: 0s; keepalive: {idle: 0s}"
+		if base.Settings != want {
 			t.Fatalf("baseline settings %q, want %q", base.Settings, want)
+		}
+		// Reported where the README says: the path lines, and -json.
+		var table bytes.Buffer
+		writeTable(&table, document{Paths: paths})
+		if !strings.Contains(table.String(), base.Bin+", with "+want+"\n") || strings.Contains(table.String(), lp.Bin+", with") {
+			t.Fatalf("path lines name the settings on the baseline only:\n%s", table.String())
+		}
+		if j, err := json.Marshal(document{Paths: paths}); err != nil || !bytes.Contains(j, []byte(`"settings":"`+want+`"`)) {
+			t.Fatalf("-json lacks the baseline's settings (%v): %s", err, j)
 		}
 		if got, want := configOf(t, tmp, base), configOf(t, tmp, lp)+"    write_timeout: 0s\n    keepalive: {idle: 0s}\n"; got != want {
 			t.Fatalf("baseline config:\n%s\nwant the livenessproxy path's with the two lines:\n%s", got, want)

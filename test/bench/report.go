@@ -322,10 +322,12 @@ func writeTable(w io.Writer, d document) {
 			fmt.Fprintf(w, "path %-16s SKIPPED: %s\n", p.Name, p.Skipped)
 		case p.Name == pathDirect:
 			fmt.Fprintf(w, "path %-16s client -> server %s\n", p.Name, p.Addr)
-		case p.Bin != "" && p.Settings != "":
-			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s, %s, with %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin, p.Settings)
 		case p.Bin != "":
-			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin)
+			with := ""
+			if p.Settings != "" {
+				with = ", with " + p.Settings
+			}
+			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s, %s%s\n", p.Name, p.Addr, p.Affinity, p.Version, p.Bin, with)
 		default:
 			fmt.Fprintf(w, "path %-16s %s, proxy CPUs %s, %s\n", p.Name, p.Addr, p.Affinity, p.Version)
 		}
