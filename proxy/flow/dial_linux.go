@@ -1,6 +1,7 @@
 package flow
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -149,7 +150,8 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 	// os.NewFile keeps a socket the poller refused (epoll_ctl: ENOSPC at
 	// max_user_watches, ENOMEM); its deadlines then fail, and so does the
 	// dial, as net's would: the proxy's own failure, not the upstream's.
-	if err := f.SetWriteDeadline(deadline); err != nil {
+	// Clearing a deadline that is not set asks only that (no timer).
+	if err := f.SetWriteDeadline(time.Time{}); err != nil {
 		abandon()
 		return nil, fmt.Errorf("the runtime's poller did not take the socket: %w", err)
 	}
@@ -158,22 +160,25 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 		abandon()
 		return nil, err
 	}
-	if err := awaitConnect(ctx, f, rc); err != nil {
+	if err := awaitConnect(ctx, f, rc, deadline); err != nil {
 		abandon()
 		return nil, err
-	}
-	if !deadline.IsZero() {
-		_ = f.SetWriteDeadline(time.Time{})
 	}
 	return f, nil
 }
 
 // awaitConnect waits until the connect of f (on rc) completes or fails,
-// its deadline passes or ctx ends; the error is the connect's, the
-// deadline's or ctx's. The caller closes f on an error.
-func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn) error {
-	// The dial's context (the proxy's shutdown) ends the wait at once.
-	stop := context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
+// deadline (if not zero) passes or ctx ends; the error is the connect's,
+// the deadline's or ctx's. The caller closes f on an error.
+//
+// A connect that has completed or failed by the first look (a local
+// peer: connect(2) ran the whole handshake) costs that look alone. Only
+// one still under way arms the wait's deadline and the watch on ctx, from
+// inside the wait's first call: the socket's readiness was reset before
+// that call (RawConn.Write), so an edge that comes after the look ends
+// the wait, and the wait starts after both are armed.
+func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline time.Time) error {
+	var stop func() bool
 	var cerr error
 	err := rc.Write(func(fd uintptr) bool {
 		// Connected once the kernel names the peer. Until then the
@@ -195,8 +200,18 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn) error {
 			cerr = os.NewSyscallError("connect", syscall.Errno(v))
 			return true
 		}
+		if stop == nil {
+			if !deadline.IsZero() {
+				_ = f.SetWriteDeadline(deadline)
+			}
+			// The dial's context (the proxy's shutdown) ends the wait at once.
+			stop = context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
+		}
 		return false
 	})
+	if stop == nil {
+		return cmp.Or(err, cerr)
+	}
 	if !stop() {
 		// ctx ended: its deadline may have landed on the socket, whatever
 		// the wait's end was.
@@ -204,6 +219,9 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn) error {
 	}
 	if err != nil {
 		return err
+	}
+	if cerr == nil && !deadline.IsZero() {
+		_ = f.SetWriteDeadline(time.Time{})
 	}
 	return cerr
 }

@@ -304,6 +304,37 @@ func TestDialRawWaitsForASlowHandshake(t *testing.T) {
 	f.Close()
 }
 
+// TestDialRawLeavesNoDeadline: a connect that completed at once (a local
+// peer) leaves neither the dial's timeout nor its context on the socket:
+// a write after both have passed goes through.
+func TestDialRawLeavesNoDeadline(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	f, err := DialRaw(ctx, netip.MustParseAddrPort(ln.Addr().String()), dialSettings(), 50*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	c, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	cancel()
+	time.Sleep(100 * time.Millisecond) // past the dial's timeout
+	if _, err := f.Write([]byte("x")); err != nil {
+		t.Fatalf("write after the dial's timeout and context: %v", err)
+	}
+	b := make([]byte, 1)
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'x' {
+		t.Fatalf("the peer read %q, %v", b, err)
+	}
+}
+
 // TestDialRawEndsWithItsContext: the proxy's shutdown (the dial's context)
 // ends a connect that is waiting, with the context's error.
 func TestDialRawEndsWithItsContext(t *testing.T) {
