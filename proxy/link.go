@@ -143,9 +143,10 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 
 // start dials the upstream and starts the link's pumps; it reports false
 // when the link ended at its dial. The goroutine that dialled returns
-// then: the dial's deep call chain grew its stack, and a link that idles
-// for hours should not keep that stack. The last of the link's goroutines
-// to end accounts for the link (see exit).
+// then, to wait for the next link's start (starters.go): the dial's deep
+// call chain needs a grown stack, and a link that idles for hours should
+// not keep it. The last of the link's goroutines to end accounts for the
+// link (see exit).
 func (lk *link) start() bool {
 	if !lk.dial() {
 		return false

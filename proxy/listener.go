@@ -412,7 +412,7 @@ func (l *listener) admit(c *tcpClient) {
 		l.p.slots.release(l)
 		return
 	}
-	go l.serveLink(lk)
+	l.p.starters.start(startJob{l, lk})
 }
 
 // refuse counts the close with reason why, resets c before reading it,

@@ -73,6 +73,8 @@ type Proxy struct {
 	ctx    context.Context // cancelled by Close: aborts dials in progress
 	cancel context.CancelFunc
 
+	starters *starters // run the start of new links (starters.go)
+
 	det      *health.Detector
 	resolver *net.Resolver
 	drain    atomic.Int64 // drain_timeout of the running config, nanoseconds
@@ -105,7 +107,7 @@ type Proxy struct {
 
 	reloadMu sync.Mutex     // one Reload at a time; Shutdown holds it to the end
 	closing  bool           // Shutdown began: no more reloads (under mu)
-	bg       sync.WaitGroup // drains of listeners a reload removed
+	bg       sync.WaitGroup // drains of listeners a reload removed, starters
 
 	// meshMu guards peers, the ingress sidecars this proxy reaches through
 	// the mesh, by host:mesh port. It is taken alone.
@@ -143,6 +145,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &Proxy{log: log, metrics: m, onLinkEnd: opts.OnLinkEnd, accessLog: opts.AccessLog, ctx: ctx, cancel: cancel,
 		endpoints: make(map[string]*endpoint), manageRuntime: opts.ManageRuntime}
+	p.starters = newStarters(ctx, &p.bg, serveJob)
 	p.budget.Waits = m.BudgetWaits
 	p.setLimits(cfg.Limits)
 	if cfg.Interception.ExcludedSet {
