@@ -358,7 +358,7 @@ func (p *Proxy) Shutdown(ctx context.Context) error {
 			<-done
 		}
 		p.cancel()
-		p.bg.Wait() // drains of removed listeners end on cancel
+		p.bg.Wait() // drains of removed listeners and the starters end on cancel
 		if p.parker != nil {
 			p.parker.stop() // every link has ended: none is parked
 		}

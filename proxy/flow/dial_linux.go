@@ -172,7 +172,8 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 // the deadline's or ctx's. The caller closes f on an error.
 //
 // A connect that has completed or failed by the first look (a local
-// peer: connect(2) ran the whole handshake) costs that look alone. Only
+// peer: connect(2) ran the whole handshake) costs that look alone (and
+// a look at ctx, which may have ended meanwhile). Only
 // one still under way arms the wait's deadline and the watch on ctx, from
 // inside the wait's first call: the socket's readiness was reset before
 // that call (RawConn.Write), so an edge that comes after the look ends
@@ -210,6 +211,9 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline 
 		return false
 	})
 	if stop == nil {
+		if err == nil && cerr == nil {
+			return ctx.Err() // as when the wait ends: ctx ended first (an atomic load)
+		}
 		return cmp.Or(err, cerr)
 	}
 	if !stop() {

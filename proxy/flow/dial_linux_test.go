@@ -288,7 +288,9 @@ func TestDialRawTimesOut(t *testing.T) {
 
 // TestDialRawWaitsForASlowHandshake is TestDialRawTimesOut's twin: a
 // connect whose SYN was dropped and answered on the kernel's retransmit
-// (about a second later) completes within the timeout.
+// (about a second later, or three under load) completes within the
+// timeout, and leaves no deadline on the socket: a write after the
+// timeout has passed does not time out.
 func TestDialRawWaitsForASlowHandshake(t *testing.T) {
 	ap, lfd := fullListener(t)
 	go func() {
@@ -297,11 +299,17 @@ func TestDialRawWaitsForASlowHandshake(t *testing.T) {
 			unix.Close(nfd)
 		}
 	}()
-	f, err := DialRaw(context.Background(), ap, dialSettings(), 10*time.Second)
+	const timeout = 4 * time.Second
+	start := time.Now()
+	f, err := DialRaw(context.Background(), ap, dialSettings(), timeout)
 	if err != nil {
 		t.Fatalf("a slow handshake failed: %v", err)
 	}
-	f.Close()
+	defer f.Close()
+	time.Sleep(time.Until(start.Add(timeout + 100*time.Millisecond)))
+	if _, err := f.Write([]byte("x")); errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a write after the dial's timeout: %v (the dial left its deadline)", err)
+	}
 }
 
 // TestDialRawLeavesNoDeadline: a connect that completed at once (a local
