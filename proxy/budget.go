@@ -112,9 +112,13 @@ func (lk *link) holdsForNothing(now int64) bool {
 
 // budgetClose ends a link for the budget: its upstream has bytes waiting
 // and acknowledged nothing for write_timeout (the caller checked), so it
-// is blamed, as a write_timeout would blame it.
+// is blamed, as a write_timeout would blame it, unless its client stalled
+// it.
 func (lk *link) budgetClose() {
-	lk.overflowStalled.Store(true)
+	// Blamed, unless the upstream's own bytes wait unread in the proxy:
+	// then the link is the proxy's cut, for memory, of a link its client
+	// stalled (answersWaiting).
+	lk.overflowStalled.Store(!lk.answersWaiting())
 	if lk.abort(CloseBudget, nil) {
 		lk.budget.Closed.Add(1)
 	}

@@ -178,9 +178,7 @@ func (lk *link) finish() {
 	if tc, ok := lk.client.(*tcpClient); ok {
 		tc.r.Forget()
 	}
-	lk.connMu.Lock()
-	up := lk.up
-	lk.connMu.Unlock()
+	up := lk.upEnd()
 	if up != nil {
 		up.release()
 	}
@@ -240,6 +238,13 @@ func (lk *link) adopt(up upstreamEnd) bool {
 	defer lk.connMu.Unlock()
 	lk.up = up
 	return !lk.closed
+}
+
+// upEnd is the link's upstream end, nil before its dial succeeded.
+func (lk *link) upEnd() upstreamEnd {
+	lk.connMu.Lock()
+	defer lk.connMu.Unlock()
+	return lk.up
 }
 
 // abortedMeanwhile reports whether the link was closed (aborted) while
@@ -428,9 +433,7 @@ func (lk *link) judge(judged []flow.PendingRequest, left int) {
 // It reports true when nothing is to be counted now. Only the link's own
 // socket is asked, once per verdict that would count.
 func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
-	lk.connMu.Lock()
-	up := lk.up
-	lk.connMu.Unlock()
+	up := lk.upEnd()
 	if up == nil {
 		return false
 	}
@@ -506,11 +509,29 @@ func (lk *link) stalled(d time.Duration) bool {
 	return known && !moved && now-lk.ackedAt.Load() >= int64(d)
 }
 
+// answersWaiting reports whether bytes the upstream sent wait unread in
+// the proxy's socket: the response pump stopped because the client does
+// not read. An upstream that acknowledges nothing meanwhile may be one
+// that reads its next request only once it has sent its last answer (a
+// thread per connection, a Kafka broker's muted channel): the stall is
+// the client's, and is no evidence against the upstream until the client
+// has read what it sent. (An upstream that died meanwhile is still found:
+// tcp_user_timeout and keepalive judge the connection, and write_timeout
+// once the client has read.) stalled does not ask it: a link that holds
+// memory for nothing may still be closed for the budget, only not blamed
+// on its upstream. One TCP_INFO, asked only when a verdict would count.
+func (lk *link) answersWaiting() bool {
+	up := lk.upEnd()
+	if up == nil {
+		return false
+	}
+	got, _, ok := up.received()
+	return ok && got > lk.bytesDown.Load()
+}
+
 // ackedBytes is how many bytes of the stream the upstream has acknowledged.
 func (lk *link) ackedBytes() (int64, bool) {
-	lk.connMu.Lock()
-	up := lk.up
-	lk.connMu.Unlock()
+	up := lk.upEnd()
 	if up == nil {
 		return 0, false
 	}

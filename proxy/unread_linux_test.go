@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
@@ -251,5 +252,85 @@ func TestHeardAtKeepsCountsOfLaterRequests(t *testing.T) {
 	ep.heardAt(1100)
 	if got := ep.consecutive.Load(); got != 0 || ep.lastAnswer.Load() != 1100 {
 		t.Fatalf("after bytes from within the silence: consecutive %d, last answer %d; want 0, 1100", got, ep.lastAnswer.Load())
+	}
+}
+
+// A client that writes on and reads nothing stops the server too: the
+// server's answers wait unread in the proxy, the server stops reading
+// while it cannot send, and the client's requests wait in the proxy's
+// queue with nothing acknowledged. That is the client's stall, not the
+// server's: write_timeout does not end the link or exclude the server
+// while the server's bytes wait unread in the proxy. Once the client
+// reads, everything flows. (The twin, a server that stops reading with
+// nothing of its own unread, is TestWriteTimeoutClosesStalledLink.)
+func TestClientThatDoesNotReadIsNoWriteStall(t *testing.T) {
+	const wt = time.Second
+	peer := faultpeer.New(t, faultpeer.Serial, faultpeer.Options{})
+	h := start(t, peer.Addr(), func(s *policy.Settings) { s.WriteTimeout = policy.Duration(wt) })
+	c := slowClient(t, h)
+	const frames = 3 * backlogFrames // more than the buffers between hold
+	wrote := make(chan error, 1)
+	go func() { _, err := c.Write(bigFrames(frames)); wrote <- err }()
+	e := h.onlyEnd()
+	lk := e.lk
+	// Stalled by the client: requests wait in the proxy's queue for a
+	// server whose own bytes wait unread in the proxy.
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		got, _, ok := e.received()
+		if ok && got > lk.bytesDown.Load() && lk.q.Bytes() > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the link never held requests for a server with answers unread (queued %d, received %d ok %v, read %d)", lk.q.Bytes(), got, ok, lk.bytesDown.Load())
+		}
+	}
+	time.Sleep(3 * wt)
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.WriteTimeouts); got != 0 {
+		t.Fatalf("write_timeouts_total = %v behind a client that does not read, want 0", got)
+	}
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) behind a client that does not read, want healthy", st.State, st.Reason)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, int64(frames)<<20); err != nil {
+		t.Fatalf("reading the answers once the client reads: %v", err)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatalf("the client's requests: %v", err)
+	}
+	sendFrame(t, c, "after")
+	if got := readFrame(t, c, 5*time.Second); got != "after" {
+		t.Fatalf("answer %q, want after", got)
+	}
+}
+
+// Under the memory budget, a link whose client stalled its upstream (the
+// upstream's answers unread in the proxy, the upstream no longer reading)
+// holds memory for nothing and is closed for the budget, but the upstream
+// is not blamed: it stays in routing. The twin, an upstream that stopped
+// with nothing of its own unread, is excluded
+// (TestBudgetClosesAWaiterWhoseUpstreamStopped).
+func TestBudgetCloseOfAClientStalledLinkBlamesNoUpstream(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Serial, faultpeer.Options{})
+	r := startBudget(t, peer.Addr(), policy.Limits{MemoryBudget: 4 << 20}, func(s *policy.Settings) {
+		s.WriteTimeout = policy.Duration(time.Second)
+		s.Detector.InitialDelay = policy.Duration(30 * time.Second)
+	})
+	c := r.dial(r.test)
+	go func() { _, _ = c.Write(bigFrames(3 * backlogFrames)) }() // ends with the close
+	select {
+	case s := <-r.ended:
+		if s.Reason != CloseBudget {
+			t.Fatalf("link ended %q (%v), want budget", s.Reason, s.Err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the client-stalled link was not closed for the budget within 20s")
+	}
+	if st, _ := r.p.det.State(peer.Addr()); st.String() != "healthy" {
+		t.Fatalf("endpoint %s after the budget closed a link its client stalled, want healthy", st)
+	}
+	if got := testutil.ToFloat64(r.m.ForListener("test").WriteTimeouts); got != 0 {
+		t.Fatalf("write_timeouts_total = %v, want 0", got)
 	}
 }

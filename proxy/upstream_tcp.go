@@ -485,7 +485,7 @@ func (e *tcpEnd) queue(p []byte, high int64) bool {
 		// that it stopped: nothing acknowledged for write_timeout. A client
 		// that writes faster than a live server reads is not a dead server.
 		lk.m.WatermarkRejections.Inc()
-		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()))
+		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()) && !lk.answersWaiting())
 		lk.abort(CloseWatermark, nil)
 		return false
 	case flow.PushedStartWriter:
@@ -580,7 +580,7 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 		lk.fail(err)
 		return false
 	}
-	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) {
+	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) || lk.answersWaiting() {
 		// The upstream acknowledged bytes within write_timeout:
 		// a slow reader, not a stall (the kernel wakes a writer
 		// only once a good part of its send buffer is free, so
@@ -588,7 +588,9 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 		// TCP_INFO, bytes the kernel took stand in. The next
 		// batch gets a fresh deadline. A Kafka broker holding
 		// a request within its own deadline reads nothing more
-		// meanwhile: not a stall either.
+		// meanwhile: not a stall either. Nor is an upstream
+		// whose own bytes wait unread in the proxy, its client
+		// not reading them (answersWaiting).
 		return true
 	}
 	if lk.abort(CloseWriteTimeout, err) {

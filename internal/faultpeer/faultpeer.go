@@ -48,6 +48,12 @@ const (
 	// (unpaced at 0), up to 64 KiB a read; on EOF it answers the count of
 	// bytes it read, in decimal and a newline, then closes.
 	Paced
+	// Serial reads 4-byte big-endian length-prefixed frames one at a
+	// time and answers each with the same frame before it reads the
+	// next: a server that handles one request per connection at a time
+	// (a thread per connection, a Kafka broker's muted channel), which
+	// stops reading while it cannot send.
+	Serial
 )
 
 // AnswerPolicy decides, for the n-th request frame the server reads
@@ -234,6 +240,8 @@ func (s *Server) serveConn(c *net.TCPConn, b Behavior) {
 		s.serveFramed(c)
 	case Paced:
 		s.servePaced(c, s.rate.Load())
+	case Serial:
+		s.serveSerial(c)
 	}
 }
 
@@ -260,20 +268,30 @@ func (s *Server) servePaced(c *net.TCPConn, rate int64) {
 	}
 }
 
+// readFrame reads one 4-byte big-endian length-prefixed frame of up to
+// 16 MiB, its length field included.
+func readFrame(c *net.TCPConn) ([]byte, error) {
+	var hdr [4]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return nil, err
+	}
+	n := binary.BigEndian.Uint32(hdr[:])
+	if n > 16<<20 {
+		return nil, fmt.Errorf("frame of %d bytes", n)
+	}
+	frame := make([]byte, 4+n)
+	copy(frame, hdr[:])
+	if _, err := io.ReadFull(c, frame[4:]); err != nil {
+		return nil, err
+	}
+	return frame, nil
+}
+
 func (s *Server) serveFramed(c *net.TCPConn) {
 	var wmu sync.Mutex
-	var hdr [4]byte
 	for {
-		if _, err := io.ReadFull(c, hdr[:]); err != nil {
-			return
-		}
-		n := binary.BigEndian.Uint32(hdr[:])
-		if n > 16<<20 {
-			return
-		}
-		frame := make([]byte, 4+n)
-		copy(frame, hdr[:])
-		if _, err := io.ReadFull(c, frame[4:]); err != nil {
+		frame, err := readFrame(c)
+		if err != nil {
 			return
 		}
 		seq := s.requests.Add(1)
@@ -294,6 +312,21 @@ func (s *Server) serveFramed(c *net.TCPConn) {
 				s.answers.Add(1)
 			}
 		}()
+	}
+}
+
+// serveSerial answers each frame before it reads the next (see Serial).
+func (s *Server) serveSerial(c *net.TCPConn) {
+	for {
+		frame, err := readFrame(c)
+		if err != nil {
+			return
+		}
+		s.requests.Add(1)
+		if _, err := c.Write(frame); err != nil {
+			return
+		}
+		s.answers.Add(1)
 	}
 }
 
