@@ -510,23 +510,20 @@ func (lk *link) stalled(d time.Duration) bool {
 }
 
 // answersWaiting reports whether bytes the upstream sent wait unread in
-// the proxy's socket: the response pump stopped because the client does
-// not read. An upstream that acknowledges nothing meanwhile may be one
-// that reads its next request only once it has sent its last answer (a
-// thread per connection, a Kafka broker's muted channel): the stall is
-// the client's, and is no evidence against the upstream until the client
-// has read what it sent. (An upstream that died meanwhile is still found:
-// tcp_user_timeout and keepalive judge the connection, and write_timeout
-// once the client has read.) stalled does not ask it: a link that holds
-// memory for nothing may still be closed for the budget, only not blamed
-// on its upstream. One TCP_INFO, asked only when a verdict would count.
+// the proxy's socket (the response pump stopped: the client does not read
+// them) while the upstream's kernel answers. An upstream that acknowledges
+// nothing meanwhile may be one that reads its next request only once it
+// has sent its last answer (a thread per connection, a Kafka broker's
+// muted channel): the stall is the client's, and is no evidence against
+// the upstream until the client has read what it sent. An upstream whose
+// kernel leaves two window probes in a row unanswered is not excused (its
+// host or path may be gone), nor is one once the client has read. stalled
+// does not ask it: a link that holds memory for nothing may still be
+// closed for the budget, only not blamed on its upstream. One ioctl (and
+// a TCP_INFO when bytes wait), asked only when a verdict would count.
 func (lk *link) answersWaiting() bool {
 	up := lk.upEnd()
-	if up == nil {
-		return false
-	}
-	got, _, ok := up.received()
-	return ok && got > lk.bytesDown.Load()
+	return up != nil && up.answersUnread()
 }
 
 // ackedBytes is how many bytes of the stream the upstream has acknowledged.

@@ -284,6 +284,7 @@ func TestClientThatDoesNotReadIsNoWriteStall(t *testing.T) {
 			t.Fatalf("the link never held requests for a server with answers unread (queued %d, received %d ok %v, read %d)", lk.q.Bytes(), got, ok, lk.bytesDown.Load())
 		}
 	}
+	stalledByClient(t, h) // the server's bytes stopped arriving: it waits
 	time.Sleep(3 * wt)
 	m := h.m.ForListener("test")
 	if got := testutil.ToFloat64(m.WriteTimeouts); got != 0 {

@@ -41,6 +41,10 @@ type upstreamEnd interface {
 	// when the latest arrived (flow.Received; false: the transport does not
 	// say, or nothing arrived).
 	received() (n, at int64, ok bool)
+	// answersUnread reports whether the upstream's bytes wait unread in the
+	// proxy while its kernel answers (flow.UnreadFromALivePeer; false: the
+	// transport does not say).
+	answersUnread() bool
 	// release gives back what the end holds once the link's goroutines
 	// have ended.
 	release()

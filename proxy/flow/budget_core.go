@@ -20,7 +20,8 @@ import (
 // waiting and acknowledged nothing for write_timeout is closed instead
 // (reason budget), and while links wait, the reaper closes such links
 // among those that hold the budget: the ones holding memory for nothing
-// give way first. A link toward a live upstream is never closed for it.
+// give way first. A link toward a live upstream that reads is never
+// closed for it (one whose client stalled it may be, blamed on no one).
 type Budget struct {
 	Limit  atomic.Int64 // 0: no budget
 	Queued atomic.Int64 // bytes of queue chunks held

@@ -297,6 +297,26 @@ func UnreadBytes(c *net.TCPConn) int {
 	return n
 }
 
+// UnreadFromALivePeer reports whether bytes the peer sent wait unread in
+// raw's receive queue (SIOCINQ, which leaves out a FIN and an urgent byte
+// that reads skip) while the peer's kernel still answers: fewer than two
+// of the zero-window probes it is sent in a row unanswered (TCP_INFO
+// tcpi_probes, which any ACK from the peer resets). A peer that stopped
+// reading because the proxy does not read its bytes waits on the proxy,
+// unless it is gone. False when the kernel does not say.
+func UnreadFromALivePeer(raw syscall.RawConn) bool {
+	inq := 0
+	if err := raw.Control(func(fd uintptr) {
+		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
+			inq = v
+		}
+	}); err != nil || inq <= 0 {
+		return false
+	}
+	ti, ok := tcpInfo(raw)
+	return ok && ti.Probes < 2
+}
+
 // SendWindow is what an upstream socket's kernel is doing with the bytes
 // it holds for the peer.
 type SendWindow struct {

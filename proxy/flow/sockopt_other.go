@@ -37,6 +37,9 @@ func OriginalDst(syscall.Conn, net.Addr) (netip.AddrPort, error) {
 // UnreadBytes is unknown outside Linux.
 func UnreadBytes(*net.TCPConn) int { return 0 }
 
+// UnreadFromALivePeer is unknown outside Linux.
+func UnreadFromALivePeer(syscall.RawConn) bool { return false }
+
 // SendWindow is unknown outside Linux (and TCP_USER_TIMEOUT is not set
 // there): the Window guard Never starts.
 type SendWindow struct{ Zero, Answered, Idle bool }

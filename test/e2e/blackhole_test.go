@@ -7,6 +7,7 @@
 package e2e
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -246,6 +247,34 @@ func TestBlackholedUpstreamStaysOpenWithoutUserTimeout(t *testing.T) {
 	}
 }
 
+// zeroWindowProxy starts a proxy in front of ln (tcp_user_timeout 1s,
+// write_timeout wt), closes ln and the connection its server sends on
+// served when the test ends, and returns the proxy's address and its
+// links' ends.
+func zeroWindowProxy(t *testing.T, ln net.Listener, served <-chan net.Conn, wt time.Duration) (string, <-chan proxy.LinkStats) {
+	t.Helper()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		select {
+		case c := <-served:
+			_ = c.Close()
+		default:
+		}
+	})
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	s.TCPUserTimeout = policy.Duration(time.Second)
+	s.WriteTimeout = policy.Duration(wt)
+	cfg.Listeners = []policy.Listener{{Name: "zw", Listen: "127.0.0.1:0", Upstream: ln.Addr().String(), Settings: s}}
+	ended := make(chan proxy.LinkStats, 4)
+	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p.Addr("zw").String(), ended
+}
+
 // A path that dies while the upstream's window is zero (a server that
 // stopped reading, then its node went away): the proxy has lifted
 // TCP_USER_TIMEOUT from the socket while the server's kernel answered the
@@ -275,26 +304,8 @@ func TestBlackholeAtZeroWindowIsAWriteTimeout(t *testing.T) {
 			held <- c
 		}
 	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		select {
-		case c := <-held:
-			_ = c.Close()
-		default:
-		}
-	})
-	cfg := policy.DefaultConfig()
-	s := cfg.Defaults
-	s.TCPUserTimeout = policy.Duration(time.Second)
-	s.WriteTimeout = policy.Duration(4 * time.Second)
-	cfg.Listeners = []policy.Listener{{Name: "zw", Listen: "127.0.0.1:0", Upstream: ln.Addr().String(), Settings: s}}
-	ended := make(chan proxy.LinkStats, 4)
-	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = p.Close() })
-	c, err := net.Dial("tcp", p.Addr("zw").String())
+	addr, ended := zeroWindowProxy(t, ln, held, 4*time.Second)
+	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -305,6 +316,13 @@ func TestBlackholeAtZeroWindowIsAWriteTimeout(t *testing.T) {
 		t.Fatalf("the link to a server that only stopped reading ended (%s, %v) within 2.5 tcp_user_timeouts", s.Reason, s.Err)
 	case <-time.After(2500 * time.Millisecond):
 	}
+	pathDiesToAWriteTimeout(t, peer, ended, 20*time.Second)
+}
+
+// pathDiesToAWriteTimeout drops the peer's port 9000 and waits up to
+// within for the link to end with write_timeout.
+func pathDiesToAWriteTimeout(t *testing.T, peer *netns.NS, ended <-chan proxy.LinkStats, within time.Duration) {
+	t.Helper()
 	if err := peer.NFT(blackhole9000); err != nil {
 		t.Fatalf("installing the drop in the peer namespace: %v", err)
 	}
@@ -315,7 +333,79 @@ func TestBlackholeAtZeroWindowIsAWriteTimeout(t *testing.T) {
 		if s.Reason != proxy.CloseWriteTimeout {
 			t.Fatalf("reason %s (%v), want write_timeout", s.Reason, s.Err)
 		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("the link to a dead path at a zero window is still open 20s on")
+	case <-time.After(within):
+		t.Fatalf("the link to a dead path is still open %v on", within)
 	}
+}
+
+// serveSerial answers each 4-byte length-prefixed frame on c with itself
+// before it reads the next (a server with one request in hand per
+// connection: it stops reading while it cannot send).
+func serveSerial(c net.Conn) {
+	defer c.Close()
+	var hdr [4]byte
+	for {
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			return
+		}
+		frame := make([]byte, 4+int(binary.BigEndian.Uint32(hdr[:])))
+		copy(frame, hdr[:])
+		if _, err := io.ReadFull(c, frame[4:]); err != nil {
+			return
+		}
+		if _, err := c.Write(frame); err != nil {
+			return
+		}
+	}
+}
+
+// A client that pipelines requests and reads nothing stalls a server that
+// answers one request at a time: its answers wait unread in the proxy,
+// it stops reading, nothing is acknowledged. That is no write stall (the
+// twin of TestBlackholeAtZeroWindowIsAWriteTimeout, over a real network):
+// the link lives through several write_timeouts. Then the server's path
+// dies: its kernel leaves the window probes unanswered, the excuse ends,
+// and write_timeout ends the link.
+func TestBlackholeBehindAStalledClientIsAWriteTimeout(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.13.1/24", "10.231.13.2/24")
+	ln, err := peer.Listen("tcp", net.JoinHostPort(link.PeerIP().String(), "9000"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	served := make(chan net.Conn, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			served <- c
+			serveSerial(c)
+		}
+	}()
+	addr, ended := zeroWindowProxy(t, ln, served, 2*time.Second)
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 16<<10) }); err != nil {
+			return err
+		}
+		return serr
+	}}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	frames := make([]byte, 0, 48<<20)
+	for range 48 { // 1 MiB frames, more than the buffers between hold
+		frames = append(frames, 0, 0x0f, 0xff, 0xfc)
+		frames = append(frames, make([]byte, 1<<20-4)...)
+	}
+	go func() { _, _ = c.Write(frames) }() // ends with the link
+	select {
+	case s := <-ended:
+		t.Fatalf("the link to a server its client stalled ended (%s, %v) within 3 write_timeouts", s.Reason, s.Err)
+	case <-time.After(3 * 2 * time.Second):
+	}
+	pathDiesToAWriteTimeout(t, peer, ended, 60*time.Second)
 }
