@@ -65,18 +65,22 @@ func (h *harness) waitParked(n int, within time.Duration) {
 	}
 }
 
-// pumpGoroutines counts the goroutines running a TCP end's pump.
-func pumpGoroutines() int {
+// allStacks is every goroutine's stack (runtime.Stack), whole.
+func allStacks() string {
 	buf := make([]byte, 1<<20)
 	for {
 		n := runtime.Stack(buf, true)
 		if n < len(buf) {
-			buf = buf[:n]
-			break
+			return string(buf[:n])
 		}
 		buf = make([]byte, 2*len(buf))
 	}
-	return strings.Count(string(buf), "(*tcpEnd).pumpRequests(") + strings.Count(string(buf), "(*tcpEnd).pumpResponses(")
+}
+
+// pumpGoroutines counts the goroutines running a TCP end's pump.
+func pumpGoroutines() int {
+	st := allStacks()
+	return strings.Count(st, "(*tcpEnd).pumpRequests(") + strings.Count(st, "(*tcpEnd).pumpResponses(")
 }
 
 // waitNoPumpGoroutines waits until no goroutine runs a pump: a pump

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -51,17 +50,8 @@ func TestStartersKeepFewAndEndWithTheProxy(t *testing.T) {
 // (from their stacks: a starter counts itself idle just before it gets
 // there, and a start finds it only once it is there).
 func startersInSelect() int {
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
 	n := 0
-	for _, g := range strings.Split(string(buf), "\n\n") {
+	for _, g := range strings.Split(allStacks(), "\n\n") {
 		if strings.Contains(g, " [select") && strings.Contains(g, ").run(") && strings.Contains(g, "(*starters)") {
 			n++
 		}
