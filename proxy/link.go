@@ -106,11 +106,11 @@ type link struct {
 	// dialing: a pool link's connect to a member is under way; it is in
 	// the member's links for the member's drain only (see evict).
 	dialing atomic.Bool
-	// heldUnread is what the upstream's kernel had taken in when a verdict
+	// heldUnread is how far the response pump must read (bytesDown) to
+	// have read what waited unread in the upstream's socket when a verdict
 	// on the link's requests was put off (heardUnread), or when the link
-	// closed, with bytes unread in the proxy; 0: none. While the response
-	// pump has not read that far, its requests are not handed on when it
-	// ends.
+	// closed; 0: nothing waited. While the pump has not read that far, its
+	// requests are not handed on when it ends.
 	heldUnread atomic.Int64
 	// upstreamBadFrame: the bad frame that ended the link was the
 	// upstream's (a response cut short), not the client's.
@@ -437,7 +437,7 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 	if up == nil {
 		return false
 	}
-	got, at, ok := up.received()
+	_, at, ok := up.received()
 	if !ok {
 		return false
 	}
@@ -447,11 +447,13 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 			return true
 		}
 	}
-	if got <= lk.bytesDown.Load() {
+	read := lk.bytesDown.Load()
+	unread := up.unread()
+	if unread == 0 {
 		lk.heldUnread.Store(0)
 		return false // the pump has read all of it: the silence is the endpoint's
 	}
-	lk.heldUnread.Store(got)
+	lk.heldUnread.Store(read + int64(unread))
 	if lk.conv != nil && lk.conv.off.Load() {
 		return true // no longer tracked meanwhile: nothing to judge again
 	}
@@ -618,8 +620,9 @@ func (lk *link) closeBoth() {
 			if lk.trk != nil && lk.trk.Pending() > 0 {
 				// The upstream's bytes still unread when the link ends: it
 				// could not answer the requests it is left with (finish).
-				if got, _, ok := up.received(); ok && got > lk.bytesDown.Load() {
-					lk.heldUnread.Store(got)
+				read := lk.bytesDown.Load()
+				if n := up.unread(); n > 0 {
+					lk.heldUnread.Store(read + int64(n))
 				}
 			}
 			up.close()

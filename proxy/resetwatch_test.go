@@ -317,34 +317,6 @@ func watchNow(t *testing.T, c, s *net.TCPConn, r *flow.SockReader, w *resetWatch
 	}
 }
 
-// sendUrgent sends before, then the byte mark as urgent data (MSG_OOB),
-// then after, in one segment (corked), so that all of it is in the peer's
-// receive queue before its reader's next read: that read stops short at
-// the urgent mark, with after behind it.
-func sendUrgent(t *testing.T, c *net.TCPConn, before string, mark byte, after string) {
-	t.Helper()
-	rc, err := c.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var serr error
-	_ = rc.Control(func(fd uintptr) {
-		if serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 1); serr != nil {
-			return
-		}
-		if serr = unix.Send(int(fd), append([]byte(before), mark), unix.MSG_OOB); serr != nil {
-			return
-		}
-		if _, serr = unix.Write(int(fd), []byte(after)); serr != nil {
-			return
-		}
-		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 0)
-	})
-	if serr != nil {
-		t.Fatal(serr)
-	}
-}
-
 // A read that starts at an urgent mark while the thread has a signal
 // pending returns EAGAIN with the bytes behind the mark queued, and no
 // edge comes for them. A reader whose watch reported (it reads on after
@@ -390,7 +362,7 @@ func TestUrgentMarkWithASignalPendingIsReadPast(t *testing.T) {
 	const rounds = 200
 	stalls := 0
 	for i := range rounds {
-		sendUrgent(t, c, "ab", 'X', "def")
+		testutil.SendUrgent(t, c, "ab", 'X', "def")
 		want := (i + 1) * len("abdef")
 		for deadline := time.Now().Add(time.Second); ; time.Sleep(100 * time.Microsecond) {
 			mu.Lock()
@@ -486,7 +458,7 @@ func TestResetWatchWakesAReaderForUrgentData(t *testing.T) {
 			w := newTestResetWatch(t)
 			c, s, r := watchedInOrder(t, w, early)
 			base := received(t, s)
-			sendUrgent(t, c, "ab", 'X', "def")
+			testutil.SendUrgent(t, c, "ab", 'X', "def")
 			testutil.WaitUnread(t, s, len("ab")) // SIOCINQ counts up to the urgent mark
 			waitReceived(t, s, base+uint64(len("abXdef")))
 			if early {
@@ -677,7 +649,7 @@ func TestClientUrgentDataDoesNotStallTheLink(t *testing.T) {
 	})
 	h := startParking(t, addr, 0, nil)
 	c := liveLink(t, h)
-	sendUrgent(t, c, "pi", 'X', "ng")
+	testutil.SendUrgent(t, c, "pi", 'X', "ng")
 	got := make([]byte, 4)
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if _, err := io.ReadFull(c, got); err != nil || string(got) != "ping" {

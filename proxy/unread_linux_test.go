@@ -4,8 +4,10 @@ package proxy
 
 import (
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -333,5 +335,128 @@ func TestBudgetCloseOfAClientStalledLinkBlamesNoUpstream(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(r.m.ForListener("test").WriteTimeouts); got != 0 {
 		t.Fatalf("write_timeouts_total = %v, want 0", got)
+	}
+}
+
+// urgentServer is a framed server that answers each of its first answer
+// frames on a connection after delay with the frame itself, then an
+// urgent byte (MSG_OOB, which the proxy does not read inline and so
+// never relays); later frames get no answer. It ends with the test.
+func urgentServer(t *testing.T, answer int, delay time.Duration) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() {
+				for n := 0; ; n++ {
+					var hdr [4]byte
+					if _, err := io.ReadFull(c, hdr[:]); err != nil {
+						return
+					}
+					p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+					if _, err := io.ReadFull(c, p); err != nil || n >= answer {
+						if err != nil {
+							return
+						}
+						continue
+					}
+					time.Sleep(delay)
+					rc, err := c.(*net.TCPConn).SyscallConn()
+					if err != nil {
+						return
+					}
+					var serr error
+					if err := rc.Write(func(fd uintptr) bool {
+						if _, serr = unix.Write(int(fd), append(hdr[:], p...)); serr == nil {
+							serr = unix.Send(int(fd), []byte{'!'}, unix.MSG_OOB)
+						}
+						return true
+					}); err != nil || serr != nil {
+						return
+					}
+				}
+			})
+		}
+	})
+	return ln.Addr().String()
+}
+
+// An urgent byte is taken in by the upstream's kernel and never read (not
+// inline), so the kernel's count of bytes taken in stays ahead of what
+// the response pump read for good. That is no answer waiting unread: a
+// server that answered with an urgent byte behind and then went silent is
+// excluded by its request's deadline. Before, every verdict on its link
+// was put off, again and again, and the dead server was never judged.
+// The twin is TestUrgentBytesFromALiveServerAreNoSilence.
+func TestUrgentByteIsNoAnswerHeldUnread(t *testing.T) {
+	h := start(t, urgentServer(t, 1, 0), framed(300*time.Millisecond, 1, nil))
+	c := h.dial()
+	sendFrame(t, c, "q1")
+	if got := readFrame(t, c, 5*time.Second); got != "q1" {
+		t.Fatalf("answer %q, want q1", got)
+	}
+	e := h.onlyEnd()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if got, _, _ := e.received(); got == int64(len("q1")+5) {
+			break // the answer and the urgent byte behind it
+		} else if time.Now().After(deadline) {
+			t.Fatalf("the upstream's kernel took in %d bytes after 5s, want %d", got, len("q1")+5)
+		}
+	}
+	sent := time.Now()
+	sendFrame(t, c, "q2") // never answered
+	st := h.waitState("excluded", 300*time.Millisecond+2*time.Second)
+	if st.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", st.Reason)
+	}
+	if took := time.Since(sent); took < 300*time.Millisecond {
+		t.Fatalf("excluded %v after the request, before its deadline (300ms)", took)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredDeferred); got != 0 {
+		t.Errorf("unanswered_deferred_total = %v: a verdict was put off for an urgent byte", got)
+	}
+}
+
+// The twin: a server that answers every request, late (200ms of a 300ms
+// deadline) and with an urgent byte behind each answer, stays healthy,
+// and every answer reaches the client.
+func TestUrgentBytesFromALiveServerAreNoSilence(t *testing.T) {
+	h := start(t, urgentServer(t, 1<<30, 200*time.Millisecond), framed(300*time.Millisecond, 1, nil))
+	c := h.dial()
+	for i := range 5 {
+		q := fmt.Sprintf("q%d", i)
+		sendFrame(t, c, q)
+		if got := readFrame(t, c, 5*time.Second); got != q {
+			t.Fatalf("answer %q, want %q", got, q)
+		}
+	}
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if st := h.endpoint(); st.State != "healthy" || st.ConsecutiveUnanswered != 0 {
+		t.Fatalf("endpoint %s with %d consecutive unanswered, want healthy with 0", st.State, st.ConsecutiveUnanswered)
 	}
 }

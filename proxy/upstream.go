@@ -41,6 +41,9 @@ type upstreamEnd interface {
 	// when the latest arrived (flow.Received; false: the transport does not
 	// say, or nothing arrived).
 	received() (n, at int64, ok bool)
+	// unread is how many of the upstream's bytes a read would still return
+	// (flow.UnreadInBand; 0: none, or the transport does not say).
+	unread() int
 	// answersUnread reports whether the upstream's bytes wait unread in the
 	// proxy while its kernel answers (flow.UnreadFromALivePeer; false: the
 	// transport does not say).

@@ -204,6 +204,8 @@ func (*meshEnd) acked() (int64, bool) { return 0, false }
 
 func (*meshEnd) received() (n, at int64, ok bool) { return 0, 0, false }
 
+func (*meshEnd) unread() int { return 0 }
+
 func (*meshEnd) answersUnread() bool { return false }
 
 func (e *meshEnd) release() { e.sess.remove(e.lk) }

@@ -185,6 +185,8 @@ func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) received() (n, at int64, ok bool) { return flow.Received(e.raw) }
 
+func (e *tcpEnd) unread() int { return flow.UnreadInBand(e.raw) }
+
 func (e *tcpEnd) answersUnread() bool { return flow.UnreadFromALivePeer(e.raw) }
 
 func (e *tcpEnd) release() {

@@ -4,6 +4,7 @@ package testutil
 
 import (
 	"net"
+	"syscall"
 	"testing"
 	"time"
 
@@ -69,4 +70,34 @@ func ResetBehind(t testing.TB, c, s *net.TCPConn, last []byte) {
 	_ = c.SetLinger(0)
 	_ = c.Close()
 	WaitTCPState(t, s, unix.BPF_TCP_CLOSE)
+}
+
+// SendUrgent sends before, then the byte mark as urgent data (MSG_OOB),
+// then after (when not empty), in one segment (corked), so that all of it
+// is in the peer's receive queue before its reader's next read: that read
+// stops short at the urgent mark, with after behind it.
+func SendUrgent(t testing.TB, c syscall.Conn, before string, mark byte, after string) {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serr error
+	_ = rc.Control(func(fd uintptr) {
+		if serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 1); serr != nil {
+			return
+		}
+		if serr = unix.Send(int(fd), append([]byte(before), mark), unix.MSG_OOB); serr != nil {
+			return
+		}
+		if after != "" {
+			if _, serr = unix.Write(int(fd), []byte(after)); serr != nil {
+				return
+			}
+		}
+		serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_CORK, 0)
+	})
+	if serr != nil {
+		t.Fatal(serr)
+	}
 }

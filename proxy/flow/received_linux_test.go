@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // Received says how many bytes of the peer's the kernel took in, and
@@ -112,4 +114,65 @@ func tcpState(raw syscall.RawConn) uint8 {
 		}
 	})
 	return st
+}
+
+// UnreadInBand counts what a read would still return, urgent data
+// around: the bytes before an urgent mark, then (at the mark, where
+// SIOCINQ says 0) one for the bytes behind it, then nothing once they are
+// read. An urgent byte that came last leaves nothing to read, though the
+// kernel's count of bytes taken in (Received) stays one ahead of what was
+// read for good: that count cannot say whether bytes wait.
+func TestUnreadInBandSkipsUrgentBytes(t *testing.T) {
+	c, s := tcpPair(t)
+	raw, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitReceived := func(want int64) {
+		t.Helper()
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			if n, _, _ := Received(raw); n == want {
+				return
+			} else if time.Now().After(deadline) {
+				t.Fatalf("Received = %d after 5s, want %d", n, want)
+			}
+		}
+	}
+	read := func(want string) {
+		t.Helper()
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		b := make([]byte, 16)
+		n, err := c.Read(b)
+		if err != nil || string(b[:n]) != want {
+			t.Fatalf("read %q, %v; want %q", b[:n], err, want)
+		}
+	}
+	if n := UnreadInBand(raw); n != 0 {
+		t.Fatalf("UnreadInBand = %d before anything came", n)
+	}
+	testutil.SendUrgent(t, s, "ab", 'X', "def")
+	waitReceived(6)
+	if n := UnreadInBand(raw); n != 2 {
+		t.Fatalf("UnreadInBand = %d with \"ab\" before the mark, want 2", n)
+	}
+	read("ab") // stops short at the mark
+	if n := UnreadInBand(raw); n != 1 {
+		t.Fatalf("UnreadInBand = %d at the mark with \"def\" behind it, want 1", n)
+	}
+	read("def") // past the urgent byte, which is not read inline
+	if n := UnreadInBand(raw); n != 0 {
+		t.Fatalf("UnreadInBand = %d with everything read, want 0", n)
+	}
+	testutil.SendUrgent(t, s, "gh", 'Y', "")
+	waitReceived(9)
+	if n := UnreadInBand(raw); n != 2 {
+		t.Fatalf("UnreadInBand = %d with \"gh\" before the last byte's mark, want 2", n)
+	}
+	read("gh")
+	if n := UnreadInBand(raw); n != 0 {
+		t.Fatalf("UnreadInBand = %d at a mark with nothing behind it, want 0", n)
+	}
+	if n, _, _ := Received(raw); n != 9 {
+		t.Fatalf("Received = %d, want 9: two urgent bytes that no read returns among them", n)
+	}
 }

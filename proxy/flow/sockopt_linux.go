@@ -298,23 +298,45 @@ func UnreadBytes(c *net.TCPConn) int {
 }
 
 // UnreadFromALivePeer reports whether bytes the peer sent wait unread in
-// raw's receive queue (SIOCINQ, which leaves out a FIN and an urgent byte
-// that reads skip) while the peer's kernel still answers: fewer than two
-// of the zero-window probes it is sent in a row unanswered (TCP_INFO
-// tcpi_probes, which any ACK from the peer resets). A peer that stopped
-// reading because the proxy does not read its bytes waits on the proxy,
-// unless it is gone. False when the kernel does not say.
+// raw's receive queue (UnreadInBand) while the peer's kernel still
+// answers: fewer than two of the zero-window probes it is sent in a row
+// unanswered (TCP_INFO tcpi_probes, which any ACK from the peer resets).
+// A peer that stopped reading because the proxy does not read its bytes
+// waits on the proxy, unless it is gone. False when the kernel does not
+// say.
 func UnreadFromALivePeer(raw syscall.RawConn) bool {
-	inq := 0
-	if err := raw.Control(func(fd uintptr) {
-		if v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ); err == nil {
-			inq = v
-		}
-	}); err != nil || inq <= 0 {
+	if UnreadInBand(raw) <= 0 {
 		return false
 	}
 	ti, ok := tcpInfo(raw)
 	return ok && ti.Probes < 2
+}
+
+// UnreadInBand is how many of the bytes the peer sent a read would still
+// return, waiting in raw's receive queue; 0 when none or when the kernel
+// does not say. SIOCINQ leaves out a FIN and an urgent byte, which a read
+// skips (the proxy's sockets do not read it inline), and counts only up
+// to an urgent mark not yet read past: at the mark it says 0, so a peek
+// (which skips the urgent byte as a read would) looks for a byte behind
+// it, and 1 stands for any. The count of bytes taken in (TCP_INFO
+// tcpi_bytes_received) is no measure: it counts every urgent byte, which
+// no read returns, so it stays ahead of what was read for good.
+func UnreadInBand(raw syscall.RawConn) int {
+	n := 0
+	_ = raw.Control(func(fd uintptr) {
+		v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+		if err != nil {
+			return
+		}
+		n = v
+		if n == 0 && AtUrgentMark(int(fd)) {
+			var b [1]byte
+			if k, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT); err == nil && k > 0 {
+				n = 1
+			}
+		}
+	})
+	return n
 }
 
 // SendWindow is what an upstream socket's kernel is doing with the bytes

@@ -40,6 +40,9 @@ func UnreadBytes(*net.TCPConn) int { return 0 }
 // UnreadFromALivePeer is unknown outside Linux.
 func UnreadFromALivePeer(syscall.RawConn) bool { return false }
 
+// UnreadInBand is unknown outside Linux.
+func UnreadInBand(syscall.RawConn) int { return 0 }
+
 // SendWindow is unknown outside Linux (and TCP_USER_TIMEOUT is not set
 // there): the Window guard Never starts.
 type SendWindow struct{ Zero, Answered, Idle bool }
