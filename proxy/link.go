@@ -184,10 +184,12 @@ func (lk *link) finish() {
 	}
 	if lk.trk != nil {
 		orphans := lk.trk.Stop()
-		if lk.conv != nil && lk.conv.profile && lk.clientEnded() || lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() {
+		if lk.owesNoEvidence() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
-			// first abandons its requests, which can no longer be answered.
+			// first abandons its requests, which can no longer be answered;
+			// a server that closes instead of answering (a request it will
+			// not serve) has said so.
 			// A link the proxy cut for a reason that says nothing of its
 			// upstream (an eviction, a client's bad frame, its own error)
 			// took away the answers itself: the endpoint's silence on
@@ -342,6 +344,14 @@ func (lk *link) recordRequests(p []byte, at, end int64, first bool) {
 
 // passFinToClient passes the upstream's FIN on to the client.
 func (lk *link) passFinToClient() {
+	if lk.trk != nil && lk.conv != nil && lk.conv.profile && lk.bytesDown.Load() > 0 {
+		// A server that answered on the link and then ends it will answer
+		// nothing more here: a broker closes instead of answering a
+		// request it will not serve (KAFKA.md: "close all outstanding
+		// entries at EOF"). Its requests are no evidence, now or when the
+		// link ends (owesNoEvidence).
+		lk.trk.Stop()
+	}
 	lk.sawFin(CloseUpstreamClosed)
 	if cerr := lk.passFin(lk.client.CloseWrite); cerr != nil {
 		lk.abort(CloseClientError, cerr)
@@ -390,6 +400,9 @@ func (lk *link) badFrame(direction string, err error) {
 // dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []flow.PendingRequest, left int) {
 	n, since := lk.trk.Unanswered(judged)
+	if n > 0 && lk.reason.Load() != nil && lk.owesNoEvidence() {
+		n = 0 // a verdict due as the link ends, cut by the proxy: as finish
+	}
 	if n > 0 {
 		if lk.heardUnread(judged) {
 			n = 0
@@ -447,13 +460,14 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 			return true
 		}
 	}
-	read := lk.bytesDown.Load()
 	unread := up.unread()
 	if unread == 0 {
 		lk.heldUnread.Store(0)
 		return false // the pump has read all of it: the silence is the endpoint's
 	}
-	lk.heldUnread.Store(read + int64(unread))
+	// Asked after the kernel: bytes the pump reads in between are counted
+	// twice, which only holds its requests back longer.
+	lk.heldUnread.Store(lk.bytesDown.Load() + int64(unread))
 	if lk.conv != nil && lk.conv.off.Load() {
 		return true // no longer tracked meanwhile: nothing to judge again
 	}
@@ -620,9 +634,8 @@ func (lk *link) closeBoth() {
 			if lk.trk != nil && lk.trk.Pending() > 0 {
 				// The upstream's bytes still unread when the link ends: it
 				// could not answer the requests it is left with (finish).
-				read := lk.bytesDown.Load()
 				if n := up.unread(); n > 0 {
-					lk.heldUnread.Store(read + int64(n))
+					lk.heldUnread.Store(lk.bytesDown.Load() + int64(n))
 				}
 			}
 			up.close()
@@ -672,6 +685,28 @@ func (lk *link) clientEnded() bool {
 // were owed could no longer be seen. A watermark or budget overflow is
 // such a reason unless the upstream had stalled (then it is evidence); a
 // bad frame is, unless it was the upstream's.
+// owesNoEvidence reports whether the link's requests say nothing of its
+// endpoint once the link has ended (see finish): under a protocol profile
+// its client gave up, or the upstream, having answered on it, closed it
+// (a broker closes instead of answering a request it will not serve:
+// KAFKA.md, "close all outstanding entries at EOF"); the proxy cut it;
+// or the pump had not read what the upstream sent when a verdict was put
+// off.
+func (lk *link) owesNoEvidence() bool {
+	if lk.conv != nil && lk.conv.profile && (lk.clientEnded() || lk.upstreamEndedAfterAnswers()) {
+		return true
+	}
+	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load()
+}
+
+// upstreamEndedAfterAnswers reports whether the upstream closed or reset
+// the link after it had sent something on it. One that accepts and closes
+// without a byte is not taken at its word: its requests stay evidence.
+func (lk *link) upstreamEndedAfterAnswers() bool {
+	r := lk.reason.Load()
+	return r != nil && (*r == CloseUpstreamClosed || *r == CloseUpstreamError) && lk.bytesDown.Load() > 0
+}
+
 func (lk *link) proxyCut() bool {
 	r := lk.reason.Load()
 	if r == nil {

@@ -1184,3 +1184,116 @@ func TestHeldRequestBehindAnUnknownHoldHeldInFull(t *testing.T) {
 		t.Fatal("the link was cut")
 	}
 }
+
+// A broker closes the connection instead of answering a request it will
+// not serve (an oversize Produce, an acks=0 Produce that failed, an
+// unparseable header: KAFKA.md, "close all outstanding entries at EOF").
+// Here it answers a Metadata request, then closes on the Produce behind
+// it: the Produce is no evidence, and the broker, otherwise quiet, stays
+// healthy past the Produce's deadline. Before, the link's requests were
+// handed to the endpoint and a live broker was excluded for a client's
+// bad request. The twin is TestBrokerThatClosesUnansweredIsJudged.
+func TestBrokerThatClosesAfterAnsweringOwesNothing(t *testing.T) {
+	for _, reset := range []bool{false, true} {
+		name := "FIN, the client slow to close"
+		if reset {
+			name = "reset"
+		}
+		t.Run(name, func(t *testing.T) { brokerClosesAfterAnswering(t, reset) })
+	}
+}
+
+func brokerClosesAfterAnswering(t *testing.T, reset bool) {
+	b := &kafkaBroker{ln: listenLoopback(t), serveConn: func(c net.Conn, _ <-chan struct{}) {
+		for n := 0; ; n++ {
+			p, ok := readKafkaRequest(c)
+			if !ok || n > 0 {
+				if reset {
+					_ = c.(*net.TCPConn).SetLinger(0)
+				}
+				_ = c.Close() // the Produce: refused by closing
+				return
+			}
+			resp := binary.BigEndian.AppendUint32(nil, 8)
+			resp = append(resp, p[4:8]...) // the correlation id
+			resp = append(resp, 0, 0, 0, 0)
+			if _, err := c.Write(resp); err != nil {
+				return
+			}
+		}
+	}}
+	runKafkaBroker(t, b)
+	h := start(t, b.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	if _, err := c.Write(metadataReq(1)); err != nil {
+		t.Fatal(err)
+	}
+	if id := readResponse(t, c, 5*time.Second); id != 1 {
+		t.Fatalf("response %d, want 1", id)
+	}
+	if _, err := c.Write(produceReq(1, 2)); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, _ = io.Copy(io.Discard, c) // to the broker's FIN, or its reset
+	if !reset {
+		// The link is half-closed past the Produce's deadline (timeout_ms
+		// 1s + 300ms) and the slack: nothing is judged meanwhile.
+		time.Sleep(1500 * time.Millisecond)
+	}
+	_ = c.Close()
+	if st := h.linkEnd(5 * time.Second); st.Reason != CloseUpstreamClosed && st.Reason != CloseUpstreamError {
+		t.Fatalf("link ended %s, want the upstream's close", st.Reason)
+	}
+	if n := h.p.lookupEndpoint(b.ln.Addr().String()).orphans.Pending(); n != 0 {
+		t.Fatalf("the endpoint holds %d request(s) of a link its broker closed after answering on it, want 0", n)
+	}
+	if reset {
+		time.Sleep(1500 * time.Millisecond) // past the Produce's deadline and the slack
+	}
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("live broker is %s (%s) after closing on a request it would not serve: %s", st.State, st.Reason, st.Evidence)
+	}
+	if got := testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+}
+
+// The twin: a broker that accepts, reads the request and closes without
+// a byte, every time, is not taken at its word: the request is handed to
+// the endpoint and judged by its deadline.
+func TestBrokerThatClosesUnansweredIsJudged(t *testing.T) {
+	b := &kafkaBroker{ln: listenLoopback(t), serveConn: func(c net.Conn, _ <-chan struct{}) {
+		readKafkaRequest(c)
+		_ = c.Close()
+	}}
+	runKafkaBroker(t, b)
+	h := start(t, b.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	c := h.dial()
+	sent := time.Now()
+	if _, err := c.Write(metadataReq(1)); err != nil {
+		t.Fatal(err)
+	}
+	closeOnEOF(t, c)
+	if st := h.linkEnd(5 * time.Second); st.Reason != CloseUpstreamClosed && st.Reason != CloseUpstreamError {
+		t.Fatalf("link ended %s, want the upstream's close", st.Reason)
+	}
+	st := h.waitState("excluded", 300*time.Millisecond+2*time.Second)
+	if st.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", st.Reason)
+	}
+	if d := time.Since(sent); d < 300*time.Millisecond {
+		t.Fatalf("excluded %v after the request, before its deadline (300ms)", d)
+	}
+}
+
+// closeOnEOF reads c to its end, as a client does whose server closed
+// the connection, then closes it.
+func closeOnEOF(t *testing.T, c net.Conn) {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		t.Fatalf("reading to the server's close: %v", err)
+	}
+	_ = c.Close()
+}
