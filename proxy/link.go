@@ -268,7 +268,15 @@ func (lk *link) answered(buf []byte) {
 		if lk.conv.off.Load() {
 			lk.respScan = nil
 		} else if _, _, ferr := lk.respScan.Scan(buf); ferr != nil {
-			lk.conv.untrack(metrics.UntrackedLimit, ferr)
+			if lk.respScan.Rd != nil {
+				// Responses are matched to requests: lost, the link's
+				// requests can no longer be told answered.
+				lk.conv.untrack(metrics.UntrackedLimit, ferr)
+			}
+			// Otherwise (pinot, length_field) responses are followed only
+			// to tell one cut short: a response longer than
+			// max_frame_length (Pinot's have no practical cap) ends that
+			// check on the link, and its requests stay judged.
 			lk.respScan = nil
 		}
 	}

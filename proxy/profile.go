@@ -116,20 +116,28 @@ type requestReader[R any] struct {
 	first  int // the first window: enough for most requests
 	parse  func(b []byte, complete bool) (R, int, error)
 	record func(c *conv, r *R, end int64)
+	// skip, when set, reports whether a parse error leaves only its own
+	// request unjudged, the link tracked: under a profile whose answers
+	// are not matched to requests (pinot), one request left out changes
+	// no other verdict.
+	skip func(error) bool
 
-	n      int64 // the frame's payload length
-	req    R
-	parsed bool
+	n       int64 // the frame's payload length
+	req     R
+	parsed  bool
+	skipped bool
 }
 
 func (r *requestReader[R]) Begin(n int64) flow.Window {
-	r.n, r.parsed = n, false
+	r.n, r.parsed, r.skipped = n, false, false
 	return flow.Window{Need: int(min(n, int64(r.first)))}
 }
 
 func (r *requestReader[R]) Read(b []byte) flow.Window {
 	req, need, err := r.parse(b, int64(len(b)) == r.n)
 	switch {
+	case err != nil && r.skip != nil && r.skip(err):
+		r.skipped = true
 	case err != nil:
 		r.c.untrackFor(err)
 	case need > 0:
@@ -142,6 +150,10 @@ func (r *requestReader[R]) Read(b []byte) flow.Window {
 
 func (r *requestReader[R]) End(off int64) {
 	if r.c.off.Load() {
+		return
+	}
+	if r.skipped {
+		r.c.lk.m.RequestsUnjudged.Inc()
 		return
 	}
 	if !r.parsed {

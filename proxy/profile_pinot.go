@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
@@ -15,8 +16,17 @@ import (
 // responses are not read.
 func pinotReaders(c *conv) (req, resp flow.FrameReader) {
 	return &requestReader[pinotwire.Request]{c: c, first: pinotFirstWindow,
-		parse: pinotwire.ParseRequest, record: (*conv).pinotRequest}, nil
+		parse: pinotwire.ParseRequest, record: (*conv).pinotRequest, skip: pinotSkip}, nil
 }
+
+// pinotSkip: a request whose timeout lies past the parser's prefix limit
+// (a filter with a long IN list comes before the query options) is
+// forwarded and left unjudged, its timeout unknown; the link stays
+// tracked. Pinot answers are not matched to requests, so no other verdict
+// changes, and a broker keeps one connection per server for good: were
+// the link untracked, a server that hangs later would never be judged on
+// it.
+func pinotSkip(err error) bool { return errors.Is(err, pinotwire.ErrTooLong) }
 
 // pinotTimeoutSlack is added to a Pinot request's own timeoutMs: the
 // server answers with a timeout error once the budget is spent, and the

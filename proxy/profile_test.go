@@ -1297,3 +1297,151 @@ func closeOnEOF(t *testing.T, c net.Conn) {
 	}
 	_ = c.Close()
 }
+
+// sentALongQuery starts a proxy (pinot, threshold 1, request_timeout rt
+// unless 0) in front of addr, and sends it a query (timeoutMs 60s) whose
+// timeoutMs lies past the proxy's parser's prefix limit (a filter with a
+// long IN list before it); it returns once the answer came and checks
+// that the query was left unjudged.
+func sentALongQuery(t *testing.T, addr string, rt time.Duration) (*harness, net.Conn, *metrics.Listener) {
+	t.Helper()
+	h := start(t, addr, func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot
+		if rt > 0 {
+			s.Unanswered.RequestTimeout = policy.Duration(rt)
+		}
+		s.Unanswered.ConsecutiveTimeoutsThreshold = 1
+		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+	})
+	c := h.dial()
+	q := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: 1, Table: "t_OFFLINE", TimeoutMs: 60_000, Filter: pinotwire.MaxRequestPrefix + 1024})
+	if _, err := c.Write(lptestutil.LengthPrefixed(q)); err != nil {
+		t.Fatal(err)
+	}
+	readFrame(t, c, 10*time.Second)
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.RequestsUnjudged); got != 1 {
+		t.Fatalf("requests_unjudged_total = %v, want 1", got)
+	}
+	return h, c, m
+}
+
+// A query too long for the proxy to read its timeoutMs is forwarded and
+// left unjudged, and only it: the link stays tracked, so a server that
+// hangs later on the broker's one connection to it is still excluded by
+// the next query's own deadline. Before, one long query untracked the
+// link for good. The twin is TestPinotLongQueryIsNotJudged.
+func TestPinotLongQueryLeavesTheLinkTracked(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h, c, m := sentALongQuery(t, srv.Addr(), 0)
+	stillTracked(t, m, "a long query")
+	srv.SetSilent(true) // hangs
+	excludedByItsDeadline(t, h, c)
+}
+
+// The twin: a long query whose timeoutMs the proxy cannot read, answered
+// late (2s, ten times request_timeout, within its own 60s), on a link with
+// nothing else going on, is not judged: its deadline is unknown, and no
+// guess (request_timeout, the server's default) is the query's own.
+func TestPinotLongQueryIsNotJudged(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{Delay: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h, _, m := sentALongQuery(t, srv.Addr(), 200*time.Millisecond)
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s), want healthy", ep.State, ep.Reason)
+	}
+}
+
+// A Pinot response longer than max_frame_length (Pinot's have no
+// practical cap) ends only the check for responses cut short: the link's
+// queries stay judged, and a server that hangs after it is excluded by
+// the next query's deadline. Before, the link was untracked for good.
+func TestPinotLongResponseLeavesTheLinkTracked(t *testing.T) {
+	const long = 2 << 20
+	ln := listenLoopback(t)
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		_ = ln.Close()
+		wg.Wait()
+	})
+	wg.Go(func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		for n := 0; ; n++ {
+			var hdr [4]byte
+			if _, err := io.ReadFull(c, hdr[:]); err != nil {
+				return
+			}
+			if _, err := io.CopyN(io.Discard, c, int64(binary.BigEndian.Uint32(hdr[:]))); err != nil || n > 0 {
+				continue // the second query: hangs
+			}
+			resp := binary.BigEndian.AppendUint32(nil, long)
+			if _, err := c.Write(append(resp, make([]byte, long)...)); err != nil {
+				return
+			}
+		}
+	})
+	h := start(t, ln.Addr().String(), func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot
+		s.Framing.MaxFrameLength = 1 << 20
+		s.Unanswered.ConsecutiveTimeoutsThreshold = 1
+		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+	})
+	c := h.dial()
+	t.Cleanup(func() { _ = c.Close() })
+	payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: 1, Table: "t_OFFLINE", TimeoutMs: 5000})
+	if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.CopyN(io.Discard, c, 4+long); err != nil {
+		t.Fatalf("reading the long response: %v", err)
+	}
+	m := h.m.ForListener("test")
+	stillTracked(t, m, "a long response")
+	excludedByItsDeadline(t, h, c)
+}
+
+// stillTracked fails the test if the listener untracked a link.
+func stillTracked(t *testing.T, m *metrics.Listener, after string) {
+	t.Helper()
+	for _, r := range metrics.UntrackedReasons {
+		if got := testutil.ToFloat64(m.Untracked(r)); got != 0 {
+			t.Fatalf("untracked{%s} = %v after %s: the link should still be tracked", r, got, after)
+		}
+	}
+}
+
+// excludedByItsDeadline sends a Pinot query (timeoutMs 300) on c to a
+// server that answers nothing more, and checks that the endpoint is
+// excluded for it, not before its deadline (timeoutMs plus 1s).
+func excludedByItsDeadline(t *testing.T, h *harness, c net.Conn) {
+	t.Helper()
+	sent := time.Now()
+	payload := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: 2, Table: "t_OFFLINE", TimeoutMs: 300})
+	if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
+		t.Fatal(err)
+	}
+	ep := h.waitState("excluded", 10*time.Second)
+	if d := ep.Since.Sub(sent); d < 1300*time.Millisecond {
+		t.Fatalf("excluded %v after the query, before its timeoutMs (300ms) plus the 1s slack", d)
+	}
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
+	}
+}

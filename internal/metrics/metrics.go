@@ -54,6 +54,7 @@ type Metrics struct {
 	watermarkRejections *prometheus.CounterVec
 	unansweredTimeouts  *prometheus.CounterVec
 	unansweredDeferred  *prometheus.CounterVec
+	requestsUnjudged    *prometheus.CounterVec
 	kafkaThrottles      *prometheus.CounterVec
 	endpointSuspect     *prometheus.CounterVec
 	evictions           *prometheus.CounterVec
@@ -171,6 +172,10 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 			Namespace: namespace, Name: "unanswered_deferred_total",
 			Help: "Verdicts put off because bytes of the endpoint's waited unread in the proxy (its client not reading them).",
 		}, []string{"listener"}),
+		requestsUnjudged: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "requests_unjudged_total",
+			Help: "Requests forwarded and never judged on a link that stays tracked: a Pinot request whose timeoutMs lies past the 64 KiB the proxy reads of it.",
+		}, []string{"listener"}),
 		kafkaThrottles: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "kafka_throttles_total",
 			Help: "Kafka responses carrying a quota throttle after which the broker reads nothing from the connection (KIP-219); requests it holds unread meanwhile are due from the throttle's end.",
@@ -247,7 +252,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.kafkaThrottles, m.endpointSuspect,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.requestsUnjudged, m.kafkaThrottles, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors,
 		m.linkDuration, m.meshSessions, m.meshSessionDeaths, m.meshFallbacks, m.meshLimits,
 		m.acceptWaits, m.acceptWaiting, m.BudgetWaits, m.ParkedPumps,
@@ -296,6 +301,7 @@ type Listener struct {
 	WatermarkRejections prometheus.Counter
 	UnansweredTimeouts  prometheus.Counter
 	UnansweredDeferred  prometheus.Counter
+	RequestsUnjudged    prometheus.Counter
 	KafkaThrottles      prometheus.Counter
 	EndpointSuspect     prometheus.Counter
 	ProbesOK            prometheus.Counter
@@ -342,6 +348,7 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		WatermarkRejections: m.watermarkRejections.WithLabelValues(name),
 		UnansweredTimeouts:  m.unansweredTimeouts.WithLabelValues(name),
 		UnansweredDeferred:  m.unansweredDeferred.WithLabelValues(name),
+		RequestsUnjudged:    m.requestsUnjudged.WithLabelValues(name),
 		KafkaThrottles:      m.kafkaThrottles.WithLabelValues(name),
 		EndpointSuspect:     m.endpointSuspect.WithLabelValues(name),
 		ProbesOK:            m.probes.WithLabelValues(name, "ok"),
@@ -429,7 +436,7 @@ func (l *Listener) Closed(reason string) { l.Closes(reason).Inc() }
 func (m *Metrics) Forget(name string) {
 	for _, v := range []interface{ DeletePartialMatch(prometheus.Labels) int }{
 		m.linksActive, m.linksTotal, m.linkCloses, m.dialErrors, m.dialDuration,
-		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.kafkaThrottles, m.endpointSuspect,
+		m.writeTimeouts, m.watermarkRejections, m.unansweredTimeouts, m.unansweredDeferred, m.requestsUnjudged, m.kafkaThrottles, m.endpointSuspect,
 		m.evictions, m.probes, m.staleFramesDropped, m.untrackedLinks, m.failOpenLinks, m.dnsErrors, m.linkDuration,
 		m.meshFallbacks, m.acceptWaits, m.acceptWaiting,
 	} {

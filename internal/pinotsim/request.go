@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/internal/pinotwire"
@@ -45,6 +46,7 @@ const (
 	brokerQuerySource = 2
 	brokerPinotQuery  = 17
 	querySourceTable  = 1
+	pinotQueryFilter  = 4
 	pinotQueryOptions = 11
 )
 
@@ -59,6 +61,11 @@ type Request struct {
 	// BrokerRequest.pinotQuery.queryOptions (field 2.17.11) as a decimal
 	// string. 0: omitted (the server then applies its own default).
 	TimeoutMs int64
+	// Filter is that many bytes in PinotQuery's field 4 (filterExpression,
+	// before the query options), written as a binary field that readers
+	// skip: a real query's filter with a long IN list makes a request long
+	// there, ahead of its timeoutMs.
+	Filter int
 	// Segments is searchSegments (field 3); omitted when empty. It is also
 	// how a request is made large: real requests carry 40–70 B per segment.
 	Segments []string
@@ -95,6 +102,10 @@ func AppendRequest(dst []byte, r *Request) []byte {
 	w.pop()
 	w.field(ctStruct, brokerPinotQuery) // PinotQuery
 	w.push()
+	if r.Filter > 0 {
+		w.field(ctBinary, pinotQueryFilter)
+		w.str(strings.Repeat("x", r.Filter))
+	}
 	if r.TimeoutMs != 0 {
 		w.field(ctMap, pinotQueryOptions) // map<string,string>
 		w.b = binary.AppendUvarint(w.b, 1)
