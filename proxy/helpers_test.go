@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -111,4 +112,28 @@ func (h *harness) onlyLink(within time.Duration) *link {
 			h.t.Fatalf("no link with an upstream within %v", within)
 		}
 	}
+}
+
+// serveOne serves the first connection ln accepts with serve, which
+// returns when done is closed (or its connection fails); the test's
+// cleanup closes ln and done, closes the connection and waits for it.
+// It returns ln's address.
+func serveOne(t *testing.T, ln net.Listener, serve func(c net.Conn, done <-chan struct{})) string {
+	t.Helper()
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		close(done)
+		_ = ln.Close()
+		wg.Wait()
+	})
+	wg.Go(func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		serve(c, done)
+	})
+	return ln.Addr().String()
 }

@@ -112,6 +112,14 @@ type link struct {
 	// closed; 0: nothing waited. While the pump has not read that far, its
 	// requests are not handed on when it ends.
 	heldUnread atomic.Int64
+	// deliveryPutOff: the last verdict on the link's requests was put off
+	// because the first of them had not all reached the upstream
+	// (heldBack).
+	deliveryPutOff atomic.Bool
+	// deliveryAllow is the time its deadline gave the request a verdict was
+	// put off for while it had not all reached the upstream: the upstream
+	// has as long once it has all of it. 0: none put off so.
+	deliveryAllow atomic.Int64
 	// upstreamBadFrame: the bad frame that ended the link was the
 	// upstream's (a response cut short), not the client's.
 	upstreamBadFrame atomic.Bool
@@ -418,6 +426,9 @@ func (lk *link) judge(judged []flow.PendingRequest, left int) {
 			n, since = lk.trk.Unanswered(judged) // an answer the kernel gave may cover some
 		}
 	}
+	if n > 0 && lk.heldBack(judged) {
+		return // put off, and not stale: its bytes are still on their way
+	}
 	lk.host.countUnanswered(lk.ep, n, int(judged[0].Thr), since)
 	if lk.conv == nil {
 		return
@@ -479,14 +490,75 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 	if lk.conv != nil && lk.conv.off.Load() {
 		return true // no longer tracked meanwhile: nothing to judge again
 	}
+	lk.putOff(judged, 0)
+	return true
+}
+
+// putOff gives the judged requests not covered another verdict at due,
+// or (0) a slack later: the judge could not tell.
+func (lk *link) putOff(judged []flow.PendingRequest, due int64) {
 	var again []flow.PendingRequest
 	for i := range judged {
 		if r := &judged[i]; r.Verdict && !lk.trk.Covered(r) {
 			again = append(again, *r)
 		}
 	}
-	lk.trk.Defer(again, flow.Mono()+max(int64(flow.JudgingSlack(lk.settings.Unanswered.RequestTimeout.D())), int64(10*time.Millisecond)))
+	if due == 0 {
+		due = flow.Mono() + max(int64(flow.JudgingSlack(lk.settings.Unanswered.RequestTimeout.D())), int64(10*time.Millisecond))
+	}
+	lk.trk.Defer(again, due)
 	lk.m.UnansweredDeferred.Inc()
+}
+
+// heldBack looks, before requests of the link are counted unanswered, at
+// whether the first of them has reached the upstream: a server cannot
+// answer a request it has not been given. Not all of it acknowledged, the
+// verdict is put off (a slack at a time) while
+//   - the proxy holds the rest, the upstream having acknowledged all it
+//     was handed (the pump waits for the memory budget, or was not
+//     scheduled): the proxy's delay, never the upstream's; or
+//   - the upstream's kernel has acknowledged bytes since the request was
+//     sent, its window open: a large request on a slow path, still being
+//     delivered.
+//
+// Once all of it is acknowledged, the server gets the request's own time
+// (its deadline less its send time) from then: its clock starts when it
+// has the request. Not put off when bytes wait in the kernel for a peer
+// that has acknowledged nothing more for flow.DeliveryQuiet (a host or
+// path gone, or a process that stopped reading, its window closed): that
+// is the silence the rule is for. A link whose verdict was put off so is
+// not judged by its requests when it ends meanwhile (owesNoEvidence).
+// One TCP_INFO and one ioctl, asked only when a verdict would count.
+func (lk *link) heldBack(judged []flow.PendingRequest) bool {
+	up := lk.upEnd()
+	if up == nil {
+		return false
+	}
+	var first *flow.PendingRequest
+	for i := range judged {
+		if r := &judged[i]; r.Verdict && !lk.trk.Covered(r) {
+			first = r
+			break
+		}
+	}
+	if first == nil {
+		return false
+	}
+	d, ok := up.delivery()
+	if ok && first.End <= d.Acked {
+		if allow := lk.deliveryAllow.Swap(0); allow > 0 {
+			lk.putOff(judged, flow.Mono()+allow) // delivered since the last look
+			return true
+		}
+	}
+	held := ok && first.End > d.Acked && (d.Queued == 0 || lk.takenSince(d.Acked, first.At))
+	lk.deliveryPutOff.Store(held)
+	if !held {
+		lk.deliveryAllow.Store(0)
+		return false
+	}
+	lk.deliveryAllow.CompareAndSwap(0, max(first.Due-first.At, 1)) // its deadline not yet moved
+	lk.putOff(judged, 0)
 	return true
 }
 
@@ -516,6 +588,26 @@ func (lk *link) progressed() (moved, known bool) {
 			return true, true
 		}
 	}
+}
+
+// takenSince reports, given acked (a sample of the bytes the upstream
+// acknowledged), whether it was seen to acknowledge more of the stream
+// after mono time at and within the last flow.DeliveryQuiet: it is still
+// taking the stream in. A peer whose window closed (a process that stopped
+// reading) answers window probes but acknowledges no byte more.
+func (lk *link) takenSince(acked, at int64) bool {
+	now := flow.Mono()
+	for {
+		prev := lk.acked.Load()
+		if acked <= prev {
+			break
+		}
+		if lk.acked.CompareAndSwap(prev, acked) {
+			lk.ackedAt.Store(now)
+			break
+		}
+	}
+	return lk.ackedAt.Load() > max(at, now-int64(flow.DeliveryQuiet))
 }
 
 // stalled reports whether the upstream has acknowledged nothing of this
@@ -704,7 +796,7 @@ func (lk *link) owesNoEvidence() bool {
 	if lk.conv != nil && lk.conv.profile && (lk.clientEnded() || lk.upstreamEndedAfterAnswers()) {
 		return true
 	}
-	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load()
+	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() || lk.deliveryPutOff.Load()
 }
 
 // upstreamEndedAfterAnswers reports whether the upstream closed or reset

@@ -1369,18 +1369,7 @@ func TestPinotLongQueryIsNotJudged(t *testing.T) {
 // the next query's deadline. Before, the link was untracked for good.
 func TestPinotLongResponseLeavesTheLinkTracked(t *testing.T) {
 	const long = 2 << 20
-	ln := listenLoopback(t)
-	var wg sync.WaitGroup
-	t.Cleanup(func() {
-		_ = ln.Close()
-		wg.Wait()
-	})
-	wg.Go(func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
+	addr := serveOne(t, listenLoopback(t), func(c net.Conn, _ <-chan struct{}) {
 		for n := 0; ; n++ {
 			var hdr [4]byte
 			if _, err := io.ReadFull(c, hdr[:]); err != nil {
@@ -1395,7 +1384,7 @@ func TestPinotLongResponseLeavesTheLinkTracked(t *testing.T) {
 			}
 		}
 	})
-	h := start(t, ln.Addr().String(), func(s *policy.Settings) {
+	h := start(t, addr, func(s *policy.Settings) {
 		s.Framing.Type = policy.FramingPinot
 		s.Framing.MaxFrameLength = 1 << 20
 		s.Unanswered.ConsecutiveTimeoutsThreshold = 1

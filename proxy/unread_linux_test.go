@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
@@ -458,5 +459,186 @@ func TestUrgentBytesFromALiveServerAreNoSilence(t *testing.T) {
 	}
 	if st := h.endpoint(); st.State != "healthy" || st.ConsecutiveUnanswered != 0 {
 		t.Fatalf("endpoint %s with %d consecutive unanswered, want healthy with 0", st.State, st.ConsecutiveUnanswered)
+	}
+}
+
+// slowReader is a framed server behind a 4 KiB receive buffer that reads
+// 1 KiB every 10ms and answers "ok" to each frame once it has read all
+// of it; with stopAt > 0 it stops reading after stopAt bytes, its window
+// closes, and it answers nothing. It ends with the test.
+func slowReader(t *testing.T, stopAt int64) string {
+	t.Helper()
+	lc := net.ListenConfig{Control: func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		if err := rc.Control(func(fd uintptr) {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4<<10)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}}
+	ln, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return serveOne(t, ln, func(c net.Conn, done <-chan struct{}) {
+		var read int64
+		var frame []byte
+		buf := make([]byte, 1<<10)
+		for {
+			if stopAt > 0 && read >= stopAt {
+				<-done
+				return
+			}
+			select {
+			case <-done:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			n, err := c.Read(buf)
+			if err != nil {
+				return
+			}
+			read += int64(n)
+			frame = append(frame, buf[:n]...)
+			for len(frame) >= 4 && len(frame) >= 4+int(binary.BigEndian.Uint32(frame)) {
+				frame = frame[4+int(binary.BigEndian.Uint32(frame)):]
+				if _, err := c.Write(binary.BigEndian.AppendUint32(nil, 2)); err != nil {
+					return
+				}
+				if _, err := c.Write([]byte("ok")); err != nil {
+					return
+				}
+			}
+		}
+	})
+}
+
+// A request larger than the path carries within its deadline: a server
+// behind a slow path (here a 4 KiB window read 1 KiB at a time) takes in
+// 256 KiB over seconds, acknowledging as it goes, and answers once it has
+// all of it. A server cannot answer a request it has not been given: the
+// verdict is put off while the upstream still takes the request in, and
+// the request is written on past its deadline rather than dropped as
+// stale. Before, the server was excluded at 300ms. The twin is
+// TestLargeRequestToAServerThatStopsReadingIsJudged.
+func TestLargeRequestOnASlowPathIsNoSilence(t *testing.T) {
+	h := start(t, slowReader(t, 0), framed(300*time.Millisecond, 1, nil))
+	c := h.dial()
+	sendFrame(t, c, string(make([]byte, 256<<10)))
+	if got := readFrame(t, c, 60*time.Second); got != "ok" {
+		t.Fatalf("answer %q, want ok", got)
+	}
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if st := h.endpoint(); st.State != "healthy" {
+		t.Fatalf("endpoint %s (%s), want healthy", st.State, st.Reason)
+	}
+	if got := testutil.ToFloat64(m.UnansweredDeferred); got < 1 {
+		t.Fatalf("unanswered_deferred_total = %v: the verdict was never put off, the request reached the server within its deadline (make it larger)", got)
+	}
+}
+
+// The twin: a server that takes in 8 KiB of a large request and then
+// reads nothing (a process that stopped: its window closes, its kernel
+// still answers window probes) is judged at the request's deadline, or
+// flow.DeliveryQuiet after it stopped when that is later, not by
+// write_timeout (10s).
+func TestLargeRequestToAServerThatStopsReadingIsJudged(t *testing.T) {
+	h := start(t, slowReader(t, 8<<10), framed(300*time.Millisecond, 1, nil))
+	c := h.dial()
+	sent := time.Now()
+	sendFrame(t, c, string(make([]byte, 256<<10)))
+	st := h.waitState("excluded", 300*time.Millisecond+flow.DeliveryQuiet+3*time.Second)
+	if st.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", st.Reason)
+	}
+	if d := time.Since(sent); d < 300*time.Millisecond {
+		t.Fatalf("excluded %v after the request, before its deadline (300ms)", d)
+	}
+}
+
+// A request whose bytes the proxy itself holds past their deadline is no
+// evidence against its server. A budget of 512 KiB is filled by a link to a
+// server that never reads (write_timeout 3s, so the budget stays full that
+// long); meanwhile a client of another listener sends a 1 MiB request to
+// a live server behind a slow path (slowReader): what the kernel does not
+// take at once waits in the proxy for the budget, the server having
+// acknowledged all it was given. The verdict is put off while the proxy
+// holds the request (and while the server still takes it in), so the
+// live server is never counted or excluded; the request is answered, or,
+// past its deadline once the budget frees, dropped as stale, with
+// nothing handed to the endpoint either way. Before, the live server was
+// excluded at the request's deadline, its links cut: the cascade of one
+// stalled upstream onto healthy ones.
+func TestRequestHeldForTheBudgetIsNoSilence(t *testing.T) {
+	stalled := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Buffer: 4096})
+	live := slowReader(t, 0)
+	cfg := policy.DefaultConfig()
+	cfg.Limits = policy.Limits{MemoryBudget: 512 << 10}
+	stall := cfg.Defaults
+	stall.WriteTimeout = policy.Duration(3 * time.Second)
+	stall.Detector.InitialDelay = policy.Duration(30 * time.Second)
+	tracked := cfg.Defaults
+	framed(300*time.Millisecond, 1, nil)(&tracked)
+	cfg.Listeners = []policy.Listener{
+		{Name: "stall", Listen: "127.0.0.1:0", Upstream: stalled.Addr(), Settings: stall},
+		{Name: "test", Listen: "127.0.0.1:0", Upstream: live, Settings: tracked},
+	}
+	m := metrics.New()
+	ended := make(chan LinkStats, 16)
+	p := New(cfg, Options{metrics: m, Logger: testLogger(), OnLinkEnd: func(s LinkStats) { ended <- s }})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	dial := func(name string) net.Conn {
+		c, err := net.Dial("tcp", p.Addr(name).String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+	writeAsync(dial("stall"), 8<<20, 64<<10)
+	for deadline := time.Now().Add(10 * time.Second); p.budget.Queued.Load() < 384<<10; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the budget did not fill within 10s (%d queued)", p.budget.Queued.Load())
+		}
+	}
+	c := dial("test")
+	sendFrame(t, c, string(make([]byte, 256<<10)))
+	_ = c.SetReadDeadline(time.Now().Add(60 * time.Second))
+	if _, err := io.ReadFull(c, make([]byte, 6)); err != nil {
+		// Past its deadline once the budget freed: dropped as stale.
+		for {
+			select {
+			case st := <-ended:
+				if st.Listener != "test" {
+					continue
+				}
+				if st.Reason != CloseStale {
+					t.Fatalf("no answer (%v) and the link ended %q, want stale", err, st.Reason)
+				}
+			case <-time.After(60 * time.Second):
+				t.Fatal("the test link did not end within 60s")
+			}
+			break
+		}
+		t.Logf("no answer (%v): the request was dropped as stale", err)
+	}
+	if got := testutil.ToFloat64(m.BudgetWaits); got < 1 {
+		t.Fatalf("budget waits %v: the request never waited in the proxy (make the budget fuller)", got)
+	}
+	if st, _ := p.det.State(live); st.String() != "healthy" {
+		t.Fatalf("live server %s after the proxy held its request for the budget, want healthy", st)
+	}
+	if got := testutil.ToFloat64(m.ForListener("test").UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if n := p.lookupEndpoint(live).orphans.Pending(); n != 0 {
+		t.Fatalf("the endpoint holds %d request(s) of a link whose request the proxy held, want 0", n)
 	}
 }

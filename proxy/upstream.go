@@ -1,5 +1,7 @@
 package proxy
 
+import "github.com/livenessproxy/livenessproxy/proxy/flow"
+
 // upstreamEnd is what a link does with its upstream, one implementation
 // per transport: a TCP connection (tcpEnd, upstream_tcp.go) or a stream
 // through the mesh to a peer sidecar (meshEnd, upstream_mesh.go). The
@@ -41,6 +43,9 @@ type upstreamEnd interface {
 	// when the latest arrived (flow.Received; false: the transport does not
 	// say, or nothing arrived).
 	received() (n, at int64, ok bool)
+	// delivery is what the kernel says of the bytes handed to it for the
+	// upstream (flow.SampleDelivery; false: the transport does not say).
+	delivery() (flow.Delivery, bool)
 	// unread is how many of the upstream's bytes a read would still return
 	// (flow.UnreadInBand; 0: none, or the transport does not say).
 	unread() int

@@ -206,6 +206,8 @@ func (*meshEnd) received() (n, at int64, ok bool) { return 0, 0, false }
 
 func (*meshEnd) unread() int { return 0 }
 
+func (*meshEnd) delivery() (flow.Delivery, bool) { return flow.Delivery{}, false }
+
 func (*meshEnd) answersUnread() bool { return false }
 
 func (e *meshEnd) release() { e.sess.remove(e.lk) }

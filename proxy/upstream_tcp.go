@@ -187,6 +187,8 @@ func (e *tcpEnd) received() (n, at int64, ok bool) { return flow.Received(e.raw)
 
 func (e *tcpEnd) unread() int { return flow.UnreadInBand(e.raw) }
 
+func (e *tcpEnd) delivery() (flow.Delivery, bool) { return flow.SampleDelivery(e.raw) }
+
 func (e *tcpEnd) answersUnread() bool { return flow.UnreadFromALivePeer(e.raw) }
 
 func (e *tcpEnd) release() {
@@ -546,10 +548,14 @@ func (e *tcpEnd) writeUpstream() {
 		head := lk.bytesUp.Load() - queued
 		if lk.conv != nil {
 			// A request past its deadline is never written, even in the
-			// moment before the tracker's timer judges it.
-			if overdue := lk.trk.OverdueEnd(flow.Mono()); overdue > head {
-				lk.dropStale(1)
-				return
+			// moment before the tracker's timer judges it, unless the
+			// upstream is still taking in the stream (a large request on
+			// a slow path): its verdict is put off then (heldBack).
+			if overdue, sent := lk.trk.OverdueEnd(flow.Mono()); overdue > head {
+				if d, ok := e.delivery(); !ok || !lk.takenSince(d.Acked, sent) {
+					lk.dropStale(1)
+					return
+				}
 			}
 		}
 		var handed int

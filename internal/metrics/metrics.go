@@ -170,7 +170,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		unansweredDeferred: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "unanswered_deferred_total",
-			Help: "Verdicts put off because bytes of the endpoint's waited unread in the proxy (its client not reading them).",
+			Help: "Verdicts put off because bytes of the endpoint's waited unread in the proxy (its client not reading them), or because the request had not all reached the endpoint (the proxy held it, or the endpoint was still taking it in).",
 		}, []string{"listener"}),
 		requestsUnjudged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "requests_unjudged_total",

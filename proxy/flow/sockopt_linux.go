@@ -339,6 +339,21 @@ func UnreadInBand(raw syscall.RawConn) int {
 	return n
 }
 
+// SampleDelivery reads raw's TCP_INFO and send queue for a Delivery;
+// false when the kernel does not say.
+func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
+	ti, ok := tcpInfo(raw)
+	if !ok {
+		return Delivery{}, false
+	}
+	outq, err := -1, error(nil)
+	_ = raw.Control(func(fd uintptr) { outq, err = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) })
+	if err != nil || outq < 0 {
+		return Delivery{}, false
+	}
+	return Delivery{Acked: max(int64(ti.Bytes_acked)-1, 0), Queued: int64(outq)}, true
+}
+
 // SendWindow is what an upstream socket's kernel is doing with the bytes
 // it holds for the peer.
 type SendWindow struct {

@@ -40,6 +40,9 @@ func UnreadBytes(*net.TCPConn) int { return 0 }
 // UnreadFromALivePeer is unknown outside Linux.
 func UnreadFromALivePeer(syscall.RawConn) bool { return false }
 
+// SampleDelivery is unknown outside Linux.
+func SampleDelivery(syscall.RawConn) (Delivery, bool) { return Delivery{}, false }
+
 // UnreadInBand is unknown outside Linux.
 func UnreadInBand(syscall.RawConn) int { return 0 }
 

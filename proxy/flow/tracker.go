@@ -247,18 +247,22 @@ func (t *Tracker) armLocked(due int64) {
 }
 
 // OverdueEnd returns the stream end of the newest entry whose last
-// deadline has passed without a judgement yet (0 if none): the writer
-// must not send bytes up to there.
-func (t *Tracker) OverdueEnd(now int64) int64 {
+// deadline has passed without a judgement yet (0 if none), and when the
+// earliest of them was sent: the writer must not send bytes up to there,
+// unless the upstream is still taking them in (see tcpEnd.writeUpstream).
+func (t *Tracker) OverdueEnd(now int64) (end, sent int64) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	var end int64
 	for _, r := range t.pending {
 		if r.last <= now {
+			if end == 0 {
+				sent = r.At
+			}
 			end = max(end, r.End)
+			sent = min(sent, r.At)
 		}
 	}
-	return end
+	return end, sent
 }
 
 // expire judges every entry whose first deadline has passed (the
