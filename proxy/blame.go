@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"syscall"
@@ -50,6 +51,42 @@ func deadlinePassed(err error) bool {
 // the kernel after all its SYN retransmissions).
 func dialTimedOut(err error) bool {
 	return !errors.Is(err, syscall.ETIMEDOUT) && deadlinePassed(err)
+}
+
+// errFrozenDial is a connect timeout the proxy noticed at least
+// connect_timeout after its deadline: the dial took twice its timeout or
+// more. A dial's wait ends within a millisecond or two of its deadline
+// while the proxy runs; so late, the proxy itself could not run
+// (CPU throttling, a host under contention) for about as long as the
+// upstream was given, and a freeze before the SYN went out may have left
+// the connect none of its time at all. The kernel's own verdict was
+// taken (flow.DialRaw looks at the socket after its deadline: a connect
+// that completed during the freeze is a connection), but a connect
+// still unanswered then is not held against the endpoint: the link
+// fails as on any timeout, and the endpoint's count of timeouts in a row
+// neither counts it nor starts over (see endpoint.dialFailed).
+type errFrozenDial struct {
+	error
+	late time.Duration // from the deadline to the error
+}
+
+func (e errFrozenDial) Error() string {
+	return fmt.Sprintf("%v (noticed %v after connect_timeout: the proxy could not run meanwhile)", e.error, e.late.Round(time.Millisecond))
+}
+
+func (e errFrozenDial) Unwrap() error { return e.error }
+
+// frozenDial is err, of a dial with timeout begun at mono time began, as
+// an errFrozenDial when it is a connect timeout (dialTimedOut) that came
+// at least timeout after the deadline.
+func frozenDial(err error, began int64, timeout time.Duration) error {
+	if timeout <= 0 || !dialTimedOut(err) {
+		return err
+	}
+	if late := time.Duration(flow.Mono()-began) - timeout; late >= timeout {
+		return errFrozenDial{err, late}
+	}
+	return err
 }
 
 // closeReasonFor maps an error on an upstream socket to a close reason:

@@ -34,6 +34,7 @@ type directDialer struct{}
 func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 	var c upstreamSocket
 	var guard *ownDial
+	began := flow.Mono()
 	if ap, err := netip.ParseAddrPort(ep.dial); err == nil && flow.RawDialSupported && ap.Addr().Zone() == "" {
 		// An address: the socket outside net (flow.DialRaw), with the
 		// options lk.dialer's Control would set; the loop guard knows
@@ -44,13 +45,13 @@ func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 		}
 		f, err := flow.DialRawGuarded(lk.host.dialContext(), ap, lk.settings, lk.dialer.Timeout, g)
 		if err != nil {
-			return nil, err
+			return nil, frozenDial(err, began, lk.dialer.Timeout)
 		}
 		c = f
 	} else {
 		nc, err := lk.dialer.DialContext(lk.host.dialContext(), "tcp", ep.dial)
 		if err != nil {
-			return nil, err
+			return nil, frozenDial(err, began, lk.dialer.Timeout)
 		}
 		c = nc.(*net.TCPConn)
 	}
@@ -212,7 +213,7 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 		lk.host.report(ep, CloseDialError)
 	} else {
 		lk.log.Debug().Err(err).Str("endpoint", ep.addr).
-			Msg("connect failed; not held against the endpoint (it answers on other links, or one timeout a lost SYN explains)")
+			Msg("connect failed; not held against the endpoint (it answers on other links, one timeout a lost SYN explains, or a timeout the proxy noticed late)")
 	}
 	return true
 }

@@ -403,9 +403,14 @@ const dialTimeoutsToReport = 2
 // within lifeWindow before: a lost SYN or a full accept queue is not a
 // dead server. Not on a timeout that a lost SYN explains: only the
 // dialTimeoutsToReport-th in a row (a connect that succeeds starts the
-// count over). A refusal or an unreachable host with no sign of life is
-// reported at once.
+// count over). Never on a timeout the proxy noticed late (errFrozenDial:
+// it could not run meanwhile), which the count leaves out: it neither
+// counts nor starts over. A refusal or an unreachable host with no sign
+// of life is reported at once.
 func (ep *endpoint) dialFailed(began int64, lifeWindow time.Duration, err error) bool {
+	if errors.As(err, new(errFrozenDial)) {
+		return false
+	}
 	timedOut := dialTimedOut(err)
 	n := int32(0)
 	if timedOut {

@@ -163,8 +163,16 @@ func TestMeshPeerForgetsForgottenEndpoints(t *testing.T) {
 // dropped until its descriptor fd accepts one. It is closed at the test's
 // end, as is the connection that fills it.
 func queueFull(t *testing.T, addr [4]byte, port int) (fd int, hostPort string) {
+	return queueFullOf(t, addr, port, 0)
+}
+
+// queueFullOf is queueFull with room for backlog connections, all
+// taken (backlog+1 in the queue); port 0 is one the kernel picks. It
+// returns once the listener counts them in its queue (a listening
+// socket's tcpi_unacked).
+func queueFullOf(t *testing.T, addr [4]byte, port, backlog int) (fd int, hostPort string) {
 	t.Helper()
-	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
+	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,16 +180,33 @@ func queueFull(t *testing.T, addr [4]byte, port int) (fd int, hostPort string) {
 	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Port: port, Addr: addr}); err != nil {
 		t.Fatal(err)
 	}
-	if err := syscall.Listen(fd, 0); err != nil {
+	if err := syscall.Listen(fd, backlog); err != nil {
 		t.Fatal(err)
 	}
-	hostPort = fmt.Sprintf("%d.%d.%d.%d:%d", addr[0], addr[1], addr[2], addr[3], port)
-	fill, err := net.Dial("tcp", hostPort)
+	sa, err := syscall.Getsockname(fd)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = fill.Close() })
-	return fd, hostPort
+	hostPort = fmt.Sprintf("%d.%d.%d.%d:%d", addr[0], addr[1], addr[2], addr[3], sa.(*syscall.SockaddrInet4).Port)
+	for range backlog + 1 {
+		fill, err := net.Dial("tcp", hostPort)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = fill.Close() })
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		ti, err := unix.GetsockoptTCPInfo(fd, unix.IPPROTO_TCP, unix.TCP_INFO)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int(ti.Unacked) > backlog {
+			return fd, hostPort
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d connections in the accept queue after 10s", ti.Unacked, backlog+1)
+		}
+	}
 }
 
 // dialConnectingTo dials h, a pool of a (whose SYNs are dropped: see

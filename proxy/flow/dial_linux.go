@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -48,9 +49,11 @@ const RawDialSupported = true
 // ap must be an IP address without a zone (net handles the others). The
 // errors are net.Dialer's: a *net.OpError with Op "dial" wrapping the
 // system call's errno (ECONNREFUSED, EMFILE, an option refused) or
-// os.ErrDeadlineExceeded when timeout passed, or ctx's error when ctx
-// ended first. A timeout of 0 or less sets no deadline of ours. As net
-// does, a socket that connected to itself (a local destination's port
+// os.ErrDeadlineExceeded when timeout passed with the connect still under
+// way when looked at after it (one that completed or failed by then, the
+// proxy frozen past the deadline, is that: see awaitConnect), or ctx's
+// error when ctx ended first. A timeout of 0 or less sets no deadline of
+// ours. As net does, a socket that connected to itself (a local destination's port
 // taken as the connect's own while nothing listens there) is closed and
 // the connect made again, as is one the kernel refused a spurious
 // EADDRNOTAVAIL; twice at most, within the one timeout.
@@ -178,27 +181,26 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 // inside the wait's first call: the socket's readiness was reset before
 // that call (RawConn.Write), so an edge that comes after the look ends
 // the wait, and the wait starts after both are armed.
+//
+// A wait that ends on the deadline looks at the socket once more before
+// it reports a timeout: only a connect still under way (SYN_SENT) has
+// timed out. A process that could not run when the deadline passed (CPU
+// throttling, a host under contention) wakes to an expired timer and a
+// ready socket at once, and the runtime runs its timers before it polls
+// the network: the wait then ends on the deadline though the handshake
+// completed, or the connect was refused, meanwhile. The kernel went on
+// while the proxy did not: what it did is the dial's result.
 func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline time.Time) error {
 	var stop func() bool
 	var cerr error
 	err := rc.Write(func(fd uintptr) bool {
-		// Connected once the kernel names the peer. Until then the
-		// socket's error says whether the connect failed; a wake with
-		// neither (a readiness from before the connect went out) waits
-		// on. The wait is the poller's: RawConn.Write resets the
-		// socket's readiness before the first call, and a connect that
-		// completes after it raises a new edge (EPOLLOUT, or EPOLLERR and
-		// EPOLLHUP for a refused one).
-		if getpeername(int(fd)) == nil {
-			return true
-		}
-		var v int32
-		if err := getsockopt(int(fd), unix.SOL_SOCKET, unix.SO_ERROR, unsafe.Pointer(&v), 4); err != nil {
-			cerr = err
-			return true
-		}
-		if v != 0 {
-			cerr = os.NewSyscallError("connect", syscall.Errno(v))
+		// The wait is the poller's: RawConn.Write resets the socket's
+		// readiness before the first call, and a connect that completes
+		// after it raises a new edge (EPOLLOUT, or EPOLLERR and EPOLLHUP
+		// for a refused one); a wake with the connect still under way (a
+		// readiness from before the connect went out) waits on.
+		var done bool
+		if done, cerr = connectLook(int(fd)); done {
 			return true
 		}
 		if stop == nil {
@@ -207,6 +209,9 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline 
 			}
 			// The dial's context (the proxy's shutdown) ends the wait at once.
 			stop = context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
+			if hook := testHookConnectPending.Load(); hook != nil {
+				(*hook)(int(fd))
+			}
 		}
 		return false
 	})
@@ -221,6 +226,15 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline 
 		// the wait's end was.
 		return ctx.Err()
 	}
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		// The deadline's, since ctx's watch never ran: look once more.
+		// (Control, not Write, which fails on the deadline before its
+		// call.)
+		done := false
+		if rc.Control(func(fd uintptr) { done, cerr = connectLook(int(fd)) }) == nil && done {
+			err = nil
+		}
+	}
 	if err != nil {
 		return err
 	}
@@ -229,6 +243,31 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline 
 	}
 	return cerr
 }
+
+// connectLook looks at the socket fd whose connect went out: done once
+// the kernel names the peer (a nil error; getpeername alone, the whole
+// cost of a connect that completed), or once the socket's error
+// (SO_ERROR, which the look clears) says the connect failed (that
+// error). Neither: the connect is under way (SYN_SENT); the kernel sets
+// the socket's error whenever it ends a connect.
+func connectLook(fd int) (done bool, err error) {
+	if getpeername(fd) == nil {
+		return true, nil
+	}
+	var v int32
+	if err := getsockopt(fd, unix.SOL_SOCKET, unix.SO_ERROR, unsafe.Pointer(&v), 4); err != nil {
+		return true, err
+	}
+	if v != 0 {
+		return true, os.NewSyscallError("connect", syscall.Errno(v))
+	}
+	return false, nil
+}
+
+// testHookConnectPending, when set (by a test), runs in awaitConnect
+// after the wait's deadline is armed, before the wait: a test holds the
+// dialling goroutine there, as a process frozen past the deadline is.
+var testHookConnectPending atomic.Pointer[func(fd int)]
 
 // selfConnected reports whether f, connected to ap, is connected to
 // itself: its local address is ap. That takes a destination on this host

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -172,14 +173,17 @@ func TestDialRawRefused(t *testing.T) {
 
 // fullListener is a listening socket whose accept queue is full: a connect
 // to it gets no answer (the kernel drops its SYN) until the test accepts.
-// It returns the address and the descriptor.
-func fullListener(t *testing.T) (netip.AddrPort, int) {
+// It returns the address, the descriptor and a close of the listener
+// (once; the test's cleanup closes it otherwise).
+func fullListener(t *testing.T) (netip.AddrPort, int, func()) {
 	t.Helper()
 	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { unix.Close(fd) })
+	var once sync.Once
+	closeFD := func() { once.Do(func() { unix.Close(fd) }) }
+	t.Cleanup(closeFD)
 	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 1}}); err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +215,7 @@ func fullListener(t *testing.T) (netip.AddrPort, int) {
 			t.Fatal("the connection never reached the accept queue")
 		}
 	}
-	return ap, fd
+	return ap, fd, closeFD
 }
 
 // TestSelfConnectedTellsASocketConnectedToItself: DialRaw's guard against
@@ -274,7 +278,7 @@ func TestSelfConnectedTellsASocketConnectedToItself(t *testing.T) {
 // TestDialRawTimesOut: a connect that gets no answer ends at the timeout
 // with the deadline's error, which the proxy reads as connect_timeout.
 func TestDialRawTimesOut(t *testing.T) {
-	ap, _ := fullListener(t)
+	ap, _, _ := fullListener(t)
 	f, err := DialRaw(context.Background(), ap, dialSettings(), 150*time.Millisecond)
 	if err == nil {
 		f.Close()
@@ -292,7 +296,7 @@ func TestDialRawTimesOut(t *testing.T) {
 // timeout, and leaves no deadline on the socket: a write after the
 // timeout has passed does not time out.
 func TestDialRawWaitsForASlowHandshake(t *testing.T) {
-	ap, lfd := fullListener(t)
+	ap, lfd, _ := fullListener(t)
 	go func() {
 		time.Sleep(100 * time.Millisecond)
 		if nfd, _, err := unix.Accept(lfd); err == nil { // room for the retransmitted SYN
@@ -346,7 +350,7 @@ func TestDialRawLeavesNoDeadline(t *testing.T) {
 // TestDialRawEndsWithItsContext: the proxy's shutdown (the dial's context)
 // ends a connect that is waiting, with the context's error.
 func TestDialRawEndsWithItsContext(t *testing.T) {
-	ap, _ := fullListener(t)
+	ap, _, _ := fullListener(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(50*time.Millisecond, cancel)
 	f, err := DialRaw(ctx, ap, dialSettings(), time.Minute)
