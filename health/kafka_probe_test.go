@@ -134,6 +134,28 @@ func TestKafkaProbeFailures(t *testing.T) {
 	}
 }
 
+// A broker's TLS listener answers the plaintext ApiVersions with a TLS
+// alert and closes: its process is alive, and the probe passes (the
+// proxy may not know yet that the broker's clients speak TLS). A short
+// alert (two bytes, then the close) passes too. The twins, a close with
+// no byte and a TLS record that is not an alert, fail (above and here).
+func TestKafkaProbeTakesATLSAlertAsLife(t *testing.T) {
+	alert := startKafkaPeer(t, func([]byte) []byte { return []byte{0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x0a} })
+	short := startKafkaPeer(t, func([]byte) []byte { return []byte{0x15, 0x03} })
+	closes := startKafkaPeer(t, func([]byte) []byte { return []byte{} })
+	d := New(Options{})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka, Timeout: time.Second}.normalized()
+	for _, kp := range []*kafkaPeer{alert, short} {
+		if err := d.probe(context.Background(), kp.ln.Addr().String(), pc); err != nil {
+			t.Fatalf("probe of a TLS listener that answered with an alert: %v", err)
+		}
+	}
+	if err := d.probe(context.Background(), closes.ln.Addr().String(), pc); err == nil {
+		t.Fatal("probe of a listener that closed without a byte passed")
+	}
+}
+
 // A real broker implementation (franz-go's kfake) answers the probe.
 func TestKafkaProbeAgainstKfake(t *testing.T) {
 	c, err := kfake.NewCluster(kfake.NumBrokers(1))

@@ -244,7 +244,7 @@ var kafkaProbeRequest = func() []byte {
 
 // probeKafka succeeds when a broker answers an ApiVersions request over a
 // fresh connection: a response frame that carries the request's
-// correlation id. A stopped broker's kernel still completes the handshake,
+// correlation id, or a TLS alert (tlsAlert). A stopped broker's kernel still completes the handshake,
 // but the process must read the request and write the answer. The
 // response's error code is not checked: any answer proves the process.
 func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
@@ -262,8 +262,14 @@ func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
 		return fmt.Errorf("kafka probe: writing ApiVersions: %w", err)
 	}
 	var hdr [8]byte
-	if _, err := io.ReadFull(conn, hdr[:]); err != nil {
+	if n, err := io.ReadFull(conn, hdr[:]); err != nil {
+		if n >= 2 && tlsAlert(hdr[:n]) {
+			return nil
+		}
 		return fmt.Errorf("kafka probe: no ApiVersions response: %w", err)
+	}
+	if tlsAlert(hdr[:]) {
+		return nil
 	}
 	if size := binary.BigEndian.Uint32(hdr[:4]); size < 4 || size > 1<<20 {
 		return fmt.Errorf("kafka probe: response frame of %d bytes is not an ApiVersions response", size)
@@ -273,6 +279,15 @@ func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
 	}
 	return nil
 }
+
+// tlsAlert reports whether b starts a TLS alert record (content type 21,
+// protocol major version 3): what a broker's TLS listener answers a
+// plaintext request with before it closes. The broker's process wrote it
+// (no kernel speaks TLS), so it is alive: a broker whose clients speak TLS
+// is probed by its kafka probe before any client link has shown the proxy
+// that it does (a restart, an endpoint excluded at its first dial), and
+// would otherwise never be readmitted.
+func tlsAlert(b []byte) bool { return len(b) >= 2 && b[0] == 0x15 && b[1] == 0x03 }
 
 // dialerKey carries a probe's ProbeConfig.Dialer in its context, so that
 // the HTTP probe's shared transport dials with it too.
