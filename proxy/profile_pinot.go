@@ -21,12 +21,15 @@ func pinotReaders(c *conv) (req, resp flow.FrameReader) {
 
 // pinotSkip: a request whose timeout lies past the parser's prefix limit
 // (a filter with a long IN list comes before the query options) is
-// forwarded and left unjudged, its timeout unknown; the link stays
-// tracked. Pinot answers are not matched to requests, so no other verdict
-// changes, and a broker keeps one connection per server for good: were
-// the link untracked, a server that hangs later would never be judged on
-// it.
-func pinotSkip(err error) bool { return errors.Is(err, pinotwire.ErrTooLong) }
+// forwarded and left unjudged, its timeout unknown; so is a frame that is
+// no InstanceRequest, which a server drops without a reply (PINOT.md). The
+// link stays tracked. Pinot answers are not matched to requests, so no
+// other verdict changes, and a broker keeps one connection per server for
+// good: were the link untracked, a server that hangs later would never be
+// judged on it.
+func pinotSkip(err error) bool {
+	return errors.Is(err, pinotwire.ErrTooLong) || errors.Is(err, pinotwire.ErrNotRequest)
+}
 
 // pinotTimeoutSlack is added to a Pinot request's own timeoutMs: the
 // server answers with a timeout error once the budget is spent, and the

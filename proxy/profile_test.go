@@ -1434,3 +1434,67 @@ func excludedByItsDeadline(t *testing.T, h *harness, c net.Conn) {
 		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
 	}
 }
+
+// A frame that is no InstanceRequest gets no reply from a Pinot server,
+// by design (it fails to deserialize; PINOT.md): it is forwarded and left
+// unjudged, and the link stays tracked, so a server that hangs later is
+// excluded by the next query's deadline. Before, one such frame untracked
+// the broker's one connection to the server for good. The twin,
+// TestPinotGarbageFrameIsNotJudged, waits past any deadline a guess would
+// give the frame.
+func TestPinotGarbageFrameLeavesTheLinkTracked(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h, c, m := sentAGarbageFrame(t, srv)
+	stillTracked(t, m, "a frame that is no request")
+	srv.SetSilent(true)
+	excludedByItsDeadline(t, h, c)
+}
+
+func TestPinotGarbageFrameIsNotJudged(t *testing.T) {
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h, _, m := sentAGarbageFrame(t, srv)
+	time.Sleep(200*time.Millisecond + pinotTimeoutSlack + 300*time.Millisecond) // past request_timeout and the slack
+	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
+		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s), want healthy", ep.State, ep.Reason)
+	}
+}
+
+// sentAGarbageFrame starts a proxy (pinot, request_timeout 200ms,
+// threshold 1) in front of srv and sends it a frame that is no
+// InstanceRequest; it returns once the server has dropped it and checks
+// that the frame was left unjudged.
+func sentAGarbageFrame(t *testing.T, srv *pinotsim.Server) (*harness, net.Conn, *metrics.Listener) {
+	t.Helper()
+	h := start(t, srv.Addr(), func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot
+		s.Unanswered.RequestTimeout = policy.Duration(200 * time.Millisecond)
+		s.Unanswered.ConsecutiveTimeoutsThreshold = 1
+		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+	})
+	c := h.dial()
+	if _, err := c.Write(lptestutil.LengthPrefixed([]byte{0x18, 1, 2, 3})); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); srv.Stats().BadFrames < 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the server did not drop the frame within 5s")
+		}
+	}
+	m := h.m.ForListener("test")
+	if got := testutil.ToFloat64(m.RequestsUnjudged); got != 1 {
+		t.Fatalf("requests_unjudged_total = %v, want 1", got)
+	}
+	return h, c, m
+}

@@ -174,7 +174,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		requestsUnjudged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "requests_unjudged_total",
-			Help: "Requests forwarded and never judged on a link that stays tracked: a Pinot request whose timeoutMs lies past the 64 KiB the proxy reads of it.",
+			Help: "Requests forwarded and never judged on a link that stays tracked: a Pinot request whose timeoutMs lies past the 64 KiB the proxy reads of it, or a frame that is no InstanceRequest (the server drops it without a reply).",
 		}, []string{"listener"}),
 		kafkaThrottles: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "kafka_throttles_total",
