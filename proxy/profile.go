@@ -35,6 +35,10 @@ type conv struct {
 	queue     []outstanding // Kafka: requests awaiting a response, in order
 	head      int           // queue[head:] are outstanding
 	rebalance time.Duration // Kafka: the last JoinGroup's rebalance timeout on this link
+	// Kafka: per transactional id (kafkawire's TxnID), the longest
+	// transaction timeout an InitProducerId on this link asked for; at most
+	// maxTxnIDs entries. Like rebalance, only the request pump uses it.
+	txnTimeouts map[uint64]time.Duration
 	// Kafka: a response was matched and is being read (kafkaAnswered
 	// starts the next request's hold at its end); answered is the stream
 	// end of the last request answered in full.

@@ -12,7 +12,8 @@ import (
 // The kafka profile: a Kafka connection's requests are answered one at a
 // time, in order, each matched to its request by correlation id; a
 // request may be held by the broker for as long as its own fields say
-// (KAFKA.md).
+// (KAFKA.md), or, for a SyncGroup and a transaction's requests, the
+// JoinGroup or InitProducerId sent before it on the same connection.
 
 // kafkaReaders are the kafka profile's frame readers (see profiles).
 func kafkaReaders(c *conv) (req, resp flow.FrameReader) {
@@ -32,6 +33,12 @@ const maxOutstanding = 1024
 const kafkaFirstWindow = 128
 
 const kafkaSyncGroup = 14
+
+// maxTxnIDs bounds the transactional ids a link remembers a transaction
+// timeout for. A client has one per producer, and the usual clients one
+// producer per connection; a request of an id not remembered gets the
+// bound kafkawire gives it without (transaction.max.timeout.ms).
+const maxTxnIDs = 16
 
 // outstanding is a Kafka request that expects a response; past
 // maxOutstanding, the requests that joined the newest entry too (n of
@@ -61,15 +68,7 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	if r.NoResponse {
 		return // Produce with acks=0: the broker sends nothing back
 	}
-	hold, known := r.Hold, !r.HoldUnknown
-	if r.APIKey == kafkaSyncGroup && c.rebalance > 0 {
-		// SyncGroup is parked until the group's rebalance completes: bound
-		// it as the member's JoinGroup was.
-		hold, known = c.rebalance+kafkawire.GroupLapse, true
-	}
-	if r.RebalanceTimeout > 0 {
-		c.rebalance = r.RebalanceTimeout
-	}
+	hold, known := c.kafkaHold(r)
 	c.mu.Lock()
 	if c.off.Load() {
 		c.mu.Unlock()
@@ -124,6 +123,52 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	// its own response (matched in order) covers it before that.
 	c.trackLocked(due-c.rt, due, end, 1)
 	c.mu.Unlock()
+}
+
+// kafkaHold returns how long the broker may hold request r once it starts
+// on it (known false: a time the proxy does not know), from r's own fields
+// or what the link's earlier requests said, and remembers what r says of
+// the later ones. Only the request pump calls it.
+func (c *conv) kafkaHold(r *kafkawire.Request) (hold time.Duration, known bool) {
+	hold, known = r.Hold, !r.HoldUnknown
+	if r.APIKey == kafkaSyncGroup && c.rebalance > 0 {
+		// SyncGroup is parked until the group's rebalance completes: bound
+		// it as the member's JoinGroup was.
+		hold, known = c.rebalance+kafkawire.GroupLapse, true
+	}
+	if r.RebalanceTimeout > 0 {
+		c.rebalance = r.RebalanceTimeout
+	}
+	if t, ok := c.txnTimeouts[r.TxnID]; ok && r.TxnBound {
+		// The transaction coordinator writes to its log with the
+		// transaction's own timeout, the one the producer's InitProducerId
+		// on this link set: bound it by that, not by the broker's maximum.
+		// (Had another producer's InitProducerId for the same id set a
+		// longer one since, this producer would be fenced: answered at
+		// once, with no write.)
+		hold = t
+	}
+	if r.TxnTimeout > 0 {
+		c.txnTimeout(r.TxnID, r.TxnTimeout)
+	}
+	return hold, known
+}
+
+// txnTimeout remembers the transaction timeout an InitProducerId on the
+// link asked for its transactional id: the longest one asked, since a
+// failed InitProducerId leaves the transaction its earlier timeout.
+func (c *conv) txnTimeout(id uint64, t time.Duration) {
+	if old, ok := c.txnTimeouts[id]; ok {
+		c.txnTimeouts[id] = max(old, t)
+		return
+	}
+	if len(c.txnTimeouts) >= maxTxnIDs {
+		return // its requests keep kafkawire's bound
+	}
+	if c.txnTimeouts == nil {
+		c.txnTimeouts = make(map[uint64]time.Duration)
+	}
+	c.txnTimeouts[id] = t
 }
 
 // holding reports whether a Kafka broker may be holding this connection's

@@ -1498,3 +1498,138 @@ func sentAGarbageFrame(t *testing.T, srv *pinotsim.Server) (*harness, net.Conn, 
 	}
 	return h, c, m
 }
+
+// initProducerIDReq is a transactional producer's InitProducerId asking
+// for a transaction timeout (v1: header v1; v2+: flexible, header v2).
+func initProducerIDReq(version int16, txn string, timeout time.Duration, corr int32) []byte {
+	r := kmsg.NewPtrInitProducerIDRequest()
+	r.TransactionalID = kmsg.StringPtr(txn)
+	r.TransactionTimeoutMillis = int32(timeout / time.Millisecond)
+	r.ProducerID, r.ProducerEpoch = -1, -1
+	return kafkaReq(r, version, corr)
+}
+
+// endTxnReq commits transactional id txn's transaction (v3, flexible).
+func endTxnReq(txn string, corr int32) []byte {
+	r := kmsg.NewPtrEndTxnRequest()
+	r.TransactionalID, r.ProducerID, r.ProducerEpoch, r.Commit = txn, 7, 0, true
+	return kafkaReq(r, 3, corr)
+}
+
+// addPartitionsToTxnReq adds a partition to txn's transaction (v1, header
+// v1).
+func addPartitionsToTxnReq(txn string, corr int32) []byte {
+	r := kmsg.NewPtrAddPartitionsToTxnRequest()
+	r.TransactionalID, r.ProducerID, r.ProducerEpoch = txn, 7, 0
+	topic := kmsg.NewAddPartitionsToTxnRequestTopic()
+	topic.Topic, topic.Partitions = "events", []int32{0}
+	r.Topics = append(r.Topics, topic)
+	return kafkaReq(r, 1, corr)
+}
+
+// The transaction coordinator writes to the transaction log with acks=all
+// and the transaction's own timeout (transaction.timeout.ms, which the
+// producer's InitProducerId sets; 60 s by default, up to the broker's
+// transaction.max.timeout.ms, 15 min): a healthy broker whose
+// __transaction_state replicas lag holds EndTxn and the like that long.
+// Here it holds each for 6.5 s, past the 5 s + request_timeout they were
+// due at before (a false exclusion then); nothing may be counted:
+//   - after an InitProducerId of the same transactional id on the link,
+//     asking for 9 s: bound by those 9 s;
+//   - with no InitProducerId of that id on the link (the client
+//     reconnected since, or it named another id): bound by 15 min;
+//   - the InitProducerId itself: the coordinator first aborts the id's
+//     open transaction with that transaction's timeout, set by an earlier
+//     InitProducerId, so its own 1 s does not bound it.
+//
+// The twin is TestTxnOfADeadBrokerJudgedAtItsTransactionTimeout.
+func TestTxnHeldWithinItsTransactionTimeoutNotCounted(t *testing.T) {
+	const rt, held, timeout = 300 * time.Millisecond, 6500 * time.Millisecond, 9 * time.Second
+	for _, tc := range []struct {
+		name string
+		reqs [][]byte // sent in turn, each once the one before is answered
+		held int16    // the api key the broker holds
+	}{
+		{"EndTxn after InitProducerId", [][]byte{initProducerIDReq(4, "app-tx", timeout, 1), endTxnReq("app-tx", 2)}, 26},
+		{"AddPartitionsToTxn v1 after InitProducerId v1", [][]byte{initProducerIDReq(1, "app-tx", timeout, 1), addPartitionsToTxnReq("app-tx", 2)}, 24},
+		{"EndTxn without InitProducerId", [][]byte{endTxnReq("app-tx", 1)}, 26},
+		{"EndTxn of another transactional id", [][]byte{initProducerIDReq(4, "other-tx", time.Second, 1), endTxnReq("app-tx", 2)}, 26},
+		{"InitProducerId aborting an open transaction", [][]byte{initProducerIDReq(4, "app-tx", time.Second, 1)}, 22},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+				if key == tc.held {
+					return held, true
+				}
+				return 0, true
+			})
+			h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+			c := h.dial()
+			for i, req := range tc.reqs {
+				if _, err := c.Write(req); err != nil {
+					t.Fatal(err)
+				}
+				if got := readResponse(t, c, held+10*time.Second); got != int32(i+1) {
+					t.Fatalf("response %d, want %d", got, i+1)
+				}
+			}
+			h.nothingCounted()
+			if h.p.ActiveLinks() != 1 {
+				t.Fatal("the link was cut")
+			}
+		})
+	}
+}
+
+// The twin: a broker that answers the InitProducerId (transaction timeout
+// 7 s) and then never the EndTxn is excluded once that timeout and
+// request_timeout have passed since the EndTxn was sent, not before (at
+// the 5 s + request_timeout it was due at before).
+func TestTxnOfADeadBrokerJudgedAtItsTransactionTimeout(t *testing.T) {
+	const rt, timeout = 300 * time.Millisecond, 7 * time.Second
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) {
+		return 0, key == 22
+	})
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+	c := h.dial()
+	if _, err := c.Write(initProducerIDReq(4, "app-tx", timeout, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if got := readResponse(t, c, 5*time.Second); got != 1 {
+		t.Fatalf("response %d, want 1", got)
+	}
+	sent := time.Now() // before the write: its deadline cannot start earlier
+	if _, err := c.Write(endTxnReq("app-tx", 2)); err != nil {
+		t.Fatal(err)
+	}
+	ep := h.waitState("excluded", timeout+rt+10*time.Second)
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
+	}
+	if d := ep.Since.Sub(sent); d < timeout+rt {
+		t.Fatalf("excluded %v after the EndTxn, before its transaction timeout (%v) and request_timeout (%v) had passed", d, timeout, rt)
+	}
+}
+
+// A link remembers, per transactional id, the longest transaction timeout
+// its InitProducerIds asked for, and at most maxTxnIDs ids: a request of
+// an id past those keeps kafkawire's bound.
+func TestTxnTimeoutsPerLink(t *testing.T) {
+	c := &conv{kafka: true}
+	c.txnTimeout(1, 9*time.Second)
+	c.txnTimeout(1, time.Second) // a later, shorter one: the transaction may keep the longer
+	if got := c.txnTimeouts[1]; got != 9*time.Second {
+		t.Fatalf("id 1: %v, want the longest asked, 9s", got)
+	}
+	for id := uint64(2); id <= maxTxnIDs+1; id++ {
+		c.txnTimeout(id, time.Second)
+	}
+	if _, ok := c.txnTimeouts[maxTxnIDs+1]; ok || len(c.txnTimeouts) != maxTxnIDs {
+		t.Fatalf("%d ids remembered, want at most %d", len(c.txnTimeouts), maxTxnIDs)
+	}
+	c.txnTimeout(1, 20*time.Second) // a known id is still updated when full
+	if got := c.txnTimeouts[1]; got != 20*time.Second {
+		t.Fatalf("id 1: %v, want 20s", got)
+	}
+}

@@ -27,7 +27,8 @@ func FuzzParseRequest(f *testing.F) {
 			continue
 		}
 		for v := int16(0); v <= proto.MaxVersion(); v++ {
-			if v != 0 && v != proto.MaxVersion() && k != keyProduce && k != keyFetch && k != keyJoinGroup {
+			if v != 0 && v != proto.MaxVersion() && k != keyProduce && k != keyFetch && k != keyJoinGroup &&
+				k != keyInitProducerID && k != keyAddPartitionsToTxn {
 				continue
 			}
 			for _, c := range bodyCases(k, v) {
@@ -106,7 +107,8 @@ func checkShape(t *testing.T, r Request, err error) {
 	case nil:
 	case ErrUnknownVersion:
 		if r.APIKey != keyProduce || r.APIVersion <= apis[keyProduce].maxVersion ||
-			r.NoResponse || r.Hold != 0 || r.HoldUnknown || r.RebalanceTimeout != 0 || r.SASLRaw {
+			r.NoResponse || r.Hold != 0 || r.HoldUnknown || r.RebalanceTimeout != 0 || r.SASLRaw ||
+			r.TxnTimeout != 0 || r.TxnBound || r.TxnID != 0 {
 			t.Fatalf("ErrUnknownVersion with %+v", r)
 		}
 		return
@@ -121,7 +123,7 @@ func checkShape(t *testing.T, r Request, err error) {
 	if r.APIKey < 0 || r.APIVersion < 0 {
 		t.Fatalf("negative key or version: %+v", r)
 	}
-	if r.Hold < 0 || r.RebalanceTimeout < 0 {
+	if r.Hold < 0 || r.RebalanceTimeout < 0 || r.TxnTimeout < 0 {
 		t.Fatalf("negative duration: %+v", r)
 	}
 	if r.NoResponse && (r.APIKey != keyProduce || r.Hold != 0) {
@@ -132,6 +134,16 @@ func checkShape(t *testing.T, r Request, err error) {
 	}
 	if r.APIKey == keyJoinGroup && !r.HoldUnknown && r.Hold != r.RebalanceTimeout+GroupLapse || r.RebalanceTimeout != 0 && r.APIKey != keyJoinGroup {
 		t.Fatalf("RebalanceTimeout: %+v", r)
+	}
+	if r.TxnTimeout != 0 && (r.APIKey != keyInitProducerID || r.Hold < max(r.TxnTimeout, transactionMaxTimeout)) {
+		t.Fatalf("TxnTimeout: %+v", r)
+	}
+	if r.TxnBound && (r.Hold != transactionMaxTimeout ||
+		r.APIKey != keyAddOffsetsToTxn && r.APIKey != keyEndTxn && (r.APIKey != keyAddPartitionsToTxn || r.APIVersion >= 4)) {
+		t.Fatalf("TxnBound: %+v", r)
+	}
+	if r.TxnID != 0 && r.TxnTimeout == 0 && !r.TxnBound {
+		t.Fatalf("TxnID without TxnTimeout or TxnBound: %+v", r)
 	}
 	if r.SASLRaw && (r.APIKey != keySaslHandshake || r.APIVersion != 0) {
 		t.Fatalf("SASLRaw: %+v", r)

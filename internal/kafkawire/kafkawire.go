@@ -54,13 +54,29 @@ type Request struct {
 	//     group, so the real hold can exceed this request's own value;
 	//   - AlterPartitionReassignments (45), ListPartitionReassignments (46),
 	//     UpdateFeatures (57): timeout_ms, their first body field;
-	//   - requests answered after a write to the group or transaction log
-	//     (OffsetCommit, TxnOffsetCommit, Heartbeat, LeaveGroup,
-	//     DeleteGroups, OffsetDelete, ConsumerGroupHeartbeat,
-	//     ShareGroupHeartbeat, InitProducerId, AddPartitionsToTxn,
-	//     AddOffsetsToTxn, EndTxn): 5s, the broker default of
-	//     offsets.commit.timeout.ms, the coordinator's timeout for every
-	//     write; these requests carry no timeout field.
+	//   - requests the group coordinator answers after a write to the
+	//     offsets log (OffsetCommit, TxnOffsetCommit, Heartbeat,
+	//     LeaveGroup, DeleteGroups, OffsetDelete, ConsumerGroupHeartbeat,
+	//     ShareGroupHeartbeat), and an InitProducerId without a
+	//     transactional id (an idempotent producer's: no transaction log
+	//     write): 5s, the broker default of offsets.commit.timeout.ms, the
+	//     coordinator's timeout for every write; these requests carry no
+	//     timeout field;
+	//   - requests the transaction coordinator answers after a write to the
+	//     transaction log (InitProducerId with a transactional id,
+	//     AddPartitionsToTxn, AddOffsetsToTxn, EndTxn): the coordinator
+	//     appends with acks=all and, as its timeout, the transaction's own
+	//     timeout (TransactionStateManager.appendTransactionToLog: the
+	//     new metadata's txnTimeoutMs), which an InitProducerId set, up to
+	//     the broker's transaction.max.timeout.ms. Without the connection's
+	//     history that is all a parser can bound it by: 15 min, the
+	//     default of transaction.max.timeout.ms (see TxnBound for how the
+	//     caller narrows it). An InitProducerId's hold is the longer of its
+	//     own transaction_timeout_ms and those 15 min, not its own alone:
+	//     when the transactional id's previous transaction is still open
+	//     (a producer restarted mid-transaction), the coordinator first
+	//     aborts it, with that transaction's timeout, set by an earlier
+	//     InitProducerId, maybe another client's, and answers only then.
 	//
 	// Hold is 0 for every other request (none wait by protocol), when
 	// NoResponse or HoldUnknown is set, and when the field is negative.
@@ -90,6 +106,32 @@ type Request struct {
 	// member.
 	RebalanceTimeout time.Duration
 
+	// TxnTimeout is an InitProducerId's transaction_timeout_ms when it
+	// names a transactional id (0 for other requests, for a null
+	// transactional id, and when not positive, which the broker rejects at
+	// once). Once the InitProducerId succeeds, the coordinator writes that
+	// transaction's log records with this timeout (see Hold), so the caller
+	// can bound the later requests of the same transactional id (TxnBound,
+	// TxnID) sent on the same connection.
+	TxnTimeout time.Duration
+
+	// TxnBound: the transaction coordinator holds the request for at most
+	// the timeout of the transaction it names (AddPartitionsToTxn v0-3,
+	// AddOffsetsToTxn, EndTxn): the caller can bound it by the largest
+	// TxnTimeout of the InitProducerIds with the same TxnID sent on the
+	// same connection. A producer whose InitProducerId another client's
+	// superseded since (a newer epoch, perhaps with a longer timeout) is
+	// fenced at once, without a write. Hold is the bound without it,
+	// transaction.max.timeout.ms. AddPartitionsToTxn v4+, which brokers
+	// send for many transactions at once, is not TxnBound.
+	TxnBound bool
+
+	// TxnID identifies the transactional id of an InitProducerId with a
+	// TxnTimeout or of a TxnBound request: a 64-bit FNV-1a hash of its
+	// bytes, 0 for other requests. Two requests of one transactional id
+	// have the same TxnID.
+	TxnID uint64
+
 	// SASLRaw: the request is a SaslHandshake (17) v0. Once the broker
 	// accepts it, the client and broker exchange raw SASL tokens: still
 	// size-prefixed, but with no Kafka header, and a client token may get no
@@ -106,7 +148,9 @@ type Request struct {
 // longest client_id (an INT16 length, so at most 32767 bytes) followed by a
 // body string of at most 32767 bytes (Produce transactional_id or JoinGroup
 // group_id: the broker rejects longer strings, even in compact form) and 8
-// bytes of fixed fields: about 64 KiB. MaxPrefix leaves another 64 KiB for
+// bytes of fixed fields: about 64 KiB. (The transactional_id that
+// InitProducerId, AddPartitionsToTxn, AddOffsetsToTxn and EndTxn start
+// with is such a string too.) MaxPrefix leaves another 64 KiB for
 // tagged fields in the request header: RequestHeader defines none, and
 // franz-go and the Java client write an empty section.
 const MaxPrefix = 128 << 10
@@ -163,9 +207,10 @@ const (
 //
 // Most requests are decided from the 8 fixed header bytes (api_key,
 // api_version, correlation_id). Produce, Fetch, JoinGroup,
-// AlterPartitionReassignments, ListPartitionReassignments and UpdateFeatures
-// also need the rest of the header (client_id, tagged fields) and their
-// first body fields.
+// AlterPartitionReassignments, ListPartitionReassignments, UpdateFeatures,
+// InitProducerId, AddPartitionsToTxn v0-3, AddOffsetsToTxn and EndTxn also
+// need the rest of the header (client_id, tagged fields) and their first
+// body fields.
 //
 // ParseRequest does not allocate and does not retain b.
 func ParseRequest(b []byte, complete bool) (r Request, need int, err error) {
@@ -364,6 +409,12 @@ func (p *parser) tags(rest int) bool {
 // -1 = null. Compact (flexible versions): COMPACT_STRING or
 // COMPACT_NULLABLE_STRING, an UNSIGNED_VARINT length+1, 0 = null.
 func (p *parser) stringLen(compact, nullable bool, rest int) (int, bool) {
+	n, ok := p.stringLenOrNull(compact, nullable, rest)
+	return max(n, 0), ok
+}
+
+// stringLenOrNull is stringLen, but returns -1 for a null string.
+func (p *parser) stringLenOrNull(compact, nullable bool, rest int) (int, bool) {
 	var n int
 	if compact {
 		l, ok := p.uvarint(rest)
@@ -386,7 +437,7 @@ func (p *parser) stringLen(compact, nullable bool, rest int) (int, bool) {
 		// as null".
 		return 0, p.fail()
 	case n == -1:
-		return 0, true
+		return -1, true
 	case n > maxString:
 		return 0, p.fail()
 	}
@@ -452,13 +503,16 @@ func (p *parser) parse() (Request, bool) {
 		}
 		r.Hold = millis(p.int32())
 	case keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup, keyDeleteGroups, keyOffsetDelete,
-		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat,
-		keyInitProducerID, keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn:
-		// No timeout field: the group or transaction coordinator answers
-		// once its write to the offsets or transaction log is replicated,
-		// or fails it after offsets.commit.timeout.ms (the coordinator
-		// runtime's default timeout for every write).
+		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat:
+		// No timeout field: the group coordinator answers once its write
+		// to the offsets log is replicated, or fails it after
+		// offsets.commit.timeout.ms (the coordinator runtime's default
+		// timeout for every write).
 		r.Hold = offsetsCommitTimeout
+	case keyInitProducerID:
+		return p.initProducerID(r, flexible)
+	case keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn:
+		return p.txnRequest(r, flexible)
 	case keySyncGroup, keyCreateTopics, keyDeleteTopics, keyDeleteRecords,
 		keyCreatePartitions, keyElectLeaders, keyShareFetch, keyAddRaftVoter:
 		r.HoldUnknown = true
@@ -473,6 +527,11 @@ func (p *parser) parse() (Request, bool) {
 
 // offsetsCommitTimeout is the broker default of offsets.commit.timeout.ms.
 const offsetsCommitTimeout = 5 * time.Second
+
+// transactionMaxTimeout is the broker default of transaction.max.timeout.ms,
+// the longest transaction timeout an InitProducerId may set (the broker
+// rejects a longer one with INVALID_TRANSACTION_TIMEOUT).
+const transactionMaxTimeout = 15 * time.Minute
 
 // GroupLapse is added to a member's rebalance timeout to bound how long the
 // coordinator may hold its JoinGroup or SyncGroup: the coordinator waits
@@ -556,4 +615,68 @@ func (p *parser) joinGroup(r Request, flexible bool) (Request, bool) {
 	r.RebalanceTimeout = millis(timeout)
 	r.Hold = r.RebalanceTimeout + GroupLapse
 	return r, true
+}
+
+// initProducerID reads InitProducerIdRequest: transactional_id
+// NULLABLE_STRING (v2+: COMPACT_NULLABLE_STRING), then
+// transaction_timeout_ms INT32. Flexible (header v2) from v2; v3 added
+// producer_id and producer_epoch after them, so the prefix is unchanged
+// through v5. A null transactional_id is an idempotent producer's: the
+// broker allocates a producer id and writes no transaction log record.
+func (p *parser) initProducerID(r Request, flexible bool) (Request, bool) {
+	const timeout = 4 // transaction_timeout_ms INT32
+	if !p.header(flexible, minStringLen(flexible)+timeout) {
+		return r, false
+	}
+	n, ok := p.stringLenOrNull(flexible, true, timeout)
+	null := n < 0
+	n = max(n, 0)
+	if !ok || !p.have(n+timeout, 0) {
+		return r, false
+	}
+	id := txnID(p.b[p.pos : p.pos+n])
+	p.pos += n
+	ms := millis(p.int32())
+	if null {
+		r.Hold = offsetsCommitTimeout
+		return r, true
+	}
+	if ms > 0 {
+		r.TxnTimeout, r.TxnID = ms, id
+	}
+	r.Hold = max(ms, transactionMaxTimeout)
+	return r, true
+}
+
+// txnRequest reads the transactional_id that AddPartitionsToTxn v0-3,
+// AddOffsetsToTxn and EndTxn start with: STRING (v3+, flexible, header v2:
+// COMPACT_STRING). AddPartitionsToTxn v4+ (KIP-890, sent by brokers)
+// starts with an array of transactions instead, each with its own
+// transactional id and timeout: it gets transaction.max.timeout.ms.
+func (p *parser) txnRequest(r Request, flexible bool) (Request, bool) {
+	r.Hold = transactionMaxTimeout
+	if r.APIKey == keyAddPartitionsToTxn && r.APIVersion >= 4 {
+		return r, true
+	}
+	if !p.header(flexible, minStringLen(flexible)) {
+		return r, false
+	}
+	n, ok := p.stringLen(flexible, false, 0)
+	if !ok || !p.have(n, 0) {
+		return r, false
+	}
+	r.TxnBound, r.TxnID = true, txnID(p.b[p.pos:p.pos+n])
+	p.pos += n
+	return r, true
+}
+
+// txnID hashes a transactional id: 64-bit FNV-1a.
+func txnID(b []byte) uint64 {
+	const offset, prime = 14695981039346656037, 1099511628211
+	h := uint64(offset)
+	for _, c := range b {
+		h ^= uint64(c)
+		h *= prime
+	}
+	return h
 }

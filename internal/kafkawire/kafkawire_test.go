@@ -69,6 +69,15 @@ func TestErrors(t *testing.T) {
 		{"JoinGroup v6 null group_id", payload(11, 6, 1, clientID, noTags, []byte{0}, i32(1), i32(2)), ErrNotKafka},
 		{"JoinGroup v6 group_id 0x8000 bytes", payload(11, 6, 1, clientID, noTags, []byte{0x81, 0x80, 0x02}), ErrNotKafka},
 
+		// Transactional ids: InitProducerId's is nullable, the others'
+		// are not.
+		{"InitProducerId v0 transactional_id -2", payload(22, 0, 1, clientID, i16(-2), i32(1000)), ErrNotKafka},
+		{"InitProducerId v2 transactional_id 0x8000 bytes", payload(22, 2, 1, clientID, noTags, []byte{0x81, 0x80, 0x02}), ErrNotKafka},
+		{"EndTxn v0 null transactional_id", payload(26, 0, 1, clientID, nullStr), ErrNotKafka},
+		{"EndTxn v3 null transactional_id", payload(26, 3, 1, clientID, noTags, []byte{0}), ErrNotKafka},
+		{"AddPartitionsToTxn v3 null transactional_id", payload(24, 3, 1, clientID, noTags, []byte{0}), ErrNotKafka},
+		{"AddOffsetsToTxn v3 transactional_id 0x8000 bytes", payload(25, 3, 1, clientID, noTags, []byte{0x81, 0x80, 0x02}), ErrNotKafka},
+
 		// Header tagged fields.
 		{"tags out of order", payload(1, 15, 1, clientID, []byte{2, 1, 0, 0, 0}, i32(500)), ErrNotKafka},
 		{"tags repeated", payload(1, 15, 1, clientID, []byte{2, 1, 0, 1, 0}, i32(500)), ErrNotKafka},
@@ -119,6 +128,9 @@ func TestTruncated(t *testing.T) {
 		{"Produce v9 transactional_id cut", payload(0, 9, 1, clientID, noTags, []byte{0x81, 0x01}, []byte("tt")), 8 + 5 + 1 + 2 + 128 + 6},
 		{"JoinGroup v5 group_id cut", payload(11, 5, 1, clientID, str("group")[:4]), 8 + 5 + 2 + 5 + 8},
 		{"JoinGroup v0 group_id, no session timeout", payload(11, 0, 1, clientID, str("group")), 8 + 5 + 2 + 5 + 4},
+		{"InitProducerId v1 no transaction timeout", payload(22, 1, 1, clientID, str("tx")), 8 + 5 + 4 + 4},
+		{"InitProducerId v1 null transactional_id, no transaction timeout", payload(22, 1, 1, clientID, nullStr), 8 + 5 + 2 + 4},
+		{"EndTxn v3 transactional_id cut", payload(26, 3, 1, clientID, noTags, []byte{3}, []byte("t")), 8 + 5 + 1 + 1 + 2},
 		{"ListPartitionReassignments no timeout", payload(46, 0, 1, clientID, noTags, []byte{0, 0}), 8 + 5 + 1 + 4},
 	}
 	for _, c := range cases {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"hash/fnv"
 	"slices"
 	"strings"
 	"testing"
@@ -265,15 +266,61 @@ func bodyCases(k, v int16) []kcase {
 			}
 			cs = append(cs, kcase{fmt.Sprintf("timeout=%d", timeout), req, Request{Hold: ms(timeout)}, 4})
 		}
+	case keyInitProducerID:
+		for _, txn := range []*string{strNull, strEmpty, kmsg.StringPtr("txn-a"), kmsg.StringPtr(strings.Repeat("t", 300))} {
+			for _, timeout := range []int32{60_000 + int32(v), 0, -1, 1<<31 - 1} {
+				req := newReq().(*kmsg.InitProducerIDRequest)
+				req.TransactionalID = txn
+				req.TransactionTimeoutMillis = timeout
+				req.ProducerID, req.ProducerEpoch = 7, 3
+				var want Request
+				switch {
+				case txn == nil:
+					want.Hold = 5 * time.Second // an idempotent producer's: no transaction log write
+				case timeout > 0:
+					want = Request{Hold: max(ms(timeout), 15*time.Minute), TxnTimeout: ms(timeout), TxnID: fnv1a(*txn)}
+				default:
+					want.Hold = 15 * time.Minute
+				}
+				cs = append(cs, kcase{fmt.Sprintf("txn=%s/timeout=%d", describe(txn), timeout), req, want, stringLen(txn, v >= 2) + 4})
+			}
+		}
+	case keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn:
+		if k == keyAddPartitionsToTxn && v >= 4 {
+			// Brokers', for many transactions: only the 8 fixed bytes
+			// are read.
+			req := newReq().(*kmsg.AddPartitionsToTxnRequest)
+			txn := kmsg.NewAddPartitionsToTxnRequestTransaction()
+			txn.TransactionalID = "txn-a"
+			req.Transactions = append(req.Transactions, txn)
+			cs = append(cs, kcase{"transactions", req, Request{Hold: 15 * time.Minute}, -1})
+			break
+		}
+		for _, txn := range []string{"", "txn-a", strings.Repeat("t", 300)} {
+			req := newReq()
+			switch req := req.(type) {
+			case *kmsg.AddPartitionsToTxnRequest:
+				req.TransactionalID, req.ProducerID, req.ProducerEpoch = txn, 7, 3
+				topic := kmsg.NewAddPartitionsToTxnRequestTopic()
+				topic.Topic = "events"
+				topic.Partitions = []int32{0, 1}
+				req.Topics = append(req.Topics, topic)
+			case *kmsg.AddOffsetsToTxnRequest:
+				req.TransactionalID, req.ProducerID, req.ProducerEpoch, req.Group = txn, 7, 3, "group-a"
+			case *kmsg.EndTxnRequest:
+				req.TransactionalID, req.ProducerID, req.ProducerEpoch, req.Commit = txn, 7, 3, true
+			}
+			want := Request{Hold: 15 * time.Minute, TxnBound: true, TxnID: fnv1a(txn)}
+			cs = append(cs, kcase{fmt.Sprintf("txn=%d bytes", len(txn)), req, want, stringLen(&txn, req.IsFlexible())})
+		}
 	default:
 		// Only the 8 fixed header bytes are read: bodyEnd is set to -1
 		// and the caller uses 8 as the end.
 		var want Request
 		switch {
 		case slices.Contains([]int16{keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup,
-			keyDeleteGroups, keyOffsetDelete, keyConsumerGroupHeartbeat, keyShareGroupHeartbeat,
-			keyInitProducerID, keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn}, k):
-			want.Hold = 5 * time.Second // a coordinator write
+			keyDeleteGroups, keyOffsetDelete, keyConsumerGroupHeartbeat, keyShareGroupHeartbeat}, k):
+			want.Hold = 5 * time.Second // a group coordinator write
 		case k == keySyncGroup || k == keyCreateTopics || k == keyDeleteTopics ||
 			k == keyDeleteRecords || k == keyCreatePartitions || k == keyElectLeaders ||
 			k == keyShareFetch || k == keyAddRaftVoter:
@@ -286,6 +333,14 @@ func bodyCases(k, v int16) []kcase {
 		cs = append(cs, kcase{"default", newReq(), want, -1})
 	}
 	return cs
+}
+
+// fnv1a is the TxnID of transactional id s, by the standard library's
+// FNV-1a (the parser has its own loop).
+func fnv1a(s string) uint64 {
+	h := fnv.New64a()
+	h.Write([]byte(s))
+	return h.Sum64()
 }
 
 func describe(s *string) string {
@@ -499,6 +554,34 @@ func TestSpecificValues(t *testing.T) {
 	p = encode(t, join, cid, 1)
 	if r, _, err := ParseRequest(p, true); err != nil || r != (Request{APIKey: 11, CorrelationID: 1, Hold: 10*time.Second + GroupLapse, RebalanceTimeout: 10 * time.Second}) {
 		t.Errorf("JoinGroup v0: %+v, %v", r, err)
+	}
+
+	// Transactions: the hash of "tx" is FNV-1a's, worked out by hand.
+	const tx = 0x08c84807b56ada21
+	init := kmsg.NewPtrInitProducerIDRequest()
+	init.TransactionalID = kmsg.StringPtr("tx")
+	init.TransactionTimeoutMillis = 2000
+	for _, v := range []int16{1, 4} { // header v1 and v2, compact string
+		init.SetVersion(v)
+		p = encode(t, init, cid, 5)
+		want := Request{APIKey: 22, APIVersion: v, CorrelationID: 5, Hold: 15 * time.Minute, TxnTimeout: 2 * time.Second, TxnID: tx}
+		if r, _, err := ParseRequest(p, true); err != nil || r != want {
+			t.Errorf("InitProducerId v%d: %+v, %v; want %+v", v, r, err, want)
+		}
+	}
+	init.TransactionalID = nil // an idempotent producer's
+	p = encode(t, init, cid, 5)
+	if r, _, err := ParseRequest(p, true); err != nil || r != (Request{APIKey: 22, APIVersion: 4, CorrelationID: 5, Hold: 5 * time.Second}) {
+		t.Errorf("InitProducerId v4 without a transactional id: %+v, %v", r, err)
+	}
+	end := kmsg.NewPtrEndTxnRequest()
+	end.TransactionalID = "tx"
+	for _, v := range []int16{0, 3} {
+		end.SetVersion(v)
+		p = encode(t, end, cid, 6)
+		if r, _, err := ParseRequest(p, true); err != nil || r != (Request{APIKey: 26, APIVersion: v, CorrelationID: 6, Hold: 15 * time.Minute, TxnBound: true, TxnID: tx}) {
+			t.Errorf("EndTxn v%d: %+v, %v", v, r, err)
+		}
 	}
 
 	meta := kmsg.NewPtrMetadataRequest()
