@@ -551,7 +551,7 @@ func (lk *link) heldBack(judged []flow.PendingRequest) bool {
 			return true
 		}
 	}
-	held := ok && first.End > d.Acked && (d.Queued == 0 || lk.takenSince(d.Acked, first.At))
+	held := ok && first.End > d.Acked && (d.Queued == 0 || lk.takenSince(d, first.At))
 	lk.deliveryPutOff.Store(held)
 	if !held {
 		lk.deliveryAllow.Store(0)
@@ -590,19 +590,24 @@ func (lk *link) progressed() (moved, known bool) {
 	}
 }
 
-// takenSince reports, given acked (a sample of the bytes the upstream
-// acknowledged), whether it was seen to acknowledge more of the stream
-// after mono time at and within the last flow.DeliveryQuiet: it is still
-// taking the stream in. A peer whose window closed (a process that stopped
-// reading) answers window probes but acknowledges no byte more.
-func (lk *link) takenSince(acked, at int64) bool {
+// takenSince reports, given d (a sample of what the upstream's kernel
+// says), whether the upstream is still taking the stream in since mono
+// time at: an ACK came from it after at (the kernel's own clock: a path
+// that died before at sent none), and it was seen to acknowledge more of
+// the stream within the last flow.DeliveryQuiet (a peer whose window
+// closed, a process that stopped reading, answers window probes but
+// acknowledges no byte more).
+func (lk *link) takenSince(d flow.Delivery, at int64) bool {
+	if d.AckAt <= at {
+		return false
+	}
 	now := flow.Mono()
 	for {
 		prev := lk.acked.Load()
-		if acked <= prev {
+		if d.Acked <= prev {
 			break
 		}
-		if lk.acked.CompareAndSwap(prev, acked) {
+		if lk.acked.CompareAndSwap(prev, d.Acked) {
 			lk.ackedAt.Store(now)
 			break
 		}

@@ -552,7 +552,7 @@ func (e *tcpEnd) writeUpstream() {
 			// upstream is still taking in the stream (a large request on
 			// a slow path): its verdict is put off then (heldBack).
 			if overdue, sent := lk.trk.OverdueEnd(flow.Mono()); overdue > head {
-				if d, ok := e.delivery(); !ok || !lk.takenSince(d.Acked, sent) {
+				if d, ok := e.delivery(); !ok || !lk.takenSince(d, sent) {
 					lk.dropStale(1)
 					return
 				}

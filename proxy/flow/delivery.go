@@ -12,6 +12,11 @@ type Delivery struct {
 	// yet acknowledged or not yet sent (SIOCOUTQ): Acked+Queued is what the
 	// proxy has handed it.
 	Queued int64
+	// AckAt is a mono time no later than the latest ACK from the peer
+	// (tcpi_last_ack_recv, in jiffies: a jiffy and a millisecond taken
+	// off). An ACK answering a window probe counts: it says the peer's
+	// kernel is there, not that the peer takes anything in.
+	AckAt int64
 }
 
 // DeliveryQuiet is how long a peer that was taking a request in may

@@ -342,6 +342,7 @@ func UnreadInBand(raw syscall.RawConn) int {
 // SampleDelivery reads raw's TCP_INFO and send queue for a Delivery;
 // false when the kernel does not say.
 func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
+	now := Mono()
 	ti, ok := tcpInfo(raw)
 	if !ok {
 		return Delivery{}, false
@@ -351,7 +352,11 @@ func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
 	if err != nil || outq < 0 {
 		return Delivery{}, false
 	}
-	return Delivery{Acked: max(int64(ti.Bytes_acked)-1, 0), Queued: int64(outq)}, true
+	return Delivery{
+		Acked:  max(int64(ti.Bytes_acked)-1, 0),
+		Queued: int64(outq),
+		AckAt:  now - int64(ti.Last_ack_recv)*int64(time.Millisecond) - receivedSlack,
+	}, true
 }
 
 // SendWindow is what an upstream socket's kernel is doing with the bytes
