@@ -47,7 +47,8 @@ func waitSynSent(t *testing.T, addr string, n int) {
 
 // freezeProcess stops this process (SIGSTOP) for d, as CPU throttling or a
 // host under contention stops a proxy, from a child that also starts it
-// again: the test cannot stay stopped, whatever its own goroutines do.
+// again: the test stays stopped only if that child is killed between the
+// two, whatever its own goroutines do.
 func freezeProcess(t *testing.T, d time.Duration) {
 	t.Helper()
 	pid := os.Getpid()
@@ -81,8 +82,12 @@ func freezeProcess(t *testing.T, d time.Duration) {
 // it. Two links that time out with the proxy running still exclude it.
 func TestFrozenProxyBlamesNoUpstream(t *testing.T) {
 	const (
-		timeout = time.Second
-		freeze  = 2500 * time.Millisecond // past the SYN sent again at 1 s, and 2 timeouts
+		// connect_timeout well past the SYN sent again at 1 s, so that a
+		// freeze that begins late (a busy machine forks the shell slowly)
+		// still begins before the deadline; the freeze past 2 timeouts
+		// with a second to spare.
+		timeout = 2 * time.Second
+		freeze  = 5 * time.Second
 	)
 	tune := func(s *policy.Settings) {
 		s.ConnectTimeout = policy.Duration(timeout)
@@ -138,7 +143,7 @@ func TestFrozenProxyBlamesNoUpstream(t *testing.T) {
 		// The twin, with the proxy running: two timeouts in a row exclude.
 		h.dial()
 		h.dial()
-		ep := h.waitState("excluded", 5*time.Second)
+		ep := h.waitState("excluded", 10*time.Second)
 		if ep.Reason != string(CloseDialError) {
 			t.Fatalf("excluded for %s, want dial_error", ep.Reason)
 		}

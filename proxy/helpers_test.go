@@ -114,26 +114,40 @@ func (h *harness) onlyLink(within time.Duration) *link {
 	}
 }
 
-// serveOne serves the first connection ln accepts with serve, which
-// returns when done is closed (or its connection fails); the test's
-// cleanup closes ln and done, closes the connection and waits for it.
-// It returns ln's address.
-func serveOne(t *testing.T, ln net.Listener, serve func(c net.Conn, done <-chan struct{})) string {
+// serveConns serves each connection ln accepts with serve, in its own
+// goroutine; serve returns when done is closed (or its connection
+// fails). The test's cleanup closes ln, done and the connections, and
+// waits for them. It returns ln's address.
+func serveConns(t *testing.T, ln net.Listener, serve func(c net.Conn, done <-chan struct{})) string {
 	t.Helper()
 	done := make(chan struct{})
 	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
 	t.Cleanup(func() {
 		close(done)
 		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
 		wg.Wait()
 	})
 	wg.Go(func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() {
+				defer c.Close()
+				serve(c, done)
+			})
 		}
-		defer c.Close()
-		serve(c, done)
 	})
 	return ln.Addr().String()
 }

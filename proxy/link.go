@@ -1,10 +1,13 @@
 package proxy
 
 import (
+	"errors"
+	"math"
 	"net"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
@@ -416,6 +419,9 @@ func (lk *link) badFrame(direction string, err error) {
 // dropped rather than delivered to a server that recovers later.
 func (lk *link) judge(judged []flow.PendingRequest, left int) {
 	n, since := lk.trk.Unanswered(judged)
+	if n == 0 {
+		lk.endDelivery() // answered: no verdict is put off any more
+	}
 	if n > 0 && lk.reason.Load() != nil && lk.owesNoEvidence() {
 		n = 0 // a verdict due as the link ends, cut by the proxy: as finish
 	}
@@ -434,19 +440,33 @@ func (lk *link) judge(judged []flow.PendingRequest, left int) {
 		return
 	}
 	var last int64
+	sent := int64(math.MaxInt64)
 	frames := left
 	for _, r := range judged {
 		if r.Expired {
 			last = max(last, r.End)
+			sent = min(sent, r.At)
 			frames += int(r.N)
 		}
 	}
 	if last == 0 {
 		return
 	}
-	if acked, ok := lk.ackedBytes(); ok && last > acked {
+	if acked, ok := lk.ackedBytes(); ok && last > acked && !lk.beingTakenIn(sent) {
 		lk.dropStale(frames)
 	}
+}
+
+// beingTakenIn reports whether the upstream is still taking the stream
+// in since mono time sent (takenSince): a request past its deadline is
+// not stale while it is, answered on another link or not.
+func (lk *link) beingTakenIn(sent int64) bool {
+	up := lk.upEnd()
+	if up == nil {
+		return false
+	}
+	d, ok := up.delivery()
+	return ok && lk.takenSince(d, sent)
 }
 
 // heardUnread looks, before requests of the link are counted unanswered,
@@ -479,19 +499,36 @@ func (lk *link) heardUnread(judged []flow.PendingRequest) bool {
 			return true
 		}
 	}
-	unread := up.unread()
-	if unread == 0 {
-		lk.heldUnread.Store(0)
+	mark := lk.unreadMark(up)
+	lk.heldUnread.Store(mark)
+	if mark == 0 {
 		return false // the pump has read all of it: the silence is the endpoint's
 	}
-	// Asked after the kernel: bytes the pump reads in between are counted
-	// twice, which only holds its requests back longer.
-	lk.heldUnread.Store(lk.bytesDown.Load() + int64(unread))
 	if lk.conv != nil && lk.conv.off.Load() {
 		return true // no longer tracked meanwhile: nothing to judge again
 	}
 	lk.putOff(judged, 0)
 	return true
+}
+
+// unreadMark is how far the response pump must read (bytesDown) to have
+// read what waits unread in up's socket now; 0 when nothing waits. The
+// pump may read meanwhile: the count it had read is taken on both sides
+// of the kernel's answer, and asked again when it moved.
+func (lk *link) unreadMark(up upstreamEnd) int64 {
+	for range 4 {
+		before := lk.bytesDown.Load()
+		n := up.unread()
+		if n == 0 {
+			return 0
+		}
+		if lk.bytesDown.Load() == before {
+			return before + int64(n)
+		}
+	}
+	// Still reading: bytes read in between may be counted twice, which
+	// only holds the link's requests back longer.
+	return lk.bytesDown.Load() + int64(up.unread())
 }
 
 // putOff gives the judged requests not covered another verdict at due,
@@ -545,21 +582,39 @@ func (lk *link) heldBack(judged []flow.PendingRequest) bool {
 		return false
 	}
 	d, ok := up.delivery()
-	if ok && first.End <= d.Acked {
-		if allow := lk.deliveryAllow.Swap(0); allow > 0 {
+	if !ok {
+		lk.endDelivery()
+		return false
+	}
+	if first.End <= d.Acked {
+		allow := lk.deliveryAllow.Load()
+		lk.endDelivery()
+		if allow > 0 {
 			lk.putOff(judged, flow.Mono()+allow) // delivered since the last look
 			return true
 		}
-	}
-	held := ok && first.End > d.Acked && (d.Queued == 0 || lk.takenSince(d, first.At))
-	lk.deliveryPutOff.Store(held)
-	if !held {
-		lk.deliveryAllow.Store(0)
 		return false
 	}
-	lk.deliveryAllow.CompareAndSwap(0, max(first.Due-first.At, 1)) // its deadline not yet moved
+	// The proxy holds the rest: the upstream acknowledged all it was
+	// handed (a kernel that counts acknowledged bytes: d.Acked > 0).
+	if !(d.Queued == 0 && d.Acked > 0 || lk.takenSince(d, first.At)) {
+		lk.endDelivery()
+		return false
+	}
+	if lk.deliveryAllow.Load() == 0 {
+		lk.deliveryAllow.Store(max(first.Due-first.At, 1)) // its deadline not yet moved
+	}
+	lk.deliveryPutOff.Store(true)
 	lk.putOff(judged, 0)
 	return true
+}
+
+// endDelivery ends a verdict's putting off for its request not having
+// reached the upstream (heldBack): the request reached it, or was
+// answered, or the upstream stopped taking it in.
+func (lk *link) endDelivery() {
+	lk.deliveryPutOff.Store(false)
+	lk.deliveryAllow.Store(0)
 }
 
 func (lk *link) dropStale(frames int) {
@@ -739,8 +794,8 @@ func (lk *link) closeBoth() {
 			if lk.trk != nil && lk.trk.Pending() > 0 {
 				// The upstream's bytes still unread when the link ends: it
 				// could not answer the requests it is left with (finish).
-				if n := up.unread(); n > 0 {
-					lk.heldUnread.Store(lk.bytesDown.Load() + int64(n))
+				if mark := lk.unreadMark(up); mark > 0 {
+					lk.heldUnread.Store(mark)
 				}
 			}
 			up.close()
@@ -785,18 +840,14 @@ func (lk *link) clientEnded() bool {
 	return r != nil && (*r == CloseClientClosed || *r == CloseClientError)
 }
 
-// proxyCut reports whether the proxy ended the link itself for a reason
-// that is no evidence against its upstream, so the answers its requests
-// were owed could no longer be seen. A watermark or budget overflow is
-// such a reason unless the upstream had stalled (then it is evidence); a
-// bad frame is, unless it was the upstream's.
 // owesNoEvidence reports whether the link's requests say nothing of its
 // endpoint once the link has ended (see finish): under a protocol profile
 // its client gave up, or the upstream, having answered on it, closed it
 // (a broker closes instead of answering a request it will not serve:
 // KAFKA.md, "close all outstanding entries at EOF"); the proxy cut it;
 // or the pump had not read what the upstream sent when a verdict was put
-// off.
+// off, or a verdict is put off while the request has not all reached the
+// upstream (heldBack).
 func (lk *link) owesNoEvidence() bool {
 	if lk.conv != nil && lk.conv.profile && (lk.clientEnded() || lk.upstreamEndedAfterAnswers()) {
 		return true
@@ -804,14 +855,33 @@ func (lk *link) owesNoEvidence() bool {
 	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() || lk.deliveryPutOff.Load()
 }
 
-// upstreamEndedAfterAnswers reports whether the upstream closed or reset
-// the link after it had sent something on it. One that accepts and closes
-// without a byte is not taken at its word: its requests stay evidence.
+// upstreamEndedAfterAnswers reports whether the upstream closed the link
+// (its FIN, or its reset) after it had sent something on it. One that
+// accepts and closes without a byte is not taken at its word: its
+// requests stay evidence. Nor is an upstream error that is no close of
+// the peer's (a host or network unreachable once the retransmissions
+// ran out: a path gone).
 func (lk *link) upstreamEndedAfterAnswers() bool {
 	r := lk.reason.Load()
-	return r != nil && (*r == CloseUpstreamClosed || *r == CloseUpstreamError) && lk.bytesDown.Load() > 0
+	if r == nil || lk.bytesDown.Load() == 0 {
+		return false
+	}
+	switch *r {
+	case CloseUpstreamClosed:
+		return true
+	case CloseUpstreamError:
+		if e := lk.endErr.Load(); e != nil {
+			return errors.Is(*e, syscall.ECONNRESET) || errors.Is(*e, syscall.EPIPE)
+		}
+	}
+	return false
 }
 
+// proxyCut reports whether the proxy ended the link itself for a reason
+// that is no evidence against its upstream, so the answers its requests
+// were owed could no longer be seen. A watermark or budget overflow is
+// such a reason unless the upstream had stalled (then it is evidence); a
+// bad frame is, unless it was the upstream's.
 func (lk *link) proxyCut() bool {
 	r := lk.reason.Load()
 	if r == nil {

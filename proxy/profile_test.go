@@ -7,6 +7,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -1369,7 +1370,7 @@ func TestPinotLongQueryIsNotJudged(t *testing.T) {
 // the next query's deadline. Before, the link was untracked for good.
 func TestPinotLongResponseLeavesTheLinkTracked(t *testing.T) {
 	const long = 2 << 20
-	addr := serveOne(t, listenLoopback(t), func(c net.Conn, _ <-chan struct{}) {
+	addr := serveConns(t, listenLoopback(t), func(c net.Conn, _ <-chan struct{}) {
 		for n := 0; ; n++ {
 			var hdr [4]byte
 			if _, err := io.ReadFull(c, hdr[:]); err != nil {
@@ -1631,5 +1632,34 @@ func TestTxnTimeoutsPerLink(t *testing.T) {
 	c.txnTimeout(1, 20*time.Second) // a known id is still updated when full
 	if got := c.txnTimeouts[1]; got != 20*time.Second {
 		t.Fatalf("id 1: %v, want 20s", got)
+	}
+}
+
+// Only the upstream's own close excuses its link's requests: its FIN or
+// its reset, after it answered on the link. An error that says the path
+// is gone (a host unreachable once the retransmissions ran out) does not.
+func TestOnlyTheUpstreamsCloseExcusesItsRequests(t *testing.T) {
+	for _, tc := range []struct {
+		reason  CloseReason
+		err     error
+		excused bool
+	}{
+		{CloseUpstreamClosed, nil, true},
+		{CloseUpstreamError, syscall.ECONNRESET, true},
+		{CloseUpstreamError, syscall.EPIPE, true},
+		{CloseUpstreamError, syscall.EHOSTUNREACH, false},
+		{CloseUpstreamError, syscall.ENETUNREACH, false},
+		{CloseUpstreamTimeout, syscall.ETIMEDOUT, false},
+	} {
+		lk := &link{}
+		lk.bytesDown.Store(10)
+		lk.setReason(tc.reason, tc.err)
+		if got := lk.upstreamEndedAfterAnswers(); got != tc.excused {
+			t.Errorf("%s (%v) after answers: excused %v, want %v", tc.reason, tc.err, got, tc.excused)
+		}
+		lk.bytesDown.Store(0)
+		if lk.upstreamEndedAfterAnswers() {
+			t.Errorf("%s (%v) before any answer: excused", tc.reason, tc.err)
+		}
 	}
 }

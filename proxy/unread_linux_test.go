@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -345,63 +344,35 @@ func TestBudgetCloseOfAClientStalledLinkBlamesNoUpstream(t *testing.T) {
 // never relays); later frames get no answer. It ends with the test.
 func urgentServer(t *testing.T, answer int, delay time.Duration) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
+	return serveConns(t, listenLoopback(t), func(c net.Conn, _ <-chan struct{}) {
+		for n := 0; ; n++ {
+			var hdr [4]byte
+			if _, err := io.ReadFull(c, hdr[:]); err != nil {
+				return
+			}
+			p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
+			if _, err := io.ReadFull(c, p); err != nil {
+				return
+			}
+			if n >= answer {
+				continue
+			}
+			time.Sleep(delay)
+			rc, err := c.(*net.TCPConn).SyscallConn()
 			if err != nil {
 				return
 			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Go(func() {
-				for n := 0; ; n++ {
-					var hdr [4]byte
-					if _, err := io.ReadFull(c, hdr[:]); err != nil {
-						return
-					}
-					p := make([]byte, binary.BigEndian.Uint32(hdr[:]))
-					if _, err := io.ReadFull(c, p); err != nil || n >= answer {
-						if err != nil {
-							return
-						}
-						continue
-					}
-					time.Sleep(delay)
-					rc, err := c.(*net.TCPConn).SyscallConn()
-					if err != nil {
-						return
-					}
-					var serr error
-					if err := rc.Write(func(fd uintptr) bool {
-						if _, serr = unix.Write(int(fd), append(hdr[:], p...)); serr == nil {
-							serr = unix.Send(int(fd), []byte{'!'}, unix.MSG_OOB)
-						}
-						return true
-					}); err != nil || serr != nil {
-						return
-					}
+			var serr error
+			if err := rc.Write(func(fd uintptr) bool {
+				if _, serr = unix.Write(int(fd), append(hdr[:], p...)); serr == nil {
+					serr = unix.Send(int(fd), []byte{'!'}, unix.MSG_OOB)
 				}
-			})
+				return true
+			}); err != nil || serr != nil {
+				return
+			}
 		}
 	})
-	return ln.Addr().String()
 }
 
 // An urgent byte is taken in by the upstream's kernel and never read (not
@@ -440,11 +411,11 @@ func TestUrgentByteIsNoAnswerHeldUnread(t *testing.T) {
 	}
 }
 
-// The twin: a server that answers every request, late (200ms of a 300ms
-// deadline) and with an urgent byte behind each answer, stays healthy,
-// and every answer reaches the client.
+// The twin: a server that answers every request (after 100ms of a 1s
+// deadline) with an urgent byte behind each answer stays healthy, and
+// every answer reaches the client.
 func TestUrgentBytesFromALiveServerAreNoSilence(t *testing.T) {
-	h := start(t, urgentServer(t, 1<<30, 200*time.Millisecond), framed(300*time.Millisecond, 1, nil))
+	h := start(t, urgentServer(t, 1<<30, 100*time.Millisecond), framed(time.Second, 1, nil))
 	c := h.dial()
 	for i := range 5 {
 		q := fmt.Sprintf("q%d", i)
@@ -481,7 +452,7 @@ func slowReader(t *testing.T, stopAt int64) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return serveOne(t, ln, func(c net.Conn, done <-chan struct{}) {
+	return serveConns(t, ln, func(c net.Conn, done <-chan struct{}) {
 		var read int64
 		var frame []byte
 		buf := make([]byte, 1<<10)
@@ -538,6 +509,76 @@ func TestLargeRequestOnASlowPathIsNoSilence(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(m.UnansweredDeferred); got < 1 {
 		t.Fatalf("unanswered_deferred_total = %v: the verdict was never put off, the request reached the server within its deadline (make it larger)", got)
+	}
+	// Answered, the putting off ends: the link's requests are evidence
+	// again (owesNoEvidence) and no later request inherits its time.
+	lk := h.onlyLink(time.Second)
+	for deadline := time.Now().Add(5 * time.Second); lk.deliveryPutOff.Load() || lk.deliveryAllow.Load() != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("5s after the answer, the verdict is still put off (%v, %v)", lk.deliveryPutOff.Load(), time.Duration(lk.deliveryAllow.Load()))
+		}
+	}
+}
+
+// A large request on a slow path, its verdict put off, and then another
+// link to the same server gets answers: those answers cover the request
+// (the putting off ends there, so the link's requests are evidence
+// again), and it is not dropped as stale either while the server still
+// takes it in. Before, the link was reset (stale), and the putting off
+// outlived the answers.
+func TestLargeRequestBesideAnsweredOnesIsNotStale(t *testing.T) {
+	h := start(t, slowReader(t, 0), framed(300*time.Millisecond, 1, nil))
+	big := h.dial()
+	sendFrame(t, big, string(make([]byte, 256<<10)))
+	lk := h.onlyLink(time.Second)
+	for deadline := time.Now().Add(10 * time.Second); !lk.deliveryPutOff.Load(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the large request's verdict was not put off within 10s")
+		}
+	}
+	small := h.dial()
+	sendFrame(t, small, "q")
+	if a := readFrame(t, small, 10*time.Second); a != "ok" {
+		t.Fatalf("small answer %q, want ok", a)
+	}
+	for deadline := time.Now().Add(5 * time.Second); lk.deliveryPutOff.Load() || lk.deliveryAllow.Load() != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("5s after an answer covered the large request, its verdict is still put off")
+		}
+	}
+	got := make(chan string, 1)
+	go func() {
+		_ = big.SetReadDeadline(time.Now().Add(60 * time.Second))
+		var hdr [6]byte
+		if _, err := io.ReadFull(big, hdr[:]); err != nil {
+			got <- err.Error()
+			return
+		}
+		got <- string(hdr[4:])
+	}()
+	for i := 0; ; i++ {
+		select {
+		case a := <-got:
+			if a != "ok" {
+				t.Fatalf("the large request's answer: %q, want ok", a)
+			}
+			m := h.m.ForListener("test")
+			if n := testutil.ToFloat64(m.StaleFramesDropped); n != 0 {
+				t.Fatalf("stale_frames_dropped_total = %v, want 0", n)
+			}
+			if n := testutil.ToFloat64(m.UnansweredTimeouts); n != 0 {
+				t.Fatalf("unanswered_timeouts_total = %v, want 0", n)
+			}
+			return
+		case <-time.After(100 * time.Millisecond):
+		}
+		if i > 600 {
+			t.Fatal("no answer to the large request within 60s")
+		}
+		sendFrame(t, small, "q")
+		if a := readFrame(t, small, 10*time.Second); a != "ok" {
+			t.Fatalf("small answer %q, want ok", a)
+		}
 	}
 }
 

@@ -330,9 +330,18 @@ func UnreadInBand(raw syscall.RawConn) int {
 		}
 		n = v
 		if n == 0 && AtUrgentMark(int(fd)) {
+			// A peek at the mark with a signal pending (the runtime's
+			// preemption) finds nothing, as a read does (see
+			// SockReader.ReadEach): asked again a few times.
 			var b [1]byte
-			if k, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT); err == nil && k > 0 {
-				n = 1
+			for range 4 {
+				k, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+				if err == nil && k > 0 {
+					n = 1
+				}
+				if err != unix.EAGAIN || !AtUrgentMark(int(fd)) {
+					break
+				}
 			}
 		}
 	})
@@ -343,13 +352,20 @@ func UnreadInBand(raw syscall.RawConn) int {
 // false when the kernel does not say.
 func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
 	now := Mono()
-	ti, ok := tcpInfo(raw)
+	var ti unix.TCPInfo
+	outq, ok := -1, false
+	// The send queue first: an ACK between the two readings then makes
+	// Acked+Queued more than was handed, never a queue that looks empty
+	// with bytes still unacknowledged.
+	_ = raw.Control(func(fd uintptr) {
+		v, err := unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
+		if err != nil || v < 0 {
+			return
+		}
+		outq = v
+		ok = getsockopt(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti))) == nil
+	})
 	if !ok {
-		return Delivery{}, false
-	}
-	outq, err := -1, error(nil)
-	_ = raw.Control(func(fd uintptr) { outq, err = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ) })
-	if err != nil || outq < 0 {
 		return Delivery{}, false
 	}
 	return Delivery{
