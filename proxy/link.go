@@ -195,7 +195,15 @@ func (lk *link) finish() {
 	}
 	if lk.trk != nil {
 		orphans := lk.trk.Stop()
-		if lk.owesNoEvidence() {
+		if lk.abandonedByItsClient() {
+			// Requests held longer than any client waits (a Kafka
+			// transaction's) are judged by a shorter hold once abandoned.
+			orphans = slices.DeleteFunc(orphans, func(r flow.PendingRequest) bool { return r.Abandoned == 0 })
+			for i := range orphans {
+				r := &orphans[i]
+				r.Held, r.Due = r.Abandoned, addDue(r.Abandoned, lk.conv.rt)
+			}
+		} else if lk.owesNoEvidence() {
 			// Under a protocol profile every request carries its own
 			// deadline and clients wait at least that long: one that closes
 			// first abandons its requests, which can no longer be answered;
@@ -853,6 +861,14 @@ func (lk *link) owesNoEvidence() bool {
 		return true
 	}
 	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() || lk.deliveryPutOff.Load()
+}
+
+// abandonedByItsClient reports whether the link's requests are no
+// evidence only because its client closed it under a protocol profile
+// (see owesNoEvidence): those with a shorter hold for that case are.
+func (lk *link) abandonedByItsClient() bool {
+	return lk.conv != nil && lk.conv.profile && lk.clientEnded() &&
+		!lk.proxyCut() && lk.bytesDown.Load() >= lk.heldUnread.Load() && !lk.deliveryPutOff.Load()
 }
 
 // upstreamEndedAfterAnswers reports whether the upstream closed the link

@@ -83,8 +83,15 @@ func (c *conv) untrackFor(err error) {
 // track records one request that the server may hold until held and that
 // expects an answer by due; c.mu is held.
 func (c *conv) trackLocked(held, due, end int64, n int32) {
+	c.trackAbandonable(held, due, 0, end, n)
+}
+
+// trackAbandonable is trackLocked for a request judged, once its client
+// abandoned it, as held until abandoned instead (flow.PendingRequest's
+// Abandoned; 0: not judged then); c.mu is held.
+func (c *conv) trackAbandonable(held, due, abandoned, end int64, n int32) {
 	if due != flow.Never {
-		c.lk.trk.Sent(flow.PendingRequest{At: c.sendAt, Held: held, Due: due, End: end, N: n, Thr: c.thr})
+		c.lk.trk.Sent(flow.PendingRequest{At: c.sendAt, Held: held, Due: due, End: end, N: n, Thr: c.thr, Abandoned: abandoned})
 	}
 }
 

@@ -34,6 +34,9 @@ const kafkaFirstWindow = 128
 
 const kafkaSyncGroup = 14
 
+// kafkaAddPartitionsToTxn is the api_key of AddPartitionsToTxn.
+const kafkaAddPartitionsToTxn = 24
+
 // maxTxnIDs bounds the transactional ids a link remembers a transaction
 // timeout for. A client has one per producer, and the usual clients one
 // producer per connection; a request of an id not remembered gets the
@@ -121,8 +124,30 @@ func (c *conv) kafkaRequest(r *kafkawire.Request, end int64) {
 	}
 	// The broker may hold it until request_timeout before it is due;
 	// its own response (matched in order) covers it before that.
-	c.trackLocked(due-c.rt, due, end, 1)
+	var abandoned int64
+	if kafkaTxnCoordinator(r) {
+		// A transaction's hold (up to its timeout, 15 minutes unknown)
+		// outlasts the client's own wait (request.timeout.ms, 30 s in
+		// Java): a client that gives up and closes would leave a stopped
+		// coordinator unjudged for good. Abandoned so, the request is
+		// judged by the bound it had before the transaction's timeout was
+		// read: 5 s and request_timeout.
+		abandoned = addDue(c.sendAt, int64(kafkaTxnAbandonedHold))
+	}
+	c.trackAbandonable(due-c.rt, due, abandoned, end, 1)
 	c.mu.Unlock()
+}
+
+// kafkaTxnAbandonedHold is how long a transaction-coordinator request is
+// held once its client abandoned it (see kafkaRequest): the bound the
+// profile gave these requests before it read their transaction's timeout.
+const kafkaTxnAbandonedHold = 5 * time.Second
+
+// kafkaTxnCoordinator reports whether r is a request the transaction
+// coordinator holds for its transaction's timeout: InitProducerId with a
+// transactional id, AddPartitionsToTxn, AddOffsetsToTxn, EndTxn.
+func kafkaTxnCoordinator(r *kafkawire.Request) bool {
+	return r.TxnTimeout > 0 || r.TxnBound || r.APIKey == kafkaAddPartitionsToTxn
 }
 
 // kafkaHold returns how long the broker may hold request r once it starts

@@ -1663,3 +1663,64 @@ func TestOnlyTheUpstreamsCloseExcusesItsRequests(t *testing.T) {
 		}
 	}
 }
+
+// A transaction's hold (here 60 s) outlasts a client's own wait: one that
+// gives up and closes (at 1 s here; 30 s in Java) abandons an EndTxn to a
+// coordinator that never answers. Abandoned, it is judged by the bound it
+// had before the transaction's timeout was read (5 s and request_timeout
+// from its send), so a stopped coordinator seen only by transactional
+// clients is still excluded. Before, it was never judged: the client's
+// close took its requests away. The twin is
+// TestTxnAbandonedToALiveBrokerIsNotCounted.
+func TestTxnAbandonedByItsClientIsJudged(t *testing.T) {
+	const rt = 300 * time.Millisecond
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) { return 0, key == 22 })
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
+	sent := abandonAnEndTxn(t, h)
+	ep := h.waitState("excluded", kafkaTxnAbandonedHold+rt+5*time.Second)
+	if d := ep.Since.Sub(sent); d < kafkaTxnAbandonedHold+rt {
+		t.Fatalf("excluded %v after the EndTxn, before its abandoned bound (5.3s)", d)
+	}
+}
+
+// The twin: the same abandoned EndTxn to a coordinator that answers
+// another client's requests meanwhile is not counted: the coordinator is
+// alive.
+func TestTxnAbandonedToALiveBrokerIsNotCounted(t *testing.T) {
+	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) { return 0, key != 26 })
+	h := start(t, broker.ln.Addr().String(), kafkaProfile(300*time.Millisecond, 1))
+	sent := abandonAnEndTxn(t, h)
+	other := h.dial()
+	for i := int32(1); time.Since(sent) < kafkaTxnAbandonedHold+2*time.Second; i++ {
+		if _, err := other.Write(metadataReq(i)); err != nil {
+			t.Fatal(err)
+		}
+		readResponse(t, other, 5*time.Second)
+		time.Sleep(200 * time.Millisecond)
+	}
+	h.nothingCounted()
+}
+
+// abandonAnEndTxn sends, on a new link to h, an InitProducerId
+// (transaction timeout 60 s) and, once answered, an EndTxn, then resets
+// the link a second later as a client that gives up may; it returns when
+// the EndTxn was sent.
+func abandonAnEndTxn(t *testing.T, h *harness) time.Time {
+	t.Helper()
+	c := h.dial()
+	if _, err := c.Write(initProducerIDReq(4, "app-tx", time.Minute, 1)); err != nil {
+		t.Fatal(err)
+	}
+	readResponse(t, c, 5*time.Second)
+	sent := time.Now()
+	if _, err := c.Write(endTxnReq("app-tx", 2)); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	_ = c.SetLinger(0) // gives up: a reset, so the link ends at once
+	_ = c.Close()
+	if st := h.linkEnd(5 * time.Second); st.Reason != CloseClientError {
+		t.Fatalf("link ended %s, want client_error", st.Reason)
+	}
+	return sent
+}

@@ -31,6 +31,12 @@ type PendingRequest struct {
 	End  int64 // stream offset just past the last byte of the last one
 	N    int32 // how many requests
 	Thr  int32 // consecutive_timeouts_threshold of the listener that sent them
+	// Abandoned, when not 0, is the end of a shorter hold that judges the
+	// request once its client has abandoned it (closed the link while it
+	// waited): a hold the protocol allows that no client waits out (a
+	// Kafka transaction's, up to 15 minutes). 0: an abandoned request is
+	// not judged.
+	Abandoned int64
 	// judged: the verdict was given at due; the entry is kept until last
 	// for the staleness check only.
 	judged bool
@@ -175,6 +181,11 @@ func (t *Tracker) Sent(r PendingRequest) {
 			// changes no verdict but by the slack, toward not counting.
 			l.N += r.N
 			l.End, l.Due, l.last, l.Held = r.End, min(l.Due, r.Due), max(l.last, r.last), min(l.Held, r.Held)
+			if l.Abandoned == 0 || r.Abandoned == 0 {
+				l.Abandoned = 0 // one of them is not judged once abandoned: nor is the entry
+			} else {
+				l.Abandoned = min(l.Abandoned, r.Abandoned)
+			}
 			t.armLocked(l.next())
 			return
 		}
