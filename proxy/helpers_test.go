@@ -151,3 +151,19 @@ func serveConns(t *testing.T, ln net.Listener, serve func(c net.Conn, done <-cha
 	})
 	return ln.Addr().String()
 }
+
+// excludedUnanswered waits up to within for the endpoint's exclusion and
+// fails the test unless it was for unanswered requests and came no
+// earlier than atLeast after sent (the request's own deadline), as the
+// proxy's own record of it says.
+func (h *harness) excludedUnanswered(sent time.Time, atLeast, within time.Duration) EndpointStatus {
+	h.t.Helper()
+	ep := h.waitState("excluded", within)
+	if ep.Reason != string(CloseUnanswered) {
+		h.t.Fatalf("excluded for %q, want unanswered", ep.Reason)
+	}
+	if d := ep.Since.Sub(sent); d < atLeast {
+		h.t.Fatalf("excluded %v after the request, before its deadline (%v)", d, atLeast)
+	}
+	return ep
+}

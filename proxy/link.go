@@ -115,13 +115,10 @@ type link struct {
 	// closed; 0: nothing waited. While the pump has not read that far, its
 	// requests are not handed on when it ends.
 	heldUnread atomic.Int64
-	// deliveryPutOff: the last verdict on the link's requests was put off
-	// because the first of them had not all reached the upstream
-	// (heldBack).
-	deliveryPutOff atomic.Bool
 	// deliveryAllow is the time its deadline gave the request a verdict was
 	// put off for while it had not all reached the upstream: the upstream
-	// has as long once it has all of it. 0: none put off so.
+	// has as long once it has all of it. 0: no verdict put off so
+	// (heldBack).
 	deliveryAllow atomic.Int64
 	// upstreamBadFrame: the bad frame that ended the link was the
 	// upstream's (a response cut short), not the client's.
@@ -609,10 +606,7 @@ func (lk *link) heldBack(judged []flow.PendingRequest) bool {
 		lk.endDelivery()
 		return false
 	}
-	if lk.deliveryAllow.Load() == 0 {
-		lk.deliveryAllow.Store(max(first.Due-first.At, 1)) // its deadline not yet moved
-	}
-	lk.deliveryPutOff.Store(true)
+	lk.deliveryAllow.CompareAndSwap(0, max(first.Due-first.At, 1)) // its deadline not yet moved
 	lk.putOff(judged, 0)
 	return true
 }
@@ -620,10 +614,7 @@ func (lk *link) heldBack(judged []flow.PendingRequest) bool {
 // endDelivery ends a verdict's putting off for its request not having
 // reached the upstream (heldBack): the request reached it, or was
 // answered, or the upstream stopped taking it in.
-func (lk *link) endDelivery() {
-	lk.deliveryPutOff.Store(false)
-	lk.deliveryAllow.Store(0)
-}
+func (lk *link) endDelivery() { lk.deliveryAllow.Store(0) }
 
 func (lk *link) dropStale(frames int) {
 	if lk.abort(CloseStale, nil) {
@@ -641,14 +632,21 @@ func (lk *link) progressed() (moved, known bool) {
 	if !ok {
 		return false, false
 	}
+	return lk.noteAcked(acked, flow.Mono()), true
+}
+
+// noteAcked records acked, a sample of the bytes the upstream
+// acknowledged taken at mono time now, and reports whether it moved since
+// the previous sample (ackedAt is then now).
+func (lk *link) noteAcked(acked, now int64) bool {
 	for {
 		prev := lk.acked.Load()
 		if acked <= prev {
-			return false, true
+			return false
 		}
 		if lk.acked.CompareAndSwap(prev, acked) {
-			lk.ackedAt.Store(flow.Mono())
-			return true, true
+			lk.ackedAt.Store(now)
+			return true
 		}
 	}
 }
@@ -665,16 +663,7 @@ func (lk *link) takenSince(d flow.Delivery, at int64) bool {
 		return false
 	}
 	now := flow.Mono()
-	for {
-		prev := lk.acked.Load()
-		if d.Acked <= prev {
-			break
-		}
-		if lk.acked.CompareAndSwap(prev, d.Acked) {
-			lk.ackedAt.Store(now)
-			break
-		}
-	}
+	lk.noteAcked(d.Acked, now)
 	return lk.ackedAt.Load() > max(at, now-int64(flow.DeliveryQuiet))
 }
 
@@ -860,15 +849,22 @@ func (lk *link) owesNoEvidence() bool {
 	if lk.conv != nil && lk.conv.profile && (lk.clientEnded() || lk.upstreamEndedAfterAnswers()) {
 		return true
 	}
-	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() || lk.deliveryPutOff.Load()
+	return lk.answersKeptFromIt()
+}
+
+// answersKeptFromIt reports whether the proxy kept the link's requests
+// from being answered: it cut the link, its pump had not read what the
+// upstream sent when a verdict was put off, or a request had not all
+// reached the upstream when one was (heldBack).
+func (lk *link) answersKeptFromIt() bool {
+	return lk.proxyCut() || lk.bytesDown.Load() < lk.heldUnread.Load() || lk.deliveryAllow.Load() != 0
 }
 
 // abandonedByItsClient reports whether the link's requests are no
 // evidence only because its client closed it under a protocol profile
 // (see owesNoEvidence): those with a shorter hold for that case are.
 func (lk *link) abandonedByItsClient() bool {
-	return lk.conv != nil && lk.conv.profile && lk.clientEnded() &&
-		!lk.proxyCut() && lk.bytesDown.Load() >= lk.heldUnread.Load() && !lk.deliveryPutOff.Load()
+	return lk.conv != nil && lk.conv.profile && lk.clientEnded() && !lk.answersKeptFromIt()
 }
 
 // upstreamEndedAfterAnswers reports whether the upstream closed the link

@@ -1279,13 +1279,7 @@ func TestBrokerThatClosesUnansweredIsJudged(t *testing.T) {
 	if st := h.linkEnd(5 * time.Second); st.Reason != CloseUpstreamClosed && st.Reason != CloseUpstreamError {
 		t.Fatalf("link ended %s, want the upstream's close", st.Reason)
 	}
-	st := h.waitState("excluded", 300*time.Millisecond+2*time.Second)
-	if st.Reason != string(CloseUnanswered) {
-		t.Fatalf("excluded for %q, want unanswered", st.Reason)
-	}
-	if d := time.Since(sent); d < 300*time.Millisecond {
-		t.Fatalf("excluded %v after the request, before its deadline (300ms)", d)
-	}
+	h.excludedUnanswered(sent, 300*time.Millisecond, 300*time.Millisecond+2*time.Second)
 }
 
 // closeOnEOF reads c to its end, as a client does whose server closed
@@ -1427,13 +1421,7 @@ func excludedByItsDeadline(t *testing.T, h *harness, c net.Conn) {
 	if _, err := c.Write(lptestutil.LengthPrefixed(payload)); err != nil {
 		t.Fatal(err)
 	}
-	ep := h.waitState("excluded", 10*time.Second)
-	if d := ep.Since.Sub(sent); d < 1300*time.Millisecond {
-		t.Fatalf("excluded %v after the query, before its timeoutMs (300ms) plus the 1s slack", d)
-	}
-	if ep.Reason != string(CloseUnanswered) {
-		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
-	}
+	h.excludedUnanswered(sent, 1300*time.Millisecond, 10*time.Second) // timeoutMs plus the 1s slack
 }
 
 // A frame that is no InstanceRequest gets no reply from a Pinot server,
@@ -1604,13 +1592,7 @@ func TestTxnOfADeadBrokerJudgedAtItsTransactionTimeout(t *testing.T) {
 	if _, err := c.Write(endTxnReq("app-tx", 2)); err != nil {
 		t.Fatal(err)
 	}
-	ep := h.waitState("excluded", timeout+rt+10*time.Second)
-	if ep.Reason != string(CloseUnanswered) {
-		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
-	}
-	if d := ep.Since.Sub(sent); d < timeout+rt {
-		t.Fatalf("excluded %v after the EndTxn, before its transaction timeout (%v) and request_timeout (%v) had passed", d, timeout, rt)
-	}
+	h.excludedUnanswered(sent, timeout+rt, timeout+rt+10*time.Second) // its transaction timeout and request_timeout
 }
 
 // A link remembers, per transactional id, the longest transaction timeout
@@ -1677,10 +1659,7 @@ func TestTxnAbandonedByItsClientIsJudged(t *testing.T) {
 	broker := startKafkaBroker(t, func(key int16, _ int32) (time.Duration, bool) { return 0, key == 22 })
 	h := start(t, broker.ln.Addr().String(), kafkaProfile(rt, 1))
 	sent := abandonAnEndTxn(t, h)
-	ep := h.waitState("excluded", kafkaTxnAbandonedHold+rt+5*time.Second)
-	if d := ep.Since.Sub(sent); d < kafkaTxnAbandonedHold+rt {
-		t.Fatalf("excluded %v after the EndTxn, before its abandoned bound (5.3s)", d)
-	}
+	h.excludedUnanswered(sent, kafkaTxnAbandonedHold+rt, kafkaTxnAbandonedHold+rt+5*time.Second) // its abandoned bound
 }
 
 // The twin: the same abandoned EndTxn to a coordinator that answers

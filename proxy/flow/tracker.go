@@ -266,11 +266,10 @@ func (t *Tracker) OverdueEnd(now int64) (end, sent int64) {
 	defer t.mu.Unlock()
 	for _, r := range t.pending {
 		if r.last <= now {
-			if end == 0 {
+			if end == 0 || r.At < sent {
 				sent = r.At
 			}
 			end = max(end, r.End)
-			sent = min(sent, r.At)
 		}
 	}
 	return end, sent
