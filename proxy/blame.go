@@ -80,7 +80,7 @@ func (e errFrozenDial) Unwrap() error { return e.error }
 // an errFrozenDial when it is a connect timeout (dialTimedOut) that came
 // at least timeout after the deadline.
 func frozenDial(err error, began int64, timeout time.Duration) error {
-	if timeout <= 0 || !dialTimedOut(err) {
+	if timeout <= 0 || !dialTimedOut(err) || errors.As(err, new(errFrozenDial)) {
 		return err
 	}
 	if late := time.Duration(flow.Mono()-began) - timeout; late >= timeout {

@@ -11,8 +11,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -153,4 +156,58 @@ func TestFrozenProxyBlamesNoUpstream(t *testing.T) {
 			}
 		}
 	})
+}
+
+// The same freeze during a mesh session's handshake: the peer sidecar's
+// mesh port accepts and answers nothing (as a SIGSTOPped sidecar's kernel
+// does), and the proxy is frozen for longer than twice ping_timeout while
+// the handshake waits. When it runs again, the handshake's deadline and
+// the link's connect budget are long past, but the proxy could not have
+// read an answer meanwhile: the link fails (dial_error, noticed late),
+// the peer's endpoints stay healthy and no session death is counted.
+// Before, the handshake's timeout alone declared the peer dead and
+// excluded its endpoints. The twin: the same silent sidecar with the
+// proxy running is dead at ping_timeout, and its endpoint excluded.
+func TestFrozenProxyBlamesNoMeshPeer(t *testing.T) {
+	const (
+		// ping_timeout as connect_timeout above; the link's connect
+		// budget half a second longer, so that with the proxy running the
+		// handshake's own deadline comes first. The freeze is past twice
+		// either, whichever deadline the proxy sees first after it.
+		timeout = 2 * time.Second
+		budget  = timeout + timeout/4
+		freeze  = 5 * time.Second
+	)
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	silent := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Addr: "127.0.0.2:0"})
+	_, port, _ := net.SplitHostPort(silent.Addr())
+	meshPort, _ := strconv.Atoi(port)
+	h := startEgress(t, srv.Addr(), meshPort, func(s *policy.Settings) {
+		s.Mesh.PingTimeout = policy.Duration(timeout)
+		s.ConnectTimeout = policy.Duration(budget)
+		s.ConnectAttempts = 1
+	})
+
+	c := h.dial()
+	waitFor(t, 5*time.Second, "the session's connection accepted", func() bool { return silent.Accepted() >= 1 })
+	freezeProcess(t, freeze)
+	s := h.linkEndOf(c, 5*time.Second)
+	if s.Reason != CloseDialError || s.Err == nil || !strings.Contains(s.Err.Error(), "the proxy could not run") {
+		t.Fatalf("link ended %s (%v), want dial_error noticed late", s.Reason, s.Err)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) after a handshake the proxy could not wait for, want healthy", ep.State, ep.Reason)
+	}
+	if got := testutil.ToFloat64(h.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
+		t.Fatalf("%v egress session deaths counted for a handshake noticed late, want 0", got)
+	}
+
+	// The twin, with the proxy running.
+	h.dial()
+	if ep := h.waitState("excluded", 10*time.Second); ep.Reason != string(reasonMeshDead) {
+		t.Fatalf("excluded for %s, want %s", ep.Reason, reasonMeshDead)
+	}
+	if got := testutil.ToFloat64(h.m.MeshSessionDeaths(metrics.MeshEgress)); got != 1 {
+		t.Fatalf("%v egress session deaths, want 1", got)
+	}
 }

@@ -259,6 +259,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	tc := c.(*net.TCPConn)
 	// The handshake's answer is judged as the heartbeat judges a session:
 	// nothing for ping_timeout is a dead peer sidecar.
+	began := flow.Mono()
 	_ = c.SetDeadline(time.Now().Add(m.PingTimeout.D()))
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
 	if m.TLS.Enabled() {
@@ -293,6 +294,15 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	if err != nil {
 		_ = tc.Close()
 		if ctx.Err() == nil && errors.As(err, &ne) && ne.Timeout() {
+			if late := time.Duration(flow.Mono()-began) - m.PingTimeout.D(); late >= m.PingTimeout.D() {
+				// Noticed a ping_timeout or more after its deadline: this
+				// process could not run meanwhile (CPU throttling, a
+				// frozen host), and the answer may have come while it
+				// could not read it. No evidence against the peer: the
+				// link fails, as a connect noticed late does (see
+				// errFrozenDial), and the next dial asks again.
+				return nil, errFrozenDial{fmt.Errorf("%s: no answer to the session handshake: %w", pr.addr, err), late}
+			}
 			pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
 			pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
 			pr.excludeEndpoints()

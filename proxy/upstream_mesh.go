@@ -30,13 +30,16 @@ func (d meshDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 	if port == 0 {
 		return d.next.dial(lk, ep)
 	}
+	began := flow.Mono()
 	end, err := lk.openMesh(ep, port)
 	if errors.Is(err, mesh.ErrNoIngress) && lk.settings.Mesh.OrDefaults().Fallback == policy.MeshFallbackDirect {
 		lk.meshFallback(ep, port, err)
 		return d.next.dial(lk, ep)
 	}
 	if err != nil {
-		return nil, err
+		// A session dial that ran out of its time at least that time
+		// late is no evidence, as a direct dial's (errFrozenDial).
+		return nil, frozenDial(err, began, lk.meshDialTimeout())
 	}
 	return end, nil
 }
@@ -47,6 +50,12 @@ func (lk *link) meshPortFor(ep *endpoint) int {
 	port := lk.host.meshPort(ep, lk.settings.Mesh.Port)
 	ep.meshPort.Store(int32(port))
 	return port
+}
+
+// meshDialTimeout is the time a link gives its stream through the mesh
+// to open: connect_timeout, or the mesh's ping_timeout without one.
+func (lk *link) meshDialTimeout() time.Duration {
+	return cmp.Or(lk.settings.ConnectTimeout.D(), lk.settings.Mesh.OrDefaults().PingTimeout.D())
 }
 
 // openMesh opens a stream to ep through the peer sidecar at its mesh port.
@@ -65,7 +74,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	if until := pr.noIngressUntil.Load(); direct && until != 0 && flow.Mono() < until {
 		return nil, mesh.ErrNoIngress
 	}
-	ctx, cancel := context.WithTimeout(lk.host.dialContext(), cmp.Or(lk.settings.ConnectTimeout.D(), m.PingTimeout.D()))
+	ctx, cancel := context.WithTimeout(lk.host.dialContext(), lk.meshDialTimeout())
 	defer cancel()
 	pr.mu.Lock()
 	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
