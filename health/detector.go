@@ -215,10 +215,27 @@ func (d *Detector) Enable(endpoint, reason string) bool {
 	return d.operator(endpoint, Healthy, reason)
 }
 
+// Undisable readmits endpoint if, and only if, it is Disabled for the
+// reason disabledFor: it undoes that one disabling (a config's list no
+// longer naming the endpoint), and leaves alone an endpoint in any other
+// state, or disabled for another reason. It returns true if the state
+// changed; reason is recorded as Enable's.
+func (d *Detector) Undisable(endpoint, disabledFor, reason string) bool {
+	return d.operatorIf(endpoint, Healthy, reason, func(e *epState) bool {
+		return e.state == Disabled && e.reason == disabledFor
+	})
+}
+
 func (d *Detector) operator(endpoint string, to State, reason string) bool {
+	return d.operatorIf(endpoint, to, reason, nil)
+}
+
+// operatorIf is operator, made only where cond (when given) holds of the
+// endpoint's state.
+func (d *Detector) operatorIf(endpoint string, to State, reason string, cond func(*epState) bool) bool {
 	d.mu.Lock()
 	e, ok := d.eps[endpoint]
-	if d.closed || !ok || e.state == to {
+	if d.closed || !ok || e.state == to || cond != nil && !cond(e) {
 		d.mu.Unlock()
 		return false
 	}

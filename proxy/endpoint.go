@@ -92,14 +92,13 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 }
 
 // applyDisabled disables a newly admitted endpoint that endpoints.disabled
-// names, by its address or by the name it was resolved from.
-func (p *Proxy) applyDisabled(ep *endpoint) {
+// names, by its address or by the name it was resolved from; true if that
+// changed its state.
+func (p *Proxy) applyDisabled(ep *endpoint) bool {
 	p.mu.Lock()
 	disabled := p.disabled[ep.addr] || (ep.name != "" && p.disabled[ep.name])
 	p.mu.Unlock()
-	if disabled {
-		p.det.Disable(ep.addr, health.ReasonConfig)
-	}
+	return disabled && p.det.Disable(ep.addr, health.ReasonConfig)
 }
 
 // probeConfig is how the detector probes the endpoint, with the latest

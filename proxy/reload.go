@@ -43,11 +43,13 @@ func sameTarget(a, b policy.Listener) bool {
 //     is bound (a failure to bind is returned and the rest still applies);
 //   - a listener that is gone stops accepting at once; its links get
 //     drain_timeout to finish and are then closed;
-//   - endpoints.disabled: every listed endpoint is disabled (including
-//     one a new listener routes to); endpoints the previous config listed
-//     and this one does not are enabled (a readmission: links opened
-//     before it are evicted). Endpoints disabled through the admin API
-//     and never listed stay as they are.
+//   - endpoints.disabled is diffed: a newly listed endpoint is disabled,
+//     and so is a listed one the reload makes (a new listener routes to
+//     it); one listed before and still is keeps its state (the admin API
+//     may have enabled it); endpoints the previous config listed and this
+//     one does not are enabled if the listing still disables them (a
+//     readmission: links opened before it are evicted). Endpoints the
+//     admin API disabled, or the detector excluded, stay as they are.
 //
 // Admin and log settings are not reloaded (they need a restart).
 func (p *Proxy) Reload(cfg policy.Config) error {
@@ -94,13 +96,17 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		p.mu.Unlock()
 		return ch, err
 	}
+	known := make(map[*endpoint]bool, len(p.endpoints))
+	for _, ep := range p.endpoints {
+		known[ep] = true
+	}
 	set := p.swapListenersLocked(plan, &ch)
 	set.pre = pre
 	p.mu.Unlock()
 
 	p.swapSettings(cfg, plan.disabled)
 	p.syncPools(set)
-	p.disableListed(plan.disable, &ch)
+	p.disableListed(plan.disable, known, &ch)
 
 	for _, l := range set.gone {
 		p.retire(l, cfg.DrainTimeout.D())
@@ -182,7 +188,8 @@ type reloadPlan struct {
 	remove []string
 	// disabled is the new endpoints.disabled, normalized.
 	disabled map[string]bool
-	// disable is disabled's addresses, sorted; enable the addresses the
+	// disable is disabled's addresses that the previous
+	// endpoints.disabled did not list, sorted; enable the addresses the
 	// previous endpoints.disabled listed and the new one does not, sorted.
 	disable, enable []string
 }
@@ -225,7 +232,12 @@ func planReload(running []runningListener, prevDisabled map[string]bool, cfg pol
 	for _, a := range cfg.Endpoints.Disabled {
 		plan.disabled[normalizeEndpoint(a)] = true
 	}
-	plan.disable = slices.Sorted(maps.Keys(plan.disabled))
+	for addr := range plan.disabled {
+		if !prevDisabled[addr] {
+			plan.disable = append(plan.disable, addr)
+		}
+	}
+	slices.Sort(plan.disable)
 	for addr := range prevDisabled {
 		if !plan.disabled[addr] {
 			plan.enable = append(plan.enable, addr)
@@ -309,17 +321,40 @@ func (p *Proxy) syncPools(set reloadSet) {
 	}
 }
 
-// disableListed takes every endpoint the new config lists as disabled out
-// of routing, before any listener binds, including one this reload newly
-// routes to (Disable of one already disabled changes nothing).
-func (p *Proxy) disableListed(addrs []string, ch *Changes) {
+// disableListed takes out of routing, before any listener binds, every
+// endpoint that addrs (the addresses and names the new config lists as
+// disabled and the previous one did not) names, and every endpoint this
+// reload made (not among known) that the new list names, whether or not
+// the previous one did: one a new listener routes to. An endpoint listed
+// before and still is keeps the state it has: an operator may have
+// enabled it through the admin API since, and a reload that leaves the
+// list as it was does not disable it again (endpoints.disabled is
+// diffed).
+func (p *Proxy) disableListed(addrs []string, known map[*endpoint]bool, ch *Changes) {
 	ch.EndpointsDisabled = p.byConfig(addrs, p.det.Disable, ch.EndpointsDisabled)
+	p.mu.Lock()
+	var made []*endpoint
+	for _, ep := range p.endpoints {
+		if !known[ep] {
+			made = append(made, ep)
+		}
+	}
+	p.mu.Unlock()
+	for _, ep := range made {
+		if p.applyDisabled(ep) {
+			ch.EndpointsDisabled = append(ch.EndpointsDisabled, ep.addr)
+		}
+	}
 }
 
-// enableUnlisted enables the endpoints the previous config listed as
-// disabled and the new one does not: a readmission.
+// enableUnlisted readmits the endpoints the previous config listed as
+// disabled and the new one does not, each only if it is still disabled
+// by the config: one the admin API enabled since, and the detector then
+// excluded, is not readmitted without a probe, and one the admin API
+// disabled stays disabled.
 func (p *Proxy) enableUnlisted(addrs []string, ch *Changes) {
-	ch.EndpointsEnabled = p.byConfig(addrs, p.det.Enable, ch.EndpointsEnabled)
+	undisable := func(addr, reason string) bool { return p.det.Undisable(addr, health.ReasonConfig, reason) }
+	ch.EndpointsEnabled = p.byConfig(addrs, undisable, ch.EndpointsEnabled)
 }
 
 // byConfig calls change (the detector's Disable or Enable) for the

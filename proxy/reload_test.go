@@ -5,11 +5,13 @@ import (
 	"fmt"
 	"net"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -123,6 +125,111 @@ func TestReloadDisabledEndpoints(t *testing.T) {
 		t.Fatalf("link to an endpoint disabled by reload saw %v", err)
 	}
 	expectRefused(t, addr)
+}
+
+// endpoints.disabled is diffed: an endpoint the config lists and an
+// operator enabled through the admin API keeps serving, its link open,
+// through a reload that leaves the list as it was (one that changes only a
+// timeout). Before, every reload disabled every listed endpoint again and
+// evicted its links. The twin: a reload that newly lists another endpoint
+// disables that one.
+func TestReloadKeepsAnEndpointTheOperatorEnabled(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	other := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil), listenerCfg("b", other.Addr(), nil)}
+	cfg.Endpoints.Disabled = []string{peer.Addr()}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	addr := p.Addr("a").String()
+	expectRefused(t, addr)
+	if changed, err := p.Enable(peer.Addr()); err != nil || !changed {
+		t.Fatalf("enable through the API: changed %v, %v", changed, err)
+	}
+	h := &harness{t: t, p: p, addr: addr}
+	c := h.dialWhenReadmitted(2 * time.Second)
+	roundTrip(t, c, []byte("enabled by the operator"))
+
+	retuned := cfg
+	retuned.Listeners = slices.Clone(cfg.Listeners)
+	for i := range retuned.Listeners {
+		retuned.Listeners[i].Listen = p.Addr(retuned.Listeners[i].Name).String()
+		retuned.Listeners[i].Settings.WriteTimeout = policy.Duration(7 * time.Second)
+	}
+	if err := p.Reload(retuned); err != nil {
+		t.Fatal(err)
+	}
+	roundTrip(t, c, []byte("still open after a reload that left the list as it was"))
+	if st, _ := p.det.State(normalizeEndpoint(peer.Addr())); st != health.Healthy {
+		t.Fatalf("%s is %v after the reload, want healthy (the operator enabled it)", peer.Addr(), st)
+	}
+
+	listed := retuned
+	listed.Endpoints.Disabled = []string{peer.Addr(), other.Addr()}
+	if err := p.Reload(listed); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := p.det.State(normalizeEndpoint(other.Addr())); st != health.Disabled {
+		t.Fatalf("%s is %v after a reload that lists it, want disabled", other.Addr(), st)
+	}
+	expectRefused(t, p.Addr("b").String())
+	roundTrip(t, c, []byte("the operator's endpoint is still left alone"))
+}
+
+// An endpoint that leaves endpoints.disabled is readmitted only if the
+// config's listing is what kept it out: one the admin API enabled since,
+// which the detector then excluded, stays excluded until a probe passes,
+// and one the admin API disabled stays disabled.
+func TestReloadUnlistingReadmitsOnlyWhatTheListDisabled(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	other := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil), listenerCfg("b", other.Addr(), nil)}
+	cfg.Endpoints.Disabled = []string{peer.Addr(), other.Addr()}
+	p := New(cfg, Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	excluded, disabled := normalizeEndpoint(peer.Addr()), normalizeEndpoint(other.Addr())
+	if changed, err := p.Enable(peer.Addr()); err != nil || !changed {
+		t.Fatalf("enable through the API: changed %v, %v", changed, err)
+	}
+	// The detector excludes it (its probes then run against a live
+	// server: the exclusion is ended by a probe, not by the reload).
+	if !p.det.Report(excluded, string(CloseWriteTimeout)) {
+		t.Fatal("the report did not exclude the endpoint")
+	}
+	if changed, err := p.Disable(other.Addr()); err != nil || changed {
+		t.Fatalf("disable through the API of one the config disabled: changed %v, %v", changed, err)
+	}
+	p.det.Enable(disabled, "")
+	if changed, err := p.Disable(other.Addr()); err != nil || !changed {
+		t.Fatalf("disable through the API: changed %v, %v", changed, err)
+	}
+
+	unlisted := cfg
+	unlisted.Listeners = slices.Clone(cfg.Listeners)
+	for i := range unlisted.Listeners {
+		unlisted.Listeners[i].Listen = p.Addr(unlisted.Listeners[i].Name).String()
+	}
+	unlisted.Endpoints.Disabled = nil
+	ch, err := p.Apply(unlisted)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ch.EndpointsEnabled) != 0 {
+		t.Fatalf("the reload enabled %q, want none", ch.EndpointsEnabled)
+	}
+	if st, _ := p.det.State(excluded); st != health.Excluded {
+		t.Fatalf("%s is %v after the reload, want still excluded (no probe has passed)", excluded, st)
+	}
+	if st, _ := p.det.State(disabled); st != health.Disabled {
+		t.Fatalf("%s is %v after the reload, want still disabled (by the operator)", disabled, st)
+	}
 }
 
 // A listener whose upstream changes keeps its name's metric series after
