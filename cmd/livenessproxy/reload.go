@@ -52,6 +52,11 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 			if trigger == triggerSIGHUP {
 				log.Error().Err(err).Str("trigger", trigger).Msg("config reload: cannot read the file; keeping the last good config")
 				m.ConfigReload("error")
+				// The failure is on record (config_last_reload_successful
+				// 0) until a reload succeeds: the file, once it can be read
+				// again, is applied even if its content is what was
+				// applied before, so that the record clears.
+				last = nil
 			}
 			continue // mid-swap or briefly missing: try again next tick
 		}
