@@ -154,6 +154,15 @@ func New(cfg policy.Config, opts Options) *Proxy {
 			log.Warn().Err(err).Msg("interception.excluded_set: cannot open the nftables sets; excluded destinations are reset after accept instead")
 		} else {
 			p.excludedSet = excluded
+			// Exclusions an earlier process left (it crashed before its
+			// shutdown took them out) belong to no one: the rules would
+			// refuse those destinations for good, and this process would
+			// never see a connection to them to probe or readmit.
+			if n, err := excluded.Clear(); err != nil {
+				log.Error().Err(err).Msg("interception.excluded_set: cannot empty the excluded sets an earlier process may have left")
+			} else if n > 0 {
+				log.Warn().Int("destinations", n).Msg("interception.excluded_set: emptied the excluded sets of the destinations an earlier process left in them")
+			}
 		}
 	}
 	// Probes dial with each endpoint's own socket options (probeConfig).

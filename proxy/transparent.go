@@ -355,18 +355,11 @@ func (p *Proxy) unexclude(addr string) {
 }
 
 // clearExcludedSet takes every destination out at shutdown: the rules
-// outlive the proxy, the exclusions must not.
+// outlive the proxy, the exclusions must not. (A process that dies before
+// this leaves them; the next one empties the sets as it starts.)
 func (p *Proxy) clearExcludedSet() {
-	p.mu.Lock()
-	eps := make([]string, 0, len(p.endpoints))
-	for addr := range p.endpoints {
-		eps = append(eps, addr)
-	}
-	p.mu.Unlock()
-	for _, addr := range eps {
-		if ap, err := netip.ParseAddrPort(addr); err == nil {
-			_ = p.excludedSet.RemoveExcluded(ap)
-		}
+	if _, err := p.excludedSet.Clear(); err != nil {
+		p.log.Error().Err(err).Msg("interception.excluded_set: emptying the excluded sets at shutdown")
 	}
 }
 

@@ -419,6 +419,19 @@ func TestExcludedSetRejects(t *testing.T) {
 	if err := h.AddExcluded(netip.AddrPort{}); err == nil {
 		t.Fatal("AddExcluded of an invalid AddrPort succeeded")
 	}
+
+	// Clear empties both sets (what a proxy does as it starts, to what an
+	// earlier process left), and says how many it took out.
+	if n, err := h.Clear(); err != nil || n != 2 {
+		t.Fatalf("Clear() = %d, %v; want 2 (target4, target6), nil", n, err)
+	}
+	if got, err := h.Excluded(); err != nil || len(got) != 0 {
+		t.Fatalf("Excluded() after Clear = %v, %v; want none", got, err)
+	}
+	mustAsk(t, target4.String(), 0, "redirected "+target4.String())
+	if n, err := h.Clear(); err != nil || n != 0 {
+		t.Fatalf("Clear() of empty sets = %d, %v; want 0, nil", n, err)
+	}
 }
 
 // TestApplyRedirectIPv6: the same inet table redirects IPv6 to [::1]:P and

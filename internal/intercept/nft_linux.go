@@ -368,6 +368,26 @@ func (h *ExcludedSet) update(ap netip.AddrPort, add bool) error {
 	return nil
 }
 
+// Clear empties both sets and returns how many elements they held. The
+// proxy clears them as it starts: what an earlier process of the pod put
+// there (one that crashed, or was killed, before its shutdown took its
+// exclusions out) no process knows of, probes or takes out, and the rules
+// would refuse those destinations for the life of the pod.
+func (h *ExcludedSet) Clear() (int, error) {
+	held, err := h.Excluded()
+	if err != nil {
+		return 0, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.c.FlushSet(h.s4)
+	h.c.FlushSet(h.s6)
+	if err := h.c.Flush(); err != nil {
+		return 0, fmt.Errorf("nftables: emptying sets %s and %s: %w", h.s4.Name, h.s6.Name, err)
+	}
+	return len(held), nil
+}
+
 // Excluded lists the elements of both sets.
 func (h *ExcludedSet) Excluded() ([]netip.AddrPort, error) {
 	h.mu.Lock()

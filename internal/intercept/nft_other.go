@@ -27,3 +27,6 @@ func (h *ExcludedSet) RemoveExcluded(netip.AddrPort) error { return ErrUnsupport
 
 // Excluded is only supported on Linux.
 func (h *ExcludedSet) Excluded() ([]netip.AddrPort, error) { return nil, ErrUnsupported }
+
+// Clear is not supported off Linux.
+func (h *ExcludedSet) Clear() (int, error) { return 0, ErrUnsupported }
