@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -102,20 +103,51 @@ func closeReasonFor(err error) CloseReason {
 	return CloseLocalError
 }
 
-// localErrorLogEvery bounds the log lines about the proxy's own failures:
-// when descriptors run out, every link fails the same way.
-const localErrorLogEvery = time.Second
+// logEvery bounds the log lines of a kind that a flood can repeat: when
+// descriptors run out every link fails the same way, and any client can
+// send a frame the proxy cannot follow, or any peer a refused mesh
+// handshake, as often as it likes.
+const logEvery = time.Second
+
+// logGate lets one log line of its kind through per logEvery and counts
+// the ones it held back; the metrics count every event.
+type logGate struct {
+	events atomic.Int64 // since the last line let through
+	logged atomic.Int64 // mono time of the last line let through
+}
+
+// pass counts an event and reports whether its line may be written now,
+// with the events since the last line written, this one included.
+func (g *logGate) pass() (events int64, ok bool) {
+	g.events.Add(1)
+	now := flow.Mono()
+	last := g.logged.Load()
+	if last != 0 && now-last < int64(logEvery) || !g.logged.CompareAndSwap(last, now) {
+		return 0, false
+	}
+	return g.events.Swap(0), true
+}
 
 // localError says, at most once a second per listener, that the proxy
 // itself failed a link (the count of those not logged is in the next
 // line); link_closes_total{reason="local_error"} counts every one.
 func (l *listener) localError(ep *endpoint, err error) {
-	l.localErrors.Add(1)
-	now := flow.Mono()
-	last := l.localErrorLogged.Load()
-	if now-last < int64(localErrorLogEvery) || !l.localErrorLogged.CompareAndSwap(last, now) {
-		return
+	if n, ok := l.localErrors.pass(); ok {
+		l.log.Error().Err(err).Str("endpoint", ep.addr).Int64("local_errors_since_last_line", n).
+			Msg("the proxy could not serve a link for want of its own resources (descriptors, memory, a socket option); the client was reset and the upstream is not blamed")
 	}
-	l.log.Error().Err(err).Str("endpoint", ep.addr).Int64("local_errors_since_last_line", l.localErrors.Swap(0)).
-		Msg("the proxy could not serve a link for want of its own resources (descriptors, memory, a socket option); the client was reset and the upstream is not blamed")
+}
+
+// badFrame logs a link closed on a frame the proxy cannot follow: at warn
+// at most once a second per listener (with the count since the line
+// before), every one at debug; link_closes_total{reason="bad_frame"}
+// counts every one. Any client can send such frames as fast as it likes.
+func (l *listener) badFrame(lk *link, direction string, err error) {
+	ev := lk.log.Debug()
+	n, ok := l.badFrames.pass()
+	if ok {
+		ev = lk.log.Warn().Int64("bad_frames_since_last_line", n)
+	}
+	ev.Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
+		Str("client", lk.client.RemoteAddr().String()).Msg("bad frame: link closed")
 }

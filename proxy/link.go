@@ -411,8 +411,7 @@ func (lk *link) badFrame(direction string, err error) {
 		lk.upstreamBadFrame.Store(true)
 	}
 	if lk.abort(CloseBadFrame, err) {
-		lk.log.Warn().Err(err).Str("direction", direction).Str("endpoint", lk.ep.addr).
-			Str("client", lk.client.RemoteAddr().String()).Msg("bad frame: link closed")
+		lk.host.badFrame(lk, direction, err)
 	}
 }
 

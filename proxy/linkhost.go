@@ -42,6 +42,8 @@ type linkHost interface {
 	sawTLS(ep *endpoint)
 	// localError logs an error of the proxy's own, never the endpoint's.
 	localError(ep *endpoint, err error)
+	// badFrame logs a link closed on a frame the proxy cannot follow.
+	badFrame(lk *link, direction string, err error)
 
 	// ownConn registers the local address of an upstream connection the
 	// proxy dialled while a transparent listener is open (one refuses it

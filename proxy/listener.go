@@ -48,10 +48,12 @@ type listener struct {
 	swept []*link
 
 	untrackedSeen sync.Map // untrack reasons already logged at info
-	// localErrors counts the proxy's own failures since the last log line
-	// about them, logged at most every localErrorLogEvery (mono time).
-	localErrors      atomic.Int64
-	localErrorLogged atomic.Int64
+	// localErrors: the proxy's own failures, logged at most every
+	// logEvery (see localError).
+	localErrors logGate
+	// badFrames: links closed on a frame the proxy cannot follow (see
+	// badFrame).
+	badFrames logGate
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/json"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // syncBuffer is a log sink safe for the proxy's goroutines.
@@ -256,5 +258,85 @@ func TestUnansweredExclusionShowsItsEvidence(t *testing.T) {
 	ex := sink.lines(t, "endpoint excluded")
 	if len(ex) != 1 || ex[0]["evidence"] != ep.Evidence || ex[0]["evidence_ms"].(float64) < 300 {
 		t.Fatalf("exclusion lines %v: want one carrying the evidence %q", ex, ep.Evidence)
+	}
+}
+
+// Any client can send frames the proxy cannot follow as fast as it
+// likes: each closes its link (bad_frame), every one is logged at debug,
+// and at warn at most one line per second per listener, which counts the
+// links closed since the line before. Before, every link wrote a warn
+// line.
+func TestBadFramesWarnOncePerSecond(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	var sink syncBuffer
+	log := zerolog.New(&sink).Level(zerolog.DebugLevel)
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	framed(time.Second, 3, nil)(&s)
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: s}}
+	p, first := startConfig(t, cfg, Options{Logger: &log})
+	const links = 30
+	began := time.Now()
+	for i := range links {
+		c := first
+		if i > 0 {
+			nc, err := net.Dial("tcp", p.Addr("test").String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			c = nc.(*net.TCPConn)
+		}
+		// A frame that says 100 bytes, cut after 4: the stream ends inside it.
+		if _, err := c.Write([]byte{0, 0, 0, 100, 'p', 'a', 'r', 't'}); err != nil {
+			t.Fatal(err)
+		}
+		_ = c.CloseWrite()
+		if err, _ := waitClosed(t, c, 5*time.Second); !isCloseSignal(err) {
+			t.Fatalf("link %d saw %v, want it closed", i, err)
+		}
+		_ = c.Close()
+	}
+	var lines []map[string]any
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if lines = sink.lines(t, "bad frame: link closed"); len(lines) >= links || time.Now().After(deadline) {
+			break
+		}
+	}
+	took := time.Since(began)
+	if len(lines) != links {
+		t.Fatalf("%d bad-frame lines for %d links, want one each (at debug or warn)", len(lines), links)
+	}
+	warns, counted := 0, 0.0
+	for _, l := range lines {
+		if l["level"] == "warn" {
+			warns++
+			n, _ := l["bad_frames_since_last_line"].(float64)
+			counted += n
+		}
+	}
+	// One per second that the links took, and the first at once.
+	if most := 1 + int(took/logEvery); warns < 1 || warns > most {
+		t.Fatalf("%d warn lines for %d bad frames in %v, want 1 to %d", warns, links, took, most)
+	}
+	if counted < float64(warns) || counted > links {
+		t.Fatalf("the warn lines count %v bad frames, want %d to %d", counted, warns, links)
+	}
+}
+
+// A logGate lets the first event's line through, holds back the others
+// within logEvery, and the next line it lets through counts them.
+func TestLogGateCountsWhatItHeldBack(t *testing.T) {
+	var g logGate
+	if n, ok := g.pass(); !ok || n != 1 {
+		t.Fatalf("first event: pass() = %d, %v; want 1, true", n, ok)
+	}
+	for i := range 99 {
+		if _, ok := g.pass(); ok {
+			t.Fatalf("event %d within logEvery of the first was let through", i+2)
+		}
+	}
+	g.logged.Store(flow.Mono() - int64(logEvery)) // logEvery later
+	if n, ok := g.pass(); !ok || n != 100 {
+		t.Fatalf("the next line: pass() = %d, %v; want 100 (99 held back and this one), true", n, ok)
 	}
 }

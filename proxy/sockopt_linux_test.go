@@ -231,14 +231,14 @@ func TestLateLivenessBlame(t *testing.T) {
 	g, f := guardOn(s)
 	_ = f.Close()
 	g.check()
-	if n, at := l.localErrors.Load(), l.localErrorLogged.Load(); n != 0 || at != 0 {
+	if n, at := l.localErrors.events.Load(), l.localErrors.logged.Load(); n != 0 || at != 0 {
 		t.Fatalf("a closed socket under the guard's first sample: %d local errors, logged at %d; want none", n, at)
 	}
 	bad := s
 	bad.Keepalive.Count = 1000
 	g, _ = guardOn(bad)
 	g.check()
-	if n, at := l.localErrors.Load(), l.localErrorLogged.Load(); n == 0 && at == 0 {
+	if n, at := l.localErrors.events.Load(), l.localErrors.logged.Load(); n == 0 && at == 0 {
 		t.Fatal("a refused TCP_KEEPCNT was not counted as the proxy's own error")
 	}
 	if ep := h.endpoint(); ep.State != "healthy" {
