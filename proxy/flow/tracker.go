@@ -201,6 +201,11 @@ func (t *Tracker) Sent(r PendingRequest) {
 func within(a, b, d int64) bool { return a-b < d && b-a < d }
 
 // Adopt takes over requests whose link ended before they were judged.
+// The list stays within maxPending however many links end with requests
+// outstanding (an endpoint that went quiet under a high connection churn):
+// past it, an adopted request joins the newest entry not yet judged, in
+// the way that can only put a verdict off (the later deadline, the
+// earlier hold, the higher threshold), or, with none, is dropped unjudged.
 func (t *Tracker) Adopt(rs []PendingRequest) {
 	if len(rs) == 0 {
 		return
@@ -212,8 +217,25 @@ func (t *Tracker) Adopt(rs []PendingRequest) {
 	}
 	for _, r := range rs {
 		r.last = r.Due // the link is gone: nothing can be stale
-		t.pending = append(t.pending, r)
-		t.armLocked(r.Due)
+		if len(t.pending) < maxPending {
+			t.pending = append(t.pending, r)
+			t.armLocked(r.Due)
+			continue
+		}
+		for i := len(t.pending) - 1; i >= 0; i-- {
+			if l := &t.pending[i]; !l.judged {
+				l.N += r.N
+				l.At, l.Held, l.End = min(l.At, r.At), min(l.Held, r.Held), max(l.End, r.End)
+				l.Due, l.last, l.Thr = max(l.Due, r.Due), max(l.last, r.last), max(l.Thr, r.Thr)
+				if l.Abandoned == 0 || r.Abandoned == 0 {
+					l.Abandoned = 0
+				} else {
+					l.Abandoned = max(l.Abandoned, r.Abandoned)
+				}
+				t.armLocked(l.next())
+				break
+			}
+		}
 	}
 }
 

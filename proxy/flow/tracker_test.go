@@ -269,6 +269,41 @@ func TestTrackerBounded(t *testing.T) {
 	})
 }
 
+// An endpoint's tracker of orphans stays within maxPending however many
+// links end with requests outstanding, and a request past the bound only
+// puts a verdict off: it joins the newest entry, judged at the later of
+// the two deadlines, and is counted there.
+func TestTrackerAdoptBounded(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(time.Millisecond, false)
+		defer r.t.Stop()
+		now := Mono()
+		for i := range 3 * maxPending {
+			// Deadlines a second apart: none shares an entry by the slack.
+			at := now + int64(i)*int64(time.Millisecond)
+			r.t.Adopt([]PendingRequest{{At: at, Held: at, Due: at + int64(time.Hour) + int64(i)*int64(time.Second), N: 1, Thr: 1}})
+		}
+		r.t.mu.Lock()
+		n, newest := len(r.t.pending), r.t.pending[len(r.t.pending)-1]
+		r.t.mu.Unlock()
+		if n != maxPending || newest.N != 2*maxPending+1 {
+			t.Fatalf("%d entries, the newest holding %d; want %d and %d", n, newest.N, maxPending, 2*maxPending+1)
+		}
+		last := int64(3*maxPending - 1)
+		if want := now + last*int64(time.Millisecond) + int64(time.Hour) + last*int64(time.Second); newest.Due != want {
+			t.Fatalf("the newest entry is due at %d, want %d: the latest deadline among those it took", newest.Due, want)
+		}
+		if newest.Held != newest.At || newest.At != now+int64(maxPending-1)*int64(time.Millisecond) {
+			t.Fatalf("the newest entry was sent at %d, held to %d; want the earliest of those it took", newest.At, newest.Held)
+		}
+		// Every request is judged, none lost: the last verdict is at the
+		// latest deadline.
+		if _, _, counted := r.after(time.Hour + time.Duration(3*maxPending)*(time.Second+time.Millisecond)); counted != 3*maxPending {
+			t.Fatalf("%d unanswered, want %d", counted, 3*maxPending)
+		}
+	})
+}
+
 // stop hands over the requests not yet judged and not covered; the
 // endpoint's tracker adopts and judges them at their own deadlines.
 func TestTrackerStopAndAdopt(t *testing.T) {
