@@ -283,6 +283,9 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 		if l.ingress != nil {
 			l.ingress.retuneLocked(lp.cfg)
 		}
+		if l.matches != nil && lp.retuned {
+			p.retuneDestinationsLocked(l)
+		}
 		if l.pool != nil {
 			l.pool.setSpecs(lp.cfg) // members follow in syncPools
 			set.pools = append(set.pools, l)
@@ -293,6 +296,24 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 		set.gone = append(set.gone, byName[name])
 	}
 	return set
+}
+
+// retuneDestinationsLocked gives the destinations a kept transparent
+// listener has seen its new settings, probe configuration included, as
+// syncPool gives a pool's members theirs: a destination excluded under a
+// wrong probe setting is probed with the corrected one from the reload
+// on, not only once it is forgotten (one that clients keep asking for
+// never is). p.mu is held.
+func (p *Proxy) retuneDestinationsLocked(l *listener) {
+	s := l.spec().settings
+	for _, ep := range p.endpoints {
+		ep.mu.Lock()
+		mine := slices.Contains(ep.listeners, l)
+		ep.mu.Unlock()
+		if mine {
+			p.endpointForLocked(ep.dial, s) // re-registers the probe configuration
+		}
+	}
 }
 
 // swapSettings puts the reload's drain timeout, limits and

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"reflect"
 	"slices"
 	"testing"
@@ -364,6 +366,60 @@ func TestIdleTransparentDestinationsAreForgotten(t *testing.T) {
 	eps := p.Endpoints()
 	if len(eps) != 1 || eps[0].Endpoint != "10.9.0.2:8098" || eps[0].State != "excluded" {
 		t.Fatalf("after the sweep: %+v, want only the excluded destination", eps)
+	}
+}
+
+// A transparent destination excluded while its listener's probe setting
+// was wrong (an http probe at a path the server does not serve) is probed
+// with the corrected setting once a reload fixes it, and readmitted.
+// Before, its probes kept the settings it was first seen with until it
+// was forgotten, which a destination clients keep asking for never is.
+func TestReloadRetunesTransparentDestinationsProbes(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/healthz" {
+			http.NotFound(w, r)
+		}
+	}))
+	defer srv.Close()
+	probe := func(path string) policy.Config {
+		cfg := policy.DefaultConfig()
+		s := cfg.Defaults
+		s.Detector.Probe, s.Detector.HTTP.Path = "http", path
+		s.Detector.InitialDelay, s.Detector.MaxDelay, s.Detector.Jitter = policy.Duration(50*time.Millisecond), policy.Duration(100*time.Millisecond), 0
+		cfg.Listeners = []policy.Listener{{Name: "out", Listen: "127.0.0.1:0", Settings: s,
+			Transparent: policy.Transparent{Match: []policy.Match{{CIDR: "10.9.0.0/16"}}}}}
+		if err := cfg.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		return cfg
+	}
+	p := New(probe("/wrong"), Options{})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ep := p.transparentEndpoint(srv.Listener.Addr().String(), p.listeners[0])
+	if !p.det.Report(ep.addr, string(CloseDialError)) {
+		t.Fatal("the report did not exclude the destination")
+	}
+	time.Sleep(500 * time.Millisecond) // several probes, each at /wrong
+	if st, _ := p.det.State(ep.addr); st != health.Excluded {
+		t.Fatalf("%s is %v with its probe at a path the server does not serve, want excluded", ep.addr, st)
+	}
+
+	ch, err := p.Apply(probe("/healthz")) // the same listen address: kept
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ch.ListenersRetuned) != 1 || len(ch.ListenersAdded) != 0 {
+		t.Fatalf("reload changes %+v, want listener out kept and retuned", ch)
+	}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if st, _ := p.det.State(ep.addr); st == health.Healthy {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("%s still %v 5s after a reload corrected its probe path, want readmitted", ep.addr, st)
+		}
 	}
 }
 
