@@ -16,6 +16,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"go.yaml.in/yaml/v3"
+
 	"github.com/livenessproxy/livenessproxy/internal/admin"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
@@ -121,7 +123,7 @@ func cmdCtl(args []string, stdout, stderr io.Writer) int {
 		return usage("-o %q is not table or json", *output)
 	}
 
-	c, err := newCtlClient(*control, *tokenFile, *config, *timeout)
+	c, err := newCtlClient(*control, *tokenFile, *config, *timeout, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "ctl:", err)
 		return 1
@@ -133,6 +135,22 @@ func cmdCtl(args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// loadAdmin reads only the admin section of the configuration file at
+// path, over the defaults, whatever the rest of the file holds.
+func loadAdmin(path string) (policy.Admin, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return policy.Admin{}, err
+	}
+	doc := struct {
+		Admin policy.Admin `yaml:"admin"`
+	}{policy.DefaultConfig().Admin}
+	if err := yaml.Unmarshal(b, &doc); err != nil {
+		return policy.Admin{}, err
+	}
+	return doc.Admin, nil
 }
 
 // ctlClient talks to one control server.
@@ -147,8 +165,12 @@ type ctlClient struct {
 }
 
 // newCtlClient finds the control server and token: the flags, else the
-// configuration file's admin section, else the defaults.
-func newCtlClient(control, tokenFile, config string, timeout time.Duration) (*ctlClient, error) {
+// configuration file's admin section, else the defaults. A configuration
+// file that the proxy would reject elsewhere (a broken ConfigMap, which
+// the proxy does not apply: it keeps serving the last good one) still
+// gives its admin section, with a note on stderr: ctl is what an operator
+// reaches for then.
+func newCtlClient(control, tokenFile, config string, timeout time.Duration, stderr io.Writer) (*ctlClient, error) {
 	if config == "" {
 		if _, err := os.Stat(chartConfig); err == nil {
 			config = chartConfig
@@ -157,7 +179,12 @@ func newCtlClient(control, tokenFile, config string, timeout time.Duration) (*ct
 	if config != "" && (control == "" || tokenFile == "") {
 		cfg, err := policy.Load(config)
 		if err != nil {
-			return nil, fmt.Errorf("--config %s: %w", config, err)
+			admin, aerr := loadAdmin(config)
+			if aerr != nil {
+				return nil, fmt.Errorf("--config %s: %w", config, err)
+			}
+			fmt.Fprintf(stderr, "ctl: --config %s is not a valid configuration (the proxy keeps serving its last good one); using its admin section: %v\n", config, err)
+			cfg.Admin = admin
 		}
 		if control == "" {
 			control = cfg.Admin.ControlListen

@@ -207,6 +207,50 @@ listeners:
 	waitForLog(t, p.stderr, `"action":"enable"`, `"status":401`, `"outcome":"refused: no valid bearer token"`)
 }
 
+// A broken configuration file (a ConfigMap with a bad key, which the
+// proxy rejects while it keeps serving its last good one) does not stop
+// ctl: it takes the file's admin section and says why on stderr, and with
+// --control given it needs nothing else from the file. Before, every ctl
+// call in the pod failed on the file, exactly when an operator needs it.
+func TestCtlWithABrokenConfig(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	dir := t.TempDir()
+	sock, token := filepath.Join(dir, "control.sock"), filepath.Join(dir, "token")
+	if err := os.WriteFile(token, []byte("s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	good := fmt.Sprintf(`admin: {listen: "", control_listen: "unix:%s", token_file: %q}
+shutdown_grace: 0s
+listeners:
+  - {name: echo, listen: %q, upstream: %q}
+`, sock, token, testutil.ClosedAddr(t), peer.Addr())
+	cfgPath := writeConfig(t, good)
+	startProc(t, cfgPath)
+	mustCtl(t, "--config", cfgPath, "wait-ready", "--timeout", "10s")
+	if err := os.WriteFile(cfgPath, []byte(good+"  - {name: typo, listen: 127.0.0.1:1, upstreem: 127.0.0.1:2}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errb := ctl(t, "--config", cfgPath, "disable", peer.Addr())
+	if code != 0 || out != peer.Addr()+": disabled (changed)\n" {
+		t.Fatalf("ctl disable with a broken --config: exit %d, %q, %q", code, out, errb)
+	}
+	if !strings.Contains(errb, "using its admin section") || !strings.Contains(errb, "upstreem") {
+		t.Errorf("stderr %q: want the file's problem and that its admin section was used", errb)
+	}
+	// --control and --token-file given: the file is not needed at all;
+	// --control alone takes the token from the file's admin section.
+	mustCtl(t, "--config", cfgPath, "--control", "unix:"+sock, "--token-file", token, "enable", peer.Addr())
+	mustCtl(t, "--config", cfgPath, "--control", "unix:"+sock, "endpoints")
+
+	// A file whose admin section itself is broken is still an error.
+	if err := os.WriteFile(cfgPath, []byte("admin: [not, a, mapping]\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if code, _, errb := ctl(t, "--config", cfgPath, "endpoints"); code != 1 || !strings.Contains(errb, "--config "+cfgPath) {
+		t.Errorf("a broken admin section: exit %d, %q; want 1 naming the file", code, errb)
+	}
+}
+
 // Bad usage exits 2 and says what is wrong; a server that is not there
 // exits 1 naming the address.
 func TestCtlUsage(t *testing.T) {
