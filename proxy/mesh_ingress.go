@@ -126,8 +126,11 @@ func (in *ingress) serves(port uint16) bool { return slices.Contains(in.portList
 // retune takes a reload's configuration of the kept listener (the caller
 // holds p.mu): the listener, its sessions and the ports' epochs stay; a
 // port added is announced once checked, a port removed is no longer
-// announced and takes no new stream (its links finish).
-func (in *ingress) retuneLocked(lc policy.Listener) {
+// announced and takes no new stream (its links finish), and its endpoint
+// is no longer the listener's: orphans are those no listener routes to
+// any more, deleted from the proxy's endpoints, for the caller to forget
+// once it has released p.mu (as detach does).
+func (in *ingress) retuneLocked(lc policy.Listener) (orphans []*endpoint) {
 	_, port, _ := net.SplitHostPort(lc.Ingress.Local)
 	ports := ingressPorts(port, lc.Ingress.Ports)
 	in.mu.Lock()
@@ -138,10 +141,12 @@ func (in *ingress) retuneLocked(lc policy.Listener) {
 			in.checks[p] = &portCheck{}
 		}
 	}
+	var removed []uint16
 	for p := range in.status {
 		if !slices.Contains(ports, p) {
 			delete(in.status, p)
 			delete(in.checks, p)
+			removed = append(removed, p)
 		}
 	}
 	in.ports = ports
@@ -152,10 +157,16 @@ func (in *ingress) retuneLocked(lc policy.Listener) {
 	}
 	in.mu.Unlock()
 	in.endpointsLocked(lc.Settings)
+	for _, port := range removed {
+		if ep := in.l.p.endpoints[normalizeEndpoint(in.addr(port))]; ep != nil && in.l.p.detachFromLocked(in.l, ep) {
+			orphans = append(orphans, ep)
+		}
+	}
 	for _, is := range ss {
 		is.notify()
 	}
 	in.kickCheck()
+	return orphans
 }
 
 // endpoints registers the local ports as endpoints of l (the caller

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"net"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -72,6 +73,48 @@ func TestMeshReloadKeepsIngress(t *testing.T) {
 	// A link to the added port goes through the same session.
 	eg2 := startEgress(t, extra.Addr(), in.port, nil)
 	roundTrip(t, eg2.dial(), []byte("the added port"))
+}
+
+// An ingress port a reload removes leaves the proxy's endpoints, the
+// detector and /v1/endpoints (its links finish on their own), as a pool
+// member that leaves is forgotten; the ports kept stay. Before, its
+// endpoint stayed registered, and probed for good if it was excluded,
+// until the listener itself went.
+func TestMeshReloadForgetsARemovedPort(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	extra := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) {
+		l.Ingress.Ports = []int{int(portOf(t, extra.Addr()))}
+	})
+	listed := func(addr string) bool {
+		return slices.ContainsFunc(in.p.Endpoints(), func(s EndpointStatus) bool { return s.Endpoint == addr })
+	}
+	if !listed(srv.Addr()) || !listed(extra.Addr()) {
+		t.Fatalf("endpoints %+v, want both ports", in.p.Endpoints())
+	}
+	in.p.det.Report(extra.Addr(), string(CloseDialError)) // excluded: probed until it is forgotten
+
+	cfg := in.cfg
+	cfg.Listeners[0].Ingress.Ports = nil
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	ch, err := in.p.Apply(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ch.ListenersRetuned) != 1 || len(ch.ListenersAdded) != 0 {
+		t.Fatalf("reload changes %+v, want the ingress retuned in place", ch)
+	}
+	if listed(extra.Addr()) {
+		t.Fatalf("endpoints %+v after the reload removed port %s, want it gone", in.p.Endpoints(), extra.Addr())
+	}
+	if _, ok := in.p.det.State(extra.Addr()); ok {
+		t.Fatal("the detector still holds the removed port")
+	}
+	if !listed(srv.Addr()) {
+		t.Fatalf("endpoints %+v, want the local port kept", in.p.Endpoints())
+	}
 }
 
 // Peers with no session that nothing asked for in peerIdleFor are

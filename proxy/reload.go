@@ -103,6 +103,9 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	set := p.swapListenersLocked(plan, &ch)
 	set.pre = pre
 	p.mu.Unlock()
+	for _, ep := range set.orphans {
+		p.forget(ep)
+	}
 
 	p.swapSettings(cfg, plan.disabled)
 	p.syncPools(set)
@@ -255,6 +258,9 @@ type reloadSet struct {
 	pools []*listener         // kept and added pools, in the new config's order
 	gone  []*listener         // to retire, in plan.remove's order
 	pre   map[string]acceptor // bound by prebindLocked, by name
+	// orphans: endpoints of the ingress ports a reload removed that no
+	// listener routes to any more, to forget once p.mu is released.
+	orphans []*endpoint
 }
 
 // swapListenersLocked gives every kept listener its new configuration
@@ -281,7 +287,7 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 		}
 		l.current.Store(newLinkSpec(lp.cfg))
 		if l.ingress != nil {
-			l.ingress.retuneLocked(lp.cfg)
+			set.orphans = append(set.orphans, l.ingress.retuneLocked(lp.cfg)...)
 		}
 		if l.matches != nil && lp.retuned {
 			p.retuneDestinationsLocked(l)
