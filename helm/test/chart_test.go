@@ -755,6 +755,11 @@ func TestSchemaRejects(t *testing.T) {
 		"mesh.ingress.from[0].podSelector.app=x",                          // a label selector, not labels
 		"mesh.ingress.from[0].pods.matchLabels.app=x",                     // not a NetworkPolicyPeer field
 		"mesh.egress.port=17400",                                          // the egress side is config's mesh.port
+		"config.limits.procs=-1",                                          // never negative (0: the Go runtime's default)
+		"config.limits.max_links=-1",                                      // never negative (0: derived)
+		"config.limits.memory=1GB",                                        // not a binary unit
+		"config.limits.park_idle_after=2",                                 // not a duration
+		"config.limits.max_link=10",                                       // misspelled
 	} {
 		if out, err := helm(t, "template", "rel", chartDir, "--set", set); err == nil {
 			t.Errorf("--set %s: rendered, want a schema error\n%s", set, out)
@@ -776,6 +781,7 @@ func TestSchemaRejects(t *testing.T) {
 		{"transparent.forget_excluded_after=10", "transparent.forget_excluded_after=10m,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
 		{"mesh.ping_timeout=fast", "mesh.ping_timeout=5s,config.listeners[0].upstream=db:1"},
 		{"mesh.sessions=0", "mesh.sessions=1,config.listeners[0].upstream=db:1"},
+		{"max_links=-1,config.listeners[0].upstream=db:1", "max_links=10,config.listeners[0].upstream=db:1"},
 		{"mesh.port=-1", "mesh.port=17400,config.listeners[0].upstream=db:1"},
 		{"transparent.match[0].mesh.port=70000,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8",
 			"transparent.match[0].mesh.port=17400,config.listeners[0].transparent.match[0].cidr=10.0.0.0/8"},
@@ -799,6 +805,8 @@ func TestSchemaRejects(t *testing.T) {
 		"config.admin.control_listen=unix:/run/lp/control.sock",
 		"config.admin.control_listen=",
 		"config.log.access=true",
+		"config.limits.procs=2",
+		"config.limits.memory=256Mi,config.limits.memory_budget=64MiB,config.limits.max_links=300,config.limits.park_idle_after=0",
 		"adminToken.secretName=lp-admin",
 		"networkPolicy.servingPorts={8099,http}",
 		"serviceMonitor.enabled=true,serviceMonitor.interval=1m30s",
