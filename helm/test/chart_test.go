@@ -842,6 +842,17 @@ func TestTemplateFails(t *testing.T) {
 			want: "add one on [::1]:15001"},
 		{name: "redirect without cidrs", setJSON: []string{transparent}, set: []string{"redirect.enabled=true"},
 			want: "redirect.enabled needs redirect.cidrs"},
+		// The rules exempt uid proxyUID: a sidecar running as another uid
+		// would have its own upstream connects redirected back into it.
+		{name: "sidecar uid other than proxyUID", setJSON: []string{transparent},
+			set:  []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}", "sidecar.securityContext.runAsUser=2000"},
+			want: "sidecar.securityContext.runAsUser is 2000, but the redirect rules exempt the proxy's own connections by uid proxyUID (1337, --proxy-uid): every upstream connect of the proxy would be redirected back into it. Change proxyUID to 2000 instead"},
+		{name: "sidecar as root without a mark", setJSON: []string{transparent},
+			set:  []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}", "sidecar.securityContext.runAsUser=0"},
+			want: "or exempt the proxy by mark instead: redirect.extraArgs"},
+		{name: "sidecar as root, --proxy-mark without upstream_mark", setJSON: []string{transparent, `redirect.extraArgs=["--proxy-mark","1337"]`},
+			set:  []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}", "sidecar.securityContext.runAsUser=0"},
+			want: "the redirect rules exempt the proxy by --proxy-mark 1337, but listener out's upstream_mark is 0"},
 		{name: "loopback admin", set: []string{"config.admin.listen=127.0.0.1:9901"}, want: "loopback"},
 		{name: "control on the pod address without a token", set: []string{"config.admin.control_listen=0.0.0.0:9902"},
 			want: "set config.admin.token_file"},
@@ -898,6 +909,16 @@ func TestTemplateFails(t *testing.T) {
 	// The same redirect values with the transparent listener render.
 	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}"); err != nil {
 		t.Errorf("redirect with a transparent listener on redirect.proxyPort: %v", err)
+	}
+	// Another uid renders when the rules exempt the proxy by mark (helm/README.md's
+	// excluded set as root), or when nothing is redirected.
+	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set-json", `redirect.extraArgs=["--proxy-mark","1337"]`,
+		"--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}", "--set", "sidecar.securityContext.runAsUser=0",
+		"--set", "config.defaults.upstream_mark=1337"); err != nil {
+		t.Errorf("the sidecar as root, exempt by mark: %v", err)
+	}
+	if _, err := helm(t, "template", "rel", chartDir, "--set", "sidecar.securityContext.runAsUser=2000"); err != nil {
+		t.Errorf("the sidecar as uid 2000 without redirect: %v", err)
 	}
 }
 

@@ -194,6 +194,33 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- if not .Values.redirect.cidrs -}}
 {{- fail "redirect.enabled needs redirect.cidrs: the destinations to intercept" -}}
 {{- end -}}
+{{- /* The rules exempt the proxy's own connects by uid (--proxy-uid proxyUID), or by mark (--proxy-mark in redirect.extraArgs, with upstream_mark equal to it). */ -}}
+{{- $uid := (.Values.sidecar.securityContext | default dict).runAsUser -}}
+{{- if and (not (kindIs "invalid" $uid)) (ne (int64 $uid) (int64 .Values.proxyUID)) -}}
+{{- $mark := "" -}}
+{{- $args := .Values.redirect.extraArgs | default list -}}
+{{- range $i, $a := $args -}}
+{{- if and (regexMatch "^--?proxy-mark$" $a) (lt (add1 $i) (len $args)) -}}{{- $mark = index $args (add1 $i) -}}{{- end -}}
+{{- if regexMatch "^--?proxy-mark=" $a -}}{{- $mark = regexReplaceAll "^--?proxy-mark=" $a "" -}}{{- end -}}
+{{- end -}}
+{{- $how := "exempt the proxy by mark instead: redirect.extraArgs [\"--proxy-mark\", \"N\"] and config.defaults.upstream_mark N (see \"The excluded set\" in helm/README.md)" -}}
+{{- if not (and $mark (ne (int64 $mark) 0)) -}}
+{{- if gt (int64 $uid) 0 -}}
+{{- fail (printf "sidecar.securityContext.runAsUser is %v, but the redirect rules exempt the proxy's own connections by uid proxyUID (%v, --proxy-uid): every upstream connect of the proxy would be redirected back into it. Change proxyUID to %v instead (it sets the sidecar's runAsUser and runAsGroup and redirect's --proxy-uid together), or %s" (int64 $uid) (int64 .Values.proxyUID) (int64 $uid) $how) -}}
+{{- end -}}
+{{- fail (printf "sidecar.securityContext.runAsUser is %v, but the redirect rules exempt the proxy's own connections by uid proxyUID (%v, --proxy-uid): every upstream connect of the proxy would be redirected back into it. Keep runAsUser at proxyUID, or %s" (int64 $uid) (int64 .Values.proxyUID) $how) -}}
+{{- end -}}
+{{- if .Values.configMap.create -}}
+{{- $defaultMark := (.Values.config.defaults | default dict).upstream_mark | default 0 -}}
+{{- range .Values.config.listeners -}}
+{{- $m := $defaultMark -}}
+{{- if and . (hasKey . "upstream_mark") -}}{{- $m = .upstream_mark | default 0 -}}{{- end -}}
+{{- if ne (int64 $m) (int64 $mark) -}}
+{{- fail (printf "sidecar.securityContext.runAsUser is %v, not proxyUID (%v), and the redirect rules exempt the proxy by --proxy-mark %v, but listener %s's upstream_mark is %v: its upstream connects would be redirected back into the proxy; set config.defaults.upstream_mark (and any listener's) to %v" (int64 $uid) (int64 $.Values.proxyUID) $mark ((and . .name) | default "?") (int64 $m) $mark) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if .Values.configMap.create -}}
 {{- $ports := list -}}
 {{- $proxyPort := toString .Values.redirect.proxyPort -}}
