@@ -840,6 +840,9 @@ func TestTemplateFails(t *testing.T) {
 			want: "redirect.proxyPort is 15006, but no transparent listener listens on that port"},
 		{name: "redirect IPv6 without [::1]", setJSON: []string{transparent}, set: []string{"redirect.enabled=true", "redirect.cidrs={fd00::/8}"},
 			want: "add one on [::1]:15001"},
+		// REDIRECT sends IPv4 to 127.0.0.1 only: another loopback address is a closed port.
+		{name: "redirect to 127.0.0.2", setJSON: []string{strings.Replace(transparent, "127.0.0.1", "127.0.0.2", 1)}, set: []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}"},
+			want: "redirect.cidrs has the IPv4 CIDR 10.0.0.0/8, whose connections the rules redirect to 127.0.0.1:15001, but no transparent listener listens there: add one on 127.0.0.1:15001"},
 		{name: "redirect without cidrs", setJSON: []string{transparent}, set: []string{"redirect.enabled=true"},
 			want: "redirect.enabled needs redirect.cidrs"},
 		// The rules exempt uid proxyUID: a sidecar running as another uid
@@ -909,6 +912,13 @@ func TestTemplateFails(t *testing.T) {
 	// The same redirect values with the transparent listener render.
 	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}"); err != nil {
 		t.Errorf("redirect with a transparent listener on redirect.proxyPort: %v", err)
+	}
+	// Each address the IPv4 rules reach renders.
+	for _, listen := range []string{"0.0.0.0:15001", "localhost:15001", ":15001", "[::]:15001"} {
+		if _, err := helm(t, "template", "rel", chartDir, "--set-json", strings.Replace(transparent, "127.0.0.1:15001", listen, 1),
+			"--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}"); err != nil {
+			t.Errorf("redirect with a transparent listener on %s: %v", listen, err)
+		}
 	}
 	// Another uid renders when the rules exempt the proxy by mark (helm/README.md's
 	// excluded set as root), or when nothing is redirected.

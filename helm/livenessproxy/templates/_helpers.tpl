@@ -230,9 +230,9 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- $port := regexFind "[0-9]+$" (.listen | default "") -}}
 {{- $ports = append $ports $port -}}
 {{- if eq $port $proxyPort -}}
-{{- /* The rules redirect IPv4 to 127.0.0.1 and IPv6 to ::1; a wildcard address (Go listens dual-stack) takes both. */ -}}
+{{- /* The rules redirect IPv4 to 127.0.0.1 (no other 127.x address) and IPv6 to ::1; a wildcard address (Go listens dual-stack) takes both. */ -}}
 {{- $host := trimSuffix (printf ":%s" $port) .listen -}}
-{{- if regexMatch "^(127\\.[0-9.]+|0\\.0\\.0\\.0|\\[::\\]|localhost|)$" $host -}}{{- $v4 = true -}}{{- end -}}
+{{- if regexMatch "^(127\\.0\\.0\\.1|0\\.0\\.0\\.0|\\[::\\]|localhost|)$" $host -}}{{- $v4 = true -}}{{- end -}}
 {{- if regexMatch "^(\\[::1\\]|0\\.0\\.0\\.0|\\[::\\]|)$" $host -}}{{- $v6 = true -}}{{- end -}}
 {{- end -}}
 {{- end -}}
