@@ -2,6 +2,10 @@ package charttest
 
 import (
 	"encoding/json"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 
@@ -132,4 +136,32 @@ func TestKubernetesSizes(t *testing.T) {
 		t.Fatalf("rendered config:\n%s", cfg)
 	}
 	checkConfig(t, cfg)
+}
+
+// sidecar.lifecycle reaches the sidecar container as it is: helm/README.md's
+// postStart recipe ("Startup order"), quoted from the README, renders on a
+// plain sidecar and on a native one; without it the sidecar has none.
+func TestSidecarLifecycle(t *testing.T) {
+	readme, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile("(?s)```yaml\n(sidecar:\n  lifecycle:\n.*?)```").FindSubmatch(readme)
+	if m == nil {
+		t.Fatal("helm/README.md has no sidecar.lifecycle block")
+	}
+	values := filepath.Join(t.TempDir(), "lifecycle.yaml")
+	if err := os.WriteFile(values, m[1], 0o644); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"/livenessproxy", "ctl", "wait-ready", "--timeout", "30s"}
+	for _, native := range []string{"false", "true"} {
+		sc := sidecarOf(t, render(t, []string{values}, "example.enabled=true", "sidecar.native="+native))
+		if l := sc.Lifecycle; l == nil || l.PostStart == nil || l.PostStart.Exec == nil || !slices.Equal(l.PostStart.Exec.Command, want) {
+			t.Errorf("sidecar.native=%s: lifecycle %+v, want postStart exec %q", native, l, want)
+		}
+	}
+	if l := sidecarOf(t, render(t, nil, "example.enabled=true")).Lifecycle; l != nil {
+		t.Errorf("default values: lifecycle %+v rendered, want none", l)
+	}
 }

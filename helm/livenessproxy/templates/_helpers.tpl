@@ -401,6 +401,10 @@ container mounts it).
     {{- toYaml . | nindent 4 }}
   {{- end }}
   {{- end }}
+  {{- with .Values.sidecar.lifecycle }}
+  lifecycle:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
   {{- with .Values.sidecar.resources }}
   resources:
     {{- toYaml . | nindent 4 }}
