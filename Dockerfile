@@ -7,7 +7,7 @@
 # The same image serves two containers of a pod:
 #   - the sidecar:        livenessproxy run --config /etc/livenessproxy/config.yaml
 #   - the init container: livenessproxy redirect --proxy-port ... --proxy-uid 1337 ...
-#     (run as root with NET_ADMIN and NET_RAW only; see helm/README.md)
+#     (run as root with NET_ADMIN only; see helm/README.md)
 #
 # User: the image runs as uid/gid 1337 (numeric, no passwd entry needed).
 # 1337 is the uid the redirect rules exempt by default (`redirect

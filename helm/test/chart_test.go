@@ -606,12 +606,12 @@ func checkPod(t *testing.T, owner string, pt *corev1.PodTemplateSpec, cms map[st
 	} else if cm := cms[v.ConfigMap.Name]; cm == nil || cm.Data["config.yaml"] == "" {
 		t.Errorf("%s: volume names ConfigMap %s, not rendered with config.yaml", owner, v.ConfigMap.Name)
 	}
-	// Only the redirect init container runs as root, with NET_ADMIN and NET_RAW only.
+	// Only the redirect init container runs as root, with NET_ADMIN only.
 	for _, c := range all {
 		if c.Name == "livenessproxy-redirect" {
 			sc := c.SecurityContext
 			if sc == nil || sc.RunAsUser == nil || *sc.RunAsUser != 0 || sc.Capabilities == nil ||
-				!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"NET_ADMIN", "NET_RAW"}) ||
+				!slices.Equal(sc.Capabilities.Add, []corev1.Capability{"NET_ADMIN"}) ||
 				!slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) ||
 				sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
 				t.Errorf("%s: redirect securityContext %+v", owner, sc)

@@ -429,8 +429,8 @@ container mounts it).
 
 {{/*
 The redirect init container (a list item; renders nothing unless
-redirect.enabled). Root with NET_ADMIN and NET_RAW only: it programs the
-pod's nftables and exits.
+redirect.enabled). Root with NET_ADMIN only (nftables through netlink; no
+raw socket): it programs the pod's nftables and exits.
 */}}
 {{- define "livenessproxy.initContainer" -}}
 {{- if .Values.redirect.enabled -}}
@@ -476,7 +476,7 @@ pod's nftables and exits.
     allowPrivilegeEscalation: false
     capabilities:
       drop: [ALL]
-      add: [NET_ADMIN, NET_RAW]
+      add: [NET_ADMIN]
     seccompProfile:
       type: RuntimeDefault
 {{- end -}}
