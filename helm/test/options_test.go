@@ -467,3 +467,24 @@ func TestNoStaleWording(t *testing.T) {
 		}
 	}
 }
+
+// TestConfigChangesNamesPodStartValues: helm/README.md's "Config changes",
+// which tells operators that a helm upgrade reloads running pods, says
+// which values a reload does not apply: the redirect init container's
+// rules, fixed at pod start.
+func TestConfigChangesNamesPodStartValues(t *testing.T) {
+	readme, err := os.ReadFile("../README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?s)\n## Config changes\n(.*?)\n## `).FindSubmatch(readme)
+	if m == nil {
+		t.Fatal(`helm/README.md has no "## Config changes" section`)
+	}
+	section := strings.Join(strings.Fields(string(m[1])), " ")
+	for _, want := range []string{"`redirect.proxyPort`", "`redirect.cidrs`", "where nothing listens", "upgrade twice"} {
+		if !strings.Contains(section, want) {
+			t.Errorf("helm/README.md's Config changes section does not mention %q: a reload keeps the rules the pod started with", want)
+		}
+	}
+}
