@@ -317,7 +317,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
 	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
-		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams}, admit)
+		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams}, mesh.Admission{Admit: admit, Streams: 1})
 	if err != nil {
 		_ = c.Close()
 		return nil, err

@@ -126,6 +126,75 @@ func TestMeshHeartbeatIsNoPingFlood(t *testing.T) {
 	}
 }
 
+// synFrames is n yamux frames that open streams (a window update with
+// SYN), the client's odd ids from first on.
+func synFrames(first uint32, n int) []byte {
+	b := make([]byte, n*mesh.YamuxHeaderLen)
+	for i := range n {
+		f := b[i*mesh.YamuxHeaderLen:]
+		f[1] = 1 // a window update
+		binary.BigEndian.PutUint16(f[2:], mesh.YamuxFlagSYN)
+		binary.BigEndian.PutUint32(f[4:], first+2*uint32(i))
+	}
+	return b
+}
+
+// A peer that opens streams past its limit without end and never reads
+// has its session cut: the reset refusing each waits to be written (the
+// review saw 1,995,276 bytes of them after 2.4 MB of SYNs), and the
+// heartbeat never ends the session, since bytes keep arriving. At most
+// max_streams_per_session and 1024 more wait.
+func TestMeshRefusalFloodCut(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxStreamsPerSession = 1 })
+	c, _, _ := rawHandshake(t, in.addr())
+	_ = c.SetReadBuffer(4 << 10) // the resets fill what the path holds sooner
+	const batch = 1000
+	sent, cut := 0, false
+	end := time.Now().Add(5 * time.Second)
+	for id := uint32(1); sent < 8<<20 && time.Now().Before(end); id += 2 * batch { // at most 8 MB of SYNs, 5 s
+		_ = c.SetWriteDeadline(time.Now().Add(time.Second))
+		n, err := c.Write(synFrames(id, batch))
+		sent += n
+		if err != nil {
+			cut = true
+			break
+		}
+	}
+	t.Logf("refusal flood: %d bytes of SYNs sent, cut=%v", sent, cut)
+	waitFor(t, 5*time.Second, "the flood's session cut", func() bool {
+		return in.limitHits(mesh.LimitRefusals) == 1 && testutil.ToFloat64(in.m.MeshSessions(metrics.MeshIngress)) == 0
+	})
+}
+
+// A peer that reads what it is sent may have any number of streams
+// refused, far more than the bound of TestMeshRefusalFloodCut: only the
+// refusals waiting to be written count (its twin).
+func TestMeshRefusalsOfAReadingPeerAreNoFlood(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxStreamsPerSession = 1 })
+	sess, _ := rawSession(t, in)
+	const opens = 3000 // the bound is 1 + 1024
+	for i := range opens {
+		if _, err := sess.OpenStream(); err != nil { // yamux waits when 256 opens are unanswered
+			t.Fatalf("open %d: %v", i, err)
+		}
+	}
+	// A burst of opens read at once may be taken before the first of
+	// them counts: every open is refused or held (the status stream
+	// besides).
+	waitFor(t, 10*time.Second, "every open answered", func() bool {
+		return int(in.limitHits(mesh.LimitStreamsPerSession))+sess.NumStreams()-1 >= opens
+	})
+	if hits := in.limitHits(mesh.LimitStreamsPerSession); hits <= 1+1024 {
+		t.Fatalf("%v opens refused, want more than the bound", hits)
+	}
+	if sess.IsClosed() || in.limitHits(mesh.LimitRefusals) != 0 {
+		t.Fatalf("the session was cut (closed %v, refusals limit %v): a reading peer is no flood",
+			sess.IsClosed(), in.limitHits(mesh.LimitRefusals))
+	}
+}
+
 // openRaw opens a stream for port on a raw session and waits for the
 // ingress's answer: true when it acknowledged (a link to the server).
 func openRaw(sess *yamux.Session, port uint16) (*yamux.Stream, bool) {

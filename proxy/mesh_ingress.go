@@ -603,7 +603,8 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 		}
 		return true
 	}
-	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, mesh.Hooks{}, admit)
+	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, mesh.Hooks{},
+		mesh.Admission{Admit: admit, Streams: perSession})
 	if err != nil {
 		in.forgetPeer(host)
 		resetConn(h.tc)

@@ -27,7 +27,11 @@ import (
 //   - Streams the peer opens: a SYN the owner's admit refuses (its
 //     session or the ingress carries as many streams as it may) never
 //     reaches yamux; the peer gets a reset for it, and its body is
-//     dropped.
+//     dropped. Refusals not yet written (these, and the owner's through
+//     Session.RefuseStream) are at most the streams the peer may hold
+//     and refusalMargin more: a peer that has more waiting opens streams
+//     past its limits and does not read, and its session is cut (the
+//     heartbeat never would: its bytes keep arriving).
 //   - Resets: yamux has no stream reset in its API. reset queues a reset
 //     frame (a window update with RST) toward the peer and one toward the
 //     local yamux; each is put in at a frame boundary. The peer's yamux
@@ -45,6 +49,8 @@ type meshGuard struct {
 	admit func() bool
 	// hit counts a limit hit (a refused stream, a ping flood).
 	hit func(limit string)
+	// maxRefusals bounds the refusals in outQ.
+	maxRefusals int
 
 	// Read side (yamux's receive loop only).
 	raw            [4096]byte
@@ -61,6 +67,8 @@ type meshGuard struct {
 	inQ         []byte // frames for the local yamux
 	outQ        []byte // frames for the peer
 	pendingAcks int    // ping answers in outQ
+	refusals    int    // resets of streams the peer opened and was refused, in outQ
+	flooded     bool   // refusals reached maxRefusals: the session is being cut
 	pingQueued  bool   // a ping of the heartbeat is in outQ
 	pingID      uint32
 	inReady     atomic.Bool
@@ -86,6 +94,14 @@ const (
 	// to be written: a heartbeat sends one a ping interval, so that many
 	// wait only behind a write that has not moved for minutes.
 	maxPendingPings = 1024
+	// refusalMargin is how many more refusals than the streams the peer
+	// may hold may wait to be written. An egress has fewer: a stream it
+	// opened counts against its own limit until the reset refusing it
+	// arrives, and its yamux waits once 256 of its opens (the accept
+	// backlog) are unanswered. The margin covers those and the moment
+	// the two sides' counts differ; the count starts again at every
+	// write, so more wait only behind a write that does not move.
+	refusalMargin = 1024
 	// guardPingID marks the guard's own pings' ids.
 	guardPingID = 1 << 31
 )
@@ -93,6 +109,7 @@ const (
 // Mesh limits, the limit label of mesh_limits_total.
 const (
 	LimitPings             = "pings"
+	LimitRefusals          = "refusals" // the peer's refused streams' resets wait unwritten beyond the bound: its session cut
 	LimitStreamsPerSession = "streams_per_session"
 	LimitStreams           = "streams"
 	LimitSessionsPerPeer   = "sessions_per_peer"
@@ -101,10 +118,14 @@ const (
 	LimitTLS               = "tls" // a TLS handshake failed: no valid certificate, or not one of mesh.tls.peers
 )
 
-var errPingFlood = errors.New("mesh: the peer's pings wait for answers beyond the bound (a ping flood): session closed")
+var (
+	errPingFlood    = errors.New("mesh: the peer's pings wait for answers beyond the bound (a ping flood): session closed")
+	errRefusalFlood = errors.New("mesh: the resets of the peer's refused streams wait to be written beyond the bound (it opens streams and does not read): session closed")
+)
 
-func newMeshGuard(c net.Conn, tcp *net.TCPConn, last *atomic.Int64, admit func() bool, hit func(string)) *meshGuard {
-	return &meshGuard{Conn: c, tcp: tcp, last: last, admit: admit, hit: hit, kick: make(chan struct{}, 1)}
+func newMeshGuard(c net.Conn, tcp *net.TCPConn, last *atomic.Int64, adm Admission, hit func(string)) *meshGuard {
+	return &meshGuard{Conn: c, tcp: tcp, last: last, admit: adm.Admit, hit: hit, kick: make(chan struct{}, 1),
+		maxRefusals: max(adm.Streams, 0) + refusalMargin}
 }
 
 func yamuxFrame(typ byte, flags uint16, id, length uint32) []byte {
@@ -154,13 +175,33 @@ func (g *meshGuard) reset(id uint32) {
 	g.wake()
 }
 
-// refuse resets a stream the peer opened, toward the peer only: the local
-// yamux never saw it.
-func (g *meshGuard) refuse(id uint32) {
+// refuse resets stream id, one the peer opened, toward the peer, and
+// toward the local yamux too if local (it took the stream). False, with
+// nothing queued, when maxRefusals wait to be written already: the
+// session must be cut. The first such refusal counts the limit.
+func (g *meshGuard) refuse(id uint32, local bool) bool {
+	f := rstFrame(id)
 	g.mu.Lock()
-	g.outQ = append(g.outQ, rstFrame(id)...)
+	if g.refusals >= g.maxRefusals {
+		first := !g.flooded
+		g.flooded = true
+		g.mu.Unlock()
+		if first {
+			g.hit(LimitRefusals)
+		}
+		return false
+	}
+	g.refusals++
+	g.outQ = append(g.outQ, f...)
+	if local {
+		g.inQ = append(g.inQ, f...)
+	}
 	g.mu.Unlock()
+	if local {
+		g.inReady.Store(true)
+	}
 	g.wake()
+	return true
 }
 
 func (g *meshGuard) wake() {
@@ -196,7 +237,7 @@ func (g *meshGuard) flushLocked() error {
 	}
 	g.mu.Lock()
 	q := g.outQ
-	g.outQ, g.pendingAcks, g.pingQueued = nil, 0, false
+	g.outQ, g.pendingAcks, g.refusals, g.pingQueued = nil, 0, 0, false
 	g.mu.Unlock()
 	if len(q) == 0 {
 		return nil
@@ -362,7 +403,9 @@ func (g *meshGuard) inbound() (bool, error) {
 	case (typ == yamuxTypeData || typ == yamuxTypeWindowUpdate) && flags&YamuxFlagSYN != 0:
 		if g.admit != nil && !g.admit() {
 			g.dropBody = true
-			g.refuse(id)
+			if !g.refuse(id, false) {
+				return false, errRefusalFlood
+			}
 			return false, nil
 		}
 	}

@@ -305,15 +305,25 @@ type Hooks struct {
 	Tick func()
 }
 
+// Admission is how a session takes the streams the peer opens.
+type Admission struct {
+	// Admit reports whether a stream the peer opens may be taken (see
+	// meshGuard); nil takes every one. It runs on yamux's receive loop,
+	// and may find the session not yet set.
+	Admit func() bool
+	// Streams is the most streams the peer may hold on the session (an
+	// ingress's handshake tells it): the refusals waiting to be written
+	// are bounded by it (see meshGuard).
+	Streams int
+}
+
 // NewSession wraps conn in a yamux session (client: the egress side)
 // and starts its heartbeat. rw is what the session reads and writes:
-// conn, or TLS over it. admit reports whether a stream the peer opens may
-// be taken (see meshGuard); it runs on yamux's receive loop, and may find
-// the session not yet set.
-func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, admit func() bool) (*Session, error) {
+// conn, or TLS over it. adm says which streams the peer opens are taken.
+func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, adm Admission) (*Session, error) {
 	ms := &Session{Conn: conn, role: role, Interval: m.PingInterval.D(), Timeout: m.PingTimeout.D(), Log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(flow.Mono())
-	ms.Guard = newMeshGuard(rw, conn, &ms.lastRead, admit, func(limit string) { mt.MeshLimits(role, limit).Inc() })
+	ms.Guard = newMeshGuard(rw, conn, &ms.lastRead, adm, func(limit string) { mt.MeshLimits(role, limit).Inc() })
 	cfg := yamuxConfig(m, hc, log)
 	var err error
 	if client {
@@ -337,6 +347,16 @@ func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m poli
 // ResetStream ends st as reset on both sides (see meshGuard): the peer's
 // end reads a reset, not the end of the stream.
 func (ms *Session) ResetStream(st *yamux.Stream) { ms.Guard.reset(st.StreamID()) }
+
+// RefuseStream ends st, a stream the peer opened that the owner does not
+// serve, as ResetStream does; but a peer with as many refusals waiting to
+// be written as the bound (see meshGuard) has its session closed instead:
+// it opens streams and does not read.
+func (ms *Session) RefuseStream(st *yamux.Stream) {
+	if !ms.Guard.refuse(st.StreamID(), true) {
+		_ = ms.Sess.Close()
+	}
+}
 
 // Closed reports whether the session has ended.
 func (ms *Session) Closed() bool { return ms.Sess.IsClosed() }
