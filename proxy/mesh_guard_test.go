@@ -288,6 +288,151 @@ func TestMeshStreamLimits(t *testing.T) {
 	}
 }
 
+// heldStreams is the data streams the ingress's yamux sessions hold (their
+// status streams not counted).
+func (in *ingressProxy) heldStreams() int {
+	ig := in.p.listeners[0].ingress
+	ig.mu.Lock()
+	defer ig.mu.Unlock()
+	held := 0
+	for is := range ig.sessions {
+		held += is.Sess.NumStreams() - int(is.statusOpen.Load())
+	}
+	return held
+}
+
+// counted is the ingress's count of the streams it carries.
+func (in *ingressProxy) counted() int64 { return in.p.listeners[0].ingress.streams.Load() }
+
+// Streams that wait for their header, or whose header is bad, count
+// against ingress.max_streams, and a refused one is reset, not
+// half-closed: the review's three raw sessions, with max_streams 30, left
+// yamux holding 573 streams (each with what the peer pushed into its
+// window, for the half_close_timeout) and ~146 MiB more heap.
+func TestMeshStreamsAwaitingTheirHeaderCount(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) {
+		l.Ingress.MaxStreamsPerSession = 200
+		l.Ingress.MaxStreams = 30
+	})
+	junk := append([]byte("XXXXXX"), bytes.Repeat([]byte("y"), 32<<10)...)
+	var writers sync.WaitGroup
+	var sessions []*yamux.Session
+	for range 3 {
+		sess, _ := rawSession(t, in)
+		sessions = append(sessions, sess)
+		for i := range 190 {
+			st, err := sess.OpenStream()
+			if err != nil {
+				t.Fatalf("open %d: %v", i, err)
+			}
+			if i%2 == 0 { // a bad header and 32 KiB; the others send nothing
+				writers.Add(1)
+				go func() {
+					defer writers.Done()
+					_, _ = st.Write(junk)
+				}()
+			}
+		}
+	}
+	defer func() {
+		for _, s := range sessions {
+			_ = s.Close()
+		}
+		writers.Wait()
+	}()
+	held := in.heldStreams()
+	for end := time.Now().Add(3 * time.Second); held > 30 && time.Now().Before(end); held = in.heldStreams() {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := in.counted(); held > 30 || n > 30 {
+		t.Fatalf("the ingress's sessions hold %d streams and it counts %d, past max_streams 30", held, n)
+	}
+	if in.limitHits(mesh.LimitStreams) < 1 {
+		t.Fatalf("no streams limit counted")
+	}
+}
+
+// The ingress counts a stream from its accept to its end whatever way it
+// ends (a bad header, a port it does not serve, past max_streams, a link
+// that ends, a session that closes), once: the count comes back to 0. A
+// stream refused is reset, not half-closed.
+func TestMeshIngressStreamCountReleasedOnce(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxStreams = 4 })
+	port := portOf(t, srv.Addr())
+	waitFor(t, 5*time.Second, "the local port ready", func() bool { return in.p.listeners[0].ingress.snapshot().Ports[port].Ready })
+	sess, _ := rawSession(t, in)
+	var sts []*yamux.Stream
+	for range 4 {
+		st, err := sess.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Write(mesh.Header(port)[:1]); err != nil { // not yet a header
+			t.Fatal(err)
+		}
+		sts = append(sts, st)
+	}
+	waitFor(t, 5*time.Second, "four streams counted while they wait for their header", func() bool { return in.counted() == 4 })
+	if _, ok := openRaw(sess, port); ok {
+		t.Fatalf("a fifth stream reached the server past max_streams 4")
+	}
+	if in.limitHits(mesh.LimitStreams) != 1 {
+		t.Fatalf("%v streams limit hits, want 1", in.limitHits(mesh.LimitStreams))
+	}
+	refused := func(st *yamux.Stream, what string) {
+		t.Helper()
+		_ = st.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := st.Read(make([]byte, 1)); !errors.Is(err, yamux.ErrConnectionReset) {
+			t.Fatalf("%s: the stream read %v, want a reset", what, err)
+		}
+	}
+	_, _ = sts[0].Write([]byte("XXXXX")) // a bad header: "LXXXXX"
+	refused(sts[0], "a bad header")
+	_, _ = sts[1].Write(mesh.Header(port + 1)[1:]) // a port the ingress does not serve
+	refused(sts[1], "a port not served")
+	_, _ = sts[2].Write(mesh.Header(port)[1:])
+	var ack [1]byte
+	_ = sts[2].SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(sts[2], ack[:]); err != nil || ack[0] != mesh.Ack {
+		t.Fatalf("a good header: ack %v, %v", ack, err)
+	}
+	waitFor(t, 5*time.Second, "the refused streams released", func() bool { return in.counted() == 2 })
+	_ = sts[2].Close() // the link ends
+	waitFor(t, 5*time.Second, "the link's stream released", func() bool { return in.counted() == 1 })
+	_ = sess.Close() // and sts[3], still without its header, with it
+	waitFor(t, 5*time.Second, "every stream released", func() bool { return in.counted() == 0 })
+	time.Sleep(100 * time.Millisecond)
+	if n := in.counted(); n != 0 {
+		t.Fatalf("the ingress counts %d streams after all ended, want 0", n)
+	}
+}
+
+// An egress's links up to max_streams all reach the server, and the count
+// comes back to 0 when they end (the twin of the two above).
+func TestMeshStreamsUpToMaxStreamsAllServed(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) { l.Ingress.MaxStreams = 30 })
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	var cs []*net.TCPConn
+	for i := range 30 {
+		c := eg.dial()
+		roundTrip(t, c, []byte("link "+strconv.Itoa(i)))
+		cs = append(cs, c)
+	}
+	if n := in.counted(); n != 30 {
+		t.Fatalf("the ingress counts %d streams, want 30", n)
+	}
+	for _, c := range cs {
+		_ = c.Close()
+	}
+	waitFor(t, 5*time.Second, "every stream released", func() bool { return in.counted() == 0 })
+	if got := in.limitHits(mesh.LimitStreams); got != 0 {
+		t.Fatalf("%v streams limit hits, want none", got)
+	}
+}
+
 // A peer address holds at most max_sessions_per_peer sessions; a peer
 // outside ingress.allow gets none.
 func TestMeshSessionLimitsAndAllow(t *testing.T) {

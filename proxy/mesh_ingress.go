@@ -695,10 +695,29 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 // serveStream reads a stream's header and proxies it to the local port it
 // names, as a link of the listener. A port the ingress does not serve is
 // refused: it is not an open relay.
+//
+// The stream counts against ingress.max_streams from its accept (this
+// goroutine starts at it) until it ends: a stream waiting for its header
+// holds yamux's buffers as much as a link's. A stream refused (past the limit, a bad header, a port not
+// served) is reset, which frees it in yamux at once: closed, it would
+// stay half-open for half_close_timeout with what the peer pushed into
+// its window.
 func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	defer in.wg.Done()
 	l := in.l
 	l.m.LinksTotal.Inc()
+	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
+		in.streams.Add(-1)
+		l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitStreams).Inc()
+		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.Conn.RemoteAddr().String()).
+			Msg("mesh stream refused: the ingress carries as many streams as it may")
+		is.RefuseStream(st)
+		l.m.Closed(string(CloseCapacity))
+		return
+	}
+	// release ends the stream's count: here if no link takes the stream,
+	// else at its client's Close.
+	release := func() { in.streams.Add(-1) }
 	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
 	port, err := mesh.ReadHeader(st)
 	_ = st.SetReadDeadline(time.Time{})
@@ -706,27 +725,19 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		// At debug: a peer could flood the log. link_closes_total counts it.
 		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.Conn.RemoteAddr().String()).
 			Msg("mesh stream refused: bad header or a port this ingress does not serve")
-		_ = st.Close()
+		is.RefuseStream(st)
+		release()
 		l.m.Closed(string(CloseNoMatch))
 		return
 	}
 	ep := l.p.lookupEndpoint(in.addr(port))
 	if ep == nil {
-		_ = st.Close()
+		is.RefuseStream(st)
+		release()
 		l.m.Closed(string(CloseRefused))
 		return
 	}
-	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
-		in.streams.Add(-1)
-		l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitStreams).Inc()
-		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.Conn.RemoteAddr().String()).
-			Msg("mesh stream refused: the ingress carries as many streams as it may")
-		is.ResetStream(st)
-		_ = st.Close()
-		l.m.Closed(string(CloseCapacity))
-		return
-	}
-	sc := &streamClient{s: st, ms: is.Session, remote: is.Conn.RemoteAddr(), done: func() { in.streams.Add(-1) }}
+	sc := &streamClient{s: st, ms: is.Session, remote: is.Conn.RemoteAddr(), done: release}
 	lk := newLink(l, ep, sc)
 	if !l.track(lk) {
 		_ = sc.Close()

@@ -27,8 +27,9 @@ import (
 //   - A data stream, opened by the egress for one client link, starts with
 //     a header: the 4 bytes of meshMagic, then the local port it is for
 //     (2 bytes, big-endian). The ingress answers with one byte, Ack,
-//     once its link to that port is connected; it closes the stream
-//     without it when the port is not served, refused, or out of routing.
+//     once its link to that port is connected; it ends the stream
+//     without it when the port is not served, refused, or out of routing
+//     (a stream it does not take, for its header or a limit, is reset).
 //   - A status stream, opened by the ingress as soon as the session starts,
 //     carries status messages: a 2-byte length, the ingress's boot id and
 //     the message's generation (8 bytes each), then for each local port it
@@ -351,8 +352,12 @@ func (ms *Session) ResetStream(st *yamux.Stream) { ms.Guard.reset(st.StreamID())
 // RefuseStream ends st, a stream the peer opened that the owner does not
 // serve, as ResetStream does; but a peer with as many refusals waiting to
 // be written as the bound (see meshGuard) has its session closed instead:
-// it opens streams and does not read.
+// it opens streams and does not read. On a closed session it does
+// nothing: the streams its end failed are no refusals.
 func (ms *Session) RefuseStream(st *yamux.Stream) {
+	if ms.Sess.IsClosed() {
+		return
+	}
 	if !ms.Guard.refuse(st.StreamID(), true) {
 		_ = ms.Sess.Close()
 	}
