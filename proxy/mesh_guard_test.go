@@ -17,6 +17,7 @@ import (
 
 	"github.com/hashicorp/yamux"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -803,5 +804,56 @@ func TestMeshEgressKeepsToGrantedStreams(t *testing.T) {
 	}
 	if st := eg.stateOf(srv.Addr()); st != "healthy" {
 		t.Fatalf("endpoint %s, want healthy", st)
+	}
+}
+
+// A peer refused at the handshake (here: not in ingress.allow) can come
+// back as fast as it likes: every refusal is counted, and logged at
+// debug; at warn at most once a second, with the refusals since the line
+// before. Before, each one wrote a warn line.
+func TestMeshRefusalsWarnOncePerSecond(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	var sink syncBuffer
+	log := zerolog.New(&sink).Level(zerolog.DebugLevel)
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	fastMesh(&s)
+	cfg.Listeners = []policy.Listener{{Name: "ingress", Listen: "127.0.0.2:0", Settings: s,
+		Ingress: policy.Ingress{Local: srv.Addr(), Allow: []string{"10.0.0.0/8"}}}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	in := &ingressProxy{m: metrics.New(), cfg: cfg}
+	in.p = New(cfg, Options{metrics: in.m, Logger: &log})
+	if err := in.p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = in.p.Close() })
+	const peers = 40
+	began := time.Now()
+	for range peers {
+		if c, code, _ := rawHandshake(t, in.addr()); code != mesh.Refused {
+			t.Fatalf("a peer outside ingress.allow got code %d, want refused", code)
+		} else {
+			_ = c.Close()
+		}
+	}
+	var lines []map[string]any
+	waitFor(t, 5*time.Second, "a line for every refusal", func() bool {
+		lines = sink.lines(t, "mesh session refused: the peer is not in ingress.allow")
+		return len(lines) >= peers
+	})
+	took := time.Since(began)
+	warns := 0
+	for _, l := range lines {
+		if l["level"] == "warn" {
+			warns++
+		}
+	}
+	if most := 1 + int(took/logEvery); warns < 1 || warns > most {
+		t.Fatalf("%d warn lines for %d refusals in %v, want 1 to %d", warns, peers, took, most)
+	}
+	if got := in.limitHits(mesh.LimitPeerNotAllowed); got != peers {
+		t.Fatalf("%v refusals counted, want %d", got, peers)
 	}
 }

@@ -54,6 +54,9 @@ type ingress struct {
 
 	handshakes atomic.Int64 // connections waiting for their handshake
 	streams    atomic.Int64 // streams served, over all sessions
+	// refusals: sessions refused at the handshake, logged at warn at most
+	// once a second (see refusedLog).
+	refusals logGate
 
 	mu       sync.Mutex
 	ports    []uint16 // the local port first, then ingress.ports
@@ -532,6 +535,17 @@ func (in *ingress) readPreface(h *ingressHandshake) (b [mesh.PrefaceLen]byte, ok
 	return b, true
 }
 
+// refusedLog is the log event for a session refused at its handshake: at
+// warn at most once a second for the ingress (with the refusals since the
+// line before), at debug otherwise. A peer can send the 8-byte preface in
+// a loop; mesh_limits_total counts the refusals for a limit.
+func (in *ingress) refusedLog(h *ingressHandshake) *zerolog.Event {
+	if n, ok := in.refusals.pass(); ok {
+		return h.log.Warn().Int64("refusals_since_last_line", n)
+	}
+	return h.log.Debug()
+}
+
 // admitPeer answers the preface: a peer that is not in ingress.allow,
 // speaks another version or holds max_sessions_per_peer sessions is
 // refused; one that comes while the ingress closes is reset. Once
@@ -542,12 +556,12 @@ func (in *ingress) admitPeer(h *ingressHandshake, preface [mesh.PrefaceLen]byte)
 	tc := h.tc
 	perPeer, perSession, _ := in.limits()
 	if !in.allowed(tc.RemoteAddr()) {
-		h.log.Warn().Msg("mesh session refused: the peer is not in ingress.allow")
+		in.refusedLog(h).Msg("mesh session refused: the peer is not in ingress.allow")
 		in.refuse(h, mesh.Refused, mesh.LimitPeerNotAllowed)
 		return "", 0, false
 	}
 	if preface[len(mesh.PrefaceMagic)] != mesh.Version {
-		h.log.Warn().Int("version", int(preface[len(mesh.PrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
+		in.refusedLog(h).Int("version", int(preface[len(mesh.PrefaceMagic)])).Msg("mesh session refused: the peer speaks another mesh protocol version")
 		in.refuse(h, mesh.BadVersion, "")
 		return "", 0, false
 	}
@@ -560,7 +574,7 @@ func (in *ingress) admitPeer(h *ingressHandshake, preface [mesh.PrefaceLen]byte)
 			resetConn(tc)
 			return "", 0, false
 		}
-		h.log.Warn().Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
+		in.refusedLog(h).Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
 		in.refuse(h, mesh.Refused, mesh.LimitSessionsPerPeer)
 		return "", 0, false
 	}
