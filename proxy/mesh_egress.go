@@ -293,22 +293,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	}
 	if err != nil {
 		_ = tc.Close()
-		if ctx.Err() == nil && errors.As(err, &ne) && ne.Timeout() {
-			if late := time.Duration(flow.Mono()-began) - m.PingTimeout.D(); late >= m.PingTimeout.D() {
-				// Noticed a ping_timeout or more after its deadline: this
-				// process could not run meanwhile (CPU throttling, a
-				// frozen host), and the answer may have come while it
-				// could not read it. No evidence against the peer: the
-				// link fails, as a connect noticed late does (see
-				// errFrozenDial), and the next dial asks again.
-				return nil, errFrozenDial{fmt.Errorf("%s: no answer to the session handshake: %w", pr.addr, err), late}
-			}
-			pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
-			pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
-			pr.excludeEndpoints()
-			return nil, fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
-		}
-		return nil, fmt.Errorf("%s: %w", pr.addr, err)
+		return nil, pr.handshakeFailed(ctx, m, began, err)
 	}
 	es := &egressSession{peer: pr, key: key, maxStreams: streams, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
@@ -336,6 +321,29 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	pr.mu.Unlock()
 	log.Debug().Msg("mesh session opened")
 	return es, nil
+}
+
+// handshakeFailed is the error of a session handshake begun at mono time
+// began that failed with err. No answer for ping_timeout, while the
+// link's connect budget (ctx) lasts, is a dead peer sidecar: its
+// endpoints are excluded. Unless the proxy noticed the timeout a
+// ping_timeout or more after its deadline: this process could not run
+// meanwhile (CPU throttling, a frozen host), and the answer may have come
+// while it could not read it. That is no evidence against the peer: the
+// link fails, as a connect noticed late does (see errFrozenDial), and the
+// next dial asks again.
+func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began int64, err error) error {
+	var ne net.Error
+	if ctx.Err() != nil || !errors.As(err, &ne) || !ne.Timeout() {
+		return fmt.Errorf("%s: %w", pr.addr, err)
+	}
+	if late := time.Duration(flow.Mono()-began) - m.PingTimeout.D(); late >= m.PingTimeout.D() {
+		return errFrozenDial{fmt.Errorf("%s: no answer to the session handshake: %w", pr.addr, err), late}
+	}
+	pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
+	pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
+	pr.excludeEndpoints()
+	return fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
 }
 
 // mesh.ReadStatus reads the status stream the ingress opens and applies each
