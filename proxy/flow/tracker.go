@@ -203,9 +203,11 @@ func within(a, b, d int64) bool { return a-b < d && b-a < d }
 // Adopt takes over requests whose link ended before they were judged.
 // The list stays within maxPending however many links end with requests
 // outstanding (an endpoint that went quiet under a high connection churn):
-// past it, an adopted request joins the newest entry not yet judged, in
-// the way that can only put a verdict off (the later deadline, the
-// earlier hold, the higher threshold), or, with none, is dropped unjudged.
+// past it, an adopted request joins the newest entry not yet judged with
+// the same threshold (an endpoint's record holds the requests of every
+// listener routing to it, and a threshold of 0 is never to count), in the
+// way that can only put a verdict off (the later deadline, the earlier
+// hold), or, with none, is dropped unjudged.
 func (t *Tracker) Adopt(rs []PendingRequest) {
 	if len(rs) == 0 {
 		return
@@ -223,10 +225,10 @@ func (t *Tracker) Adopt(rs []PendingRequest) {
 			continue
 		}
 		for i := len(t.pending) - 1; i >= 0; i-- {
-			if l := &t.pending[i]; !l.judged {
+			if l := &t.pending[i]; !l.judged && l.Thr == r.Thr {
 				l.N += r.N
 				l.At, l.Held, l.End = min(l.At, r.At), min(l.Held, r.Held), max(l.End, r.End)
-				l.Due, l.last, l.Thr = max(l.Due, r.Due), max(l.last, r.last), max(l.Thr, r.Thr)
+				l.Due, l.last = max(l.Due, r.Due), max(l.last, r.last)
 				if l.Abandoned == 0 || r.Abandoned == 0 {
 					l.Abandoned = 0
 				} else {

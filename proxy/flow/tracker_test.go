@@ -296,6 +296,16 @@ func TestTrackerAdoptBounded(t *testing.T) {
 		if newest.Held != newest.At || newest.At != now+int64(maxPending-1)*int64(time.Millisecond) {
 			t.Fatalf("the newest entry was sent at %d, held to %d; want the earliest of those it took", newest.At, newest.Held)
 		}
+		// A request of another threshold (another listener's: 0 is never
+		// to count) joins no entry of this one's: with none of its own,
+		// it is dropped unjudged.
+		r.t.Adopt([]PendingRequest{{At: now, Held: now, Due: now + int64(time.Hour), N: 1, Thr: 0}})
+		r.t.mu.Lock()
+		n, newest = len(r.t.pending), r.t.pending[len(r.t.pending)-1]
+		r.t.mu.Unlock()
+		if n != maxPending || newest.N != 2*maxPending+1 || newest.Thr != 1 {
+			t.Fatalf("after a request of threshold 0: %d entries, the newest holding %d of threshold %d; want it dropped", n, newest.N, newest.Thr)
+		}
 		// Every request is judged, none lost: the last verdict is at the
 		// latest deadline.
 		if _, _, counted := r.after(time.Hour + time.Duration(3*maxPending)*(time.Second+time.Millisecond)); counted != 3*maxPending {
