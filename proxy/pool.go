@@ -214,11 +214,17 @@ func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 		p.mu.Unlock()
 		return
 	}
-	var members, created []*endpoint
+	var members, created, named []*endpoint
 	for addr, name := range addrs {
 		ep, isNew := p.endpointForLocked(addr, settings)
-		if name != "" {
+		if name != "" && ep.name != name {
 			ep.name = name
+			if !isNew {
+				// Known by another name, or none (an address another
+				// listener routes to): endpoints.disabled may list this
+				// one, which no reload's diff of the list would see.
+				named = append(named, ep)
+			}
 		}
 		ep.mu.Lock()
 		if !slices.Contains(ep.listeners, l) {
@@ -255,6 +261,9 @@ func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 	for _, ep := range created {
 		p.applyDisabled(ep)
 		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Msg("endpoint admitted")
+	}
+	for _, ep := range named {
+		p.applyDisabled(ep)
 	}
 	for _, ep := range back {
 		l.log.Info().Str("endpoint", ep.addr).Str("name", ep.name).Msg("endpoint back before its drain ended: a member again, its links kept")

@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/dnstest"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -296,4 +298,36 @@ func TestUpstreamNameFollowsDNS(t *testing.T) {
 		t.Fatalf("disable by name: %v, %v", changed, err)
 	}
 	expectRefusedSoon(t, h.addr)
+}
+
+// endpoints.disabled names a pool's DNS name; an address already routed to
+// by another listener (an endpoint known without that name) that a reload's
+// new pool resolves the name to is disabled, though the list itself did not
+// change. Before, the reload's diff of the list saw nothing new.
+func TestReloadDisablesAKnownAddressANewPoolNames(t *testing.T) {
+	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2")
+	dns := dnstest.Start(t)
+	port := netip.MustParseAddrPort(addrs[0]).Port()
+	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.2"))
+	name := fmt.Sprintf("kafka-headless.data.svc:%d", port)
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{listenerCfg("direct", addrs[0], nil)}
+	cfg.Endpoints.Disabled = []string{name}
+	p := New(cfg, Options{Resolver: dns.Resolver()})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if st, _ := p.det.State(addrs[0]); st != health.Healthy {
+		t.Fatalf("%s is %v before any listener names it %s, want healthy", addrs[0], st, name)
+	}
+	withPool := cfg
+	withPool.Listeners = append(slices.Clone(cfg.Listeners), policy.Listener{Name: "pool", Listen: "127.0.0.1:0",
+		Pool: policy.Pool{DNS: name, Refresh: policy.Duration(time.Minute)}, Settings: cfg.Defaults})
+	if err := p.Reload(withPool); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := p.det.State(addrs[0]); st != health.Disabled {
+		t.Fatalf("%s is %v once a new pool resolves %s (listed in endpoints.disabled) to it, want disabled", addrs[0], st, name)
+	}
 }
