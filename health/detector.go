@@ -235,6 +235,12 @@ func (d *Detector) operator(endpoint string, to State, reason string) bool {
 func (d *Detector) operatorIf(endpoint string, to State, reason string, cond func(*epState) bool) bool {
 	d.mu.Lock()
 	e, ok := d.eps[endpoint]
+	if ok && !d.closed && e.state == Disabled && to == Disabled && reason == ReasonOperatorDisable {
+		// The operator disables what the config's list already did: the
+		// operator's word is on record now, so that unlisting the endpoint
+		// (Undisable for the config's reason) leaves it disabled.
+		e.reason = reason
+	}
 	if d.closed || !ok || e.state == to || cond != nil && !cond(e) {
 		d.mu.Unlock()
 		return false

@@ -95,10 +95,15 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 // names, by its address or by the name it was resolved from; true if that
 // changed its state.
 func (p *Proxy) applyDisabled(ep *endpoint) bool {
+	return p.listedDisabled(ep) && p.det.Disable(ep.addr, health.ReasonConfig)
+}
+
+// listedDisabled reports whether endpoints.disabled names ep, by its
+// address or by the name it was resolved from.
+func (p *Proxy) listedDisabled(ep *endpoint) bool {
 	p.mu.Lock()
-	disabled := p.disabled[ep.addr] || (ep.name != "" && p.disabled[ep.name])
-	p.mu.Unlock()
-	return disabled && p.det.Disable(ep.addr, health.ReasonConfig)
+	defer p.mu.Unlock()
+	return p.disabled[ep.addr] || (ep.name != "" && p.disabled[ep.name])
 }
 
 // probeConfig is how the detector probes the endpoint, with the latest

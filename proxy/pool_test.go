@@ -331,3 +331,37 @@ func TestReloadDisablesAKnownAddressANewPoolNames(t *testing.T) {
 		t.Fatalf("%s is %v once a new pool resolves %s (listed in endpoints.disabled) to it, want disabled", addrs[0], st, name)
 	}
 }
+
+// A reload that changes how endpoints.disabled spells an endpoint (its
+// DNS name for its address) leaves it disabled: the old spelling is no
+// longer listed, but the new list still keeps it out.
+func TestReloadRespellingADisabledEndpointKeepsItDisabled(t *testing.T) {
+	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2")
+	dns := dnstest.Start(t)
+	port := netip.MustParseAddrPort(addrs[0]).Port()
+	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.2"))
+	name := fmt.Sprintf("kafka-headless.data.svc:%d", port)
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{{Name: "pool", Listen: "127.0.0.1:0",
+		Pool: policy.Pool{DNS: name, Refresh: policy.Duration(time.Minute)}, Settings: cfg.Defaults}}
+	cfg.Endpoints.Disabled = []string{name}
+	p := New(cfg, Options{Resolver: dns.Resolver()})
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if st, _ := p.det.State(addrs[0]); st != health.Disabled {
+		t.Fatalf("%s is %v, listed by its name, want disabled", addrs[0], st)
+	}
+	for _, spelling := range []string{addrs[0], name} {
+		respelled := cfg
+		respelled.Endpoints.Disabled = []string{spelling}
+		ch, err := p.Apply(respelled)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st, _ := p.det.State(addrs[0]); st != health.Disabled || len(ch.EndpointsEnabled) != 0 {
+			t.Fatalf("listed as %s: %s is %v (enabled %q), want still disabled", spelling, addrs[0], st, ch.EndpointsEnabled)
+		}
+	}
+}

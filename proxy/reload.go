@@ -380,7 +380,14 @@ func (p *Proxy) disableListed(addrs []string, known map[*endpoint]bool, ch *Chan
 // excluded, is not readmitted without a probe, and one the admin API
 // disabled stays disabled.
 func (p *Proxy) enableUnlisted(addrs []string, ch *Changes) {
-	undisable := func(addr, reason string) bool { return p.det.Undisable(addr, health.ReasonConfig, reason) }
+	undisable := func(addr, reason string) bool {
+		// Listed still, by another spelling (its name for its address, or
+		// the reverse): the new list keeps it out.
+		if ep := p.lookupEndpoint(addr); ep != nil && p.listedDisabled(ep) {
+			return false
+		}
+		return p.det.Undisable(addr, health.ReasonConfig, reason)
+	}
 	ch.EndpointsEnabled = p.byConfig(addrs, undisable, ch.EndpointsEnabled)
 }
 
