@@ -160,7 +160,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 			// never see a connection to them to probe or readmit.
 			if n, err := excluded.Clear(); err != nil {
 				log.Error().Err(err).Msg("interception.excluded_set: cannot empty the excluded sets an earlier process may have left")
-			} else if n > 0 {
+			} else if n != 0 { // -1: emptied, how many unknown
 				log.Warn().Int("destinations", n).Msg("interception.excluded_set: emptied the excluded sets of the destinations an earlier process left in them")
 			}
 		}

@@ -373,10 +373,13 @@ func (h *ExcludedSet) update(ap netip.AddrPort, add bool) error {
 // there (one that crashed, or was killed, before its shutdown took its
 // exclusions out) no process knows of, probes or takes out, and the rules
 // would refuse those destinations for the life of the pod.
+// The count is what a listing found first; -1 when the listing failed,
+// which does not stop the flush.
 func (h *ExcludedSet) Clear() (int, error) {
 	held, err := h.Excluded()
+	n := len(held)
 	if err != nil {
-		return 0, err
+		n = -1
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -385,7 +388,7 @@ func (h *ExcludedSet) Clear() (int, error) {
 	if err := h.c.Flush(); err != nil {
 		return 0, fmt.Errorf("nftables: emptying sets %s and %s: %w", h.s4.Name, h.s6.Name, err)
 	}
-	return len(held), nil
+	return n, nil
 }
 
 // Excluded lists the elements of both sets.
