@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"runtime"
 	"strconv"
 	"sync"
@@ -157,8 +158,11 @@ func TestMeshRefusalFloodCut(t *testing.T) {
 		_ = c.SetWriteDeadline(time.Now().Add(time.Second))
 		n, err := c.Write(synFrames(id, batch))
 		sent += n
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			continue // a slow ingress: keep pushing until the end
+		}
 		if err != nil {
-			cut = true
+			cut = true // reset or closed: the session was cut
 			break
 		}
 	}
@@ -182,14 +186,11 @@ func TestMeshRefusalsOfAReadingPeerAreNoFlood(t *testing.T) {
 		}
 	}
 	// A burst of opens read at once may be taken before the first of
-	// them counts: every open is refused or held (the status stream
-	// besides).
-	waitFor(t, 10*time.Second, "every open answered", func() bool {
-		return int(in.limitHits(mesh.LimitStreamsPerSession))+sess.NumStreams()-1 >= opens
+	// them counts (held until their header times out): wait for more
+	// refusals than the bound allows to wait, not for every open.
+	waitFor(t, 20*time.Second, "more opens refused than the bound", func() bool {
+		return in.limitHits(mesh.LimitStreamsPerSession) > 1+1024
 	})
-	if hits := in.limitHits(mesh.LimitStreamsPerSession); hits <= 1+1024 {
-		t.Fatalf("%v opens refused, want more than the bound", hits)
-	}
 	if sess.IsClosed() || in.limitHits(mesh.LimitRefusals) != 0 {
 		t.Fatalf("the session was cut (closed %v, refusals limit %v): a reading peer is no flood",
 			sess.IsClosed(), in.limitHits(mesh.LimitRefusals))
