@@ -131,7 +131,7 @@ var (
 	budgetDesc = prometheus.NewDesc("livenessproxy_memory_budget_bytes",
 		"The memory budget in force (process-wide).", nil, nil)
 	budgetUsedDesc = prometheus.NewDesc("livenessproxy_memory_budget_used_bytes",
-		"Bytes of the budget in use: queues (chunks of bytes waiting for upstreams) and reads (read buffers in hand) (process-wide).",
+		"Bytes of the budget in use: queues (chunks of bytes waiting for upstreams), reads (read buffers in hand) and windows (the head of a frame a protocol profile waits on, held across reads beyond its first 4 KiB) (process-wide).",
 		[]string{"use"}, nil)
 )
 
@@ -144,4 +144,5 @@ func (c *budgetCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(budgetDesc, prometheus.GaugeValue, float64(c.b.Limit.Load()))
 	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.Queued.Load()), "queues")
 	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.Reads.Load()), "reads")
+	ch <- prometheus.MustNewConstMetric(budgetUsedDesc, prometheus.GaugeValue, float64(c.b.Windows.Load()), "windows")
 }

@@ -100,6 +100,10 @@ type link struct {
 	// pump owns its own; it drops it when the link stops being tracked).
 	// nil: opaque, or not tracked.
 	reqScan, respScan *flow.FrameScanner
+	// scans are the two scanners for the link's life (reqScan and
+	// respScan go nil when tracking stops): finish gives back what their
+	// windows hold of the budget.
+	scans [2]*flow.FrameScanner
 	// trk follows requests and judges them; nil when tracking is off.
 	trk *flow.Tracker
 	// conv is what the pumps share about the protocol; nil unless reqScan
@@ -190,6 +194,11 @@ func (lk *link) finish() {
 	if up != nil {
 		up.release()
 	}
+	for _, s := range lk.scans {
+		if s != nil {
+			s.Release()
+		}
+	}
 	if lk.trk != nil {
 		orphans := lk.trk.Stop()
 		if lk.abandonedByItsClient() {
@@ -237,6 +246,8 @@ func (lk *link) attach(ep *endpoint) {
 	if u := lk.settings.Unanswered; u.Enabled(lk.settings.Framing.Type) {
 		if lk.frames != nil {
 			lk.reqScan, lk.respScan = flow.NewFrameScanner(lk.frames), flow.NewFrameScanner(lk.frames)
+			lk.reqScan.Budget, lk.respScan.Budget = lk.budget, lk.budget
+			lk.scans = [2]*flow.FrameScanner{lk.reqScan, lk.respScan}
 		}
 		lk.trk = flow.NewTracker(flow.JudgingSlack(u.RequestTimeout.D()), lk.reqScan == nil, &ep.lastAnswer, lk.judge)
 		if lk.reqScan != nil {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"encoding/binary"
 	"io"
 	"math"
@@ -1702,4 +1703,31 @@ func abandonAnEndTxn(t *testing.T, h *harness) time.Time {
 		t.Fatalf("link ended %s, want client_error", st.Reason)
 	}
 	return sent
+}
+
+// A Kafka client that stops in the middle of a request's header (here, a
+// 30,000-byte client id of which 1,000 bytes came) holds the window the
+// profile's parser waits on: it is counted in the memory budget while the
+// link lives, and given back when the link ends.
+func TestKafkaHeaderWindowCountedInTheBudget(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), kafkaProfile(time.Second, 1))
+	c := h.dial()
+	const idLen = 30000
+	head := binary.BigEndian.AppendUint32(nil, uint32(2+2+4+2+idLen+12)) // the frame's length
+	head = binary.BigEndian.AppendUint16(head, 1)                        // Fetch: its max_wait_ms lies past the client id
+	head = binary.BigEndian.AppendUint16(head, 4)                        // v4
+	head = binary.BigEndian.AppendUint32(head, 1)                        // correlation id
+	head = binary.BigEndian.AppendUint16(head, idLen)                    // client id length
+	if _, err := c.Write(append(head, bytes.Repeat([]byte("c"), 1000)...)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "the header's window counted in the budget", func() bool {
+		return h.p.budget.Used() >= idLen-4<<10
+	})
+	_ = c.Close()
+	h.linkEnd(5 * time.Second)
+	if got := h.p.budget.Used(); got != 0 {
+		t.Fatalf("budget used %d after the link ended, want 0", got)
+	}
 }

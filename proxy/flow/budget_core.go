@@ -23,9 +23,10 @@ import (
 // give way first. A link toward a live upstream that reads is never
 // closed for it (one whose client stalled it may be, blamed on no one).
 type Budget struct {
-	Limit  atomic.Int64 // 0: no budget
-	Queued atomic.Int64 // bytes of queue chunks held
-	Reads  atomic.Int64 // bytes of read buffers in hand
+	Limit   atomic.Int64 // 0: no budget
+	Queued  atomic.Int64 // bytes of queue chunks held
+	Reads   atomic.Int64 // bytes of read buffers in hand
+	Windows atomic.Int64 // bytes of frame windows held (see FrameScanner.Budget)
 
 	mu      sync.Mutex
 	waiters []chan struct{} // links waiting for a chunk, oldest first
@@ -51,25 +52,32 @@ func (b *Budget) SetLimit(n int64) {
 }
 
 // Used is the bytes counted now.
-func (b *Budget) Used() int64 { return b.Queued.Load() + b.Reads.Load() }
+func (b *Budget) Used() int64 { return b.Queued.Load() + b.Reads.Load() + b.Windows.Load() }
 
 // take counts n bytes of queue chunks, unless the budget has no room.
-func (b *Budget) take(n int64) bool {
+func (b *Budget) take(n int64) bool { return b.takeFor(&b.Queued, n) }
+
+// give returns n bytes of queue chunks and wakes a waiting link.
+func (b *Budget) give(n int64) { b.giveFor(&b.Queued, n) }
+
+// takeFor counts n bytes in use (Queued or Windows), unless the budget
+// has no room.
+func (b *Budget) takeFor(use *atomic.Int64, n int64) bool {
 	lim := b.Limit.Load()
 	for {
-		q := b.Queued.Load()
-		if lim > 0 && q+n+b.Reads.Load() > lim {
+		u := use.Load()
+		if lim > 0 && b.Used()+n > lim {
 			return false
 		}
-		if b.Queued.CompareAndSwap(q, q+n) {
+		if use.CompareAndSwap(u, u+n) {
 			return true
 		}
 	}
 }
 
-// give returns n bytes of queue chunks and wakes a waiting link.
-func (b *Budget) give(n int64) {
-	b.Queued.Add(-n)
+// giveFor returns n bytes of use and wakes a waiting link.
+func (b *Budget) giveFor(use *atomic.Int64, n int64) {
+	use.Add(-n)
 	b.wakeOne()
 }
 

@@ -134,7 +134,22 @@ type FrameScanner struct {
 	pos     int64  // payload offset of the next byte to scan
 	w       Window // what rd wants next
 	wbuf    []byte // window bytes collected across reads: [w.base, w.base+len(wbuf))
+
+	// Budget, when set, counts the capacity of wbuf beyond freeWindow: a
+	// window that straddles reads holds its bytes until the reader has
+	// them all (up to maxWindow, for a frame whose head stops mid-way for
+	// as long as its sender likes), and a link's two scanners are not in
+	// the per-link overhead that max_links is derived from. Without room
+	// the window is dropped, as one whose bytes were not kept: the frame
+	// is read no further (a request's link goes untracked, a response's
+	// throttle unread), and nothing waits.
+	Budget *Budget
+	held   int64 // bytes of wbuf's capacity counted in Budget
 }
+
+// freeWindow is the window buffer a scanner holds without counting it:
+// the buffer kept from frame to frame (see endFrame).
+const freeWindow = 4 << 10
 
 func NewFrameScanner(spec *FrameSpec) *FrameScanner {
 	return &FrameScanner{spec: spec, hdr: make([]byte, spec.headerLen())}
@@ -210,9 +225,42 @@ func (s *FrameScanner) endFrame() {
 	}
 	s.Rd.End(s.scanned)
 	s.w = Window{}
-	if cap(s.wbuf) > 4<<10 {
-		s.wbuf = nil // a large window's buffer is not kept for later frames
+	if cap(s.wbuf) > freeWindow {
+		s.Release() // a large window's buffer is not kept for later frames
 	}
+}
+
+// reserve makes wbuf's capacity at least n, counting what lies beyond
+// freeWindow in the budget; false when the budget has no room.
+func (s *FrameScanner) reserve(n int) bool {
+	if cap(s.wbuf) >= n {
+		return true
+	}
+	if more := int64(n-freeWindow) - s.held; s.Budget != nil && more > 0 {
+		if !s.Budget.takeFor(&s.Budget.Windows, more) {
+			return false
+		}
+		s.held += more
+	}
+	s.wbuf = append(make([]byte, 0, n), s.wbuf...)
+	return true
+}
+
+// Release gives back the window's buffer and what the budget counts of
+// it: at the end of a frame whose window was large, and when the link
+// ends (its pumps have stopped: the scanner is used no more).
+func (s *FrameScanner) Release() {
+	s.wbuf = nil
+	if s.held > 0 {
+		s.Budget.giveFor(&s.Budget.Windows, s.held)
+		s.held = 0
+	}
+}
+
+// dropWindow stops reading the frame for want of room in the budget.
+func (s *FrameScanner) dropWindow() {
+	s.w = Window{}
+	s.Release()
 }
 
 // setWindow takes the reader's next window, clipped to the frame, and
@@ -256,6 +304,10 @@ func (s *FrameScanner) feed(p []byte) int64 {
 				s.setWindow(s.Rd.Read(p[start : start+int64(s.w.Need)]))
 				continue
 			}
+			if !s.reserve(s.w.Need) {
+				s.dropWindow()
+				return avail
+			}
 			s.wbuf = append(s.wbuf, p[start:avail]...)
 			return avail
 		}
@@ -267,6 +319,10 @@ func (s *FrameScanner) feed(p []byte) int64 {
 				return avail
 			}
 			take := min(int64(s.w.Need-len(s.wbuf)), avail-idx)
+			if !s.reserve(s.w.Need) {
+				s.dropWindow()
+				return avail
+			}
 			s.wbuf = append(s.wbuf, p[idx:idx+take]...)
 			if len(s.wbuf) < s.w.Need {
 				return avail

@@ -284,3 +284,75 @@ func FuzzFrameScannerWindows(f *testing.F) {
 		}
 	})
 }
+
+// bigWindowReader asks each frame for one window of need bytes at its
+// start and records what it was given.
+type bigWindowReader struct {
+	need  int
+	got   []int // the length of each window read
+	ended int
+}
+
+func (r *bigWindowReader) Begin(int64) Window   { return Window{Need: r.need} }
+func (r *bigWindowReader) Read(b []byte) Window { r.got = append(r.got, len(b)); return Window{} }
+func (r *bigWindowReader) End(int64)            { r.ended++ }
+
+// A window that straddles reads holds its bytes until the reader has them
+// all: what it holds beyond freeWindow is counted in the memory budget
+// while it is collected, and given back when the frame ends (or the
+// scanner is released with its link). Without room in the budget the
+// window is dropped: the frame is read no further, and nothing is held.
+func TestFrameScannerWindowCountedInTheBudget(t *testing.T) {
+	const need = 64 << 10
+	frame := testutil.LengthPrefixed(bytes.Repeat([]byte{7}, 100<<10))
+	feed := func(s *FrameScanner, p []byte) {
+		for len(p) > 0 {
+			n := min(1<<10, len(p))
+			if _, _, err := s.Scan(p[:n]); err != nil {
+				t.Fatal(err)
+			}
+			p = p[n:]
+		}
+	}
+
+	var b Budget
+	b.Limit.Store(1 << 20)
+	s := NewFrameScanner(pinotSpec())
+	r := &bigWindowReader{need: need}
+	s.Rd, s.Budget = r, &b
+	feed(s, frame[:4+10<<10]) // the header and 10 KiB of the window
+	if got, want := b.Used(), int64(need-freeWindow); got != want {
+		t.Fatalf("budget used %d while the window is collected, want %d", got, want)
+	}
+	feed(s, frame[4+10<<10:])
+	if len(r.got) != 1 || r.got[0] != need || r.ended != 1 {
+		t.Fatalf("windows %v, %d frames ended; want one of %d, one", r.got, r.ended, need)
+	}
+	if got := b.Used(); got != 0 {
+		t.Fatalf("budget used %d after the frame ended, want 0", got)
+	}
+
+	// Released with its link, mid-window.
+	s = NewFrameScanner(pinotSpec())
+	s.Rd, s.Budget = &bigWindowReader{need: need}, &b
+	feed(s, frame[:4+10<<10])
+	s.Release()
+	if got := b.Used(); got != 0 {
+		t.Fatalf("budget used %d after the scanner's release, want 0", got)
+	}
+
+	// No room: the window is dropped, nothing held, the frame still ends.
+	var small Budget
+	small.Limit.Store(16 << 10)
+	s = NewFrameScanner(pinotSpec())
+	r = &bigWindowReader{need: need}
+	s.Rd, s.Budget = r, &small
+	feed(s, frame[:4+10<<10])
+	if got := small.Used(); got != 0 || cap(s.wbuf) != 0 {
+		t.Fatalf("budget used %d, window buffer %d bytes, with no room in the budget; want none", got, cap(s.wbuf))
+	}
+	feed(s, frame[4+10<<10:])
+	if len(r.got) != 0 || r.ended != 1 {
+		t.Fatalf("windows %v, %d frames ended; want none read, one ended", r.got, r.ended)
+	}
+}
