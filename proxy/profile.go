@@ -137,10 +137,15 @@ type requestReader[R any] struct {
 	req     R
 	parsed  bool
 	skipped bool
+	dropped bool // the scanner stopped reading the frame: no room in the budget
 }
 
+// Dropped: the scanner stopped reading the frame's head for want of room
+// in the memory budget (flow.WindowDropper).
+func (r *requestReader[R]) Dropped() { r.dropped = true }
+
 func (r *requestReader[R]) Begin(n int64) flow.Window {
-	r.n, r.parsed, r.skipped = n, false, false
+	r.n, r.parsed, r.skipped, r.dropped = n, false, false, false
 	return flow.Window{Need: int(min(n, int64(r.first)))}
 }
 
@@ -165,6 +170,10 @@ func (r *requestReader[R]) End(off int64) {
 	}
 	if r.skipped {
 		r.c.lk.m.RequestsUnjudged.Inc()
+		return
+	}
+	if !r.parsed && r.dropped {
+		r.c.untrack(metrics.UntrackedLimit, errors.New("the memory budget had no room for the head of a request that straddles reads"))
 		return
 	}
 	if !r.parsed {

@@ -30,7 +30,7 @@ const (
 	UntrackedProtocol = "not_protocol"    // a frame is not what the profile's protocol sends
 	UntrackedDesync   = "desync"          // a response matches no outstanding request
 	UntrackedVersion  = "unknown_version" // a request version whose layout is not known
-	UntrackedLimit    = "limit"           // a frame over max_frame_length
+	UntrackedLimit    = "limit"           // a frame over max_frame_length, or a request's head the memory budget had no room for
 )
 
 // UntrackedReasons lists every untracked reason, for pre-creating series.

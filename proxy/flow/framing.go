@@ -114,6 +114,14 @@ type FrameReader interface {
 	End(off int64)
 }
 
+// WindowDropper is a FrameReader that is told when the scanner stops
+// reading a frame for want of room in the memory budget (see
+// FrameScanner.Budget), so that what it does with the frame's end can
+// say why.
+type WindowDropper interface {
+	Dropped()
+}
+
 // maxWindow bounds the bytes a reader may ask for at once.
 const maxWindow = 128 << 10
 
@@ -261,6 +269,9 @@ func (s *FrameScanner) Release() {
 func (s *FrameScanner) dropWindow() {
 	s.w = Window{}
 	s.Release()
+	if d, ok := s.Rd.(WindowDropper); ok {
+		d.Dropped()
+	}
 }
 
 // setWindow takes the reader's next window, clipped to the frame, and

@@ -288,10 +288,13 @@ func FuzzFrameScannerWindows(f *testing.F) {
 // bigWindowReader asks each frame for one window of need bytes at its
 // start and records what it was given.
 type bigWindowReader struct {
-	need  int
-	got   []int // the length of each window read
-	ended int
+	need    int
+	got     []int // the length of each window read
+	ended   int
+	dropped int
 }
+
+func (r *bigWindowReader) Dropped() { r.dropped++ }
 
 func (r *bigWindowReader) Begin(int64) Window   { return Window{Need: r.need} }
 func (r *bigWindowReader) Read(b []byte) Window { r.got = append(r.got, len(b)); return Window{} }
@@ -352,7 +355,7 @@ func TestFrameScannerWindowCountedInTheBudget(t *testing.T) {
 		t.Fatalf("budget used %d, window buffer %d bytes, with no room in the budget; want none", got, cap(s.wbuf))
 	}
 	feed(s, frame[4+10<<10:])
-	if len(r.got) != 0 || r.ended != 1 {
-		t.Fatalf("windows %v, %d frames ended; want none read, one ended", r.got, r.ended)
+	if len(r.got) != 0 || r.ended != 1 || r.dropped != 1 {
+		t.Fatalf("windows %v, %d frames ended, told of %d drops; want none read, one ended, one drop", r.got, r.ended, r.dropped)
 	}
 }
