@@ -11,6 +11,7 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/policy"
 )
 
 // waitReadmitted waits until addr has been excluded and readmitted by a
@@ -166,4 +167,16 @@ func (h *harness) excludedUnanswered(sent time.Time, atLeast, within time.Durati
 		h.t.Fatalf("excluded %v after the request, before its deadline (%v)", d, atLeast)
 	}
 	return ep
+}
+
+// startProxy starts a proxy from cfg with opts; the test's cleanup closes
+// it.
+func startProxy(t *testing.T, cfg policy.Config, opts Options) *Proxy {
+	t.Helper()
+	p := New(cfg, opts)
+	if err := p.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p
 }

@@ -261,11 +261,7 @@ func TestUpstreamNameFollowsDNS(t *testing.T) {
 	cfg := policy.DefaultConfig()
 	name := fmt.Sprintf("pinot-server-0.pinot-server-headless:%d", port)
 	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: name, Settings: cfg.Defaults}}
-	p := New(cfg, Options{Resolver: dns.Resolver()})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := startProxy(t, cfg, Options{Resolver: dns.Resolver()})
 	h := &harness{t: t, p: p, addr: p.Addr("test").String()}
 	first := h.dial()
 	roundTrip(t, first, []byte("first"))
@@ -300,26 +296,29 @@ func TestUpstreamNameFollowsDNS(t *testing.T) {
 	expectRefusedSoon(t, h.addr)
 }
 
+// namedPeer is an echo peer on 127.0.0.2, and a DNS server on which
+// kafka-headless.data.svc resolves to it; name is that name with the
+// peer's port.
+func namedPeer(t *testing.T) (addr, name string, dns *dnstest.Server) {
+	t.Helper()
+	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2")
+	dns = dnstest.Start(t)
+	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.2"))
+	return addrs[0], fmt.Sprintf("kafka-headless.data.svc:%d", netip.MustParseAddrPort(addrs[0]).Port()), dns
+}
+
 // endpoints.disabled names a pool's DNS name; an address already routed to
 // by another listener (an endpoint known without that name) that a reload's
 // new pool resolves the name to is disabled, though the list itself did not
 // change. Before, the reload's diff of the list saw nothing new.
 func TestReloadDisablesAKnownAddressANewPoolNames(t *testing.T) {
-	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2")
-	dns := dnstest.Start(t)
-	port := netip.MustParseAddrPort(addrs[0]).Port()
-	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.2"))
-	name := fmt.Sprintf("kafka-headless.data.svc:%d", port)
+	addr, name, dns := namedPeer(t)
 	cfg := policy.DefaultConfig()
-	cfg.Listeners = []policy.Listener{listenerCfg("direct", addrs[0], nil)}
+	cfg.Listeners = []policy.Listener{listenerCfg("direct", addr, nil)}
 	cfg.Endpoints.Disabled = []string{name}
-	p := New(cfg, Options{Resolver: dns.Resolver()})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
-	if st, _ := p.det.State(addrs[0]); st != health.Healthy {
-		t.Fatalf("%s is %v before any listener names it %s, want healthy", addrs[0], st, name)
+	p := startProxy(t, cfg, Options{Resolver: dns.Resolver()})
+	if st, _ := p.det.State(addr); st != health.Healthy {
+		t.Fatalf("%s is %v before any listener names it %s, want healthy", addr, st, name)
 	}
 	withPool := cfg
 	withPool.Listeners = append(slices.Clone(cfg.Listeners), policy.Listener{Name: "pool", Listen: "127.0.0.1:0",
@@ -327,8 +326,8 @@ func TestReloadDisablesAKnownAddressANewPoolNames(t *testing.T) {
 	if err := p.Reload(withPool); err != nil {
 		t.Fatal(err)
 	}
-	if st, _ := p.det.State(addrs[0]); st != health.Disabled {
-		t.Fatalf("%s is %v once a new pool resolves %s (listed in endpoints.disabled) to it, want disabled", addrs[0], st, name)
+	if st, _ := p.det.State(addr); st != health.Disabled {
+		t.Fatalf("%s is %v once a new pool resolves %s (listed in endpoints.disabled) to it, want disabled", addr, st, name)
 	}
 }
 
@@ -336,32 +335,24 @@ func TestReloadDisablesAKnownAddressANewPoolNames(t *testing.T) {
 // DNS name for its address) leaves it disabled: the old spelling is no
 // longer listed, but the new list still keeps it out.
 func TestReloadRespellingADisabledEndpointKeepsItDisabled(t *testing.T) {
-	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2")
-	dns := dnstest.Start(t)
-	port := netip.MustParseAddrPort(addrs[0]).Port()
-	dns.Set("kafka-headless.data.svc", netip.MustParseAddr("127.0.0.2"))
-	name := fmt.Sprintf("kafka-headless.data.svc:%d", port)
+	addr, name, dns := namedPeer(t)
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{{Name: "pool", Listen: "127.0.0.1:0",
 		Pool: policy.Pool{DNS: name, Refresh: policy.Duration(time.Minute)}, Settings: cfg.Defaults}}
 	cfg.Endpoints.Disabled = []string{name}
-	p := New(cfg, Options{Resolver: dns.Resolver()})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
+	p := startProxy(t, cfg, Options{Resolver: dns.Resolver()})
+	if st, _ := p.det.State(addr); st != health.Disabled {
+		t.Fatalf("%s is %v, listed by its name, want disabled", addr, st)
 	}
-	defer p.Close()
-	if st, _ := p.det.State(addrs[0]); st != health.Disabled {
-		t.Fatalf("%s is %v, listed by its name, want disabled", addrs[0], st)
-	}
-	for _, spelling := range []string{addrs[0], name} {
+	for _, spelling := range []string{addr, name} {
 		respelled := cfg
 		respelled.Endpoints.Disabled = []string{spelling}
 		ch, err := p.Apply(respelled)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if st, _ := p.det.State(addrs[0]); st != health.Disabled || len(ch.EndpointsEnabled) != 0 {
-			t.Fatalf("listed as %s: %s is %v (enabled %q), want still disabled", spelling, addrs[0], st, ch.EndpointsEnabled)
+		if st, _ := p.det.State(addr); st != health.Disabled || len(ch.EndpointsEnabled) != 0 {
+			t.Fatalf("listed as %s: %s is %v (enabled %q), want still disabled", spelling, addr, st, ch.EndpointsEnabled)
 		}
 	}
 }
