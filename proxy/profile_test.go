@@ -3,6 +3,7 @@ package proxy
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"math"
 	"net"
@@ -1735,46 +1736,61 @@ func TestKafkaHeaderWindowCountedInTheBudget(t *testing.T) {
 // With no room in the memory budget for a request's head that straddles
 // reads, the frame is read no further and the link goes untracked
 // (untracked_links_total{reason="limit"}), its bytes relayed as before;
-// nothing is held. The head here is a Fetch's with a 30,000-byte client
-// id, its first part read by the server before the rest is sent, so that
-// it straddles the proxy's reads.
+// nothing is held. Its twin, with room: the same head is read and the link
+// stays tracked, and the room is given back at the frame's end. The head
+// here is a Fetch's with a 30,000-byte client id, its first part read by
+// the server before the rest is sent, so that it straddles the proxy's
+// reads.
 func TestKafkaHeaderWithoutRoomInTheBudgetUntracks(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var read atomic.Int64 // what the server read: it answers nothing
-	srv := serveConns(t, ln, func(c net.Conn, _ <-chan struct{}) {
-		buf := make([]byte, 64<<10)
-		for {
-			n, err := c.Read(buf)
-			read.Add(int64(n))
+	for _, tc := range []struct {
+		budget    int64
+		untracked float64 // untracked_links_total{reason="limit"}
+	}{{16 << 10, 1}, {1 << 20, 0}} {
+		t.Run(fmt.Sprintf("budget %d KiB", tc.budget>>10), func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
 			if err != nil {
-				return
+				t.Fatal(err)
 			}
-		}
-	})
-	h := start(t, srv, kafkaProfile(time.Second, 1))
-	h.p.budget.SetLimit(16 << 10)
-	c := h.dial()
-	const idLen = 30000
-	frame := binary.BigEndian.AppendUint32(nil, uint32(2+2+4+2+idLen+12))
-	frame = binary.BigEndian.AppendUint16(frame, 1) // Fetch
-	frame = binary.BigEndian.AppendUint16(frame, 4) // v4
-	frame = binary.BigEndian.AppendUint32(frame, 1) // correlation id
-	frame = binary.BigEndian.AppendUint16(frame, idLen)
-	frame = append(frame, bytes.Repeat([]byte("c"), idLen)...)
-	frame = append(frame, make([]byte, 12)...) // replica id, max_wait_ms, min_bytes
-	for _, end := range []int{1014, len(frame)} {
-		if _, err := c.Write(frame[read.Load():end]); err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, 5*time.Second, "the server read what was sent", func() bool { return read.Load() == int64(end) })
-	}
-	if got := testutil.ToFloat64(h.m.ForListener("test").Untracked(metrics.UntrackedLimit)); got != 1 {
-		t.Fatalf("untracked_links_total{reason=limit} = %v, want 1", got)
-	}
-	if got := h.p.budget.Windows.Load(); got != 0 {
-		t.Fatalf("%d bytes of windows held, want none", got)
+			var read atomic.Int64 // what the server read: it answers nothing
+			srv := serveConns(t, ln, func(c net.Conn, _ <-chan struct{}) {
+				buf := make([]byte, 64<<10)
+				for {
+					n, err := c.Read(buf)
+					read.Add(int64(n))
+					if err != nil {
+						return
+					}
+				}
+			})
+			h := start(t, srv, kafkaProfile(time.Minute, 1))
+			h.p.budget.SetLimit(tc.budget)
+			c := h.dial()
+			const idLen = 30000
+			frame := binary.BigEndian.AppendUint32(nil, uint32(2+2+4+2+idLen+12))
+			frame = binary.BigEndian.AppendUint16(frame, 1) // Fetch
+			frame = binary.BigEndian.AppendUint16(frame, 4) // v4
+			frame = binary.BigEndian.AppendUint32(frame, 1) // correlation id
+			frame = binary.BigEndian.AppendUint16(frame, idLen)
+			frame = append(frame, bytes.Repeat([]byte("c"), idLen)...)
+			frame = append(frame, make([]byte, 12)...) // replica id, max_wait_ms, min_bytes
+			for _, end := range []int{1014, len(frame)} {
+				if _, err := c.Write(frame[read.Load():end]); err != nil {
+					t.Fatal(err)
+				}
+				waitFor(t, 5*time.Second, "the server read what was sent", func() bool { return read.Load() == int64(end) })
+			}
+			for _, r := range metrics.UntrackedReasons {
+				want := 0.0
+				if r == metrics.UntrackedLimit {
+					want = tc.untracked
+				}
+				if got := testutil.ToFloat64(h.m.ForListener("test").Untracked(r)); got != want {
+					t.Fatalf("untracked_links_total{reason=%s} = %v, want %v", r, got, want)
+				}
+			}
+			if got := h.p.budget.Windows.Load(); got != 0 {
+				t.Fatalf("%d bytes of windows held after the frame, want none", got)
+			}
+		})
 	}
 }

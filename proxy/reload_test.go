@@ -103,11 +103,7 @@ func TestReloadDisabledEndpoints(t *testing.T) {
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
 	cfg.Endpoints.Disabled = []string{peer.Addr()}
-	p := New(cfg, Options{})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := startProxy(t, cfg, Options{})
 	addr := p.Addr("a").String()
 	expectRefused(t, addr)
 
@@ -142,11 +138,7 @@ func TestReloadKeepsAnEndpointTheOperatorEnabled(t *testing.T) {
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil), listenerCfg("b", other.Addr(), nil)}
 	cfg.Endpoints.Disabled = []string{peer.Addr()}
-	p := New(cfg, Options{})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := startProxy(t, cfg, Options{})
 	addr := p.Addr("a").String()
 	expectRefused(t, addr)
 	if changed, err := p.Enable(peer.Addr()); err != nil || !changed {
@@ -192,11 +184,7 @@ func TestReloadUnlistingReadmitsOnlyWhatTheListDisabled(t *testing.T) {
 	cfg := policy.DefaultConfig()
 	cfg.Listeners = []policy.Listener{listenerCfg("a", down, nil), listenerCfg("b", other.Addr(), nil)}
 	cfg.Endpoints.Disabled = []string{down, other.Addr()}
-	p := New(cfg, Options{})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := startProxy(t, cfg, Options{})
 	excluded, disabled := normalizeEndpoint(down), normalizeEndpoint(other.Addr())
 	if changed, err := p.Enable(down); err != nil || !changed {
 		t.Fatalf("enable through the API: changed %v, %v", changed, err)
@@ -391,18 +379,26 @@ func TestReloadRetunesTransparentDestinationsProbes(t *testing.T) {
 		}
 		return cfg
 	}
-	p := New(probe("/wrong"), Options{})
-	if err := p.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
+	p := startProxy(t, probe("/wrong"), Options{})
 	ep := p.transparentEndpoint(srv.Listener.Addr().String(), p.listeners[0])
 	if !p.det.Report(ep.addr, string(CloseDialError)) {
 		t.Fatal("the report did not exclude the destination")
 	}
-	time.Sleep(500 * time.Millisecond) // several probes, each at /wrong
+	failed := func() int {
+		for _, st := range p.Endpoints() {
+			if st.Endpoint == ep.addr {
+				return st.FailedProbes
+			}
+		}
+		return 0
+	}
+	for deadline := time.Now().Add(5 * time.Second); failed() < 2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d probes failed in 5s, want 2", failed())
+		}
+	}
 	if st, _ := p.det.State(ep.addr); st != health.Excluded {
-		t.Fatalf("%s is %v with its probe at a path the server does not serve, want excluded", ep.addr, st)
+		t.Fatalf("%s is %v after %d probes at a path the server does not serve, want excluded", ep.addr, st, failed())
 	}
 
 	ch, err := p.Apply(probe("/healthz")) // the same listen address: kept
