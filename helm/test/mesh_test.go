@@ -85,11 +85,13 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 		}
 		for what, got := range map[string]map[string]any{
 			fmt.Sprint(map[string]any{"port": 17400, "fallback": "refuse", "sessions": 3, "ping_interval": "500ms",
-				"ping_timeout": "2s", "write_timeout": "1s", "stream_window": "512KiB"}): c.Defaults.Mesh,
-			fmt.Sprint(map[string]any{"port": 15009, "fallback": "direct", "ping_timeout": "4s"}):               c.Listeners[0].Mesh,
-			fmt.Sprint(map[string]any{"port": 15010}):                                                           c.Listeners[1].Transparent.Match[0].Mesh,
-			fmt.Sprint(map[string]any{"local": "127.0.0.1:8098", "ports": []any{8097}, "check_interval": "2s"}): in.Ingress,
-			fmt.Sprint(map[string]any{"port": 0}):                                                               in.Mesh,
+				"ping_timeout": "2s", "write_timeout": "1s", "stream_window": "512KiB", "tls": map[string]any{
+					"ca_file": meshTLSDir + "/ca.crt", "cert_file": meshTLSDir + "/tls.crt", "key_file": meshTLSDir + "/tls.key",
+					"peers": []any{"spiffe://cluster.local/ns/pinot/sa/pinot-server"}}}): c.Defaults.Mesh,
+			fmt.Sprint(map[string]any{"port": 15009, "fallback": "direct", "ping_timeout": "4s"}):                                             c.Listeners[0].Mesh,
+			fmt.Sprint(map[string]any{"port": 15010}):                                                                                         c.Listeners[1].Transparent.Match[0].Mesh,
+			fmt.Sprint(map[string]any{"local": "127.0.0.1:8098", "ports": []any{8097}, "check_interval": "2s", "allow": []any{"10.0.0.0/8"}}): in.Ingress,
+			fmt.Sprint(map[string]any{"port": 0}):                                                                                             in.Mesh,
 		} {
 			if fmt.Sprint(got) != what {
 				t.Errorf("rendered %v, want %s:\n%s", got, what, config)
@@ -195,7 +197,7 @@ func TestMeshTLSSecret(t *testing.T) {
 		"mesh.ingress.enabled=true", "mesh.ingress.from[0].podSelector.matchLabels.app=b")
 	config := r.config(t)
 	checkConfig(t, config)
-	dir := "/var/run/secrets/livenessproxy-mesh-tls"
+	dir := meshTLSDir
 	for _, want := range []string{"cert_file: " + dir + "/tls.crt", "key_file: " + dir + "/tls.key", "ca_file: " + dir + "/ca.crt",
 		"- spiffe://cluster.local/ns/pinot/sa/pinot-server"} {
 		if !strings.Contains(config, want) {
@@ -227,3 +229,6 @@ func TestMeshTLSSecret(t *testing.T) {
 		t.Errorf("both mesh.tls.secretName and config.defaults.mesh.tls: %v, want refused", err)
 	}
 }
+
+// meshTLSDir is where mesh.tls.secretName's Secret is mounted.
+const meshTLSDir = "/var/run/secrets/livenessproxy-mesh-tls"

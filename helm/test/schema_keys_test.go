@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"sigs.k8s.io/yaml"
 )
 
 // policyKeys returns every key path of policy.Config ("limits.procs",
@@ -189,5 +191,60 @@ func TestSchemaHasEveryConfigKey(t *testing.T) {
 		if !policy[k] {
 			t.Errorf("chartOwnedConfigKeys lists config.%s, which policy.Config does not have", k)
 		}
+	}
+}
+
+// valuesKeys adds to keys every key path under v ("a.b"; a list adds no
+// segment), as policyKeys names them.
+func valuesKeys(v any, path string, keys map[string]bool) {
+	switch x := v.(type) {
+	case map[string]any:
+		for k, e := range x {
+			key := k
+			if path != "" {
+				key = path + "." + k
+			}
+			keys[key] = true
+			valuesKeys(e, key, keys)
+		}
+	case []any:
+		for _, e := range x {
+			valuesKeys(e, path, keys)
+		}
+	}
+}
+
+// fullValuesFiles are the value sets that together set every config
+// key: values-full.yaml says so of itself but for the admin keys
+// (values-admin-token.yaml), the mesh's (values-mesh.yaml: the chart's
+// mesh values render the ingress listener and the TLS keys) and the
+// pool's (values-pools.yaml).
+var fullValuesFiles = []string{"values-full.yaml", "values-admin-token.yaml", "values-mesh.yaml", "values-pools.yaml"}
+
+// TestFullValuesSetEveryConfigKey: the value sets that say they set every
+// key of the proxy's config do, in the config the chart renders from
+// them, so that every key goes through helm template and `livenessproxy
+// check` in this suite (TestTemplate).
+func TestFullValuesSetEveryConfigKey(t *testing.T) {
+	set := map[string]bool{}
+	for _, f := range fullValuesFiles {
+		var v map[string]any
+		if err := yaml.Unmarshal([]byte(render(t, []string{filepath.Join("testdata", f)}).config(t)), &v); err != nil {
+			t.Fatalf("%s: the rendered config: %v", f, err)
+		}
+		valuesKeys(v, "", set)
+	}
+	var missing []string
+	for k := range policyKeys(t) {
+		// A listener's own value of a default has the default's schema:
+		// the defaults' key stands for it.
+		sub, own := strings.CutPrefix(k, "listeners.")
+		if !set[k] && !(own && set["defaults."+sub]) {
+			missing = append(missing, k)
+		}
+	}
+	slices.Sort(missing)
+	for _, k := range missing {
+		t.Errorf("config.%s: the config rendered from none of %v sets it", k, fullValuesFiles)
 	}
 }
