@@ -594,3 +594,35 @@ func TestMeshIngressDisabledLocalPort(t *testing.T) {
 		t.Fatalf("the disabled local port was dialled %d times (checks included)", srv.Accepted())
 	}
 }
+
+// With the default timeouts (connect_timeout 2 s, ping_timeout 3 s) the
+// link's connect budget ends a silent sidecar's session handshake before
+// ping_timeout: the silence is a connect that timed out, weak evidence as
+// any (README, "Handshake"). One alone excludes nothing; the second in a
+// row excludes the endpoint as dial_error, and no session death is
+// counted.
+func TestMeshSilentSidecarWithDefaultTimeouts(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	silent := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{Addr: "127.0.0.2:0"})
+	_, port, _ := net.SplitHostPort(silent.Addr())
+	meshPort, _ := strconv.Atoi(port)
+	d := policy.DefaultSettings()
+	h := startEgress(t, srv.Addr(), meshPort, func(s *policy.Settings) {
+		s.Mesh.PingInterval, s.Mesh.PingTimeout = d.Mesh.PingInterval, d.Mesh.PingTimeout
+		s.ConnectTimeout = d.ConnectTimeout
+		s.ConnectAttempts = 1
+	})
+	if s := h.linkEndOf(h.dial(), 10*time.Second); s.Reason != CloseDialError || !dialTimedOut(s.Err) {
+		t.Fatalf("first link ended %s (%v), want dial_error on connect_timeout", s.Reason, s.Err)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s) after one handshake timeout, want healthy", ep.State, ep.Reason)
+	}
+	h.dial()
+	if ep := h.waitState("excluded", 10*time.Second); ep.Reason != string(CloseDialError) {
+		t.Fatalf("excluded for %s, want %s", ep.Reason, CloseDialError)
+	}
+	if got := testutil.ToFloat64(h.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
+		t.Fatalf("%v egress session deaths, want 0: connect_timeout ended the handshake first", got)
+	}
+}
