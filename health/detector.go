@@ -423,6 +423,11 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return // stopped mid-probe: no verdict, not a failure
 		}
 		last = time.Now()
+		if err != nil && noticedLate(err, last.Sub(started), pc.Timeout) {
+			d.log.Debug().Err(err).Str("endpoint", e.name).Dur("took", last.Sub(started)).
+				Msg("probe timed out while the proxy could not run: no verdict")
+			continue
+		}
 
 		if d.verdict(e, gen, pc, err, started, last) {
 			return

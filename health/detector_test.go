@@ -1075,3 +1075,45 @@ func TestProbeSoon(t *testing.T) {
 		t.Fatal("ProbeSoon on an unregistered endpoint reported a probe")
 	}
 }
+
+// A probe that ran out of its timeout and noticed it a timeout or more
+// late (the process could not run: CPU throttling, a host under
+// contention) is no verdict: it counts no failure, so the backoff does
+// not grow. The twin: a probe that times out at its deadline is a failed
+// probe. Then a probe that passes readmits the endpoint.
+func TestProbeNoticedLateIsNoVerdict(t *testing.T) {
+	const timeout = time.Second
+	ep := testutil.ClosedAddr(t)
+	rec := newRecorder()
+	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
+	defer d.Close()
+	var calls atomic.Int32
+	failedBefore := make(chan int, 3) // FailedProbes as each probe after the first begins
+	pc := fastProbe
+	pc.Timeout = timeout
+	pc.Override = func(ctx context.Context, _ string) (bool, error) {
+		n := calls.Add(1)
+		if n > 1 {
+			failedBefore <- d.Statuses()[0].FailedProbes
+		}
+		switch n {
+		case 1: // noticed late: the deadline passed a timeout before the probe saw it
+			<-ctx.Done()
+			time.Sleep(timeout + 100*time.Millisecond)
+			return true, ctx.Err()
+		case 2: // at its deadline
+			<-ctx.Done()
+			return true, ctx.Err()
+		}
+		return true, nil
+	}
+	d.Register(ep, pc)
+	d.Report(ep, "unanswered")
+	rec.waitFor(t, "readmission", lastEventIs(Healthy, ReasonProbeOK))
+	if got := [2]int{<-failedBefore, <-failedBefore}; got != [2]int{0, 1} {
+		t.Fatalf("failed probes before the second and third probe %v, want [0 1]: the late timeout is no failure, the one at its deadline is", got)
+	}
+	if _, p := rec.snapshot(); failedProbes(p) != 1 {
+		t.Fatalf("OnProbe saw %d failures (%v), want 1", failedProbes(p), p)
+	}
+}

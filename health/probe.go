@@ -10,7 +10,9 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
+	"syscall"
 	"time"
 )
 
@@ -181,6 +183,23 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) e
 		return d.probeKafka(ctx, endpoint)
 	}
 	return fmt.Errorf("%w %q", errUnknownKind, pc.Kind)
+}
+
+// noticedLate reports whether a probe that failed with err after took
+// ran out of its own timeout and noticed it a timeout or more late. A probe's
+// wait ends within a millisecond or two of its deadline while the
+// process runs; so late, it could not run (CPU throttling, a host under
+// contention) for about as long as the endpoint was given, and an answer
+// may have come while it could not read it. That is no verdict: the
+// probe neither counts as failed (the backoff does not grow, a flapped
+// endpoint's hold-down does not start over) nor passes; the next probe
+// asks again.
+func noticedLate(err error, took, timeout time.Duration) bool {
+	var ne net.Error
+	timedOut := errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
+	// ETIMEDOUT is the kernel's verdict (its retransmissions ran out),
+	// not the probe's deadline.
+	return timedOut && !errors.Is(err, syscall.ETIMEDOUT) && took >= 2*timeout
 }
 
 // probeConnect succeeds when a new TCP connection to endpoint is established.
