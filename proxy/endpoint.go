@@ -499,7 +499,7 @@ func monoToTime(m int64) time.Time {
 }
 
 // countUnanswered adds n unanswered requests to the endpoint's consecutive
-// count; crossing thr, the threshold of the listener that sent them, marks
+// count; reaching thr, the threshold of the listener that sent them, marks
 // the endpoint suspect. since is the mono send time of the earliest of
 // them: the endpoint has answered nothing since. from is the listener
 // whose link judged them, nil for a link that had already ended (then
@@ -521,7 +521,11 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since 
 		return
 	}
 	ep.noteSilence(since)
-	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && c-int64(n) < int64(thr) {
+	// At or past thr, whoever else's requests the count holds: listeners
+	// with other thresholds share it, so a crossing of this one's may
+	// never come (one with threshold 1 counting after one with 2). The
+	// swap makes one of two concurrent counts the suspicion's.
+	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && ep.consecutive.CompareAndSwap(c, 0) {
 		p.suspect(ep, thr, int(c))
 	}
 }

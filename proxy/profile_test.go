@@ -421,6 +421,62 @@ func TestThresholdIsPerListener(t *testing.T) {
 	}
 }
 
+// Listeners with different thresholds share the endpoint's count, and a
+// request counts against its own listener's: behind "a" (threshold 2) and
+// "b" (threshold 1), a silent server's first request on a is no verdict,
+// and b's that follows is (the shared count, 2, is past b's 1). Before,
+// only a crossing of the threshold tripped: b's count went from 1 to 2,
+// past 1 but not across it, and nothing tripped again. The twin: with b's
+// threshold 3 the same two requests are below it and the endpoint stays
+// healthy.
+func TestMixedThresholdsTripOnTheSendersThreshold(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		bThr    int
+		exclude bool
+	}{{"b threshold 1", 1, true}, {"b threshold 3", 3, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+			peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+			cfg := policy.DefaultConfig()
+			sa, sb := cfg.Defaults, cfg.Defaults
+			framed(200*time.Millisecond, 2, nil)(&sa)
+			framed(200*time.Millisecond, tc.bThr, nil)(&sb)
+			cfg.Listeners = []policy.Listener{
+				{Name: "a", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: sa},
+				{Name: "b", Listen: "127.0.0.1:0", Upstream: peer.Addr(), Settings: sb},
+			}
+			m := metrics.New()
+			p := startProxy(t, cfg, Options{metrics: m})
+			counted := func(name string, n float64) {
+				t.Helper()
+				waitFor(t, 5*time.Second, name+"'s request counted", func() bool {
+					return testutil.ToFloat64(m.ForListener(name).UnansweredTimeouts) >= n
+				})
+			}
+			ha := &harness{t: t, p: p, addr: p.Addr("a").String()}
+			hb := &harness{t: t, p: p, addr: p.Addr("b").String()}
+			sendFrame(t, ha.dial(), "a1")
+			counted("a", 1)
+			if st := p.Endpoints()[0]; st.State != "healthy" {
+				t.Fatalf("endpoint %s after one request on a (threshold 2), want healthy", st.State)
+			}
+			sendFrame(t, hb.dial(), "b1")
+			counted("b", 1)
+			if tc.exclude {
+				ha.waitState("excluded", 5*time.Second)
+				return
+			}
+			// Both in the shared count (the metric counts first): below
+			// b's threshold, no verdict.
+			waitFor(t, 5*time.Second, "two in the endpoint's count", func() bool { return p.Endpoints()[0].ConsecutiveUnanswered == 2 })
+			if st := p.Endpoints()[0]; st.State != "healthy" {
+				t.Fatalf("endpoint %s (%s), want healthy: two requests, below b's threshold of 3", st.State, st.Reason)
+			}
+		})
+	}
+}
+
 // Pinot: queries answered within their own timeoutMs never count, even
 // when that is far beyond request_timeout; the same queries to a server
 // that answers nothing are counted at timeoutMs plus the slack.
