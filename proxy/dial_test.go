@@ -1,12 +1,17 @@
 package proxy
 
 import (
+	"fmt"
 	"io"
 	"net"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/policy"
 )
 
 // drainingServer is an echo server that can close its listener while it
@@ -117,5 +122,60 @@ func TestRefusedConnectWhileAnsweringExcludesNothing(t *testing.T) {
 	roundTrip(t, c, []byte("kept through the exclusion"))
 	if n := h.p.ActiveLinks(); n != 1 {
 		t.Fatalf("%d links open after a dial_error exclusion, want the open one kept", n)
+	}
+}
+
+// An endpoint excluded for dial_error keeps its open links. A write
+// timeout on one of them afterwards (the server takes no bytes) is the
+// same evidence against the others as at a healthy endpoint ("all
+// closed"): they are closed. Before, the report found the endpoint
+// already out and nothing else happened. The twin: a link there that its
+// client resets closes nothing else.
+func TestLinkEvidenceOnAnExcludedEndpointClosesItsOtherLinks(t *testing.T) {
+	for _, evidence := range []bool{true, false} {
+		t.Run(fmt.Sprintf("evidence=%v", evidence), func(t *testing.T) {
+			srv := faultpeer.New(t, faultpeer.NeverRead, faultpeer.Options{})
+			h := start(t, srv.Addr(), func(s *policy.Settings) {
+				s.WriteTimeout = policy.Duration(300 * time.Millisecond)
+				s.TCPUserTimeout = 0
+			})
+			l1, l2 := h.dial(), h.dial()
+			waitFor(t, 5*time.Second, "two links accepted", func() bool { return srv.Accepted() >= 2 })
+			h.p.det.Report(srv.Addr(), string(CloseDialError))
+			h.waitState("excluded", 5*time.Second)
+			if n := h.p.ActiveLinks(); n != 2 {
+				t.Fatalf("%d links after a dial_error exclusion, want both kept", n)
+			}
+			if !evidence {
+				_ = l1.SetLinger(0) // a reset: the link ends without waiting for the server's FIN
+				_ = l1.Close()
+				if s := h.linkEndOf(l1, 5*time.Second); s.Reason != CloseClientError {
+					t.Fatalf("l1 ended %s (%v), want client_error", s.Reason, s.Err)
+				}
+				// An eviction would have been counted before l1's end was told.
+				if got := testutil.ToFloat64(h.m.ForListener("test").Evictions(metrics.EvictExcluded)); got != 0 {
+					t.Fatalf("%v links evicted after a client reset one, want the other kept", got)
+				}
+				return
+			}
+			go func() { // until the server's window and the queue are full
+				buf := make([]byte, 64<<10)
+				for {
+					if _, err := l1.Write(buf); err != nil {
+						return
+					}
+				}
+			}()
+			if s := h.linkEndOf(l1, 10*time.Second); s.Reason != CloseWriteTimeout {
+				t.Fatalf("l1 ended %s (%v), want write_timeout", s.Reason, s.Err)
+			}
+			if got := testutil.ToFloat64(h.m.ForListener("test").Evictions(metrics.EvictExcluded)); got != 1 {
+				t.Fatalf("%v links evicted, want 1", got)
+			}
+			if s := h.linkEndOf(l2, 5*time.Second); s.Reason != CloseEvicted {
+				t.Fatalf("l2 ended %s (%v), want evicted: the server took no bytes for write_timeout", s.Reason, s.Err)
+			}
+			waitClosed(t, l2, 5*time.Second)
+		})
 	}
 }

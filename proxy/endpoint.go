@@ -484,13 +484,28 @@ func (p *Proxy) report(ep *endpoint, reason CloseReason) {
 
 // reportLinkEnd passes the end of lk, evidence against its upstream (see
 // blamesUpstream), to the detector, with what was seen: since when the
-// upstream had acknowledged nothing, and the link's error.
+// upstream had acknowledged nothing, and the link's error. On an endpoint
+// already out it closes the endpoint's other links.
 func (p *Proxy) reportLinkEnd(lk *link, reason CloseReason, err error) {
 	ev := health.Evidence{Since: monoToTime(lk.ackedAt.Load()), Detail: "a link ended " + string(reason)}
 	if err != nil {
 		ev.Detail += ": " + err.Error()
 	}
-	p.det.ReportEvidence(lk.ep.addr, string(reason), ev)
+	if p.det.ReportEvidence(lk.ep.addr, string(reason), ev) {
+		return // onExcluded closes the other links
+	}
+	if st, ok := p.det.State(lk.ep.addr); ok && st != health.Healthy {
+		// Already out (excluded for a reason that kept the open links,
+		// a dial_error; or with links opened since, under fail-open or
+		// on_excluded: allow): this end is the same evidence against
+		// the links still open as at a healthy endpoint, and closes them
+		// as suspect does. Readmission then has none left to keep.
+		lk.ep.linksKept.Store(false)
+		if n := lk.ep.evict(time.Time{}, CloseEvicted, metrics.EvictExcluded); n > 0 {
+			p.log.Warn().Str("endpoint", lk.ep.addr).Str("reason", string(reason)).Int("links_closed", n).
+				Msg("a link to an excluded endpoint ended on evidence against it: its other links closed")
+		}
+	}
 }
 
 // monoToTime converts a mono time to wall-clock time.
