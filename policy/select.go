@@ -48,7 +48,13 @@ type Choice struct {
 
 // Select picks the endpoint for the next connect attempt of a new link.
 // cursor is the pool's round-robin position (advanced on each call; the caller keeps it, under its own lock).
-// avoid is the address the previous attempt of the same link failed on ("" for the first attempt): it is not chosen again while any other eligible candidate exists.
+// tried are the addresses the earlier attempts of the same link failed
+// on, the last the most recent (none for the first attempt): one of them
+// is not chosen while an eligible candidate not among them exists, and
+// when every eligible one was tried, the last tried is not chosen while
+// another exists. So a link's attempts go to members it has not tried
+// before they go back to one (a least_links pool would otherwise return
+// to a member with few links that refuses, passing over one that serves).
 //
 // The eligible candidates are the Routable ones. Only when none is
 // Routable and failOpen is set are they the Excluded ones instead, and the
@@ -61,10 +67,10 @@ type Choice struct {
 // keeps it stable) and rotated by the cursor, balance round_robin picks
 // the first and least_links the first with the fewest Links; a balance
 // that is neither is round_robin. So N calls over the same N eligible
-// candidates pick each once, and a retry that avoids the endpoint it just
-// failed on moves on to the next one in the balance order. Select is pure
+// candidates pick each once, and a retry moves on to the next member it
+// has not tried in the balance order. Select is pure
 // apart from advancing *cursor; a nil cursor is a cursor at 0.
-func Select(cs []Candidate, balance string, failOpen bool, cursor *uint64, avoid string) Choice {
+func Select(cs []Candidate, balance string, failOpen bool, cursor *uint64, tried []string) Choice {
 	var turn uint64
 	if cursor != nil {
 		turn = *cursor
@@ -82,11 +88,11 @@ func Select(cs []Candidate, balance string, failOpen bool, cursor *uint64, avoid
 	// for pools of ordinary size).
 	var buf [64]int
 	eligible := buf[:0]
-	others := false // an eligible candidate other than avoid exists
+	first := triedLast + 1 // the best rank among the eligible ones
 	for i, c := range cs {
 		if c.State == want {
 			eligible = append(eligible, i)
-			others = others || avoid == "" || c.Addr != avoid
+			first = min(first, triedRank(tried, c.Addr))
 		}
 	}
 	n := len(eligible)
@@ -97,7 +103,7 @@ func Select(cs []Candidate, balance string, failOpen bool, cursor *uint64, avoid
 	best := -1
 	for k := range n {
 		i := eligible[(start+k)%n]
-		if others && avoid != "" && cs[i].Addr == avoid {
+		if triedRank(tried, cs[i].Addr) != first {
 			continue
 		}
 		if balance != BalanceLeastLinks {
@@ -109,6 +115,27 @@ func Select(cs []Candidate, balance string, failOpen bool, cursor *uint64, avoid
 		}
 	}
 	return Choice{Index: best, FailOpen: open}
+}
+
+// The ranks of a candidate by the link's earlier attempts: chosen from
+// the best rank present.
+const (
+	untried   = iota
+	triedOnce // tried, not by the last attempt
+	triedLast // tried by the last attempt
+)
+
+// triedRank is addr's rank by tried (the last the most recent).
+func triedRank(tried []string, addr string) int {
+	for j := len(tried) - 1; j >= 0; j-- {
+		if tried[j] == addr {
+			if j == len(tried)-1 {
+				return triedLast
+			}
+			return triedOnce
+		}
+	}
+	return untried
 }
 
 func hasState(cs []Candidate, s EndpointState) bool {

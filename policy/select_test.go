@@ -37,7 +37,7 @@ func TestSelect(t *testing.T) {
 		balance  string
 		failOpen bool
 		cursor   uint64
-		avoid    string
+		tried    []string
 		want     Choice
 	}{
 		{name: "empty pool", cs: nil, balance: rr, failOpen: true, want: Choice{Index: -1}},
@@ -54,16 +54,16 @@ func TestSelect(t *testing.T) {
 		{name: "never a disabled one, even with nothing left", cs: cands(D, D), balance: rr, failOpen: true, want: Choice{Index: -1}},
 		{name: "fail-open with least_links among the excluded", cs: withLinks(cands(X, X, D), 5, 2, 0), balance: ll, failOpen: true,
 			want: Choice{Index: 1, FailOpen: true}},
-		{name: "avoid moves to the next in turn", cs: cands(R, R, R), balance: rr, cursor: 1, avoid: "a1:80", want: Choice{Index: 2}},
-		{name: "avoid wraps to the first", cs: cands(R, R, R), balance: rr, cursor: 2, avoid: "a2:80", want: Choice{Index: 0}},
-		{name: "avoid not at the cursor changes nothing", cs: cands(R, R, R), balance: rr, cursor: 0, avoid: "a1:80", want: Choice{Index: 0}},
-		{name: "avoid is taken when it is the only eligible one", cs: cands(X, R, D), balance: rr, failOpen: true, avoid: "a1:80",
+		{name: "avoid moves to the next in turn", cs: cands(R, R, R), balance: rr, cursor: 1, tried: []string{"a1:80"}, want: Choice{Index: 2}},
+		{name: "avoid wraps to the first", cs: cands(R, R, R), balance: rr, cursor: 2, tried: []string{"a2:80"}, want: Choice{Index: 0}},
+		{name: "avoid not at the cursor changes nothing", cs: cands(R, R, R), balance: rr, cursor: 0, tried: []string{"a1:80"}, want: Choice{Index: 0}},
+		{name: "avoid is taken when it is the only eligible one", cs: cands(X, R, D), balance: rr, failOpen: true, tried: []string{"a1:80"},
 			want: Choice{Index: 1}},
-		{name: "avoid does not fail open while it is routable", cs: cands(R, X), balance: rr, failOpen: true, avoid: "a0:80",
+		{name: "avoid does not fail open while it is routable", cs: cands(R, X), balance: rr, failOpen: true, tried: []string{"a0:80"},
 			want: Choice{Index: 0}},
-		{name: "avoid among fail-open candidates", cs: cands(X, X), balance: rr, failOpen: true, avoid: "a0:80",
+		{name: "avoid among fail-open candidates", cs: cands(X, X), balance: rr, failOpen: true, tried: []string{"a0:80"},
 			want: Choice{Index: 1, FailOpen: true}},
-		{name: "avoid unknown changes nothing", cs: cands(R, R), balance: rr, cursor: 1, avoid: "zz:1", want: Choice{Index: 1}},
+		{name: "avoid unknown changes nothing", cs: cands(R, R), balance: rr, cursor: 1, tried: []string{"zz:1"}, want: Choice{Index: 1}},
 		{name: "least_links picks the fewest", cs: withLinks(cands(R, R, R), 3, 1, 2), balance: ll, want: Choice{Index: 1}},
 		{name: "least_links ignores ineligible ones", cs: withLinks(cands(X, R, D, R), 0, 4, 0, 3), balance: ll, failOpen: true,
 			want: Choice{Index: 3}},
@@ -71,16 +71,26 @@ func TestSelect(t *testing.T) {
 		{name: "least_links ties in turn from the cursor", cs: withLinks(cands(R, R, R), 1, 2, 1), balance: ll, cursor: 1,
 			want: Choice{Index: 2}},
 		{name: "least_links avoids the failed one even if it has the fewest", cs: withLinks(cands(R, R, R), 0, 5, 3), balance: ll,
-			avoid: "a0:80", want: Choice{Index: 2}},
+			tried: []string{"a0:80"}, want: Choice{Index: 2}},
+		{name: "a retry goes to a member not tried before going back", cs: withLinks(cands(R, R, R), 2, 2, 3), balance: ll,
+			tried: []string{"a0:80", "a1:80"}, want: Choice{Index: 2}},
+		{name: "round_robin: a member not tried, past the cursor", cs: cands(R, R, R), balance: rr, cursor: 2,
+			tried: []string{"a2:80", "a0:80"}, want: Choice{Index: 1}},
+		{name: "every member tried: not the last while another exists", cs: cands(R, R), balance: rr,
+			tried: []string{"a0:80", "a1:80"}, want: Choice{Index: 0}},
+		{name: "every member tried, least_links among the earlier ones", cs: withLinks(cands(R, R, R), 4, 0, 1), balance: ll,
+			tried: []string{"a0:80", "a2:80", "a1:80"}, want: Choice{Index: 2}},
+		{name: "untried excluded members do not fail open while a tried one is routable", cs: cands(R, X), balance: rr, failOpen: true,
+			tried: []string{"a0:80"}, want: Choice{Index: 0}},
 		{name: "unknown balance is round_robin", cs: withLinks(cands(R, R), 9, 0), balance: "", want: Choice{Index: 0}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			cursor := tc.cursor
-			got := Select(tc.cs, tc.balance, tc.failOpen, &cursor, tc.avoid)
+			got := Select(tc.cs, tc.balance, tc.failOpen, &cursor, tc.tried)
 			if got != tc.want {
-				t.Errorf("Select(%v, %s, failOpen %v, cursor %d, avoid %q) = %+v, want %+v",
-					tc.cs, tc.balance, tc.failOpen, tc.cursor, tc.avoid, got, tc.want)
+				t.Errorf("Select(%v, %s, failOpen %v, cursor %d, tried %q) = %+v, want %+v",
+					tc.cs, tc.balance, tc.failOpen, tc.cursor, tc.tried, got, tc.want)
 			}
 			if cursor != tc.cursor+1 {
 				t.Errorf("cursor %d after the call, want %d", cursor, tc.cursor+1)
@@ -89,23 +99,23 @@ func TestSelect(t *testing.T) {
 	}
 }
 
-// A link's retries walk the pool in balance order: each attempt avoids the
-// endpoint the previous one failed on.
+// A link's retries walk the pool in balance order: each attempt goes to a
+// member the earlier ones did not fail on.
 func TestSelectRetriesMoveOn(t *testing.T) {
 	cs := cands(R, R, R)
 	var cursor uint64
-	first := Select(cs, BalanceRoundRobin, false, &cursor, "")
-	second := Select(cs, BalanceRoundRobin, false, &cursor, cs[first.Index].Addr)
-	third := Select(cs, BalanceRoundRobin, false, &cursor, cs[second.Index].Addr)
+	first := Select(cs, BalanceRoundRobin, false, &cursor, nil)
+	second := Select(cs, BalanceRoundRobin, false, &cursor, []string{cs[first.Index].Addr})
+	third := Select(cs, BalanceRoundRobin, false, &cursor, []string{cs[first.Index].Addr, cs[second.Index].Addr})
 	if got := []int{first.Index, second.Index, third.Index}; got[0] != 0 || got[1] != 1 || got[2] != 2 {
 		t.Errorf("attempts went to %v, want [0 1 2]", got)
 	}
 	// One endpoint: a retry goes to it again (there is nowhere else).
 	one := cands(R)
-	if ch := Select(one, BalanceRoundRobin, false, &cursor, one[0].Addr); ch.Index != 0 {
+	if ch := Select(one, BalanceRoundRobin, false, &cursor, []string{one[0].Addr}); ch.Index != 0 {
 		t.Errorf("single endpoint retry = %+v, want index 0", ch)
 	}
-	if ch := Select(cands(R, R), BalanceRoundRobin, false, nil, ""); ch.Index != 0 {
+	if ch := Select(cands(R, R), BalanceRoundRobin, false, nil, nil); ch.Index != 0 {
 		t.Errorf("nil cursor = %+v, want index 0", ch)
 	}
 }
@@ -121,12 +131,14 @@ func TestSelectProperties(t *testing.T) {
 		}
 		balance := []string{BalanceRoundRobin, BalanceLeastLinks}[rng.IntN(2)]
 		failOpen := rng.IntN(2) == 0
-		avoid := ""
-		if n > 0 && rng.IntN(2) == 0 {
-			avoid = cs[rng.IntN(n)].Addr
+		var tried []string // a link's earlier attempts: 0 to 3, repeats allowed
+		for range rng.IntN(4) {
+			if n > 0 {
+				tried = append(tried, cs[rng.IntN(n)].Addr)
+			}
 		}
 		cursor := rng.Uint64()
-		desc := fmt.Sprintf("iteration %d: Select(%v, %s, failOpen %v, cursor %d, avoid %q)", iter, cs, balance, failOpen, cursor, avoid)
+		desc := fmt.Sprintf("iteration %d: Select(%v, %s, failOpen %v, cursor %d, tried %q)", iter, cs, balance, failOpen, cursor, tried)
 
 		want := Routable
 		if !hasState(cs, Routable) {
@@ -140,12 +152,12 @@ func TestSelectProperties(t *testing.T) {
 				}
 			}
 		}
-		others := false
+		best := triedLast // the best rank by tried among the eligible
 		for _, i := range eligible {
-			others = others || cs[i].Addr != avoid
+			best = min(best, triedRank(tried, cs[i].Addr))
 		}
 
-		ch := Select(cs, balance, failOpen, &cursor, avoid)
+		ch := Select(cs, balance, failOpen, &cursor, tried)
 		if (ch.Index == -1) != (len(eligible) == 0) {
 			t.Fatalf("%s = %+v; eligible %v: -1 exactly when nothing is eligible", desc, ch, eligible)
 		}
@@ -168,22 +180,23 @@ func TestSelectProperties(t *testing.T) {
 			t.Fatalf("%s = %+v: chose an excluded endpoint without fail_open", desc, ch)
 		case ch.FailOpen != (got.State == Excluded):
 			t.Fatalf("%s = %+v: FailOpen must say the choice is an excluded endpoint", desc, ch)
-		case others && avoid != "" && got.Addr == avoid:
-			t.Fatalf("%s = %+v: chose avoid while another eligible endpoint exists", desc, ch)
+		case triedRank(tried, got.Addr) != best:
+			t.Fatalf("%s = %+v: chose a member of rank %d by tried while one of rank %d (0 untried, 2 the last tried) is eligible",
+				desc, ch, triedRank(tried, got.Addr), best)
 		}
 		if balance == BalanceLeastLinks {
 			for _, i := range eligible {
-				if (!others || cs[i].Addr != avoid) && cs[i].Links < got.Links {
+				if triedRank(tried, cs[i].Addr) == best && cs[i].Links < got.Links {
 					t.Fatalf("%s = %+v: least_links chose %d links, candidate %d has %d", desc, ch, got.Links, i, cs[i].Links)
 				}
 			}
 		}
 
-		// N consecutive round_robin calls over N eligible endpoints, no
-		// avoid: each exactly once.
+		// N consecutive round_robin calls over N eligible endpoints, none
+		// tried: each exactly once.
 		seen := map[int]int{}
 		for range eligible {
-			ch := Select(cs, BalanceRoundRobin, failOpen, &cursor, "")
+			ch := Select(cs, BalanceRoundRobin, failOpen, &cursor, nil)
 			seen[ch.Index]++
 		}
 		if len(seen) != len(eligible) {
@@ -209,7 +222,7 @@ func TestSelectLargePool(t *testing.T) {
 	var cursor uint64
 	seen := map[int]bool{}
 	for range 67 { // 67 routable: indexes 0, 3, ..., 198
-		ch := Select(cs, BalanceRoundRobin, true, &cursor, "")
+		ch := Select(cs, BalanceRoundRobin, true, &cursor, nil)
 		if ch.Index%3 != 0 || ch.FailOpen || seen[ch.Index] {
 			t.Fatalf("choice %+v (seen %v)", ch, seen)
 		}

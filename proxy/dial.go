@@ -85,15 +85,15 @@ func connectBackoff(n int) time.Duration {
 
 // dial connects the link's upstream through the chain. A pool listener's
 // link makes up to connect_attempts attempts, each to the next endpoint in
-// the balance order and never to the one that just failed while another
-// can serve; every refusal or timeout is reported to the detector at
-// once. A transparent link's destination is fixed: one attempt.
+// the balance order that it has not tried while one is left (and never to
+// the one that just failed while another can serve); every refusal or
+// timeout is reported to the detector at once. A transparent link's destination is fixed: one attempt.
 func (lk *link) dial() bool {
 	attempts := max(lk.settings.ConnectAttempts, 1)
 	if lk.host.routing() == nil {
 		attempts = 1
 	}
-	var avoid string
+	var tried []string // the members that failed this link, in order
 	var lastErr error
 	for i := range attempts {
 		if i > 0 {
@@ -102,7 +102,7 @@ func (lk *link) dial() bool {
 			case <-lk.host.dialContext().Done():
 			}
 		}
-		ep, failOpen := lk.target(avoid)
+		ep, failOpen := lk.target(tried)
 		if ep == nil {
 			break // nothing eligible is left
 		}
@@ -134,7 +134,7 @@ func (lk *link) dial() bool {
 			if lk.abortedMeanwhile() {
 				return false // the reason is set; no other member is dialled for it
 			}
-			avoid = ep.addr // an earlier attempt's error, if any, stays the link's
+			tried = append(tried, ep.addr) // an earlier attempt's error, if any, stays the link's
 			continue
 		}
 		if err == nil {
@@ -150,7 +150,7 @@ func (lk *link) dial() bool {
 		if !lk.dialFailed(ep, began, err) {
 			return false
 		}
-		avoid, lastErr = ep.addr, err
+		tried, lastErr = append(tried, ep.addr), err
 	}
 	// Reset rather than close: to a client whose own failure detector
 	// treats a completed close as a live server, a reset looks like the
@@ -164,13 +164,14 @@ func (lk *link) dial() bool {
 	return false
 }
 
-// target is the endpoint of the link's next attempt: a pool's pick (never
-// avoid while another can serve; nil when nothing eligible is left) or
+// target is the endpoint of the link's next attempt: a pool's pick (a
+// member not in tried while one can serve, see policy.Select; nil when
+// nothing eligible is left) or
 // the transparent link's destination. failOpen: it is excluded, let
 // through because its pool or group fails open.
-func (lk *link) target(avoid string) (ep *endpoint, failOpen bool) {
+func (lk *link) target(tried []string) (ep *endpoint, failOpen bool) {
 	if lk.host.routing() != nil {
-		return lk.host.routing().pick(avoid)
+		return lk.host.routing().pick(tried)
 	}
 	// A transparent destination let through while excluded: its group is
 	// failing open (group_fail_open).

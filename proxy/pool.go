@@ -393,13 +393,14 @@ func (l *listener) failOpen() bool {
 	return t.failOpen || t.settings.OnExcluded == policy.OnExcludedAllow
 }
 
-// pick chooses the endpoint for a connect attempt, never avoid while
-// another eligible member exists (a retry moves on). nil: refuse.
-func (pl *pool) pick(avoid string) (*endpoint, bool) {
+// pick chooses the endpoint for a connect attempt, never one of the
+// link's tried members while another eligible member exists (a retry
+// moves on; see policy.Select). nil: refuse.
+func (pl *pool) pick(tried []string) (*endpoint, bool) {
 	t := pl.l.spec()
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
-	ch := policy.Select(pl.candidatesLocked(), t.balance, pl.l.failOpen(), &pl.cursor, avoid)
+	ch := policy.Select(pl.candidatesLocked(), t.balance, pl.l.failOpen(), &pl.cursor, tried)
 	if ch.Index < 0 {
 		return nil, false
 	}
@@ -413,7 +414,7 @@ func (pl *pool) routing() (routable, failingOpen bool) {
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
 	var cursor uint64
-	ch := policy.Select(pl.candidatesLocked(), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, "")
+	ch := policy.Select(pl.candidatesLocked(), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, nil)
 	return ch.Index >= 0, ch.FailOpen
 }
 

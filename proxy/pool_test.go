@@ -356,3 +356,59 @@ func TestReloadRespellingADisabledEndpointKeepsItDisabled(t *testing.T) {
 		}
 	}
 }
+
+// A link's connect attempts go to members it has not tried before they go
+// back to one. Members A and B of a least_links pool refuse new connects
+// but answer on their open links (servers draining for a restart), so
+// neither is excluded; C serves and has the most links. The new link
+// tries A, then B, then C, and is served. Before, each attempt avoided
+// only the member the previous one failed on: the third went back to A
+// (fewer links than C), and the client was reset while C could serve.
+func TestPoolRetriesGoToMembersNotTried(t *testing.T) {
+	a, b := startDrainingServer(t), startDrainingServer(t)
+	c := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	addrs := []string{a.ln.Addr().String(), b.ln.Addr().String(), c.Addr()}
+	h := startPool(t, policy.Pool{Endpoints: addrs, Balance: policy.BalanceLeastLinks}, nil,
+		func(s *policy.Settings) { s.ConnectAttempts = 3 })
+	// C gets two links while A and B are disabled; then A and B one each.
+	for _, ep := range addrs[:2] {
+		if _, err := h.p.Disable(ep); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		roundTrip(t, h.dial(), []byte("to C"))
+	}
+	for _, ep := range addrs[:2] {
+		if _, err := h.p.Enable(ep); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ab := []net.Conn{h.dial(), h.dial()}
+	for _, conn := range ab {
+		roundTrip(t, conn, []byte("to A or B"))
+	}
+	if len(a.conns) != 1 || len(b.conns) != 1 || c.Accepted() != 2 {
+		t.Fatalf("links A %d, B %d, C %d; want 1, 1, 2", len(a.conns), len(b.conns), c.Accepted())
+	}
+	// A and B stop accepting; their open links still answer.
+	_ = a.ln.Close()
+	_ = b.ln.Close()
+	for _, conn := range ab {
+		roundTrip(t, conn, []byte("still serving"))
+	}
+	nc := h.dial()
+	roundTrip(t, nc, []byte("served by C"))
+	if c.Accepted() != 3 {
+		t.Fatalf("C accepted %d, want 3", c.Accepted())
+	}
+	_ = nc.Close()
+	if s := h.linkEndOf(nc, 5*time.Second); s.ConnectAttempts != 3 {
+		t.Fatalf("the link took %d attempts, want 3: A, B, then C", s.ConnectAttempts)
+	}
+	for _, ep := range addrs[:2] {
+		if st := h.stateOf(ep); st != "healthy" {
+			t.Fatalf("%s is %s: it refused while answering on its open link, want healthy", ep, st)
+		}
+	}
+}
