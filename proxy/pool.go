@@ -43,6 +43,13 @@ type pool struct {
 	draining map[*endpoint]chan struct{}
 
 	wake chan struct{} // a reload changed the specs: resolve now
+
+	// routeMu serializes updateRouting: its read of the routing and the
+	// pause or resume that follows are one step, so that a caller that
+	// read "nothing routable" cannot pause the listener after another
+	// resumed it on a readmission (health events, a drain, the DNS
+	// refresh and a reload all call it).
+	routeMu sync.Mutex
 }
 
 func newPool(l *listener, cfg policy.Listener) *pool {
@@ -426,6 +433,8 @@ func (p *Proxy) updateRouting(l *listener) {
 	if pl == nil {
 		return
 	}
+	pl.routeMu.Lock()
+	defer pl.routeMu.Unlock()
 	routable, failingOpen := pl.routing()
 	pl.mu.Lock()
 	changed := pl.failingOpen != failingOpen

@@ -3,16 +3,19 @@
 package proxy
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"slices"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
 
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/dnstest"
@@ -411,4 +414,74 @@ func TestPoolRetriesGoToMembersNotTried(t *testing.T) {
 			t.Fatalf("%s is %s: it refused while answering on its open link, want healthy", ep, st)
 		}
 	}
+}
+
+// gateWriter is a log writer that holds the first line containing msg
+// until release is closed: it stretches the time between a step that
+// logs and the next, nothing else.
+type gateWriter struct {
+	msg     string
+	once    sync.Once
+	reached chan struct{}
+	release chan struct{}
+}
+
+func (g *gateWriter) Write(b []byte) (int, error) {
+	if bytes.Contains(b, []byte(g.msg)) {
+		hit := false
+		g.once.Do(func() { hit = true })
+		if hit {
+			close(g.reached)
+			<-g.release
+		}
+	}
+	return len(b), nil
+}
+
+// A drain reads "no member routable" and, before it pauses the pool
+// listener, the operator's enable ends the drain and resumes it. The
+// pause must not land after the resume: updateRouting's read and its
+// pause or resume are one step. Before, the listener stayed paused with
+// its member healthy until the next state change (a literal pool's
+// refresh may never bring one). The log line the drain writes between
+// the two holds it there.
+func TestPoolPauseNeverLandsAfterAResume(t *testing.T) {
+	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2")
+	a := addrs[0]
+	g := &gateWriter{msg: "no longer failing open", reached: make(chan struct{}), release: make(chan struct{})}
+	log := zerolog.New(g)
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Settings: cfg.Defaults,
+		Pool: policy.Pool{Endpoints: addrs, FailOpen: true, Balance: policy.BalanceRoundRobin, Refresh: policy.Duration(time.Minute)}}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	p := startProxy(t, cfg, Options{Logger: &log})
+	h := &harness{t: t, p: p, addr: p.Addr("test").String()}
+	p.det.Report(a, string(CloseDialError)) // excluded: the pool fails open
+	roundTrip(t, h.dial(), []byte("fail-open"))
+	drained := make(chan struct{})
+	go func() { _, _, _ = p.Drain(a); close(drained) }() // reads "no member", then logs
+	<-g.reached
+	enabled := make(chan struct{})
+	go func() { _, _ = p.Enable(a); close(enabled) }()
+	// The enable has ended the drain; give it time to resume the
+	// listener (which it can only do after the drain's pause, with the
+	// fix), then let the drain go on.
+	waitFor(t, 5*time.Second, "the drain ended", func() bool { return !p.isDrained(a) })
+	select {
+	case <-enabled:
+	case <-time.After(time.Second):
+	}
+	close(g.release)
+	<-drained
+	<-enabled
+	waitFor(t, 5*time.Second, "the pool listener accepting with its member healthy", func() bool {
+		c, err := net.Dial("tcp", h.addr)
+		if err != nil {
+			return false
+		}
+		_ = c.Close()
+		return true
+	})
 }
