@@ -424,7 +424,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		}
 		last = time.Now()
 		if err != nil && noticedLate(err, last.Sub(started), pc.Timeout) {
-			d.log.Debug().Err(err).Str("endpoint", e.name).Dur("took", last.Sub(started)).
+			d.log.Debug().Err(err).Str("endpoint", e.name).Dur("took_ms", last.Sub(started)).
 				Msg("probe timed out while the proxy could not run: no verdict")
 			continue
 		}

@@ -179,7 +179,7 @@ func (g *windowGuard) check() {
 	case w.Zero && w.Answered && !g.lifted:
 		if flow.SetUserTimeout(raw, 0) == nil {
 			g.lifted = true
-			g.lk.log.Debug().Str("endpoint", g.lk.ep.addr).Dur("tcp_user_timeout", g.ut).
+			g.lk.log.Debug().Str("endpoint", g.lk.ep.addr).Dur("tcp_user_timeout_ms", g.ut).
 				Msg("upstream's window is zero and its kernel answers: tcp_user_timeout lifted while it reads nothing (write_timeout judges)")
 		}
 	case !w.Zero && g.lifted:

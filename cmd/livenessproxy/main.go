@@ -49,7 +49,7 @@ type verb struct {
 var verbs = []verb{
 	{"run", "proxy the configured listeners until SIGTERM (the default verb)", cmdRun},
 	{"check", "validate a configuration file and print every problem, one per line", cmdCheck},
-	{"ctl", "talk to a running proxy's control server: endpoints, pools, disable, enable, evict, drain, config, log-level", cmdCtl},
+	{"ctl", "talk to a running proxy's control server: endpoints, pools, disable, enable, evict, drain, config, log-level, wait-ready", cmdCtl},
 	{"redirect", "install the nftables rules that send outgoing TCP to the proxy (the init container)", cmdRedirect},
 	{"demo", "replay a node flap without FIN, in-process on loopback, with and without the proxy", cmdDemo},
 	{"version", "print the version (and, for a local build, the VCS revision)", cmdVersion},
@@ -180,7 +180,9 @@ var logLevels = map[string]zerolog.Level{
 const runHelp = `usage: livenessproxy [run] --config FILE [--log-level LEVEL]
 
 Binds the configured listeners and the admin servers and proxies until
-SIGTERM or SIGINT, then drains for drain_timeout. The configuration is read
+SIGTERM or SIGINT; then serves on for shutdown_grace (ended early once no
+link has been open for shutdown_idle), stops accepting and drains for
+drain_timeout. The configuration is read
 again when the file changes and on SIGHUP. Logs go to stderr, in log.format
 (json by default).
 `
