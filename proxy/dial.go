@@ -220,12 +220,13 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 }
 
 // countDial counts a successful dial that started at start, and a link
-// sent to an excluded endpoint because its pool or group fails open.
+// sent to an excluded endpoint because its pool or group fails open
+// (fail_open, group_fail_open, or on_excluded: allow).
 func (lk *link) countDial(start time.Time, failOpen bool) {
 	took := time.Since(start)
 	lk.dialed.connect.Store(int64(took))
 	lk.m.DialDuration.Observe(took.Seconds())
-	if failOpen && lk.failOpen {
+	if failOpen {
 		lk.m.FailOpenLinks.Inc()
 	}
 }

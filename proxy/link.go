@@ -53,7 +53,6 @@ type link struct {
 	ep       *endpoint         // set at accept (transparent) or when the dial succeeds (pool)
 	settings *policy.Settings  // the listener's settings when the link opened (its spec's: never written)
 	frames   *flow.FrameSpec   // the listener's framing when the link opened; nil: opaque
-	failOpen bool              // the listener's pool.fail_open or group_fail_open when the link opened
 	slot     bool              // holds a max_links slot of l (given back when it ends)
 	dialer   *net.Dialer
 	client   clientSide
@@ -144,7 +143,7 @@ type link struct {
 func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	t := l.spec()
 	lk := &link{host: l, name: l.cfg.Name, m: l.m, log: &l.log, budget: &l.p.budget,
-		ep: ep, settings: &t.settings, frames: t.frames, failOpen: t.failOpen || t.groupFailOpen, dialer: t.dialer,
+		ep: ep, settings: &t.settings, frames: t.frames, dialer: t.dialer,
 		client: client, opened: time.Now()}
 	lk.q.Init(&l.p.budget)
 	if tc, ok := client.(*tcpClient); ok {

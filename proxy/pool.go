@@ -400,6 +400,14 @@ func (l *listener) failOpen() bool {
 	return t.failOpen || t.settings.OnExcluded == policy.OnExcludedAllow
 }
 
+// failOpenKey names the setting that makes l fail open.
+func (l *listener) failOpenKey() string {
+	if l.spec().failOpen {
+		return "fail_open"
+	}
+	return "on_excluded: allow"
+}
+
 // pick chooses the endpoint for a connect attempt, never one of the
 // link's tried members while another eligible member exists (a retry
 // moves on; see policy.Select). nil: refuse.
@@ -441,7 +449,7 @@ func (p *Proxy) updateRouting(l *listener) {
 	pl.failingOpen = failingOpen
 	pl.mu.Unlock()
 	if changed && failingOpen {
-		l.log.Warn().Msg("every enabled endpoint is excluded: failing open, new links go to excluded endpoints (fail_open)")
+		l.log.Warn().Str("by", l.failOpenKey()).Msg("every enabled endpoint is excluded: failing open, new links go to excluded endpoints")
 	} else if changed {
 		l.log.Info().Msg("no longer failing open")
 	}

@@ -162,15 +162,24 @@ func TestPoolFailoverNeverPins(t *testing.T) {
 // Fail-open (PR 19908): when every enabled member is excluded, links still
 // go to an excluded member the operator has not disabled, round-robin, and
 // get answers; the disabled one is never used; the links do not readmit
-// anyone. Without fail_open the listener refuses.
+// anyone. on_excluded: allow fails a pool open alike, and its links are
+// counted alike (they were not). With neither the listener refuses.
 func TestPoolFailOpen(t *testing.T) {
-	for _, failOpen := range []bool{true, false} {
-		t.Run(fmt.Sprintf("fail_open=%v", failOpen), func(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		failOpen, allow bool
+	}{{"fail_open", true, false}, {"on_excluded allow", false, true}, {"neither", false, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			failOpen := tc.failOpen || tc.allow
 			peers, addrs := peersOn(t, faultpeer.Framed, "127.0.0.2", "127.0.0.3", "127.0.0.4")
 			for _, p := range peers {
 				p.SetAnswer(func(int64) (time.Duration, bool) { return 0, false }) // accept, never answer
 			}
-			h := startPool(t, policy.Pool{Endpoints: addrs, FailOpen: failOpen}, nil, framed(200*time.Millisecond, 1, nil))
+			h := startPool(t, policy.Pool{Endpoints: addrs, FailOpen: tc.failOpen}, nil, framed(200*time.Millisecond, 1, func(s *policy.Settings) {
+				if tc.allow {
+					s.OnExcluded = policy.OnExcludedAllow
+				}
+			}))
 			if _, err := h.p.Disable(addrs[2]); err != nil {
 				t.Fatal(err)
 			}

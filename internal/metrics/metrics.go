@@ -202,7 +202,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener", "reason"}),
 		failOpenLinks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "fail_open_links_total",
-			Help: "Links sent to an excluded endpoint because every enabled member of their pool (or transparent group) was excluded.",
+			Help: "Links sent to an excluded endpoint because every enabled member of their pool (or transparent group) was excluded and the listener fails open (fail_open, group_fail_open or on_excluded: allow).",
 		}, []string{"listener"}),
 		dnsErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "dns_errors_total",
