@@ -66,7 +66,10 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 			es.Listeners = append(es.Listeners, l.cfg.Name)
 		}
 		ep.mu.Unlock()
+		// A listener moved under the same name routes here twice while
+		// the old one drains: one name (endpoint_state's series too).
 		sort.Strings(es.Listeners)
+		es.Listeners = slices.Compact(es.Listeners)
 		out = append(out, es)
 	}
 	return out

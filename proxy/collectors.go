@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"maps"
+	"slices"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/livenessproxy/livenessproxy/health"
@@ -17,16 +20,28 @@ var queuedDesc = prometheus.NewDesc("livenessproxy_queued_bytes",
 func (c *queuedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- queuedDesc }
 
 func (c *queuedCollector) Collect(ch chan<- prometheus.Metric) {
-	c.p.mu.Lock()
-	ls := append([]*listener(nil), c.p.listeners...)
-	c.p.mu.Unlock()
+	ls, _ := c.p.scraped()
+	queued := map[string]int64{}
 	for _, l := range ls {
-		var n int64
+		n := queued[l.cfg.Name]
 		for _, lk := range l.snapshotLinks() {
 			n += lk.q.Bytes()
 		}
-		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(n), l.cfg.Name)
+		queued[l.cfg.Name] = n
 	}
+	for name, n := range queued {
+		ch <- prometheus.MustNewConstMetric(queuedDesc, prometheus.GaugeValue, float64(n), name)
+	}
+}
+
+// scraped returns the listeners the scrape-time series count, live and
+// draining after a reload removed them (a listener moved under the same
+// name is two of them then: their series are summed by name), and the
+// bytes of retired listeners that their names carry.
+func (p *Proxy) scraped() ([]*listener, map[string][2]int64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append(slices.Clone(p.listeners), p.retiring...), maps.Clone(p.carried)
 }
 
 // bytesCollector exports bytes_total from live links' counters plus those
@@ -40,19 +55,25 @@ var bytesDesc = prometheus.NewDesc("livenessproxy_bytes_total",
 func (c *bytesCollector) Describe(ch chan<- *prometheus.Desc) { ch <- bytesDesc }
 
 func (c *bytesCollector) Collect(ch chan<- prometheus.Metric) {
-	c.p.mu.Lock()
-	ls := append([]*listener(nil), c.p.listeners...)
-	c.p.mu.Unlock()
+	ls, carried := c.p.scraped()
+	bytes := map[string][2]int64{}
 	for _, l := range ls {
+		b := bytes[l.cfg.Name]
+		carry := carried[l.cfg.Name]
+		delete(carried, l.cfg.Name) // once per name
 		l.mu.Lock()
-		up, dn := l.closedUp, l.closedDn
+		b[0] += l.closedUp + carry[0]
+		b[1] += l.closedDn + carry[1]
 		for lk := range l.links {
-			up += lk.bytesUp.Load()
-			dn += lk.bytesDown.Load()
+			b[0] += lk.bytesUp.Load()
+			b[1] += lk.bytesDown.Load()
 		}
 		l.mu.Unlock()
-		ch <- prometheus.MustNewConstMetric(bytesDesc, prometheus.CounterValue, float64(up), l.cfg.Name, "request")
-		ch <- prometheus.MustNewConstMetric(bytesDesc, prometheus.CounterValue, float64(dn), l.cfg.Name, "response")
+		bytes[l.cfg.Name] = b
+	}
+	for name, b := range bytes {
+		ch <- prometheus.MustNewConstMetric(bytesDesc, prometheus.CounterValue, float64(b[0]), name, "request")
+		ch <- prometheus.MustNewConstMetric(bytesDesc, prometheus.CounterValue, float64(b[1]), name, "response")
 	}
 }
 

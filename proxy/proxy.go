@@ -122,6 +122,8 @@ type Proxy struct {
 	endpoints map[string]*endpoint // by normalized host:port
 	disabled  map[string]bool      // endpoints.disabled of the running config
 	names     map[string]int       // listeners made per name, live or draining: the last to go forgets the name's series (releaseName)
+	retiring  []*listener          // removed by a reload, their links draining (retire): the scrape-time series still count them
+	carried   map[string][2]int64  // bytes up and down of a name's retired listeners, while another of the name lives (bytes_total stays monotonic)
 	drained   sync.Map             // endpoints the operator drained: address -> struct{} (drain.go)
 	started   bool
 	ready     atomic.Bool

@@ -435,6 +435,9 @@ func (p *Proxy) bindAdded(set *reloadSet, ch *Changes) []error {
 // goroutine the proxy owns (Shutdown waits for it).
 func (p *Proxy) retire(l *listener, drain time.Duration) {
 	l.stopAccepting()
+	p.mu.Lock()
+	p.retiring = append(p.retiring, l)
+	p.mu.Unlock()
 	l.log.Info().Int("links", len(l.snapshotLinks())).Dur("drain_timeout_ms", drain).Msg("listener removed by reload")
 	p.bg.Add(1)
 	go func() {
@@ -454,8 +457,28 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 			l.ingress.close()
 		}
 		p.detach(l)
+		p.retired(l)
 		p.releaseName(l.cfg.Name)
 	}()
+}
+
+// retired takes a drained listener out of the scrape-time series: its
+// bytes carry over to its name while another listener of that name
+// lives (releaseName forgets them with the name).
+func (p *Proxy) retired(l *listener) {
+	l.mu.Lock()
+	up, dn := l.closedUp, l.closedDn
+	l.mu.Unlock()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.retiring = slices.DeleteFunc(p.retiring, func(x *listener) bool { return x == l })
+	if p.names[l.cfg.Name] > 1 {
+		if p.carried == nil {
+			p.carried = map[string][2]int64{}
+		}
+		c := p.carried[l.cfg.Name]
+		p.carried[l.cfg.Name] = [2]int64{c[0] + up, c[1] + dn}
+	}
 }
 
 // detach removes a listener from its endpoints; an endpoint no listener
@@ -511,6 +534,7 @@ func (p *Proxy) releaseName(name string) {
 	defer p.mu.Unlock()
 	if p.names[name]--; p.names[name] <= 0 {
 		delete(p.names, name)
+		delete(p.carried, name)
 		p.metrics.Forget(name)
 	}
 }

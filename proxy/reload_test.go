@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -587,5 +588,81 @@ func TestReloadAppliesEveryKey(t *testing.T) {
 			t.Fatal(err)
 		}
 		check(cfg)
+	}
+}
+
+// bytesTotal is bytes_total{listener=name} by direction, at a scrape.
+func bytesTotal(t *testing.T, m *metrics.Metrics, name string) (up, down float64) {
+	t.Helper()
+	for _, mm := range family(t, m, "bytes_total").GetMetric() {
+		var listener, dir string
+		for _, lp := range mm.GetLabel() {
+			switch lp.GetName() {
+			case "listener":
+				listener = lp.GetValue()
+			case "direction":
+				dir = lp.GetValue()
+			}
+		}
+		if listener == name && dir == "request" {
+			up = mm.GetCounter().GetValue()
+		} else if listener == name {
+			down = mm.GetCounter().GetValue()
+		}
+	}
+	return up, down
+}
+
+// The scrape-time series (bytes_total, queued_bytes) count a listener a
+// reload removed while its links drain, as links_active does. Moved under
+// the same name, both incarnations count as one series (the scrape does
+// not fail on a duplicate), and bytes_total never goes back when the old
+// one's drain ends. Before, the draining listener's series were gone at
+// the reload, and the moved listener's bytes_total started over.
+func TestReloadDrainingListenerStaysInTheScrape(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	m := metrics.New()
+	cfg := policy.DefaultConfig()
+	cfg.DrainTimeout = policy.Duration(time.Minute)
+	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
+	p := startProxy(t, cfg, Options{metrics: m})
+	c, err := net.Dial("tcp", p.Addr("a").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	roundTrip(t, c, bytes.Repeat([]byte("x"), 1000))
+	// Moved: a new address under the same name; the old link drains.
+	cfg2 := cfg
+	cfg2.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
+	cfg2.Listeners[0].Listen = "127.0.0.3:0"
+	if err := p.Reload(cfg2); err != nil {
+		t.Fatal(err)
+	}
+	if up, down := bytesTotal(t, m, "a"); up != 1000 || down != 1000 {
+		t.Fatalf("bytes_total{a} %v/%v while the old link drains, want 1000/1000", up, down)
+	}
+	if !hasLabel(family(t, m, "queued_bytes"), "listener", "a") {
+		t.Fatal("no queued_bytes{a} while its old link drains")
+	}
+	c2, err := net.Dial("tcp", p.Addr("a").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	roundTrip(t, c2, bytes.Repeat([]byte("y"), 500))
+	roundTrip(t, c, bytes.Repeat([]byte("x"), 500)) // the old link still serves
+	if up, down := bytesTotal(t, m, "a"); up != 2000 || down != 2000 {
+		t.Fatalf("bytes_total{a} %v/%v over both incarnations, want 2000/2000", up, down)
+	}
+	// The old link ends; its listener's drain ends with it.
+	_ = c.Close()
+	waitFor(t, 5*time.Second, "the old incarnation retired", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return len(p.retiring) == 0
+	})
+	if up, down := bytesTotal(t, m, "a"); up != 2000 || down != 2000 {
+		t.Fatalf("bytes_total{a} %v/%v after the old incarnation retired, want 2000/2000 (a counter never goes back)", up, down)
 	}
 }
