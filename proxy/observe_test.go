@@ -55,6 +55,15 @@ func family(t *testing.T, m *metrics.Metrics, name string) *dto.MetricFamily {
 }
 
 // hasLabel reports whether the family has a series with label=value.
+// labels are a series' labels by name.
+func labels(m *dto.Metric) map[string]string {
+	out := map[string]string{}
+	for _, lp := range m.GetLabel() {
+		out[lp.GetName()] = lp.GetValue()
+	}
+	return out
+}
+
 func hasLabel(mf *dto.MetricFamily, label, value string) bool {
 	if mf == nil {
 		return false
@@ -162,15 +171,8 @@ func TestEndpointCountersOncePerEndpoint(t *testing.T) {
 		t.Fatal("the transparent listener's no_match and capacity series are missing")
 	}
 	for _, mm := range closes.GetMetric() {
-		var listener, reason string
-		for _, lp := range mm.GetLabel() {
-			switch lp.GetName() {
-			case "listener":
-				listener = lp.GetValue()
-			case "reason":
-				reason = lp.GetValue()
-			}
-		}
+		lb := labels(mm)
+		listener, reason := lb["listener"], lb["reason"]
 		if listener != "t" && (reason == "no_match" || reason == "loop" || reason == "capacity") {
 			t.Errorf("pool listener %s has a %s series it can never produce", listener, reason)
 		}

@@ -595,18 +595,9 @@ func TestReloadAppliesEveryKey(t *testing.T) {
 func bytesTotal(t *testing.T, m *metrics.Metrics, name string) (up, down float64) {
 	t.Helper()
 	for _, mm := range family(t, m, "bytes_total").GetMetric() {
-		var listener, dir string
-		for _, lp := range mm.GetLabel() {
-			switch lp.GetName() {
-			case "listener":
-				listener = lp.GetValue()
-			case "direction":
-				dir = lp.GetValue()
-			}
-		}
-		if listener == name && dir == "request" {
+		if lb := labels(mm); lb["listener"] == name && lb["direction"] == "request" {
 			up = mm.GetCounter().GetValue()
-		} else if listener == name {
+		} else if lb["listener"] == name {
 			down = mm.GetCounter().GetValue()
 		}
 	}
