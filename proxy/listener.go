@@ -109,10 +109,30 @@ func newLinkSpec(lc policy.Listener) *linkSpec {
 func (l *listener) spec() *linkSpec { return l.current.Load() }
 
 func listenerKind(cfg policy.Listener) string {
-	if cfg.IsTransparent() {
+	switch {
+	case cfg.IsTransparent():
 		return metrics.KindTransparent
+	case cfg.IsIngress():
+		return metrics.KindIngress
 	}
 	return metrics.KindPool
+}
+
+// precreateMeshFallbacks creates mesh_fallbacks_total{listener} at zero
+// for a listener whose links may reach an endpoint around the mesh (a
+// mesh port, on the listener or a match entry, with fallback direct), so
+// that the first fallback is an increase.
+func (p *Proxy) precreateMeshFallbacks(cfg policy.Listener) {
+	if cfg.IsIngress() || cfg.Settings.Mesh.OrDefaults().Fallback != policy.MeshFallbackDirect {
+		return
+	}
+	mesh := cfg.Settings.Mesh.Port != 0
+	for _, m := range cfg.Transparent.Match {
+		mesh = mesh || m.Mesh.Port != 0
+	}
+	if mesh {
+		p.metrics.MeshFallbacks(cfg.Name)
+	}
 }
 
 func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
@@ -131,6 +151,7 @@ func (p *Proxy) newListenerLocked(cfg policy.Listener) *listener {
 		stopped: make(chan struct{}),
 	}
 	l.m.PrecreateCloses(closeLabels(listenerKind(cfg)))
+	p.precreateMeshFallbacks(cfg)
 	l.current.Store(newLinkSpec(cfg))
 	if cfg.IsIngress() {
 		l.ingress = newIngress(l, cfg)

@@ -626,3 +626,25 @@ func TestMeshSilentSidecarWithDefaultTimeouts(t *testing.T) {
 		t.Fatalf("%v egress session deaths, want 0: connect_timeout ended the handshake first", got)
 	}
 }
+
+// The series a mesh listener can produce exist at zero from its start, so
+// that the first one is an increase: an egress listener's
+// mesh_fallbacks_total, an ingress listener's capacity and no_match
+// closes (and no loop series, which it can never produce).
+func TestMeshListenersSeriesAtZero(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, nil)
+	if !hasLabel(family(t, eg.m, "mesh_fallbacks_total"), "listener", "test") {
+		t.Error("no mesh_fallbacks_total{listener=test} at zero on a mesh egress listener")
+	}
+	closes := family(t, in.m, "link_closes_total")
+	for _, want := range []CloseReason{CloseCapacity, CloseNoMatch} {
+		if !hasLabel(closes, "reason", string(want)) {
+			t.Errorf("no link_closes_total{reason=%s} at zero on the ingress listener", want)
+		}
+	}
+	if hasLabel(closes, "reason", string(CloseLoop)) {
+		t.Error("the ingress listener has a loop series it can never produce")
+	}
+}

@@ -55,6 +55,11 @@ func closeLabels(kind string) []string {
 		if kind == metrics.KindPool && c.transparent {
 			continue
 		}
+		// An ingress refuses a stream past max_streams (capacity) or for
+		// a port it does not serve (no_match); it has no loop.
+		if kind == metrics.KindIngress && c.r == CloseLoop {
+			continue
+		}
 		ls = append(ls, string(c.r))
 	}
 	return ls

@@ -286,6 +286,7 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 			ch.ListenersRetuned = append(ch.ListenersRetuned, lp.cfg.Name)
 		}
 		l.current.Store(newLinkSpec(lp.cfg))
+		p.precreateMeshFallbacks(lp.cfg)
 		if l.ingress != nil {
 			set.orphans = append(set.orphans, l.ingress.retuneLocked(lp.cfg)...)
 		}

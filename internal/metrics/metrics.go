@@ -325,6 +325,7 @@ type Listener struct {
 const (
 	KindPool        = "pool"        // an explicit or pool listener
 	KindTransparent = "transparent" // a transparent listener
+	KindIngress     = "ingress"     // a mesh ingress listener
 )
 
 // ForListener resolves (and so pre-creates at zero) every series of one
