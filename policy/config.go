@@ -490,12 +490,22 @@ type Ingress struct {
 	MaxStreams int `yaml:"max_streams"`
 }
 
-// Ingress limits' defaults.
+// Ingress defaults.
 const (
 	DefaultMaxSessionsPerPeer   = 16
 	DefaultMaxStreamsPerSession = 1000
 	DefaultMaxStreams           = 10000
+	DefaultCheckInterval        = Duration(time.Second)
 )
+
+// OrDefaults is in with each 0 (the default) replaced by its value.
+func (in Ingress) OrDefaults() Ingress {
+	in.CheckInterval = cmp.Or(in.CheckInterval, DefaultCheckInterval)
+	in.MaxSessionsPerPeer = cmp.Or(in.MaxSessionsPerPeer, DefaultMaxSessionsPerPeer)
+	in.MaxStreamsPerSession = cmp.Or(in.MaxStreamsPerSession, DefaultMaxStreamsPerSession)
+	in.MaxStreams = cmp.Or(in.MaxStreams, DefaultMaxStreams)
+	return in
+}
 
 // Keepalive is TCP keepalive on upstream sockets.
 type Keepalive struct {

@@ -1649,3 +1649,21 @@ func TestConfigMarshalsBack(t *testing.T) {
 		}
 	}
 }
+
+// GET /v1/config shows an ingress listener's defaults filled in (a 0 there
+// reads as "no limit"), and the output parses back to the same limits.
+func TestEffectiveFillsIngressDefaults(t *testing.T) {
+	c := mustParse(t, doc("listeners:", "  - {name: in, listen: 127.0.0.1:17400, ingress: {local: 127.0.0.1:8098, max_streams: 50}}"))
+	out, err := c.Effective()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Ingress{Local: "127.0.0.1:8098", Ports: []int{}, Allow: []string{}, CheckInterval: DefaultCheckInterval, MaxSessionsPerPeer: DefaultMaxSessionsPerPeer,
+		MaxStreamsPerSession: DefaultMaxStreamsPerSession, MaxStreams: 50}
+	if got := mustParse(t, string(out)).Listeners[0].Ingress; !reflect.DeepEqual(got, want) {
+		t.Fatalf("ingress after Effective %+v, want %+v:\n%s", got, want, out)
+	}
+	if c.Listeners[0].Ingress.MaxStreamsPerSession != 0 {
+		t.Fatal("Effective changed the config it was called on")
+	}
+}

@@ -1,12 +1,22 @@
 package policy
 
-import "go.yaml.in/yaml/v3"
+import (
+	"slices"
+
+	"go.yaml.in/yaml/v3"
+)
 
 // Effective returns c as YAML, every default filled in, in the file's own
 // key order and spelling (10s, 16MiB): what GET /v1/config shows. Each
 // listener keeps only the section of its own kind (upstream, transparent,
 // pool or ingress), so that the output parses back to c.
 func (c Config) Effective() ([]byte, error) {
+	c.Listeners = slices.Clone(c.Listeners)
+	for i := range c.Listeners {
+		if c.Listeners[i].IsIngress() {
+			c.Listeners[i].Ingress = c.Listeners[i].Ingress.OrDefaults()
+		}
+	}
 	var root yaml.Node
 	if err := root.Encode(c); err != nil {
 		return nil, err

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -28,8 +27,6 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-// defaultCheckInterval is ingress.check_interval's default.
-const defaultCheckInterval = time.Second
 
 // ingress is the server side of the mesh on one listener: it accepts the
 // sessions of egress sidecars, proxies each stream to a local server port
@@ -245,7 +242,7 @@ func (in *ingress) checker() {
 	defer t.Stop()
 	for first := true; ; first = false {
 		// A reload may retune it.
-		every := cmp.Or(in.l.spec().cfg.Ingress.CheckInterval.D(), defaultCheckInterval)
+		every := in.l.spec().cfg.Ingress.OrDefaults().CheckInterval.D()
 		t.Reset(every)
 		in.check(min(every, time.Second))
 		in.shrinkStreams()
@@ -454,10 +451,8 @@ func (in *ingress) serveConn(tc *net.TCPConn) {
 
 // limits is the ingress's limits, defaults applied.
 func (in *ingress) limits() (perPeer, perSession, total int) {
-	c := in.l.spec().cfg.Ingress
-	return cmp.Or(c.MaxSessionsPerPeer, policy.DefaultMaxSessionsPerPeer),
-		cmp.Or(c.MaxStreamsPerSession, policy.DefaultMaxStreamsPerSession),
-		cmp.Or(c.MaxStreams, policy.DefaultMaxStreams)
+	c := in.l.spec().cfg.Ingress.OrDefaults()
+	return c.MaxSessionsPerPeer, c.MaxStreamsPerSession, c.MaxStreams
 }
 
 // allowed reports whether the peer at addr may hold sessions
