@@ -27,7 +27,6 @@ import (
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
-
 // ingress is the server side of the mesh on one listener: it accepts the
 // sessions of egress sidecars, proxies each stream to a local server port
 // as a link (with the listener's upstream enforcement), and announces to
