@@ -55,11 +55,24 @@ func TestDefaultWatermarkKeepsAHealthyUpload(t *testing.T) {
 	if wb := policy.DefaultSettings().WriteBuffer; wb.OnOverflow != policy.OverflowBackpressure || wb.HighWaterMark != 16*policy.MiB {
 		t.Fatalf("default write_buffer %+v, want backpressure at 16MiB", wb)
 	}
+	// The peer reads only once the queue is at the watermark (the
+	// proxy's own count): on a loaded machine the client may write
+	// slower than the peer reads.
+	peer.HoldReads()
 	c := h.dial()
 	const n = 40 << 20
-	got, err := upload(c, n)
-	if err != nil || got != n {
-		t.Fatalf("upload: the peer read %d of %d bytes (%v)", got, n, err)
+	type result struct {
+		got int64
+		err error
+	}
+	done := make(chan result, 1)
+	go func() { got, err := upload(c, n); done <- result{got, err} }()
+	lk := h.onlyLink(5 * time.Second)
+	// Within write_timeout (10 s): the held peer acknowledges nothing new.
+	waitFor(t, 8*time.Second, "the queue at the watermark", func() bool { return lk.q.Bytes() >= 16<<20-flow.ChunkSize })
+	peer.ReleaseReads()
+	if r := <-done; r.err != nil || r.got != n {
+		t.Fatalf("upload: the peer read %d of %d bytes (%v)", r.got, n, r.err)
 	}
 	_ = c.Close()
 	s := h.linkEnd(10 * time.Second)

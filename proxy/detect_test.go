@@ -497,9 +497,8 @@ func TestReadmissionIsAFreshStart(t *testing.T) {
 	sendFrame(t, b, "b1")
 	sendFrame(t, b, "b2")
 	time.Sleep(10 * time.Millisecond)
-	_ = b.Close() // b's requests are judged by the endpoint, after the link
-	h.waitState("excluded", time.Second)
-	h.waitState("healthy", time.Second) // the connect probe readmits
+	_ = b.Close()                                  // b's requests are judged by the endpoint, after the link
+	h.waitReadmittedOf(peer.Addr(), 2*time.Second) // excluded, then the connect probe readmits
 	// b's requests fall due now; they belong to the previous incarnation.
 	deadline := time.Now().Add(500 * time.Millisecond)
 	for time.Now().Before(deadline) {

@@ -539,9 +539,14 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since 
 	// At or past thr, whoever else's requests the count holds: listeners
 	// with other thresholds share it, so a crossing of this one's may
 	// never come (one with threshold 1 counting after one with 2). The
-	// swap makes one of two concurrent counts the suspicion's.
-	if c := ep.consecutive.Add(int64(n)); c >= int64(thr) && ep.consecutive.CompareAndSwap(c, 0) {
-		p.suspect(ep, thr, int(c))
+	// swap makes one count the suspicion's; one that lost it to another
+	// count (of a listener with a higher threshold, say) tries again
+	// until the count is taken or starts over (an answer).
+	for c := ep.consecutive.Add(int64(n)); c >= int64(thr); c = ep.consecutive.Load() {
+		if ep.consecutive.CompareAndSwap(c, 0) {
+			p.suspect(ep, thr, int(c))
+			return
+		}
 	}
 }
 

@@ -396,9 +396,11 @@ func TestPoolRetriesGoToMembersNotTried(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	ab := []net.Conn{h.dial(), h.dial()}
-	for _, conn := range ab {
+	var ab []net.Conn
+	for range 2 { // one at a time: each counted on its member before the next picks
+		conn := h.dial()
 		roundTrip(t, conn, []byte("to A or B"))
+		ab = append(ab, conn)
 	}
 	if len(a.conns) != 1 || len(b.conns) != 1 || c.Accepted() != 2 {
 		t.Fatalf("links A %d, B %d, C %d; want 1, 1, 2", len(a.conns), len(b.conns), c.Accepted())

@@ -76,6 +76,7 @@ type Server struct {
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
+	held  chan struct{} // non-nil: Paced connections wait for it to close before their first read (HoldReads)
 	wg    sync.WaitGroup
 	stop  chan struct{}
 	once  sync.Once
@@ -145,6 +146,41 @@ func (s *Server) SetAnswer(p AnswerPolicy) { s.policy.Store(&p) }
 // SetRate sets the rate, in bytes per second, at which Paced connections
 // accepted from now on read; 0: as fast as they can.
 func (s *Server) SetRate(bytesPerSecond int64) { s.rate.Store(bytesPerSecond) }
+
+// HoldReads makes Paced connections wait before their first read until
+// ReleaseReads; their pace counts from then. A test fills the sender's
+// queue to a point its own accounting shows, whatever the machine's
+// speed, before the reader starts.
+func (s *Server) HoldReads() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.held == nil {
+		s.held = make(chan struct{})
+	}
+}
+
+// ReleaseReads lets the connections HoldReads held read.
+func (s *Server) ReleaseReads() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.held != nil {
+		close(s.held)
+		s.held = nil
+	}
+}
+
+// waitRelease waits while reads are held, or until the peer closes.
+func (s *Server) waitRelease() {
+	s.mu.Lock()
+	held := s.held
+	s.mu.Unlock()
+	if held != nil {
+		select {
+		case <-held:
+		case <-s.stop:
+		}
+	}
+}
 
 // BytesRead returns the bytes every Paced connection read so far.
 func (s *Server) BytesRead() int64 { return s.bytesRead.Load() }
@@ -250,6 +286,7 @@ func (s *Server) serveConn(c *net.TCPConn, b Behavior) {
 func (s *Server) servePaced(c *net.TCPConn, rate int64) {
 	buf := make([]byte, 64<<10)
 	var total int64
+	s.waitRelease()
 	began := time.Now()
 	for {
 		n, err := c.Read(buf)

@@ -39,9 +39,9 @@ func WaitProcState(pid int, states string, timeout time.Duration) bool {
 }
 
 // ServeHealth serves GET /health with 200 "OK" on ln, as a Pinot server's
-// admin port does: it answers only while the process runs. Close the
-// returned server to stop it.
-func ServeHealth(ln net.Listener) *http.Server {
+// admin port does: it answers only while the process runs. stop closes
+// the server and returns once its serving goroutine has.
+func ServeHealth(ln net.Listener) (stop func()) {
 	hs := &http.Server{
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if r.URL.Path != "/health" {
@@ -52,8 +52,9 @@ func ServeHealth(ln net.Listener) *http.Server {
 		}),
 		ReadHeaderTimeout: 5 * time.Second,
 	}
-	go func() { _ = hs.Serve(ln) }()
-	return hs
+	done := make(chan struct{})
+	go func() { defer close(done); _ = hs.Serve(ln) }()
+	return func() { _ = hs.Close(); <-done }
 }
 
 // WaitReachable dials addr until it accepts, for up to timeout: a fresh

@@ -27,8 +27,7 @@ func TestServeHealth(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := ServeHealth(ln)
-	defer hs.Close()
+	defer ServeHealth(ln)()
 	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 	resp, err := c.Get("http://" + ln.Addr().String() + "/health")
 	if err != nil {

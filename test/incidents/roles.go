@@ -72,8 +72,7 @@ func serverRole(addr, health string) int {
 			fmt.Fprintf(os.Stderr, "health listener on %s: %v\n", health, err)
 			return 1
 		}
-		hs := harness.ServeHealth(hln)
-		defer hs.Close()
+		defer harness.ServeHealth(hln)()
 		hello.Health = hln.Addr().String()
 	}
 	enc := json.NewEncoder(os.Stdout)
