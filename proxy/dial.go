@@ -87,7 +87,8 @@ func connectBackoff(n int) time.Duration {
 // link makes up to connect_attempts attempts, each to the next endpoint in
 // the balance order that it has not tried while one is left (and never to
 // the one that just failed while another can serve); every refusal or
-// timeout is reported to the detector at once. A transparent link's destination is fixed: one attempt.
+// timeout is reported to the detector at once. A transparent link's
+// destination is fixed: one attempt.
 func (lk *link) dial() bool {
 	attempts := max(lk.settings.ConnectAttempts, 1)
 	if lk.host.routing() == nil {
@@ -107,11 +108,7 @@ func (lk *link) dial() bool {
 			break // nothing eligible is left
 		}
 		lk.dialed.try(ep)
-		pooled := lk.host.routing() != nil
-		if pooled {
-			lk.dialing.Store(true)
-			ep.add(lk) // a leaving member's drain counts it from now on
-		}
+		pooled := lk.host.routing() != nil // then the pick counted the link on ep
 		start, began := time.Now(), flow.Mono()
 		end, err := chain.dial(lk, ep)
 		lk.dialing.Store(false)
@@ -171,7 +168,7 @@ func (lk *link) dial() bool {
 // through because its pool or group fails open.
 func (lk *link) target(tried []string) (ep *endpoint, failOpen bool) {
 	if lk.host.routing() != nil {
-		return lk.host.routing().pick(tried)
+		return lk.host.routing().pick(tried, lk)
 	}
 	// A transparent destination let through while excluded: its group is
 	// failing open (group_fail_open).

@@ -408,10 +408,13 @@ func (l *listener) failOpenKey() string {
 	return "on_excluded: allow"
 }
 
-// pick chooses the endpoint for a connect attempt, never one of the
-// link's tried members while another eligible member exists (a retry
-// moves on; see policy.Select). nil: refuse.
-func (pl *pool) pick(tried []string) (*endpoint, bool) {
+// pick chooses the endpoint for a connect attempt of lk, never one of
+// the link's tried members while another eligible member exists (a retry
+// moves on; see policy.Select), and counts lk on it, dialling, before the
+// next pick sees the members' links: least_links spreads a burst of
+// connects, and a leaving member's drain counts the link from now on.
+// nil: refuse.
+func (pl *pool) pick(tried []string, lk *link) (*endpoint, bool) {
 	t := pl.l.spec()
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
@@ -419,7 +422,10 @@ func (pl *pool) pick(tried []string) (*endpoint, bool) {
 	if ch.Index < 0 {
 		return nil, false
 	}
-	return pl.members[ch.Index], ch.FailOpen
+	ep := pl.members[ch.Index]
+	lk.dialing.Store(true)
+	ep.add(lk)
+	return ep, ch.FailOpen
 }
 
 // routing reports whether a new link could be routed now (some member is

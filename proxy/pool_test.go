@@ -496,3 +496,44 @@ func TestPoolPauseNeverLandsAfterAResume(t *testing.T) {
 		return true
 	})
 }
+
+// least_links spreads a burst of connects evenly: each pick counts its
+// link on the member before the next pick looks, so 30 clients connecting
+// at once to a pool of three land 10, 10, 10, however the dials
+// interleave. Before, a link was counted only after its pick, and
+// concurrent picks could see the same member as the least loaded (a
+// window of microseconds: this test guards the property, and did not
+// catch the old code here; a 2 ms pause injected there did).
+func TestLeastLinksSpreadsABurst(t *testing.T) {
+	peers, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+	h := startPool(t, policy.Pool{Endpoints: addrs, Balance: policy.BalanceLeastLinks}, nil, nil)
+	const n = 30
+	var wg sync.WaitGroup
+	conns := make([]net.Conn, n)
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c, err := net.Dial("tcp", h.addr)
+			if err == nil {
+				_, err = c.Write([]byte("x"))
+			}
+			conns[i], errs[i] = c, err
+		}()
+	}
+	wg.Wait()
+	for i, c := range conns {
+		if errs[i] != nil {
+			t.Fatal(errs[i])
+		}
+		t.Cleanup(func() { c.Close() })
+	}
+	waitFor(t, 10*time.Second, "every link accepted", func() bool {
+		a := acceptedBy(peers)
+		return a[0]+a[1]+a[2] == n
+	})
+	if a := acceptedBy(peers); a[0] != n/3 || a[1] != n/3 || a[2] != n/3 {
+		t.Fatalf("links per member %v, want %d each", a, n/3)
+	}
+}
