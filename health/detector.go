@@ -418,12 +418,12 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 
 		started := time.Now()
 		lastStart = started
-		err := d.probe(ctx, e.name, pc)
+		overridden, err := d.runProbe(ctx, e.name, pc)
 		if ctx.Err() != nil {
 			return // stopped mid-probe: no verdict, not a failure
 		}
 		last = time.Now()
-		if err != nil && noticedLate(err, last.Sub(started), pc.Timeout) {
+		if err != nil && !overridden && noticedLate(err, last.Sub(started), pc.Timeout) {
 			d.log.Debug().Err(err).Str("endpoint", e.name).Dur("took_ms", last.Sub(started)).
 				Msg("probe timed out while the proxy could not run: no verdict")
 			continue

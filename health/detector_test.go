@@ -1080,18 +1080,23 @@ func TestProbeSoon(t *testing.T) {
 // late (the process could not run: CPU throttling, a host under
 // contention) is no verdict: it counts no failure, so the backoff does
 // not grow. The twin: a probe that times out at its deadline is a failed
-// probe. Then a probe that passes readmits the endpoint.
+// probe. Then a probe that passes readmits the endpoint. The probe's dial
+// stands in for the late wake-up; an Override's lateness is a failure as
+// any (it may wait on the proxy's own locks while the process runs).
 func TestProbeNoticedLateIsNoVerdict(t *testing.T) {
 	const timeout = time.Second
-	ep := testutil.ClosedAddr(t)
-	rec := newRecorder()
-	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
-	defer d.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, stop := serveAndClose(ln)
+	defer stop()
+	ep := ln.Addr().String()
 	var calls atomic.Int32
+	var d *Detector
 	failedBefore := make(chan int, 3) // FailedProbes as each probe after the first begins
-	pc := fastProbe
-	pc.Timeout = timeout
-	pc.Override = func(ctx context.Context, _ string) (bool, error) {
+	rec := newRecorder()
+	d = New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe, Dial: func(ctx context.Context, network, addr string) (net.Conn, error) {
 		n := calls.Add(1)
 		if n > 1 {
 			failedBefore <- d.Statuses()[0].FailedProbes
@@ -1100,13 +1105,16 @@ func TestProbeNoticedLateIsNoVerdict(t *testing.T) {
 		case 1: // noticed late: the deadline passed a timeout before the probe saw it
 			<-ctx.Done()
 			time.Sleep(timeout + 100*time.Millisecond)
-			return true, ctx.Err()
+			return nil, ctx.Err()
 		case 2: // at its deadline
 			<-ctx.Done()
-			return true, ctx.Err()
+			return nil, ctx.Err()
 		}
-		return true, nil
-	}
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}})
+	defer d.Close()
+	pc := fastProbe
+	pc.Timeout = timeout
 	d.Register(ep, pc)
 	d.Report(ep, "unanswered")
 	rec.waitFor(t, "readmission", lastEventIs(Healthy, ReasonProbeOK))
@@ -1115,5 +1123,27 @@ func TestProbeNoticedLateIsNoVerdict(t *testing.T) {
 	}
 	if _, p := rec.snapshot(); failedProbes(p) != 1 {
 		t.Fatalf("OnProbe saw %d failures (%v), want 1", failedProbes(p), p)
+	}
+}
+
+// The same lateness in an Override (a mesh probe waiting on a link's
+// session dial while the process runs) is a failed probe.
+func TestOverrideProbeLateIsAFailure(t *testing.T) {
+	rec := newRecorder()
+	d := New(Options{OnEvent: rec.onEvent, OnProbe: rec.onProbe})
+	defer d.Close()
+	pc := fastProbe
+	pc.Timeout = 200 * time.Millisecond
+	pc.Override = func(ctx context.Context, _ string) (bool, error) {
+		<-ctx.Done()
+		time.Sleep(300 * time.Millisecond)
+		return true, ctx.Err()
+	}
+	ep := testutil.ClosedAddr(t)
+	d.Register(ep, pc)
+	d.Report(ep, "unanswered")
+	rec.waitFor(t, "a failed override probe", func(_ []Event, p []bool) bool { return failedProbes(p) >= 1 })
+	if st := d.Statuses()[0]; st.FailedProbes < 1 {
+		t.Fatalf("FailedProbes %d after a late override probe, want at least 1", st.FailedProbes)
 	}
 }

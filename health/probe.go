@@ -164,6 +164,12 @@ var errUnknownKind = errors.New("unknown probe kind")
 // only if it proves the endpoint healthy. ctx carries shutdown; the probe's
 // own Timeout is applied here.
 func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) error {
+	_, err := d.runProbe(ctx, endpoint, pc)
+	return err
+}
+
+// runProbe is probe, and whether pc.Override decided it (overridden).
+func (d *Detector) runProbe(ctx context.Context, endpoint string, pc ProbeConfig) (overridden bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, pc.Timeout)
 	defer cancel()
 	if pc.Dialer != nil {
@@ -171,18 +177,18 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) e
 	}
 	if pc.Override != nil {
 		if handled, err := pc.Override(ctx, endpoint); handled {
-			return err
+			return true, err
 		}
 	}
 	switch pc.Kind {
 	case ProbeConnect:
-		return d.probeConnect(ctx, endpoint)
+		return false, d.probeConnect(ctx, endpoint)
 	case ProbeHTTP:
-		return d.probeHTTP(ctx, endpoint, pc)
+		return false, d.probeHTTP(ctx, endpoint, pc)
 	case ProbeKafka:
-		return d.probeKafka(ctx, endpoint)
+		return false, d.probeKafka(ctx, endpoint)
 	}
-	return fmt.Errorf("%w %q", errUnknownKind, pc.Kind)
+	return false, fmt.Errorf("%w %q", errUnknownKind, pc.Kind)
 }
 
 // noticedLate reports whether a probe that failed with err after took
@@ -193,7 +199,9 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) e
 // may have come while it could not read it. That is no verdict: the
 // probe neither counts as failed (the backoff does not grow, a flapped
 // endpoint's hold-down does not start over) nor passes; the next probe
-// asks again.
+// asks again. Only for the detector's own probes, whose every wait ends
+// at the deadline: an Override's may wait on the caller's locks (a mesh
+// probe behind a link's session dial) and be late while the process ran.
 func noticedLate(err error, took, timeout time.Duration) bool {
 	var ne net.Error
 	timedOut := errors.Is(err, context.DeadlineExceeded) || errors.Is(err, os.ErrDeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
