@@ -436,7 +436,10 @@ func (p *Proxy) bindAdded(set *reloadSet, ch *Changes) []error {
 // goroutine the proxy owns (Shutdown waits for it).
 func (p *Proxy) retire(l *listener, drain time.Duration) {
 	l.stopAccepting()
+	// Out of the live listeners and into the retiring ones in one step:
+	// a scrape counts it once (Apply's swap of p.listeners comes later).
 	p.mu.Lock()
+	p.listeners = slices.DeleteFunc(p.listeners, func(x *listener) bool { return x == l })
 	p.retiring = append(p.retiring, l)
 	p.mu.Unlock()
 	l.log.Info().Int("links", len(l.snapshotLinks())).Dur("drain_timeout_ms", drain).Msg("listener removed by reload")
