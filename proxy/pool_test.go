@@ -380,8 +380,13 @@ func TestPoolRetriesGoToMembersNotTried(t *testing.T) {
 	a, b := startDrainingServer(t), startDrainingServer(t)
 	c := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	addrs := []string{a.ln.Addr().String(), b.ln.Addr().String(), c.Addr()}
-	h := startPool(t, policy.Pool{Endpoints: addrs, Balance: policy.BalanceLeastLinks}, nil,
-		func(s *policy.Settings) { s.ConnectAttempts = 3 })
+	h := startPool(t, policy.Pool{Endpoints: addrs, Balance: policy.BalanceLeastLinks}, nil, func(s *policy.Settings) {
+		s.ConnectAttempts = 3
+		// A refusal is weighed against bytes from the member in the
+		// connect_timeout before it: long, so a slow machine's pause
+		// between the round trips below and the dial changes nothing.
+		s.ConnectTimeout = policy.Duration(time.Minute)
+	})
 	// C gets two links while A and B are disabled; then A and B one each.
 	for _, ep := range addrs[:2] {
 		if _, err := h.p.Disable(ep); err != nil {

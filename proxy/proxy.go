@@ -57,9 +57,11 @@ type Options struct {
 
 // Proxy owns the listeners and every link they accepted.
 //
-// Lock order, outermost first: Proxy.reloadMu, Proxy.mu, listener.mu,
-// then one of endpoint.mu or pool.mu (never both, and never two
-// endpoints' at once), then the health detector's own lock (its methods
+// Lock order, outermost first: Proxy.reloadMu, pool.routeMu (held by
+// updateRouting alone, with no other lock), Proxy.mu, listener.mu, then
+// pool.mu, then endpoint.mu (a pool reads and counts its members' links
+// under its own lock; never two endpoints' at once), then the health
+// detector's own lock (its methods
 // are called with any of these held; it calls back into the proxy, in
 // onHealthEvent and onProbe, holding none of its own). A link's own locks
 // come after all of these: connMu, finMu and its queue's are taken alone;

@@ -202,7 +202,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener", "reason"}),
 		failOpenLinks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "fail_open_links_total",
-			Help: "Links sent to an excluded endpoint because every enabled member of their pool (or transparent group) was excluded and the listener fails open (fail_open, group_fail_open or on_excluded: allow).",
+			Help: "Links sent to an excluded endpoint: every enabled member of their pool (or transparent group) was excluded and it fails open (fail_open, group_fail_open), or the listener has on_excluded: allow.",
 		}, []string{"listener"}),
 		dnsErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "dns_errors_total",
@@ -362,7 +362,7 @@ func (m *Metrics) ForListenerKind(name, kind string) *Listener {
 		evictions:           make(map[string]prometheus.Counter, len(EvictReasons)),
 		untracked:           make(map[string]prometheus.Counter, len(UntrackedReasons)),
 	}
-	if kind != KindTransparent {
+	if kind != KindTransparent && kind != KindIngress { // neither resolves names
 		l.DNSErrors = m.dnsErrors.WithLabelValues(name)
 	} else {
 		l.DNSErrors = lazyCounter{vec: m.dnsErrors, labels: []string{name}}
