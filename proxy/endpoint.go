@@ -491,6 +491,7 @@ func (p *Proxy) reportLinkEnd(lk *link, reason CloseReason, err error) {
 	if err != nil {
 		ev.Detail += ": " + err.Error()
 	}
+	ended := time.Now()
 	if p.det.ReportEvidence(lk.ep.addr, string(reason), ev) {
 		return // onExcluded closes the other links
 	}
@@ -499,9 +500,11 @@ func (p *Proxy) reportLinkEnd(lk *link, reason CloseReason, err error) {
 		// a dial_error; or with links opened since, under fail-open or
 		// on_excluded: allow): this end is the same evidence against
 		// the links still open as at a healthy endpoint, and closes them
-		// as suspect does. Readmission then has none left to keep.
+		// as suspect does. Readmission then has none left to keep. Not
+		// the links opened since (after a readmission that came between
+		// the report and the look at the state).
 		lk.ep.linksKept.Store(false)
-		if n := lk.ep.evict(time.Time{}, CloseEvicted, metrics.EvictExcluded); n > 0 {
+		if n := lk.ep.evict(ended, CloseEvicted, metrics.EvictExcluded); n > 0 {
 			p.log.Warn().Str("endpoint", lk.ep.addr).Str("reason", string(reason)).Int("links_closed", n).
 				Msg("a link to an excluded endpoint ended on evidence against it: its other links closed")
 		}
