@@ -288,12 +288,17 @@ func (r *SockReader) call(fd uintptr) bool {
 			// signal is taken on the way back from the call, so the read
 			// made again takes them, unless another signal came meanwhile
 			// (a flood of them in TestUrgentMarkWithASignalPendingIsReadPast
-			// needed more than 4 tries now and then): at most 64. Asked only
-			// of a socket whose watch reported (urgent data among the
-			// causes): never on the data path of any other.
-			if r.reported.Load() && marks < 64 && AtUrgentMark(int(fd)) {
-				marks++
-				continue
+			// needed more than 4 tries now and then): 64 times; then the
+			// reader's wait gets a wake-up of its own a millisecond later
+			// (a read deadline, as the watch's), and reads again then.
+			// Asked only of a socket whose watch reported (urgent data among
+			// the causes): never on the data path of any other.
+			if r.reported.Load() && AtUrgentMark(int(fd)) {
+				if marks < 64 {
+					marks++
+					continue
+				}
+				_ = r.wake.SetReadDeadline(time.Now().Add(time.Millisecond))
 			}
 			if r.waits < math.MaxUint8 {
 				r.waits++
