@@ -288,9 +288,10 @@ func (r *SockReader) call(fd uintptr) bool {
 			// signal is taken on the way back from the call, so the read
 			// made again takes them, unless another signal came meanwhile
 			// (a flood of them in TestUrgentMarkWithASignalPendingIsReadPast
-			// needed more than 4 tries now and then): 64 times; then the
-			// reader's wait gets a wake-up of its own a millisecond later
-			// (a read deadline, as the watch's), and reads again then.
+			// needed more than 4 tries now and then): 64 times; then, if the
+			// urgent byte is there, the reader's wait gets a wake-up of its
+			// own a millisecond later (a read deadline, as the watch's), and
+			// reads again then.
 			// Asked only of a socket whose watch reported (urgent data among
 			// the causes): never on the data path of any other.
 			if r.reported.Load() && AtUrgentMark(int(fd)) {
@@ -298,7 +299,9 @@ func (r *SockReader) call(fd uintptr) bool {
 					marks++
 					continue
 				}
-				_ = r.wake.SetReadDeadline(time.Now().Add(time.Millisecond))
+				if UrgentByteIn(int(fd)) { // else the pointer came without the byte (TCP_URG_NOTYET): its arrival is an edge
+					_ = r.wake.SetReadDeadline(time.Now().Add(time.Millisecond))
+				}
 			}
 			if r.waits < math.MaxUint8 {
 				r.waits++

@@ -280,6 +280,16 @@ func AtUrgentMark(fd int) bool {
 	return err == nil && v == 1
 }
 
+// UrgentByteIn reports whether fd's urgent byte has arrived (POLLPRI:
+// TCP_URG_VALID), not only its pointer (TCP_URG_NOTYET, where SIOCATMARK
+// says "at the mark" too). A poll with no timeout: a pending signal does
+// not interrupt it.
+func UrgentByteIn(fd int) bool {
+	pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLPRI}}
+	n, err := unix.Poll(pfd, 0)
+	return err == nil && n == 1 && pfd[0].Revents&unix.POLLPRI != 0
+}
+
 // UnreadBytes is how many bytes wait in c's receive queue (SIOCINQ): a
 // mesh session's heartbeat counts them as life, so that its own process
 // being slow to read is never blamed on the peer.

@@ -105,3 +105,6 @@ func AtUrgentMark(int) bool { return false }
 
 // ShutdownReadAtEnd is Linux's (the reset watch is: its epoll set is).
 func ShutdownReadAtEnd(syscall.RawConn) bool { return false }
+
+// UrgentByteIn is Linux's (AtUrgentMark is never true elsewhere).
+func UrgentByteIn(int) bool { return false }
