@@ -606,6 +606,32 @@ func bytesTotal(t *testing.T, m *metrics.Metrics, name string) (up, down float64
 	return up, down
 }
 
+// movedListener starts a proxy with listener "a" (and extra others) to an
+// echo peer, a link c on it that has carried 1000 bytes each way, and
+// returns the configuration that moves "a" to a new address under the
+// same name and removes the others (the old link then drains).
+func movedListener(t *testing.T, extra int, m *metrics.Metrics) (*Proxy, net.Conn, policy.Config) {
+	t.Helper()
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	cfg := policy.DefaultConfig()
+	cfg.DrainTimeout = policy.Duration(time.Minute)
+	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
+	for i := range extra {
+		cfg.Listeners = append(cfg.Listeners, listenerCfg(fmt.Sprintf("z%03d", i), peer.Addr(), nil))
+	}
+	p := startProxy(t, cfg, Options{metrics: m})
+	c, err := net.Dial("tcp", p.Addr("a").String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	roundTrip(t, c, bytes.Repeat([]byte("x"), 1000))
+	moved := cfg
+	moved.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
+	moved.Listeners[0].Listen = "127.0.0.3:0"
+	return p, c, moved
+}
+
 // The scrape-time series (bytes_total, queued_bytes) count a listener a
 // reload removed while its links drain, as links_active does. Moved under
 // the same name, both incarnations count as one series (the scrape does
@@ -613,22 +639,9 @@ func bytesTotal(t *testing.T, m *metrics.Metrics, name string) (up, down float64
 // one's drain ends. Before, the draining listener's series were gone at
 // the reload, and the moved listener's bytes_total started over.
 func TestReloadDrainingListenerStaysInTheScrape(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	m := metrics.New()
-	cfg := policy.DefaultConfig()
-	cfg.DrainTimeout = policy.Duration(time.Minute)
-	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
-	p := startProxy(t, cfg, Options{metrics: m})
-	c, err := net.Dial("tcp", p.Addr("a").String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	roundTrip(t, c, bytes.Repeat([]byte("x"), 1000))
+	p, c, cfg2 := movedListener(t, 0, m)
 	// Moved: a new address under the same name; the old link drains.
-	cfg2 := cfg
-	cfg2.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
-	cfg2.Listeners[0].Listen = "127.0.0.3:0"
 	if err := p.Reload(cfg2); err != nil {
 		t.Fatal(err)
 	}
@@ -685,23 +698,7 @@ func scrapedBytes(p *Proxy, name string) float64 {
 // throughout the reload, so the old code failed most runs, and the fixed
 // one cannot (retire moves the listener in one step).
 func TestReloadScrapeNeverCountsAListenerTwice(t *testing.T) {
-	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	cfg := policy.DefaultConfig()
-	cfg.DrainTimeout = policy.Duration(time.Minute)
-	cfg.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
-	for i := range 100 {
-		cfg.Listeners = append(cfg.Listeners, listenerCfg(fmt.Sprintf("z%03d", i), peer.Addr(), nil))
-	}
-	p := startProxy(t, cfg, Options{})
-	c, err := net.Dial("tcp", p.Addr("a").String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	roundTrip(t, c, bytes.Repeat([]byte("x"), 1000))
-	cfg2 := cfg
-	cfg2.Listeners = []policy.Listener{listenerCfg("a", peer.Addr(), nil)}
-	cfg2.Listeners[0].Listen = "127.0.0.3:0"
+	p, _, cfg2 := movedListener(t, 100, metrics.New())
 	stop := make(chan struct{})
 	seen := make(chan float64, 1)
 	go func() {
