@@ -418,7 +418,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 
 		started := time.Now()
 		lastStart = started
-		overridden, err := d.runProbe(ctx, e.name, pc)
+		overridden, err := d.probe(ctx, e.name, pc)
 		if ctx.Err() != nil {
 			return // stopped mid-probe: no verdict, not a failure
 		}

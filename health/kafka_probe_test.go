@@ -88,7 +88,7 @@ func TestKafkaProbeSendsApiVersionsV0(t *testing.T) {
 	d := New(Options{})
 	defer d.Close()
 	pc := ProbeConfig{Kind: ProbeKafka}.normalized()
-	if err := d.probe(context.Background(), kp.ln.Addr().String(), pc); err != nil {
+	if _, err := d.probe(context.Background(), kp.ln.Addr().String(), pc); err != nil {
 		t.Fatalf("probe of a broker that answers: %v", err)
 	}
 	kp.mu.Lock()
@@ -124,7 +124,7 @@ func TestKafkaProbeFailures(t *testing.T) {
 		{"refused", testutil.ClosedAddr(t), "refused"},
 	} {
 		start := time.Now()
-		err := d.probe(context.Background(), c.addr, pc)
+		_, err := d.probe(context.Background(), c.addr, pc)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: probe error %v, want one containing %q", c.name, err, c.want)
 		}
@@ -147,11 +147,11 @@ func TestKafkaProbeTakesATLSAlertAsLife(t *testing.T) {
 	defer d.Close()
 	pc := ProbeConfig{Kind: ProbeKafka, Timeout: time.Second}.normalized()
 	for _, kp := range []*kafkaPeer{alert, short} {
-		if err := d.probe(context.Background(), kp.ln.Addr().String(), pc); err != nil {
+		if _, err := d.probe(context.Background(), kp.ln.Addr().String(), pc); err != nil {
 			t.Fatalf("probe of a TLS listener that answered with an alert: %v", err)
 		}
 	}
-	if err := d.probe(context.Background(), closes.ln.Addr().String(), pc); err == nil {
+	if _, err := d.probe(context.Background(), closes.ln.Addr().String(), pc); err == nil {
 		t.Fatal("probe of a listener that closed without a byte passed")
 	}
 }
@@ -166,7 +166,7 @@ func TestKafkaProbeAgainstKfake(t *testing.T) {
 	d := New(Options{})
 	defer d.Close()
 	pc := ProbeConfig{Kind: ProbeKafka, Timeout: 5 * time.Second}.normalized()
-	if err := d.probe(context.Background(), c.ListenAddrs()[0], pc); err != nil {
+	if _, err := d.probe(context.Background(), c.ListenAddrs()[0], pc); err != nil {
 		t.Fatalf("probe of kfake: %v", err)
 	}
 }
@@ -185,13 +185,13 @@ func TestProbeUsesItsDialer(t *testing.T) {
 	for _, kind := range []string{ProbeConnect, ProbeHTTP, ProbeKafka} {
 		pc := ProbeConfig{Kind: kind, Timeout: time.Second, HTTPPath: "/"}.normalized()
 		pc.Dialer = refuse
-		if err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); !errors.Is(err, syscall.EINVAL) {
+		if _, err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); !errors.Is(err, syscall.EINVAL) {
 			t.Errorf("%s probe with a refused socket option: %v, want EINVAL", kind, err)
 		}
 	}
 	pc := ProbeConfig{Kind: ProbeHTTP, Timeout: time.Second, HTTPPath: "/"}.normalized()
 	pc.Dialer = count
-	if err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); err != nil || dials.Load() != 1 {
+	if _, err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); err != nil || dials.Load() != 1 {
 		t.Fatalf("http probe: %v after %d dials through its dialer, want nil after 1", err, dials.Load())
 	}
 }

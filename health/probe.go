@@ -162,14 +162,8 @@ var errUnknownKind = errors.New("unknown probe kind")
 
 // probe runs one probe of endpoint over a fresh connection and returns nil
 // only if it proves the endpoint healthy. ctx carries shutdown; the probe's
-// own Timeout is applied here.
-func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) error {
-	_, err := d.runProbe(ctx, endpoint, pc)
-	return err
-}
-
-// runProbe is probe, and whether pc.Override decided it (overridden).
-func (d *Detector) runProbe(ctx context.Context, endpoint string, pc ProbeConfig) (overridden bool, err error) {
+// own Timeout is applied here. overridden: pc.Override decided it.
+func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) (overridden bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, pc.Timeout)
 	defer cancel()
 	if pc.Dialer != nil {

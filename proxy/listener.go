@@ -126,11 +126,11 @@ func (p *Proxy) precreateMeshFallbacks(cfg policy.Listener) {
 	if cfg.IsIngress() || cfg.Settings.Mesh.OrDefaults().Fallback != policy.MeshFallbackDirect {
 		return
 	}
-	mesh := cfg.Settings.Mesh.Port != 0
+	meshed := cfg.Settings.Mesh.Port != 0
 	for _, m := range cfg.Transparent.Match {
-		mesh = mesh || m.Mesh.Port != 0
+		meshed = meshed || m.Mesh.Port != 0
 	}
-	if mesh {
+	if meshed {
 		p.metrics.MeshFallbacks(cfg.Name)
 	}
 }
