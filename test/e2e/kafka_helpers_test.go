@@ -106,6 +106,7 @@ func runKafkaBrokerProcess(spec string) int {
 	}
 	defer c.Close()
 	fmt.Printf("kfake-broker listening %s\n", ln.Listener.Addr())
+	release := make(chan struct{})
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
 		if d, ok := strings.CutPrefix(sc.Text(), "hold-produce "); ok {
@@ -123,6 +124,18 @@ func runKafkaBrokerProcess(spec string) int {
 			fmt.Printf("kfake-broker holding produce %s\n", hold)
 			continue
 		}
+		if sc.Text() == "gate-produce" {
+			// Hold the next Produce (and so everything behind it on its
+			// connection) until "release-produce", then answer as usual.
+			gateProduce(c, release)
+			fmt.Println("kfake-broker gating produce")
+			continue
+		}
+		if sc.Text() == "release-produce" {
+			close(release)
+			fmt.Println("kfake-broker released produce")
+			continue
+		}
 		a, ok := strings.CutPrefix(sc.Text(), "advertise ")
 		if !ok {
 			continue
@@ -136,6 +149,17 @@ func runKafkaBrokerProcess(spec string) int {
 		fmt.Printf("kfake-broker advertising %s\n", tcp)
 	}
 	return 0
+}
+
+// gateProduce makes c hold the first Produce it handles until release is
+// closed (the cluster serves other connections meanwhile); the ones after
+// it are handled as usual.
+func gateProduce(c *kfake.Cluster, release chan struct{}) {
+	c.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.SleepControl(func() { <-release })
+		c.DropControl()
+		return nil, nil, false
+	})
 }
 
 // kafkaBroker is a kfake broker running in a child process. The embedded
@@ -199,6 +223,25 @@ func (kb *kafkaBroker) holdProduce(t *testing.T, d time.Duration) {
 		t.Fatalf("telling the broker to hold produce requests: %v", err)
 	}
 	kb.expect(t, "kfake-broker holding produce "+d.String(), 10*time.Second)
+}
+
+// gateProduce makes the broker hold the next Produce it reads, and every
+// request behind it on that connection, until releaseProduce.
+func (kb *kafkaBroker) gateProduce(t *testing.T) {
+	t.Helper()
+	if _, err := fmt.Fprintln(kb.stdin, "gate-produce"); err != nil {
+		t.Fatalf("telling the broker to gate produce requests: %v", err)
+	}
+	kb.expect(t, "kfake-broker gating produce", 10*time.Second)
+}
+
+// releaseProduce lets the broker answer the Produce gateProduce held.
+func (kb *kafkaBroker) releaseProduce(t *testing.T) {
+	t.Helper()
+	if _, err := fmt.Fprintln(kb.stdin, "release-produce"); err != nil {
+		t.Fatalf("telling the broker to release produce requests: %v", err)
+	}
+	kb.expect(t, "kfake-broker released produce", 10*time.Second)
 }
 
 // kafkaMode is one framing mode the Kafka tests run under.
@@ -656,19 +699,19 @@ func (c *kafkaConsumer) fetchErrors() []error {
 // waitValues waits up to timeout until the consumer has every value of
 // want (and returns true), polling every 20 ms.
 func (c *kafkaConsumer) waitValues(want []string, timeout time.Duration) bool {
+	return waitHasAll(c.got, want, timeout)
+}
+
+// waitHasAll waits up to timeout until got returns every value of want
+// (and returns true), polling every 20 ms.
+func waitHasAll(got func() []string, want []string, timeout time.Duration) bool {
 	deadline := time.Now().Add(timeout)
 	for {
 		have := map[string]bool{}
-		for _, v := range c.got() {
+		for _, v := range got() {
 			have[v] = true
 		}
-		missing := 0
-		for _, v := range want {
-			if !have[v] {
-				missing++
-			}
-		}
-		if missing == 0 {
+		if !slices.ContainsFunc(want, func(v string) bool { return !have[v] }) {
 			return true
 		}
 		if time.Now().After(deadline) {
