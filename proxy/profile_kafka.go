@@ -159,7 +159,7 @@ func (c *conv) kafkaHold(r *kafkawire.Request) (hold time.Duration, known bool) 
 	if r.APIKey == kafkaSyncGroup && c.rebalance > 0 {
 		// SyncGroup is parked until the group's rebalance completes: bound
 		// it as the member's JoinGroup was.
-		hold, known = c.rebalance+kafkawire.GroupLapse, true
+		hold, known = kafkawire.GroupHold(c.rebalance), true
 	}
 	if r.RebalanceTimeout > 0 {
 		c.rebalance = r.RebalanceTimeout

@@ -9,6 +9,7 @@ const (
 	keyListOffsets                 = 2
 	keyControlledShutdown          = 7
 	keyOffsetCommit                = 8
+	keyOffsetFetch                 = 9
 	keyJoinGroup                   = 11
 	keyHeartbeat                   = 12
 	keyLeaveGroup                  = 13
@@ -22,17 +23,33 @@ const (
 	keyAddOffsetsToTxn             = 25
 	keyEndTxn                      = 26
 	keyTxnOffsetCommit             = 28
+	keyCreateACLs                  = 30
+	keyDeleteACLs                  = 31
+	keyAlterConfigs                = 33
+	keyCreateDelegationToken       = 38
+	keyRenewDelegationToken        = 39
+	keyExpireDelegationToken       = 40
 	keyCreatePartitions            = 37
 	keyDeleteGroups                = 42
 	keyElectLeaders                = 43
+	keyIncrementalAlterConfigs     = 44
 	keyAlterPartitionReassignments = 45
 	keyListPartitionReassignments  = 46
 	keyOffsetDelete                = 47
+	keySaslAuthenticate            = 36
+	keyAlterClientQuotas           = 49
+	keyAlterUserScramCredentials   = 51
 	keyUpdateFeatures              = 57
 	keyConsumerGroupHeartbeat      = 68
 	keyShareGroupHeartbeat         = 76
 	keyShareFetch                  = 78
+	keyShareAcknowledge            = 79
 	keyAddRaftVoter                = 80
+	keyStreamsGroupHeartbeat       = 88
+	keyDescribeShareGroupOffsets   = 90
+	keyAlterShareGroupOffsets      = 91
+	keyDeleteShareGroupOffsets     = 92
+	keyStreamsGroupTopologyUpdate  = 93
 )
 
 // never is the flexibleFrom value of an API that has no flexible version

@@ -132,7 +132,7 @@ func checkShape(t *testing.T, r Request, err error) {
 	if r.HoldUnknown && (r.Hold != 0 || r.NoResponse) {
 		t.Fatalf("HoldUnknown: %+v", r)
 	}
-	if r.APIKey == keyJoinGroup && !r.HoldUnknown && r.Hold != r.RebalanceTimeout+GroupLapse || r.RebalanceTimeout != 0 && r.APIKey != keyJoinGroup {
+	if r.APIKey == keyJoinGroup && !r.HoldUnknown && r.Hold != GroupHold(r.RebalanceTimeout) || r.RebalanceTimeout != 0 && r.APIKey != keyJoinGroup {
 		t.Fatalf("RebalanceTimeout: %+v", r)
 	}
 	if r.TxnTimeout != 0 && (r.APIKey != keyInitProducerID || r.Hold < max(r.TxnTimeout, transactionMaxTimeout)) {

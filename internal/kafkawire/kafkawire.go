@@ -47,17 +47,19 @@ type Request struct {
 	//     accumulated or max_wait_ms has passed);
 	//   - Produce with acks != 0: timeout_ms ("the timeout to await a
 	//     response", the time the broker waits for the acks);
-	//   - JoinGroup: rebalance_timeout_ms (v0 has no such field and the
-	//     broker uses session_timeout_ms in its place) plus GroupLapse: the
+	//   - JoinGroup: GroupHold of rebalance_timeout_ms (v0 has no such
+	//     field and the broker uses session_timeout_ms in its place): the
 	//     coordinator waits up to the largest rebalance timeout of all the
-	//     group's members, plus group.initial.rebalance.delay.ms for a new
-	//     group, so the real hold can exceed this request's own value;
+	//     group's members, not this one's, so the hold is at least
+	//     GroupRebalanceFloor, plus GroupLapse;
 	//   - AlterPartitionReassignments (45), ListPartitionReassignments (46),
 	//     UpdateFeatures (57): timeout_ms, their first body field;
 	//   - requests the group coordinator answers after a write to the
 	//     offsets log (OffsetCommit, TxnOffsetCommit, Heartbeat,
 	//     LeaveGroup, DeleteGroups, OffsetDelete, ConsumerGroupHeartbeat,
-	//     ShareGroupHeartbeat), and an InitProducerId without a
+	//     ShareGroupHeartbeat, StreamsGroupHeartbeat; OffsetFetch, which
+	//     with require_stable waits for pending offsets to be written),
+	//     and an InitProducerId without a
 	//     transactional id (an idempotent producer's: no transaction log
 	//     write): 5s, the broker default of offsets.commit.timeout.ms, the
 	//     coordinator's timeout for every write; these requests carry no
@@ -77,6 +79,14 @@ type Request struct {
 	//     (a producer restarted mid-transaction), the coordinator first
 	//     aborts it, with that transaction's timeout, set by an earlier
 	//     InitProducerId, maybe another client's, and answers only then.
+	//   - admin requests a KRaft broker forwards to the active
+	//     controller (CreateAcls, DeleteAcls, AlterConfigs,
+	//     IncrementalAlterConfigs, AlterClientQuotas,
+	//     AlterUserScramCredentials, the delegation-token requests): 60 s,
+	//     how long it retries while the controller quorum elects a leader;
+	//   - ListOffsets v0-9: 30 s, remote.list.offsets.request.timeout.ms,
+	//     for a timestamp lookup in a tiered topic's remote segments (v10+
+	//     carries its own timeout_ms, after the topics: HoldUnknown);
 	//
 	// Hold is 0 for every other request (none wait by protocol), when
 	// NoResponse or HoldUnknown is set, and when the field is negative.
@@ -95,6 +105,11 @@ type Request struct {
 	//     timeout_ms (after their topic or partition arrays), AddRaftVoter
 	//     (80) timeout_ms (after cluster_id), ShareFetch (78) max_wait_ms
 	//     (after group_id, member_id and share_session_epoch);
+	//   - APIs that wait on something with no bound the proxy knows:
+	//     SaslAuthenticate (36: the broker's callback, an LDAP server or
+	//     an OAuth key fetch), the share group's acknowledgements and
+	//     offsets (79, 90-92: writes and reads of the share coordinator)
+	//     and StreamsGroupTopologyDescriptionUpdate (93: a plugin);
 	//   - an api_key this package does not know, or a version above the
 	//     highest this package knows for that key (a newer version may add a
 	//     wait field, as ListOffsets v10 did).
@@ -503,22 +518,40 @@ func (p *parser) parse() (Request, bool) {
 		}
 		r.Hold = millis(p.int32())
 	case keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup, keyDeleteGroups, keyOffsetDelete,
-		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat:
+		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat, keyStreamsGroupHeartbeat, keyOffsetFetch:
 		// No timeout field: the group coordinator answers once its write
 		// to the offsets log is replicated, or fails it after
 		// offsets.commit.timeout.ms (the coordinator runtime's default
-		// timeout for every write).
+		// timeout for every write). An OffsetFetch with require_stable
+		// (the Java consumer always sets it, librdkafka under its default
+		// read_committed) is run as a write on the new coordinator (Kafka
+		// 4.0+) so that it waits for pending offsets to be committed
+		// (GroupCoordinatorService.fetchOffsets).
 		r.Hold = offsetsCommitTimeout
+	case keyCreateACLs, keyDeleteACLs, keyAlterConfigs, keyIncrementalAlterConfigs, keyAlterClientQuotas,
+		keyAlterUserScramCredentials, keyCreateDelegationToken, keyRenewDelegationToken, keyExpireDelegationToken:
+		// No timeout field: a KRaft broker forwards these to the active
+		// controller and retries for up to a minute while the quorum
+		// elects one (KafkaApis.forwardToController, the forwarding
+		// channel's retry timeout).
+		r.Hold = controllerForwardTimeout
 	case keyInitProducerID:
 		return p.initProducerID(r, flexible)
 	case keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn:
 		return p.txnRequest(r, flexible)
 	case keySyncGroup, keyCreateTopics, keyDeleteTopics, keyDeleteRecords,
-		keyCreatePartitions, keyElectLeaders, keyShareFetch, keyAddRaftVoter:
+		keyCreatePartitions, keyElectLeaders, keyShareFetch, keyAddRaftVoter,
+		keySaslAuthenticate, keyShareAcknowledge, keyDescribeShareGroupOffsets, keyAlterShareGroupOffsets,
+		keyDeleteShareGroupOffsets, keyStreamsGroupTopologyUpdate:
 		r.HoldUnknown = true
 	case keyListOffsets:
 		// ListOffsetsRequest v10+ ends with timeout_ms, after the topics.
-		r.HoldUnknown = version >= 10
+		// Before it, a timestamp lookup in a tiered topic's remote
+		// segments is parked for remote.list.offsets.request.timeout.ms
+		// (ReplicaManager.fetchOffset, when the request gives none).
+		if r.HoldUnknown = version >= 10; !r.HoldUnknown {
+			r.Hold = remoteListOffsetsTimeout
+		}
 	case keySaslHandshake:
 		r.SASLRaw = version == 0
 	}
@@ -528,19 +561,43 @@ func (p *parser) parse() (Request, bool) {
 // offsetsCommitTimeout is the broker default of offsets.commit.timeout.ms.
 const offsetsCommitTimeout = 5 * time.Second
 
+// controllerForwardTimeout is how long a KRaft broker retries forwarding a
+// request to the active controller (its forwarding channel's retry
+// timeout, 60 s).
+const controllerForwardTimeout = time.Minute
+
+// remoteListOffsetsTimeout is the broker default of
+// remote.list.offsets.request.timeout.ms.
+const remoteListOffsetsTimeout = 30 * time.Second
+
 // transactionMaxTimeout is the broker default of transaction.max.timeout.ms,
 // the longest transaction timeout an InitProducerId may set (the broker
 // rejects a longer one with INVALID_TRANSACTION_TIMEOUT).
 const transactionMaxTimeout = 15 * time.Minute
 
 // GroupLapse is added to a member's rebalance timeout to bound how long the
-// coordinator may hold its JoinGroup or SyncGroup: the coordinator waits
-// for the largest rebalance timeout of all the group's members (which can
-// exceed this member's), and delays a new group's first rebalance by
-// group.initial.rebalance.delay.ms (3 s by default). The Java client
-// allows the same 5 s beyond the rebalance timeout
+// coordinator may hold its JoinGroup or SyncGroup (GroupHold): it delays
+// a new group's first rebalance by group.initial.rebalance.delay.ms (3 s
+// by default) and a SyncGroup waits for the group's write. The Java
+// client allows the same 5 s beyond the rebalance timeout
 // (AbstractCoordinator.JOIN_GROUP_TIMEOUT_LAPSE).
 const GroupLapse = 5 * time.Second
+
+// GroupRebalanceFloor is the least rebalance timeout GroupHold assumes of
+// a group: the coordinator holds a join until every member has rejoined,
+// for up to the LARGEST rebalance timeout among the group's members, not
+// the joining member's own, and one link sees only its own member's. The
+// Java client's and librdkafka's default (max.poll.interval.ms) is 5
+// minutes: a franz-go member (60 s by default) in a group with Java
+// members may wait that long on a healthy coordinator.
+const GroupRebalanceFloor = 5 * time.Minute
+
+// GroupHold is how long the coordinator may hold a JoinGroup, or the
+// SyncGroup after it, of a member that joined with this rebalance
+// timeout.
+func GroupHold(rebalance time.Duration) time.Duration {
+	return max(rebalance, GroupRebalanceFloor) + GroupLapse
+}
 
 // produce reads ProduceRequest: v0-2 acks INT16, timeout_ms INT32; v3-8
 // transactional_id NULLABLE_STRING first; v9+ (flexible, header v2)
@@ -613,7 +670,7 @@ func (p *parser) joinGroup(r Request, flexible bool) (Request, bool) {
 		timeout = p.int32() // rebalance_timeout_ms
 	}
 	r.RebalanceTimeout = millis(timeout)
-	r.Hold = r.RebalanceTimeout + GroupLapse
+	r.Hold = GroupHold(r.RebalanceTimeout)
 	return r, true
 }
 

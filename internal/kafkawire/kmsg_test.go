@@ -243,7 +243,7 @@ func bodyCases(k, v int16) []kcase {
 					timeout = req.SessionTimeoutMillis
 					end -= 4
 				}
-				want := Request{Hold: ms(timeout) + GroupLapse, RebalanceTimeout: ms(timeout)}
+				want := Request{Hold: GroupHold(ms(timeout)), RebalanceTimeout: ms(timeout)}
 				cs = append(cs, kcase{fmt.Sprintf("group=%d/rebalance=%d", len(group), rebalance), req, want, end})
 			}
 		}
@@ -319,11 +319,20 @@ func bodyCases(k, v int16) []kcase {
 		var want Request
 		switch {
 		case slices.Contains([]int16{keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup,
-			keyDeleteGroups, keyOffsetDelete, keyConsumerGroupHeartbeat, keyShareGroupHeartbeat}, k):
+			keyDeleteGroups, keyOffsetDelete, keyConsumerGroupHeartbeat, keyShareGroupHeartbeat,
+			keyStreamsGroupHeartbeat, keyOffsetFetch}, k):
 			want.Hold = 5 * time.Second // a group coordinator write
+		case slices.Contains([]int16{keyCreateACLs, keyDeleteACLs, keyAlterConfigs, keyIncrementalAlterConfigs,
+			keyAlterClientQuotas, keyAlterUserScramCredentials, keyCreateDelegationToken,
+			keyRenewDelegationToken, keyExpireDelegationToken}, k):
+			want.Hold = time.Minute // forwarded to the controller
+		case k == keyListOffsets && v < 10:
+			want.Hold = 30 * time.Second // a remote (tiered) timestamp lookup
 		case k == keySyncGroup || k == keyCreateTopics || k == keyDeleteTopics ||
 			k == keyDeleteRecords || k == keyCreatePartitions || k == keyElectLeaders ||
-			k == keyShareFetch || k == keyAddRaftVoter:
+			k == keyShareFetch || k == keyAddRaftVoter || k == keySaslAuthenticate || k == keyShareAcknowledge ||
+			k == keyDescribeShareGroupOffsets || k == keyAlterShareGroupOffsets || k == keyDeleteShareGroupOffsets ||
+			k == keyStreamsGroupTopologyUpdate:
 			want.HoldUnknown = true
 		case k == keyListOffsets && v >= 10:
 			want.HoldUnknown = true
@@ -552,7 +561,7 @@ func TestSpecificValues(t *testing.T) {
 	join.Group = "g"
 	join.SessionTimeoutMillis = 10_000
 	p = encode(t, join, cid, 1)
-	if r, _, err := ParseRequest(p, true); err != nil || r != (Request{APIKey: 11, CorrelationID: 1, Hold: 10*time.Second + GroupLapse, RebalanceTimeout: 10 * time.Second}) {
+	if r, _, err := ParseRequest(p, true); err != nil || r != (Request{APIKey: 11, CorrelationID: 1, Hold: GroupHold(10 * time.Second), RebalanceTimeout: 10 * time.Second}) {
 		t.Errorf("JoinGroup v0: %+v, %v", r, err)
 	}
 
