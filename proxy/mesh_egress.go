@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/hashicorp/yamux"
+
 	"github.com/livenessproxy/livenessproxy/proxy/mesh"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
@@ -302,7 +304,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
 	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
-		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams}, mesh.Admission{Admit: admit, Streams: 1})
+		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams, Idle: es.idle}, mesh.Admission{Admit: admit, Streams: 1})
 	if err != nil {
 		_ = c.Close()
 		return nil, err
@@ -468,15 +470,22 @@ func (pr *meshPeer) excludeEndpoints() {
 // (yamux keeps them otherwise): an idle link then holds no 64 KiB buffer
 // in yamux. A busy stream's buffer is rarely empty, and this runs once a
 // ping interval, so it does not churn.
+//
+// It runs on the session's ticker (mesh.Hooks.Tick) and holds no lock
+// while it shrinks: Shrink may wait for a whole data frame to arrive.
 func (es *egressSession) shrinkStreams() {
 	es.mu.Lock()
-	defer es.mu.Unlock()
+	sts := make([]*yamux.Stream, 0, len(es.links))
 	for lk := range es.links {
 		lk.connMu.Lock()
 		if e, ok := lk.up.(*meshEnd); ok {
-			e.st.Shrink()
+			sts = append(sts, e.st)
 		}
 		lk.connMu.Unlock()
+	}
+	es.mu.Unlock()
+	for _, st := range sts {
+		st.Shrink()
 	}
 }
 

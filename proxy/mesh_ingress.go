@@ -244,7 +244,6 @@ func (in *ingress) checker() {
 		every := in.l.spec().cfg.Ingress.OrDefaults().CheckInterval.D()
 		t.Reset(every)
 		in.check(min(every, time.Second))
-		in.shrinkStreams()
 		if first {
 			close(in.checked)
 		}
@@ -371,10 +370,12 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 }
 
 // shrinkStreams drops the empty receive buffers of the streams the
-// ingress's links read (yamux keeps them otherwise), every check.
-func (in *ingress) shrinkStreams() {
+// ingress's links read on session ms (yamux keeps them otherwise). It is
+// the session's mesh.Hooks.Tick, once a ping interval on a goroutine of
+// the session's: Shrink may wait for a whole data frame to arrive.
+func (in *ingress) shrinkStreams(ms *mesh.Session) {
 	for _, lk := range in.l.snapshotLinks() {
-		if sc, ok := lk.client.(*streamClient); ok {
+		if sc, ok := lk.client.(*streamClient); ok && sc.ms == ms {
 			sc.s.Shrink()
 		}
 	}
@@ -611,7 +612,13 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 		}
 		return true
 	}
-	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, mesh.Hooks{},
+	var self atomic.Pointer[mesh.Session]
+	tick := func() {
+		if ms := self.Load(); ms != nil {
+			in.shrinkStreams(ms)
+		}
+	}
+	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, mesh.Hooks{Tick: tick},
 		mesh.Admission{Admit: admit, Streams: perSession})
 	if err != nil {
 		in.forgetPeer(host)
@@ -619,6 +626,7 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 		return
 	}
 	sess.Store(ms.Sess)
+	self.Store(ms)
 	is.Session = ms
 	in.mu.Lock()
 	if in.closed {

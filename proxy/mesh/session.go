@@ -219,10 +219,7 @@ func ReadStatus(r io.Reader) (StatusMsg, error) {
 
 // yamuxConfig is the session configuration for mesh settings m (with
 // defaults applied) and half-close timeout hc. yamux's own keepalive is
-// off: the session's heartbeat judges it (see Session). A stream that
-// one side closed is freed after the link's half_close_timeout if the
-// other never closes (yamux's default is 5 minutes); 0 keeps it until the
-// other side closes, as a plain link does.
+// off: the session's heartbeat judges it (see Session).
 func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Config {
 	c := yamux.DefaultConfig()
 	c.EnableKeepAlive = false
@@ -234,11 +231,16 @@ func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Con
 	// when it closes it, every waiting write ends.
 	c.ConnectionWriteTimeout = noWriteTimeout
 	c.MaxStreamWindowSize = uint32(m.StreamWindow)
-	c.StreamCloseTimeout = hc
-	if hc <= 0 {
-		// yamux has no reset: without a bound a stream whose other side
-		// never closes would hold its window forever.
-		c.StreamCloseTimeout = 5 * time.Minute
+	// The link's own half-close timer ends a stream one side closed and
+	// the other did not, with a reset both ways (Session.ResetStream),
+	// never a clean end: yamux's timer, which closes the stream as if the
+	// peer had ended it, is only the backstop, armed past the link's
+	// (yamux arms it a moment earlier, in Stream.Close), and off with the
+	// link's (0 keeps the stream until the other side closes, as a plain
+	// link does).
+	c.StreamCloseTimeout = 0
+	if hc > 0 {
+		c.StreamCloseTimeout = hc + m.PingTimeout.D() + time.Second
 	}
 	// The heartbeat alone judges the session: yamux would close it when a
 	// stream's open is not acknowledged in time, which a busy peer may be
@@ -290,7 +292,8 @@ type Session struct {
 	retired atomic.Bool
 
 	Guard *meshGuard
-	Wg    sync.WaitGroup // the heartbeat and the guard's flusher
+	Wg    sync.WaitGroup // the heartbeat, the guard's flusher and the ticker
+	tick  chan struct{}  // the heartbeat's word to the ticker (Hooks.Tick)
 }
 
 // Hooks are a session owner's parts of the heartbeat; each may be nil.
@@ -301,9 +304,17 @@ type Hooks struct {
 	BeforeClose func()
 	// AfterClose runs once after that (the links on it end).
 	AfterClose func()
-	// Tick runs once a ping interval: the owner drops its streams'
-	// empty receive buffers.
+	// Tick runs once a ping interval, on a goroutine of its own: the
+	// owner drops its streams' empty receive buffers. It may block
+	// (yamux's Stream.Shrink waits for the stream's receive lock, which
+	// yamux's receive loop holds for a whole data frame's body, for ever
+	// on a path dark mid-frame): the heartbeat never waits for it, and a
+	// closed session unblocks it.
 	Tick func()
+	// Idle reports whether the session carries no link of the owner's
+	// (the status stream does not count): a retired session then closes.
+	// nil: when it carries no stream at all.
+	Idle func() bool
 }
 
 // Admission is how a session takes the streams the peer opens.
@@ -336,6 +347,11 @@ func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m poli
 		return nil, err
 	}
 	mt.MeshSessions(role).Inc()
+	if hooks.Tick != nil {
+		ms.tick = make(chan struct{}, 1)
+		ms.Wg.Add(1)
+		go ms.ticker()
+	}
 	ms.Wg.Add(2)
 	go ms.heartbeat()
 	go func() {
@@ -343,6 +359,20 @@ func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m poli
 		ms.Guard.flusher(ms.Sess.CloseChan())
 	}()
 	return ms, nil
+}
+
+// ticker runs Hooks.Tick whenever the heartbeat asks, until the session
+// closes.
+func (ms *Session) ticker() {
+	defer ms.Wg.Done()
+	for {
+		select {
+		case <-ms.Sess.CloseChan():
+			return
+		case <-ms.tick:
+			ms.hooks.Tick()
+		}
+	}
 }
 
 // ResetStream ends st as reset on both sides (see meshGuard): the peer's
@@ -395,13 +425,16 @@ func (ms *Session) heartbeat() {
 			ms.DeclareDead(time.Duration(now - ms.lastRead.Load()))
 			return
 		}
-		if ms.retired.Load() && ms.Sess.NumStreams() == 0 {
+		if ms.retired.Load() && (ms.Sess.NumStreams() == 0 || ms.hooks.Idle != nil && ms.hooks.Idle()) {
 			_ = ms.Sess.Close()
 			return
 		}
-		if ms.hooks.Tick != nil && now >= nextTick {
+		if ms.tick != nil && now >= nextTick {
 			nextTick = now + int64(ms.Interval)
-			ms.hooks.Tick()
+			select {
+			case ms.tick <- struct{}{}:
+			default: // the last one still runs
+			}
 		}
 		if now >= nextPing {
 			nextPing = now + int64(ms.Interval)
