@@ -517,6 +517,20 @@ func (p *parser) parse() (Request, bool) {
 			return r, false
 		}
 		r.Hold = millis(p.int32())
+	case keyInitProducerID:
+		return p.initProducerID(r, flexible)
+	case keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn:
+		return p.txnRequest(r, flexible)
+	default:
+		fixedHold(&r)
+	}
+	return r, true
+}
+
+// fixedHold sets what r's api key and version alone say of how long the
+// broker may hold it: the requests with no body field parse reads.
+func fixedHold(r *Request) {
+	switch r.APIKey {
 	case keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup, keyDeleteGroups, keyOffsetDelete,
 		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat, keyStreamsGroupHeartbeat, keyOffsetFetch:
 		// No timeout field: the group coordinator answers once its write
@@ -535,10 +549,6 @@ func (p *parser) parse() (Request, bool) {
 		// elects one (KafkaApis.forwardToController, the forwarding
 		// channel's retry timeout).
 		r.Hold = controllerForwardTimeout
-	case keyInitProducerID:
-		return p.initProducerID(r, flexible)
-	case keyAddPartitionsToTxn, keyAddOffsetsToTxn, keyEndTxn:
-		return p.txnRequest(r, flexible)
 	case keySyncGroup, keyCreateTopics, keyDeleteTopics, keyDeleteRecords,
 		keyCreatePartitions, keyElectLeaders, keyShareFetch, keyAddRaftVoter,
 		keySaslAuthenticate, keyShareAcknowledge, keyDescribeShareGroupOffsets, keyAlterShareGroupOffsets,
@@ -549,13 +559,12 @@ func (p *parser) parse() (Request, bool) {
 		// Before it, a timestamp lookup in a tiered topic's remote
 		// segments is parked for remote.list.offsets.request.timeout.ms
 		// (ReplicaManager.fetchOffset, when the request gives none).
-		if r.HoldUnknown = version >= 10; !r.HoldUnknown {
+		if r.HoldUnknown = r.APIVersion >= 10; !r.HoldUnknown {
 			r.Hold = remoteListOffsetsTimeout
 		}
 	case keySaslHandshake:
-		r.SASLRaw = version == 0
+		r.SASLRaw = r.APIVersion == 0
 	}
-	return r, true
 }
 
 // offsetsCommitTimeout is the broker default of offsets.commit.timeout.ms.
