@@ -10,6 +10,8 @@ import (
 	"io"
 	"net"
 	"runtime/pprof"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -517,4 +519,95 @@ func TestMeshRetiredSessionCloses(t *testing.T) {
 			t.Errorf("reload %d: the ingress still holds %v sessions of this sidecar 10 s after the idle ones were retired, want 1", i, n)
 		}
 	}
+}
+
+// An ingress listener that a reload replaces (here renamed, on the same
+// address; a changed ingress.local does the same) drains: "An ingress that
+// stops accepting (shutdown, or its listener removed by a reload)
+// announces every port not ready ... the links still open are left to
+// finish ... by the exclusion and by the readmission that follows", and a
+// port's epoch is "drawn again when it turns ready after refusing
+// connections". The new ingress draws new epochs for ports whose server
+// never stopped (judgeLocked: old.Epoch == 0), and the egress, once a
+// probe's new session brings the new boot's status, takes them for a
+// server that started afresh and evicts every link still draining
+// through the old ingress (applyStatus -> evictMeshEpoch).
+func TestMeshReplacedIngressLetsLinksDrain(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in, eg := replaceableIngress(t, srv.Addr())
+	c := eg.dial()
+	roundTrip(t, c, []byte("before"))
+	in.rename(t)
+	eg.waitReadmitted(srv.Addr(), 10*time.Second) // excluded (not ready), then readmitted through the new ingress
+	time.Sleep(time.Second)
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte("during the drain")); err == nil {
+		buf := make([]byte, len("during the drain"))
+		if _, err = io.ReadFull(c, buf); err == nil {
+			return
+		}
+	}
+	s := eg.linkEndOf(c, 5*time.Second)
+	t.Fatalf("the link open before the reload, whose server never stopped, ended %s (%v) during the old ingress's drain, want it kept", s.Reason, s.Err)
+}
+
+// replaceableIngress starts an ingress in front of local on a fixed
+// address (so that a reload can replace it there) and an egress to it.
+func replaceableIngress(t *testing.T, local string) (*ingressProxy, *harness) {
+	listen := net.JoinHostPort("127.0.0.2", strconv.Itoa(refusingPort(t, "127.0.0.2")))
+	in := startIngressL(t, "127.0.0.2", local, func(l *policy.Listener) { l.Listen = listen })
+	return in, startEgress(t, local, in.port, nil)
+}
+
+// rename replaces the ingress listener by reload with one of another
+// name on the same address.
+func (in *ingressProxy) rename(t *testing.T) {
+	t.Helper()
+	cfg := in.cfg
+	cfg.Listeners = slices.Clone(cfg.Listeners)
+	cfg.Listeners[0].Name += "-renamed"
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := in.p.Apply(cfg); err != nil {
+		t.Fatal(err)
+	}
+	in.cfg = cfg
+}
+
+// The twin of TestMeshReplacedIngressLetsLinksDrain: a port that refused
+// connections while its ingress was replaced gets a new epoch from the new
+// ingress, as from the old one (its server started afresh).
+func TestMeshReplacedIngressNewEpochAfterARefusal(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	addr := srv.Addr()
+	in, eg := replaceableIngress(t, addr)
+	roundTrip(t, eg.dial(), []byte("before"))
+	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	_, sp, _ := net.SplitHostPort(addr)
+	n, _ := strconv.Atoi(sp)
+	first := waitEpoch(t, pr, uint16(n))
+
+	srv.Close()
+	eg.waitStateOf(addr, "excluded", 5*time.Second)
+	in.rename(t)
+	// The new ingress checks the port (refused) before the server is back.
+	ing := in.p.listeners[0].ingress
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		ing.mu.Lock()
+		refused := ing.checks[uint16(n)] != nil && ing.checks[uint16(n)].refused
+		ing.mu.Unlock()
+		if refused {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the new ingress did not find the port refusing within 5s")
+		}
+	}
+	faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: addr})
+	eg.waitReadmittedOf(addr, 10*time.Second)
+	if got := pr.epochOf(uint16(n)); got == first || got == 0 {
+		t.Fatalf("epoch %d after the server refused and came back under a replaced ingress, want a new one (was %d)", got, first)
+	}
+	roundTrip(t, eg.dialWhenReadmitted(5*time.Second), []byte("after"))
 }

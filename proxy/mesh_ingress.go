@@ -46,7 +46,8 @@ type ingress struct {
 	startOnce sync.Once
 	wg        sync.WaitGroup
 
-	boot uint64 // this process's id in status messages
+	boot uint64       // this process's id in status messages (memo's)
+	memo *ingressMemo // what every ingress on this local host shares
 
 	handshakes atomic.Int64 // connections waiting for their handshake
 	streams    atomic.Int64 // streams served, over all sessions
@@ -88,16 +89,61 @@ type ingressSession struct {
 
 func newIngress(l *listener, cfg policy.Listener) *ingress {
 	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
+	memo := l.p.ingressMemo(host)
 	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
-		boot: mesh.NewEpoch(), status: make(map[uint16]mesh.PortStatus), checks: make(map[uint16]*portCheck),
+		boot: memo.boot, memo: memo, status: make(map[uint16]mesh.PortStatus), checks: make(map[uint16]*portCheck),
 		sessions: make(map[*ingressSession]struct{}), perPeer: make(map[string]int),
 		pending: make(map[*net.TCPConn]struct{})}
 	in.ports = ingressPorts(port, cfg.Ingress.Ports)
 	for _, p := range in.ports {
-		in.status[p] = mesh.PortStatus{} // not ready until the first check
+		// Not ready until the first check; the epoch an earlier ingress
+		// on this host announced stays the port's unless the port
+		// refuses connections in between (a reload that replaced the
+		// ingress did not restart the server).
+		in.status[p] = mesh.PortStatus{Epoch: memo.epoch(p)}
 		in.checks[p] = &portCheck{}
 	}
 	return in
+}
+
+// ingressMemo is what the ingresses of one local host share across the
+// reloads that replace one by another: one boot id, one generation count
+// (messages of the old and the new, both on the peers' sessions for a
+// while, stay ordered) and each port's epoch. One per local host, for
+// the process's life.
+type ingressMemo struct {
+	boot   uint64
+	gen    atomic.Uint64
+	mu     sync.Mutex
+	epochs map[uint16]uint64
+}
+
+func (m *ingressMemo) epoch(port uint16) uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.epochs[port]
+}
+
+func (m *ingressMemo) setEpoch(port uint16, e uint64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.epochs[port] = e
+}
+
+// ingressMemo returns the memo of the ingresses on local host, created
+// on first use.
+func (p *Proxy) ingressMemo(host string) *ingressMemo {
+	p.memoMu.Lock()
+	defer p.memoMu.Unlock()
+	if p.ingressMemos == nil {
+		p.ingressMemos = make(map[string]*ingressMemo)
+	}
+	m := p.ingressMemos[host]
+	if m == nil {
+		m = &ingressMemo{boot: mesh.NewEpoch(), epochs: make(map[uint16]uint64)}
+		p.ingressMemos[host] = m
+	}
+	return m
 }
 
 // ingressPorts is local's port, then ports.
@@ -151,7 +197,7 @@ func (in *ingress) retuneLocked(lc policy.Listener) (orphans []*endpoint) {
 	in.ports = ports
 	var ss []*ingressSession
 	if changed {
-		in.gen++
+		in.gen = in.memo.gen.Add(1)
 		ss = slices.Collect(maps.Keys(in.sessions))
 	}
 	in.mu.Unlock()
@@ -270,7 +316,7 @@ func (in *ingress) check(timeout time.Duration) {
 	}
 	var ss []*ingressSession
 	if changed {
-		in.gen++
+		in.gen = in.memo.gen.Add(1)
 		ss = slices.Collect(maps.Keys(in.sessions))
 	}
 	in.mu.Unlock()
@@ -359,6 +405,7 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 		// Nothing listened in between: the server started afresh,
 		// and links opened before are to the process that went.
 		ns.Epoch = mesh.NewEpoch()
+		in.memo.setEpoch(port, ns.Epoch)
 	}
 	if ready {
 		pc.refused = false
@@ -394,7 +441,7 @@ func (in *ingress) drain() {
 	for port, st := range in.status {
 		in.status[port] = mesh.PortStatus{Epoch: st.Epoch}
 	}
-	in.gen++
+	in.gen = in.memo.gen.Add(1)
 	ss := slices.Collect(maps.Keys(in.sessions))
 	in.mu.Unlock()
 	for _, is := range ss {

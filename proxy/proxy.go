@@ -111,6 +111,11 @@ type Proxy struct {
 	closing  bool           // Shutdown began: no more reloads (under mu)
 	bg       sync.WaitGroup // drains of listeners a reload removed, starters
 
+	// memoMu guards ingressMemos, what the ingresses a reload replaces
+	// share, by local host (see ingressMemo); it is taken alone.
+	memoMu       sync.Mutex
+	ingressMemos map[string]*ingressMemo
+
 	// meshMu guards peers, the ingress sidecars this proxy reaches through
 	// the mesh, by host:mesh port. It is taken alone.
 	meshMu     sync.Mutex
