@@ -115,6 +115,14 @@ func (c *tcpClient) Write(p []byte) (int, error) {
 	return n, nil
 }
 
+// clientReset reports whether the client's socket, whose read just
+// returned the end of the stream, was reset rather than half-closed (see
+// flow.ResetNotFin); false for a mesh stream.
+func (lk *link) clientReset() bool {
+	c, ok := lk.client.(*tcpClient)
+	return ok && c.rc != nil && flow.ResetNotFin(c.rc, lk.bytesUp.Load())
+}
+
 // CloseWrite passes the FIN on, as net.TCPConn.CloseWrite does
 // (flow.ShutdownWrite).
 func (c *tcpClient) CloseWrite() error {

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/mesh"
@@ -249,6 +250,9 @@ func (e *meshEnd) requests() {
 				return
 			}
 			continue
+		}
+		if errors.Is(err, io.EOF) && lk.clientReset() {
+			err = syscall.ECONNRESET // a write took the reset's error (see flow.ResetNotFin)
 		}
 		if errors.Is(err, io.EOF) {
 			lk.sawFin(CloseClientClosed)

@@ -375,6 +375,9 @@ func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
 // a FIN is passed on after whatever is queued, anything else aborts.
 func (e *tcpEnd) requestsEnded(err error) {
 	lk := e.lk
+	if errors.Is(err, io.EOF) && lk.clientReset() {
+		err = syscall.ECONNRESET // a write took the reset's error (see flow.ResetNotFin)
+	}
 	if !errors.Is(err, io.EOF) {
 		lk.abort(CloseClientError, err)
 		return
@@ -624,6 +627,9 @@ func (e *tcpEnd) pumpResponses() (parked bool) {
 			return true
 		case parkContinue:
 			continue
+		}
+		if errors.Is(err, io.EOF) && flow.ResetNotFin(e.raw, lk.bytesDown.Load()) {
+			err = syscall.ECONNRESET // a write took the reset's error (see ResetNotFin)
 		}
 		if errors.Is(err, io.EOF) {
 			if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.MidFrame() {

@@ -12,9 +12,9 @@ import (
 // its queue's chunks and in the read buffers its pumps have in hand.
 //
 // A queue takes its chunks from the budget (take) and gives them back as
-// they drain (give). A read buffer is counted (reading) but never refused:
-// it is held for one read and one hand-off, and there are at most two per
-// link, which max_links bounds. When a queue's chunk does not fit, the
+// they drain (give). A read buffer is counted (reading) but never refused,
+// and takes no queue's room (see takeFor): it is held for one read and one
+// hand-off, and there are at most two per link, which max_links bounds. When a queue's chunk does not fit, the
 // link waits (backpressure: its request pump stops reading the client)
 // until a chunk is given back; only a link whose own upstream has bytes
 // waiting and acknowledged nothing for write_timeout is closed instead
@@ -61,12 +61,17 @@ func (b *Budget) take(n int64) bool { return b.takeFor(&b.Queued, n) }
 func (b *Budget) give(n int64) { b.giveFor(&b.Queued, n) }
 
 // takeFor counts n bytes in use (Queued or Windows), unless the budget
-// has no room.
+// has no room for them beside the queues and windows. The read buffers in
+// hand are not in the way: a pump that waits for a chunk holds the one it
+// read, and the waiters' own buffers alone could fill the budget with no
+// queue left to give a chunk back, every link waiting for good. They are
+// bounded by max_links instead (two per link, which the derived max_links
+// leaves room for beside the budget: linkOverhead).
 func (b *Budget) takeFor(use *atomic.Int64, n int64) bool {
 	lim := b.Limit.Load()
 	for {
 		u := use.Load()
-		if lim > 0 && b.Used()+n > lim {
+		if lim > 0 && b.Queued.Load()+b.Windows.Load()+n > lim {
 			return false
 		}
 		if use.CompareAndSwap(u, u+n) {

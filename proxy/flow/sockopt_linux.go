@@ -184,6 +184,28 @@ func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 	return n, now - int64(ti.Last_data_recv)*int64(time.Millisecond) - receivedSlack, true
 }
 
+// ResetNotFin reports whether rc's socket, whose read just returned the
+// end of the stream, was ended by a reset, not by the peer's FIN: it is
+// closed (TCP_INFO's state) and tcpi_bytes_received, which counts a FIN
+// as one byte, is no more than the read bytes taken from it. The kernel
+// reports a reset's error once, to whichever call on the socket comes
+// first; when a write of another goroutine took it, the read that follows
+// returns 0 as it does after a FIN, and passing that on as a FIN would
+// make a cut-short stream look whole. A count that missed bytes reads as
+// a FIN, as before. A socket closed under the read (the write that took
+// the reset has its link aborted already, which closes it) counts as
+// reset: nothing is to be passed on from it.
+func ResetNotFin(rc syscall.RawConn, read int64) bool {
+	var ti unix.TCPInfo
+	var err error
+	if cerr := rc.Control(func(fd uintptr) {
+		err = getsockopt(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti)))
+	}); cerr != nil {
+		return true
+	}
+	return err == nil && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
+}
+
 // receivedSlack is how much earlier than the kernel's figure Received
 // puts an arrival: a jiffy at HZ=100, and the millisecond the conversion
 // may round away.

@@ -28,6 +28,9 @@ func BytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
 // Received is unknown outside Linux.
 func Received(syscall.RawConn) (n, at int64, ok bool) { return 0, 0, false }
 
+// ResetNotFin is false: the kernel's TCP state is not read here.
+func ResetNotFin(syscall.RawConn, int64) bool { return false }
+
 // OriginalDst needs Linux's SO_ORIGINAL_DST: transparent listeners work
 // only there.
 func OriginalDst(syscall.Conn, net.Addr) (netip.AddrPort, error) {
