@@ -57,7 +57,7 @@ type Request struct {
 	//   - requests the group coordinator answers after a write to the
 	//     offsets log (OffsetCommit, TxnOffsetCommit, Heartbeat,
 	//     LeaveGroup, DeleteGroups, OffsetDelete, ConsumerGroupHeartbeat,
-	//     ShareGroupHeartbeat, StreamsGroupHeartbeat; OffsetFetch, which
+	//     ShareGroupHeartbeat, StreamsGroupHeartbeat; OffsetFetch v7+, which
 	//     with require_stable waits for pending offsets to be written),
 	//     and an InitProducerId without a
 	//     transactional id (an idempotent producer's: no transaction log
@@ -532,16 +532,21 @@ func (p *parser) parse() (Request, bool) {
 func fixedHold(r *Request) {
 	switch r.APIKey {
 	case keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup, keyDeleteGroups, keyOffsetDelete,
-		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat, keyStreamsGroupHeartbeat, keyOffsetFetch:
+		keyConsumerGroupHeartbeat, keyShareGroupHeartbeat, keyStreamsGroupHeartbeat:
 		// No timeout field: the group coordinator answers once its write
 		// to the offsets log is replicated, or fails it after
 		// offsets.commit.timeout.ms (the coordinator runtime's default
-		// timeout for every write). An OffsetFetch with require_stable
-		// (the Java consumer always sets it, librdkafka under its default
-		// read_committed) is run as a write on the new coordinator (Kafka
-		// 4.0+) so that it waits for pending offsets to be committed
-		// (GroupCoordinatorService.fetchOffsets).
+		// timeout for every write).
 		r.Hold = offsetsCommitTimeout
+	case keyOffsetFetch:
+		// v7 added require_stable: with it (the Java consumer always sets
+		// it, librdkafka under its default read_committed) the new group
+		// coordinator (Kafka 4.0+) runs it as a write, so that it waits
+		// for pending offsets to be committed
+		// (GroupCoordinatorService.fetchOffsets). Before v7, a read.
+		if r.APIVersion >= 7 {
+			r.Hold = offsetsCommitTimeout
+		}
 	case keyCreateACLs, keyDeleteACLs, keyAlterConfigs, keyIncrementalAlterConfigs, keyAlterClientQuotas,
 		keyAlterUserScramCredentials, keyCreateDelegationToken, keyRenewDelegationToken, keyExpireDelegationToken:
 		// No timeout field: a KRaft broker forwards these to the active

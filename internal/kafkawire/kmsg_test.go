@@ -320,7 +320,7 @@ func bodyCases(k, v int16) []kcase {
 		switch {
 		case slices.Contains([]int16{keyOffsetCommit, keyTxnOffsetCommit, keyHeartbeat, keyLeaveGroup,
 			keyDeleteGroups, keyOffsetDelete, keyConsumerGroupHeartbeat, keyShareGroupHeartbeat,
-			keyStreamsGroupHeartbeat, keyOffsetFetch}, k):
+			keyStreamsGroupHeartbeat}, k) || k == keyOffsetFetch && v >= 7:
 			want.Hold = 5 * time.Second // a group coordinator write
 		case slices.Contains([]int16{keyCreateACLs, keyDeleteACLs, keyAlterConfigs, keyIncrementalAlterConfigs,
 			keyAlterClientQuotas, keyAlterUserScramCredentials, keyCreateDelegationToken,
