@@ -82,6 +82,8 @@ type egressSession struct {
 	// maxStreams is what the ingress lets a session carry (its
 	// handshake said).
 	maxStreams int
+	// statusOpen is 1 while the ingress's status stream is open here.
+	statusOpen atomic.Int32
 	mu         sync.Mutex
 	links      map[*link]struct{}
 }
@@ -99,6 +101,14 @@ func (es *egressSession) idle() bool {
 	es.mu.Lock()
 	defer es.mu.Unlock()
 	return len(es.links) == 0
+}
+
+// unused reports whether the session carries no link and no stream but
+// the status stream: none attached, none still opening (a link's stream
+// counts from OpenStream, before the ingress's ack and the attach), none
+// that a link gave up. A retired session closes then (mesh.Hooks.Idle).
+func (es *egressSession) unused() bool {
+	return es.idle() && es.Sess.NumStreams() <= int(es.statusOpen.Load())
 }
 
 // full reports whether the session carries as many streams as the
@@ -304,7 +314,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
 	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
-		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams, Idle: es.idle}, mesh.Admission{Admit: admit, Streams: 1})
+		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams, Idle: es.unused}, mesh.Admission{Admit: admit, Streams: 1})
 	if err != nil {
 		_ = c.Close()
 		return nil, err
@@ -356,7 +366,9 @@ func (es *egressSession) readStatus() {
 	if err != nil {
 		return
 	}
+	es.statusOpen.Store(1)
 	defer st.Close()
+	defer es.statusOpen.Store(0) // before the close: until it, not unused
 	for {
 		msg, err := mesh.ReadStatus(st)
 		if err != nil {

@@ -32,7 +32,7 @@ import (
 // as a link (with the listener's upstream enforcement), and announces to
 // every session whether each local port accepts connections.
 //
-// Goroutines: the checker, and per session its heartbeat, its stream
+// Goroutines: the checker, the shrinker, and per session its heartbeat, its stream
 // accept loop and its status writer, all owned by wg; a stream's
 // handshake goroutine becomes its link's (counted by the listener).
 type ingress struct {
@@ -40,6 +40,7 @@ type ingress struct {
 	host string
 
 	kick      chan struct{} // check now
+	shrink    chan struct{} // the checker's word to the shrinker
 	checked   chan struct{} // closed after the first check: statuses wait for it
 	stop      chan struct{}
 	once      sync.Once
@@ -90,11 +91,14 @@ type ingressSession struct {
 func newIngress(l *listener, cfg policy.Listener) *ingress {
 	host, port, _ := net.SplitHostPort(cfg.Ingress.Local)
 	memo := l.p.ingressMemo(host)
-	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
+	in := &ingress{l: l, host: host, kick: make(chan struct{}, 1), shrink: make(chan struct{}, 1), stop: make(chan struct{}), checked: make(chan struct{}),
 		boot: memo.boot, memo: memo, status: make(map[uint16]mesh.PortStatus), checks: make(map[uint16]*portCheck),
 		sessions: make(map[*ingressSession]struct{}), perPeer: make(map[string]int),
 		pending: make(map[*net.TCPConn]struct{})}
 	in.ports = ingressPorts(port, cfg.Ingress.Ports)
+	// After the generations of the ingress it replaces: its messages are
+	// no stale ones to the peers that heard that one.
+	in.gen = memo.gen.Add(1)
 	for _, p := range in.ports {
 		// Not ready until the first check; the epoch an earlier ingress
 		// on this host announced stays the port's unless the port
@@ -109,13 +113,15 @@ func newIngress(l *listener, cfg policy.Listener) *ingress {
 // ingressMemo is what the ingresses of one local host share across the
 // reloads that replace one by another: one boot id, one generation count
 // (messages of the old and the new, both on the peers' sessions for a
-// while, stay ordered) and each port's epoch. One per local host, for
-// the process's life.
+// while, stay ordered), each port's epoch and the refusals seen since it
+// was drawn. One per local host, for the process's life. Its mu is taken
+// under an ingress's mu, and nothing is taken under it.
 type ingressMemo struct {
-	boot   uint64
-	gen    atomic.Uint64
-	mu     sync.Mutex
-	epochs map[uint16]uint64
+	boot    uint64
+	gen     atomic.Uint64
+	mu      sync.Mutex
+	epochs  map[uint16]uint64
+	refused map[uint16]bool // the port refused connections since its epoch was drawn
 }
 
 func (m *ingressMemo) epoch(port uint16) uint64 {
@@ -130,6 +136,29 @@ func (m *ingressMemo) setEpoch(port uint16, e uint64) {
 	m.epochs[port] = e
 }
 
+// sawRefused records that port refused connections: the next ingress of
+// the host to find it ready draws a new epoch, whichever saw the refusal.
+func (m *ingressMemo) sawRefused(port uint16) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.refused[port] = true
+}
+
+// readyEpoch is the epoch of port, which an ingress of the host finds
+// ready: the one announced before, or a new one when there was none or
+// the port refused connections since (refused: this ingress saw it).
+func (m *ingressMemo) readyEpoch(port uint16, refused bool) uint64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if refused || m.refused[port] || m.epochs[port] == 0 {
+		// Nothing listened in between: the server started afresh, and
+		// links opened before are to the process that went.
+		m.epochs[port] = mesh.NewEpoch()
+	}
+	delete(m.refused, port)
+	return m.epochs[port]
+}
+
 // ingressMemo returns the memo of the ingresses on local host, created
 // on first use.
 func (p *Proxy) ingressMemo(host string) *ingressMemo {
@@ -140,7 +169,7 @@ func (p *Proxy) ingressMemo(host string) *ingressMemo {
 	}
 	m := p.ingressMemos[host]
 	if m == nil {
-		m = &ingressMemo{boot: mesh.NewEpoch(), epochs: make(map[uint16]uint64)}
+		m = &ingressMemo{boot: mesh.NewEpoch(), epochs: make(map[uint16]uint64), refused: make(map[uint16]bool)}
 		p.ingressMemos[host] = m
 	}
 	return m
@@ -246,10 +275,11 @@ func (in *ingress) localEndpoints() []*endpoint {
 	return eps
 }
 
-// start runs the checker.
+// start runs the checker and the shrinker.
 func (in *ingress) start() {
-	in.wg.Add(1)
+	in.wg.Add(2)
 	go in.checker()
+	go in.shrinker()
 }
 
 // close ends every session and the checker, and waits for them.
@@ -290,6 +320,10 @@ func (in *ingress) checker() {
 		every := in.l.spec().cfg.Ingress.OrDefaults().CheckInterval.D()
 		t.Reset(every)
 		in.check(min(every, time.Second))
+		select {
+		case in.shrink <- struct{}{}:
+		default: // the last one still runs
+		}
 		if first {
 			close(in.checked)
 		}
@@ -390,6 +424,7 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 		ready = true
 	case r.refused:
 		pc.refused = true
+		in.memo.sawRefused(port)
 		ready = false
 	case r.err != nil:
 		pc.failures++
@@ -401,13 +436,8 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 		return false
 	}
 	ns := mesh.PortStatus{Ready: ready, Epoch: old.Epoch}
-	if ready && (old.Epoch == 0 || pc.refused) {
-		// Nothing listened in between: the server started afresh,
-		// and links opened before are to the process that went.
-		ns.Epoch = mesh.NewEpoch()
-		in.memo.setEpoch(port, ns.Epoch)
-	}
 	if ready {
+		ns.Epoch = in.memo.readyEpoch(port, pc.refused)
 		pc.refused = false
 	}
 	in.status[port] = ns
@@ -417,13 +447,28 @@ func (in *ingress) judgeLocked(port uint16, r checkResult) (changed bool) {
 }
 
 // shrinkStreams drops the empty receive buffers of the streams the
-// ingress's links read on session ms (yamux keeps them otherwise). It is
-// the session's mesh.Hooks.Tick, once a ping interval on a goroutine of
-// the session's: Shrink may wait for a whole data frame to arrive.
-func (in *ingress) shrinkStreams(ms *mesh.Session) {
+// ingress's links read (yamux keeps them otherwise).
+func (in *ingress) shrinkStreams() {
 	for _, lk := range in.l.snapshotLinks() {
-		if sc, ok := lk.client.(*streamClient); ok && sc.ms == ms {
+		if sc, ok := lk.client.(*streamClient); ok {
 			sc.s.Shrink()
+		}
+	}
+}
+
+// shrinker runs shrinkStreams whenever the checker asks, after each
+// check, on a goroutine of its own: Shrink may wait for a whole data
+// frame to arrive (yamux's receive loop holds the stream's lock for the
+// frame's body, for good on a path dark mid-frame, until the session's
+// heartbeat closes it), and the port checks must not wait for that.
+func (in *ingress) shrinker() {
+	defer in.wg.Done()
+	for {
+		select {
+		case <-in.stop:
+			return
+		case <-in.shrink:
+			in.shrinkStreams()
 		}
 	}
 }
@@ -659,13 +704,11 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 		}
 		return true
 	}
-	var self atomic.Pointer[mesh.Session]
-	tick := func() {
-		if ms := self.Load(); ms != nil {
-			in.shrinkStreams(ms)
-		}
-	}
-	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.s.HalfCloseTimeout.D(), h.log, in.l.p.metrics, mesh.Hooks{Tick: tick},
+	// No yamux close timer here (hc 0): the session outlives reloads that
+	// change the listener's half_close_timeout, which its links follow,
+	// and a timer armed from the old one could end a stream first,
+	// passing a clean end on. The links' own timers reset the streams.
+	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, 0, h.log, in.l.p.metrics, mesh.Hooks{},
 		mesh.Admission{Admit: admit, Streams: perSession})
 	if err != nil {
 		in.forgetPeer(host)
@@ -673,7 +716,6 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 		return
 	}
 	sess.Store(ms.Sess)
-	self.Store(ms)
 	is.Session = ms
 	in.mu.Lock()
 	if in.closed {

@@ -352,7 +352,8 @@ func (in *ingressProxy) bumpEpoch(t *testing.T, port uint16) uint64 {
 	e := mesh.NewEpoch()
 	ing.mu.Lock()
 	ing.status[port] = mesh.PortStatus{Ready: true, Epoch: e}
-	ing.gen++
+	ing.memo.setEpoch(port, e)
+	ing.gen = ing.memo.gen.Add(1)
 	for is := range ing.sessions {
 		is.notify()
 	}

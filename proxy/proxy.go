@@ -112,7 +112,8 @@ type Proxy struct {
 	bg       sync.WaitGroup // drains of listeners a reload removed, starters
 
 	// memoMu guards ingressMemos, what the ingresses a reload replaces
-	// share, by local host (see ingressMemo); it is taken alone.
+	// share, by local host (see ingressMemo); it is taken under mu (a
+	// reload builds the new ingress), and nothing is taken under it.
 	memoMu       sync.Mutex
 	ingressMemos map[string]*ingressMemo
 

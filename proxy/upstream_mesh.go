@@ -100,7 +100,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 			if _, err = st.Write(mesh.Header(uint16(n))); err == nil {
 				return es.awaitAck(ctx, lk, st, uint16(n))
 			}
-			_ = st.Close()
+			es.ResetStream(st)
 		}
 		// A stream that cannot open on a live session is no evidence
 		// against the server: the session is retired, another takes the
@@ -132,7 +132,10 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	if err == nil && ack[0] == mesh.Ack {
 		return &meshEnd{lk: lk, st: st, sess: es, port: port}, nil
 	}
-	_ = st.Close()
+	// A reset, not a FIN: an ingress whose connect completes later would
+	// pass a FIN on to the server as the client's half-close, and the
+	// stream, which no link owns, would stay open on both sides.
+	es.ResetStream(st)
 	_ = st.SetDeadline(pastDeadline)
 	if es.Dead.Load() {
 		return nil, errMeshDead
@@ -180,7 +183,8 @@ func (e *meshEnd) attach(ep *endpoint) bool {
 		ep.add(lk)
 	}
 	if !open {
-		_ = e.st.Close()
+		e.sess.ResetStream(e.st) // the link was aborted during its dial: see awaitAck
+		_ = e.st.SetDeadline(pastDeadline)
 		return false
 	}
 	if !e.sess.add(lk) {
