@@ -94,7 +94,7 @@ func (p *Proxy) reap() {
 			continue
 		}
 		logged = time.Now()
-		p.log.Warn().Int64("budget_bytes", b.Limit.Load()).Int64("used_bytes", b.Used()).Int64("reads_held_back", held).
+		p.log.Warn().Int64("budget_bytes", b.Limit.Load()).Int64("used_bytes", b.Queued.Load()+b.Windows.Load()).Int64("read_buffer_bytes", b.Reads.Load()).Int64("reads_held_back", held).
 			Int64("links_closed", closed).Int32("links_waiting", b.Nwait.Load()).
 			Msg("memory budget full: links toward live upstreams wait, links toward upstreams without progress for write_timeout are closed")
 	}

@@ -169,8 +169,8 @@ type streamConn interface {
 // readiness to wait on, so a read holds its chunk while it waits: a small
 // one while the stream is likely idle (the last read did not fill its
 // chunk), a full one while data streams in. yamux's receive buffer is
-// dropped when empty by shrinkStreams, from the session's own periodic
-// loop: an idle mesh link then holds a small chunk, not two 64 KiB
+// dropped when empty by shrinkStreams, from the session's ticker (egress)
+// or the ingress's shrinker: an idle mesh link then holds a small chunk, not two 64 KiB
 // buffers, and a busy one does not reallocate its buffer per read.
 type streamReader struct{ streaming bool }
 

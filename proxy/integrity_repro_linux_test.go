@@ -158,9 +158,9 @@ func clientResetSeenAsFin(t *testing.T) bool {
 
 // Links waiting for the memory budget must not starve on their own read
 // buffers: a request pump that waits for a queue chunk (waitForBudget)
-// holds the 64 KiB chunk it read, counted in the budget's Reads, and a
-// chunk is taken only while Used() (queues, reads and windows) leaves room
-// for it (Budget.takeFor). Once the waiters' own buffers fill the budget,
+// holds the 64 KiB chunk it read, counted in the budget's Reads. Was: a
+// chunk was taken only while Used() (queues, reads and windows) left room
+// for it (Budget.takeFor; now queues and windows only). Once the waiters' own buffers fill the budget,
 // no queue is left to give a chunk back, no waiter can take one, and none
 // is closed (nothing is queued or owed: neither the reaper nor the
 // waiter's own stall check fires): every link waits for good, its client

@@ -460,7 +460,10 @@ func (in *ingress) shrinkStreams() {
 // check, on a goroutine of its own: Shrink may wait for a whole data
 // frame to arrive (yamux's receive loop holds the stream's lock for the
 // frame's body, for good on a path dark mid-frame, until the session's
-// heartbeat closes it), and the port checks must not wait for that.
+// heartbeat closes it), and the port checks must not wait for that. It
+// runs at the checks' pace (check_interval), and one Shrink blocked so
+// holds up the others' for up to ping_timeout: both only keep empty
+// buffers a while longer.
 func (in *ingress) shrinker() {
 	defer in.wg.Done()
 	for {

@@ -103,7 +103,12 @@ func TestMeshRetiredSessionWaitsForAnOpeningLink(t *testing.T) {
 	if _, err := c2.Write([]byte("second")); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // the stream is open, its ack ~1 s away
+	// The stream is open (with the status stream, two), its ack ~1 s away.
+	for deadline := time.Now().Add(5 * time.Second); es.Sess.NumStreams() < 2; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the second link's stream did not open within 5s (%d streams)", es.Sess.NumStreams())
+		}
+	}
 	streams := es.Sess.NumStreams()
 	es.Retire("stands for stream ids running out")
 	got := make([]byte, len("second"))

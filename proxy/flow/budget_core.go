@@ -86,13 +86,9 @@ func (b *Budget) giveFor(use *atomic.Int64, n int64) {
 	b.wakeOne()
 }
 
-// Reading counts (n > 0) or returns (n < 0) a read buffer.
-func (b *Budget) Reading(n int64) {
-	b.Reads.Add(n)
-	if n < 0 {
-		b.wakeOne()
-	}
-}
+// Reading counts (n > 0) or returns (n < 0) a read buffer. A returned one
+// frees no room a queue waits for (see takeFor): nobody is woken.
+func (b *Budget) Reading(n int64) { b.Reads.Add(n) }
 
 // Wait registers a waiting link; its channel is signalled once when room
 // may have been given back. The caller retries, then calls unwait.

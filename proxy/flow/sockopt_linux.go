@@ -195,15 +195,20 @@ func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 // a FIN, as before. A socket closed under the read (the write that took
 // the reset has its link aborted already, which closes it) counts as
 // reset: nothing is to be passed on from it.
+//
+// A kernel that does not fill tcpi_bytes_received (before Linux 4.1)
+// leaves the question open: a FIN, as before.
 func ResetNotFin(rc syscall.RawConn, read int64) bool {
 	var ti unix.TCPInfo
+	var n uint32
 	var err error
 	if cerr := rc.Control(func(fd uintptr) {
-		err = getsockopt(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti)))
+		n, err = getsockoptLen(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti)))
 	}); cerr != nil {
 		return true
 	}
-	return err == nil && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
+	filled := n >= uint32(unsafe.Offsetof(ti.Bytes_received)+unsafe.Sizeof(ti.Bytes_received))
+	return err == nil && filled && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
 }
 
 // receivedSlack is how much earlier than the kernel's figure Received

@@ -250,13 +250,20 @@ func setsockoptInt(fd, level, opt, value int) error {
 // getsockopt is getsockopt(2) into the size bytes at p, made as SysRead is:
 // TCP_INFO, read while writing under a deadline.
 func getsockopt(fd, level, opt int, p unsafe.Pointer, size uint32) error {
+	_, err := getsockoptLen(fd, level, opt, p, size)
+	return err
+}
+
+// getsockoptLen is getsockopt that also returns how many bytes of p the
+// kernel filled (an older kernel fills less of a struct that grew).
+func getsockoptLen(fd, level, opt int, p unsafe.Pointer, size uint32) (uint32, error) {
 	l := size
 	_, _, e := syscall.RawSyscall6(syscall.SYS_GETSOCKOPT, uintptr(fd), uintptr(level), uintptr(opt),
 		uintptr(p), uintptr(unsafe.Pointer(&l)), 0)
 	if e != 0 {
-		return os.NewSyscallError("getsockopt", e)
+		return 0, os.NewSyscallError("getsockopt", e)
 	}
-	return nil
+	return l, nil
 }
 
 // ShutdownWrite passes a FIN on rc's socket (shutdown(2) with SHUT_WR),
