@@ -87,10 +87,12 @@ func TestFrozenProxyBlamesNoUpstream(t *testing.T) {
 	const (
 		// connect_timeout well past the SYN sent again at 1 s, so that a
 		// freeze that begins late (a busy machine forks the shell slowly)
-		// still begins before the deadline; the freeze past 2 timeouts
-		// with a second to spare.
-		timeout = 2 * time.Second
-		freeze  = 5 * time.Second
+		// still begins before the deadline, and so that both links' dials
+		// are under way at once even when the proxy starts the second
+		// one late (2 s was not enough with a benchmark pinned beside the
+		// test); the freeze past 2 timeouts with a second to spare.
+		timeout = 4 * time.Second
+		freeze  = 9 * time.Second
 	)
 	tune := func(s *policy.Settings) {
 		s.ConnectTimeout = policy.Duration(timeout)
