@@ -29,17 +29,7 @@ import (
 // 15 attempts of 200 ended with a FIN at the client (the link's error:
 // "writev: connection reset by peer"), none of 200 with GOMAXPROCS=1.
 func TestUpstreamResetNeverReachesTheClientAsAFin(t *testing.T) {
-	fins, attempts := 0, 0
-	deadline := time.Now().Add(10 * time.Second)
-	for ; attempts < 200 && time.Now().Before(deadline); attempts++ {
-		if upstreamResetSeenAsFin(t) {
-			fins++
-		}
-	}
-	if fins > 0 {
-		t.Errorf("%d of %d upstream resets reached the client as a FIN (EOF) first", fins, attempts)
-	}
-	t.Logf("%d attempts, %d FINs", attempts, fins)
+	countFins(t, 200, upstreamResetSeenAsFin, "upstream resets reached the client")
 }
 
 // upstreamResetSeenAsFin makes one attempt: the client writes 2 MiB to a
@@ -47,19 +37,8 @@ func TestUpstreamResetNeverReachesTheClientAsAFin(t *testing.T) {
 // take, the server resets, and the client, which writes nothing more,
 // reads to the end: EOF is a FIN that came before the reset.
 func upstreamResetSeenAsFin(t *testing.T) bool {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ln, accepted := acceptOne(t)
 	defer ln.Close()
-	accepted := make(chan *net.TCPConn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err == nil {
-			accepted <- c.(*net.TCPConn)
-		}
-		close(accepted)
-	}()
 	h := start(t, ln.Addr().String(), func(s *policy.Settings) { s.WriteTimeout = 0 })
 	defer h.p.Close()
 	c := h.dial()
@@ -73,7 +52,7 @@ func upstreamResetSeenAsFin(t *testing.T) bool {
 	_ = srv.SetLinger(0)
 	_ = srv.Close()
 	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
-	_, err = io.Copy(io.Discard, c)
+	_, err := io.Copy(io.Discard, c)
 	ls := h.linkEnd(5 * time.Second)
 	switch {
 	case err == nil: // io.Copy's EOF
@@ -97,29 +76,32 @@ func upstreamResetSeenAsFin(t *testing.T) bool {
 // about 80 ended with a FIN at the server (the link's error: "write:
 // connection reset by peer", the response pump's write to the client).
 func TestClientResetNeverReachesTheUpstreamAsAFin(t *testing.T) {
+	countFins(t, 100, clientResetSeenAsFin, "client resets reached the upstream")
+}
+
+// countFins makes up to max attempts (for at most 10 s) and fails the
+// test if any saw a FIN where a reset was sent.
+func countFins(t *testing.T, max int, attempt func(*testing.T) bool, what string) {
 	fins, attempts := 0, 0
 	deadline := time.Now().Add(10 * time.Second)
-	for ; attempts < 100 && time.Now().Before(deadline); attempts++ {
-		if clientResetSeenAsFin(t) {
+	for ; attempts < max && time.Now().Before(deadline); attempts++ {
+		if attempt(t) {
 			fins++
 		}
 	}
 	if fins > 0 {
-		t.Errorf("%d of %d client resets reached the upstream as a FIN (EOF) first", fins, attempts)
+		t.Errorf("%d of %d %s as a FIN (EOF) first", fins, attempts, what)
 	}
 	t.Logf("%d attempts, %d FINs", attempts, fins)
 }
 
-// clientResetSeenAsFin makes one attempt: the server writes until the
-// proxy can take no more (its client reads nothing), stops writing, the
-// client resets, and the server reads to the end: EOF is a FIN that came
-// before the reset.
-func clientResetSeenAsFin(t *testing.T) bool {
+// acceptOne listens on loopback and hands over the first connection it
+// accepts (the channel closes after it, or on the listener's close).
+func acceptOne(t *testing.T) (net.Listener, <-chan *net.TCPConn) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
 	accepted := make(chan *net.TCPConn, 1)
 	go func() {
 		c, err := ln.Accept()
@@ -128,6 +110,16 @@ func clientResetSeenAsFin(t *testing.T) bool {
 		}
 		close(accepted)
 	}()
+	return ln, accepted
+}
+
+// clientResetSeenAsFin makes one attempt: the server writes until the
+// proxy can take no more (its client reads nothing), stops writing, the
+// client resets, and the server reads to the end: EOF is a FIN that came
+// before the reset.
+func clientResetSeenAsFin(t *testing.T) bool {
+	ln, accepted := acceptOne(t)
+	defer ln.Close()
 	h := start(t, ln.Addr().String(), nil)
 	defer h.p.Close()
 	c := h.dial()
@@ -143,7 +135,7 @@ func clientResetSeenAsFin(t *testing.T) bool {
 	_ = c.SetLinger(0)
 	_ = c.Close()
 	_ = srv.SetReadDeadline(time.Now().Add(5 * time.Second))
-	_, err = io.Copy(io.Discard, srv)
+	_, err := io.Copy(io.Discard, srv)
 	ls := h.linkEnd(5 * time.Second)
 	switch {
 	case err == nil: // io.Copy's EOF

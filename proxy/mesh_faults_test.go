@@ -407,19 +407,7 @@ func TestMeshIngressHalfCloseTimeoutResetsServer(t *testing.T) {
 		c := eg.dial()
 		stop := make(chan struct{})
 		up := make(chan struct{})
-		go func() { // upload a little at a time until told to stop or cut
-			defer close(up)
-			for {
-				if _, err := c.Write([]byte("upload chunk ")); err != nil {
-					return
-				}
-				select {
-				case <-stop:
-					return
-				case <-time.After(20 * time.Millisecond):
-				}
-			}
-		}()
+		go trickleUpload(c, stop, up)
 		select {
 		case err := <-ends:
 			if err == nil {
@@ -610,4 +598,20 @@ func TestMeshReplacedIngressNewEpochAfterARefusal(t *testing.T) {
 		t.Fatalf("epoch %d after the server refused and came back under a replaced ingress, want a new one (was %d)", got, first)
 	}
 	roundTrip(t, eg.dialWhenReadmitted(5*time.Second), []byte("after"))
+}
+
+// trickleUpload writes a little to c every 20 ms until stop is closed or
+// a write fails, then closes up.
+func trickleUpload(c net.Conn, stop <-chan struct{}, up chan<- struct{}) {
+	defer close(up)
+	for {
+		if _, err := c.Write([]byte("upload chunk ")); err != nil {
+			return
+		}
+		select {
+		case <-stop:
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
 }

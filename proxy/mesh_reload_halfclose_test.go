@@ -45,19 +45,7 @@ func TestMeshIngressReloadedHalfCloseResetsTheServer(t *testing.T) {
 		stop := make(chan struct{})
 		up := make(chan struct{})
 		t0 := time.Now()
-		go func() {
-			defer close(up)
-			for {
-				if _, err := c.Write([]byte("upload chunk ")); err != nil {
-					return
-				}
-				select {
-				case <-stop:
-					return
-				case <-time.After(20 * time.Millisecond):
-				}
-			}
-		}()
+		go trickleUpload(c, stop, up)
 		var e end
 		select {
 		case e = <-ends:
