@@ -343,10 +343,21 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 // meanwhile (CPU throttling, a frozen host), and the answer may have come
 // while it could not read it. That is no evidence against the peer: the
 // link fails, as a connect noticed late does (see errFrozenDial), and the
-// next dial asks again.
+// next dial asks again. Nor is a timeout while another session to the
+// peer has read from it since the handshake began.
 func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began int64, err error) error {
 	var ne net.Error
-	if ctx.Err() != nil || !errors.As(err, &ne) || !ne.Timeout() {
+	timedOut := errors.As(err, &ne) && ne.Timeout()
+	if timedOut && !errors.Is(ctx.Err(), context.Canceled) && pr.heardSince(began) {
+		// Another session to the peer sidecar has carried its bytes since
+		// this handshake began: the sidecar runs, its ingress did not take
+		// this connection in time (its handshakes queued, a TLS handshake
+		// starved). No evidence against it or its servers, neither a dead
+		// peer nor a connect that timed out: the link goes on that
+		// session if it can take it (see session), else fails.
+		return fmt.Errorf("%w: %s: no answer to the session handshake, while another session to the peer sidecar carries its bytes", mesh.ErrStream, pr.addr)
+	}
+	if ctx.Err() != nil || !timedOut {
 		return fmt.Errorf("%s: %w", pr.addr, err)
 	}
 	if late := time.Duration(flow.Mono()-began) - m.PingTimeout.D(); late >= m.PingTimeout.D() {
@@ -356,6 +367,19 @@ func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began in
 	pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
 	pr.excludeEndpoints()
 	return fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
+}
+
+// heardSince reports whether a session to the peer has read from it since
+// mono time t.
+func (pr *meshPeer) heardSince(t int64) bool {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	for _, es := range pr.sessions {
+		if es.HeardSince(t) {
+			return true
+		}
+	}
+	return false
 }
 
 // mesh.ReadStatus reads the status stream the ingress opens and applies each
