@@ -479,6 +479,12 @@ func (in *ingress) shrinker() {
 // drain announces every port not ready and tells every peer (GoAway) that
 // no new stream is taken: the listener stopped accepting, and its links
 // finish or are cut at the drain's end.
+//
+// It does not wait for the GoAways to be written: yamux refuses new
+// streams from the call on, and the frame waits behind what the session
+// queued before it, for as long as a congested path takes (or until the
+// session closes: the heartbeat's verdict, or close at the drain's end).
+// Each waits on a goroutine of the ingress's.
 func (in *ingress) drain() {
 	in.mu.Lock()
 	if in.draining {
@@ -490,11 +496,18 @@ func (in *ingress) drain() {
 		in.status[port] = mesh.PortStatus{Epoch: st.Epoch}
 	}
 	in.gen = in.memo.gen.Add(1)
-	ss := slices.Collect(maps.Keys(in.sessions))
+	var ss []*ingressSession
+	if !in.closed { // close waits for in.wg: no Add after it
+		ss = slices.Collect(maps.Keys(in.sessions))
+		in.wg.Add(len(ss))
+	}
 	in.mu.Unlock()
 	for _, is := range ss {
 		is.notify()
-		_ = is.Sess.GoAway()
+		go func() {
+			defer in.wg.Done()
+			_ = is.Sess.GoAway()
+		}()
 	}
 }
 
