@@ -60,11 +60,22 @@ func (es Errors) Unwrap() []error { return es }
 // A file that cannot be read yields the *os.PathError; a file that can
 // yields what Parse returns.
 func Load(path string) (Config, error) {
-	data, err := os.ReadFile(path)
+	data, err := ReadFile(path)
 	if err != nil {
 		return Config{}, err
 	}
 	return Parse(data)
+}
+
+// ReadFile reads a configuration file, at most MaxConfigBytes and one byte
+// more (Parse refuses that), so that a file of any size costs no more.
+func ReadFile(path string) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return io.ReadAll(io.LimitReader(f, MaxConfigBytes+1))
 }
 
 // Parse decodes a YAML configuration strictly and validates it.
@@ -85,6 +96,9 @@ func Load(path string) (Config, error) {
 // problem, in source order. With an error, the returned Config holds
 // whatever decoded, for diagnostics only.
 func Parse(data []byte) (Config, error) {
+	if len(data) > MaxConfigBytes {
+		return DefaultConfig(), Errors{&KeyError{Msg: fmt.Sprintf("the configuration is %d bytes, more than the %d a configuration may have (a ConfigMap's own limit)", len(data), MaxConfigBytes)}}
+	}
 	d := &decoder{lines: map[string]int{}, raw: map[string]string{}}
 	c := d.document(data)
 	if len(d.errs) > 0 {
@@ -146,6 +160,29 @@ type decoder struct {
 	// text the source has for it, so that a message can quote it (a bare
 	// -1 is -1, not -1ns).
 	raw map[string]string
+	// values counts the values decoded, each alias's as often as it is
+	// used: past MaxConfigValues decoding stops (see visit).
+	values int
+}
+
+// MaxConfigValues bounds the values a configuration may hold once its YAML
+// aliases are expanded. Aliases make a file of a kilobyte stand for
+// millions of values (each level multiplies), which would cost the
+// running proxy, parsing a changed ConfigMap, more memory than it has.
+// A configuration written out by hand or by a template holds far fewer.
+const MaxConfigValues = 100_000
+
+// MaxConfigBytes bounds a configuration file: a ConfigMap's own limit.
+const MaxConfigBytes = 1 << 20
+
+// visit counts one value decoded at path, and reports whether decoding
+// goes on: past MaxConfigValues it stops, with one error.
+func (d *decoder) visit(n *yaml.Node, path string) bool {
+	d.values++
+	if d.values == MaxConfigValues+1 {
+		d.fail(path, n, "the configuration holds more than %d values once its YAML aliases are expanded; decoding stopped here (aliases that repeat lists of lists multiply)", MaxConfigValues)
+	}
+	return d.values <= MaxConfigValues
 }
 
 func (d *decoder) fail(path string, n *yaml.Node, format string, args ...any) {
@@ -337,6 +374,9 @@ func (d *decoder) listeners(n *yaml.Node, defaults Settings) []Listener {
 	out := make([]Listener, len(n.Content))
 	for i, item := range n.Content {
 		p := path + "[" + strconv.Itoa(i) + "]"
+		if !d.visit(item, p) {
+			return out[:i]
+		}
 		d.lines[p] = item.Line
 		out[i] = Listener{Settings: defaults}
 		v := reflect.ValueOf(&out[i]).Elem()
@@ -411,6 +451,9 @@ func (d *decoder) identities(n *yaml.Node, v reflect.Value, path string) {
 		ids := make([]string, 0, len(n.Content))
 		for i, item := range n.Content {
 			p := path + "[" + strconv.Itoa(i) + "]"
+			if !d.visit(item, p) {
+				break
+			}
 			d.lines[p] = item.Line
 			if item = resolve(item); item.Kind != yaml.ScalarNode || isNull(item) {
 				d.fail(p, item, "expected a string, got %s", describe(item))
@@ -426,6 +469,9 @@ func (d *decoder) identities(n *yaml.Node, v reflect.Value, path string) {
 
 // value decodes n into v, which holds the value to overlay (a default).
 func (d *decoder) value(n *yaml.Node, v reflect.Value, path string) {
+	if !d.visit(n, path) {
+		return
+	}
 	n = resolve(n)
 	t := v.Type()
 	switch {

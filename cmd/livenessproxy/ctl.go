@@ -140,7 +140,7 @@ func cmdCtl(args []string, stdout, stderr io.Writer) int {
 // loadAdmin reads only the admin section of the configuration file at
 // path, over the defaults, whatever the rest of the file holds.
 func loadAdmin(path string) (policy.Admin, error) {
-	b, err := os.ReadFile(path)
+	b, err := policy.ReadFile(path)
 	if err != nil {
 		return policy.Admin{}, err
 	}

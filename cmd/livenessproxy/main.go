@@ -205,7 +205,7 @@ func cmdRun(args []string, stdout, stderr io.Writer) int {
 
 	// Until the configuration's log section is known, log as the default
 	// configuration says: JSON, at info.
-	data, err := os.ReadFile(*config)
+	data, err := policy.ReadFile(*config)
 	if err != nil {
 		log := newLogger(policy.DefaultConfig().Log, *level, stderr)
 		log.Error().Err(err).Str("config", *config).Msg("cannot read the configuration; not starting")

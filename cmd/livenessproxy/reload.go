@@ -47,7 +47,7 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 			trigger = triggerSIGHUP
 		case <-tick.C:
 		}
-		data, err := os.ReadFile(path)
+		data, err := policy.ReadFile(path)
 		if err != nil {
 			if trigger == triggerSIGHUP {
 				log.Error().Err(err).Str("trigger", trigger).Msg("config reload: cannot read the file; keeping the last good config")

@@ -1,0 +1,84 @@
+package policy
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+)
+
+// aliasBomb is a small document whose aliases expand to n listeners, each
+// with n transparent match entries, each with n ports: n³ ports from a
+// file of a few bytes per n.
+func aliasBomb(n int) []byte {
+	var b strings.Builder
+	b.WriteString("x:\n  - &p [1")
+	b.WriteString(strings.Repeat(",1", n-1))
+	b.WriteString("]\n  - &m {cidr: 10.0.0.0/8, ports: *p}\n  - &l {name: a, listen: '127.0.0.1:0', transparent: {match: [*m")
+	b.WriteString(strings.Repeat(",*m", n-1))
+	b.WriteString("]}}\nlisteners: [*l")
+	b.WriteString(strings.Repeat(",*l", n-1))
+	b.WriteString("]\n")
+	return []byte(b.String())
+}
+
+// A kilobyte of YAML whose aliases expand to a million values (a
+// ConfigMap edit, parsed by the running proxy) is refused promptly, with
+// an error that names the aliasing, at a bounded cost. Before, Parse
+// followed every alias: this one cost 329 MiB and two seconds, and at
+// 3.6 KB the cost would have been tens of GiB.
+func TestAliasExpansionIsBounded(t *testing.T) {
+	data := aliasBomb(100)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Parse(data)
+	runtime.ReadMemStats(&after)
+	alloc := after.TotalAlloc - before.TotalAlloc
+	t.Logf("%d-byte document: Parse allocated %d MiB", len(data), alloc>>20)
+	if err == nil || !strings.Contains(err.Error(), "YAML aliases") {
+		t.Fatalf("Parse: %v, want an error about the aliases' expansion", err)
+	}
+	if alloc > 64<<20 {
+		t.Errorf("Parse allocated %d MiB for a %d-byte document, want at most 64 MiB", alloc>>20, len(data))
+	}
+}
+
+// Aliases that expand to fewer values than the bound are decoded as
+// before (the twin): a match list shared by 300 transparent listeners.
+func TestAliasesWithinTheBoundDecode(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("listeners:\n  - {name: l0, listen: '127.0.0.1:20000', transparent: {match: &m [{cidr: 10.0.0.0/8, ports: [80, 443, 8080, 9092]}, {cidr: 192.168.0.0/16, ports: [8098]}]}}\n")
+	for i := 1; i < 300; i++ {
+		fmt.Fprintf(&b, "  - {name: l%d, listen: '127.0.0.1:%d', transparent: {match: *m}}\n", i, 20000+i)
+	}
+	cfg, err := Parse([]byte(b.String()))
+	if err != nil {
+		t.Fatalf("an aliased config within the bound: %v", err)
+	}
+	if len(cfg.Listeners) != 300 || len(cfg.Listeners[299].Transparent.Match) != 2 {
+		t.Fatalf("%d listeners, want 300 with their match lists", len(cfg.Listeners))
+	}
+}
+
+// A file over MaxConfigBytes is refused with an error that says so, and
+// ReadFile reads no more than one byte past the bound, whatever its size.
+func TestConfigFileSizeIsBounded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "big.yaml")
+	big := "listeners: []\n" + strings.Repeat("# filler\n", (2*MaxConfigBytes)/9)
+	if err := os.WriteFile(path, []byte(big), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	data, err := ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(data) != MaxConfigBytes+1 {
+		t.Fatalf("ReadFile read %d bytes, want %d", len(data), MaxConfigBytes+1)
+	}
+	if _, err := Load(path); err == nil || !strings.Contains(err.Error(), "ConfigMap's own limit") {
+		t.Fatalf("Load: %v, want the size refused", err)
+	}
+}
