@@ -82,3 +82,40 @@ func TestConfigFileSizeIsBounded(t *testing.T) {
 		t.Fatalf("Load: %v, want the size refused", err)
 	}
 }
+
+// A listener that dials an address the proxy binds is refused, the key
+// named: its upstream, a pool entry or an ingress's local server that is
+// a listener's (or the admin server's) own address, in any spelling that
+// binds the same socket. Before, it passed, and one client connection
+// became a chain of links up to max_links (found by a helper's audit).
+func TestSelfTargetIsRefused(t *testing.T) {
+	for _, tc := range []struct{ name, doc, key string }{
+		{"own listen", "listeners:\n  - {name: a, listen: '127.0.0.1:18098', upstream: '127.0.0.1:18098'}\n", "listeners[0].upstream"},
+		{"localhost spelling", "listeners:\n  - {name: a, listen: '127.0.0.1:18098', upstream: 'localhost:18098'}\n", "listeners[0].upstream"},
+		{"another listener", "listeners:\n  - {name: a, listen: '127.0.0.1:18098', upstream: '127.0.0.1:18099'}\n  - {name: b, listen: '127.0.0.1:18099', upstream: '127.0.0.1:18097'}\n", "listeners[0].upstream"},
+		{"pool member on a wildcard listener", "listeners:\n  - {name: a, listen: '0.0.0.0:18098', pool: {endpoints: ['127.0.0.1:9000', '127.0.0.1:18098']}}\n", "listeners[0].pool.endpoints[1]"},
+		{"IPv6 loopback on a dual-stack wildcard", "listeners:\n  - {name: a, listen: ':18098', upstream: '[::1]:18098'}\n", "listeners[0].upstream"},
+		{"the admin server", "admin: {listen: '127.0.0.1:19901'}\nlisteners:\n  - {name: a, listen: '127.0.0.1:18098', upstream: '127.0.0.1:19901'}\n", "listeners[0].upstream"},
+	} {
+		_, err := Parse([]byte(tc.doc))
+		if err == nil || !strings.Contains(err.Error(), tc.key) || !strings.Contains(err.Error(), "dial itself") {
+			t.Errorf("%s: Parse: %v, want %s refused as the proxy itself", tc.name, err, tc.key)
+		}
+	}
+}
+
+// Its twin: the same port on another host is no loop, nor is a name, nor
+// a wildcard listener's port on a remote address (a sidecar on :9092 in
+// front of kafka-0:9092 is the usual case).
+func TestSamePortElsewhereIsNoSelfTarget(t *testing.T) {
+	for _, doc := range []string{
+		"listeners:\n  - {name: a, listen: '127.0.0.1:18098', upstream: '127.0.0.2:18098'}\n",
+		"listeners:\n  - {name: a, listen: '0.0.0.0:9092', upstream: '10.1.2.3:9092'}\n",
+		"listeners:\n  - {name: a, listen: '0.0.0.0:9092', upstream: 'kafka-0.kafka:9092'}\n",
+		"listeners:\n  - {name: a, listen: '127.0.0.1:0', upstream: '127.0.0.1:9'}\n",
+	} {
+		if _, err := Parse([]byte(doc)); err != nil {
+			t.Errorf("Parse refused a config with no loop: %v\n%s", err, doc)
+		}
+	}
+}

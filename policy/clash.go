@@ -80,3 +80,50 @@ func boundAddrs(c *Config) []boundAddr {
 	}
 	return out
 }
+
+// selfTargets checks that no listener dials an address the process itself
+// binds: its upstream, a literal pool entry or an ingress's local server
+// that is one of the listeners' (or the admin servers') addresses, which
+// is a loop (each link dials the proxy, which accepts another link, which
+// dials again, until max_links or the descriptors run out, and every
+// listener waits). A target is the proxy's when a bound address has its
+// port and its host, or is a wildcard and the target's host is a loopback
+// or unspecified address. (A name, or an address of this host's other
+// interfaces, cannot be told from a remote one here.)
+func (v *validator) selfTargets(c *Config, bound []boundAddr) {
+	check := func(key, raw string) {
+		norm, why := endpoint(raw)
+		if why != "" {
+			return // reported by its own check
+		}
+		target := listenCanonical(norm)
+		th, tp, _ := net.SplitHostPort(target)
+		ta, err := netip.ParseAddr(th)
+		if err != nil {
+			return // a name
+		}
+		for _, b := range bound {
+			bh, bp, _ := net.SplitHostPort(b.norm)
+			if bp != tp || bp == "0" {
+				continue
+			}
+			wild := bh == "" || bh == "::" || bh == "0.0.0.0"
+			if bh == th || wild && (ta.IsLoopback() || ta.IsUnspecified()) {
+				v.add(key, "%q is %s (%q): the proxy would dial itself, a loop that takes every link the process may hold", raw, b.key, b.raw)
+				return
+			}
+		}
+	}
+	for i, l := range c.Listeners {
+		p := "listeners[" + strconv.Itoa(i) + "]."
+		switch {
+		case l.Upstream != "":
+			check(p+"upstream", l.Upstream)
+		case l.Ingress.Local != "":
+			check(p+"ingress.local", l.Ingress.Local)
+		}
+		for j, ep := range l.Pool.Endpoints {
+			check(p+"pool.endpoints["+strconv.Itoa(j)+"]", ep)
+		}
+	}
+}

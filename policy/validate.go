@@ -144,7 +144,9 @@ func (v *validator) config(c *Config) {
 		v.settings(p, &l.Settings, v.ownership(p, &l.Settings, &c.Defaults))
 	}
 
-	v.clashes(boundAddrs(c))
+	bound := boundAddrs(c)
+	v.clashes(bound)
+	v.selfTargets(c, bound)
 	v.endpointList("endpoints.disabled", c.Endpoints.Disabled)
 	v.limits(c)
 }
