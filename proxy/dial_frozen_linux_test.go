@@ -82,7 +82,8 @@ func freezeProcess(t *testing.T, d time.Duration) {
 // fail (dial_error), but the proxy noticed the timeouts at least
 // connect_timeout late: nothing is held against the endpoint, which stays
 // healthy. Before, the two counted as two timeouts in a row and excluded
-// it. Two links that time out with the proxy running still exclude it.
+// it. Two links that time out one after the other with the proxy running
+// still exclude it.
 func TestFrozenProxyBlamesNoUpstream(t *testing.T) {
 	const (
 		// connect_timeout well past the SYN sent again at 1 s, so that a
@@ -145,17 +146,16 @@ func TestFrozenProxyBlamesNoUpstream(t *testing.T) {
 			t.Fatalf("endpoint %s (%s) after two timeouts the proxy noticed late, want healthy", ep.State, ep.Reason)
 		}
 
-		// The twin, with the proxy running: two timeouts in a row exclude.
-		h.dial()
-		h.dial()
-		ep := h.waitState("excluded", 10*time.Second)
-		if ep.Reason != string(CloseDialError) {
-			t.Fatalf("excluded for %s, want dial_error", ep.Reason)
-		}
-		for range 2 {
-			if s := h.linkEnd(5 * time.Second); s.Reason != CloseDialError || strings.Contains(s.Err.Error(), "could not run") {
-				t.Fatalf("link ended %s (%v), want dial_error noticed in time", s.Reason, s.Err)
+		// The twin, with the proxy running: two timeouts in a row (the
+		// second connect begun after the first ended) exclude.
+		for i := range 2 {
+			h.dial()
+			if s := h.linkEnd(2 * timeout); s.Reason != CloseDialError || strings.Contains(s.Err.Error(), "could not run") {
+				t.Fatalf("link %d ended %s (%v), want dial_error noticed in time", i+1, s.Reason, s.Err)
 			}
+		}
+		if ep := h.waitState("excluded", 5*time.Second); ep.Reason != string(CloseDialError) {
+			t.Fatalf("excluded for %s, want dial_error", ep.Reason)
 		}
 	})
 }

@@ -36,6 +36,7 @@ type endpoint struct {
 	meshPort     atomic.Int32                    // the mesh port its last link reached it through; 0: directly
 	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
 	dialTimeouts atomic.Int32                    // connects in a row that timed out (see dialFailed)
+	timeoutAt    atomic.Int64                    // mono time the last connect counted in dialTimeouts ended
 	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
@@ -407,10 +408,14 @@ const dialTimeoutsToReport = 2
 // within lifeWindow before: a lost SYN or a full accept queue is not a
 // dead server. Not on a timeout that a lost SYN explains: only the
 // dialTimeoutsToReport-th in a row (a connect that succeeds starts the
-// count over). Never on a timeout the proxy noticed late (errFrozenDial:
-// it could not run meanwhile), which the count leaves out: it neither
-// counts nor starts over. A refusal or an unreachable host with no sign
-// of life is reported at once.
+// count over). In a row is in time: a timeout counts only when its
+// connect began after the last counted one had ended. Connects that
+// overlap (clients connecting at once, each losing its SYN in the same
+// moment of a full accept queue) are one timeout, however many there
+// are. Never on a timeout the proxy noticed late (errFrozenDial: it could
+// not run meanwhile), which the count leaves out: it neither counts nor
+// starts over. A refusal or an unreachable host with no sign of life is
+// reported at once.
 func (ep *endpoint) dialFailed(began int64, lifeWindow time.Duration, err error) bool {
 	if errors.As(err, new(errFrozenDial)) {
 		return false
@@ -418,7 +423,10 @@ func (ep *endpoint) dialFailed(began int64, lifeWindow time.Duration, err error)
 	timedOut := dialTimedOut(err)
 	n := int32(0)
 	if timedOut {
-		n = ep.dialTimeouts.Add(1)
+		n = ep.dialTimeouts.Load()
+		if last := ep.timeoutAt.Load(); began >= last && ep.timeoutAt.CompareAndSwap(last, flow.Mono()) {
+			n = ep.dialTimeouts.Add(1)
+		}
 	}
 	if ep.lastAnswer.Load() >= began-int64(lifeWindow) {
 		return false

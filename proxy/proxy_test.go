@@ -468,7 +468,10 @@ func blackholeListener(t *testing.T) string {
 // upstream time out together after connect_timeout, not one after the other.
 func TestBlackholedDialDoesNotStallAccept(t *testing.T) {
 	addr := blackholeListener(t)
-	h := start(t, addr, func(s *policy.Settings) { s.ConnectTimeout = policy.Duration(700 * time.Millisecond) })
+	h := start(t, addr, func(s *policy.Settings) {
+		s.ConnectTimeout = policy.Duration(700 * time.Millisecond)
+		s.ConnectAttempts = 1
+	})
 	begin := time.Now()
 	c1, c2 := h.dial(), h.dial()
 	_, at1 := waitClosed(t, c1, 3*time.Second)
