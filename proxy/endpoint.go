@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -31,7 +32,8 @@ type endpoint struct {
 	readmitted   atomic.Int64                    // mono time of the last readmission
 	leftAt       atomic.Pointer[time.Time]       // when it last left routing (excluded or disabled)
 	lastUsed     atomic.Int64                    // mono time a transparent connection last resolved to it
-	settings     atomic.Pointer[policy.Settings] // the latest settings it was registered with
+	settings     atomic.Pointer[policy.Settings] // the settings it is probed with (see endpointForLocked)
+	settingsFrom *listener                       // whose settings those are; p.mu
 	tls          atomic.Bool                     // a client of it spoke TLS
 	meshPort     atomic.Int32                    // the mesh port its last link reached it through; 0: directly
 	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
@@ -66,10 +68,16 @@ func normalizeEndpoint(addr string) string {
 
 // endpointForLocked returns the endpoint for dial, creating it and
 // registering it with the detector on first use (created is true then: the
-// caller applies endpoints.disabled outside the lock). Every call
-// registers the probe configuration of s: the latest settings win. p.mu
-// is held.
-func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint, created bool) {
+// caller applies endpoints.disabled outside the lock). s are the settings
+// of from, the listener that routes to it (nil: none). p.mu is held.
+//
+// An endpoint has one probe, and listeners that share it may ask for
+// different ones. It is probed as the listener that asks for the most
+// asks (see takesSettings): a readmission then rests on the strongest
+// evidence any of them wants, whatever the order of the listeners or of
+// their reloads and DNS refreshes. A listener's own later settings (a
+// reload) replace its earlier ones.
+func (p *Proxy) endpointForLocked(dial string, s policy.Settings, from *listener) (ep *endpoint, created bool) {
 	addr := normalizeEndpoint(dial)
 	ep, ok := p.endpoints[addr]
 	if !ok {
@@ -86,10 +94,59 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings) (ep *endpoint,
 		})
 		p.endpoints[addr] = ep
 	}
-	// The latest settings win: a reload re-registers the probe config.
-	ep.settings.Store(&s)
+	if ep.takesSettings(s, from) {
+		ep.settings.Store(&s)
+		ep.settingsFrom = from
+	}
 	p.det.Register(addr, ep.probeConfig())
 	return ep, created
+}
+
+// takesSettings reports whether ep is to be probed with s, the settings
+// of from: when it has none yet, when they are from's own (a reload), when
+// the listener whose settings it has no longer routes to it, or when s
+// asks for a stronger probe (one of the protocol over a connect). p.mu is
+// held.
+func (ep *endpoint) takesSettings(s policy.Settings, from *listener) bool {
+	cur := ep.settings.Load()
+	if cur == nil || from == ep.settingsFrom || probeStrength(s) > probeStrength(*cur) {
+		return true
+	}
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	return !slices.Contains(ep.listeners, ep.settingsFrom)
+}
+
+// probeStrength ranks what a probe of settings s proves: a connect that
+// a stopped process's kernel completes (0), or an answer of the
+// protocol or of the process's health endpoint (1).
+func probeStrength(s policy.Settings) int {
+	if kind, _ := s.Probe(); kind != policy.ProbeKindConnect {
+		return 1
+	}
+	return 0
+}
+
+// repickSettingsLocked gives ep the settings of the listeners that still
+// route to it, when the one whose settings it had has stopped: the first
+// of those that asks for the strongest probe. p.mu is held.
+func (p *Proxy) repickSettingsLocked(ep *endpoint) {
+	ep.mu.Lock()
+	ls := append([]*listener(nil), ep.listeners...)
+	ep.mu.Unlock()
+	if len(ls) == 0 || slices.Contains(ls, ep.settingsFrom) {
+		return
+	}
+	best := ls[0]
+	for _, l := range ls[1:] {
+		if probeStrength(l.spec().settings) > probeStrength(best.spec().settings) {
+			best = l
+		}
+	}
+	s := best.spec().settings
+	ep.settings.Store(&s)
+	ep.settingsFrom = best
+	p.det.Register(ep.addr, ep.probeConfig())
 }
 
 // applyDisabled disables a newly admitted endpoint that endpoints.disabled

@@ -249,7 +249,7 @@ func (in *ingress) retuneLocked(lc policy.Listener) (orphans []*endpoint) {
 func (in *ingress) endpointsLocked(s policy.Settings) {
 	p := in.l.p
 	for _, port := range in.portList() {
-		ep, _ := p.endpointForLocked(in.addr(port), s)
+		ep, _ := p.endpointForLocked(in.addr(port), s, in.l)
 		ep.mu.Lock()
 		if !slices.Contains(ep.listeners, in.l) {
 			ep.listeners = append(ep.listeners, in.l)

@@ -223,7 +223,7 @@ func (p *Proxy) syncPool(pl *pool, addrs map[string]string) {
 	}
 	var members, created, named []*endpoint
 	for addr, name := range addrs {
-		ep, isNew := p.endpointForLocked(addr, settings)
+		ep, isNew := p.endpointForLocked(addr, settings, l)
 		if name != "" && ep.name != name {
 			ep.name = name
 			if !isNew {

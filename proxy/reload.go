@@ -318,7 +318,7 @@ func (p *Proxy) retuneDestinationsLocked(l *listener) {
 		mine := slices.Contains(ep.listeners, l)
 		ep.mu.Unlock()
 		if mine {
-			p.endpointForLocked(ep.dial, s) // re-registers the probe configuration
+			p.endpointForLocked(ep.dial, s, l) // re-registers the probe configuration
 		}
 	}
 }
@@ -527,6 +527,9 @@ func (p *Proxy) detachFromLocked(l *listener, ep *endpoint) (orphan bool) {
 	ep.mu.Unlock()
 	if orphan && p.endpoints[ep.addr] == ep {
 		delete(p.endpoints, ep.addr)
+	}
+	if !orphan {
+		p.repickSettingsLocked(ep)
 	}
 	return orphan
 }

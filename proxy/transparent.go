@@ -295,7 +295,7 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	}
 	created := false
 	if !existed {
-		ep, created = p.endpointForLocked(addr, l.spec().settings)
+		ep, created = p.endpointForLocked(addr, l.spec().settings, l)
 	}
 	ep.lastUsed.Store(flow.Mono())
 	ep.mu.Lock()
