@@ -19,15 +19,10 @@ type boundAddr struct {
 // (what Go binds for it), a wildcard as written ("" or 0.0.0.0 or ::).
 func listenCanonical(norm string) string {
 	host, port, _ := net.SplitHostPort(norm)
-	switch {
-	case strings.EqualFold(host, "localhost"):
+	if strings.EqualFold(host, "localhost") {
 		host = "127.0.0.1"
-	default:
-		if a, err := netip.ParseAddr(host); err == nil {
-			host = a.Unmap().String()
-		}
 	}
-	return net.JoinHostPort(host, port)
+	return net.JoinHostPort(canonicalHost(host), port)
 }
 
 // clashes checks that no two of the addresses the process binds (the

@@ -785,8 +785,8 @@ func (v *validator) detector(prefix string, d *Detector, own func(string) bool, 
 }
 
 // hostPort checks a host:port address with a numeric port and returns it
-// normalised (net.JoinHostPort of the host and the port number), or why it
-// is not valid. nonZero rejects port 0.
+// normalised (net.JoinHostPort of the host, canonical if an IP address, and
+// the port number), or why it is not valid. nonZero rejects port 0.
 func hostPort(addr string, nonZero bool) (norm, why string) {
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
@@ -802,7 +802,34 @@ func hostPort(addr string, nonZero bool) (norm, why string) {
 	if nonZero && n == 0 {
 		return "", "port 0 is not a port to dial"
 	}
-	return net.JoinHostPort(host, strconv.FormatUint(n, 10)), ""
+	return net.JoinHostPort(canonicalHost(host), strconv.FormatUint(n, 10)), ""
+}
+
+// CanonicalEndpoint returns addr in the one spelling the proxy keys an
+// endpoint by: the port as a plain number (a:080 is a:80) and an IP
+// address in netip's form (shortest, lower-case hex), an IPv4-mapped IPv6
+// address as its IPv4 address (Go dials it over IPv4: the same socket), so
+// that [0:0:0:0:0:0:0:1]:9, [::1]:9 and an address from DNS or
+// SO_ORIGINAL_DST name one endpoint. A name stays as written. An addr that
+// is no host:port is returned as it is.
+func CanonicalEndpoint(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	if n, err := strconv.Atoi(port); err == nil {
+		port = strconv.Itoa(n)
+	}
+	return net.JoinHostPort(canonicalHost(host), port)
+}
+
+// canonicalHost returns an IP address host in netip's form, unmapped (see
+// CanonicalEndpoint), and any other host as it is.
+func canonicalHost(host string) string {
+	if a, err := netip.ParseAddr(host); err == nil {
+		return a.Unmap().String()
+	}
+	return host
 }
 
 func (v *validator) transparent(p string, t Transparent, set func(key string) bool) {

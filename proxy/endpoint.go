@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"slices"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -53,17 +52,12 @@ type endpoint struct {
 // listener routes to.
 var ErrUnknownEndpoint = errors.New("unknown endpoint")
 
-// normalizeEndpoint returns host:port with the port as a plain number, so
-// that an operator's spelling matches the listener's.
+// normalizeEndpoint returns the key of the endpoint at addr: the port as a
+// plain number and an IP address in one spelling (policy.CanonicalEndpoint,
+// which the config's uniqueness checks use too), so that an operator's
+// spelling, the config's, a DNS answer and an original destination match.
 func normalizeEndpoint(addr string) string {
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return addr
-	}
-	if n, err := strconv.Atoi(port); err == nil {
-		port = strconv.Itoa(n)
-	}
-	return net.JoinHostPort(host, port)
+	return policy.CanonicalEndpoint(addr)
 }
 
 // endpointForLocked returns the endpoint for dial, creating it and
