@@ -465,10 +465,16 @@ func (v *validator) socketLimits(prefix string, s *Settings, own func(string) bo
 	if s.UpstreamMark > math.MaxUint32 && own("upstream_mark") {
 		v.add(prefix+"upstream_mark", "%d does not fit in SO_MARK's 32 bits", s.UpstreamMark)
 	}
-	// TCP_USER_TIMEOUT takes an int of milliseconds.
+	// TCP_USER_TIMEOUT takes an int of milliseconds, and 0 is the
+	// kernel's default (tcp_retries2, about 15 minutes): a positive value
+	// below 1ms would be set as that, no bound at all. (Keepalive's whole
+	// seconds round up instead: keepalive is on whatever its idle.)
 	if ut := s.TCPUserTimeout.D(); ut.Milliseconds() > math.MaxInt32 && own("tcp_user_timeout") {
 		v.add(prefix+"tcp_user_timeout", "%v is above the kernel's limit of %v (a C int of milliseconds)",
 			s.TCPUserTimeout, time.Duration(math.MaxInt32)*time.Millisecond)
+	} else if ut > 0 && ut < time.Millisecond && own("tcp_user_timeout") {
+		v.add(prefix+"tcp_user_timeout", "%v is below TCP_USER_TIMEOUT's unit of 1ms: it would be set as 0, the kernel's default of about 15 minutes (at least 1ms, or 0 for the default)",
+			s.TCPUserTimeout)
 	}
 }
 
