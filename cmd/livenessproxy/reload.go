@@ -20,6 +20,14 @@ import (
 // the file's content is compared, not its inode or mtime.
 const watchInterval = time.Second
 
+// unreadableTicks is how many ticks in a row may find the config file
+// missing or unreadable before that is a failed reload (logged once,
+// counted, config_last_reload_successful 0 until the file is applied
+// again): a ConfigMap's ..data swap leaves it missing for milliseconds,
+// which a tick may see. Three ticks in a row is a file gone for two
+// seconds and more.
+const unreadableTicks = 3
+
 // Reload triggers, for the log.
 const (
 	triggerFile   = "file"
@@ -29,7 +37,9 @@ const (
 // watchConfig reloads the configuration when the file's content changes
 // (and two reads a tick apart agree on it: settle) or on SIGHUP, until
 // ctx ends. A config that fails validation is logged
-// with every problem by key path and the last good one keeps serving.
+// with every problem by key path and the last good one keeps serving; so
+// is a file that cannot be read on a SIGHUP, or for unreadableTicks ticks
+// in a row.
 // started is the configuration the process started with: the keys that
 // need a restart keep its values.
 func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os.Signal, p *proxy.Proxy, m *metrics.Process, run *running, log zerolog.Logger) {
@@ -38,6 +48,9 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 	defer tick.Stop()
 	last := applied
 	var settled settle
+	// Ticks in a row that could not read the file, and whether that is
+	// on record yet (logged, counted), by them or by a SIGHUP.
+	failedTicks, reported := 0, false
 	for {
 		trigger := triggerFile
 		select {
@@ -49,17 +62,25 @@ func watchConfig(ctx context.Context, path string, applied []byte, hup <-chan os
 		}
 		data, err := policy.ReadFile(path)
 		if err != nil {
-			if trigger == triggerSIGHUP {
-				log.Error().Err(err).Str("trigger", trigger).Msg("config reload: cannot read the file; keeping the last good config")
+			if trigger == triggerFile {
+				failedTicks++ // mid-swap or briefly missing, at first
+			}
+			if trigger == triggerSIGHUP || failedTicks == unreadableTicks && !reported {
+				log.Error().Err(err).Str("path", path).Str("trigger", trigger).
+					Msg("config reload: cannot read the file; keeping the last good config")
 				m.ConfigReload("error")
 				// The failure is on record (config_last_reload_successful
 				// 0) until a reload succeeds: the file, once it can be read
 				// again, is applied even if its content is what was
 				// applied before, so that the record clears.
-				last = nil
+				last, reported = nil, true
 			}
-			continue // mid-swap or briefly missing: try again next tick
+			continue
 		}
+		if reported {
+			log.Info().Str("path", path).Msg("config file readable again")
+		}
+		failedTicks, reported = 0, false
 		if trigger == triggerFile && !settled.ready(data, last) {
 			continue
 		}
