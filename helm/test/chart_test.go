@@ -752,6 +752,8 @@ func TestSchemaRejects(t *testing.T) {
 		"mesh.ingress.ports={70000}",                                      // not a port
 		"mesh.ingress.checkInterval=2",                                    // not a duration
 		"mesh.ingress.check_interval=2s",                                  // the values are camelCase
+		"mesh.ingress.maxStreams=-1",                                      // never negative (0: the proxy's default)
+		"mesh.ingress.max_streams_per_session=5",                          // the values are camelCase
 		"mesh.ingress.from[0].podSelector.app=x",                          // a label selector, not labels
 		"mesh.ingress.from[0].pods.matchLabels.app=x",                     // not a NetworkPolicyPeer field
 		"mesh.egress.port=17400",                                          // the egress side is config's mesh.port

@@ -88,10 +88,11 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 				"ping_timeout": "2s", "write_timeout": "1s", "stream_window": "512KiB", "tls": map[string]any{
 					"ca_file": meshTLSDir + "/ca.crt", "cert_file": meshTLSDir + "/tls.crt", "key_file": meshTLSDir + "/tls.key",
 					"peers": []any{"spiffe://cluster.local/ns/pinot/sa/pinot-server"}}}): c.Defaults.Mesh,
-			fmt.Sprint(map[string]any{"port": 15009, "fallback": "direct", "ping_timeout": "4s"}):                                             c.Listeners[0].Mesh,
-			fmt.Sprint(map[string]any{"port": 15010}):                                                                                         c.Listeners[1].Transparent.Match[0].Mesh,
-			fmt.Sprint(map[string]any{"local": "127.0.0.1:8098", "ports": []any{8097}, "check_interval": "2s", "allow": []any{"10.0.0.0/8"}}): in.Ingress,
-			fmt.Sprint(map[string]any{"port": 0}):                                                                                             in.Mesh,
+			fmt.Sprint(map[string]any{"port": 15009, "fallback": "direct", "ping_timeout": "4s"}): c.Listeners[0].Mesh,
+			fmt.Sprint(map[string]any{"port": 15010}):                                             c.Listeners[1].Transparent.Match[0].Mesh,
+			fmt.Sprint(map[string]any{"local": "127.0.0.1:8098", "ports": []any{8097}, "check_interval": "2s", "allow": []any{"10.0.0.0/8"},
+				"max_sessions_per_peer": 4, "max_streams_per_session": 200, "max_streams": 800}): in.Ingress,
+			fmt.Sprint(map[string]any{"port": 0}): in.Mesh,
 		} {
 			if fmt.Sprint(got) != what {
 				t.Errorf("rendered %v, want %s:\n%s", got, what, config)

@@ -71,6 +71,9 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 {{- with $in.ports }}{{ $_ := set $ingress "ports" . }}{{ end -}}
 {{- with $in.checkInterval }}{{ $_ := set $ingress "check_interval" . }}{{ end -}}
 {{- with $in.allow }}{{ $_ := set $ingress "allow" . }}{{ end -}}
+{{- with $in.maxSessionsPerPeer }}{{ $_ := set $ingress "max_sessions_per_peer" . }}{{ end -}}
+{{- with $in.maxStreamsPerSession }}{{ $_ := set $ingress "max_streams_per_session" . }}{{ end -}}
+{{- with $in.maxStreams }}{{ $_ := set $ingress "max_streams" . }}{{ end -}}
 {{- $listener := dict "name" "mesh-ingress" "listen" (printf "0.0.0.0:%d" (int $in.port)) "ingress" $ingress -}}
 {{- /* An ingress listener must not reach through the mesh: undo an inherited defaults.mesh.port. */ -}}
 {{- $defaultsMesh := ($config.defaults | default dict).mesh | default dict -}}
