@@ -172,6 +172,130 @@ matchLabels:
 {{- end -}}
 
 {{/*
+An IP address or CIDR (a string), parsed as Go's netip.ParsePrefix (or
+ParseAddr, without a /) parses it: "4:<len>:<32 bits>" or
+"6:<len>:<128 bits>" (the address in binary, <len> the prefix length, the
+address's bit length without a /), or "error:<why>". Sprig parses no
+address, so this does.
+*/}}
+{{- define "livenessproxy.parseCIDR" -}}
+{{- $s := toString . -}}
+{{- $addr := $s -}}
+{{- $len := "" -}}
+{{- if contains "/" $s -}}
+{{- $parts := splitn "/" 2 $s -}}
+{{- $addr = $parts._0 -}}
+{{- $len = $parts._1 -}}
+{{- end -}}
+{{- $octet := "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])" -}}
+{{- $v4 := printf "%s(\\.%s){3}" $octet $octet -}}
+{{- $fam := "" -}}
+{{- $bits := "" -}}
+{{- $err := "" -}}
+{{- if regexMatch (printf "^%s$" $v4) $addr -}}
+{{- $fam = "4" -}}
+{{- range splitList "." $addr -}}{{- $bits = printf "%s%08b" $bits (int64 .) -}}{{- end -}}
+{{- else if contains ":" $addr -}}
+{{- $fam = "6" -}}
+{{- $hex := $addr -}}
+{{- /* An embedded IPv4 address stands for the last two groups. */ -}}
+{{- $tail := regexFind (printf ":%s$" $v4) $addr -}}
+{{- if $tail -}}
+{{- $o := splitList "." (trimPrefix ":" $tail) -}}
+{{- $hex = printf "%s:%x:%x" (trimSuffix $tail $addr) (add (mul (int64 (index $o 0)) 256) (int64 (index $o 1))) (add (mul (int64 (index $o 2)) 256) (int64 (index $o 3))) -}}
+{{- end -}}
+{{- $groups := list -}}
+{{- if gt (len (splitList "::" $hex)) 2 -}}
+{{- $err = "more than one ::" -}}
+{{- else if contains "::" $hex -}}
+{{- $halves := splitn "::" 2 $hex -}}
+{{- $head := list -}}{{- if $halves._0 -}}{{- $head = splitList ":" $halves._0 -}}{{- end -}}
+{{- $rest := list -}}{{- if $halves._1 -}}{{- $rest = splitList ":" $halves._1 -}}{{- end -}}
+{{- if gt (add (len $head) (len $rest)) 7 -}}
+{{- $err = "the :: must stand for at least one group" -}}
+{{- else -}}
+{{- $groups = $head -}}
+{{- range until (int (sub 8 (add (len $head) (len $rest)))) -}}{{- $groups = append $groups "0" -}}{{- end -}}
+{{- $groups = concat $groups $rest -}}
+{{- end -}}
+{{- else -}}
+{{- $groups = splitList ":" $hex -}}
+{{- if ne (len $groups) 8 -}}{{- $err = "not 8 groups" -}}{{- end -}}
+{{- end -}}
+{{- if not $err -}}
+{{- range $groups -}}
+{{- if regexMatch "^[0-9a-fA-F]{1,4}$" . -}}
+{{- $bits = printf "%s%016b" $bits (int64 (printf "0x%s" .)) -}}
+{{- else -}}
+{{- $err = printf "bad group %q" . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- $err = "not an IP address" -}}
+{{- end -}}
+{{- if not $err -}}
+{{- $max := ternary 32 128 (eq $fam "4") -}}
+{{- if not (contains "/" $s) -}}
+{{- $len = toString $max -}}
+{{- else if not (regexMatch "^(0|[1-9][0-9]{0,2})$" $len) -}}
+{{- $err = printf "bad prefix length %q" $len -}}
+{{- else if gt (int64 $len) (int64 $max) -}}
+{{- $err = printf "prefix length %s is above %d" $len $max -}}
+{{- end -}}
+{{- end -}}
+{{- if $err -}}error:{{ $err }}{{- else -}}{{ $fam }}:{{ $len }}:{{ $bits }}{{- end -}}
+{{- end -}}
+
+{{/*
+The address of a parsed CIDR's bits, (list "4"|"6" bits), as text.
+*/}}
+{{- define "livenessproxy.formatBits" -}}
+{{- $bits := index . 1 -}}
+{{- $out := list -}}
+{{- if eq (index . 0) "4" -}}
+{{- range until 4 -}}{{- $out = append $out (toString (int64 (printf "0b%s" (substr (int (mul . 8)) (int (mul (add1 .) 8)) $bits)))) -}}{{- end -}}
+{{- join "." $out -}}
+{{- else -}}
+{{- range until 8 -}}{{- $out = append $out (printf "%x" (int64 (printf "0b%s" (substr (int (mul . 16)) (int (mul (add1 .) 16)) $bits)))) -}}{{- end -}}
+{{- /* The longest run of two zero groups or more (the first one of equals) becomes ::. */ -}}
+{{- $best := 0 -}}{{- $at := 0 -}}{{- $run := 0 -}}
+{{- range $i, $g := $out -}}
+{{- if eq $g "0" -}}{{- $run = add1 $run -}}{{- else -}}{{- $run = 0 -}}{{- end -}}
+{{- if gt $run $best -}}{{- $best = $run -}}{{- $at = sub (add1 $i) $run -}}{{- end -}}
+{{- end -}}
+{{- if ge $best 2 -}}
+{{- printf "%s::%s" (join ":" (slice $out 0 $at)) (join ":" (slice $out (add $at $best))) -}}
+{{- else -}}
+{{- join ":" $out -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Checks redirect.cidrs as the redirect init container will (a CIDR in
+canonical form, or a single address; no IPv4-mapped IPv6): a CIDR it
+refuses would leave the pod in Init, so it fails here, naming it.
+*/}}
+{{- define "livenessproxy.validateRedirectCIDRs" -}}
+{{- range .Values.redirect.cidrs -}}
+{{- $p := include "livenessproxy.parseCIDR" . -}}
+{{- if hasPrefix "error:" $p -}}
+{{- fail (printf "redirect.cidrs has %q, which is not a CIDR (%s): write one such as 10.0.0.0/8 or fd00::/8, or a single address" (toString .) (trimPrefix "error:" $p)) -}}
+{{- end -}}
+{{- $f := splitList ":" $p -}}
+{{- $fam := index $f 0 -}}{{- $len := int (index $f 1) -}}{{- $bits := index $f 2 -}}
+{{- if and (eq $fam "6") (hasPrefix (printf "%s%s" (repeat 80 "0") (repeat 16 "1")) $bits) -}}
+{{- fail (printf "redirect.cidrs has %q, an IPv4-mapped IPv6 address, which the redirect init container refuses: write the IPv4 form" (toString .)) -}}
+{{- end -}}
+{{- if contains "1" (substr $len (len $bits) $bits) -}}
+{{- $masked := printf "%s%s" (substr 0 $len $bits) (repeat (sub (len $bits) $len | int) "0") -}}
+{{- fail (printf "redirect.cidrs has %q, whose address has bits set past its /%d prefix, which the redirect init container refuses: did you mean %s/%d?" (toString .) $len (include "livenessproxy.formatBits" (list $fam $masked)) $len) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Checks across values, at template time (templates/validate.yaml renders
 nothing but runs this): a mistake fails `helm install`, not the pod.
 */}}
@@ -197,6 +321,7 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- if not .Values.redirect.cidrs -}}
 {{- fail "redirect.enabled needs redirect.cidrs: the destinations to intercept" -}}
 {{- end -}}
+{{- include "livenessproxy.validateRedirectCIDRs" . -}}
 {{- /* The rules exempt the proxy's own connects by uid (--proxy-uid proxyUID), or by mark (--proxy-mark in redirect.extraArgs, with upstream_mark equal to it). */ -}}
 {{- $uid := (.Values.sidecar.securityContext | default dict).runAsUser -}}
 {{- if and (not (kindIs "invalid" $uid)) (ne (int64 $uid) (int64 .Values.proxyUID)) -}}
