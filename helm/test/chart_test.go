@@ -911,21 +911,23 @@ func TestTemplateFails(t *testing.T) {
 			}
 		})
 	}
-	// The same redirect values with the transparent listener render.
-	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}"); err != nil {
+	// The same redirect values with the transparent listener render (port
+	// 8098 only: the listener matches no other, see TestRedirectNotCoveredByMatchFailsAtRender).
+	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}",
+		"--set", "redirect.ports={8098}"); err != nil {
 		t.Errorf("redirect with a transparent listener on redirect.proxyPort: %v", err)
 	}
 	// Each address the IPv4 rules reach renders.
 	for _, listen := range []string{"0.0.0.0:15001", "localhost:15001", ":15001", "[::]:15001"} {
 		if _, err := helm(t, "template", "rel", chartDir, "--set-json", strings.Replace(transparent, "127.0.0.1:15001", listen, 1),
-			"--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}"); err != nil {
+			"--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}", "--set", "redirect.ports={8098}"); err != nil {
 			t.Errorf("redirect with a transparent listener on %s: %v", listen, err)
 		}
 	}
 	// Another uid renders when the rules exempt the proxy by mark (helm/README.md's
 	// excluded set as root), or when nothing is redirected.
 	if _, err := helm(t, "template", "rel", chartDir, "--set-json", transparent, "--set-json", `redirect.extraArgs=["--proxy-mark","1337"]`,
-		"--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}", "--set", "sidecar.securityContext.runAsUser=0",
+		"--set", "redirect.enabled=true", "--set", "redirect.cidrs={10.0.0.0/8}", "--set", "redirect.ports={8098}", "--set", "sidecar.securityContext.runAsUser=0",
 		"--set", "config.defaults.upstream_mark=1337"); err != nil {
 		t.Errorf("the sidecar as root, exempt by mark: %v", err)
 	}

@@ -98,3 +98,98 @@ func TestRedirectCIDRsAsTheInitContainerTakesThem(t *testing.T) {
 		})
 	}
 }
+
+// transparentOut is config.listeners with one transparent listener, out,
+// on listen, whose match list is match (JSON).
+func transparentOut(listen, match string) string {
+	return `config.listeners=[{"name":"out","listen":"` + listen + `","transparent":{"match":` + match + `}}]`
+}
+
+// TestRedirectNotCoveredByMatchFailsAtRender: rules that redirect a
+// destination the transparent listener's match list does not cover fail
+// helm template, naming the CIDR and port left out. Such a connection is
+// reset as no_match: with the Pinot broker guide's match list
+// ({cidr: 10.0.0.0/8, ports: [8098]}) and redirect.ports empty (the
+// values' default, every port), the broker's connections to ZooKeeper, the
+// controller or DNS over TCP inside 10.0.0.0/8 would all be cut. Before,
+// each of these rendered.
+func TestRedirectNotCoveredByMatchFailsAtRender(t *testing.T) {
+	guide := []string{"testdata/values-pinot-broker.yaml"}
+	for _, tc := range []struct {
+		name  string
+		files []string
+		set   []string
+		json  []string
+		want  string
+	}{
+		{name: "every port (redirect.ports empty)", files: guide, set: []string{"redirect.ports=null"},
+			want: "redirect.ports is empty, so the rules redirect 10.0.0.0/8 on every port (less redirect.excludePorts), but the match list of transparent listener pinot-servers (127.0.0.1:15001) covers 10.0.0.0/8 on the ports its entries list at most (8098)"},
+		{name: "a CIDR beyond the match list", files: guide, set: []string{"redirect.cidrs={10.0.0.0/8,172.16.0.0/12}"},
+			want: "redirect.cidrs has 172.16.0.0/12 and the rules redirect port 8098, but the match list of transparent listener pinot-servers (127.0.0.1:15001) does not cover 172.16.0.0/12 on port 8098"},
+		{name: "a port beyond the match list", files: guide, set: []string{"redirect.ports={8098,8097}"},
+			want: "does not cover 10.0.0.0/8 on port 8097"},
+		{name: "entries that cover part of the CIDR", set: []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}", "redirect.ports={8098}"},
+			json: []string{transparentOut("127.0.0.1:15001", `[{"cidr":"10.0.0.0/9","ports":[8098]},{"cidr":"10.192.0.0/10"}]`)},
+			want: "the match list of transparent listener out (127.0.0.1:15001) does not cover 10.128.0.0/10 on port 8098"},
+		{name: "every port, the entry without ports covering half", set: []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}"},
+			json: []string{transparentOut("127.0.0.1:15001", `[{"cidr":"10.0.0.0/9"},{"cidr":"10.128.0.0/9","ports":[8098]}]`)},
+			want: "covers 10.128.0.0/9 on the ports its entries list at most (8098)"},
+		{name: "an IPv4 match list for IPv6 rules", set: []string{"redirect.enabled=true", "redirect.cidrs={fd00::/8}", "redirect.ports={8098}"},
+			json: []string{transparentOut("[::1]:15001", `[{"cidr":"10.0.0.0/8","ports":[8098]}]`)},
+			want: "does not cover fd00::/8 on port 8098"},
+		// IPv6 connections go to the [::1] listener: its own match list counts.
+		{name: "the IPv6 listener's match list", files: []string{"testdata/values-pools.yaml"},
+			json: []string{`config.listeners[3].transparent.match=[{"cidr":"fd00::/9","ports":[8098]}]`},
+			want: "the match list of transparent listener out6 ([::1]:15001) does not cover fd80::/9 on port 8098"},
+		// A wildcard listener takes both families.
+		{name: "a wildcard listener", set: []string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8,fd00::/8}", "redirect.ports={8098}"},
+			json: []string{transparentOut(":15001", `[{"cidr":"10.0.0.0/8","ports":[8098]}]`)},
+			want: "the match list of transparent listener out (:15001) does not cover fd00::/8 on port 8098"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"template", "rel", chartDir, "--namespace", namespace}, valuesArgs(tc.files, tc.set...)...)
+			for _, j := range tc.json {
+				args = append(args, "--set-json", j)
+			}
+			_, err := helm(t, args...)
+			if err == nil {
+				t.Fatalf("renders: the rules redirect destinations that the transparent listener's match list does not cover; each such connection is reset (no_match)")
+			}
+			if !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %v\ndoes not contain %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestRedirectCoveredByMatchRenders: the twin of
+// TestRedirectNotCoveredByMatchFailsAtRender. A match list covers the
+// rules as the proxy matches (a destination is matched by any one entry
+// holding its address and listing its port, or no port), so each of these
+// renders, as do the guides, values-full and values-pools (TestTemplate).
+func TestRedirectCoveredByMatchRenders(t *testing.T) {
+	for _, tc := range []struct {
+		name, listen, match string
+		set                 []string
+	}{
+		// The guides' and the values.yaml example's match entry, with the guides' redirect.ports.
+		{"the guide's values", "127.0.0.1:15001", `[{"cidr":"10.0.0.0/8","ports":[8098]}]`, []string{"redirect.ports={8098}"}},
+		{"a narrower redirect", "127.0.0.1:15001", `[{"cidr":"10.0.0.0/8","ports":[8097,8098]}]`, []string{"redirect.cidrs={10.1.0.0/16,10.2.3.4}", "redirect.ports={8098}"}},
+		{"two halves together", "127.0.0.1:15001", `[{"cidr":"10.0.0.0/9","ports":[8098]},{"cidr":"10.128.0.0/9"}]`, []string{"redirect.ports={8098}"}},
+		{"each port its own entry", "127.0.0.1:15001", `[{"cidr":"10.0.0.0/8","ports":[8098]},{"cidr":"10.0.0.0/8","ports":[8097]}]`, []string{"redirect.ports={8098,8097}"}},
+		{"every port, an entry without ports", "127.0.0.1:15001", `[{"cidr":"10.0.0.0/8","ports":[8098]},{"cidr":"0.0.0.0/0"}]`, nil},
+		{"an excluded port is not redirected", "127.0.0.1:15001", `[{"cidr":"10.0.0.0/8","ports":[8098]}]`, []string{"redirect.ports={8098,22}", "redirect.excludePorts={22}"}},
+		{"a match cidr with host bits (the proxy masks it)", "127.0.0.1:15001", `[{"cidr":"10.1.2.3/8","ports":[8098]}]`, []string{"redirect.ports={8098}"}},
+		{"a wildcard listener, both families", "[::]:15001", `[{"cidr":"10.0.0.0/8","ports":[8098]},{"cidr":"fd00::/8","ports":[8098]}]`, []string{"redirect.cidrs={10.0.0.0/8,fd00::/8}", "redirect.ports={8098}"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"template", "rel", chartDir, "--namespace", namespace, "--set-json", transparentOut(tc.listen, tc.match)},
+				valuesArgs(nil, append([]string{"redirect.enabled=true", "redirect.cidrs={10.0.0.0/8}"}, tc.set...)...)...)
+			out, err := helm(t, args...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkConfig(t, decodeStrict(t, out).config(t))
+		})
+	}
+}

@@ -296,6 +296,105 @@ refuses would leave the pod in Init, so it fails here, naming it.
 {{- end -}}
 
 {{/*
+What of the prefix b (a parsed CIDR cut to its prefix length, "4:bits" or
+"6:bits") the prefixes s do not cover together, as the proxy's match list
+covers a destination (one entry holding it is enough): "" when they cover
+all of b, else the first uncovered prefix, as a CIDR. Called with
+(dict "b" b "s" s).
+*/}}
+{{- define "livenessproxy.uncovered" -}}
+{{- $b := .b -}}
+{{- $covered := false -}}
+{{- $inside := list -}}
+{{- range .s -}}
+{{- if hasPrefix . $b -}}{{- $covered = true -}}
+{{- else if hasPrefix $b . -}}{{- $inside = append $inside . -}}
+{{- end -}}
+{{- end -}}
+{{- if not $covered -}}
+{{- if $inside -}}
+{{- /* Only prefixes inside b: each half of b must be covered. */ -}}
+{{- include "livenessproxy.uncovered" (dict "b" (print $b "0") "s" $inside) | default (include "livenessproxy.uncovered" (dict "b" (print $b "1") "s" $inside)) -}}
+{{- else -}}
+{{- $f := splitn ":" 2 $b -}}
+{{- $len := len $f._1 -}}
+{{- printf "%s/%d" (include "livenessproxy.formatBits" (list $f._0 (printf "%s%s" $f._1 (repeat (int (sub (ternary 32 128 (eq $f._0 "4")) $len)) "0")))) $len -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A parsed CIDR ("4:<len>:<bits>") cut to its prefix: "4:<the first len bits>".
+*/}}
+{{- define "livenessproxy.prefixBits" -}}
+{{- $f := splitList ":" . -}}
+{{- printf "%s:%s" (index $f 0) (substr 0 (int (index $f 1)) (index $f 2)) -}}
+{{- end -}}
+
+{{/*
+With redirect.enabled: the transparent listener that takes each family's
+redirected connections (listener, on redirect.proxyPort) must match every
+destination the rules redirect, redirect.cidrs x the redirected ports
+(redirect.ports, or every port when it is empty, less
+redirect.excludePorts), or that connection is reset (no_match). Covered
+means as the proxy matches: a destination is matched when some match entry
+holds its address and lists its port (or lists no port). Called with
+(list $ listener v4 v6), v4/v6 whether the listener takes that family.
+*/}}
+{{- define "livenessproxy.validateRedirectCovered" -}}
+{{- $root := index . 0 -}}{{- $l := index . 1 -}}
+{{- $families := dict "4" (index . 2) "6" (index . 3) -}}
+{{- $r := $root.Values.redirect -}}
+{{- $excluded := list -}}
+{{- range $r.excludePorts -}}{{- $excluded = append $excluded (toString (int64 .)) -}}{{- end -}}
+{{- /* The match list: entries without ports (any port), and per listed port the entries that list it. */ -}}
+{{- $any := list -}}
+{{- $byPort := dict -}}
+{{- range (($l.transparent | default dict).match | default list) -}}
+{{- $p := include "livenessproxy.parseCIDR" (.cidr | default "") -}}
+{{- if not (hasPrefix "error:" $p) -}}{{- /* the proxy refuses a bad cidr itself */ -}}
+{{- $b := include "livenessproxy.prefixBits" $p -}}
+{{- if not .ports -}}
+{{- $any = append $any $b -}}
+{{- end -}}
+{{- range .ports -}}
+{{- $k := toString (int64 .) -}}
+{{- $_ := set $byPort $k (append (get $byPort $k | default list) $b) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $ports := list -}}
+{{- $every := false -}}
+{{- if $r.ports -}}
+{{- range $r.ports -}}{{- $ports = append $ports (toString (int64 .)) -}}{{- end -}}
+{{- else -}}
+{{- /* Every port: the ports some entry lists are checked one by one, the others (if any is left) against the entries without ports. */ -}}
+{{- $ports = keys $byPort -}}
+{{- $every = lt (len (uniq (concat $ports $excluded))) 65535 -}}
+{{- end -}}
+{{- $redirected := list -}}
+{{- range uniq $ports -}}{{- if not (has . $excluded) -}}{{- $redirected = append $redirected . -}}{{- end -}}{{- end -}}
+{{- range $root.Values.redirect.cidrs -}}
+{{- $cidr := toString . -}}
+{{- $p := include "livenessproxy.parseCIDR" $cidr -}}
+{{- if get $families (index (splitList ":" $p) 0) -}}
+{{- $b := include "livenessproxy.prefixBits" $p -}}
+{{- $u := "" -}}
+{{- if $every -}}{{- $u = include "livenessproxy.uncovered" (dict "b" $b "s" $any) -}}{{- end -}}
+{{- if $u -}}
+{{- fail (printf "redirect.ports is empty, so the rules redirect %s on every port (less redirect.excludePorts), but the match list of transparent listener %s (%s) covers %s on the ports its entries list at most (%s): every other connection there (to a database, DNS over TCP, ...) would be reset as no_match. Set redirect.ports to the ports the match list covers, or add a match entry without ports that holds %s" $cidr ($l.name | default "?") $l.listen $u (join ", " (keys $byPort | sortAlpha) | default "none") $cidr) -}}
+{{- end -}}
+{{- range $redirected | sortAlpha -}}
+{{- $u = include "livenessproxy.uncovered" (dict "b" $b "s" (concat $any (get $byPort . | default list))) -}}
+{{- if $u -}}
+{{- fail (printf "redirect.cidrs has %s and the rules redirect port %s, but the match list of transparent listener %s (%s) does not cover %s on port %s: those connections would be reset as no_match. Add a match entry for them, or narrow redirect.cidrs or redirect.ports to what the match list covers" $cidr . ($l.name | default "?") $l.listen $u .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Checks across values, at template time (templates/validate.yaml renders
 nothing but runs this): a mistake fails `helm install`, not the pod.
 */}}
@@ -353,6 +452,7 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- $ports := list -}}
 {{- $proxyPort := toString .Values.redirect.proxyPort -}}
 {{- $v4 := false -}}{{- $v6 := false -}}
+{{- $receivers := list -}}
 {{- range .Values.config.listeners -}}
 {{- if and . .transparent -}}
 {{- $port := regexFind "[0-9]+$" (.listen | default "") -}}
@@ -360,8 +460,10 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- if eq $port $proxyPort -}}
 {{- /* The rules redirect IPv4 to 127.0.0.1 (no other 127.x address) and IPv6 to ::1; a wildcard address (Go listens dual-stack) takes both. */ -}}
 {{- $host := trimSuffix (printf ":%s" $port) .listen -}}
-{{- if regexMatch "^(127\\.0\\.0\\.1|0\\.0\\.0\\.0|\\[::\\]|localhost|)$" $host -}}{{- $v4 = true -}}{{- end -}}
-{{- if regexMatch "^(\\[::1\\]|0\\.0\\.0\\.0|\\[::\\]|)$" $host -}}{{- $v6 = true -}}{{- end -}}
+{{- $l4 := regexMatch "^(127\\.0\\.0\\.1|0\\.0\\.0\\.0|\\[::\\]|localhost|)$" $host -}}
+{{- $l6 := regexMatch "^(\\[::1\\]|0\\.0\\.0\\.0|\\[::\\]|)$" $host -}}
+{{- $v4 = or $v4 $l4 -}}{{- $v6 = or $v6 $l6 -}}
+{{- $receivers = append $receivers (list . $l4 $l6) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -378,6 +480,9 @@ nothing but runs this): a mistake fails `helm install`, not the pod.
 {{- if and (not (contains ":" .)) (not $v4) -}}
 {{- fail (printf "redirect.cidrs has the IPv4 CIDR %s, whose connections the rules redirect to 127.0.0.1:%s, but no transparent listener listens there: add one on 127.0.0.1:%s" . $proxyPort $proxyPort) -}}
 {{- end -}}
+{{- end -}}
+{{- range $receivers -}}
+{{- include "livenessproxy.validateRedirectCovered" (list $ (index . 0) (index . 1) (index . 2)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
