@@ -58,8 +58,10 @@ type Detector struct {
 	mu         sync.Mutex
 	closed     bool
 	eps        map[string]*epState
-	pending    []Event // transitions not yet handed to OnEvent, in order
-	delivering bool    // a goroutine is draining pending
+	graves     map[string]grave // verdicts of endpoints forgotten while out (see Unregister)
+	graveOrder []grave          // the same, oldest first (entries since restored are skipped)
+	pending    []Event          // transitions not yet handed to OnEvent, in order
+	delivering bool             // a goroutine is draining pending
 }
 
 // epState is the state of one registered endpoint; guarded by Detector.mu.
@@ -110,6 +112,7 @@ func New(opts Options) *Detector {
 		ctx:     ctx,
 		stop:    stop,
 		eps:     make(map[string]*epState),
+		graves:  make(map[string]grave),
 	}
 	d.http = newHTTPClient(d.dialContext)
 	return d
@@ -118,6 +121,12 @@ func New(opts Options) *Detector {
 // Register adds endpoint (host:port) in state Healthy, or, if it is already
 // registered, replaces its probe configuration (used from the next probe on)
 // and keeps its state. It does nothing after Close.
+//
+// An endpoint unregistered while excluded, or disabled by the operator,
+// less than graveFor before comes back in that state (an event says so;
+// an excluded one is probed afresh): a verdict rests on evidence, and an
+// endpoint that leaves and returns (a DNS answer that left it out, a
+// listener a reload bound anew) has shown none since.
 func (d *Detector) Register(endpoint string, pc ProbeConfig) {
 	pc = pc.normalized()
 	if pc.Kind != ProbeConnect && pc.Kind != ProbeHTTP && pc.Kind != ProbeKafka {
@@ -125,32 +134,86 @@ func (d *Detector) Register(endpoint string, pc ProbeConfig) {
 			Msg("unknown probe kind: every probe of this endpoint will fail")
 	}
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if d.closed {
+		d.mu.Unlock()
 		return
 	}
 	if e, ok := d.eps[endpoint]; ok {
 		e.pc = pc
+		d.mu.Unlock()
 		return
 	}
-	d.eps[endpoint] = &epState{
+	e := &epState{
 		name:   endpoint,
 		pc:     pc,
 		state:  Healthy,
 		reason: ReasonRegistered,
 		since:  time.Now(),
 	}
+	d.eps[endpoint] = e
+	g, buried := d.graves[endpoint]
+	if !buried || time.Since(g.at) >= graveFor {
+		d.mu.Unlock()
+		return
+	}
+	delete(d.graves, endpoint)
+	e.evidence = Evidence{Since: g.since, Detail: "its verdict from before it was forgotten " + time.Since(g.at).Round(time.Millisecond).String() + " ago"}
+	d.transitionLocked(e, g.state, g.reason)
+	if g.state == Excluded {
+		d.startProberLocked(e)
+	}
+	// Delivered on a goroutine of the detector's: Register's callers
+	// hold locks of their own that OnEvent may take.
+	d.probers.Add(1)
+	d.mu.Unlock()
+	go func() {
+		defer d.probers.Done()
+		d.deliver()
+	}()
+}
+
+// graveFor is how long the verdict of an endpoint unregistered while
+// excluded, or disabled by the operator, is kept for its return; at most
+// maxGraves are kept, the oldest dropped first.
+var graveFor = 10 * time.Minute
+
+const maxGraves = 4096
+
+// grave is what Register restores of an endpoint unregistered while out.
+type grave struct {
+	name   string
+	state  State
+	reason string
+	since  time.Time // when it went out
+	at     time.Time // when it was unregistered
 }
 
 // Unregister stops probing endpoint and forgets it. It emits no event. A
-// later Register starts it afresh, Healthy.
+// later Register starts it afresh, Healthy, unless it was excluded or
+// disabled by the operator (see Register).
 func (d *Detector) Unregister(endpoint string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if e, ok := d.eps[endpoint]; ok {
-		d.stopProberLocked(e)
-		delete(d.eps, endpoint)
+	e, ok := d.eps[endpoint]
+	if !ok {
+		return
 	}
+	d.stopProberLocked(e)
+	delete(d.eps, endpoint)
+	if d.closed || e.state != Excluded && (e.state != Disabled || e.reason != ReasonOperatorDisable) {
+		return
+	}
+	now := time.Now()
+	for len(d.graveOrder) > 0 && (len(d.graves) >= maxGraves || len(d.graveOrder) >= 2*maxGraves || now.Sub(d.graveOrder[0].at) >= graveFor) {
+		old := d.graveOrder[0]
+		d.graveOrder = d.graveOrder[1:]
+		if g, ok := d.graves[old.name]; ok && g.at == old.at {
+			delete(d.graves, old.name)
+		}
+	}
+	g := grave{name: endpoint, state: e.state, reason: e.reason, since: e.since, at: now}
+	d.graves[endpoint] = g
+	d.graveOrder = append(d.graveOrder, g)
 }
 
 // Report records a data-plane failure of endpoint. A Healthy endpoint becomes

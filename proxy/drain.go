@@ -1,6 +1,12 @@
 package proxy
 
-import "github.com/livenessproxy/livenessproxy/health"
+import (
+	"sync/atomic"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/health"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
+)
 
 // Draining an endpoint (the operator's drain, HAProxy's "set server state
 // drain"): no new link is routed to it, not even by fail-open, and the
@@ -8,7 +14,8 @@ import "github.com/livenessproxy/livenessproxy/health"
 // Proxy.drained, is the one place routing asks (pool candidates, a
 // transparent destination's refusal, hence a pool listener's pause and
 // the kernel's excluded set); it is keyed by normalized address and holds
-// only endpoints that existed when drained; enable empties it of one.
+// only endpoints that existed when drained (and, for drainKeptFor, those
+// forgotten since: see drainMark); enable empties it of one.
 //
 // A drain is the data plane's, not the detector's: the detector goes on
 // judging a drained endpoint by its probes and links (its state is shown
@@ -17,8 +24,53 @@ import "github.com/livenessproxy/livenessproxy/health"
 
 // isDrained reports whether routing must not send a new link to addr.
 func (p *Proxy) isDrained(addr string) bool {
-	_, ok := p.drained.Load(addr)
-	return ok
+	v, ok := p.drained.Load(addr)
+	return ok && v.(drainMark).live()
+}
+
+// drainMark is an entry of Proxy.drained: a drain of an endpoint, and
+// when that endpoint was forgotten (0: it was not). A drain outlives its
+// endpoint for drainKeptFor, as the detector keeps an exclusion or an
+// operator's disable (health.Register): an endpoint that leaves and comes
+// back meanwhile (a DNS answer that left it out, a transparent listener a
+// reload bound anew) is still drained.
+type drainMark struct{ forgotAt int64 }
+
+// drainKeptFor: 10 minutes (an atomic for tests).
+var drainKeptFor = func() *atomic.Int64 {
+	var d atomic.Int64
+	d.Store(int64(10 * time.Minute))
+	return &d
+}()
+
+func (m drainMark) live() bool {
+	return m.forgotAt == 0 || flow.Mono()-m.forgotAt < drainKeptFor.Load()
+}
+
+// forgetDrain marks addr's drain, if any, as its endpoint's forgetting,
+// and drops the drains of endpoints forgotten drainKeptFor ago or more.
+func (p *Proxy) forgetDrain(addr string) {
+	if _, ok := p.drained.Load(addr); ok {
+		p.drained.Store(addr, drainMark{forgotAt: flow.Mono()})
+	}
+	p.drained.Range(func(k, v any) bool {
+		if !v.(drainMark).live() {
+			p.drained.CompareAndDelete(k, v)
+		}
+		return true
+	})
+}
+
+// reviveDrain takes up the drain of addr, an endpoint created anew, if it
+// was forgotten less than drainKeptFor ago.
+func (p *Proxy) reviveDrain(addr string) {
+	if v, ok := p.drained.Load(addr); ok {
+		if m := v.(drainMark); m.live() {
+			p.drained.CompareAndSwap(addr, m, drainMark{})
+		} else {
+			p.drained.CompareAndDelete(addr, m)
+		}
+	}
 }
 
 // Drain is the operator's drain of the endpoint (or of each endpoint
@@ -28,7 +80,7 @@ func (p *Proxy) isDrained(addr string) bool {
 func (p *Proxy) Drain(addr string) (changed bool, links int, err error) {
 	eps, err := p.lookup(addr)
 	for _, ep := range eps {
-		if _, was := p.drained.LoadOrStore(ep.addr, struct{}{}); !was {
+		if v, was := p.drained.Swap(ep.addr, drainMark{}); !was || !v.(drainMark).live() {
 			changed = true
 			p.log.Info().Str("endpoint", ep.addr).Int("links_kept", ep.liveLinks()).Msg("endpoint draining: no new links, open links finish")
 			p.drainChanged(ep)

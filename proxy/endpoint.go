@@ -87,6 +87,7 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings, from *listener
 			}
 		})
 		p.endpoints[addr] = ep
+		p.reviveDrain(addr)
 	}
 	if ep.takesSettings(s, from) {
 		ep.settings.Store(&s)

@@ -76,32 +76,60 @@ func TestDiallingLinkOfALeavingMemberIsDrained(t *testing.T) {
 	}
 }
 
-// An operator's drain ends with the endpoint: a pool member drained, then
-// gone from the pool's records and forgotten, is not drained when a new
-// pod gets its address ("one that comes back after its drain starts
-// afresh"), and no drain of an address the proxy no longer knows is kept.
-func TestDrainEndsWithTheForgottenEndpoint(t *testing.T) {
+// An operator's drain outlives its endpoint for drainKeptFor: a pool
+// member drained, then gone from the pool's records and forgotten, is
+// still drained when the records have it again within that time (a DNS
+// answer that left it out), and starts afresh after it (a new pod with
+// the address). Drains of addresses the proxy no longer knows are
+// dropped once that time has passed.
+func TestDrainOutlivesTheForgottenEndpointForAWhile(t *testing.T) {
 	h, dns, _, addrs := dnsPool(t, []string{"127.0.0.2", "127.0.0.3"}, []string{"127.0.0.2", "127.0.0.3"})
 	h.p.drain.Store(0)
 	h.waitMembers(addrs, 3*time.Second)
 	if _, _, err := h.p.Drain(addrs[0]); err != nil {
 		t.Fatal(err)
 	}
-	setRecords(dns, "127.0.0.3") // the drained pod goes away
+	leaveAndReturn := func() bool {
+		setRecords(dns, "127.0.0.3") // the drained pod goes away
+		h.waitMembers(addrs[1:], 3*time.Second)
+		for deadline := time.Now().Add(3 * time.Second); h.p.lookupEndpoint(addrs[0]) != nil; time.Sleep(10 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatal("left member not forgotten")
+			}
+		}
+		setRecords(dns, "127.0.0.2", "127.0.0.3") // and comes back
+		h.waitMembers(addrs, 3*time.Second)
+		for _, ep := range h.p.Endpoints() {
+			if ep.Endpoint == addrs[0] {
+				return ep.Draining
+			}
+		}
+		t.Fatalf("%s not listed", addrs[0])
+		return false
+	}
+	if !leaveAndReturn() {
+		t.Fatalf("%s came back within drainKeptFor and is not drained", addrs[0])
+	}
+
+	old := drainKeptFor.Swap(int64(100 * time.Millisecond))
+	defer drainKeptFor.Store(old)
+	setRecords(dns, "127.0.0.3")
 	h.waitMembers(addrs[1:], 3*time.Second)
 	for deadline := time.Now().Add(3 * time.Second); h.p.lookupEndpoint(addrs[0]) != nil; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("left member not forgotten")
 		}
 	}
+	time.Sleep(200 * time.Millisecond)
+	h.p.forgetDrain("") // the sweep any forgetting makes
 	if _, ok := h.p.drained.Load(addrs[0]); ok {
-		t.Errorf("forgotten endpoint %s is still in the drained set (invisible to GET /v1/endpoints)", addrs[0])
+		t.Errorf("the drain of %s, forgotten past drainKeptFor, is still kept", addrs[0])
 	}
 	setRecords(dns, "127.0.0.2", "127.0.0.3") // a new pod gets the address
 	h.waitMembers(addrs, 3*time.Second)
 	for _, ep := range h.p.Endpoints() {
 		if ep.Endpoint == addrs[0] && ep.Draining {
-			t.Fatalf("%s came back after its drain ended and is still drained (state %s): not a fresh start", ep.Endpoint, ep.State)
+			t.Fatalf("%s came back after drainKeptFor and is still drained (state %s): not a fresh start", ep.Endpoint, ep.State)
 		}
 	}
 }

@@ -552,7 +552,7 @@ func (p *Proxy) forget(ep *endpoint) {
 	p.det.Unregister(ep.addr)
 	p.unexclude(ep.addr)
 	ep.orphans.Stop()
-	p.drained.Delete(ep.addr)
+	p.forgetDrain(ep.addr)
 	p.meshMu.Lock()
 	peers := make([]*meshPeer, 0, len(p.peers))
 	for _, pr := range p.peers {
