@@ -303,6 +303,19 @@ func (p *Proxy) DrainTimeout() time.Duration { return time.Duration(p.drain.Load
 // Ready reports whether every listener is bound and accepting.
 func (p *Proxy) Ready() bool { return p.ready.Load() }
 
+// ListenerConfigs returns the configuration of each listener running now,
+// as its last reload left it: after a reload applied in part, a listener
+// whose bind failed is not among them.
+func (p *Proxy) ListenerConfigs() []policy.Listener {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]policy.Listener, 0, len(p.listeners))
+	for _, l := range p.listeners {
+		out = append(out, l.spec().cfg)
+	}
+	return out
+}
+
 // Addr returns the bound address of the named listener, or nil.
 func (p *Proxy) Addr(name string) net.Addr {
 	p.mu.Lock()

@@ -138,6 +138,9 @@ func reload(data []byte, trigger string, p *proxy.Proxy, m *metrics.Process, sta
 		ev := log.Error().Err(err).Str("trigger", trigger)
 		changes(ev, ch).Msg("config reload applied in part")
 		m.ConfigReload("error")
+		// The listeners that run, not the file's: one whose bind failed
+		// is bound nowhere.
+		inForce.Listeners = p.ListenerConfigs()
 		return inForce, true
 	}
 	m.ConfigReload("ok")
