@@ -54,6 +54,8 @@ type listener struct {
 	// badFrames: links closed on a frame the proxy cannot follow (see
 	// badFrame).
 	badFrames logGate
+	// loops: interception loops (transparent), logged once per logEvery.
+	loops logGate
 
 	acceptWG sync.WaitGroup // the accept loop
 	linkWG   sync.WaitGroup // one per link goroutine

@@ -58,9 +58,19 @@ func (l *listener) resolve(c *tcpClient) (*endpoint, CloseReason) {
 		l.log.Debug().Err(err).Str("client", c.RemoteAddr().String()).Msg("no original destination: refused")
 		return nil, CloseNoMatch
 	}
-	if l.p.isOwn(dst, c.RemoteAddr()) {
-		l.log.Error().Str("destination", dst.String()).Str("client", c.RemoteAddr().String()).
-			Msg("interception loop: the proxy's own connection came back; exempt its uid or upstream_mark in the rules")
+	if own, fromOwn := l.p.isOwn(dst, c.RemoteAddr()); own {
+		if la, ok := c.localAddr().(*net.TCPAddr); ok && !fromOwn && la.AddrPort().Addr().Unmap() == dst.Addr().Unmap() && la.Port == int(dst.Port()) {
+			// Not redirected (its original destination is the address it
+			// reached): a client of another host connected to the listener
+			// itself, which a wildcard listener answers on every address.
+			// No loop, and nothing to proxy it to.
+			l.log.Debug().Str("client", c.RemoteAddr().String()).Msg("a connection to the transparent listener's own address, not redirected: refused")
+			return nil, CloseNoMatch
+		}
+		if n, ok := l.loops.pass(); ok {
+			l.log.Error().Str("destination", dst.String()).Str("client", c.RemoteAddr().String()).Int64("loops_since_last_line", n).
+				Msg("interception loop: the proxy's own connection came back; exempt its uid or upstream_mark in the rules")
+		}
 		return nil, CloseLoop
 	}
 	if !l.matchesDst(dst) {
@@ -170,15 +180,16 @@ func (o *ownAddrs) len() int {
 	return len(o.n)
 }
 
-// isOwn reports whether a connection is the proxy's own: its original
+// isOwn reports whether a connection is the proxy's own (and whether it
+// comes from one of the proxy's upstream sockets): its original
 // destination is one of the proxy's listeners, or it comes from one of the
 // proxy's upstream sockets (a redirect rule that does not exempt them). A
 // listener bound to a wildcard address (0.0.0.0, ::) answers on every
 // address of the host: a destination on its port is the proxy's own when
 // the address is one of the host's.
-func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
+func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) (own, fromOwnSocket bool) {
 	if p.ownUpHas(from.String()) {
-		return true
+		return true, true
 	}
 	addr := dst.Addr().Unmap()
 	wildcard := false
@@ -190,12 +201,12 @@ func (p *Proxy) isOwn(dst netip.AddrPort, from net.Addr) bool {
 		}
 		if ap.Addr().Unmap() == addr || addr.IsLoopback() {
 			p.mu.Unlock()
-			return true
+			return true, false
 		}
 		wildcard = wildcard || ap.Addr().IsUnspecified()
 	}
 	p.mu.Unlock()
-	return wildcard && isLocalAddr(addr)
+	return wildcard && isLocalAddr(addr), false
 }
 
 // ownUpHas reports whether from is the local address of one of the

@@ -215,11 +215,11 @@ func TestLoopGuardCountsASharedAddress(t *testing.T) {
 		t.Fatal("an upstream address was not registered with a transparent listener open")
 	}
 	l.forgetConn(a)
-	if !p.isOwn(dst, a) {
+	if own, _ := p.isOwn(dst, a); !own {
 		t.Fatal("one of two sockets with the address ended; the other is no longer guarded")
 	}
 	l.forgetConn(a)
-	if p.isOwn(dst, a) {
+	if own, _ := p.isOwn(dst, a); own {
 		t.Fatal("both sockets ended; the address is still guarded")
 	}
 }
