@@ -106,6 +106,12 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	for _, ep := range set.orphans {
 		p.forget(ep)
 	}
+	for _, ep := range set.resynced {
+		ep.mu.Lock()
+		ls := append([]*listener(nil), ep.listeners...)
+		ep.mu.Unlock()
+		p.syncExcludedSet(ep, ls)
+	}
 
 	p.swapSettings(cfg, plan.disabled)
 	p.syncPools(set)
@@ -253,11 +259,12 @@ func planReload(running []runningListener, prevDisabled map[string]bool, cfg pol
 // reloadSet is the listeners a reload works on, made from its plan by
 // swapListenersLocked.
 type reloadSet struct {
-	keep  []*listener         // kept, in the new config's order; bindAdded appends those it binds
-	added []*listener         // made for the new configuration, to bind
-	pools []*listener         // kept and added pools, in the new config's order
-	gone  []*listener         // to retire, in plan.remove's order
-	pre   map[string]acceptor // bound by prebindLocked, by name
+	resynced []*endpoint         // destinations of retuned transparent listeners: the excluded set follows
+	keep     []*listener         // kept, in the new config's order; bindAdded appends those it binds
+	added    []*listener         // made for the new configuration, to bind
+	pools    []*listener         // kept and added pools, in the new config's order
+	gone     []*listener         // to retire, in plan.remove's order
+	pre      map[string]acceptor // bound by prebindLocked, by name
 	// orphans: endpoints of the ingress ports a reload removed that no
 	// listener routes to any more, to forget once p.mu is released.
 	orphans []*endpoint
@@ -291,7 +298,7 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 			set.orphans = append(set.orphans, l.ingress.retuneLocked(lp.cfg)...)
 		}
 		if l.matches != nil && lp.retuned {
-			p.retuneDestinationsLocked(l)
+			set.resynced = append(set.resynced, p.retuneDestinationsLocked(l)...)
 		}
 		if l.pool != nil {
 			l.pool.setSpecs(lp.cfg) // members follow in syncPools
@@ -310,17 +317,22 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 // syncPool gives a pool's members theirs: a destination excluded under a
 // wrong probe setting is probed with the corrected one from the reload
 // on, not only once it is forgotten (one that clients keep asking for
-// never is). p.mu is held.
-func (p *Proxy) retuneDestinationsLocked(l *listener) {
+// never is). It returns them: the kernel's excluded set follows the new
+// settings (on_excluded, group_fail_open) once p.mu is released. p.mu is
+// held.
+func (p *Proxy) retuneDestinationsLocked(l *listener) []*endpoint {
 	s := l.spec().settings
+	var eps []*endpoint
 	for _, ep := range p.endpoints {
 		ep.mu.Lock()
 		mine := slices.Contains(ep.listeners, l)
 		ep.mu.Unlock()
 		if mine {
 			p.endpointForLocked(ep.dial, s, l) // re-registers the probe configuration
+			eps = append(eps, ep)
 		}
 	}
+	return eps
 }
 
 // swapSettings puts the reload's drain timeout, limits and
