@@ -297,15 +297,23 @@ func isLocalAddr(a netip.Addr) bool {
 // listener already tracks transparent.max_destinations destinations.
 func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 	p.mu.Lock()
-	ep, existed := p.endpoints[normalizeEndpoint(addr)]
-	if max := l.spec().maxDests; !existed && max > 0 && l.destinations >= max {
+	ep, mine := p.endpoints[normalizeEndpoint(addr)]
+	if mine {
+		ep.mu.Lock()
+		mine = slices.Contains(ep.listeners, l)
+		ep.mu.Unlock()
+	}
+	// The cap counts the listener's own destinations, those the proxy
+	// knows from another listener (a pool member, another transparent
+	// listener's) too.
+	if max := l.spec().maxDests; !mine && max > 0 && l.destinations >= max {
 		p.mu.Unlock()
 		l.log.Debug().Str("destination", addr).Int("max_destinations", max).
 			Msg("too many destinations tracked: refused (link_closes_total{reason=\"capacity\"})")
 		return nil
 	}
 	created := false
-	if !existed {
+	if !mine {
 		ep, created = p.endpointForLocked(addr, l.spec().settings, l)
 	}
 	ep.lastUsed.Store(flow.Mono())
