@@ -31,12 +31,7 @@ func aliasBomb(n int) []byte {
 // 3.6 KB the cost would have been tens of GiB.
 func TestAliasExpansionIsBounded(t *testing.T) {
 	data := aliasBomb(100)
-	var before, after runtime.MemStats
-	runtime.GC()
-	runtime.ReadMemStats(&before)
-	_, err := Parse(data)
-	runtime.ReadMemStats(&after)
-	alloc := after.TotalAlloc - before.TotalAlloc
+	alloc, err := parseAllocating(data)
 	t.Logf("%d-byte document: Parse allocated %d MiB", len(data), alloc>>20)
 	if err == nil || !strings.Contains(err.Error(), "YAML aliases") {
 		t.Fatalf("Parse: %v, want an error about the aliases' expansion", err)
@@ -118,4 +113,52 @@ func TestSamePortElsewhereIsNoSelfTarget(t *testing.T) {
 			t.Errorf("Parse refused a config with no loop: %v\n%s", err, doc)
 		}
 	}
+}
+
+// A list of many aliases of one listener within MaxConfigBytes (350,000
+// of them) is stopped by the value bound before it costs their memory,
+// and checked in linear time. Before, the slice for all of them was made
+// first (456 MiB allocated) and the address checks were quadratic (20 s
+// of a core) (found by a review).
+func TestListenerListAllocationIsBounded(t *testing.T) {
+	n := (MaxConfigBytes - 200) / 3
+	var b strings.Builder
+	b.WriteString("x: &l {name: a, listen: '127.0.0.1:0', upstream: '127.0.0.1:9'}\nlisteners: [*l")
+	b.WriteString(strings.Repeat(",*l", n-1))
+	b.WriteString("]\n")
+	data := []byte(b.String())
+	alloc, err := parseAllocating(data)
+	t.Logf("%d-byte document (%d listener aliases): Parse allocated %d MiB", len(data), n, alloc>>20)
+	if err == nil || !strings.Contains(err.Error(), "YAML aliases") {
+		t.Fatalf("Parse: %.200v, want the value bound named", err)
+	}
+	if alloc > 256<<20 {
+		t.Errorf("Parse allocated %d MiB for a %d-byte document, want at most 256 MiB (YAML's own parse of it is about 80)", alloc>>20, len(data))
+	}
+}
+
+// Many listeners on one port of distinct hosts: the clash and loop checks
+// take linear time, and still find every clash (the twin of the above).
+func TestManyListenersAreCheckedInLinearTime(t *testing.T) {
+	var b strings.Builder
+	b.WriteString("listeners:\n")
+	for i := range 3000 {
+		fmt.Fprintf(&b, "  - {name: l%d, listen: '127.0.%d.%d:18000', upstream: '10.0.0.1:9'}\n", i, i/250, 1+i%250)
+	}
+	b.WriteString("  - {name: wild, listen: '0.0.0.0:18000', upstream: '127.0.0.1:18000'}\n")
+	_, err := Parse([]byte(b.String()))
+	if err == nil || !strings.Contains(err.Error(), "listeners[3000].listen") || !strings.Contains(err.Error(), "listeners[3000].upstream") {
+		t.Fatalf("Parse: %.300v, want the wildcard's clash and its loop named", err)
+	}
+}
+
+// parseAllocating parses data and returns the bytes Parse allocated and
+// its error.
+func parseAllocating(data []byte) (uint64, error) {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, err := Parse(data)
+	runtime.ReadMemStats(&after)
+	return after.TotalAlloc - before.TotalAlloc, err
 }

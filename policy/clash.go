@@ -33,11 +33,9 @@ func listenCanonical(norm string) string {
 // (sameListen). Port 0 picks a free port and never clashes. Each clash is
 // reported once, at the later key.
 func (v *validator) clashes(addrs []boundAddr) {
-	for i, b := range addrs {
-		for _, a := range addrs[:i] {
-			if !sameListen(a.norm, b.norm) {
-				continue
-			}
+	idx := newBoundIndex()
+	for _, b := range addrs {
+		if a, ok := idx.firstClash(b); ok {
 			switch {
 			case a.key == "admin.listen" && b.key == "admin.control_listen":
 				v.add(b.key, "%q is the address of admin.listen (%s): the control server needs its own port", b.raw, a.raw)
@@ -48,9 +46,76 @@ func (v *validator) clashes(addrs []boundAddr) {
 			default:
 				v.add(b.key, "%q clashes with %s %q: a wildcard address takes the port on every address it covers, so run would fail with \"address already in use\"", b.raw, a.key, a.raw)
 			}
-			break
+		}
+		idx.add(b)
+	}
+}
+
+// boundIndex finds, among the bound addresses added to it, the first that
+// sameListen pairs with a given one, in constant time (a config of many
+// listeners is checked in linear time).
+type boundIndex struct {
+	n      int
+	exact  map[string]indexed // by canonical host:port
+	wild   map[string]indexed // the first wildcard, by port
+	byPort map[string]indexed // the first of any host, by port
+}
+
+type indexed struct {
+	boundAddr
+	i int
+}
+
+func newBoundIndex() *boundIndex {
+	return &boundIndex{exact: map[string]indexed{}, wild: map[string]indexed{}, byPort: map[string]indexed{}}
+}
+
+func isWildcardHost(h string) bool { return h == "" || h == "::" || h == "0.0.0.0" }
+
+func (x *boundIndex) add(b boundAddr) {
+	h, port, _ := net.SplitHostPort(b.norm)
+	e := indexed{b, x.n}
+	x.n++
+	if _, ok := x.exact[b.norm]; !ok {
+		x.exact[b.norm] = e
+	}
+	if _, ok := x.byPort[port]; !ok {
+		x.byPort[port] = e
+	}
+	if _, ok := x.wild[port]; !ok && isWildcardHost(h) {
+		x.wild[port] = e
+	}
+}
+
+// firstClash is the first address added that b clashes with (sameListen).
+func (x *boundIndex) firstClash(b boundAddr) (boundAddr, bool) {
+	h, port, _ := net.SplitHostPort(b.norm)
+	if port == "0" {
+		return boundAddr{}, false
+	}
+	var cands []indexed
+	if isWildcardHost(h) {
+		if e, ok := x.byPort[port]; ok {
+			cands = append(cands, e)
+		}
+	} else {
+		if e, ok := x.exact[b.norm]; ok {
+			cands = append(cands, e)
+		}
+		if e, ok := x.wild[port]; ok {
+			cands = append(cands, e)
 		}
 	}
+	if len(cands) == 0 {
+		return boundAddr{}, false
+	}
+	best := cands[0]
+	for _, c := range cands[1:] {
+		if c.i < best.i {
+			best = c
+		}
+	}
+	return best.boundAddr, true
 }
 
 // boundAddrs lists the addresses c binds that are valid host:ports (the
@@ -86,6 +151,10 @@ func boundAddrs(c *Config) []boundAddr {
 // or unspecified address. (A name, or an address of this host's other
 // interfaces, cannot be told from a remote one here.)
 func (v *validator) selfTargets(c *Config, bound []boundAddr) {
+	idx := newBoundIndex()
+	for _, b := range bound {
+		idx.add(b)
+	}
 	check := func(key, raw string) {
 		norm, why := endpoint(raw)
 		if why != "" {
@@ -94,19 +163,15 @@ func (v *validator) selfTargets(c *Config, bound []boundAddr) {
 		target := listenCanonical(norm)
 		th, tp, _ := net.SplitHostPort(target)
 		ta, err := netip.ParseAddr(th)
-		if err != nil {
+		if err != nil || tp == "0" {
 			return // a name
 		}
-		for _, b := range bound {
-			bh, bp, _ := net.SplitHostPort(b.norm)
-			if bp != tp || bp == "0" {
-				continue
-			}
-			wild := bh == "" || bh == "::" || bh == "0.0.0.0"
-			if bh == th || wild && (ta.IsLoopback() || ta.IsUnspecified()) {
-				v.add(key, "%q is %s (%q): the proxy would dial itself, a loop that takes every link the process may hold", raw, b.key, b.raw)
-				return
-			}
+		b, ok := idx.exact[target]
+		if w, wok := idx.wild[tp]; wok && (ta.IsLoopback() || ta.IsUnspecified()) && (!ok || w.i < b.i) {
+			b, ok = w, true
+		}
+		if ok {
+			v.add(key, "%q is %s (%q): the proxy would dial itself, a loop that takes every link the process may hold", raw, b.key, b.raw)
 		}
 	}
 	for i, l := range c.Listeners {

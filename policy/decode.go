@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -371,14 +372,16 @@ func (d *decoder) listeners(n *yaml.Node, defaults Settings) []Listener {
 		d.fail(path, n, "expected a list of listeners, got %s", describe(n))
 		return nil
 	}
-	out := make([]Listener, len(n.Content))
+	// Grown as the items are decoded: the value bound (visit) stops a list
+	// of many aliases of one listener before it costs their memory.
+	out := make([]Listener, 0, min(len(n.Content), 64))
 	for i, item := range n.Content {
 		p := path + "[" + strconv.Itoa(i) + "]"
 		if !d.visit(item, p) {
-			return out[:i]
+			return out
 		}
 		d.lines[p] = item.Line
-		out[i] = Listener{Settings: defaults}
+		out = append(out, Listener{Settings: defaults})
 		v := reflect.ValueOf(&out[i]).Elem()
 		if m := resolve(item); m != nil && m.Kind == yaml.MappingNode {
 			d.mapping(m, v, p, func(key string, _ *yaml.Node) bool {
@@ -504,8 +507,10 @@ func (d *decoder) list(n *yaml.Node, v reflect.Value, path string) {
 		v.SetZero()
 	case n.Kind == yaml.SequenceNode:
 		// A list replaces the default list; it is never merged with it.
-		s := reflect.MakeSlice(v.Type(), len(n.Content), len(n.Content))
-		for i, item := range n.Content {
+		// At most the values the bound leaves (see visit) are made.
+		k := min(len(n.Content), max(MaxConfigValues-d.values, 0)+1)
+		s := reflect.MakeSlice(v.Type(), k, k)
+		for i, item := range n.Content[:k] {
 			p := path + "[" + strconv.Itoa(i) + "]"
 			d.lines[p] = item.Line
 			d.value(item, s.Index(i), p)
@@ -637,8 +642,21 @@ func kindName(t reflect.Type) string {
 }
 
 // fieldsOf maps the YAML key of every field of struct type t to its index,
-// with the fields of ",inline" structs at t's own level.
+// with the fields of ",inline" structs at t's own level. Made once per
+// type (a config of many listeners asks for the same ones again); the
+// map returned is shared and must not be changed.
 func fieldsOf(t reflect.Type) map[string][]int {
+	if m, ok := fieldCache.Load(t); ok {
+		return m.(map[string][]int)
+	}
+	m := makeFieldsOf(t)
+	fieldCache.Store(t, m)
+	return m
+}
+
+var fieldCache sync.Map // reflect.Type -> map[string][]int
+
+func makeFieldsOf(t reflect.Type) map[string][]int {
 	out := map[string][]int{}
 	for i := range t.NumField() {
 		f := t.Field(i)
