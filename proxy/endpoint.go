@@ -32,7 +32,6 @@ type endpoint struct {
 	leftAt       atomic.Pointer[time.Time]       // when it last left routing (excluded or disabled)
 	lastUsed     atomic.Int64                    // mono time a transparent connection last resolved to it
 	settings     atomic.Pointer[policy.Settings] // the settings it is probed with (see endpointForLocked)
-	settingsFrom *listener                       // whose settings those are; p.mu
 	tls          atomic.Bool                     // a client of it spoke TLS
 	meshPort     atomic.Int32                    // the mesh port its last link reached it through; 0: directly
 	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
@@ -66,11 +65,10 @@ func normalizeEndpoint(addr string) string {
 // of from, the listener that routes to it (nil: none). p.mu is held.
 //
 // An endpoint has one probe, and listeners that share it may ask for
-// different ones. It is probed as the listener that asks for the most
-// asks (see takesSettings): a readmission then rests on the strongest
-// evidence any of them wants, whatever the order of the listeners or of
-// their reloads and DNS refreshes. A listener's own later settings (a
-// reload) replace its earlier ones.
+// different ones. It is probed as the first listener that asks for the
+// strongest probe (see pickSettingsLocked): a readmission then rests on
+// the strongest evidence any of them wants, whatever the order of their
+// reloads and DNS refreshes.
 func (p *Proxy) endpointForLocked(dial string, s policy.Settings, from *listener) (ep *endpoint, created bool) {
 	addr := normalizeEndpoint(dial)
 	ep, ok := p.endpoints[addr]
@@ -89,59 +87,93 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings, from *listener
 		p.endpoints[addr] = ep
 		p.reviveDrain(addr)
 	}
-	if ep.takesSettings(s, from) {
-		ep.settings.Store(&s)
-		ep.settingsFrom = from
-	}
+	ep.pickSettingsLocked(from, s)
 	p.det.Register(addr, ep.probeConfig())
 	return ep, created
 }
 
-// takesSettings reports whether ep is to be probed with s, the settings
-// of from: when it has none yet, when they are from's own (a reload), when
-// the listener whose settings it has no longer routes to it, or when s
-// asks for a stronger probe (one of the protocol over a connect). p.mu is
-// held.
-func (ep *endpoint) takesSettings(s policy.Settings, from *listener) bool {
-	cur := ep.settings.Load()
-	if cur == nil || from == ep.settingsFrom || probeStrength(s) > probeStrength(*cur) {
-		return true
-	}
-	ep.mu.Lock()
-	defer ep.mu.Unlock()
-	return !slices.Contains(ep.listeners, ep.settingsFrom)
-}
-
-// probeStrength ranks what a probe of settings s proves: a connect that
-// a stopped process's kernel completes (0), or an answer of the
-// protocol or of the process's health endpoint (1).
-func probeStrength(s policy.Settings) int {
-	if kind, _ := s.Probe(); kind != policy.ProbeKindConnect {
-		return 1
-	}
-	return 0
-}
-
-// repickSettingsLocked gives ep the settings of the listeners that still
-// route to it, when the one whose settings it had has stopped: the first
-// of those that asks for the strongest probe. p.mu is held.
-func (p *Proxy) repickSettingsLocked(ep *endpoint) {
+// pickSettingsLocked gives ep the settings it is probed with: those of the
+// first listener that routes to it and asks for the strongest probe it
+// would run (one of the protocol or of the process's health endpoint over
+// a connect; a Kafka probe is a connect once ep's clients speak TLS),
+// among the listeners that still accept (those a reload retired drain
+// their links, no more), whatever the order of their reloads and DNS
+// refreshes. from, with its settings s, counts as one of them (nil: none).
+// p.mu is held.
+func (ep *endpoint) pickSettingsLocked(from *listener, s policy.Settings) {
 	ep.mu.Lock()
 	ls := append([]*listener(nil), ep.listeners...)
 	ep.mu.Unlock()
-	if len(ls) == 0 || slices.Contains(ls, ep.settingsFrom) {
-		return
+	if from != nil && !slices.Contains(ls, from) {
+		ls = append(ls, from)
 	}
-	best := ls[0]
-	for _, l := range ls[1:] {
-		if probeStrength(l.spec().settings) > probeStrength(best.spec().settings) {
-			best = l
+	settingsOf := func(l *listener) policy.Settings {
+		if l == from {
+			return s
+		}
+		return l.spec().settings
+	}
+	var best *listener
+	bestLive, bestRank := false, -1
+	for _, l := range ls {
+		l.mu.Lock()
+		live := !l.stopping
+		l.mu.Unlock()
+		r := ep.probeStrength(settingsOf(l))
+		if best == nil || live && !bestLive || live == bestLive && r > bestRank {
+			best, bestLive, bestRank = l, live, r
 		}
 	}
-	s := best.spec().settings
-	ep.settings.Store(&s)
-	ep.settingsFrom = best
+	if best == nil {
+		ep.settings.Store(&s)
+		return
+	}
+	bs := settingsOf(best)
+	ep.settings.Store(&bs)
+}
+
+// probeStrength ranks what the probe ep runs with settings s proves: a
+// connect that a stopped process's kernel completes (0), or an answer of
+// the protocol or of the process's health endpoint (1).
+func (ep *endpoint) probeStrength(s policy.Settings) int {
+	if kind, _ := s.Probe(); kind == policy.ProbeKindConnect || kind == policy.ProbeKindKafka && ep.kafkaProbeIsConnect(s) {
+		return 0
+	}
+	return 1
+}
+
+// kafkaProbeIsConnect reports whether a Kafka probe of settings s is run
+// as a connect: the probe was chosen by auto and ep's clients speak TLS.
+func (ep *endpoint) kafkaProbeIsConnect(s policy.Settings) bool {
+	return ep.tls.Load() && (s.Detector.Probe == policy.ProbeKindAuto || s.Detector.Probe == "")
+}
+
+// repickSettingsLocked picks ep's probe settings again (see
+// pickSettingsLocked) when the listeners that route to it change: one
+// left, stopped accepting, or its clients turned out to speak TLS. p.mu
+// is held.
+func (p *Proxy) repickSettingsLocked(ep *endpoint) {
+	ep.mu.Lock()
+	empty := len(ep.listeners) == 0
+	ep.mu.Unlock()
+	if empty {
+		return
+	}
+	ep.pickSettingsLocked(nil, *ep.settings.Load())
 	p.det.Register(ep.addr, ep.probeConfig())
+}
+
+// repickForLocked picks again the probe settings of every endpoint l
+// routes to (l stopped accepting). p.mu is held.
+func (p *Proxy) repickForLocked(l *listener) {
+	for _, ep := range p.endpoints {
+		ep.mu.Lock()
+		mine := slices.Contains(ep.listeners, l)
+		ep.mu.Unlock()
+		if mine {
+			p.repickSettingsLocked(ep)
+		}
+	}
 }
 
 // applyDisabled disables a newly admitted endpoint that endpoints.disabled
@@ -168,7 +200,7 @@ func (ep *endpoint) probeConfig() health.ProbeConfig {
 	pc := probeConfig(s)
 	pc.Override = ep.meshProbe
 	pc.Waiting = ep.clientsWaiting
-	if ep.tls.Load() && pc.Kind == health.ProbeKafka && (s.Detector.Probe == policy.ProbeKindAuto || s.Detector.Probe == "") {
+	if pc.Kind == health.ProbeKafka && ep.kafkaProbeIsConnect(s) {
 		pc.Kind = health.ProbeConnect
 	}
 	return pc
@@ -203,8 +235,10 @@ func (p *Proxy) sawTLS(ep *endpoint) {
 	if ep.tls.Swap(true) {
 		return
 	}
+	p.mu.Lock()
+	p.repickSettingsLocked(ep) // its Kafka probe ranks as a connect now
+	p.mu.Unlock()
 	pc := ep.probeConfig()
-	p.det.Register(ep.addr, pc)
 	if pc.Kind == health.ProbeConnect {
 		p.log.Info().Str("endpoint", ep.addr).Msg("clients speak TLS: probing with a TCP connect, not a plaintext Kafka request (set detector.probe to choose)")
 	}

@@ -453,6 +453,7 @@ func (p *Proxy) retire(l *listener, drain time.Duration) {
 	p.mu.Lock()
 	p.listeners = slices.DeleteFunc(p.listeners, func(x *listener) bool { return x == l })
 	p.retiring = append(p.retiring, l)
+	p.repickForLocked(l) // its endpoints are probed as the listeners that accept ask
 	p.mu.Unlock()
 	l.log.Info().Int("links", len(l.snapshotLinks())).Dur("drain_timeout_ms", drain).Msg("listener removed by reload")
 	p.bg.Add(1)
