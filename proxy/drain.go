@@ -80,7 +80,17 @@ func (p *Proxy) reviveDrain(addr string) {
 func (p *Proxy) Drain(addr string) (changed bool, links int, err error) {
 	eps, err := p.lookup(addr)
 	for _, ep := range eps {
-		if v, was := p.drained.Swap(ep.addr, drainMark{}); !was || !v.(drainMark).live() {
+		// Under p.mu, and only for an endpoint still known: one forgotten
+		// since the lookup would leave a drain no forgetting ever ends.
+		p.mu.Lock()
+		known := p.endpoints[ep.addr] == ep
+		var v any
+		was := false
+		if known {
+			v, was = p.drained.Swap(ep.addr, drainMark{})
+		}
+		p.mu.Unlock()
+		if known && (!was || !v.(drainMark).live()) {
 			changed = true
 			p.log.Info().Str("endpoint", ep.addr).Int("links_kept", ep.liveLinks()).Msg("endpoint draining: no new links, open links finish")
 			p.drainChanged(ep)

@@ -391,7 +391,11 @@ func (ep *endpoint) onExcluded(ev health.Event, log *zerolog.Logger) {
 	if CloseReason(ev.Reason) == CloseUnanswered {
 		closeReason = CloseUnanswered
 	}
-	n := ep.evict(time.Time{}, closeReason, metrics.EvictExcluded)
+	// The links opened before the exclusion: one opened since was routed
+	// to it knowingly (fail-open, on_excluded: allow), as one opened
+	// during an exclusion restored when a forgotten endpoint came back
+	// (its event comes a moment after the state).
+	n := ep.evict(ev.At, closeReason, metrics.EvictExcluded)
 	if linkEnd(CloseReason(ev.Reason)) {
 		n++ // the link whose end was the evidence, closed before the report
 	}
@@ -414,6 +418,11 @@ func (ep *endpoint) onReadmitted(ev health.Event, log *zerolog.Logger) {
 	ep.readmitted.Store(flow.Mono())
 	ep.orphans.Clear()
 	ep.consecutive.Store(0)
+	// Connect timeouts in a row start over too: a connect begun before
+	// the readmission never counts, and one lost SYN of the clients that
+	// rush back (the accept queue is fullest then) excludes nothing.
+	ep.timeoutAt.Store(flow.Mono())
+	ep.dialTimeouts.Store(0)
 	// No client keeps a connection opened before the exclusion (to
 	// the process that failed), except after an exclusion that kept
 	// them on purpose (keepsLinks): they were judged by their own

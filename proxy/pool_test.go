@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -437,19 +438,27 @@ func TestPoolRetriesGoToMembersNotTried(t *testing.T) {
 // logs and the next, nothing else.
 type gateWriter struct {
 	msg     string
+	also    []string     // more the line must hold
+	armed   *atomic.Bool // when set, only once it is true
 	once    sync.Once
 	reached chan struct{}
 	release chan struct{}
 }
 
 func (g *gateWriter) Write(b []byte) (int, error) {
-	if bytes.Contains(b, []byte(g.msg)) {
-		hit := false
-		g.once.Do(func() { hit = true })
-		if hit {
-			close(g.reached)
-			<-g.release
+	if g.armed != nil && !g.armed.Load() || !bytes.Contains(b, []byte(g.msg)) {
+		return len(b), nil
+	}
+	for _, s := range g.also {
+		if !bytes.Contains(b, []byte(s)) {
+			return len(b), nil
 		}
+	}
+	hit := false
+	g.once.Do(func() { hit = true })
+	if hit {
+		close(g.reached)
+		<-g.release
 	}
 	return len(b), nil
 }

@@ -561,11 +561,21 @@ func (p *Proxy) releaseName(name string) {
 
 // forget drops what the detector and the excluded set hold for an
 // endpoint no listener routes to any more.
+//
+// What is kept by address (the detector's state, the drain, the kernel's
+// excluded set) is dropped under p.mu, and only while no endpoint of that
+// address was made since: a DNS refresh, a reload or a transparent client
+// may have made one after ep was taken out of p.endpoints and before this
+// runs, and that one's state is its own.
 func (p *Proxy) forget(ep *endpoint) {
-	p.det.Unregister(ep.addr)
-	p.unexclude(ep.addr)
+	p.mu.Lock()
+	if cur := p.endpoints[ep.addr]; cur == nil || cur == ep {
+		p.det.Unregister(ep.addr)
+		p.unexclude(ep.addr)
+		p.forgetDrain(ep.addr)
+	}
+	p.mu.Unlock()
 	ep.orphans.Stop()
-	p.forgetDrain(ep.addr)
 	p.meshMu.Lock()
 	peers := make([]*meshPeer, 0, len(p.peers))
 	for _, pr := range p.peers {
