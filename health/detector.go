@@ -22,8 +22,9 @@ type Options struct {
 	// OnEvent is called for every real transition, in the order the
 	// transitions happened (per endpoint and overall), never while the
 	// detector's lock is held. It runs on the goroutine that caused the
-	// transition (a Report/Disable/Enable caller or a probe goroutine), or
-	// on whichever goroutine is already delivering events, so a caller's
+	// transition (a Report/Disable/Enable caller or a probe goroutine; a
+	// verdict Register restores, on a goroutine of the detector's), or on
+	// whichever goroutine is already delivering events, so a caller's
 	// event may be delivered just after its call returns. OnEvent may call
 	// any Detector method except Close; a panic in it is logged and
 	// swallowed. It should not block for long: it delays the probe

@@ -808,6 +808,15 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 		if err != nil {
 			return
 		}
+		in.mu.Lock()
+		draining := in.draining
+		in.mu.Unlock()
+		if draining {
+			// Its GoAway may not be out yet (drain sends it on a
+			// goroutine): no new stream all the same.
+			is.RefuseStream(st)
+			continue
+		}
 		in.wg.Add(1)
 		go in.serveStream(is, st)
 	}

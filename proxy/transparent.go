@@ -397,7 +397,9 @@ var (
 // of their listeners (a pod gone for good must not keep a prober and
 // metric series forever): their map entry, their detector state and their
 // endpoint_state series. A disabled one is kept, so that it stays refused.
-// A forgotten destination that comes back starts afresh.
+// A forgotten destination that comes back starts afresh, but for an
+// exclusion, an operator's disable or drain (kept 10 minutes: see
+// health.Register and drainMark).
 func (p *Proxy) sweepIdle() int {
 	now := flow.Mono()
 	cutoff := now - int64(idleEndpoint)

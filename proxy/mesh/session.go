@@ -471,13 +471,13 @@ func (ms *Session) Retire(why string) {
 	}
 }
 
-// Usable reports whether new streams may go on the session.
 // HeardSince reports whether the session, still open, has read anything
 // from the peer since mono time t: the peer sidecar was running then.
 func (ms *Session) HeardSince(t int64) bool {
 	return !ms.Dead.Load() && !ms.Sess.IsClosed() && ms.lastRead.Load() >= t
 }
 
+// Usable reports whether new streams may go on the session.
 func (ms *Session) Usable() bool {
 	return !ms.Dead.Load() && !ms.retired.Load() && !ms.Sess.IsClosed()
 }
