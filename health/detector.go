@@ -40,6 +40,12 @@ type Options struct {
 	// HTTP probe's transport). Nil means a plain net.Dialer. The context
 	// carries the probe timeout and shutdown.
 	Dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	// OwnFailure reports whether a probe's error is the prober's own
+	// failure (no descriptors, no buffers, a socket option the kernel
+	// refused, a name that did not resolve): such a probe reaches no
+	// verdict, as one that timed out while the process could not run.
+	// Nil: every error is the endpoint's.
+	OwnFailure func(error) bool
 }
 
 // Detector is the per-endpoint failure detector. Its methods are safe for
@@ -49,6 +55,7 @@ type Detector struct {
 	onEvent func(Event)
 	onProbe func(string, bool)
 	dial    func(ctx context.Context, network, addr string) (net.Conn, error)
+	own     func(error) bool
 	http    *http.Client
 
 	ctx       context.Context // parent of every probe goroutine's context; cancelled by Close
@@ -110,6 +117,7 @@ func New(opts Options) *Detector {
 		onEvent: opts.OnEvent,
 		onProbe: opts.OnProbe,
 		dial:    dial,
+		own:     opts.OwnFailure,
 		ctx:     ctx,
 		stop:    stop,
 		eps:     make(map[string]*epState),
@@ -490,6 +498,11 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		if err != nil && !overridden && noticedLate(err, last.Sub(started), pc.Timeout) {
 			d.log.Debug().Err(err).Str("endpoint", e.name).Dur("took_ms", last.Sub(started)).
 				Msg("probe timed out while the proxy could not run: no verdict")
+			continue
+		}
+		if err != nil && d.own != nil && d.own(err) {
+			d.log.Debug().Err(err).Str("endpoint", e.name).
+				Msg("probe failed for the proxy's own reason (descriptors, buffers, a socket option, a name): no verdict")
 			continue
 		}
 

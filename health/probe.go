@@ -325,6 +325,10 @@ func (d *Detector) dialContext(ctx context.Context, network, addr string) (net.C
 
 // newHTTPClient returns the client of the HTTP probes: no keep-alives, no
 // environment proxy, no redirects, dialing through dial.
+// maxProbeHeaderBytes bounds an HTTP probe's answer headers: an answer
+// with more fails the probe (its status line is not read on).
+const maxProbeHeaderBytes = 16 << 10
+
 func newHTTPClient(dial func(ctx context.Context, network, addr string) (net.Conn, error)) *http.Client {
 	return &http.Client{
 		Transport: &http.Transport{
@@ -332,6 +336,10 @@ func newHTTPClient(dial func(ctx context.Context, network, addr string) (net.Con
 			DialContext:        dial,
 			DisableKeepAlives:  true,
 			DisableCompression: true,
+			// The probe reads a status line; net/http's default lets
+			// an answer's headers take 10 MB, once per excluded endpoint
+			// probed at once, outside the memory budget.
+			MaxResponseHeaderBytes: maxProbeHeaderBytes,
 		},
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 	}

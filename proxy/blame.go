@@ -40,6 +40,28 @@ func upstreamFault(err error) bool {
 	return deadlinePassed(err)
 }
 
+// ownFailure reports whether a probe's err is the proxy's own failure: a
+// name that did not resolve, or a system call that failed for want of the
+// proxy's resources or by its own settings (no descriptors, buffers,
+// memory or local port; a socket option refused; a local rule's EPERM).
+// An HTTP probe's answer, a timeout, a refusal or a reset are the
+// endpoint's.
+func ownFailure(err error) bool {
+	var dnsErr *net.DNSError
+	if errors.As(err, &dnsErr) {
+		return true
+	}
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		switch errno {
+		case syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.EINVAL,
+			syscall.EPERM, syscall.EACCES, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE:
+			return true
+		}
+	}
+	return false
+}
+
 // deadlinePassed reports whether err is a deadline's of the proxy's own
 // (connect_timeout, a socket deadline).
 func deadlinePassed(err error) bool {

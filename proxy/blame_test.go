@@ -4,6 +4,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"errors"
 	"fmt"
@@ -453,5 +454,34 @@ func TestIdleLinkToALiveUpstreamStaysOpen(t *testing.T) {
 	roundTrip(t, c, []byte("after four idle seconds"))
 	if n := h.p.ActiveLinks(); n != 1 {
 		t.Fatalf("%d links, want the idle one still open", n)
+	}
+}
+
+// A probe's error is the proxy's own (no verdict on the endpoint) only
+// when it is a name that did not resolve or a system call that failed for
+// want of the proxy's resources or by its own settings; a refusal, a
+// reset, an unreachable host, a timeout and an HTTP answer are the
+// endpoint's.
+func TestOwnFailureIsTheProxys(t *testing.T) {
+	op := func(e syscall.Errno) error { return &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", e)} }
+	for _, c := range []struct {
+		err  error
+		want bool
+	}{
+		{op(syscall.EMFILE), true},
+		{op(syscall.ENOBUFS), true},
+		{op(syscall.EPERM), true},
+		{op(syscall.EADDRNOTAVAIL), true},
+		{&net.DNSError{Err: "no such host", Name: "x"}, true},
+		{op(syscall.ECONNREFUSED), false},
+		{op(syscall.ECONNRESET), false},
+		{op(syscall.EHOSTUNREACH), false},
+		{op(syscall.ETIMEDOUT), false},
+		{context.DeadlineExceeded, false},
+		{errors.New("unexpected status 503"), false},
+	} {
+		if got := ownFailure(c.err); got != c.want {
+			t.Errorf("ownFailure(%v) = %v, want %v", c.err, got, c.want)
+		}
 	}
 }

@@ -177,9 +177,10 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	}
 	// Probes dial with each endpoint's own socket options (probeConfig).
 	p.det = health.New(health.Options{
-		Logger:  log.With().Str("component", "detector").Logger(),
-		OnEvent: p.onHealthEvent,
-		OnProbe: p.onProbe,
+		Logger:     log.With().Str("component", "detector").Logger(),
+		OnEvent:    p.onHealthEvent,
+		OnProbe:    p.onProbe,
+		OwnFailure: ownFailure,
 	})
 	p.drain.Store(int64(cfg.DrainTimeout))
 	p.resolver = opts.Resolver

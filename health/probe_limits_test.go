@@ -1,0 +1,107 @@
+package health
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"runtime"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// A probe that fails for the prober's own reason (no descriptors:
+// EMFILE, the error net.Dialer returns when socket(2) fails so) does not
+// count against the endpoint: no failed probe, no grown backoff, no
+// probes_total{result="fail"}. Before (found by a helper's audit), each
+// counted. A refused probe still counts (TestConnectProbeRefusedThenReopened);
+// which errors are the proxy's own: proxy.TestOwnFailureIsTheProxys.
+func TestProbeOutOfDescriptorsIsNoFailedProbe(t *testing.T) {
+	var dials atomic.Int32
+	emfile := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return nil, &net.OpError{Op: "dial", Net: network, Err: os.NewSyscallError("socket", syscall.EMFILE)}
+	}
+	var fails atomic.Int32
+	own := func(err error) bool { return errors.Is(err, syscall.EMFILE) }
+	d := New(Options{Dial: emfile, OwnFailure: own, OnProbe: func(_ string, ok bool) {
+		if !ok {
+			fails.Add(1)
+		}
+	}})
+	defer d.Close()
+	const ep = "127.0.0.1:1"
+	d.Register(ep, ProbeConfig{Kind: ProbeConnect, InitialDelay: 20 * time.Millisecond, Factor: 2, MaxDelay: time.Minute, Timeout: 200 * time.Millisecond})
+	d.Report(ep, "write_timeout")
+	deadline := time.Now().Add(3 * time.Second)
+	for dials.Load() < 3 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
+	var st Status
+	for _, s := range d.Statuses() {
+		if s.Endpoint == ep {
+			st = s
+		}
+	}
+	t.Logf("probes dialled %d times, all EMFILE; failed_probes=%d, probes_total{fail} reported %d, last_probe_error=%q, next probe in %v",
+		dials.Load(), st.FailedProbes, fails.Load(), st.LastProbeError, time.Until(st.NextProbe).Round(time.Millisecond))
+	if st.FailedProbes != 0 || fails.Load() != 0 {
+		t.Fatalf("a probe that failed for want of the proxy's own descriptors counted as %d failed probes of the endpoint (backoff grown to %v): the proxy's own failure was held against the upstream",
+			st.FailedProbes, time.Until(st.NextProbe).Round(time.Millisecond))
+	}
+}
+
+// An HTTP probe's answer headers are bounded (16 KiB): whatever answers
+// on an excluded endpoint's probe port cannot make each probe hold
+// megabytes outside the memory budget, once per excluded endpoint at once
+// (a transparent listener tracks up to 4096 destinations); the probe
+// fails. Before (found by a helper's audit), net/http's default let an
+// answer's headers take 10 MB.
+func TestHTTPProbeResponseHeadersAreBounded(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	const headerBytes = 8 << 20
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				_, _ = c.Read(buf) // the request
+				_, _ = c.Write([]byte("HTTP/1.1 200 OK\r\nX-Big: "))
+				chunk := make([]byte, 64<<10)
+				for i := range chunk {
+					chunk[i] = 'a'
+				}
+				for sent := 0; sent < headerBytes; sent += len(chunk) {
+					if _, err := c.Write(chunk); err != nil {
+						return
+					}
+				}
+				_, _ = c.Write([]byte("\r\nContent-Length: 0\r\n\r\n"))
+			}()
+		}
+	}()
+	d := New(Options{})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeHTTP, Timeout: 5 * time.Second}.normalized()
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	_, perr := d.probe(context.Background(), ln.Addr().String(), pc)
+	runtime.ReadMemStats(&after)
+	alloc := after.TotalAlloc - before.TotalAlloc
+	t.Logf("one http probe answered with %d MiB of headers: err=%v, allocated %.1f MiB", headerBytes>>20, perr, float64(alloc)/(1<<20))
+	if alloc > 1<<20 {
+		t.Fatalf("one HTTP probe allocated %.1f MiB for the answer's headers (net/http's default MaxResponseHeaderBytes, 10 MB): a probe's memory is not bounded (x up to max_destinations excluded endpoints probed at once, outside the budget)", float64(alloc)/(1<<20))
+	}
+}
