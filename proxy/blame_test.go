@@ -463,7 +463,9 @@ func TestIdleLinkToALiveUpstreamStaysOpen(t *testing.T) {
 // reset, an unreachable host, a timeout and an HTTP answer are the
 // endpoint's.
 func TestOwnFailureIsTheProxys(t *testing.T) {
-	op := func(e syscall.Errno) error { return &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", e)} }
+	op := func(e syscall.Errno) error {
+		return &net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", e)}
+	}
 	for _, c := range []struct {
 		err  error
 		want bool
