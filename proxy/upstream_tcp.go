@@ -322,7 +322,7 @@ func (e *tcpEnd) pumpRequests() (parked bool) {
 		}
 		bp, n, err, werr := lk.client.readEach((*requests)(e))
 		if werr != nil {
-			lk.fail(werr)
+			e.fail(werr)
 			return false
 		}
 		if n > 0 {
@@ -359,7 +359,7 @@ func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
 	} else {
 		if err := e.hand(n); err != nil {
 			flow.PutChunk(bp)
-			lk.fail(err)
+			e.fail(err)
 			return false
 		}
 		lk.budget.Reading(int64(cap(*bp)))
@@ -392,7 +392,7 @@ func (e *tcpEnd) requestsEnded(err error) {
 	}
 	// No writer means nothing was ever queued: pass it on now.
 	if cerr := lk.passFin(e.closeWrite); cerr != nil {
-		lk.fail(cerr)
+		e.fail(cerr)
 	}
 }
 
@@ -445,7 +445,7 @@ func (e *tcpEnd) send(p []byte, high int64) bool {
 		// free of a goroutine hand-off.
 		n, err := e.tryWrite(p)
 		if err != nil {
-			lk.fail(err)
+			e.fail(err)
 			return false
 		}
 		if n == len(p) {
@@ -542,7 +542,7 @@ func (e *tcpEnd) writeUpstream() {
 			return
 		case flow.PassFin:
 			if err := lk.passFin(e.closeWrite); err != nil {
-				lk.fail(err)
+				e.fail(err)
 			}
 			return
 		}
@@ -590,7 +590,7 @@ func (e *tcpEnd) writeUpstream() {
 func (e *tcpEnd) writeFailed(err error, n int64) bool {
 	lk := e.lk
 	if !errors.Is(err, os.ErrDeadlineExceeded) {
-		lk.fail(err)
+		e.fail(err)
 		return false
 	}
 	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) || lk.answersWaiting() {
@@ -639,7 +639,7 @@ func (e *tcpEnd) pumpResponses() (parked bool) {
 			lk.passFinToClient()
 			return false
 		}
-		lk.fail(err)
+		e.fail(err)
 		return false
 	}
 }
@@ -658,4 +658,29 @@ func (s *responses) Handle(bp *[]byte, n int) (flow.Handled, error) {
 		return flow.HandledStop, werr
 	}
 	return flow.HandledMore, nil
+}
+
+// fail ends the link on an error of its upstream socket (see link.fail).
+// An ETIMEDOUT on a zero window, when the window guard could not sample
+// while due (it samples every quarter of tcp_user_timeout while bytes
+// wait; the proxy could not run: CPU throttling, a frozen host) and the
+// upstream's kernel answered after that began, is the kernel applying
+// the bound the guard lifts for such a window and could not lift in
+// time. No evidence against the upstream: the link ends as the proxy's
+// own failure (local_error).
+func (e *tcpEnd) fail(err error) {
+	if g := e.win; g != nil && errors.Is(err, syscall.ETIMEDOUT) {
+		if from, blind := g.blindSince(); blind && flow.ZeroWindowAckedSince(e.raw, from) {
+			err = errZeroWindowAbort{err}
+		}
+	}
+	e.lk.fail(err)
+}
+
+// errZeroWindowAbort is such an ETIMEDOUT; it does not unwrap to it, so
+// that nothing takes it for the upstream's.
+type errZeroWindowAbort struct{ cause error }
+
+func (x errZeroWindowAbort) Error() string {
+	return x.cause.Error() + " (TCP_USER_TIMEOUT on a zero window the upstream's kernel answered: the window guard could not lift it in time, the proxy could not run)"
 }

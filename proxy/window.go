@@ -53,6 +53,11 @@ type windowGuard struct {
 	ut     time.Duration
 	period time.Duration
 	armed  atomic.Bool
+	// due: the mono time the pending sample is due (0: none armed yet);
+	// blindFrom, blindTo: the last time the guard could not sample when
+	// due (the proxy could not run), from when it was armed to when the
+	// late sample ran (see blindSince).
+	due, blindFrom, blindTo atomic.Int64
 
 	mu      sync.Mutex // the callback; a Reset from arm may overlap one
 	timer   *time.Timer
@@ -102,7 +107,31 @@ func (g *windowGuard) arm() {
 	if g.stopped {
 		return
 	}
-	g.timer.Reset(g.period)
+	g.resetLocked(g.period)
+}
+
+// resetLocked arms the timer for a sample after d. g.mu is held.
+func (g *windowGuard) resetLocked(d time.Duration) {
+	g.due.Store(flow.Mono() + int64(d))
+	g.timer.Reset(d)
+}
+
+// blindSince reports since when (mono) the guard could not sample while
+// it was due, if it could not for more than half tcp_user_timeout up to
+// now or within tcp_user_timeout before now: the proxy could not run
+// then, and the kernel may have applied the bound the guard would have
+// lifted.
+func (g *windowGuard) blindSince() (int64, bool) {
+	now := flow.Mono()
+	if g.armed.Load() {
+		if due := g.due.Load(); due != 0 && now-due > int64(g.ut/2) {
+			return due - int64(g.period), true
+		}
+	}
+	if to := g.blindTo.Load(); to != 0 && now-to < int64(g.ut) {
+		return g.blindFrom.Load(), true
+	}
+	return 0, false
 }
 
 // liveDelay is when, after the connect, a link's window guard sets the
@@ -133,7 +162,7 @@ func (g *windowGuard) setLivenessLater(d time.Duration) {
 	}
 	g.live = g.lk.settings
 	g.armed.Store(true)
-	g.timer.Reset(d)
+	g.resetLocked(d)
 }
 
 // stop ends the samples for good (the link ended).
@@ -156,6 +185,10 @@ func (g *windowGuard) check() {
 		return
 	}
 	g.armed.Store(false) // a send from now on arms it again
+	if now, due := flow.Mono(), g.due.Load(); due != 0 && now-due > int64(g.ut/2) {
+		g.blindFrom.Store(due - int64(g.period))
+		g.blindTo.Store(now)
+	}
 	raw := g.raw
 	if s := g.live; s != nil {
 		// Before any lift: this is the guard's first sample.
@@ -191,6 +224,6 @@ func (g *windowGuard) check() {
 		return
 	}
 	if g.armed.CompareAndSwap(false, true) {
-		g.timer.Reset(g.period)
+		g.resetLocked(g.period)
 	}
 }

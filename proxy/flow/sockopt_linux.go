@@ -440,6 +440,16 @@ func SampleSendWindow(raw syscall.RawConn) (SendWindow, bool) {
 	}, true
 }
 
+// ZeroWindowAckedSince reports whether a socket the kernel failed had a
+// zero send window and an acknowledgement from the peer's kernel at or
+// after mono time t (an answer to a zero-window probe): the peer was
+// there, reading nothing. TCP_INFO stays readable on the failed socket
+// until it is closed.
+func ZeroWindowAckedSince(raw syscall.RawConn, t int64) bool {
+	ti, ok := tcpInfo(raw)
+	return ok && ti.Snd_wnd == 0 && Mono()-int64(time.Duration(ti.Last_ack_recv)*time.Millisecond) >= t
+}
+
 // SetUserTimeout sets TCP_USER_TIMEOUT on an open socket (0: the kernel's
 // default, no bound of its own).
 func SetUserTimeout(raw syscall.RawConn, d time.Duration) error {

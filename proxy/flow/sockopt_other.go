@@ -57,6 +57,8 @@ func SampleSendWindow(syscall.RawConn) (SendWindow, bool) { return SendWindow{},
 
 func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
 
+func ZeroWindowAckedSince(syscall.RawConn, int64) bool { return false }
+
 // SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
 func SetLiveness(syscall.RawConn, *policy.Settings) error { return nil }
 
