@@ -177,10 +177,8 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	}
 	// Probes dial with each endpoint's own socket options (probeConfig).
 	p.det = health.New(health.Options{
-		Logger:     log.With().Str("component", "detector").Logger(),
-		OnEvent:    p.onHealthEvent,
-		OnProbe:    p.onProbe,
-		OwnFailure: ownFailure,
+		Logger:  log.With().Str("component", "detector").Logger(),
+		OnEvent: p.onHealthEvent, OnProbe: p.onProbe, OwnFailure: ownFailure,
 	})
 	p.drain.Store(int64(cfg.DrainTimeout))
 	p.resolver = opts.Resolver

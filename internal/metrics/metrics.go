@@ -266,7 +266,7 @@ func NewProcess(reg prometheus.Registerer) *Process {
 	m := &Process{
 		lastReloadOK: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "config_last_reload_successful",
-			Help: "1 when the last load (the start, or a reload) succeeded, 0 while the file on disk is rejected or cannot be read: alert on it (process-wide).",
+			Help: "1 when the last load (the start, or a reload) succeeded, 0 while the file on disk is rejected or cannot be read (for three ticks in a row, or on a SIGHUP): alert on it (process-wide).",
 		}),
 		lastReloadAt: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "config_last_reload_success_timestamp_seconds",
