@@ -37,6 +37,7 @@ type endpoint struct {
 	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
 	dialTimeouts atomic.Int32                    // connects in a row that timed out (see dialFailed)
 	timeoutAt    atomic.Int64                    // mono time the last connect counted in dialTimeouts ended
+	suspects     logGate                         // the suspect verdict's log line (see suspect)
 	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client
 	// that closes on its own timeout must not hide a dead server).
@@ -719,12 +720,17 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 		Since:  monoToTime(since),
 		Detail: fmt.Sprintf("%d request(s) past their own deadline; no answer from the endpoint, on any link, for %v with them outstanding", overdue, silent.Round(time.Millisecond)),
 	}
-	log := p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).Int("overdue_requests", overdue).
-		Int64("silent_ms", silent.Milliseconds())
-	if last := ep.lastAnswer.Load(); last != flow.NoAnswer {
-		log = log.Int64("last_answer_ms_ago", time.Duration(now-last).Milliseconds())
+	// At most a line a second per endpoint: under fail-open (or
+	// on_excluded: allow) toward a silent endpoint, every link let through
+	// comes back here, as often as its clients reconnect.
+	if n, ok := ep.suspects.pass(); ok {
+		log := p.log.Warn().Str("endpoint", ep.addr).Int("threshold", thr).Int("overdue_requests", overdue).
+			Int64("silent_ms", silent.Milliseconds()).Int64("verdicts_since_last_line", n)
+		if last := ep.lastAnswer.Load(); last != flow.NoAnswer {
+			log = log.Int64("last_answer_ms_ago", time.Duration(now-last).Milliseconds())
+		}
+		log.Msg("endpoint suspect: requests past their deadline with the endpoint silent")
 	}
-	log.Msg("endpoint suspect: requests past their deadline with the endpoint silent")
 	if !p.det.ReportEvidence(ep.addr, string(CloseUnanswered), ev) {
 		// Already excluded (on_excluded: allow) or disabled: still close.
 		ep.evict(time.Time{}, CloseUnanswered, metrics.EvictExcluded)

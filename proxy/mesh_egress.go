@@ -295,12 +295,14 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	stop()
 	_ = c.SetDeadline(time.Time{})
 	var ne net.Error
-	if err != nil && !errors.Is(err, mesh.ErrNoIngress) && !errors.Is(err, mesh.ErrStream) && !(errors.As(err, &ne) && ne.Timeout()) {
+	if err != nil && !errors.Is(err, mesh.ErrNoIngress) && !errors.Is(err, mesh.ErrStream) && !(errors.As(err, &ne) && ne.Timeout()) && !ownFailure(err) {
 		// The connection broke in the handshake (reset, closed, a TLS
 		// alert: under TLS 1.3 the ingress judges this sidecar's
 		// certificate after the client's handshake): whatever listens on
 		// the mesh port is no ingress that takes this sidecar. Nothing
-		// here involved the server.
+		// here involved the server. (A write that failed for this
+		// process's own want, ENOBUFS say, is its own failure: the link
+		// ends local_error, the peer keeps its standing.)
 		err = fmt.Errorf("%w: %v", mesh.ErrForeignPeer, err)
 	}
 	if err != nil {

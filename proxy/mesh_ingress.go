@@ -383,8 +383,10 @@ func (in *ingress) probePorts(timeout time.Duration) (results map[uint16]checkRe
 			continue
 		}
 		ctx, cancel := context.WithTimeout(in.l.ctx, timeout)
+		began := flow.Mono()
 		c, err := (&net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(settings)}).DialContext(ctx, "tcp", addr)
 		cancel()
+		err = frozenDial(err, began, timeout)
 		switch {
 		case err == nil:
 			_ = c.Close()
@@ -393,6 +395,10 @@ func (in *ingress) probePorts(timeout time.Duration) (results map[uint16]checkRe
 			return nil, false
 		case errors.Is(err, syscall.ECONNREFUSED):
 			results[port] = checkResult{refused: true, err: err}
+		case errors.As(err, new(errFrozenDial)):
+			// Timed out while this process could not run: no verdict,
+			// as a link's dial or a probe noticed so late.
+			results[port] = checkResult{local: true, err: err}
 		case upstreamFault(err):
 			results[port] = checkResult{err: err}
 		default:

@@ -342,3 +342,33 @@ func TestLogGateCountsWhatItHeldBack(t *testing.T) {
 		t.Fatalf("the next line: pass() = %d, %v; want 100 (99 held back and this one), true", n, ok)
 	}
 }
+
+// The suspect verdict's line is written once a second at most per
+// endpoint, with the verdicts since the last line: under fail-open toward
+// a silent endpoint, every link let through comes back to a verdict, as
+// often as its clients reconnect (found by a helper's audit). The first
+// is always written.
+func TestSuspectLineIsRateLimited(t *testing.T) {
+	var sink syncBuffer
+	log := zerolog.New(&sink).Level(zerolog.InfoLevel)
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{{Name: "test", Listen: "127.0.0.1:0", Upstream: testutil.ClosedAddr(t), Settings: cfg.Defaults}}
+	p := startProxy(t, cfg, Options{Logger: &log})
+	ep := p.lookupEndpoint(cfg.Listeners[0].Upstream)
+	if ep == nil {
+		t.Fatal("no endpoint")
+	}
+	for range 50 {
+		p.suspect(ep, 1, 1)
+	}
+	const msg = "endpoint suspect: requests past their deadline with the endpoint silent"
+	if n := len(sink.lines(t, msg)); n != 1 {
+		t.Fatalf("%d suspect lines for 50 verdicts within a second, want 1", n)
+	}
+	time.Sleep(logEvery + 50*time.Millisecond)
+	p.suspect(ep, 1, 1)
+	sus := sink.lines(t, msg)
+	if len(sus) != 2 || sus[1]["verdicts_since_last_line"] != float64(50) {
+		t.Fatalf("suspect lines %v: want a second one a second later, counting the 49 held back and itself", sus)
+	}
+}
