@@ -54,8 +54,10 @@ func ownFailure(err error) bool {
 	var errno syscall.Errno
 	if errors.As(err, &errno) {
 		switch errno {
+		// Not EACCES: an ICMPv6 "administratively prohibited" from the
+		// upstream's side comes back as it.
 		case syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM, syscall.EINVAL,
-			syscall.EPERM, syscall.EACCES, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE:
+			syscall.EPERM, syscall.EADDRNOTAVAIL, syscall.EADDRINUSE:
 			return true
 		}
 	}

@@ -479,6 +479,7 @@ func TestOwnFailureIsTheProxys(t *testing.T) {
 		{op(syscall.ECONNRESET), false},
 		{op(syscall.EHOSTUNREACH), false},
 		{op(syscall.ETIMEDOUT), false},
+		{op(syscall.EACCES), false}, // an ICMPv6 "administratively prohibited" from the upstream's side
 		{context.DeadlineExceeded, false},
 		{errors.New("unexpected status 503"), false},
 	} {

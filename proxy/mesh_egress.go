@@ -278,7 +278,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 		t := tls.Client(c, pr.p.meshCertsFor(m.TLS).ClientConfig(m.TLS.Peers.List()))
 		if err = t.Handshake(); err != nil {
 			var ne net.Error
-			if !errors.As(err, &ne) || !ne.Timeout() {
+			if (!errors.As(err, &ne) || !ne.Timeout()) && !ownFailure(err) {
 				// Not an ingress of this mesh (or one that refused this
 				// sidecar's certificate): as a peer without one.
 				err = fmt.Errorf("%w: TLS handshake: %v", mesh.ErrForeignPeer, err)

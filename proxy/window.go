@@ -185,10 +185,12 @@ func (g *windowGuard) check() {
 		return
 	}
 	g.armed.Store(false) // a send from now on arms it again
-	if now, due := flow.Mono(), g.due.Load(); due != 0 && now-due > int64(g.ut/2) {
+	if now, due := flow.Mono(), g.due.Swap(0); due != 0 && now-due > int64(g.ut/2) {
 		g.blindFrom.Store(due - int64(g.period))
 		g.blindTo.Store(now)
 	}
+	// due stays 0 until the next arm's Reset: between an arm's flag and
+	// its Reset, blindSince reads no stale due.
 	raw := g.raw
 	if s := g.live; s != nil {
 		// Before any lift: this is the guard's first sample.
