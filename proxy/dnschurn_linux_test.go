@@ -31,7 +31,7 @@ func TestChurnedExcludedMemberStaysExcluded(t *testing.T) {
 
 	setRecords(dns, "127.0.0.3") // one answer leaves the dead member out
 	h.waitMembers(addrs, 3*time.Second)
-	time.Sleep(300 * time.Millisecond)
+	waitFor(t, 3*time.Second, dead+" forgotten", func() bool { return h.p.lookupEndpoint(dead) == nil })
 	setRecords(dns, "127.0.0.2", "127.0.0.3") // and the next has it again
 	h.waitMembers([]string{dead, addrs[0]}, 3*time.Second)
 

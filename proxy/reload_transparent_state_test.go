@@ -46,7 +46,11 @@ func TestReloadedTransparentListenerKeepsOperatorState(t *testing.T) {
 	if err := p.Reload(next); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // the old listener had no links: its drain ends at once
+	// The old listener had no links: its drain ends at once, and its
+	// destinations are forgotten.
+	waitFor(t, 3*time.Second, "the old listener's destinations forgotten", func() bool {
+		return p.lookupEndpoint(disabled) == nil && p.lookupEndpoint(drained) == nil && p.lookupEndpoint(excluded) == nil
+	})
 
 	l := p.listeners[0]
 	for _, c := range []struct {
