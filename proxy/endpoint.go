@@ -167,13 +167,8 @@ func (p *Proxy) repickSettingsLocked(ep *endpoint) {
 // repickForLocked picks again the probe settings of every endpoint l
 // routes to (l stopped accepting). p.mu is held.
 func (p *Proxy) repickForLocked(l *listener) {
-	for _, ep := range p.endpoints {
-		ep.mu.Lock()
-		mine := slices.Contains(ep.listeners, l)
-		ep.mu.Unlock()
-		if mine {
-			p.repickSettingsLocked(ep)
-		}
+	for _, ep := range p.endpointsOfLocked(l) {
+		p.repickSettingsLocked(ep)
 	}
 }
 

@@ -322,13 +322,21 @@ func (p *Proxy) swapListenersLocked(plan reloadPlan, ch *Changes) reloadSet {
 // held.
 func (p *Proxy) retuneDestinationsLocked(l *listener) []*endpoint {
 	s := l.spec().settings
+	eps := p.endpointsOfLocked(l)
+	for _, ep := range eps {
+		p.endpointForLocked(ep.dial, s, l) // re-registers the probe configuration
+	}
+	return eps
+}
+
+// endpointsOfLocked returns the endpoints l routes to. p.mu is held.
+func (p *Proxy) endpointsOfLocked(l *listener) []*endpoint {
 	var eps []*endpoint
 	for _, ep := range p.endpoints {
 		ep.mu.Lock()
 		mine := slices.Contains(ep.listeners, l)
 		ep.mu.Unlock()
 		if mine {
-			p.endpointForLocked(ep.dial, s, l) // re-registers the probe configuration
 			eps = append(eps, ep)
 		}
 	}
