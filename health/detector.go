@@ -46,6 +46,10 @@ type Options struct {
 	// verdict, as one that timed out while the process could not run.
 	// Nil: every error is the endpoint's.
 	OwnFailure func(error) bool
+	// MaxProbes bounds the probes in flight at once, over every endpoint:
+	// a probe due while all are running waits its turn (first come, first
+	// served) without a verdict. Non-positive means DefaultMaxProbes.
+	MaxProbes int
 }
 
 // Detector is the per-endpoint failure detector. Its methods are safe for
@@ -57,6 +61,7 @@ type Detector struct {
 	dial    func(ctx context.Context, network, addr string) (net.Conn, error)
 	own     func(error) bool
 	http    *http.Client
+	slots   probeSlots
 
 	ctx       context.Context // parent of every probe goroutine's context; cancelled by Close
 	stop      context.CancelFunc
@@ -124,6 +129,10 @@ func New(opts Options) *Detector {
 		graves:  make(map[string]grave),
 	}
 	d.http = newHTTPClient(d.dialContext)
+	d.slots.max = opts.MaxProbes
+	if d.slots.max <= 0 {
+		d.slots.max = DefaultMaxProbes
+	}
 	return d
 }
 
@@ -451,7 +460,8 @@ func (d *Detector) claimedLocked(e *epState, gen uint64) bool {
 // ProbeSoon. An endpoint that flapped (excluded again soon after a
 // readmission) is readmitted only once its probes have passed, without a
 // failure, for holdDown(flaps); its probes meanwhile come every
-// WaitingInterval at most.
+// WaitingInterval at most. A probe due waits for a slot (Options.MaxProbes)
+// behind those due before it.
 func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <-chan struct{}, done chan<- struct{}, wake <-chan struct{}) {
 	defer d.probers.Done()
 	defer close(done)
@@ -479,9 +489,15 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return
 		}
 
+		// A probe due while every slot is taken waits its turn: no
+		// verdict, and its time starts when it runs.
+		if !d.slots.acquire(ctx, e.name) {
+			return
+		}
 		d.mu.Lock()
 		if !d.claimedLocked(e, gen) {
 			d.mu.Unlock()
+			d.slots.release()
 			return
 		}
 		e.nextProbe = time.Time{}
@@ -491,6 +507,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		started := time.Now()
 		lastStart = started
 		overridden, err := d.probe(ctx, e.name, pc)
+		d.slots.release()
 		if ctx.Err() != nil {
 			return // stopped mid-probe: no verdict, not a failure
 		}

@@ -103,3 +103,26 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 }
+
+// probesCollector exports probes_in_flight and probes_waiting: the
+// detector's probes running now (health.DefaultMaxProbes at most) and
+// those due that wait for one to end.
+type probesCollector struct{ det *health.Detector }
+
+var (
+	probesInFlightDesc = prometheus.NewDesc("livenessproxy_probes_in_flight",
+		"Probes of excluded endpoints running now, 256 at most (process-wide).", nil, nil)
+	probesWaitingDesc = prometheus.NewDesc("livenessproxy_probes_waiting",
+		"Probes due that wait for one of the 256 running to end, first come, first served (process-wide).", nil, nil)
+)
+
+func (c *probesCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- probesInFlightDesc
+	ch <- probesWaitingDesc
+}
+
+func (c *probesCollector) Collect(ch chan<- prometheus.Metric) {
+	inFlight, waiting := c.det.ProbeSlots()
+	ch <- prometheus.MustNewConstMetric(probesInFlightDesc, prometheus.GaugeValue, float64(inFlight))
+	ch <- prometheus.MustNewConstMetric(probesWaitingDesc, prometheus.GaugeValue, float64(waiting))
+}

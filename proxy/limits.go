@@ -11,6 +11,7 @@ import (
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/memlimit"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -51,8 +52,9 @@ const (
 	runtimeReserve = 32 << 20
 	linkOverhead   = 16<<10 + 2*flow.ChunkSize
 	// fdReserve is the descriptors beside the links': listeners, the admin
-	// servers (256 connections each), probes, DNS, the config watcher.
-	fdReserve = 600
+	// servers (256 connections each), DNS, the config watcher (600), and
+	// the probes (health.DefaultMaxProbes at once).
+	fdReserve = 600 + health.DefaultMaxProbes
 	// minDerivedLinks is the least max_links the derivation gives.
 	minDerivedLinks = 64
 )

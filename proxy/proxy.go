@@ -216,6 +216,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	m.Register(&queuedCollector{p: p})
 	m.Register(&stateCollector{p: p})
 	m.Register(&budgetCollector{b: &p.budget})
+	m.Register(&probesCollector{det: p.det})
 	return p
 }
 

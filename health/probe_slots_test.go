@@ -1,0 +1,248 @@
+package health
+
+import (
+	"context"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// blackHoles starts n loopback listeners that accept and never answer (a
+// stopped broker whose kernel still completes handshakes): a Kafka probe
+// of one hangs until its timeout. Each connection is closed when the
+// prober closes its end.
+func blackHoles(t *testing.T, n int) []string {
+	t.Helper()
+	var wg sync.WaitGroup
+	addrs := make([]string, 0, n)
+	lns := make([]net.Listener, 0, n)
+	t.Cleanup(func() {
+		for _, ln := range lns {
+			ln.Close()
+		}
+		wg.Wait()
+	})
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lns = append(lns, ln)
+		addrs = append(addrs, ln.Addr().String())
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					defer c.Close()
+					_, _ = io.Copy(io.Discard, c)
+				}()
+			}
+		}()
+	}
+	return addrs
+}
+
+// socketCounter dials the probes' connections and counts them: open
+// now, the most open at once, and dials per address.
+type socketCounter struct {
+	mu     sync.Mutex
+	open   int
+	peak   int
+	dialed map[string]int
+	total  atomic.Int32
+	hooks  map[string]func() // called under mu as addr is dialled
+}
+
+// onDial calls f (under s.mu) when addr is dialled.
+func (s *socketCounter) onDial(addr string, f func()) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.hooks == nil {
+		s.hooks = map[string]func(){}
+	}
+	s.hooks[addr] = f
+}
+
+func (s *socketCounter) dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	s.mu.Lock()
+	s.open++
+	s.peak = max(s.peak, s.open)
+	s.dialed[addr]++
+	if f := s.hooks[addr]; f != nil {
+		f()
+	}
+	s.mu.Unlock()
+	s.total.Add(1)
+	c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+	if err != nil {
+		s.closed()
+		return nil, err
+	}
+	return &countedConn{Conn: c, s: s}, nil
+}
+
+func (s *socketCounter) closed() {
+	s.mu.Lock()
+	s.open--
+	s.mu.Unlock()
+}
+
+// waitsForSlot reports whether a probe of endpoint waits for a slot.
+func (d *Detector) waitsForSlot(endpoint string) bool {
+	d.slots.mu.Lock()
+	defer d.slots.mu.Unlock()
+	for _, w := range d.slots.waiters {
+		if w.endpoint == endpoint {
+			return true
+		}
+	}
+	return false
+}
+
+type countedConn struct {
+	net.Conn
+	s    *socketCounter
+	once sync.Once
+}
+
+func (c *countedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.s.closed)
+	return err
+}
+
+// In a zone outage every endpoint is excluded at once; their probes run
+// at most MaxProbes at a time, so they cannot take the descriptors the
+// links need. Before (found by an audit), every excluded endpoint's
+// probe dialled at once: 1000 excluded endpoints, 1000 sockets.
+func TestProbesInFlightAreBounded(t *testing.T) {
+	const n, slots = 1000, 16
+	addrs := blackHoles(t, n)
+	sc := &socketCounter{dialed: map[string]int{}}
+	d := New(Options{Dial: sc.dial, MaxProbes: slots})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka, Timeout: 100 * time.Millisecond, InitialDelay: 10 * time.Millisecond, Factor: 2, MaxDelay: time.Second}
+	for _, a := range addrs {
+		d.Register(a, pc)
+	}
+	for _, a := range addrs {
+		d.Report(a, "write_timeout")
+	}
+	var maxWaiting int
+	deadline := time.Now().Add(2 * time.Minute)
+	for sc.total.Load() < n && time.Now().Before(deadline) {
+		_, w := d.ProbeSlots()
+		maxWaiting = max(maxWaiting, w)
+		time.Sleep(5 * time.Millisecond)
+	}
+	sc.mu.Lock()
+	peak := sc.peak
+	sc.mu.Unlock()
+	d.slots.mu.Lock()
+	slotPeak := d.slots.peak
+	d.slots.mu.Unlock()
+	t.Logf("%d excluded endpoints hanging till their probe timeout: %d probes dialled, at most %d probe sockets open at once, %d probes in flight at once (the detector's count), up to %d waiting for a slot",
+		n, sc.total.Load(), peak, slotPeak, maxWaiting)
+	if sc.total.Load() < n {
+		t.Fatalf("only %d of %d excluded endpoints were probed in 2 minutes", sc.total.Load(), n)
+	}
+	if peak > slots || slotPeak > slots {
+		t.Fatalf("%d probe sockets open at once (%d probes in flight by the detector's count), over MaxProbes %d: probes of excluded endpoints are not bounded, and take the descriptors the links need", peak, slotPeak, slots)
+	}
+	failed := 0
+	for _, st := range d.Statuses() {
+		failed += st.FailedProbes
+	}
+	if dialled := int(sc.total.Load()); failed > dialled {
+		t.Fatalf("%d failed probes recorded for %d probes dialled: waiting for a slot was counted as a failed probe", failed, dialled)
+	}
+}
+
+// The twin: a recovered endpoint excluded among hundreds of dead ones is
+// readmitted in its turn, after the probes that waited before it and
+// before those that came after (first come, first served), not after a
+// round of every excluded endpoint's backoff.
+func TestRecoveredEndpointIsProbedInItsTurn(t *testing.T) {
+	const n, later, slots = 500, 100, 16
+	dead := blackHoles(t, n+later)
+	ahead, after := dead[:n], dead[n:]
+	alive := startKafkaPeer(t, echoCorrelation).ln.Addr().String()
+	sc := &socketCounter{dialed: map[string]int{}}
+	readmitted := make(chan struct{})
+	d := New(Options{Dial: sc.dial, MaxProbes: slots, OnEvent: func(ev Event) {
+		if ev.Endpoint == alive && ev.To == Healthy {
+			close(readmitted)
+		}
+	}})
+	defer d.Close()
+	// One probe each in the test's time (the second is an hour away).
+	once := ProbeConfig{Kind: ProbeKafka, InitialDelay: 10 * time.Millisecond, Factor: 1e6, MaxDelay: time.Hour}
+	short, long := once, once
+	short.Timeout, long.Timeout = 100*time.Millisecond, time.Minute
+	for _, a := range ahead {
+		d.Register(a, short)
+		d.Report(a, "write_timeout")
+	}
+	// Wait until every dead endpoint's probe is running or waiting.
+	deadline := time.Now().Add(time.Minute)
+	for {
+		probed := int(sc.total.Load())
+		inFlight, waiting := d.ProbeSlots()
+		if probed+waiting >= n || time.Now().After(deadline) {
+			t.Logf("dead endpoints: %d probed, %d in flight, %d waiting for a slot", probed, inFlight, waiting)
+			if waiting == 0 {
+				t.Fatal("no probe waits for a slot: the test did not build a queue")
+			}
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	var afterBefore int // under sc.mu
+	sc.onDial(alive, func() {
+		for _, a := range after {
+			afterBefore += sc.dialed[a]
+		}
+	})
+	d.Register(alive, short)
+	excluded := time.Now()
+	d.Report(alive, "write_timeout")
+	for !d.waitsForSlot(alive) && sc.dials(alive) == 0 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if !d.waitsForSlot(alive) {
+		t.Fatal("the recovered endpoint's probe did not wait for a slot: the test did not build a queue ahead of it")
+	}
+	// Those that come after it hold their slot for a minute.
+	for _, a := range after {
+		d.Register(a, long)
+		d.Report(a, "write_timeout")
+	}
+	select {
+	case <-readmitted:
+	case <-time.After(time.Minute):
+		t.Fatal("the recovered endpoint was not readmitted within a minute")
+	}
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	t.Logf("recovered endpoint readmitted %v after its exclusion, behind %d dead endpoints' probes of 100 ms on %d slots; %d later probes dialled before it",
+		time.Since(excluded).Round(time.Millisecond), n, slots, afterBefore)
+	if afterBefore > slots-1 {
+		t.Fatalf("%d probes queued after the recovered endpoint's dialled before it: it was overtaken", afterBefore)
+	}
+}
+
+func (s *socketCounter) dials(addr string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.dialed[addr]
+}

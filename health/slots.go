@@ -1,0 +1,89 @@
+package health
+
+import (
+	"context"
+	"slices"
+	"sync"
+)
+
+// DefaultMaxProbes is how many probes a Detector runs at once when
+// Options.MaxProbes is not set. Each holds a descriptor (its connection)
+// for its own time (its Timeout) at most; the proxy's descriptor check
+// keeps this many beside the links' and the rest of its reserve.
+const DefaultMaxProbes = 256
+
+// probeSlots bounds the probes in flight. A probe that finds every slot
+// taken waits for one, first come first served, so that in a zone outage
+// (thousands of endpoints excluded at once) no endpoint's probe is
+// overtaken by later ones: a recovered endpoint is probed after those
+// already waiting, each of which holds its slot for its Timeout at most.
+// Waiting is no verdict: the probe has not run.
+type probeSlots struct {
+	mu      sync.Mutex
+	max     int
+	running int
+	waiters []slotWaiter // oldest first
+	peak    int          // the most probes in flight at once (tests)
+}
+
+// slotWaiter is a probe waiting for a slot: turn is closed when it is
+// handed one.
+type slotWaiter struct {
+	endpoint string
+	turn     chan struct{}
+}
+
+// acquire takes a slot for a probe of endpoint, waiting its turn behind
+// earlier callers; false if ctx ended first (no slot is held then).
+func (s *probeSlots) acquire(ctx context.Context, endpoint string) bool {
+	s.mu.Lock()
+	if s.running < s.max && len(s.waiters) == 0 {
+		s.running++
+		s.peak = max(s.peak, s.running)
+		s.mu.Unlock()
+		return true
+	}
+	turn := make(chan struct{})
+	s.waiters = append(s.waiters, slotWaiter{endpoint, turn})
+	s.mu.Unlock()
+	select {
+	case <-turn:
+		return true
+	case <-ctx.Done():
+	}
+	s.mu.Lock()
+	select {
+	case <-turn: // handed a slot as ctx ended: hand it on
+		s.mu.Unlock()
+		s.release()
+		return false
+	default:
+	}
+	if i := slices.IndexFunc(s.waiters, func(w slotWaiter) bool { return w.turn == turn }); i >= 0 {
+		s.waiters = slices.Delete(s.waiters, i, i+1)
+	}
+	s.mu.Unlock()
+	return false
+}
+
+// release gives a slot back: to the oldest waiter, if any.
+func (s *probeSlots) release() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.waiters) == 0 {
+		s.running--
+		return
+	}
+	turn := s.waiters[0].turn
+	s.waiters[0] = slotWaiter{}
+	s.waiters = s.waiters[1:]
+	close(turn)
+}
+
+// ProbeSlots reports the probes in flight now and those due that wait for
+// a slot (Options.MaxProbes).
+func (d *Detector) ProbeSlots() (inFlight, waiting int) {
+	d.slots.mu.Lock()
+	defer d.slots.mu.Unlock()
+	return d.slots.running, len(d.slots.waiters)
+}
