@@ -481,6 +481,9 @@ type Ingress struct {
 	// MaxSessionsPerPeer is how many sessions one peer address may hold
 	// at once; 0 means the default, 16.
 	MaxSessionsPerPeer int `yaml:"max_sessions_per_peer"`
+	// MaxSessions is how many sessions the ingress holds at once over all
+	// its peers; 0 means the default, 1024.
+	MaxSessions int `yaml:"max_sessions"`
 	// MaxStreamsPerSession is how many streams (links) one session may
 	// carry at once; 0 means the default, 1000. The egress learns it at
 	// the handshake and opens no more.
@@ -493,6 +496,7 @@ type Ingress struct {
 // Ingress defaults.
 const (
 	DefaultMaxSessionsPerPeer   = 16
+	DefaultMaxSessions          = 1024
 	DefaultMaxStreamsPerSession = 1000
 	DefaultMaxStreams           = 10000
 	DefaultCheckInterval        = Duration(time.Second)
@@ -502,6 +506,7 @@ const (
 func (in Ingress) OrDefaults() Ingress {
 	in.CheckInterval = cmp.Or(in.CheckInterval, DefaultCheckInterval)
 	in.MaxSessionsPerPeer = cmp.Or(in.MaxSessionsPerPeer, DefaultMaxSessionsPerPeer)
+	in.MaxSessions = cmp.Or(in.MaxSessions, DefaultMaxSessions)
 	in.MaxStreamsPerSession = cmp.Or(in.MaxStreamsPerSession, DefaultMaxStreamsPerSession)
 	in.MaxStreams = cmp.Or(in.MaxStreams, DefaultMaxStreams)
 	return in

@@ -683,7 +683,7 @@ func TestParseErrors(t *testing.T) {
 				"listeners:",
 				"  - name: a",
 				"    listen: 0.0.0.0:17400",
-				"    ingress: {local: 127.0.0.1:1, allow: [10.0.0.0/8, nope, 1.2.3.4], max_sessions_per_peer: -1, max_streams: -2}",
+				"    ingress: {local: 127.0.0.1:1, allow: [10.0.0.0/8, nope, 1.2.3.4], max_sessions_per_peer: -1, max_sessions: -3, max_streams: -2}",
 				"  - name: b",
 				"    listen: 127.0.0.1:3",
 				"    upstream: db:1",
@@ -692,6 +692,7 @@ func TestParseErrors(t *testing.T) {
 			want: "defaults.mesh.tls: cert_file, key_file and ca_file go together: all three or none (line 2)\n" +
 				"listeners[0].ingress.allow[1]: \"nope\" is not an IP address or CIDR (line 6)\n" +
 				"listeners[0].ingress.max_sessions_per_peer: -1 is negative (0: the default) (line 6)\n" +
+				"listeners[0].ingress.max_sessions: -3 is negative (0: the default) (line 6)\n" +
 				"listeners[0].ingress.max_streams: -2 is negative (0: the default) (line 6)\n" +
 				"listeners[1].mesh.tls.peers[1]: \"\" is not an identity (a spiffe:// URI or a DNS name) (line 10)",
 		},
@@ -1659,7 +1660,7 @@ func TestEffectiveFillsIngressDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := Ingress{Local: "127.0.0.1:8098", Ports: []int{}, Allow: []string{}, CheckInterval: DefaultCheckInterval, MaxSessionsPerPeer: DefaultMaxSessionsPerPeer,
-		MaxStreamsPerSession: DefaultMaxStreamsPerSession, MaxStreams: 50}
+		MaxSessions: DefaultMaxSessions, MaxStreamsPerSession: DefaultMaxStreamsPerSession, MaxStreams: 50}
 	if got := mustParse(t, string(out)).Listeners[0].Ingress; !reflect.DeepEqual(got, want) {
 		t.Fatalf("ingress after Effective %+v, want %+v:\n%s", got, want, out)
 	}

@@ -669,7 +669,7 @@ func (v *validator) ingress(prefix string, in Ingress) {
 	for _, k := range []struct {
 		key string
 		val int
-	}{{"max_sessions_per_peer", in.MaxSessionsPerPeer}, {"max_streams_per_session", in.MaxStreamsPerSession}, {"max_streams", in.MaxStreams}} {
+	}{{"max_sessions_per_peer", in.MaxSessionsPerPeer}, {"max_sessions", in.MaxSessions}, {"max_streams_per_session", in.MaxStreamsPerSession}, {"max_streams", in.MaxStreams}} {
 		if k.val < 0 {
 			v.add(prefix+k.key, "%d is negative (0: the default)", k.val)
 		}

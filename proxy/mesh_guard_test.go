@@ -31,7 +31,18 @@ import (
 // streams per session.
 func rawHandshake(t *testing.T, addr string) (*net.TCPConn, byte, int) {
 	t.Helper()
-	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	return rawHandshakeFrom(t, nil, addr)
+}
+
+// rawHandshakeFrom is rawHandshake from the local address from (nil:
+// any).
+func rawHandshakeFrom(t *testing.T, from net.IP, addr string) (*net.TCPConn, byte, int) {
+	t.Helper()
+	d := net.Dialer{Timeout: 5 * time.Second}
+	if from != nil {
+		d.LocalAddr = &net.TCPAddr{IP: from}
+	}
+	c, err := d.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

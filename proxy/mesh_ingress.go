@@ -63,6 +63,7 @@ type ingress struct {
 	checks   map[uint16]*portCheck // what the checks saw since the port's last verdict
 	sessions map[*ingressSession]struct{}
 	perPeer  map[string]int            // sessions by peer address
+	admitted int                       // sessions over all peers: the sum of perPeer
 	pending  map[*net.TCPConn]struct{} // connections in their handshake
 	closed   bool
 	draining bool // the listener stopped accepting: every port is announced not ready
@@ -563,10 +564,16 @@ func (in *ingress) serveConn(tc *net.TCPConn) {
 	}()
 }
 
-// limits is the ingress's limits, defaults applied.
-func (in *ingress) limits() (perPeer, perSession, total int) {
+// limits is the ingress's stream limits, defaults applied.
+func (in *ingress) limits() (perSession, total int) {
 	c := in.l.spec().cfg.Ingress.OrDefaults()
-	return c.MaxSessionsPerPeer, c.MaxStreamsPerSession, c.MaxStreams
+	return c.MaxStreamsPerSession, c.MaxStreams
+}
+
+// sessionLimits is the ingress's session limits, defaults applied.
+func (in *ingress) sessionLimits() (perPeer, total int) {
+	c := in.l.spec().cfg.Ingress.OrDefaults()
+	return c.MaxSessionsPerPeer, c.MaxSessions
 }
 
 // allowed reports whether the peer at addr may hold sessions
@@ -656,14 +663,15 @@ func (in *ingress) refusedLog(h *ingressHandshake) *zerolog.Event {
 }
 
 // admitPeer answers the preface: a peer that is not in ingress.allow,
-// speaks another version or holds max_sessions_per_peer sessions is
-// refused; one that comes while the ingress closes is reset. Once
+// speaks another version or holds max_sessions_per_peer sessions, or one
+// that comes while the ingress holds max_sessions, is refused; one that
+// comes while the ingress closes is reset. Once
 // admitted, the peer's session is counted (forgetPeer undoes it), the
 // answer says how many streams the session may hold, and the handshake's
 // deadline is cleared; ok is false if any of it failed.
 func (in *ingress) admitPeer(h *ingressHandshake, preface [mesh.PrefaceLen]byte) (host string, perSession int, ok bool) {
 	tc := h.tc
-	perPeer, perSession, _ := in.limits()
+	perSession, _ = in.limits()
 	if !in.allowed(tc.RemoteAddr()) {
 		in.refusedLog(h).Msg("mesh session refused: the peer is not in ingress.allow")
 		in.refuse(h, mesh.Refused, mesh.LimitPeerNotAllowed)
@@ -675,20 +683,9 @@ func (in *ingress) admitPeer(h *ingressHandshake, preface [mesh.PrefaceLen]byte)
 		return "", 0, false
 	}
 	host = tc.RemoteAddr().(*net.TCPAddr).IP.String()
-	in.mu.Lock()
-	if in.closed || in.perPeer[host] >= perPeer {
-		closed := in.closed
-		in.mu.Unlock()
-		if closed {
-			resetConn(tc)
-			return "", 0, false
-		}
-		in.refusedLog(h).Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
-		in.refuse(h, mesh.Refused, mesh.LimitSessionsPerPeer)
+	if !in.countSession(h, host) {
 		return "", 0, false
 	}
-	in.perPeer[host]++
-	in.mu.Unlock()
 	_, err := h.c.Write(mesh.Reply(mesh.OK, perSession))
 	_ = tc.SetDeadline(time.Time{})
 	if err != nil {
@@ -697,6 +694,36 @@ func (in *ingress) admitPeer(h *ingressHandshake, preface [mesh.PrefaceLen]byte)
 		return "", 0, false
 	}
 	return host, perSession, true
+}
+
+// countSession counts a session of the peer at host, unless the peer
+// holds max_sessions_per_peer or the ingress max_sessions (the session is
+// refused) or the ingress closed (it is reset): false then. The peer is
+// its IP address alone: a peer's source ports are its own to choose.
+func (in *ingress) countSession(h *ingressHandshake, host string) bool {
+	perPeer, total := in.sessionLimits()
+	in.mu.Lock()
+	if in.closed {
+		in.mu.Unlock()
+		resetConn(h.tc)
+		return false
+	}
+	held, all := in.perPeer[host], in.admitted
+	if held < perPeer && all < total {
+		in.perPeer[host]++
+		in.admitted++
+		in.mu.Unlock()
+		return true
+	}
+	in.mu.Unlock()
+	if held >= perPeer {
+		in.refusedLog(h).Int("max_sessions_per_peer", perPeer).Msg("mesh session refused: the peer holds as many sessions as it may")
+		in.refuse(h, mesh.Refused, mesh.LimitSessionsPerPeer)
+		return false
+	}
+	in.refusedLog(h).Int("max_sessions", total).Msg("mesh session refused: the ingress holds as many sessions as it may")
+	in.refuse(h, mesh.Refused, mesh.LimitSessions)
+	return false
 }
 
 // refuse answers the preface with code, counts limit (if not empty) and
@@ -765,6 +792,7 @@ func (in *ingress) handshakeDone(tc *net.TCPConn) {
 func (in *ingress) forgetPeer(host string) {
 	in.mu.Lock()
 	defer in.mu.Unlock()
+	in.admitted--
 	if in.perPeer[host]--; in.perPeer[host] <= 0 {
 		delete(in.perPeer, host)
 	}
@@ -842,7 +870,7 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	defer in.wg.Done()
 	l := in.l
 	l.m.LinksTotal.Inc()
-	if _, _, total := in.limits(); in.streams.Add(1) > int64(total) {
+	if _, total := in.limits(); in.streams.Add(1) > int64(total) {
 		in.streams.Add(-1)
 		l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitStreams).Inc()
 		l.log.Debug().Int("max_streams", total).Str("mesh_peer", is.Conn.RemoteAddr().String()).

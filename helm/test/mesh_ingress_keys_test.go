@@ -44,6 +44,7 @@ func TestMeshIngressReachesEveryIngressKey(t *testing.T) {
 		"check_interval":          `"2s"`,
 		"allow":                   `["10.0.0.0/8"]`,
 		"max_sessions_per_peer":   `4`,
+		"max_sessions":            `64`,
 		"max_streams_per_session": `100`,
 		"max_streams":             `500`,
 	}

@@ -91,7 +91,7 @@ func checkMesh(t *testing.T, r rendered, config, name string) {
 			fmt.Sprint(map[string]any{"port": 15009, "fallback": "direct", "ping_timeout": "4s"}): c.Listeners[0].Mesh,
 			fmt.Sprint(map[string]any{"port": 15010}):                                             c.Listeners[1].Transparent.Match[0].Mesh,
 			fmt.Sprint(map[string]any{"local": "127.0.0.1:8098", "ports": []any{8097}, "check_interval": "2s", "allow": []any{"10.0.0.0/8"},
-				"max_sessions_per_peer": 4, "max_streams_per_session": 200, "max_streams": 800}): in.Ingress,
+				"max_sessions_per_peer": 4, "max_sessions": 64, "max_streams_per_session": 200, "max_streams": 800}): in.Ingress,
 			fmt.Sprint(map[string]any{"port": 0}): in.Mesh,
 		} {
 			if fmt.Sprint(got) != what {

@@ -113,6 +113,7 @@ const (
 	LimitStreamsPerSession = "streams_per_session"
 	LimitStreams           = "streams"
 	LimitSessionsPerPeer   = "sessions_per_peer"
+	LimitSessions          = "sessions"
 	LimitPeerNotAllowed    = "peer_not_allowed"
 	LimitHandshakes        = "handshakes"
 	LimitTLS               = "tls" // a TLS handshake failed: no valid certificate, or not one of mesh.tls.peers

@@ -72,6 +72,7 @@ mesh.ingress.enabled the mesh-ingress listener appended to its listeners.
 {{- with $in.checkInterval }}{{ $_ := set $ingress "check_interval" . }}{{ end -}}
 {{- with $in.allow }}{{ $_ := set $ingress "allow" . }}{{ end -}}
 {{- with $in.maxSessionsPerPeer }}{{ $_ := set $ingress "max_sessions_per_peer" . }}{{ end -}}
+{{- with $in.maxSessions }}{{ $_ := set $ingress "max_sessions" . }}{{ end -}}
 {{- with $in.maxStreamsPerSession }}{{ $_ := set $ingress "max_streams_per_session" . }}{{ end -}}
 {{- with $in.maxStreams }}{{ $_ := set $ingress "max_streams" . }}{{ end -}}
 {{- $listener := dict "name" "mesh-ingress" "listen" (printf "0.0.0.0:%d" (int $in.port)) "ingress" $ingress -}}
