@@ -79,7 +79,7 @@ func TestHelpVersionAndFlags(t *testing.T) {
 		{name: "check prints the limits", args: []string{"check", "--config", good},
 			stdout: []string{"memory: ", "GOMEMLIMIT: ", "memory budget: ", "(half of memory)", "max_links: ", "descriptors: RLIMIT_NOFILE hard", ": ok\n"}},
 		{name: "check warns about descriptors", args: []string{"check", "--config", tooMany},
-			stdout: []string{"max_links: 100000000 (limits.max_links)", "warning: RLIMIT_NOFILE hard limit", "is below the 200000600 descriptors", ": ok\n"}},
+			stdout: []string{"max_links: 100000000 (limits.max_links)", "warning: RLIMIT_NOFILE hard limit", "is below the 200000856 descriptors", ": ok\n"}},
 		{name: "unknown verb", args: []string{"frobnicate"}, code: 2, stderr: []string{`unknown verb "frobnicate"`, "  check     validate"}},
 		{name: "help for an unknown verb", args: []string{"help", "frobnicate"}, code: 2, stderr: []string{`unknown verb "frobnicate"`}},
 		{name: "unknown flag of run", args: []string{"--confg", good}, code: 2, stderr: []string{"flag provided but not defined: -confg", `run "livenessproxy run --help"`}},
