@@ -288,16 +288,17 @@ func (ep *endpoint) remove(lk *link) {
 	ep.mu.Unlock()
 }
 
-// evict closes every link to the endpoint opened before `before` (all of
-// them when before is zero) with the given close reason, and counts them
-// per listener as evictions for evictReason.
+// evict closes every link to the endpoint routed to it before `before`
+// (all of them when before is zero; see link.bound) with the given close
+// reason, and counts them per listener as evictions for evictReason.
 // A pool link still connecting to ep is not among them: it fails over to
 // another member if its connect fails, and moves on if it succeeds to a
 // member disabled or excluded meanwhile (listener.keeps; only a leaving
 // member's drain, evictOf, ends such links).
 func (ep *endpoint) evict(before time.Time, closeReason CloseReason, evictReason string) int {
+	mono := flow.MonoOf(before)
 	return ep.evictWhere(func(lk *link) bool {
-		return !lk.dialing.Load() && (before.IsZero() || lk.opened.Before(before))
+		return !lk.dialing.Load() && (before.IsZero() || lk.bound.Load() < mono)
 	}, closeReason, evictReason)
 }
 
@@ -387,10 +388,12 @@ func (ep *endpoint) onExcluded(ev health.Event, log *zerolog.Logger) {
 	if CloseReason(ev.Reason) == CloseUnanswered {
 		closeReason = CloseUnanswered
 	}
-	// The links opened before the exclusion: one opened since was routed
-	// to it knowingly (fail-open, on_excluded: allow), as one opened
+	// The links routed to it before the exclusion: one routed since
+	// went there knowingly (fail-open, on_excluded: allow), as one routed
 	// during an exclusion restored when a forgotten endpoint came back
-	// (its event comes a moment after the state).
+	// (its event comes a moment after the state), even one accepted
+	// before the exclusion (its pick came after; the event can be
+	// delivered after that).
 	n := ep.evict(ev.At, closeReason, metrics.EvictExcluded)
 	if linkEnd(CloseReason(ev.Reason)) {
 		n++ // the link whose end was the evidence, closed before the report
@@ -426,7 +429,8 @@ func (ep *endpoint) onReadmitted(ev health.Event, log *zerolog.Logger) {
 	// and a server that started afresh has a new epoch, which evicts
 	// the links of the old one (evictMeshEpoch). Links opened during
 	// the exclusion (fail-open, on_excluded: allow) reach the very
-	// process the probe just found healthy: they stay.
+	// process the probe just found healthy: they stay, those accepted
+	// before it left and routed to it since too (link.bound).
 	n := 0
 	if !ep.linksKept.Swap(false) {
 		before := ev.At
@@ -600,8 +604,8 @@ func (p *Proxy) reportLinkEnd(lk *link, reason CloseReason, err error) {
 		// on_excluded: allow): this end is the same evidence against
 		// the links still open as at a healthy endpoint, and closes them
 		// as suspect does. Readmission then has none left to keep. Not
-		// the links opened since (after a readmission that came between
-		// the report and the look at the state).
+		// the links routed to it since (after a readmission that came
+		// between the report and the look at the state).
 		lk.ep.linksKept.Store(false)
 		if n := lk.ep.evict(ended, CloseEvicted, metrics.EvictExcluded); n > 0 {
 			p.log.Warn().Str("endpoint", lk.ep.addr).Str("reason", string(reason)).Int("links_closed", n).

@@ -59,7 +59,15 @@ type link struct {
 	// up is the upstream end (upstream.go): set once the dial succeeded,
 	// under connMu.
 	up     upstreamEnd
-	opened time.Time
+	opened time.Time // accepted (the stats' Opened and Duration)
+	// bound is the mono time the link was routed to ep: a pool's pick,
+	// a transparent or mesh ingress link's last admission (serveLink).
+	// An exclusion or readmission of ep evicts the links routed before
+	// it (evict), not those accepted before it: a link accepted earlier
+	// and routed to ep while ep was out went there knowingly (fail-open,
+	// on_excluded: allow), whenever the event that says ep is out is
+	// delivered.
+	bound  atomic.Int64
 	dialed dialRecord // what the dial did (accesslog.go)
 
 	// connMu orders the dial's assignment of up against closeBoth called
@@ -145,6 +153,7 @@ func newLink(l *listener, ep *endpoint, client clientSide) *link {
 	lk := &link{host: l, name: l.cfg.Name, m: l.m, log: &l.log, budget: &l.p.budget,
 		ep: ep, settings: &t.settings, frames: t.frames, dialer: t.dialer,
 		client: client, opened: time.Now()}
+	lk.bound.Store(flow.Mono())
 	lk.q.Init(&l.p.budget)
 	if tc, ok := client.(*tcpClient); ok {
 		tc.r.SetResetWatch(l.resetWatch(), tc.sock)

@@ -473,6 +473,13 @@ func resetConn(c *net.TCPConn) {
 }
 
 func (l *listener) serveLink(lk *link) {
+	if lk.ep != nil {
+		// Routed from the look at its destination's state below: one
+		// that leaves routing after this evicts the link (evict); seen
+		// out and let through (on_excluded: allow, group_fail_open), it
+		// went there knowingly.
+		lk.bound.Store(flow.Mono())
+	}
 	if lk.ep != nil && l.refusing(lk.ep) {
 		// The destination left routing between accept and registration;
 		// the eviction may have missed this link, so refuse it here.

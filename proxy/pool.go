@@ -12,6 +12,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // lookupTimeout bounds one resolution of all of a pool's names.
@@ -424,6 +425,11 @@ func (pl *pool) pick(tried []string, lk *link) (*endpoint, bool) {
 	}
 	ep := pl.members[ch.Index]
 	lk.dialing.Store(true)
+	// Routed now, after the look at the members' states: a member seen
+	// excluded (fail-open) left routing before this. One seen routable
+	// that leaves it before the dial ends is left by the link then
+	// (listener.keeps).
+	lk.bound.Store(flow.Mono())
 	ep.add(lk)
 	return ep, ch.FailOpen
 }

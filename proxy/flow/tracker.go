@@ -12,6 +12,10 @@ var clockBase = time.Now()
 
 func Mono() int64 { return int64(time.Since(clockBase)) }
 
+// MonoOf is the mono time of t, a time.Now() reading of this process
+// (compared by its monotonic clock, as Mono is).
+func MonoOf(t time.Time) int64 { return int64(t.Sub(clockBase)) }
+
 // Never is the due time of a request that is never judged.
 const Never = math.MaxInt64
 
