@@ -117,7 +117,7 @@ func (p *Proxy) drainChanged(ep *endpoint) {
 	ep.mu.Lock()
 	ls := append([]*listener(nil), ep.listeners...)
 	ep.mu.Unlock()
-	p.syncExcludedSet(ep, ls)
+	p.syncExcludedSet(ep)
 	for _, l := range ls {
 		p.updateRouting(l)
 	}

@@ -449,17 +449,14 @@ func (p *Proxy) followRouting(ep *endpoint) {
 	ep.mu.Lock()
 	ls := append([]*listener(nil), ep.listeners...)
 	ep.mu.Unlock()
-	p.syncExcludedSet(ep, ls)
+	p.syncExcludedSet(ep)
 	for _, l := range ls {
 		if l.matches != nil && l.spec().groupFailOpen {
 			// The group may have started or stopped failing open: its
 			// other destinations move in or out of the kernel's set too.
 			for _, other := range l.group(ep) {
 				if other != ep {
-					other.mu.Lock()
-					ols := append([]*listener(nil), other.listeners...)
-					other.mu.Unlock()
-					p.syncExcludedSet(other, ols)
+					p.syncExcludedSet(other)
 				}
 			}
 		}

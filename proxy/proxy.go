@@ -97,7 +97,11 @@ type Proxy struct {
 
 	transparent atomic.Bool            // some listener is transparent: track own upstream addresses
 	excludedSet *intercept.ExcludedSet // nil: excluded destinations are reset after accept
-	ownUp       ownAddrs               // local addresses of upstream sockets, for the loop guard
+	// setMu orders the updates of excludedSet, each from its look at the
+	// state to the kernel's answer (syncExcludedSet); mu and the
+	// endpoints' locks are taken under it, never the other way.
+	setMu sync.Mutex
+	ownUp ownAddrs // local addresses of upstream sockets, for the loop guard
 	// connecting is read-held by each raw connect of the proxy's own
 	// from just before connect(2) until its local address is in ownUp
 	// (ownDial); isOwn takes it for writing before it calls a connection

@@ -107,10 +107,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 		p.forget(ep)
 	}
 	for _, ep := range set.resynced {
-		ep.mu.Lock()
-		ls := append([]*listener(nil), ep.listeners...)
-		ep.mu.Unlock()
-		p.syncExcludedSet(ep, ls)
+		p.syncExcludedSet(ep)
 	}
 
 	p.swapSettings(cfg, plan.disabled)
@@ -571,18 +568,24 @@ func (p *Proxy) releaseName(name string) {
 // endpoint no listener routes to any more.
 //
 // What is kept by address (the detector's state, the drain, the kernel's
-// excluded set) is dropped under p.mu, and only while no endpoint of that
-// address was made since: a DNS refresh, a reload or a transparent client
-// may have made one after ep was taken out of p.endpoints and before this
-// runs, and that one's state is its own.
+// excluded set) is dropped only while no endpoint of that address was
+// made since: a DNS refresh, a reload or a transparent client may have
+// made one after ep was taken out of p.endpoints and before this runs,
+// and that one's state is its own. The detector's state and the drain
+// under p.mu; the excluded set after it, under p.setMu, which orders it
+// with the set's other updates (unexclude, syncExcludedSet).
 func (p *Proxy) forget(ep *endpoint) {
 	p.mu.Lock()
-	if cur := p.endpoints[ep.addr]; cur == nil || cur == ep {
+	cur := p.endpoints[ep.addr]
+	mine := cur == nil || cur == ep
+	if mine {
 		p.det.Unregister(ep.addr)
-		p.unexclude(ep.addr)
 		p.forgetDrain(ep.addr)
 	}
 	p.mu.Unlock()
+	if mine {
+		p.unexclude(ep) // after p.mu: it checks again, under p.setMu
+	}
 	ep.orphans.Stop()
 	p.meshMu.Lock()
 	peers := make([]*meshPeer, 0, len(p.peers))

@@ -334,7 +334,16 @@ func (p *Proxy) transparentEndpoint(addr string, l *listener) *endpoint {
 // excluded set while transparent listeners must refuse it, and takes it
 // out when it is routable again, so that a client's connect is reset by
 // the rules instead of being accepted and then reset.
-func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
+//
+// From the look at its state to the kernel's update it holds p.setMu,
+// which forget's unexclude takes too: updates of one address (an event's,
+// a drain's, a reload's, a group's) reach the kernel in the order they
+// looked, and one for an endpoint forgotten meanwhile touches nothing
+// (forget takes the address out; an endpoint made anew for it has
+// updates of its own). Before, an update that had looked before a
+// forgetting could add the address after it: the kernel refused every
+// connect to it, with no endpoint left to take it out.
+func (p *Proxy) syncExcludedSet(ep *endpoint) {
 	if p.excludedSet == nil {
 		return
 	}
@@ -342,6 +351,11 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 	if err != nil {
 		return // a host name: only explicit listeners use those
 	}
+	p.setMu.Lock()
+	defer p.setMu.Unlock()
+	ep.mu.Lock()
+	ls := append([]*listener(nil), ep.listeners...)
+	ep.mu.Unlock()
 	refuse, transparent := false, false
 	for _, l := range ls {
 		if l.matches != nil {
@@ -351,6 +365,12 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 	}
 	if !transparent {
 		refuse = false // no transparent listener left: never keep it in the set
+	}
+	if hook := testHookExcludedDecided.Load(); hook != nil {
+		(*hook)(ep.addr, refuse)
+	}
+	if !p.owns(ep) {
+		return
 	}
 	if refuse {
 		err = p.excludedSet.AddExcluded(ap)
@@ -362,13 +382,35 @@ func (p *Proxy) syncExcludedSet(ep *endpoint, ls []*listener) {
 	}
 }
 
-// unexclude takes a destination out of the kernel's excluded set (when the
-// proxy stops routing to it at all).
-func (p *Proxy) unexclude(addr string) {
+// owns reports whether ep is the endpoint the proxy knows for its address.
+func (p *Proxy) owns(ep *endpoint) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.endpoints[ep.addr] == ep
+}
+
+// testHookExcludedDecided, when set (by a test), runs in syncExcludedSet
+// once it has decided whether the destination goes into the set.
+var testHookExcludedDecided atomic.Pointer[func(addr string, refuse bool)]
+
+// unexclude takes the address of ep, forgotten, out of the kernel's
+// excluded set (the proxy stops routing to it at all), unless an endpoint
+// was made anew for it since: that one's updates decide. Under p.setMu
+// (see syncExcludedSet), not under p.mu.
+func (p *Proxy) unexclude(ep *endpoint) {
 	if p.excludedSet == nil {
 		return
 	}
-	if ap, err := netip.ParseAddrPort(addr); err == nil {
+	ap, err := netip.ParseAddrPort(ep.addr)
+	if err != nil {
+		return
+	}
+	p.setMu.Lock()
+	defer p.setMu.Unlock()
+	p.mu.Lock()
+	cur := p.endpoints[ep.addr]
+	p.mu.Unlock()
+	if cur == nil || cur == ep {
 		_ = p.excludedSet.RemoveExcluded(ap)
 	}
 }
@@ -377,6 +419,8 @@ func (p *Proxy) unexclude(addr string) {
 // outlive the proxy, the exclusions must not. (A process that dies before
 // this leaves them; the next one empties the sets as it starts.)
 func (p *Proxy) clearExcludedSet() {
+	p.setMu.Lock()
+	defer p.setMu.Unlock()
 	if _, err := p.excludedSet.Clear(); err != nil {
 		p.log.Error().Err(err).Msg("interception.excluded_set: emptying the excluded sets at shutdown")
 	}
