@@ -513,10 +513,19 @@ func (in *ingress) drain() {
 		is.notify()
 		go func() {
 			defer in.wg.Done()
+			if hook := testHookGoAway.Load(); hook != nil {
+				(*hook)()
+			}
 			_ = is.Sess.GoAway()
 		}()
 	}
 }
+
+// testHookGoAway, when set (by a test), runs on the goroutine that sends
+// a drain's GoAway, before it: a test holds it there to open a stream in
+// the moment the scheduler may leave between the drain and yamux's own
+// refusal, which the GoAway call starts.
+var testHookGoAway atomic.Pointer[func()]
 
 func (is *ingressSession) notify() {
 	select {
