@@ -269,6 +269,9 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 		return nil, err
 	}
 	tc := c.(*net.TCPConn)
+	if hook := testHookMeshHandshake.Load(); hook != nil {
+		c = (*hook)(c)
+	}
 	// The handshake's answer is judged as the heartbeat judges a session:
 	// nothing for ping_timeout is a dead peer sidecar.
 	began := flow.Mono()
@@ -336,6 +339,12 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	log.Debug().Msg("mesh session opened")
 	return es, nil
 }
+
+// testHookMeshHandshake, when set (by a test), wraps the connection a
+// session's handshake (TLS, then the preface) and then its yamux run on:
+// a test makes a write fail as for this process's own want (ENOBUFS),
+// which nothing on a loopback socket can be made to return.
+var testHookMeshHandshake atomic.Pointer[func(net.Conn) net.Conn]
 
 // handshakeFailed is the error of a session handshake begun at mono time
 // began that failed with err. No answer for ping_timeout, while the
