@@ -70,9 +70,15 @@ func TestRetunedTransparentListenerResyncsTheExcludedSet(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = p.Close() })
 
+	// reached counts the connects that completed: each is a link the
+	// proxy counts in links_total, once it runs its accept, which may be
+	// after the client's connect has returned (the kernel completed the
+	// handshake).
+	reached := 0.0
 	// The first connect reaches the proxy, whose dial is refused: the
 	// destination is excluded and goes into the kernel's set.
 	if c, err := net.Dial("tcp", dead); err == nil {
+		reached++
 		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
 		_, _ = c.Read(make([]byte, 1))
 		_ = c.Close()
@@ -80,9 +86,23 @@ func TestRetunedTransparentListenerResyncsTheExcludedSet(t *testing.T) {
 	refusedByKernel := func() bool {
 		c, err := net.DialTimeout("tcp", dead, 2*time.Second)
 		if err == nil {
+			reached++
 			_ = c.Close()
 		}
 		return errors.Is(err, syscall.ECONNREFUSED)
+	}
+	// awaitLinks waits until the proxy has counted want links.
+	awaitLinks := func(want float64, what string) {
+		t.Helper()
+		got := 0.0
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			if got = counterValue(t, reg, "links_total", "listener", "out"); got >= want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s (links_total %v 5 s on, want %v)", what, got, want)
+			}
+		}
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for !refusedByKernel() {
@@ -95,13 +115,12 @@ func TestRetunedTransparentListenerResyncsTheExcludedSet(t *testing.T) {
 	if err := p.Reload(cfgWith(policy.OnExcludedAllow)); err != nil {
 		t.Fatal(err)
 	}
-	accepted := counterValue(t, reg, "links_total", "listener", "out")
+	awaitLinks(reached, "the connects before the reload were not all counted")
+	before := reached
 	if refusedByKernel() {
 		t.Fatal("after the reload to on_excluded: allow, the kernel's set still refuses the excluded destination")
 	}
-	if got := counterValue(t, reg, "links_total", "listener", "out"); got <= accepted {
-		t.Fatalf("the connect did not reach the proxy (links_total %v -> %v)", accepted, got)
-	}
+	awaitLinks(before+1, "the connect did not reach the proxy")
 	// The twin: the live destination was never in the set.
 	c, err := net.Dial("tcp", live)
 	if err != nil {
