@@ -220,15 +220,19 @@ func TestConfigFileGoneIsAFailedReload(t *testing.T) {
 // count of failed reads starts again from a good read.
 func TestConfigFileBrieflyMissingIsNoError(t *testing.T) {
 	w := startWatched(t, []byte("listeners:\n  - {name: a, listen: 127.0.0.1:0, upstream: 127.0.0.1:9}\n"))
-	// Each span holds one tick or two: gone, back, three times, so that
+	// Gone for one tick or two, then back for two, three times, so that
 	// the failed reads would add up to three or more without the good
-	// reads between them.
-	span := watchInterval + 50*time.Millisecond
+	// reads between them. Back for two ticks, not one: a read is due
+	// within the first second of the file's return, and the watcher may
+	// run it late (a loaded machine); with one tick's span back (and 50
+	// ms to spare at worst) a read run late found the file gone again,
+	// and three failed reads came in a row.
+	gone, back := watchInterval+50*time.Millisecond, 2*watchInterval
 	for range 3 {
 		w.move(w.path, w.path+".away")
-		time.Sleep(span)
+		time.Sleep(gone)
 		w.move(w.path+".away", w.path)
-		time.Sleep(span)
+		time.Sleep(back)
 	}
 	if got, n := w.lastReloadOK(), w.reloadErrors(); got != 1 || n != 0 || strings.Contains(w.log.String(), unreadableLog) {
 		t.Errorf("a file missing a tick at a time: config_last_reload_successful %v, %v reload errors, want 1 and 0; log:\n%s", got, n, w.log.String())
