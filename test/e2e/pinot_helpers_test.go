@@ -131,32 +131,54 @@ func watchEndpoint(t *testing.T, pp *pinotProxy, maxDuration time.Duration) *sta
 
 // waitState waits up to timeout for the endpoint to be in state.
 func (pp *pinotProxy) waitState(state string, timeout time.Duration) bool {
+	_, ok := pp.waitStatus(state, timeout)
+	return ok
+}
+
+// waitStatus waits up to timeout for the endpoint to be in state, and
+// returns the status that was.
+func (pp *pinotProxy) waitStatus(state string, timeout time.Duration) (proxy.EndpointStatus, bool) {
 	deadline := time.Now().Add(timeout)
 	for i := 0; i < 10000; i++ {
-		if pp.state().State == state {
-			return true
+		if st := pp.state(); st.State == state {
+			return st, true
 		}
 		if time.Now().After(deadline) {
-			return false
+			return proxy.EndpointStatus{}, false
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	return false
+	return proxy.EndpointStatus{}, false
 }
 
 // waitExcluded waits up to timeout for pp's endpoint to be excluded, and
-// returns the first exclusion w saw at or after since; it fails the test
-// if there is none. after says what since is, for the message.
+// returns the first exclusion at or after since: the first w saw, or the
+// one seen here if w has none before it; it fails the test if there is
+// none. after says what since is, for the message.
+//
+// w polls on a goroutine of its own, which a loaded machine may run late:
+// it may not have seen the exclusion yet, or, if the endpoint flapped back
+// before it looked, not at all. Both record the proxy's own time of the
+// change (Since).
 func waitExcluded(t *testing.T, pp *pinotProxy, w *stateWatcher, since time.Time, timeout time.Duration, after string) stateChange {
 	t.Helper()
-	if !pp.waitState("excluded", timeout) {
+	st, ok := pp.waitStatus("excluded", timeout)
+	if !ok {
 		t.Fatalf("endpoint not excluded %v after %s: %+v", timeout, after, pp.state())
 	}
-	ex, ok := w.FirstAfter(since, "excluded", 200*time.Millisecond)
-	if !ok {
-		t.Fatalf("watcher saw no exclusion: %+v", w.Snapshot())
+	seen := stateChange{At: st.Since, State: st.State, Reason: st.Reason}
+	if seen.At.Before(since) {
+		t.Fatalf("endpoint excluded at %v, before %s (%v): %+v", seen.At, after, since, st)
 	}
-	return ex
+	// The watcher saw it, or an earlier one, once it has polled since.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if ex, ok := w.FirstAfter(since, "excluded", 0); ok && !ex.At.After(seen.At) {
+			return ex
+		}
+		if time.Now().After(deadline) {
+			return seen
+		}
+	}
 }
 
 // queryRecord and queryLoad are pinotsim's load generator.
