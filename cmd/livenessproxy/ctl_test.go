@@ -185,13 +185,15 @@ func TestCtlUnixSocketAndToken(t *testing.T) {
 	if err := os.WriteFile(token, []byte("s3cret\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfgPath := writeConfig(t, fmt.Sprintf(`admin: {listen: "", control_listen: "unix:%s", token_file: %q}
+	var cfgPath string
+	p := startProcUntil(t, func() (string, func() error) {
+		cfgPath = writeConfig(t, fmt.Sprintf(`admin: {listen: "", control_listen: "unix:%s", token_file: %q}
 shutdown_grace: 0s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
 `, sock, token, testutil.ClosedAddr(t), peer.Addr()))
-	p := startProc(t, cfgPath)
-	mustCtl(t, "--config", cfgPath, "wait-ready", "--timeout", "10s")
+		return cfgPath, ctlReady(t, "--config", cfgPath)
+	}, nil)
 	if out := mustCtl(t, "--config", cfgPath, "disable", peer.Addr()); out != peer.Addr()+": disabled (changed)\n" {
 		t.Errorf("disable over the socket: %q", out)
 	}
@@ -219,14 +221,16 @@ func TestCtlWithABrokenConfig(t *testing.T) {
 	if err := os.WriteFile(token, []byte("s3cret\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	good := fmt.Sprintf(`admin: {listen: "", control_listen: "unix:%s", token_file: %q}
+	var good, cfgPath string
+	startProcUntil(t, func() (string, func() error) {
+		good = fmt.Sprintf(`admin: {listen: "", control_listen: "unix:%s", token_file: %q}
 shutdown_grace: 0s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
 `, sock, token, testutil.ClosedAddr(t), peer.Addr())
-	cfgPath := writeConfig(t, good)
-	startProc(t, cfgPath)
-	mustCtl(t, "--config", cfgPath, "wait-ready", "--timeout", "10s")
+		cfgPath = writeConfig(t, good)
+		return cfgPath, ctlReady(t, "--config", cfgPath)
+	}, nil)
 	if err := os.WriteFile(cfgPath, []byte(good+"  - {name: typo, listen: 127.0.0.1:1, upstreem: 127.0.0.1:2}\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}

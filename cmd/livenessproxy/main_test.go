@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -84,30 +83,20 @@ func TestVersionAndUsage(t *testing.T) {
 // drains and exits 0. Log lines are JSON with millisecond timestamps.
 func TestRunServesAndDrainsOnSIGTERM(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, controlAddr, listenAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
-	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
+	var adminAddr, controlAddr, listenAddr string
+	p := startProcUntil(t, func() (string, func() error) {
+		adminAddr, controlAddr, listenAddr = testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
+		return writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: %q}
 log: {level: debug}
 drain_timeout: 300ms
 shutdown_grace: 0s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
-`, adminAddr, controlAddr, listenAddr, peer.Addr()))
-	cmd := exec.Command(os.Args[0], "run", "--config", cfg, "--log-level", "info")
-	cmd.Env = append(os.Environ(), "LP_BE_MAIN=1")
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	defer func() {
-		_ = cmd.Process.Kill()
-		<-exited
-	}()
+`, adminAddr, controlAddr, listenAddr, peer.Addr())), readyzOf(adminAddr)
+	}, nil, "--log-level", "info")
+	stderr := p.stderr
 
 	base := "http://" + adminAddr
-	waitFor(t, 5*time.Second, func() bool { return httpStatus(base+"/readyz") == 200 })
 	if s := httpStatus(base + "/healthz"); s != 200 {
 		t.Fatalf("/healthz = %d", s)
 	}
@@ -161,17 +150,9 @@ listeners:
 	}
 
 	begin := time.Now()
-	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-exited:
-		exited <- err
-		if err != nil {
-			t.Fatalf("exit after SIGTERM: %v\n%s", err, stderr.String())
-		}
-	case <-time.After(5 * time.Second):
-		t.Fatalf("still running 5s after SIGTERM\n%s", stderr.String())
+	p.signal(syscall.SIGTERM)
+	if err := p.wait(5 * time.Second); err != nil {
+		t.Fatalf("exit after SIGTERM: %v\n%s", err, stderr.String())
 	}
 	// The open link was given the 300ms drain, then cut.
 	if d := time.Since(begin); d < 250*time.Millisecond {
@@ -218,6 +199,17 @@ func httpStatus(url string) int {
 	return resp.StatusCode
 }
 
+// readyzOf is a startProcUntil check: the admin server at adminAddr
+// says ready.
+func readyzOf(adminAddr string) func() error {
+	return func() error {
+		if s := httpStatus("http://" + adminAddr + "/readyz"); s != 200 {
+			return fmt.Errorf("GET /readyz: %d", s)
+		}
+		return nil
+	}
+}
+
 func waitFor(t *testing.T, within time.Duration, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(within)
@@ -234,8 +226,7 @@ func waitFor(t *testing.T, within time.Duration, cond func() bool) {
 // config keeps serving; SIGHUP reloads on demand.
 func TestReloadFromConfigMapSwap(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, aAddr, bAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
-	dir := t.TempDir()
+	var dir, adminAddr, aAddr, one string
 	write := func(gen, body string) {
 		t.Helper()
 		d := filepath.Join(dir, gen)
@@ -253,15 +244,20 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	one := fmt.Sprintf("admin: {listen: %q, control_listen: ''}\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, aAddr, peer.Addr())
-	write("gen1", one)
-	cfgPath := filepath.Join(dir, "config.yaml")
-	if err := os.Symlink(filepath.Join("..data", "config.yaml"), cfgPath); err != nil {
-		t.Fatal(err)
-	}
-	cmd, stderr := startBinary(t, cfgPath, adminAddr)
+	p := startProcUntil(t, func() (string, func() error) {
+		dir, adminAddr, aAddr = t.TempDir(), testutil.ClosedAddr(t), testutil.ClosedAddr(t)
+		one = fmt.Sprintf("admin: {listen: %q, control_listen: ''}\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, aAddr, peer.Addr())
+		write("gen1", one)
+		cfgPath := filepath.Join(dir, "config.yaml")
+		if err := os.Symlink(filepath.Join("..data", "config.yaml"), cfgPath); err != nil {
+			t.Fatal(err)
+		}
+		return cfgPath, readyzOf(adminAddr)
+	}, nil)
 	base := "http://" + adminAddr
+	stderr := p.stderr
 
+	bAddr := testutil.ClosedAddr(t) // picked late: another process may take it until the reload binds it
 	write("gen2", one+fmt.Sprintf("  - {name: b, listen: %q, upstream: %q}\n", bAddr, peer.Addr()))
 	waitFor(t, 5*time.Second, func() bool { return echoes(bAddr) })
 	waitForLog(t, stderr, `"trigger":"file","listeners":2,"listeners_added":["b"],"time":`, `"message":"config reloaded"`)
@@ -273,9 +269,7 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 	if !echoes(aAddr) || !echoes(bAddr) {
 		t.Fatal("the last good config stopped serving after a broken update")
 	}
-	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
-		t.Fatal(err)
-	}
+	p.signal(syscall.SIGHUP)
 	waitForLog(t, stderr, `"trigger":"sighup","problems":["listeners[1].write_timout: unknown key (line 4)"],"time":`,
 		`"message":"config reload rejected; keeping the last good config"`)
 	waitFor(t, 5*time.Second, func() bool {
@@ -288,26 +282,6 @@ func TestReloadFromConfigMapSwap(t *testing.T) {
 		return bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="error"} 2`)) &&
 			bytes.Contains(body, []byte(`livenessproxy_config_reloads_total{result="ok"} 1`))
 	})
-}
-
-// startBinary runs this test binary as the proxy (`run --config cfgPath`,
-// env added to the environment), stops it with SIGTERM when t ends, and
-// waits until its admin server at adminAddr says it is ready.
-func startBinary(t *testing.T, cfgPath, adminAddr string, env ...string) (*exec.Cmd, *syncBuffer) {
-	t.Helper()
-	cmd := exec.Command(os.Args[0], "run", "--config", cfgPath)
-	cmd.Env = append(append(os.Environ(), "LP_BE_MAIN=1"), env...)
-	stderr := &syncBuffer{}
-	cmd.Stderr = stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		_ = cmd.Wait()
-	})
-	waitFor(t, 5*time.Second, func() bool { return httpStatus("http://"+adminAddr+"/readyz") == 200 })
-	return cmd, stderr
 }
 
 // waitForLog waits until a line of the child's log has every part of want.

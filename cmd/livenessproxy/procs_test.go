@@ -55,10 +55,14 @@ func TestCheckNamesGOMAXPROCS(t *testing.T) {
 // applies it.
 func TestRunAppliesGOMAXPROCS(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, listenAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t)
-	body := fmt.Sprintf("admin: {listen: %q, control_listen: ''}\nshutdown_grace: 0s\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, listenAddr, peer.Addr())
-	cfgPath := writeConfig(t, body)
-	cmd, stderr := startBinary(t, cfgPath, adminAddr, "GOMAXPROCS=")
+	var adminAddr, listenAddr, body, cfgPath string
+	p := startProcUntil(t, func() (string, func() error) {
+		adminAddr, listenAddr = testutil.ClosedAddr(t), testutil.ClosedAddr(t)
+		body = fmt.Sprintf("admin: {listen: %q, control_listen: ''}\nshutdown_grace: 0s\nlisteners:\n  - {name: a, listen: %q, upstream: %q}\n", adminAddr, listenAddr, peer.Addr())
+		cfgPath = writeConfig(t, body)
+		return cfgPath, readyzOf(adminAddr)
+	}, []string{"GOMAXPROCS="})
+	stderr := p.stderr
 	base := "http://" + adminAddr
 	waitForLog(t, stderr, `"gomaxprocs":1,"gomaxprocs_source":"limits.procs"`, `"message":"limits"`)
 	waitFor(t, 5*time.Second, func() bool { return gauge(base, "go_sched_gomaxprocs_threads 1\n") })
@@ -66,9 +70,7 @@ func TestRunAppliesGOMAXPROCS(t *testing.T) {
 	if err := os.WriteFile(cfgPath, []byte("limits: {procs: 2}\n"+body), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
-		t.Fatal(err)
-	}
+	p.signal(syscall.SIGHUP)
 	waitForLog(t, stderr, `"gomaxprocs":2,"was":1,"gomaxprocs_source":"limits.procs"`, `"message":"GOMAXPROCS changed"`)
 	waitFor(t, 5*time.Second, func() bool { return gauge(base, "go_sched_gomaxprocs_threads 2\n") })
 	if !echoes(listenAddr) {

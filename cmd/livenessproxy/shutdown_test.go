@@ -32,16 +32,18 @@ func echoOn(t *testing.T, c net.Conn, msg string) {
 // links are gone (shutdown_idle later), long before the grace is over.
 func TestShutdownGraceServesTheClientsLastConnects(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	adminAddr, listenAddr := testutil.ClosedAddr(t), testutil.ClosedAddr(t)
-	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: ""}
+	var listenAddr string
+	p := startProcUntil(t, func() (string, func() error) {
+		var adminAddr string
+		adminAddr, listenAddr = testutil.ClosedAddr(t), testutil.ClosedAddr(t)
+		return writeConfig(t, fmt.Sprintf(`admin: {listen: %q, control_listen: ""}
 shutdown_grace: 60s
 shutdown_idle: 300ms
 drain_timeout: 5s
 listeners:
   - {name: echo, listen: %q, upstream: %q}
-`, adminAddr, listenAddr, peer.Addr()))
-	p := startProc(t, cfg)
-	waitFor(t, 5*time.Second, func() bool { return httpStatus("http://"+adminAddr+"/readyz") == 200 })
+`, adminAddr, listenAddr, peer.Addr())), readyzOf(adminAddr)
+	}, nil)
 
 	c, err := net.Dial("tcp", listenAddr)
 	if err != nil {
@@ -79,16 +81,23 @@ listeners:
 // drained for drain_timeout and then closed, as without a grace.
 func TestShutdownGraceBoundedWhenLinksStay(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	listenAddr := testutil.ClosedAddr(t)
-	cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: "", control_listen: ""}
+	var listenAddr string
+	p := startProcUntil(t, func() (string, func() error) {
+		listenAddr = testutil.ClosedAddr(t)
+		cfg := writeConfig(t, fmt.Sprintf(`admin: {listen: "", control_listen: ""}
 shutdown_grace: 1s
 shutdown_idle: 200ms
 drain_timeout: 200ms
 listeners:
   - {name: echo, listen: %q, upstream: %q}
 `, listenAddr, peer.Addr()))
-	p := startProc(t, cfg)
-	waitFor(t, 5*time.Second, func() bool { return echoes(listenAddr) })
+		return cfg, func() error {
+			if !echoes(listenAddr) {
+				return fmt.Errorf("no echo through %s", listenAddr)
+			}
+			return nil
+		}
+	}, nil)
 	c, err := net.Dial("tcp", listenAddr)
 	if err != nil {
 		t.Fatal(err)
