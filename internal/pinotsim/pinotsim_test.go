@@ -528,8 +528,8 @@ func TestLoadRecordsAndStops(t *testing.T) {
 	time.Sleep(50 * time.Millisecond)
 	begin := time.Now()
 	silent.Stop() // must not wait for the broker's 5s timeout
-	if d := time.Since(begin); d > time.Second {
-		t.Fatalf("Stop took %v", d)
+	if d := time.Since(begin); d > 3*time.Second {
+		t.Fatalf("Stop took %v, want it to cut the queries that wait (the broker's timeout is 5s)", d)
 	}
 	for _, r := range silent.Records() {
 		if r.Outcome == OK {
@@ -606,6 +606,11 @@ func TestBrokerSendsTimeoutOption(t *testing.T) {
 		res := make(chan Result, 1)
 		go func() { res <- b.Query(ctx, ln.Addr().String()) }() // the context is the tighter deadline
 		p := <-reqs
+		// The budget left when the request was framed: no more than the
+		// context's 700 ms, and no less than what is left now that it is
+		// here (how much less than 700 ms is the machine's business).
+		deadline, _ := ctx.Deadline()
+		least := max(time.Until(deadline).Truncate(time.Millisecond), time.Millisecond)
 		r, _, err := pinotwire.ParseRequest(p, true)
 		if err != nil {
 			t.Fatal(err)
@@ -614,8 +619,8 @@ func TestBrokerSendsTimeoutOption(t *testing.T) {
 			if r.HasTimeout {
 				t.Fatalf("OmitTimeoutOption: request carries %v", r.Timeout)
 			}
-		} else if !r.HasTimeout || r.Timeout > 700*time.Millisecond || r.Timeout < 500*time.Millisecond {
-			t.Fatalf("request carries %+v, want the remaining budget, just under 700ms", r)
+		} else if !r.HasTimeout || r.Timeout > 700*time.Millisecond || r.Timeout < least {
+			t.Fatalf("request carries %+v, want the remaining budget when it was sent: at most 700ms, at least the %v left when it came", r, least)
 		}
 		back, err := ParseRequest(p)
 		if err != nil || back.TimeoutMs != r.Timeout.Milliseconds() || back.Deadline.IsZero() {
