@@ -249,31 +249,51 @@ func setupPaths(ctx context.Context, o options, tmp, serverAddr string, cpus *un
 	paths := []path{{Name: pathDirect, Addr: serverAddr}}
 	if o.wants(pathLP) {
 		logf("setting up livenessproxy ...")
-		paths = append(paths, setupLivenessproxy(ctx, o, tmp, serverAddr, cpus))
+		paths = append(paths, withFreshPorts(func() path { return setupLivenessproxy(ctx, o, tmp, serverAddr, cpus) }))
 	}
 	if o.wants(pathBase) {
 		logf("setting up the baseline livenessproxy (%s) ...", o.baselineBin)
-		paths = append(paths, setupBaseline(ctx, o, tmp, serverAddr, cpus))
+		paths = append(paths, withFreshPorts(func() path { return setupBaseline(ctx, o, tmp, serverAddr, cpus) }))
 	}
 	if o.wants(pathMesh) {
 		logf("setting up the mesh (two livenessproxy sidecars) ...")
-		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, cpus, false))
+		paths = append(paths, withFreshPorts(func() path { return setupMesh(ctx, o, tmp, serverAddr, cpus, false) }))
 	}
 	if o.wants(pathMeshTLS) {
 		logf("setting up the mesh over mutual TLS ...")
-		paths = append(paths, setupMesh(ctx, o, tmp, serverAddr, cpus, true))
+		paths = append(paths, withFreshPorts(func() path { return setupMesh(ctx, o, tmp, serverAddr, cpus, true) }))
 	}
 	for _, f := range []struct{ name, design string }{{pathFloorG, "goroutines"}, {pathFloorR, "goroutines-raw"}, {pathFloorO, "goroutines-own"}, {pathFloorE, "epoll"}} {
 		if o.wants(f.name) {
 			logf("setting up the %s relay ...", f.name)
-			paths = append(paths, setupFloor(ctx, f.name, f.design, tmp, serverAddr, cpus))
+			paths = append(paths, withFreshPorts(func() path { return setupFloor(ctx, f.name, f.design, tmp, serverAddr, cpus) }))
 		}
 	}
 	if o.wants(pathHA) {
 		logf("setting up haproxy ...")
-		paths = append(paths, setupHAProxy(ctx, o, tmp, serverAddr, cpus))
+		paths = append(paths, withFreshPorts(func() path { return setupHAProxy(ctx, o, tmp, serverAddr, cpus) }))
 	}
 	return paths
+}
+
+// withFreshPorts runs setup, which starts a path's processes on ports it
+// picks closed (testutil.PickClosedAddr), and runs it again, twice at
+// most, when the path was skipped because a process could not bind its
+// port: another process took it in between (a test run has other
+// packages' tests beside it).
+func withFreshPorts(setup func() path) path {
+	p := setup()
+	for try := 1; try < 3 && portTaken(p.Skipped); try++ {
+		logf("%s: a port was taken before it was bound; again with new ones", p.Name)
+		p = setup()
+	}
+	return p
+}
+
+// portTaken reports whether why (a skipped path's reason, with its
+// process's last lines) says a bind found its address in use.
+func portTaken(why string) bool {
+	return strings.Contains(strings.ToLower(why), "address already in use")
 }
 
 // measureRounds runs every scenario on every path, round after round, into
