@@ -60,7 +60,15 @@ func replayReadmit(r *rig) (*Report, error) {
 	}
 	rep.event(disableAt, disableAt, "POST /v1/endpoints/%s/disable: %v", srvAddr, res["changed"])
 	time.Sleep(300 * time.Millisecond)
+	// The disable evicts the endpoint's links; each leaves its count once
+	// its goroutines have ended it, which a loaded machine may do later
+	// than the pause above: waited for (5 s at most), the check below
+	// says what it came to.
 	disabled, err := px.endpoint(srvAddr)
+	for deadline := time.Now().Add(5 * time.Second); err == nil && disabled.LiveLinks > 0 && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+		disabled, err = px.endpoint(srvAddr)
+	}
 	if err != nil {
 		return nil, err
 	}
