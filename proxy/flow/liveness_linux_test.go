@@ -133,11 +133,22 @@ func TestSetLivenessLateKeepsTheUserTimeoutsClock(t *testing.T) {
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, "10.231.9.1/24", "10.231.9.2/24")
 	addr := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	// The first connection over a fresh veth may lose a segment of its
+	// handshake (the path is not quite up): its connect completes on a
+	// retransmission a second later, its first RTT sample holds that
+	// second and its RTO is three times it (3 s), and the kernel counts
+	// tcp_user_timeout from the first retransmission, an RTO after the
+	// send: that connection failed at 8.2 s, the other at 3.4 s. The two
+	// compared must not differ so: dial until the path answers at once.
+	waitPathUp(t, addr.String())
 	s := policy.Settings{TCPUserTimeout: policy.Duration(3 * time.Second)}
 	var conns [2]*os.File
 	var raws [2]syscall.RawConn
 	for i := range conns {
-		f, err := DialRaw(context.Background(), addr.(*net.TCPAddr).AddrPort(), &s, 5*time.Second)
+		// A dial timeout below the bound: DialRaw leaves TCP_USER_TIMEOUT
+		// unset (at or above it, it sets it before the connect, and the
+		// second connection's bound would not be set late).
+		f, err := DialRaw(context.Background(), addr.(*net.TCPAddr).AddrPort(), &s, 2*time.Second)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -193,6 +204,22 @@ func TestSetLivenessLateKeepsTheUserTimeoutsClock(t *testing.T) {
 		at[0].Round(time.Millisecond), at[1].Round(time.Millisecond))
 	if d := at[1] - at[0]; d > 700*time.Millisecond || d < -700*time.Millisecond {
 		t.Fatalf("the bound set late failed the connection %v after the one set at the connect, want together", d)
+	}
+}
+
+// waitPathUp dials addr until a connect completes at once (within 500
+// ms, before any SYN retransmission), for up to 10 s.
+func waitPathUp(t *testing.T, addr string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		c, err := net.DialTimeout("tcp", addr, 500*time.Millisecond)
+		if err == nil {
+			_ = c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not reachable over the veth: %v", addr, err)
+		}
 	}
 }
 
