@@ -257,6 +257,10 @@ func (sc *serverConn) readLoop() {
 			continue
 		}
 		stale := !req.Deadline.IsZero() && now.After(req.Deadline)
+		// Its execution time is the delay when it was read: set before it
+		// is counted executed, so that a SetDelay after Stats shows it
+		// does not change it.
+		d := time.Duration(s.delay.Load())
 		s.executed.Add(1)
 		if stale {
 			s.stale.Add(1)
@@ -279,7 +283,7 @@ func (sc *serverConn) readLoop() {
 		if closed {
 			return
 		}
-		go sc.execute(req.ID, time.Duration(s.delay.Load()))
+		go sc.execute(req.ID, d)
 	}
 }
 
