@@ -4,7 +4,6 @@ package e2e
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -20,6 +19,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/harness"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/livenessproxy/livenessproxy/proxy"
 )
@@ -67,7 +67,7 @@ type serverProcess struct {
 	health string // its /health endpoint
 	stdin  io.WriteCloser
 	reader sync.WaitGroup // drains the child's stdout until EOF
-	stderr bytes.Buffer
+	stderr testutil.SyncBuffer
 }
 
 // startServerProcess re-executes the test binary as a pinotsim server on a
