@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/yamux"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -15,15 +16,14 @@ import (
 
 // An ingress's max_sessions (b395d50) is shared by every peer: once other
 // peers fill it, a sidecar that holds no session at all is refused at the
-// handshake, and its client's link to a healthy server ends upstream_error
-// (ErrStream: no fallback, no other member, not reported), every link, for
-// as long as the others hold their sessions. Before b395d50 the link was
-// served. At the default 1024 this is a server with more than 512 client
-// sidecars at mesh.sessions 2. The twin: one session below the cap, the
-// same link is served.
-//
-// FAILS at 1d50828 (no fix: which behaviour is wanted, a fallback, a
-// failover, another default, is a design decision).
+// handshake. Its clients' links to a healthy server must still be served:
+// the refusal is no ingress for this sidecar, and mesh.fallback (direct,
+// the default) takes them to the server directly. Before the refusal was
+// a mesh.ErrNoIngress, it was ErrStream and every such link ended
+// upstream_error (no fallback, no other member, not reported) for as long
+// as the others held their sessions; at the default 1024 that is a server
+// with more than 512 client sidecars at mesh.sessions 2. The twin: one
+// session below the cap, the same link is served through the mesh.
 func TestMeshIngressFullOfOtherPeersServesANewPeer(t *testing.T) {
 	for _, full := range []bool{false, true} {
 		name := map[bool]string{false: "below max_sessions", true: "max_sessions held by other peers"}[full]
@@ -60,6 +60,16 @@ func TestMeshIngressFullOfOtherPeersServesANewPeer(t *testing.T) {
 				ep := eg.endpoint()
 				t.Fatalf("a new peer's link to a healthy server failed: %v; link ended %s (%v); endpoint %s; the ingress refused %v sessions for max_sessions",
 					err, s.Reason, s.Err, ep.State, in.limitHits(mesh.LimitSessions))
+			}
+			want := 0.0 // through the mesh
+			if full {
+				want = 1 // directly: the ingress refused the session
+			}
+			if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != want {
+				t.Fatalf("%v links fell back to a direct connection, want %v", got, want)
+			}
+			if ep := eg.endpoint(); ep.State != "healthy" {
+				t.Fatalf("endpoint %s (%s), want healthy: a refused session is no evidence against the server", ep.State, ep.Reason)
 			}
 		})
 	}

@@ -157,7 +157,7 @@ func (lk *link) meshFallback(ep *endpoint, port int, cause error) {
 	host, _, _ := net.SplitHostPort(ep.dial)
 	if pr := lk.host.meshPeer(host, port); pr.fallbackLogged.CompareAndSwap(false, true) {
 		lk.log.Warn().Str("mesh_peer", pr.addr).Str("endpoint", ep.addr).AnErr("cause", cause).
-			Msg("no ingress sidecar on the peer that takes this one (mesh port refused, something else answered, or TLS refused): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
+			Msg("no ingress sidecar on the peer that takes this one (mesh port refused, something else answered, TLS refused, or its ingress refused this sidecar's session): its links go directly, with the plain link enforcement (mesh.fallback: direct)")
 	}
 }
 

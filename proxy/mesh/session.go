@@ -94,8 +94,13 @@ var ErrForeignPeer = fmt.Errorf("%w, or something else answers on it", ErrNoIngr
 var ErrStream = errors.New("mesh: no stream could be opened to the peer sidecar")
 
 // errSessionRefused: the ingress refused the session (this peer is not
-// allowed, or over a limit).
-var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session", ErrStream)
+// in its ingress.allow, or one of its session limits is reached). For
+// this sidecar that is as good as no ingress (ErrNoIngress): the server
+// is not judged by it, and mesh.fallback decides (direct: the links go
+// to the server directly for a while, as to a peer without a sidecar;
+// refuse: they are refused). A session refused while another to the
+// peer lives is not seen here: the link takes the live one.
+var errSessionRefused = fmt.Errorf("%w: the peer sidecar refused the session (ingress.allow, or its session limits)", ErrNoIngress)
 
 // ReadReply reads the ingress's answer to the preface from c, byte by
 // byte as it arrives, so that a foreign peer is known at its first wrong
