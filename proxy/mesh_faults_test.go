@@ -80,12 +80,13 @@ func (f *frameCutter) feed(b []byte) (int, bool) {
 // path goes dark in the middle of the next data frame from the ingress:
 // half its body has come, the rest never does, and nothing passes either
 // way any more (a partition, or a peer sidecar frozen while it wrote).
-// holed is closed when that happens; the handler's goroutines end when
-// stop is closed.
+// holed is closed when that happens (once, whichever of the sessions
+// relayed goes dark first); the handler's goroutines end when stop is
+// closed.
 func blackholeMidFrame(armed *atomic.Bool, holed, stop chan struct{}) relay.Handler {
+	var once sync.Once // holed is shared by every connection relayed
 	return func(down, up net.Conn) {
 		var dark atomic.Bool
-		var once sync.Once
 		var wg sync.WaitGroup
 		wg.Add(2)
 		go func() { // egress -> ingress
