@@ -287,7 +287,11 @@ func TestProbeReadmitsAndEvictsOldLinks(t *testing.T) {
 	}
 	fresh := h.dial()
 	roundTripFrame(t, fresh, "after readmission")
-	if got := testutil.ToFloat64(h.m.ForListener("test").ProbesOK); got != 1 {
+	// The probe's verdict is counted just after the state it sets (the
+	// probe goroutine's OnProbe): wait for it, then for no more.
+	probesOK := func() float64 { return testutil.ToFloat64(h.m.ForListener("test").ProbesOK) }
+	waitFor(t, 5*time.Second, "the readmitting probe counted", func() bool { return probesOK() >= 1 })
+	if got := probesOK(); got != 1 {
 		t.Errorf("probes_total{result=ok} = %v, want 1", got)
 	}
 	if got := testutil.ToFloat64(h.m.ForListener("test").ProbesFailed); got < 1 {
