@@ -40,7 +40,11 @@ func TestReadmissionStartsTheTimeoutCountOver(t *testing.T) {
 		t.Fatal("premise: the second timeout in a row not reported")
 	}
 	h.p.det.Report(ep.addr, string(CloseDialError)) // as lk.host.report does
+	// The detector's state changes first; the proxy applies the
+	// readmission (onReadmitted, which starts the count over) when the
+	// event is delivered, a moment later and maybe on another goroutine.
 	waitFor(t, 5*time.Second, "readmitted by its connect probe", func() bool { return h.stateOf(peer.Addr()) == "healthy" })
+	waitFor(t, 5*time.Second, "the readmission applied", func() bool { return ep.dialTimeouts.Load() == 0 })
 
 	// One connect after the readmission loses its SYN.
 	began = flow.Mono()
