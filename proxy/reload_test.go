@@ -242,14 +242,19 @@ func TestReloadMovedListenerKeepsItsMetrics(t *testing.T) {
 	if err := p.Reload(cfg2); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(200 * time.Millisecond) // the old incarnation's drain ends
+	// The old incarnation's drain ends: its name released (where a
+	// release that forgot the name's series would do so).
+	waitFor(t, 5*time.Second, "the old incarnation retired", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.names["a"] < 2 && len(p.retiring) == 0
+	})
 	c, err := net.Dial("tcp", p.Addr("a").String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	roundTrip(t, c, []byte("x"))
+	roundTrip(t, c, []byte("x")) // counted in links_total at its accept
 	c.Close()
-	time.Sleep(100 * time.Millisecond)
 	n, _ := testutil.GatherAndCount(m.Registry, "livenessproxy_links_total")
 	t.Logf("links_total series after a link on the moved listener: %d", n)
 	if n == 0 {
@@ -304,7 +309,9 @@ func TestReloadDuringShutdownIsRefused(t *testing.T) {
 	defer cancel()
 	done := make(chan struct{})
 	go func() { _ = p.Shutdown(ctx); close(done) }()
-	time.Sleep(100 * time.Millisecond)
+	// Shutdown has begun (the reload below comes during its drain, not
+	// before it) once the proxy no longer reports ready.
+	waitFor(t, 5*time.Second, "Shutdown begun", func() bool { return !p.Ready() })
 	cfg2 := cfg
 	cfg2.Listeners = []policy.Listener{cfg.Listeners[0], listenerCfg("b", peer.Addr(), nil)}
 	cfg2.Listeners[0].Listen = p.Addr("a").String()
