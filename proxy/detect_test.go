@@ -395,17 +395,21 @@ func TestOperatorDisableEnableEvict(t *testing.T) {
 func TestUnansweredCountsAfterClientCloses(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
 	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
-	h := start(t, peer.Addr(), framed(300*time.Millisecond, 3, nil))
+	h := start(t, peer.Addr(), framed(time.Second, 3, nil))
 	for i := range 3 {
 		c := h.dial()
 		sendFrame(t, c, "q")
-		time.Sleep(100 * time.Millisecond) // the client gives up first
+		// The client gives up first: once the request has reached the
+		// server (so the proxy tracks it), well within its 1s deadline.
+		// (A fixed 100ms sleep that ran past a 300ms deadline on a slow
+		// machine had the link judged while open.)
+		waitFor(t, 5*time.Second, "the request at the server", func() bool { return peer.Requests() >= int64(i+1) })
 		_ = c.Close()
-		if s := h.linkEnd(time.Second); s.Reason != CloseClientClosed && s.Reason != CloseClientError {
+		if s := h.linkEnd(5 * time.Second); s.Reason != CloseClientClosed && s.Reason != CloseClientError {
 			t.Fatalf("link %d ended with %q", i, s.Reason)
 		}
 	}
-	ep := h.waitState("excluded", time.Second)
+	ep := h.waitState("excluded", 5*time.Second)
 	if ep.Reason != string(CloseUnanswered) {
 		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
 	}
