@@ -68,8 +68,18 @@ func TestReaddedListenerKeepsItsSeries(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- p.Reload(cfg3) }()
 	<-entered // the reload resolves the new pool's name
+	p.mu.Lock()
+	made := p.names["a"]
+	p.mu.Unlock()
 	c.Close() // the old incarnation's last link ends: its drain ends now
-	time.Sleep(300 * time.Millisecond)
+	// ... and releases the name while the reload still resolves (a fixed
+	// 300ms sleep could end first on a slow machine: the release then
+	// came after the reload, and the test passed without its race).
+	waitFor(t, 5*time.Second, "the old incarnation's name released", func() bool {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		return p.names["a"] < made
+	})
 	close(gate)
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -78,9 +88,8 @@ func TestReaddedListenerKeepsItsSeries(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	roundTrip(t, c2, []byte("new a"))
+	roundTrip(t, c2, []byte("new a")) // counted in links_total at its accept
 	c2.Close()
-	time.Sleep(100 * time.Millisecond)
 	mfs, _ := m.Registry.Gather()
 	found := false
 	for _, mf := range mfs {
