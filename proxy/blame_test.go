@@ -333,7 +333,7 @@ func TestSteadySlowReaderNeverTimesOut(t *testing.T) {
 	if err != nil || !bytes.Equal(got, want[:]) {
 		t.Fatalf("steady slow reader got a cut stream: %x, %v", got, err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != CloseClientClosed {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseClientClosed {
 		t.Fatalf("reason %q (%v), want client_closed", s.Reason, s.Err)
 	}
 	if ep := h.endpoint(); ep.State != "healthy" {

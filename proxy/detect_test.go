@@ -131,15 +131,15 @@ func TestUnansweredThresholdExcludesEndpoint(t *testing.T) {
 		t.Fatalf("link closed %v after the third request, want request_timeout (300ms) plus slack", d)
 	}
 	// Every link to the endpoint closes, not just the one that tripped.
-	if err, _ := waitClosed(t, other, time.Second); !isCloseSignal(err) {
+	if err, _ := waitClosed(t, other, 5*time.Second); !isCloseSignal(err) {
 		t.Fatalf("second link saw %v", err)
 	}
 	for range 2 {
-		if s := h.linkEnd(time.Second); s.Reason != CloseUnanswered {
+		if s := h.linkEnd(5 * time.Second); s.Reason != CloseUnanswered {
 			t.Fatalf("reason %q, want unanswered", s.Reason)
 		}
 	}
-	ep := h.waitState("excluded", time.Second)
+	ep := h.waitState("excluded", 5*time.Second)
 	if ep.Reason != string(CloseUnanswered) {
 		t.Fatalf("excluded for %q, want unanswered", ep.Reason)
 	}
@@ -184,7 +184,7 @@ func TestLateAnswerResetsCount(t *testing.T) {
 		t.Fatalf("after the reset and 2 more timeouts: %+v, want healthy with 2", ep)
 	}
 	sendFrame(t, c, "q4")
-	h.waitState("excluded", time.Second)
+	h.waitState("excluded", 5*time.Second)
 }
 
 // A slow server that still answers never reaches the threshold: every
@@ -257,8 +257,8 @@ func TestProbeReadmitsAndEvictsOldLinks(t *testing.T) {
 	}
 	peer.Close()
 	h.waitState("excluded", 2*time.Second)
-	waitClosed(t, c, time.Second)
-	h.linkEnd(time.Second)
+	waitClosed(t, c, 5*time.Second)
+	h.linkEnd(5 * time.Second)
 
 	// Probes are refused while the server is down (each one 300ms after
 	// the last); the endpoint stays excluded.
@@ -352,7 +352,7 @@ func TestTruncatedFrameClosesOnlyItsLink(t *testing.T) {
 	if err, _ := waitClosed(t, bad, 2*time.Second); !isCloseSignal(err) {
 		t.Fatalf("bad link saw %v", err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != CloseBadFrame {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseBadFrame {
 		t.Fatalf("reason %q (%v), want bad_frame", s.Reason, s.Err)
 	}
 	roundTripFrame(t, good, "after")
@@ -372,10 +372,10 @@ func TestOperatorDisableEnableEvict(t *testing.T) {
 	if err != nil || !changed {
 		t.Fatalf("disable: %v, %v", changed, err)
 	}
-	if err, _ := waitClosed(t, c, time.Second); !isCloseSignal(err) {
+	if err, _ := waitClosed(t, c, 5*time.Second); !isCloseSignal(err) {
 		t.Fatalf("link to a disabled endpoint saw %v", err)
 	}
-	h.waitState("disabled", time.Second)
+	h.waitState("disabled", 5*time.Second)
 	expectRefused(t, h.addr)
 	if changed, _ := h.p.Enable(peer.Addr()); !changed {
 		t.Fatal("enable changed nothing")
@@ -385,7 +385,7 @@ func TestOperatorDisableEnableEvict(t *testing.T) {
 	if n, err := h.p.Evict(peer.Addr()); err != nil || n != 1 {
 		t.Fatalf("evict: %d, %v; want 1 link closed", n, err)
 	}
-	if err, _ := waitClosed(t, c2, time.Second); !isCloseSignal(err) {
+	if err, _ := waitClosed(t, c2, 5*time.Second); !isCloseSignal(err) {
 		t.Fatalf("evicted link saw %v", err)
 	}
 }
@@ -453,7 +453,7 @@ func TestShutdownDuringDialsDoesNotExclude(t *testing.T) {
 	defer cancel()
 	_ = h.p.Shutdown(ctx)
 	for range 20 {
-		if s := h.linkEnd(time.Second); s.Reason != CloseShutdown {
+		if s := h.linkEnd(5 * time.Second); s.Reason != CloseShutdown {
 			t.Fatalf("reason %q, want shutdown", s.Reason)
 		}
 	}
@@ -483,7 +483,7 @@ func TestSlowReaderIsNotAWriteTimeout(t *testing.T) {
 	if err != nil || !bytes.Equal(got, want[:]) {
 		t.Fatalf("slow reader got a cut stream: %x, %v", got, err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != CloseClientClosed {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseClientClosed {
 		t.Fatalf("reason %q, want client_closed", s.Reason)
 	}
 }

@@ -208,7 +208,7 @@ func TestWriteTimeoutClosesStalledLink(t *testing.T) {
 	if elapsed < 500*time.Millisecond || elapsed > 1500*time.Millisecond {
 		t.Fatalf("link closed after %v, want write_timeout (500ms) plus a small slack", elapsed)
 	}
-	s := h.linkEnd(time.Second)
+	s := h.linkEnd(5 * time.Second)
 	if s.Reason != CloseWriteTimeout {
 		t.Fatalf("reason %q, want %q (err %v)", s.Reason, CloseWriteTimeout, s.Err)
 	}
@@ -271,7 +271,7 @@ func TestWatermarkRejectBoundsQueue(t *testing.T) {
 	if !isCloseSignal(err) {
 		t.Fatalf("client saw %v, want EOF or reset", err)
 	}
-	s := h.linkEnd(time.Second)
+	s := h.linkEnd(5 * time.Second)
 	if s.Reason != CloseWatermark {
 		t.Fatalf("reason %q, want %q", s.Reason, CloseWatermark)
 	}
@@ -382,7 +382,7 @@ func TestHalfCloseTimeout(t *testing.T) {
 	if d := at.Sub(begin); d < 250*time.Millisecond || d > 1500*time.Millisecond {
 		t.Fatalf("closed after %v, want about the 300ms half_close_timeout", d)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != CloseHalfCloseTimeout {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseHalfCloseTimeout {
 		t.Fatalf("reason %q, want %q", s.Reason, CloseHalfCloseTimeout)
 	}
 }
@@ -443,7 +443,7 @@ func TestDialErrorResetsClient(t *testing.T) {
 	if !errors.Is(err, syscall.ECONNRESET) {
 		t.Fatalf("client saw %v, want a reset", err)
 	}
-	if s := h.linkEnd(time.Second); s.Reason != CloseDialError {
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseDialError {
 		t.Fatalf("reason %q, want %q", s.Reason, CloseDialError)
 	}
 	if got := testutil.ToFloat64(h.m.ForListener("test").DialErrors); got != 1 {
@@ -498,7 +498,7 @@ func TestBlackholedDialDoesNotStallAccept(t *testing.T) {
 	// The first dial error excludes the endpoint, which may evict the
 	// other link still dialling.
 	for range 2 {
-		if s := h.linkEnd(time.Second); s.Reason != CloseDialError && s.Reason != CloseEvicted {
+		if s := h.linkEnd(5 * time.Second); s.Reason != CloseDialError && s.Reason != CloseEvicted {
 			t.Fatalf("reason %q, want dial_error or evicted", s.Reason)
 		}
 	}
@@ -538,7 +538,7 @@ func TestShutdownDrainsThenCuts(t *testing.T) {
 	}
 	// A probe dial above may have been accepted just before the listener
 	// closed; its link ends client_closed and is passed over.
-	if s := h.linkEndOf(c, time.Second); s.Reason != CloseShutdown {
+	if s := h.linkEndOf(c, 5*time.Second); s.Reason != CloseShutdown {
 		t.Fatalf("reason %q, want shutdown", s.Reason)
 	}
 }

@@ -123,7 +123,7 @@ func TestReloadDisabledEndpoints(t *testing.T) {
 	if err := p.Reload(cfg); err != nil {
 		t.Fatal(err)
 	}
-	if err, _ := waitClosed(t, c, time.Second); !isCloseSignal(err) {
+	if err, _ := waitClosed(t, c, 5*time.Second); !isCloseSignal(err) {
 		t.Fatalf("link to an endpoint disabled by reload saw %v", err)
 	}
 	expectRefused(t, addr)
