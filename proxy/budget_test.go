@@ -359,9 +359,7 @@ func TestBudgetWaitAfterIdleIsNotEvidence(t *testing.T) {
 		t.Fatal(err)
 	}
 	lk := onlyLinkOf(t, p, "test")
-	for a, ok := lk.ackedBytes(); !ok || a < 5; a, ok = lk.ackedBytes() {
-		time.Sleep(10 * time.Millisecond)
-	}
+	waitFor(t, 5*time.Second, "the upstream acknowledged 5 bytes", func() bool { a, ok := lk.ackedBytes(); return ok && a >= 5 })
 	lk.progressed()
 	time.Sleep(500 * time.Millisecond) // idle past write_timeout
 
