@@ -578,7 +578,9 @@ func TestKafkaAbandonedLongPollsNotCounted(t *testing.T) {
 		if _, err := c.Write(fetchReq(500*time.Millisecond, int32(i))); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(20 * time.Millisecond)
+		// The Fetch is at the broker (so the proxy tracks it): a fixed
+		// 20ms could end before, and the test then judge nothing.
+		waitFor(t, 5*time.Second, "the Fetch at the broker", func() bool { return broker.requests() >= i+1 })
 		_ = c.SetLinger(0)
 		c.Close() // the client goes away with its Fetch parked
 		h.linkEnd(2 * time.Second)
