@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"syscall"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -485,6 +487,78 @@ func TestSlowReaderIsNotAWriteTimeout(t *testing.T) {
 	}
 	if s := h.linkEnd(5 * time.Second); s.Reason != CloseClientClosed {
 		t.Fatalf("reason %q, want client_closed", s.Reason)
+	}
+}
+
+// The readmission's fresh start does not wait for the proxy to apply the
+// readmission's event, which comes a moment after the detector's state
+// (on a busy machine, a while): requests sent before the readmission and
+// judged in between are no verdict against the endpoint readmitted. The
+// test holds the readmission's event until the requests of a link that
+// ended before the exclusion (b's, the endpoint's to judge) have been
+// counted, as a machine that runs the delivery late does. Before, they
+// made the readmitted endpoint suspect, and it was excluded again. Its
+// twin: requests sent after the readmission, unanswered, still exclude it.
+func TestReadmissionAppliedLateIsStillAFreshStart(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := start(t, peer.Addr(), framed(time.Second, 2, func(s *policy.Settings) {
+		s.Detector.InitialDelay = policy.Duration(100 * time.Millisecond)
+	}))
+	unanswered := func() float64 { return testutil.ToFloat64(h.m.ForListener("test").UnansweredTimeouts) }
+	premise := make(chan error, 1)
+	hold := func(ev health.Event) {
+		if ev.To != health.Healthy {
+			return
+		}
+		// The readmission, held back until b's two requests are counted.
+		if n := unanswered(); n != 2 {
+			premise <- fmt.Errorf("%v requests counted when the readmission came, want a's 2 (b's not yet due)", n)
+			return
+		}
+		for deadline := time.Now().Add(10 * time.Second); unanswered() < 4; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				premise <- fmt.Errorf("b's requests not counted within 10s of the readmission")
+				return
+			}
+		}
+		time.Sleep(100 * time.Millisecond) // and their verdict reported
+		premise <- nil
+	}
+	testHookHealthEvent.Store(&hold)
+	t.Cleanup(func() { testHookHealthEvent.Store(nil) })
+
+	a, b := h.dial(), h.dial()
+	sendFrame(t, a, "a1")
+	sendFrame(t, a, "a2")
+	waitFor(t, 5*time.Second, "a's requests at the server", func() bool { return peer.Requests() >= 2 })
+	time.Sleep(700 * time.Millisecond) // b's fall due 700 ms after a's, 600 ms after the readmission
+	sendFrame(t, b, "b1")
+	sendFrame(t, b, "b2")
+	waitFor(t, 5*time.Second, "b's requests at the server", func() bool { return peer.Requests() >= 4 })
+	_ = b.Close() // b's requests are judged by the endpoint, after the link
+	h.waitReadmittedOf(peer.Addr(), 5*time.Second)
+	select {
+	case err := <-premise:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the readmission's event never came")
+	}
+	if st, _ := h.p.det.State(peer.Addr()); st != health.Healthy {
+		t.Fatalf("%s after requests sent before the readmission were judged, want healthy", st)
+	}
+	testHookHealthEvent.Store(nil)
+
+	// The twin: the readmitted server answers nothing either; requests
+	// sent to it after the readmission exclude it at their deadline.
+	c := h.dialWhenReadmitted(5 * time.Second) // the listener resumes as the event is applied
+	sendFrame(t, c, "c1")
+	sendFrame(t, c, "c2")
+	ep := h.waitState("excluded", 5*time.Second)
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
 	}
 }
 

@@ -349,6 +349,9 @@ func (l *listener) refusing(ep *endpoint) bool {
 // onHealthEvent applies a detector transition to the data plane. It runs
 // outside the detector's lock, in order per endpoint.
 func (p *Proxy) onHealthEvent(ev health.Event) {
+	if hook := testHookHealthEvent.Load(); hook != nil {
+		(*hook)(ev)
+	}
 	p.mu.Lock()
 	ep := p.endpoints[ev.Endpoint]
 	p.mu.Unlock()
@@ -372,6 +375,10 @@ func (p *Proxy) onHealthEvent(ev health.Event) {
 	}
 	p.followRouting(ep)
 }
+
+// testHookHealthEvent, when set (by a test), runs first in onHealthEvent:
+// it can hold an event's application back, as a busy machine can.
+var testHookHealthEvent atomic.Pointer[func(health.Event)]
 
 // onExcluded refuses new links to ep and evicts its open ones, unless
 // the exclusion's reason is no evidence against them (keepsLinks).
@@ -702,14 +709,26 @@ func (ep *endpoint) heardAt(at int64) {
 // excluded and every link to it closed, client sides included. overdue is
 // how many requests were past their deadline with no answer since.
 func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
-	if l := ep.owner(); l != nil {
-		l.m.EndpointSuspect.Inc() // once per endpoint
-	}
 	ep.consecutive.Store(0)
 	now := flow.Mono()
 	since := ep.silentSince.Swap(0)
 	if since == 0 || since > now {
 		since = now
+	}
+	// A silence that began before the endpoint's readmission rests on
+	// requests sent to what the probe replaced: no verdict against what
+	// it readmitted, whose own requests are judged afresh. The proxy's
+	// application of the readmission (onReadmitted: the count and the
+	// orphans start over) comes with its event, a moment after the
+	// detector's state: requests judged in between are not counted
+	// against it either.
+	if at := p.det.ReadmittedAt(ep.addr); !at.IsZero() && since < flow.MonoOf(at) {
+		p.log.Debug().Str("endpoint", ep.addr).Int("overdue_requests", overdue).
+			Msg("requests past their deadline, sent before the endpoint's readmission: no verdict")
+		return
+	}
+	if l := ep.owner(); l != nil {
+		l.m.EndpointSuspect.Inc() // once per endpoint
 	}
 	silent := time.Duration(now - since)
 	ev := health.Evidence{
