@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
 )
 
 // upstreamFault reports whether err, from a dial or an upstream socket,
@@ -48,7 +49,7 @@ func upstreamFault(err error) bool {
 // endpoint's.
 func ownFailure(err error) bool {
 	var dnsErr *net.DNSError
-	if errors.As(err, &dnsErr) {
+	if errors.As(err, &dnsErr) || errors.Is(err, mesh.ErrOwnTLS) {
 		return true
 	}
 	var errno syscall.Errno

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/flow"
+	"github.com/livenessproxy/livenessproxy/proxy/mesh"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
@@ -475,6 +476,7 @@ func TestOwnFailureIsTheProxys(t *testing.T) {
 		{op(syscall.EPERM), true},
 		{op(syscall.EADDRNOTAVAIL), true},
 		{&net.DNSError{Err: "no such host", Name: "x"}, true},
+		{fmt.Errorf("peer: mesh.tls: %w: %w", mesh.ErrOwnTLS, &os.PathError{Op: "stat", Path: "/tls/tls.crt", Err: syscall.ENOENT}), true}, // a probe's session dial
 		{op(syscall.ECONNREFUSED), false},
 		{op(syscall.ECONNRESET), false},
 		{op(syscall.EHOSTUNREACH), false},

@@ -261,16 +261,9 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 // dial opens a session to the peer: the connection, the handshake, then
 // yamux.
 func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
-	c, err := dialer.DialContext(ctx, "tcp", pr.addr)
+	c, tc, err := pr.connect(ctx, m, dialer)
 	if err != nil {
-		if errors.Is(err, syscall.ECONNREFUSED) {
-			return nil, fmt.Errorf("%w: %s", mesh.ErrNoIngress, pr.addr)
-		}
 		return nil, err
-	}
-	tc := c.(*net.TCPConn)
-	if hook := testHookMeshHandshake.Load(); hook != nil {
-		c = (*hook)(c)
 	}
 	// The handshake's answer is judged as the heartbeat judges a session:
 	// nothing for ping_timeout is a dead peer sidecar.
@@ -283,7 +276,9 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 			var ne net.Error
 			if (!errors.As(err, &ne) || !ne.Timeout()) && !ownFailure(err) {
 				// Not an ingress of this mesh (or one that refused this
-				// sidecar's certificate): as a peer without one.
+				// sidecar's certificate): as a peer without one. Not this
+				// sidecar's own files failing since the check above
+				// (mesh.ErrOwnTLS, an ownFailure).
 				err = fmt.Errorf("%w: TLS handshake: %v", mesh.ErrForeignPeer, err)
 			}
 		}
@@ -338,6 +333,32 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	pr.mu.Unlock()
 	log.Debug().Msg("mesh session opened")
 	return es, nil
+}
+
+// connect opens the connection a session to the peer runs on: c, over
+// the TCP connection tc (c is tc but for testHookMeshHandshake).
+func (pr *meshPeer) connect(ctx context.Context, m policy.Mesh, dialer *net.Dialer) (c net.Conn, tc *net.TCPConn, err error) {
+	if m.TLS.Enabled() {
+		// This sidecar's own certificate, key or CA not usable is its own
+		// failure (mesh.ErrOwnTLS, an ownFailure): the link ends
+		// local_error, the peer keeps its standing, and the peer's
+		// ingress is not dialled only to see a handshake fail.
+		if err := pr.p.meshCertsFor(m.TLS).Check(); err != nil {
+			return nil, nil, fmt.Errorf("%s: %w", pr.addr, err)
+		}
+	}
+	c, err = dialer.DialContext(ctx, "tcp", pr.addr)
+	if err != nil {
+		if errors.Is(err, syscall.ECONNREFUSED) {
+			return nil, nil, fmt.Errorf("%w: %s", mesh.ErrNoIngress, pr.addr)
+		}
+		return nil, nil, err
+	}
+	tc = c.(*net.TCPConn)
+	if hook := testHookMeshHandshake.Load(); hook != nil {
+		c = (*hook)(c)
+	}
+	return c, tc, nil
 }
 
 // testHookMeshHandshake, when set (by a test), wraps the connection a

@@ -641,8 +641,16 @@ func (in *ingress) readPreface(h *ingressHandshake) (b [mesh.PrefaceLen]byte, ok
 	if h.m.TLS.Enabled() {
 		t := tls.Server(tc, in.l.p.meshCertsFor(h.m.TLS).ServerConfig(h.m.TLS.Peers.List()))
 		if err := t.Handshake(); err != nil {
-			in.l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitTLS).Inc()
-			h.log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
+			if errors.Is(err, mesh.ErrOwnTLS) {
+				// This sidecar's own files are not usable (logged at
+				// error, naming the file, by mesh.Certs): its own
+				// failure, not counted against the peer. The egress read
+				// an internal_error alert.
+				h.log.Debug().Err(err).Msg("mesh TLS handshake failed for this sidecar's own files: connection closed")
+			} else {
+				in.l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitTLS).Inc()
+				h.log.Debug().Err(err).Msg("mesh TLS handshake failed: connection closed") // at debug: a peer could flood the log
+			}
 			in.handshakeDone(tc)
 			_ = tc.Close() // not reset: the egress reads the alert that says why
 			return b, false

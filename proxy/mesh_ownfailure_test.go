@@ -60,35 +60,7 @@ func TestMeshHandshakeOwnFailureIsNoForeignPeer(t *testing.T) {
 			testHookMeshHandshake.Store(&wrap)
 			t.Cleanup(func() { testHookMeshHandshake.Store(nil) })
 
-			// The client is reset, sometimes before its own connect
-			// completed (the handshake fails in microseconds).
-			if c, err := net.Dial("tcp", eg.addr); err == nil {
-				msg := []byte("through the mesh or not at all")
-				_, _ = c.Write(msg)
-				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
-				if n, err := io.ReadFull(c, make([]byte, len(msg))); err == nil {
-					t.Fatalf("the client read %d bytes back: its link went around the mesh to the server", n)
-				} else if !isCloseSignal(err) {
-					t.Fatalf("the client saw %v, want its connection closed", err)
-				}
-				_ = c.Close()
-			} else if !errors.Is(err, syscall.ECONNRESET) {
-				t.Fatalf("dial: %v, want a connection, or one reset at once", err)
-			}
-			s := eg.linkEnd(5 * time.Second)
-			if s.Reason != CloseLocalError || !errors.Is(s.Err, syscall.ENOBUFS) {
-				t.Fatalf("link ended %s (%v), want local_error (ENOBUFS)", s.Reason, s.Err)
-			}
-			pr := eg.p.meshPeer("127.0.0.2", in.port)
-			if got := promtest.ToFloat64(eg.m.MeshFallbacks("test")); got != 0 || pr.noIngressUntil.Load() != 0 {
-				t.Fatalf("%v fallbacks, no-ingress mark %d: the peer was taken for one without an ingress", got, pr.noIngressUntil.Load())
-			}
-			if ep := eg.endpoint(); ep.State != "healthy" {
-				t.Fatalf("endpoint %s (%s), want healthy", ep.State, ep.Reason)
-			}
-			if got := promtest.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
-				t.Fatalf("%v egress session deaths, want none", got)
-			}
+			expectOwnLinkFailure(t, in, eg, func(s LinkStats) bool { return errors.Is(s.Err, syscall.ENOBUFS) }, "ENOBUFS")
 
 			testHookMeshHandshake.Store(nil)
 			roundTrip(t, eg.dial(), []byte("through the mesh"))
@@ -110,5 +82,44 @@ func TestMeshHandshakeOwnFailureIsNoForeignPeer(t *testing.T) {
 				t.Fatalf("%v fallbacks to a foreign peer, want 1", got)
 			}
 		})
+	}
+}
+
+// expectOwnLinkFailure dials a link through eg, whose session handshake
+// to the ingress in fails for this process's own reasons (own tells the
+// link's error apart, what names it), and checks that it was the proxy's
+// own failure: the client reads nothing back (its link did not go around
+// the mesh to the server), the link ends local_error, no fallback and no
+// no-ingress mark, the endpoint healthy, no session death. The client is
+// reset, sometimes before its own connect completed (the handshake fails
+// in microseconds).
+func expectOwnLinkFailure(t *testing.T, in *ingressProxy, eg *harness, own func(LinkStats) bool, what string) {
+	t.Helper()
+	if c, err := net.Dial("tcp", eg.addr); err == nil {
+		msg := []byte("through the mesh or not at all")
+		_, _ = c.Write(msg)
+		_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if n, err := io.ReadFull(c, make([]byte, len(msg))); err == nil {
+			t.Fatalf("the client read %d bytes back: its link went around the mesh to the server", n)
+		} else if !isCloseSignal(err) {
+			t.Fatalf("the client saw %v, want its connection closed", err)
+		}
+		_ = c.Close()
+	} else if !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("dial: %v, want a connection, or one reset at once", err)
+	}
+	s := eg.linkEnd(5 * time.Second)
+	if s.Reason != CloseLocalError || !own(s) {
+		t.Fatalf("link ended %s (%v), want local_error (%s)", s.Reason, s.Err, what)
+	}
+	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	if got := promtest.ToFloat64(eg.m.MeshFallbacks("test")); got != 0 || pr.noIngressUntil.Load() != 0 {
+		t.Fatalf("%v fallbacks, no-ingress mark %d: the peer was taken for one without an ingress", got, pr.noIngressUntil.Load())
+	}
+	if ep := eg.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s), want healthy", ep.State, ep.Reason)
+	}
+	if got := promtest.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
+		t.Fatalf("%v egress session deaths, want none", got)
 	}
 }

@@ -80,12 +80,27 @@ func (ca *CA) Issue(t testing.TB, dir, id string) TLSFiles {
 
 // IssueFiles is Issue for a program (the bench).
 func (ca *CA) IssueFiles(dir, id string) (TLSFiles, error) {
+	return ca.issue(dir, id, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
+}
+
+// IssueValid is Issue of a certificate valid from notBefore to notAfter
+// (one that expired, or is not valid yet).
+func (ca *CA) IssueValid(t testing.TB, dir, id string, notBefore, notAfter time.Time) TLSFiles {
+	t.Helper()
+	f, err := ca.issue(dir, id, notBefore, notAfter)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+func (ca *CA) issue(dir, id string, notBefore, notAfter time.Time) (TLSFiles, error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return TLSFiles{}, err
 	}
 	tmpl := &x509.Certificate{SerialNumber: big.NewInt(serials.Add(1)), Subject: pkix.Name{CommonName: id},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		NotBefore: notBefore, NotAfter: notAfter,
 		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
 	if u, err := url.Parse(id); err == nil && u.Scheme != "" {
 		tmpl.URIs = []*url.URL{u}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/livenessproxy/livenessproxy/policy"
 	"github.com/rs/zerolog"
@@ -24,6 +25,11 @@ import (
 // again and new sessions take the new certificate and CA; open sessions
 // keep theirs (TLS 1.3 has no renegotiation), so a rotation drops nothing.
 // A set that fails to load keeps the last good one (logged).
+//
+// This sidecar's own files failing (missing, unreadable, not PEM, a key
+// that is not the certificate's, a certificate out of its validity, and
+// no good set to keep) is its own failure, ErrOwnTLS: no peer is blamed
+// for it (see the proxy's ownFailure).
 
 // Certs is one mesh.tls file set, shared by every session that uses
 // it.
@@ -38,6 +44,12 @@ type Certs struct {
 	err   error
 }
 
+// ErrOwnTLS: this sidecar's own mesh.tls files (its certificate, key or
+// CA bundle) could not be read, or its certificate is out of its
+// validity, and no good set read before can stand in: the sidecar's own
+// failure, never the peer's.
+var ErrOwnTLS = errors.New("this sidecar's own mesh.tls files are not usable")
+
 func stampOf(files ...string) (string, error) {
 	s := ""
 	for _, f := range files {
@@ -51,7 +63,7 @@ func stampOf(files ...string) (string, error) {
 }
 
 // load returns the current certificate and CA pool, reading the files
-// again when they changed.
+// again when they changed. Its error is an ErrOwnTLS.
 func (mc *Certs) load() (*tls.Certificate, *x509.CertPool, error) {
 	mc.mu.Lock()
 	defer mc.mu.Unlock()
@@ -63,38 +75,78 @@ func (mc *Certs) load() (*tls.Certificate, *x509.CertPool, error) {
 			mc.stamp = stamp
 		}
 	}
+	if err == nil {
+		err = validNow(mc.cert.Leaf, f.CertFile) // the one in use may have expired since its read
+	} else if mc.cert != nil && validNow(mc.cert.Leaf, f.CertFile) == nil {
+		mc.logOnce(fmt.Errorf("mesh.tls: %w", err), "mesh TLS files could not be read again: the last good ones stay in use")
+		return mc.cert, mc.pool, nil
+	}
 	if err != nil {
-		err = fmt.Errorf("mesh.tls: %w", err)
-		again := mc.err != nil && mc.err.Error() == err.Error()
-		mc.err = err
-		if mc.cert != nil {
-			if !again {
-				mc.Log.Error().Err(err).Msg("mesh TLS files could not be read again: the last good ones stay in use")
-			}
-			return mc.cert, mc.pool, nil
-		}
-		if !again {
-			mc.Log.Error().Err(err).Msg("mesh TLS files could not be read: no mesh session can start until they can")
-		}
+		err = fmt.Errorf("mesh.tls: %w: %w", ErrOwnTLS, err)
+		mc.logOnce(err, "this sidecar's own mesh TLS files are not usable: no mesh session can start until they are (its own failure: no peer is blamed)")
 		return nil, nil, err
 	}
 	mc.err = nil
 	return mc.cert, mc.pool, nil
 }
 
+// Check reports whether this sidecar's own files are usable now (reading
+// them again if they changed): nil, or an ErrOwnTLS naming the file.
+func (mc *Certs) Check() error {
+	_, _, err := mc.load()
+	return err
+}
+
+// logOnce logs err at error, unless it is the one logged last.
+func (mc *Certs) logOnce(err error, msg string) {
+	if mc.err == nil || mc.err.Error() != err.Error() {
+		mc.Log.Error().Err(err).Msg(msg)
+	}
+	mc.err = err
+}
+
+// validNow is nil when leaf, read from file, is within its validity now.
+func validNow(leaf *x509.Certificate, file string) error {
+	now := time.Now()
+	if now.After(leaf.NotAfter) {
+		return fmt.Errorf("cert_file %s: the certificate expired at %s", file, leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	if now.Before(leaf.NotBefore) {
+		return fmt.Errorf("cert_file %s: the certificate is not valid before %s", file, leaf.NotBefore.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+// readLocked reads the three files; its error names the file at fault.
 func (mc *Certs) readLocked() error {
 	f := mc.Files
-	cert, err := tls.LoadX509KeyPair(f.CertFile, f.KeyFile)
+	certPEM, err := os.ReadFile(f.CertFile)
 	if err != nil {
+		return fmt.Errorf("cert_file: %w", err)
+	}
+	keyPEM, err := os.ReadFile(f.KeyFile)
+	if err != nil {
+		return fmt.Errorf("key_file: %w", err)
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return fmt.Errorf("cert_file %s, key_file %s: %w", f.CertFile, f.KeyFile, err)
+	}
+	if cert.Leaf == nil { // GODEBUG=x509keypairleaf=0
+		if cert.Leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
+			return fmt.Errorf("cert_file %s: %w", f.CertFile, err)
+		}
+	}
+	if err := validNow(cert.Leaf, f.CertFile); err != nil {
 		return err
 	}
 	ca, err := os.ReadFile(f.CAFile)
 	if err != nil {
-		return err
+		return fmt.Errorf("ca_file: %w", err)
 	}
 	pool := x509.NewCertPool()
 	if !pool.AppendCertsFromPEM(ca) {
-		return fmt.Errorf("%s: no PEM certificate in it", f.CAFile)
+		return fmt.Errorf("ca_file %s: no PEM certificate in it", f.CAFile)
 	}
 	mc.cert, mc.pool = &cert, pool
 	return nil
