@@ -32,8 +32,10 @@ type Limits struct {
 	MaxLinks         int // links the process holds at once
 	MaxLinksSource   string
 	// NoFileSoft and NoFileHard are RLIMIT_NOFILE (ApplyRuntime raises the
-	// soft limit to the hard one); NoFileNeeded is what MaxLinks needs.
-	NoFileSoft, NoFileHard, NoFileNeeded uint64
+	// soft limit to the hard one); NoFileNeeded is what MaxLinks and the
+	// mesh ingresses need; NoFileMesh is the mesh ingresses' part
+	// (meshIngressDescriptors), 0 without one.
+	NoFileSoft, NoFileHard, NoFileNeeded, NoFileMesh uint64
 	// Procs is GOMAXPROCS: the environment's when it sets one, else
 	// limits.procs, else (limits.procs 0) the Go runtime's default, which
 	// ApplyRuntime then reads back.
@@ -79,10 +81,12 @@ const (
 	procsRuntimeSource = "limits.procs 0: the Go runtime's default from the CPUs, the affinity mask and the cgroup's CPU limit"
 )
 
-// PlanLimits derives the process's limits from c (a key's 0 means
-// derived), the cgroup's memory limit and RLIMIT_NOFILE as they are now.
-func PlanLimits(c policy.Limits) Limits {
-	var l Limits
+// PlanLimits derives the process's limits from cfg's limits (a key's 0
+// means derived) and its mesh ingress listeners, the cgroup's memory
+// limit and RLIMIT_NOFILE as they are now.
+func PlanLimits(cfg policy.Config) Limits {
+	c := cfg.Limits
+	l := Limits{NoFileMesh: meshIngressDescriptors(cfg.Listeners)}
 	if c.Memory > 0 {
 		l.Memory, l.MemorySource = int64(c.Memory), "limits.memory"
 	} else if n, err := strconv.ParseInt(os.Getenv(MemoryLimitEnv), 10, 64); err == nil && n > 0 {
@@ -114,7 +118,7 @@ func PlanLimits(c policy.Limits) Limits {
 	} else {
 		l.MaxLinks, l.MaxLinksSource = derivedMaxLinks(l)
 	}
-	l.NoFileNeeded = uint64(l.MaxLinks)*2 + fdReserve
+	l.NoFileNeeded = uint64(l.MaxLinks)*2 + fdReserve + l.NoFileMesh
 	l.Procs, l.ProcsSource = planProcs(c.Procs)
 	l.ParkIdleAfter = c.ParkIdleAfter.D()
 	return l
@@ -140,17 +144,36 @@ func planProcs(procs int) (int, string) {
 	return runtime.GOMAXPROCS(0), procsRuntimeSource
 }
 
+// meshIngressDescriptors is the descriptors the mesh ingress listeners
+// among ls hold at most beside their links' (whose connections to the
+// local server take no max_links slot either): a
+// session's connection each, ingress.max_sessions per listener, and the
+// connections waiting for their handshake, maxHandshakes per listener.
+func meshIngressDescriptors(ls []policy.Listener) uint64 {
+	var n uint64
+	for _, l := range ls {
+		if l.IsIngress() {
+			n += uint64(l.Ingress.OrDefaults().MaxSessions) + maxHandshakes
+		}
+	}
+	return n
+}
+
 // derivedMaxLinks is max_links when limits.max_links is 0: what the
 // memory beside the budget holds at linkOverhead a link, and what the
-// descriptor limit allows at two a link, the smaller.
+// descriptor limit allows at two a link beside the reserve and the mesh
+// ingresses' (l.NoFileMesh), the smaller.
 func derivedMaxLinks(l Limits) (int, string) {
 	n, src := 0, ""
 	if room := min(l.GoMemLimit, l.Memory/10*9) - l.Budget - runtimeReserve; l.Memory > 0 {
 		n, src = int(max(room, 0)/linkOverhead), fmt.Sprintf("memory beside the budget at %d KiB a link", linkOverhead>>10)
 	}
-	if l.NoFileHard > fdReserve {
-		if fd := int((l.NoFileHard - fdReserve) / 2); n == 0 || fd < n {
+	if l.NoFileHard > fdReserve+l.NoFileMesh {
+		if fd := int((l.NoFileHard - fdReserve - l.NoFileMesh) / 2); n == 0 || fd < n {
 			n, src = fd, "RLIMIT_NOFILE at two descriptors a link"
+			if l.NoFileMesh > 0 {
+				src += fmt.Sprintf(", beside %d for the mesh ingress's sessions and handshakes", l.NoFileMesh)
+			}
 		}
 	}
 	if n < minDerivedLinks {
@@ -163,9 +186,14 @@ func derivedMaxLinks(l Limits) (int, string) {
 // descriptor limit below what max_links needs.
 func (l Limits) Warnings() []string {
 	var w []string
-	if l.NoFileHard > 0 && l.NoFileHard < l.NoFileNeeded {
+	switch {
+	case l.NoFileHard == 0 || l.NoFileHard >= l.NoFileNeeded:
+	case l.NoFileMesh == 0:
 		w = append(w, fmt.Sprintf("RLIMIT_NOFILE hard limit %d is below the %d descriptors max_links %d needs (two a link, plus %d): raise it (ulimit -n, the container runtime's nofile) or lower limits.max_links",
 			l.NoFileHard, l.NoFileNeeded, l.MaxLinks, fdReserve))
+	default:
+		w = append(w, fmt.Sprintf("RLIMIT_NOFILE hard limit %d is below the %d descriptors max_links %d and the mesh ingress need (two a link, plus %d, plus %d for the mesh ingress's sessions and handshakes: ingress.max_sessions and %d waiting handshakes a listener): raise it (ulimit -n, the container runtime's nofile) or lower limits.max_links or ingress.max_sessions",
+			l.NoFileHard, l.NoFileNeeded, l.MaxLinks, fdReserve, l.NoFileMesh, maxHandshakes))
 	}
 	if l.Memory > 0 && l.Budget >= l.Memory {
 		w = append(w, fmt.Sprintf("memory budget %d is not below the memory %d (%s): the runtime has no room beside the links' buffers", l.Budget, l.Memory, l.MemorySource))

@@ -20,7 +20,7 @@ import (
 func TestPlanLimits(t *testing.T) {
 	t.Setenv(goMemLimitEnv, "")
 	t.Setenv(MemoryLimitEnv, "268435456")
-	l := PlanLimits(policy.Limits{})
+	l := PlanLimits(policy.Config{Limits: policy.Limits{}})
 	if l.Memory != 256<<20 || !strings.Contains(l.MemorySource, MemoryLimitEnv) {
 		t.Fatalf("memory %d from %q, want 256 MiB from %s", l.Memory, l.MemorySource, MemoryLimitEnv)
 	}
@@ -35,14 +35,14 @@ func TestPlanLimits(t *testing.T) {
 		t.Fatalf("max_links %d (%s), needs %d descriptors; want %d", l.MaxLinks, l.MaxLinksSource, l.NoFileNeeded, want)
 	}
 
-	l = PlanLimits(policy.Limits{Memory: 1 * policy.GiB, MemoryBudget: 100 * policy.MiB, MaxLinks: 7})
+	l = PlanLimits(policy.Config{Limits: policy.Limits{Memory: 1 * policy.GiB, MemoryBudget: 100 * policy.MiB, MaxLinks: 7}})
 	if l.Memory != 1<<30 || l.MemorySource != "limits.memory" || l.Budget != 100<<20 || l.BudgetSource != "limits.memory_budget" ||
 		l.MaxLinks != 7 || l.MaxLinksSource != "limits.max_links" {
 		t.Fatalf("overrides not applied: %+v", l)
 	}
 
 	t.Setenv(goMemLimitEnv, "300MiB")
-	if l := PlanLimits(policy.Limits{}); !strings.Contains(l.GoMemLimitSource, "environment") {
+	if l := PlanLimits(policy.Config{Limits: policy.Limits{}}); !strings.Contains(l.GoMemLimitSource, "environment") {
 		t.Fatalf("GOMEMLIMIT from the environment reported as %q", l.GoMemLimitSource)
 	}
 }
@@ -56,6 +56,74 @@ func TestLimitsWarnAboutDescriptors(t *testing.T) {
 	}
 	if w := (Limits{MaxLinks: 10, NoFileNeeded: 620, NoFileHard: 1 << 20}).Warnings(); len(w) != 0 {
 		t.Fatalf("warnings %q for enough descriptors", w)
+	}
+
+	// A hard limit enough for max_links alone is too low once a mesh
+	// ingress's sessions and handshakes count; the twin, the same limit
+	// without the ingress, is enough.
+	mesh := PlanLimits(meshLimitsConfig(policy.Limits{MaxLinks: 10}, true))
+	plain := PlanLimits(meshLimitsConfig(policy.Limits{MaxLinks: 10}, false))
+	mesh.NoFileHard, plain.NoFileHard = 2000, 2000
+	w = mesh.Warnings()
+	if len(w) != 1 || !strings.Contains(w[0], "RLIMIT_NOFILE hard limit 2000 is below the 2166 descriptors max_links 10 and the mesh ingress need") ||
+		!strings.Contains(w[0], "plus 1290 for the mesh ingress's sessions and handshakes") {
+		t.Fatalf("warnings %q with a mesh ingress", w)
+	}
+	if w := plain.Warnings(); len(w) != 0 {
+		t.Fatalf("warnings %q without a mesh ingress, at a limit enough for max_links", w)
+	}
+}
+
+// meshLimitsConfig is a config with a plain listener and, with ingress,
+// two mesh ingress listeners: one at the default ingress.max_sessions,
+// one at 10.
+func meshLimitsConfig(c policy.Limits, ingress bool) policy.Config {
+	cfg := policy.Config{Limits: c, Listeners: []policy.Listener{{Name: "plain", Listen: "127.0.0.1:0", Upstream: "127.0.0.1:1"}}}
+	if ingress {
+		cfg.Listeners = append(cfg.Listeners,
+			policy.Listener{Name: "in", Listen: "127.0.0.1:0", Ingress: policy.Ingress{Local: "127.0.0.1:2"}},
+			policy.Listener{Name: "in2", Listen: "127.0.0.1:0", Ingress: policy.Ingress{Local: "127.0.0.1:3", MaxSessions: 10}})
+	}
+	return cfg
+}
+
+// The descriptors a mesh ingress holds beside its links' (a session's
+// connection each, ingress.max_sessions per ingress listener, and its
+// 128 connections waiting for their handshake) count in what the
+// descriptor check needs and, at two a link, in the descriptor limit's
+// share of the derived max_links. A config without an ingress plans
+// exactly as before. Before, the ingress's 1290 here were counted nowhere.
+func TestPlanLimitsCountsMeshIngressSessions(t *testing.T) {
+	t.Setenv(goMemLimitEnv, "")
+	t.Setenv(MemoryLimitEnv, "268435456")
+	const mesh = policy.DefaultMaxSessions + maxHandshakes + 10 + maxHandshakes
+	without := PlanLimits(meshLimitsConfig(policy.Limits{}, false))
+	if plain := PlanLimits(policy.Config{}); without != plain {
+		t.Fatalf("a plain listener changed the plan: %+v, want %+v", without, plain)
+	}
+	if without.NoFileMesh != 0 {
+		t.Fatalf("%d mesh descriptors without an ingress", without.NoFileMesh)
+	}
+	l := PlanLimits(meshLimitsConfig(policy.Limits{MaxLinks: 500}, true))
+	if l.NoFileMesh != mesh || l.NoFileNeeded != 500*2+fdReserve+mesh {
+		t.Fatalf("mesh descriptors %d, needed %d; want %d, %d", l.NoFileMesh, l.NoFileNeeded, mesh, 500*2+fdReserve+mesh)
+	}
+
+	// The derivation, where the descriptor limit is the smaller: 4096
+	// less the reserve and the ingress's, at two a link.
+	d := Limits{NoFileHard: 4096}
+	if n, src := derivedMaxLinks(d); n != (4096-fdReserve)/2 || src != "RLIMIT_NOFILE at two descriptors a link" {
+		t.Fatalf("without an ingress: max_links %d (%s), want %d", n, src, (4096-fdReserve)/2)
+	}
+	d.NoFileMesh = mesh
+	if n, src := derivedMaxLinks(d); n != (4096-fdReserve-mesh)/2 || !strings.Contains(src, "beside 1290 for the mesh ingress") {
+		t.Fatalf("with an ingress: max_links %d (%s), want %d", n, src, (4096-fdReserve-mesh)/2)
+	}
+	// A limit the ingress's share leaves nothing of: the minimum, as for
+	// one below the reserve.
+	d.NoFileHard = fdReserve + mesh
+	if n, _ := derivedMaxLinks(d); n != minDerivedLinks {
+		t.Fatalf("max_links %d with no descriptors left, want the minimum %d", n, minDerivedLinks)
 	}
 }
 
@@ -82,7 +150,7 @@ func TestPlanAndApplyProcs(t *testing.T) {
 		source      string
 	}{{policy.DefaultConfig().Limits.Procs, 1, "limits.procs"}, {3, 3, "limits.procs"}, {0, def, "the Go runtime's default"}} {
 		runtime.GOMAXPROCS(5) // none of the cases' values
-		l := PlanLimits(policy.Limits{Procs: tc.procs})
+		l := PlanLimits(policy.Config{Limits: policy.Limits{Procs: tc.procs}})
 		if !strings.Contains(l.ProcsSource, tc.source) {
 			t.Fatalf("limits.procs %d: planned %d from %q, want from %q", tc.procs, l.Procs, l.ProcsSource, tc.source)
 		}
@@ -96,7 +164,7 @@ func TestPlanAndApplyProcs(t *testing.T) {
 
 	t.Setenv(goMaxProcsEnv, "2")
 	runtime.GOMAXPROCS(5)
-	l := PlanLimits(policy.Limits{Procs: 3})
+	l := PlanLimits(policy.Config{Limits: policy.Limits{Procs: 3}})
 	if l.Procs != 2 || l.ProcsSource != "GOMAXPROCS=2 (environment)" {
 		t.Fatalf("with GOMAXPROCS=2 in the environment: planned %d from %q", l.Procs, l.ProcsSource)
 	}
@@ -106,7 +174,7 @@ func TestPlanAndApplyProcs(t *testing.T) {
 	// What the runtime ignores in the environment, so does the plan.
 	for _, v := range []string{"0", "-1", "many"} {
 		t.Setenv(goMaxProcsEnv, v)
-		if l := PlanLimits(policy.Limits{Procs: 3}); l.Procs != 3 || l.ProcsSource != "limits.procs" {
+		if l := PlanLimits(policy.Config{Limits: policy.Limits{Procs: 3}}); l.Procs != 3 || l.ProcsSource != "limits.procs" {
 			t.Fatalf("GOMAXPROCS=%s in the environment: planned %d from %q, want limits.procs", v, l.Procs, l.ProcsSource)
 		}
 	}

@@ -161,7 +161,7 @@ func New(cfg policy.Config, opts Options) *Proxy {
 		endpoints: make(map[string]*endpoint), manageRuntime: opts.ManageRuntime}
 	p.starters = newStarters(ctx, &p.bg, serveJob)
 	p.budget.Waits = m.BudgetWaits
-	p.setLimits(cfg.Limits)
+	p.setLimits(cfg)
 	if cfg.Interception.ExcludedSet {
 		excluded, err := intercept.OpenSet()
 		if err != nil {
@@ -224,12 +224,12 @@ func New(cfg policy.Config, opts Options) *Proxy {
 	return p
 }
 
-// setLimits derives the process's limits from c (and, with
+// setLimits derives the process's limits from cfg (and, with
 // ManageRuntime, applies them to the runtime) and puts the budget and
 // max_links in force. Lowering either cuts nothing: queues give chunks
 // back as they drain, listeners accept again once enough links ended.
-func (p *Proxy) setLimits(c policy.Limits) Limits {
-	l := PlanLimits(c)
+func (p *Proxy) setLimits(cfg policy.Config) Limits {
+	l := PlanLimits(cfg)
 	if p.manageRuntime {
 		l = ApplyRuntime(l)
 	}

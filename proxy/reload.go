@@ -346,7 +346,7 @@ func (p *Proxy) swapSettings(cfg policy.Config, disabled map[string]bool) {
 	p.drain.Store(int64(cfg.DrainTimeout))
 	// A lower budget or max_links cuts nothing (see setLimits); a higher
 	// listener max_links lets its accept loop go on.
-	p.setLimits(cfg.Limits)
+	p.setLimits(cfg)
 	p.slots.retuned()
 	p.mu.Lock()
 	p.disabled = disabled

@@ -35,7 +35,11 @@ func printLimits(w io.Writer, l proxy.Limits) {
 	}
 	fmt.Fprintf(w, "memory budget: %s (%s)\n", mib(l.Budget), l.BudgetSource)
 	fmt.Fprintf(w, "max_links: %d (%s)\n", l.MaxLinks, l.MaxLinksSource)
-	fmt.Fprintf(w, "descriptors: RLIMIT_NOFILE hard %d, max_links needs %d\n", l.NoFileHard, l.NoFileNeeded)
+	if l.NoFileMesh > 0 {
+		fmt.Fprintf(w, "descriptors: RLIMIT_NOFILE hard %d, max_links and the mesh ingress need %d (%d of them the ingress's sessions and handshakes)\n", l.NoFileHard, l.NoFileNeeded, l.NoFileMesh)
+	} else {
+		fmt.Fprintf(w, "descriptors: RLIMIT_NOFILE hard %d, max_links needs %d\n", l.NoFileHard, l.NoFileNeeded)
+	}
 	fmt.Fprintf(w, "GOMAXPROCS: %d (%s)\n", l.Procs, l.ProcsSource)
 	if l.ParkIdleAfter > 0 {
 		fmt.Fprintf(w, "idle links park after: %v (limits.park_idle_after)\n", l.ParkIdleAfter)

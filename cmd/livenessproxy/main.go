@@ -320,7 +320,7 @@ func cmdCheck(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, err)
 		return 1
 	}
-	printLimits(stdout, proxy.PlanLimits(cfg.Limits))
+	printLimits(stdout, proxy.PlanLimits(cfg))
 	fmt.Fprintf(stdout, "%s: ok\n", *config)
 	return 0
 }
