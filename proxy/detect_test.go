@@ -590,3 +590,40 @@ func TestReadmissionIsAFreshStart(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// Requests sent after a readmission, unanswered, exclude the endpoint at
+// their deadline even when the count they complete also holds a request
+// sent before it (on a link opened during the exclusion, on_excluded:
+// allow, which the readmission keeps: it reaches the very process the
+// probe readmitted). Before, the whole count was no verdict (its silence
+// began before the readmission) and went with it: d's two requests, the
+// threshold on their own, excluded nothing, and d's client waited on a
+// hung server with no verdict at all.
+func TestPostReadmissionRequestsNotLostToAnEarlierOne(t *testing.T) {
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, false })
+	h := start(t, peer.Addr(), framed(2*time.Second, 2, func(s *policy.Settings) {
+		s.Detector.InitialDelay = policy.Duration(time.Second)
+		s.OnExcluded = policy.OnExcludedAllow // c, opened while excluded
+	}))
+	a := h.dial()
+	sendFrame(t, a, "a1")
+	sendFrame(t, a, "a2")
+	h.waitState("excluded", 10*time.Second)
+	c := h.dial()
+	sendFrame(t, c, "c1") // due a second after the readmission
+	waitFor(t, 5*time.Second, "c1 at the server", func() bool { return peer.Requests() >= 3 })
+	if st := h.endpoint().State; st != "excluded" {
+		t.Fatalf("premise: %s when c1 reached the server, want still excluded (initial_delay 1s)", st)
+	}
+	h.waitReadmittedOf(peer.Addr(), 10*time.Second)
+	d := h.dial()
+	sendFrame(t, d, "d1")
+	sendFrame(t, d, "d2")
+	waitFor(t, 5*time.Second, "d's requests at the server", func() bool { return peer.Requests() >= 5 })
+	// c1 is counted (1), then d1 and d2 (3, past the threshold of 2).
+	ep := h.waitState("excluded", 10*time.Second)
+	if ep.Reason != string(CloseUnanswered) {
+		t.Fatalf("excluded for %s, want unanswered", ep.Reason)
+	}
+}

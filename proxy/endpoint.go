@@ -645,6 +645,14 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since 
 	if thr <= 0 {
 		return
 	}
+	if from := ep.judgedFrom(); since < from {
+		return // sent before the readmission: see judgedFrom
+	} else if s := ep.silentSince.Load(); s != 0 && s < from {
+		// A count begun before the readmission, which the proxy has
+		// not applied yet (onReadmitted): it starts over now.
+		ep.consecutive.Store(0)
+		ep.silentSince.CompareAndSwap(s, 0)
+	}
 	ep.noteSilence(since)
 	// At or past thr, whoever else's requests the count holds: listeners
 	// with other thresholds share it, so a crossing of this one's may
@@ -658,6 +666,20 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since 
 			return
 		}
 	}
+}
+
+// judgedFrom is the mono time from which the endpoint's silence is
+// evidence against it: its readmission by the detector (a probe's or the
+// operator's), whose fresh start the proxy applies with the event, a
+// moment later (onReadmitted). Requests sent before it went to what the
+// probe replaced: counted, no evidence against what it readmitted, and
+// they do not take the evidence of the requests sent since with them.
+// NoAnswer when it never left.
+func (ep *endpoint) judgedFrom() int64 {
+	if at := ep.p.det.ReadmittedAt(ep.addr); !at.IsZero() {
+		return flow.MonoOf(at)
+	}
+	return flow.NoAnswer
 }
 
 // noteSilence records that the endpoint has been silent since mono time

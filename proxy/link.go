@@ -458,6 +458,16 @@ func (lk *link) judge(judged []flow.PendingRequest, left int) {
 	if n > 0 && lk.heldBack(judged) {
 		return // put off, and not stale: its bytes are still on their way
 	}
+	if n > 0 {
+		// Those sent before the endpoint's readmission are counted,
+		// no evidence (countUnanswered); those sent since are, even
+		// when judged with them.
+		fresh, freshSince := lk.trk.UnansweredFrom(judged, lk.ep.judgedFrom())
+		if fresh < n {
+			lk.host.countUnanswered(lk.ep, n-fresh, int(judged[0].Thr), since)
+			n, since = fresh, freshSince
+		}
+	}
 	lk.host.countUnanswered(lk.ep, n, int(judged[0].Thr), since)
 	if lk.conv == nil {
 		return

@@ -349,10 +349,17 @@ func (t *Tracker) expire() {
 // endpoint's last answer if that came later, during its hold). It must be
 // called from judge.
 func (t *Tracker) Unanswered(judged []PendingRequest) (n int, since int64) {
+	return t.UnansweredFrom(judged, NoAnswer)
+}
+
+// UnansweredFrom is Unanswered for the requests whose silence began at
+// mono time from or later (sent then, or answered-after since): those
+// sent before an endpoint's readmission are left out.
+func (t *Tracker) UnansweredFrom(judged []PendingRequest, from int64) (n int, since int64) {
 	since = Never
 	last := t.answer.Load()
 	for i := range judged {
-		if r := &judged[i]; r.Verdict && !t.Covered(r) {
+		if r := &judged[i]; r.Verdict && !t.Covered(r) && max(r.At, last) >= from {
 			n += int(r.N)
 			since = min(since, max(r.At, last))
 		}
