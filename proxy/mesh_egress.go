@@ -115,6 +115,19 @@ func (es *egressSession) unused() bool {
 // ingress takes (the status stream besides).
 func (es *egressSession) full() bool { return es.Sess.NumStreams() > es.maxStreams }
 
+// holdsSession reports whether a session to the peer lives (usable, full
+// or not): its ingress is there and took this sidecar.
+func (pr *meshPeer) holdsSession() bool {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	for _, es := range pr.sessions {
+		if es.Usable() {
+			return true
+		}
+	}
+	return false
+}
+
 // meshPeer returns the peer at host:port, creating it on first use.
 func (p *Proxy) meshPeer(host string, port int) *meshPeer {
 	addr := net.JoinHostPort(host, strconv.Itoa(port))

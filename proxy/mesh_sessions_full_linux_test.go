@@ -74,3 +74,60 @@ func TestMeshIngressFullOfOtherPeersServesANewPeer(t *testing.T) {
 		})
 	}
 }
+
+// A session the ingress refuses while this sidecar holds a live session
+// to the peer (full: the ingress's max_streams_per_session) is no "no
+// ingress" for the peer: once the live session has room again, the next
+// link goes on it, through the mesh. Before, the refusal set the peer's
+// noIngressUntil (10 s) whatever lived, and every link in those 10 s went
+// directly, with the plain enforcement only, the peer's live session
+// idle, and was counted a fallback to a peer "without an ingress
+// sidecar". The refused link itself (c2) may go directly, as it does.
+func TestMeshSessionRefusedWithALiveSessionKeepsTheMesh(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressL(t, "127.0.0.2", srv.Addr(), func(l *policy.Listener) {
+		l.Ingress.MaxSessionsPerPeer, l.Ingress.MaxStreamsPerSession = 1, 1
+	})
+	eg := startEgress(t, srv.Addr(), in.port, nil) // mesh.sessions 2
+	fallbacks := func() float64 { return testutil.ToFloat64(eg.m.MeshFallbacks("test")) }
+	echo := func(c net.Conn, msg string) {
+		t.Helper()
+		_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := c.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, buf); err != nil {
+			t.Fatalf("%s: %v", msg, err)
+		}
+	}
+	c1 := eg.dial()
+	echo(c1, "c1 through the mesh")
+	if got := fallbacks(); got != 0 {
+		t.Fatalf("premise: %v fallbacks for the first link, want 0", got)
+	}
+	c2 := eg.dial()
+	echo(c2, "c2, its session refused") // the one session is full: a second is refused
+	if got := in.limitHits(mesh.LimitSessionsPerPeer); got != 1 {
+		t.Fatalf("premise: the ingress refused %v sessions for max_sessions_per_peer, want 1", got)
+	}
+	_ = c1.Close()
+	eg.linkEndOf(c1, 5*time.Second)
+	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	waitFor(t, 5*time.Second, "the live session has room again", func() bool {
+		pr.mu.Lock()
+		defer pr.mu.Unlock()
+		for _, es := range pr.sessions {
+			if es.Usable() && !es.full() {
+				return true
+			}
+		}
+		return false
+	})
+	before := fallbacks()
+	c3 := eg.dial()
+	echo(c3, "c3 on the live session")
+	if got := fallbacks(); got != before {
+		t.Fatalf("c3 fell back to a direct connection (%v fallbacks, %v before) with a live session to the peer that had room", got, before)
+	}
+}

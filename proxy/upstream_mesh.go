@@ -83,7 +83,10 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	for try := 0; ; try++ {
 		es, err := pr.session(ctx, m, lk.settings.HalfCloseTimeout.D(), lk.dialer)
 		if errors.Is(err, mesh.ErrNoIngress) {
-			if direct {
+			if direct && !pr.holdsSession() {
+				// A session refused while another lives (full, say)
+				// is this link's fallback only: the next takes the
+				// live one.
 				pr.noIngressUntil.Store(flow.Mono() + int64(noIngressFor))
 			}
 			return nil, err
