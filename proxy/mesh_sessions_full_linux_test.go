@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/hashicorp/yamux"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
@@ -35,17 +34,9 @@ func TestMeshIngressFullOfOtherPeersServesANewPeer(t *testing.T) {
 				others = 3
 			}
 			for i := range others { // other peers, one session each
-				c, code, _ := rawHandshakeFrom(t, net.IPv4(127, 0, 1, byte(10+i)), in.addr())
-				if code != mesh.OK {
+				if _, code := rawSessionFrom(t, net.IPv4(127, 0, 1, byte(10+i)), in.addr()); code != mesh.OK {
 					t.Fatalf("another peer's handshake got code %d", code)
 				}
-				cfg := yamux.DefaultConfig()
-				cfg.EnableKeepAlive, cfg.LogOutput = false, io.Discard
-				sess, err := yamux.Client(c, cfg)
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(func() { _ = sess.Close() })
 			}
 			eg := startEgress(t, srv.Addr(), in.port, nil)
 			c := eg.dial()
