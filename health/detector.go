@@ -93,12 +93,8 @@ type epState struct {
 	// readmit it at the initial delay forever.
 	flaps        int
 	readmittedAt time.Time
-	// healthyAt is when it last became Healthy after being out (a
-	// probe's readmission or the operator's enable); zero if it never
-	// left. Unlike readmittedAt, the operator's word does not clear it.
-	healthyAt time.Time
-	lastErr   string
-	evidence  Evidence
+	lastErr      string
+	evidence     Evidence
 	// passingSince: a flapping endpoint's probes have passed since then,
 	// without a failure; it is readmitted once that has lasted
 	// holdDown(flaps). Zero when no probe passed since the last failure.
@@ -348,15 +344,16 @@ func (d *Detector) State(endpoint string) (State, bool) {
 	return e.state, true
 }
 
-// ReadmittedAt reports when endpoint, Healthy now, last came back from
-// being out (excluded or disabled); zero if it is not Healthy, never
-// left, or is unknown. It is the detector's own time, which the event
-// that tells of the readmission (OnEvent) follows a moment later.
-func (d *Detector) ReadmittedAt(endpoint string) time.Time {
+// HealthySince reports since when endpoint has been Healthy: its
+// registration, or its last readmission (a probe's or the operator's);
+// zero if it is not Healthy or is unknown. It is the detector's own
+// time, which the event that tells of a readmission (OnEvent) follows a
+// moment later.
+func (d *Detector) HealthySince(endpoint string) time.Time {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if e, ok := d.eps[endpoint]; ok && e.state == Healthy {
-		return e.healthyAt
+		return e.since
 	}
 	return time.Time{}
 }
@@ -417,9 +414,6 @@ func (d *Detector) transitionLocked(e *epState, to State, reason string) {
 	}
 	d.pending = append(d.pending, ev)
 	e.state, e.reason, e.since = to, reason, now
-	if to == Healthy {
-		e.healthyAt = now
-	}
 	if to != Excluded {
 		d.stopProberLocked(e)
 	}

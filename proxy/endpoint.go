@@ -669,14 +669,15 @@ func (p *Proxy) countUnanswered(ep *endpoint, from *listener, n, thr int, since 
 }
 
 // judgedFrom is the mono time from which the endpoint's silence is
-// evidence against it: its readmission by the detector (a probe's or the
-// operator's), whose fresh start the proxy applies with the event, a
-// moment later (onReadmitted). Requests sent before it went to what the
+// evidence against it: since it has been Healthy for the detector (its
+// registration, or its readmission, a probe's or the operator's, whose
+// fresh start the proxy applies with the event a moment later:
+// onReadmitted). Requests sent before a readmission went to what the
 // probe replaced: counted, no evidence against what it readmitted, and
 // they do not take the evidence of the requests sent since with them.
-// NoAnswer when it never left.
+// NoAnswer when it is not Healthy (its verdict is in).
 func (ep *endpoint) judgedFrom() int64 {
-	if at := ep.p.det.ReadmittedAt(ep.addr); !at.IsZero() {
+	if at := ep.p.det.HealthySince(ep.addr); !at.IsZero() {
 		return flow.MonoOf(at)
 	}
 	return flow.NoAnswer
@@ -744,7 +745,7 @@ func (p *Proxy) suspect(ep *endpoint, thr, overdue int) {
 	// orphans start over) comes with its event, a moment after the
 	// detector's state: requests judged in between are not counted
 	// against it either.
-	if at := p.det.ReadmittedAt(ep.addr); !at.IsZero() && since < flow.MonoOf(at) {
+	if since < ep.judgedFrom() {
 		p.log.Debug().Str("endpoint", ep.addr).Int("overdue_requests", overdue).
 			Msg("requests past their deadline, sent before the endpoint's readmission: no verdict")
 		return
