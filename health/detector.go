@@ -361,6 +361,7 @@ func (d *Detector) HealthySince(endpoint string) time.Time {
 // Statuses returns a snapshot of every registered endpoint, sorted by
 // endpoint string.
 func (d *Detector) Statuses() []Status {
+	waiting := d.slots.waitingFor() // before d.mu: acquire holds neither while it waits
 	d.mu.Lock()
 	out := make([]Status, 0, len(d.eps))
 	for _, e := range d.eps {
@@ -373,6 +374,7 @@ func (d *Detector) Statuses() []Status {
 			FailedProbes:   e.probes,
 			LastProbeError: e.lastErr,
 			Evidence:       e.evidence,
+			ProbeWaiting:   waiting[e.name],
 		}
 		if e.state == Excluded && !e.passingSince.IsZero() {
 			st.ProbationUntil = e.passingSince.Add(holdDown(e.pc, e.flaps))

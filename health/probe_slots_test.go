@@ -246,3 +246,38 @@ func (s *socketCounter) dials(addr string) int {
 	defer s.mu.Unlock()
 	return s.dialed[addr]
 }
+
+// An endpoint whose probe is due and waits for a slot says so in its
+// status: its NextProbe is past, and without the mark an operator could
+// not tell a probe held back by MaxProbes from a prober that is stuck.
+// The endpoint whose probe runs is not marked (the twin).
+func TestStatusShowsAProbeWaitingForASlot(t *testing.T) {
+	addrs := blackHoles(t, 2)
+	d := New(Options{MaxProbes: 1})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka, Timeout: time.Minute, InitialDelay: 10 * time.Millisecond, Factor: 2, MaxDelay: time.Minute}
+	for _, a := range addrs {
+		d.Register(a, pc)
+		d.Report(a, "write_timeout")
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if inFlight, waiting := d.ProbeSlots(); inFlight == 1 && waiting == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("premise: one probe running and one waiting for the slot, not reached in 30s")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// The running probe holds the slot for its minute-long timeout: the
+	// one waiting still waits when the statuses are read.
+	for _, st := range d.Statuses() {
+		if want := d.waitsForSlot(st.Endpoint); st.ProbeWaiting != want {
+			t.Fatalf("%s: ProbeWaiting %v, want %v (the detector's slots)", st.Endpoint, st.ProbeWaiting, want)
+		}
+		if st.ProbeWaiting && (st.NextProbe.IsZero() || st.NextProbe.After(time.Now())) {
+			t.Fatalf("%s waits for a slot with NextProbe %v: want the past time it was due", st.Endpoint, st.NextProbe)
+		}
+	}
+}

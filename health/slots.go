@@ -80,6 +80,21 @@ func (s *probeSlots) release() {
 	close(turn)
 }
 
+// waitingFor is the set of endpoints whose probe waits for a slot, nil
+// when none does.
+func (s *probeSlots) waitingFor() map[string]bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.waiters) == 0 {
+		return nil
+	}
+	m := make(map[string]bool, len(s.waiters))
+	for _, w := range s.waiters {
+		m[w.endpoint] = true
+	}
+	return m
+}
+
 // ProbeSlots reports the probes in flight now and those due that wait for
 // a slot (Options.MaxProbes).
 func (d *Detector) ProbeSlots() (inFlight, waiting int) {

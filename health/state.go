@@ -121,4 +121,7 @@ type Status struct {
 	// readmitted by the first passing probe at or after this time, if
 	// none fails meanwhile (zero when not on probation).
 	ProbationUntil time.Time
+	// ProbeWaiting: a probe is due and waits for one of the MaxProbes
+	// slots (no verdict meanwhile); NextProbe is then already past.
+	ProbeWaiting bool
 }

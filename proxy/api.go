@@ -30,6 +30,9 @@ type EndpointStatus struct {
 	// ProbationUntil: a flapping endpoint whose probes pass again is
 	// readmitted at the first passing probe from then on.
 	ProbationUntil time.Time `json:"probation_until,omitzero"`
+	// ProbeWaiting: a probe is due and waits for one of the 256 probe
+	// slots (next_probe is then past).
+	ProbeWaiting bool `json:"probe_waiting,omitempty"`
 	// Draining: the operator drained it (no new links, open ones finish).
 	Draining bool `json:"draining"`
 }
@@ -59,6 +62,7 @@ func (p *Proxy) Endpoints() []EndpointStatus {
 			EvidenceSince:         st.Evidence.Since,
 			Evidence:              st.Evidence.Detail,
 			ProbationUntil:        st.ProbationUntil,
+			ProbeWaiting:          st.ProbeWaiting,
 			Draining:              p.isDrained(st.Endpoint),
 		}
 		ep.mu.Lock()
