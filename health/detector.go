@@ -48,7 +48,8 @@ type Options struct {
 	OwnFailure func(error) bool
 	// MaxProbes bounds the probes in flight at once, over every endpoint:
 	// a probe due while all are running waits its turn (first come, first
-	// served) without a verdict. Non-positive means DefaultMaxProbes.
+	// served among its kind: see probeSlots) without a verdict.
+	// Non-positive means DefaultMaxProbes.
 	MaxProbes int
 }
 
@@ -477,7 +478,8 @@ func (d *Detector) claimedLocked(e *epState, gen uint64) bool {
 // readmission) is readmitted only once its probes have passed, without a
 // failure, for holdDown(flaps); its probes meanwhile come every
 // WaitingInterval at most. A probe due waits for a slot (Options.MaxProbes)
-// behind those due before it.
+// behind those due before it, those of endpoints whose clients wait first
+// (probeSlots).
 func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <-chan struct{}, done chan<- struct{}, wake <-chan struct{}) {
 	defer d.probers.Done()
 	defer close(done)
@@ -496,18 +498,19 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 	last := time.Now()
 	lastStart := last
 	for {
-		pc, at, soon, ok := d.schedule(e, gen, last, lastStart)
+		pc, plan, ok := d.schedule(e, gen, last, lastStart)
 		if !ok {
 			return
 		}
 
-		if !d.sleepUntil(ctx, timer, wake, at, soon, pc.Waiting) {
+		if !d.sleepUntil(ctx, timer, wake, &plan, pc.Waiting) {
 			return
 		}
 
 		// A probe due while every slot is taken waits its turn: no
-		// verdict, and its time starts when it runs.
-		if !d.slots.acquire(ctx, e.name) {
+		// verdict, and its time starts when it runs. Clients turned
+		// away put it ahead of the probes nobody waits on.
+		if !d.slots.acquire(ctx, e.name, plan.wanted) {
 			return
 		}
 		d.mu.Lock()
@@ -545,35 +548,43 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 	}
 }
 
-// schedule is when the probe loop of generation gen probes e next: at,
-// the backoff's time, or soon, one WaitingInterval after the last probe's
-// start, if clients wait or e is on probation; sleepUntil may bring it to
-// soon later. last is the end of the last probe (or the exclusion),
-// lastStart its start. It records at as e's next probe and returns e's
-// probe configuration; ok is false if the loop no longer owns e.
-func (d *Detector) schedule(e *epState, gen uint64, last, lastStart time.Time) (pc ProbeConfig, at, soon time.Time, ok bool) {
+// probePlan is when a probe loop probes next: at, the backoff's time, or
+// soon, one WaitingInterval after the last probe's start, once clients
+// wait; wanted is whether they did when last asked.
+type probePlan struct {
+	at, soon time.Time
+	wanted   bool
+}
+
+// schedule plans the next probe of e by the loop of generation gen: at
+// soon if clients wait or e is on probation, else at the backoff's time;
+// sleepUntil may bring it to soon later. last is the end of the last
+// probe (or the exclusion), lastStart its start. It records the plan's
+// at as e's next probe and returns e's probe configuration; ok is false
+// if the loop no longer owns e.
+func (d *Detector) schedule(e *epState, gen uint64, last, lastStart time.Time) (pc ProbeConfig, plan probePlan, ok bool) {
 	d.mu.Lock()
 	if !d.claimedLocked(e, gen) {
 		d.mu.Unlock()
-		return pc, at, soon, false
+		return pc, plan, false
 	}
 	pc = e.pc
 	d.mu.Unlock()
-	waiting := pc.Waiting != nil && pc.Waiting() // without the lock: it asks the data plane
+	plan.wanted = pc.Waiting != nil && pc.Waiting() // without the lock: it asks the data plane
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if !d.claimedLocked(e, gen) {
-		return pc, at, soon, false
+		return pc, plan, false
 	}
-	at = last.Add(probeDelay(pc, e.probes+e.flaps))
-	soon = lastStart.Add(waitingDelay(pc.Jitter, rand.Float64()))
-	if waiting || !e.passingSince.IsZero() {
+	plan.at = last.Add(probeDelay(pc, e.probes+e.flaps))
+	plan.soon = lastStart.Add(waitingDelay(pc.Jitter, rand.Float64()))
+	if plan.wanted || !e.passingSince.IsZero() {
 		// Clients wait, or on probation: probe often enough to see
 		// it through.
-		at = minTime(at, soon)
+		plan.at = minTime(plan.at, plan.soon)
 	}
-	e.nextProbe = at
-	return pc, at, soon, true
+	e.nextProbe = plan.at
+	return pc, plan, true
 }
 
 // verdict records the result err of the probe of e that ran from started
@@ -620,10 +631,12 @@ func (d *Detector) verdict(e *epState, gen uint64, pc ProbeConfig, err error, st
 	return false
 }
 
-// sleepUntil waits until at, or until soon (or later) once waiting
-// reports clients turned away, or a wake; it reports false if ctx ended.
-// waiting is asked at soon, then every WaitingInterval/2.
-func (d *Detector) sleepUntil(ctx context.Context, timer *time.Timer, wake <-chan struct{}, at, soon time.Time, waiting func() bool) bool {
+// sleepUntil waits until plan.at, or until plan.soon (or later) once
+// waiting reports clients turned away (then plan.wanted), or a wake; it
+// reports false if ctx ended. waiting is asked at soon, then every
+// WaitingInterval/2.
+func (d *Detector) sleepUntil(ctx context.Context, timer *time.Timer, wake <-chan struct{}, plan *probePlan, waiting func() bool) bool {
+	at, soon := plan.at, plan.soon
 	for {
 		next := at
 		if waiting != nil && soon.Before(at) {
@@ -637,7 +650,11 @@ func (d *Detector) sleepUntil(ctx context.Context, timer *time.Timer, wake <-cha
 			return true
 		case <-timer.C:
 		}
-		if !next.Before(at) || waiting() {
+		if !next.Before(at) {
+			return true
+		}
+		if waiting() {
+			plan.wanted = true
 			return true
 		}
 		soon = time.Now().Add(WaitingInterval / 2)

@@ -2,8 +2,10 @@ package health
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -176,15 +178,7 @@ func TestRecoveredEndpointIsProbedInItsTurn(t *testing.T) {
 	const n, later, slots = 500, 100, 16
 	dead := blackHoles(t, n+later)
 	ahead, after := dead[:n], dead[n:]
-	alive := startKafkaPeer(t, echoCorrelation).ln.Addr().String()
-	sc := &socketCounter{dialed: map[string]int{}}
-	readmitted := make(chan struct{})
-	d := New(Options{Dial: sc.dial, MaxProbes: slots, OnEvent: func(ev Event) {
-		if ev.Endpoint == alive && ev.To == Healthy {
-			close(readmitted)
-		}
-	}})
-	defer d.Close()
+	alive, sc, d, readmitted := recoveryRig(t, slots)
 	// One probe each in the test's time (the second is an hour away).
 	once := ProbeConfig{Kind: ProbeKafka, InitialDelay: 10 * time.Millisecond, Factor: 1e6, MaxDelay: time.Hour}
 	short, long := once, once
@@ -241,6 +235,23 @@ func TestRecoveredEndpointIsProbedInItsTurn(t *testing.T) {
 	}
 }
 
+// recoveryRig is a detector with slots probe slots that counts the
+// probes' sockets, and a live Kafka peer whose readmission closes
+// readmitted. The detector is closed at the test's end.
+func recoveryRig(t *testing.T, slots int) (alive string, sc *socketCounter, d *Detector, readmitted chan struct{}) {
+	t.Helper()
+	alive = startKafkaPeer(t, echoCorrelation).ln.Addr().String()
+	sc = &socketCounter{dialed: map[string]int{}}
+	readmitted = make(chan struct{})
+	d = New(Options{Dial: sc.dial, MaxProbes: slots, OnEvent: func(ev Event) {
+		if ev.Endpoint == alive && ev.To == Healthy {
+			close(readmitted)
+		}
+	}})
+	t.Cleanup(d.Close)
+	return alive, sc, d, readmitted
+}
+
 func (s *socketCounter) dials(addr string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -278,6 +289,96 @@ func TestStatusShowsAProbeWaitingForASlot(t *testing.T) {
 		}
 		if st.ProbeWaiting && (st.NextProbe.IsZero() || st.NextProbe.After(time.Now())) {
 			t.Fatalf("%s waits for a slot with NextProbe %v: want the past time it was due", st.Endpoint, st.NextProbe)
+		}
+	}
+}
+
+// While clients are turned away for want of an endpoint, its probe goes
+// ahead of the probes nobody waits on: in a zone outage of hundreds of
+// endpoints whose probes each wait out their timeout, a recovered one
+// that clients wait for is probed at the next free slot, not after the
+// whole queue (one probe_timeout for every MaxProbes of it). Before, the
+// queue was first come, first served for every probe.
+func TestWantedProbeGoesAheadOfTheQueue(t *testing.T) {
+	const n, slots = 64, 2
+	dead := blackHoles(t, n)
+	alive, sc, d, readmitted := recoveryRig(t, slots)
+	once := ProbeConfig{Kind: ProbeKafka, Timeout: 200 * time.Millisecond, InitialDelay: 10 * time.Millisecond, Factor: 1e6, MaxDelay: time.Hour}
+	for _, a := range dead {
+		d.Register(a, once)
+		d.Report(a, "write_timeout")
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		if _, waiting := d.ProbeSlots(); waiting >= n/2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("premise: no queue of dead endpoints' probes within a minute")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	var deadBefore int // under sc.mu
+	sc.onDial(alive, func() {
+		for _, a := range dead {
+			deadBefore += sc.dialed[a]
+		}
+	})
+	wanted := once
+	wanted.Waiting = func() bool { return true }
+	d.Register(alive, wanted)
+	d.Report(alive, "write_timeout")
+	// Its place in the queue, by the slots' own accounting.
+	var place, queued int
+	for {
+		d.slots.mu.Lock()
+		place = slices.IndexFunc(d.slots.waiters, func(w slotWaiter) bool { return w.endpoint == alive })
+		queued = len(d.slots.waiters)
+		d.slots.mu.Unlock()
+		if place >= 0 || sc.dials(alive) > 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if place != 0 {
+		t.Fatalf("the probe clients wait for is at place %d of %d waiting for a slot (dialled %d times), want first", place, queued, sc.dials(alive))
+	}
+	select {
+	case <-readmitted:
+	case <-time.After(time.Minute):
+		t.Fatal("the recovered endpoint was not readmitted within a minute")
+	}
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	t.Logf("queued first of %d; %d dead endpoints' probes had dialled when it did", queued, deadBefore)
+	if deadBefore >= n {
+		t.Fatalf("every dead endpoint's probe (%d) dialled before the one clients wait for", deadBefore)
+	}
+}
+
+// The twin: probes nobody waits on are delayed by one round of the slots
+// at most, never starved by those clients wait for. A probe that is not
+// wanted is overtaken MaxProbes times at most; a wanted probe queued after
+// that waits behind it.
+func TestUnwantedProbeIsOvertakenAtMostOneRound(t *testing.T) {
+	s := &probeSlots{max: 3}
+	s.enqueueLocked(slotWaiter{endpoint: "u1"})
+	s.enqueueLocked(slotWaiter{endpoint: "u2"})
+	for i := range 5 {
+		s.enqueueLocked(slotWaiter{endpoint: fmt.Sprintf("w%d", i), wanted: true})
+	}
+	s.enqueueLocked(slotWaiter{endpoint: "u3"})
+	var got []string
+	for _, w := range s.waiters {
+		got = append(got, w.endpoint)
+	}
+	want := []string{"w0", "w1", "w2", "u1", "u2", "w3", "w4", "u3"}
+	if !slices.Equal(got, want) {
+		t.Fatalf("queue %v, want %v: a probe nobody waits on is overtaken by %d wanted ones at most", got, want, s.max)
+	}
+	for _, w := range s.waiters {
+		if !w.wanted && w.overtaken > s.max {
+			t.Fatalf("%s overtaken %d times, over %d", w.endpoint, w.overtaken, s.max)
 		}
 	}
 }

@@ -13,11 +13,15 @@ import (
 const DefaultMaxProbes = 256
 
 // probeSlots bounds the probes in flight. A probe that finds every slot
-// taken waits for one, first come first served, so that in a zone outage
-// (thousands of endpoints excluded at once) no endpoint's probe is
-// overtaken by later ones: a recovered endpoint is probed after those
-// already waiting, each of which holds its slot for its Timeout at most.
-// Waiting is no verdict: the probe has not run.
+// taken waits for one, first come first served among its kind, so that
+// in a zone outage (thousands of endpoints excluded at once) a recovered
+// endpoint is probed after those already waiting, each of which holds
+// its slot for its Timeout at most, not after a round of every excluded
+// endpoint's backoff. There are two kinds: a probe of an endpoint whose
+// clients are turned away (wanted) goes ahead of the probes nobody waits
+// on, each of which it may overtake max times at most, so that those
+// are delayed by one round of the slots at most, never starved. Waiting
+// is no verdict: the probe has not run.
 type probeSlots struct {
 	mu      sync.Mutex
 	max     int
@@ -27,15 +31,21 @@ type probeSlots struct {
 }
 
 // slotWaiter is a probe waiting for a slot: turn is closed when it is
-// handed one.
+// handed one. overtaken counts the wanted probes queued ahead of one
+// that is not.
 type slotWaiter struct {
-	endpoint string
-	turn     chan struct{}
+	endpoint  string
+	turn      chan struct{}
+	wanted    bool
+	overtaken int
 }
 
 // acquire takes a slot for a probe of endpoint, waiting its turn behind
-// earlier callers; false if ctx ended first (no slot is held then).
-func (s *probeSlots) acquire(ctx context.Context, endpoint string) bool {
+// earlier callers of its kind (wanted: clients are turned away for want
+// of endpoint), and behind earlier callers of the other kind unless it
+// is wanted and they may still be overtaken; false if ctx ended first
+// (no slot is held then).
+func (s *probeSlots) acquire(ctx context.Context, endpoint string, wanted bool) bool {
 	s.mu.Lock()
 	if s.running < s.max && len(s.waiters) == 0 {
 		s.running++
@@ -44,7 +54,7 @@ func (s *probeSlots) acquire(ctx context.Context, endpoint string) bool {
 		return true
 	}
 	turn := make(chan struct{})
-	s.waiters = append(s.waiters, slotWaiter{endpoint, turn})
+	s.enqueueLocked(slotWaiter{endpoint: endpoint, turn: turn, wanted: wanted})
 	s.mu.Unlock()
 	select {
 	case <-turn:
@@ -64,6 +74,20 @@ func (s *probeSlots) acquire(ctx context.Context, endpoint string) bool {
 	}
 	s.mu.Unlock()
 	return false
+}
+
+// enqueueLocked queues w: at the end, or, wanted, ahead of the probes
+// nobody waits on that may still be overtaken, each of which then counts
+// one more overtaking.
+func (s *probeSlots) enqueueLocked(w slotWaiter) {
+	i := len(s.waiters)
+	for w.wanted && i > 0 && !s.waiters[i-1].wanted && s.waiters[i-1].overtaken < s.max {
+		i--
+	}
+	for j := i; j < len(s.waiters); j++ {
+		s.waiters[j].overtaken++
+	}
+	s.waiters = slices.Insert(s.waiters, i, w)
 }
 
 // release gives a slot back: to the oldest waiter, if any.

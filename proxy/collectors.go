@@ -113,7 +113,7 @@ var (
 	probesInFlightDesc = prometheus.NewDesc("livenessproxy_probes_in_flight",
 		"Probes of excluded endpoints running now, 256 at most (process-wide).", nil, nil)
 	probesWaitingDesc = prometheus.NewDesc("livenessproxy_probes_waiting",
-		"Probes due that wait for one of the 256 running to end, first come, first served (process-wide).", nil, nil)
+		"Probes due that wait for one of the 256 running to end, those of endpoints whose clients are turned away first (process-wide).", nil, nil)
 )
 
 func (c *probesCollector) Describe(ch chan<- *prometheus.Desc) {
