@@ -72,9 +72,9 @@ type Limits struct {
 	// (backpressure). 0: half of Memory; negative is invalid.
 	MemoryBudget Size `yaml:"memory_budget"`
 	// MaxLinks is the most links the process holds at once; past it, new
-	// connections wait in the kernel's accept queue. 0: derived from the
-	// memory left beside the budget and from the descriptor limit;
-	// negative is invalid.
+	// connections wait in the kernel's accept queue, and a mesh ingress's
+	// new streams are reset. 0: derived from the memory left beside the
+	// budget and from the descriptor limit; negative is invalid.
 	MaxLinks int `yaml:"max_links"`
 	// Procs is how many threads run Go code at once (GOMAXPROCS), unless
 	// the environment sets GOMAXPROCS, which then wins. 1 by default (see
@@ -177,8 +177,9 @@ type Listener struct {
 	// the local server. Exclusive with Upstream, Transparent and Pool.
 	Ingress Ingress `yaml:"ingress"`
 	// MaxLinks is the most links this listener holds at once; past it,
-	// its new connections wait in the kernel's accept queue. 0: only the
-	// process's limits.max_links; negative is invalid.
+	// its new connections wait in the kernel's accept queue (a mesh
+	// ingress's new streams are reset). 0: only the process's
+	// limits.max_links; negative is invalid.
 	MaxLinks int `yaml:"max_links"`
 	// Settings override the defaults for this listener's links.
 	Settings `yaml:",inline"`

@@ -145,8 +145,8 @@ func planProcs(procs int) (int, string) {
 }
 
 // meshIngressDescriptors is the descriptors the mesh ingress listeners
-// among ls hold at most beside their links' (whose connections to the
-// local server take no max_links slot either): a
+// among ls hold at most beside their links' (a stream link's connection
+// to the local server takes a max_links slot, counted at two a link): a
 // session's connection each, ingress.max_sessions per listener, and the
 // connections waiting for their handshake, maxHandshakes per listener.
 func meshIngressDescriptors(ls []policy.Listener) uint64 {

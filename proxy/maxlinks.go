@@ -7,9 +7,10 @@ import "sync"
 // accepts: while none is free it does not call accept, so new connections
 // wait in the kernel's accept queue (as HAProxy's maxconn does) instead
 // of being accepted and reset, or taking descriptors until EMFILE. A link
-// gives its slot back when it ends. A mesh ingress's streams are links
-// of their sessions, which take no slot (their sessions are bounded by
-// the peers).
+// gives its slot back when it ends. A mesh ingress's sessions take no
+// slot (they are bounded by ingress.max_sessions); each stream that
+// becomes a link takes one without waiting (take), and is refused when
+// none is free (see ingress.serveStream).
 type linkSlots struct {
 	mu      sync.Mutex
 	total   int           // slots taken, all listeners
@@ -47,10 +48,7 @@ func (s *linkSlots) acquire(l *listener) bool {
 	for {
 		s.mu.Lock()
 		own := l.spec().cfg.MaxLinks
-		if (s.max <= 0 || s.total < s.max) && (own <= 0 || l.slots < own) {
-			s.total++
-			l.slots++
-			s.peak = max(s.peak, s.total)
+		if s.takeLocked(l, own) {
 			s.mu.Unlock()
 			return true
 		}
@@ -75,6 +73,26 @@ func (s *linkSlots) acquire(l *listener) bool {
 			return false
 		}
 	}
+}
+
+// takeLocked takes a slot for a link of l if neither the process nor l
+// (whose max_links is own) is at its limit.
+func (s *linkSlots) takeLocked(l *listener, own int) bool {
+	if (s.max > 0 && s.total >= s.max) || (own > 0 && l.slots >= own) {
+		return false
+	}
+	s.total++
+	l.slots++
+	s.peak = max(s.peak, s.total)
+	return true
+}
+
+// take takes a slot for a link of l without waiting: false when the
+// process or l is at its max_links.
+func (s *linkSlots) take(l *listener) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.takeLocked(l, l.spec().cfg.MaxLinks)
 }
 
 // release gives back a slot of l.

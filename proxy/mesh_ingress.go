@@ -883,6 +883,12 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 // served) is reset, which frees it in yamux at once: closed, it would
 // stay half-open for half_close_timeout with what the peer pushed into
 // its window.
+//
+// Once its header names a served port, the stream is a link and takes a
+// max_links slot (the process's and the listener's) before it dials the
+// local server, given back when the link ends (linkEnded). At the limit
+// it is refused at once (takeSlot), not made to wait as a TCP listener's
+// connection waits in the accept queue: see takeSlot.
 func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	defer in.wg.Done()
 	l := in.l
@@ -918,11 +924,44 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 		l.m.Closed(string(CloseRefused))
 		return
 	}
+	if !in.takeSlot(is, st) {
+		release()
+		return
+	}
 	sc := &streamClient{s: st, ms: is.Session, remote: is.Conn.RemoteAddr(), done: release}
 	lk := newLink(l, ep, sc)
+	lk.slot = true // linkEnded gives it back
 	if !l.track(lk) {
 		_ = sc.Close()
+		l.p.slots.release(l)
 		return
 	}
 	l.serveLink(lk)
+}
+
+// takeSlot takes a max_links slot for the link of st, or refuses st (a
+// reset, counted as a capacity close and in mesh_limits_total{limit=
+// "links"}) when the process or the listener is at its max_links.
+//
+// Refused at once rather than waiting for a slot: the egress reads a
+// reset before its acknowledgement as the peer sidecar not reaching its
+// server (errMeshRefused), tries its next endpoint (this one again when
+// it has no other) after its connect backoff and holds nothing against
+// the server, as for a stream past max_streams; a sidecar
+// full of links sends the link to a replica with room instead of queuing
+// it behind this one. A waiting stream would hold a goroutine and its
+// yamux stream for a time the ingress cannot tie to the egress's own
+// connect budget (it cannot see the egress give up and reset the stream
+// meanwhile, and would then dial the server for a link already gone).
+func (in *ingress) takeSlot(is *ingressSession, st *yamux.Stream) bool {
+	l := in.l
+	if l.p.slots.take(l) {
+		return true
+	}
+	l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitLinks).Inc()
+	l.log.Debug().Int("listener_max_links", l.spec().cfg.MaxLinks).Str("mesh_peer", is.Conn.RemoteAddr().String()).
+		Msg("mesh stream refused: the process or the listener holds max_links links")
+	l.m.Closed(string(CloseCapacity)) // counted first: whoever sees the reset finds it counted
+	is.RefuseStream(st)
+	return false
 }

@@ -64,13 +64,24 @@ func startIngress(t *testing.T, host, local string, tune func(*policy.Settings))
 // startIngressL is startIngress with the whole listener to tune.
 func startIngressL(t *testing.T, host, local string, tune func(*policy.Listener)) *ingressProxy {
 	t.Helper()
+	return startIngressC(t, host, local, func(c *policy.Config) {
+		if tune != nil {
+			tune(&c.Listeners[0])
+		}
+	})
+}
+
+// startIngressC is startIngress with the whole config to tune (its one
+// listener is the ingress).
+func startIngressC(t *testing.T, host, local string, tune func(*policy.Config)) *ingressProxy {
+	t.Helper()
 	cfg := policy.DefaultConfig()
 	s := cfg.Defaults
 	fastMesh(&s)
 	cfg.Listeners = []policy.Listener{{Name: "ingress", Listen: net.JoinHostPort(host, "0"),
 		Ingress: policy.Ingress{Local: local, CheckInterval: policy.Duration(50 * time.Millisecond)}, Settings: s}}
 	if tune != nil {
-		tune(&cfg.Listeners[0])
+		tune(&cfg)
 	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)

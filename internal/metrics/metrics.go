@@ -100,7 +100,7 @@ func (m *Metrics) MeshFallbacks(listener string) prometheus.Counter {
 }
 
 // MeshLimits counts what a mesh limit refused or cut, in role: limit is
-// pings, refusals, streams_per_session, streams, sessions_per_peer,
+// pings, refusals, streams_per_session, streams, links, sessions_per_peer,
 // sessions, peer_not_allowed, handshakes or tls.
 func (m *Metrics) MeshLimits(role, limit string) prometheus.Counter {
 	return m.meshLimits.WithLabelValues(role, limit)
@@ -227,7 +227,7 @@ func NewOn(reg prometheus.Registerer) *Metrics {
 		}, []string{"listener"}),
 		meshLimits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "mesh_limits_total",
-			Help: "What a mesh limit refused or cut: sessions (pings: a ping flood cut, refusals: a session cut whose refused streams' resets wait unwritten beyond the bound, sessions_per_peer, sessions: the ingress's max_sessions, peer_not_allowed, handshakes, tls: a failed TLS handshake) and streams (streams_per_session, streams) (process-wide).",
+			Help: "What a mesh limit refused or cut: sessions (pings: a ping flood cut, refusals: a session cut whose refused streams' resets wait unwritten beyond the bound, sessions_per_peer, sessions: the ingress's max_sessions, peer_not_allowed, handshakes, tls: a failed TLS handshake) and streams (streams_per_session, streams, links: a stream whose link would pass max_links) (process-wide).",
 		}, []string{"role", "limit"}),
 		acceptWaits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "accept_waits_total",

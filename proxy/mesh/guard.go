@@ -112,6 +112,7 @@ const (
 	LimitRefusals          = "refusals" // the peer's refused streams' resets wait unwritten beyond the bound: its session cut
 	LimitStreamsPerSession = "streams_per_session"
 	LimitStreams           = "streams"
+	LimitLinks             = "links" // a stream whose header named a served port, refused at max_links (the process's or the listener's)
 	LimitSessionsPerPeer   = "sessions_per_peer"
 	LimitSessions          = "sessions"
 	LimitPeerNotAllowed    = "peer_not_allowed"
