@@ -12,11 +12,15 @@ import "sync"
 // becomes a link takes one without waiting (take), and is refused when
 // none is free (see ingress.serveStream).
 type linkSlots struct {
-	mu      sync.Mutex
-	total   int           // slots taken, all listeners
-	max     int           // the process's limit; 0: none
-	peak    int           // the most slots ever taken at once
-	changed chan struct{} // closed when a slot is given back or a limit changes; nil: nobody waits
+	mu    sync.Mutex
+	total int // slots taken, all listeners
+	max   int // the process's limit; 0: none
+	peak  int // the most slots ever taken at once
+	// procWaiting counts the listeners waiting for a slot while the
+	// process is at its max_links: a slot given back is theirs before a
+	// mesh stream's (take).
+	procWaiting int
+	changed     chan struct{} // closed when a slot is given back or a limit changes; nil: nobody waits
 }
 
 // setMax sets the process's limit. A lower one cuts nothing: listeners
@@ -39,7 +43,7 @@ func (s *linkSlots) wakeLocked() {
 // acquire takes a slot for a link of l, waiting while the process or l is
 // at its max_links; it returns false once l stops (or the proxy does).
 func (s *linkSlots) acquire(l *listener) bool {
-	waiting := false
+	waiting, onProc := false, false
 	defer func() {
 		if waiting {
 			l.m.AcceptWaiting.Set(0)
@@ -48,7 +52,9 @@ func (s *linkSlots) acquire(l *listener) bool {
 	for {
 		s.mu.Lock()
 		own := l.spec().cfg.MaxLinks
-		if s.takeLocked(l, own) {
+		ok := s.takeLocked(l, own)
+		onProc = s.waitsOnProcessLocked(onProc, !ok && s.max > 0 && s.total >= s.max)
+		if ok {
 			s.mu.Unlock()
 			return true
 		}
@@ -67,12 +73,27 @@ func (s *linkSlots) acquire(l *listener) bool {
 		}
 		select {
 		case <-ch:
+			continue
 		case <-l.stopped:
-			return false
 		case <-l.ctx.Done():
-			return false
 		}
+		s.mu.Lock()
+		s.waitsOnProcessLocked(onProc, false)
+		s.mu.Unlock()
+		return false
 	}
+}
+
+// waitsOnProcessLocked moves a waiting listener in or out of
+// procWaiting: it was counted (was), it is now (now).
+func (s *linkSlots) waitsOnProcessLocked(was, now bool) bool {
+	switch {
+	case now && !was:
+		s.procWaiting++
+	case was && !now:
+		s.procWaiting--
+	}
+	return now
 }
 
 // takeLocked takes a slot for a link of l if neither the process nor l
@@ -88,11 +109,15 @@ func (s *linkSlots) takeLocked(l *listener, own int) bool {
 }
 
 // take takes a slot for a link of l without waiting: false when the
-// process or l is at its max_links.
+// process or l is at its max_links, or a listener waits for a slot of
+// the process's. Those listeners' connections wait in their accept
+// queues with nowhere else to go, where a mesh stream refused goes to
+// another replica or comes again after its connect backoff: a slot given
+// back goes to them first.
 func (s *linkSlots) take(l *listener) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.takeLocked(l, l.spec().cfg.MaxLinks)
+	return s.procWaiting == 0 && s.takeLocked(l, l.spec().cfg.MaxLinks)
 }
 
 // release gives back a slot of l.

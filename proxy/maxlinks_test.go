@@ -219,3 +219,54 @@ func TestReloadLowersLimitsCutsNothing(t *testing.T) {
 		}
 	}
 }
+
+// A slot given back while a listener waits for one of the process's is
+// that listener's, not a mesh stream's: a listener takes the slot for its
+// next connection before it accepts, and its connections wait in the
+// kernel's accept queue with nowhere else to go, where a refused stream
+// goes to another replica. Here the limit is raised without waking the
+// waiting listener, so a slot is free while it waits: a stream's take is
+// refused. Before, take saw only the free slot, and streams arriving
+// faster than the listener woke could keep it from every slot given back.
+// The twin: once the listener holds its slot, take gets a free one.
+func TestWaitingListenerGoesBeforeAMeshStream(t *testing.T) {
+	r := startLimited(t, policy.Limits{MaxLinks: 1}, 0)
+	l := r.p.listeners[0]
+	first := r.openEchoers(1)
+	served(t, map[*echoer]bool{first[0]: true}, 1, 10*time.Second)
+	r.waitGauge(1, 10*time.Second) // the listener waits for the process's slot
+	s := &r.p.slots
+	s.mu.Lock()
+	s.max = 2 // a slot free, the listener not woken
+	waiting := s.procWaiting
+	s.mu.Unlock()
+	if waiting != 1 {
+		t.Fatalf("%d listeners counted waiting for a slot of the process's, want 1", waiting)
+	}
+	if s.take(l) {
+		s.release(l)
+		t.Fatal("a mesh stream took the slot a waiting listener was owed")
+	}
+	s.retuned()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		s.mu.Lock()
+		total, waiting := s.total, s.procWaiting
+		if total == 2 && waiting == 0 {
+			s.max = 3 // a slot free, nobody waiting for it
+			s.mu.Unlock()
+			break
+		}
+		s.mu.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatalf("%d slots taken, %d listeners waiting 10s after the wake, want 2 (the listener's for its next connection) and none", total, waiting)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if !s.take(l) {
+		t.Fatal("a mesh stream was refused a free slot nobody waits for")
+	}
+	s.release(l)
+	second := r.openEchoers(1)
+	served(t, map[*echoer]bool{second[0]: true}, 1, 10*time.Second)
+}

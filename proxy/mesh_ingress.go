@@ -941,7 +941,8 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 
 // takeSlot takes a max_links slot for the link of st, or refuses st (a
 // reset, counted as a capacity close and in mesh_limits_total{limit=
-// "links"}) when the process or the listener is at its max_links.
+// "links"}) when the process or the listener is at its max_links, or
+// another listener waits for a slot of the process's (linkSlots.take).
 //
 // Refused at once rather than waiting for a slot: the egress reads a
 // reset before its acknowledgement as the peer sidecar not reaching its
@@ -960,7 +961,7 @@ func (in *ingress) takeSlot(is *ingressSession, st *yamux.Stream) bool {
 	}
 	l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitLinks).Inc()
 	l.log.Debug().Int("listener_max_links", l.spec().cfg.MaxLinks).Str("mesh_peer", is.Conn.RemoteAddr().String()).
-		Msg("mesh stream refused: the process or the listener holds max_links links")
+		Msg("mesh stream refused: the process or the listener holds max_links links, or another listener waits for a slot")
 	l.m.Closed(string(CloseCapacity)) // counted first: whoever sees the reset finds it counted
 	is.RefuseStream(st)
 	return false
