@@ -188,6 +188,21 @@ type Listener struct {
 // IsIngress reports whether the listener is a mesh ingress.
 func (l Listener) IsIngress() bool { return l.Ingress.Local != "" }
 
+// ReachesThroughMesh reports whether the listener's links may reach
+// their endpoints through the mesh: a mesh.port on the listener or on one
+// of its transparent match entries.
+func (l Listener) ReachesThroughMesh() bool {
+	if l.Settings.Mesh.Port != 0 {
+		return true
+	}
+	for _, m := range l.Transparent.Match {
+		if m.Mesh.Port != 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // IsTransparent reports whether the listener proxies original destinations.
 func (l Listener) IsTransparent() bool { return len(l.Transparent.Match) > 0 }
 

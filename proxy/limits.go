@@ -36,6 +36,11 @@ type Limits struct {
 	// mesh ingresses need; NoFileMesh is the mesh ingresses' part
 	// (meshIngressDescriptors), 0 without one.
 	NoFileSoft, NoFileHard, NoFileNeeded, NoFileMesh uint64
+	// MeshWindow is the largest mesh.stream_window of the listeners that
+	// use the mesh (an ingress, or a listener whose links may go through
+	// one: meshStreamWindow), 0 without one; each link is then planned at
+	// linkMemory, its window's receive buffer included.
+	MeshWindow int64
 	// Procs is GOMAXPROCS: the environment's when it sets one, else
 	// limits.procs, else (limits.procs 0) the Go runtime's default, which
 	// ApplyRuntime then reads back.
@@ -53,6 +58,18 @@ type Limits struct {
 const (
 	runtimeReserve = 32 << 20
 	linkOverhead   = 16<<10 + 2*flow.ChunkSize
+	// meshWindowGrowth is what a mesh stream's full receive window costs,
+	// in windows. yamux (v0.1.2, Stream.readData) buffers what the peer
+	// sends on a stream, up to its window, in a bytes.Buffer allocated as
+	// data arrives, outside the budget: the link's pump stops reading the
+	// stream at the budget (backpressure), and a stream whose header is
+	// not read yet is not read at all. The buffer doubles as it fills,
+	// and the frame that fills it exactly grows it once more (ReadFrom
+	// asks for room before it sees the frame's end): measured, a stream
+	// never read after its header holds 2.0 windows of heap after a GC
+	// (at 256 KiB and 1 MiB, frames of 1 to 64 KiB), one read a while and
+	// then stopped 1.0 to 1.5.
+	meshWindowGrowth = 2
 	// fdReserve is the descriptors beside the links': listeners, the admin
 	// servers (256 connections each), DNS, the config watcher (600), and
 	// the probes (health.DefaultMaxProbes at once).
@@ -86,7 +103,7 @@ const (
 // limit and RLIMIT_NOFILE as they are now.
 func PlanLimits(cfg policy.Config) Limits {
 	c := cfg.Limits
-	l := Limits{NoFileMesh: meshIngressDescriptors(cfg.Listeners)}
+	l := Limits{NoFileMesh: meshIngressDescriptors(cfg.Listeners), MeshWindow: meshStreamWindow(cfg.Listeners)}
 	if c.Memory > 0 {
 		l.Memory, l.MemorySource = int64(c.Memory), "limits.memory"
 	} else if n, err := strconv.ParseInt(os.Getenv(MemoryLimitEnv), 10, 64); err == nil && n > 0 {
@@ -159,14 +176,48 @@ func meshIngressDescriptors(ls []policy.Listener) uint64 {
 	return n
 }
 
+// meshStreamWindow is the largest mesh.stream_window (defaults applied)
+// of the listeners among ls that use the mesh: a mesh ingress (its
+// streams' windows) or a listener whose links may reach their endpoints
+// through one (their streams' at the egress); 0 if none does. Every link
+// is planned at it: the links of all listeners share max_links, and one
+// plain listener beside a mesh one does not say how many are which.
+func meshStreamWindow(ls []policy.Listener) int64 {
+	var w int64
+	for _, l := range ls {
+		if l.IsIngress() || l.ReachesThroughMesh() {
+			w = max(w, int64(l.Settings.Mesh.OrDefaults().StreamWindow))
+		}
+	}
+	return w
+}
+
+// linkMemory is the memory l plans for each link beside the budget:
+// linkOverhead, and with the mesh in use meshWindowGrowth windows of
+// receive buffer (a link through the mesh holds one stream).
+func (l Limits) linkMemory() int64 {
+	return linkOverhead + meshWindowGrowth*l.MeshWindow
+}
+
+// linkRoom is the memory beside the budget that the links' own memory
+// (linkMemory each) may take: GOMEMLIMIT (at most 90% of the memory)
+// less the budget and the runtime's reserve.
+func (l Limits) linkRoom() int64 {
+	return max(min(l.GoMemLimit, l.Memory/10*9)-l.Budget-runtimeReserve, 0)
+}
+
 // derivedMaxLinks is max_links when limits.max_links is 0: what the
-// memory beside the budget holds at linkOverhead a link, and what the
+// memory beside the budget holds at linkMemory a link, and what the
 // descriptor limit allows at two a link beside the reserve and the mesh
 // ingresses' (l.NoFileMesh), the smaller.
 func derivedMaxLinks(l Limits) (int, string) {
 	n, src := 0, ""
-	if room := min(l.GoMemLimit, l.Memory/10*9) - l.Budget - runtimeReserve; l.Memory > 0 {
-		n, src = int(max(room, 0)/linkOverhead), fmt.Sprintf("memory beside the budget at %d KiB a link", linkOverhead>>10)
+	if l.Memory > 0 {
+		n, src = int(l.linkRoom()/l.linkMemory()), fmt.Sprintf("memory beside the budget at %d KiB a link", l.linkMemory()>>10)
+		if l.MeshWindow > 0 {
+			src += fmt.Sprintf(" (%d KiB, and %d times the largest mesh.stream_window, %d KiB, for a mesh stream's receive buffer)",
+				linkOverhead>>10, meshWindowGrowth, l.MeshWindow>>10)
+		}
 	}
 	if l.NoFileHard > fdReserve+l.NoFileMesh {
 		if fd := int((l.NoFileHard - fdReserve - l.NoFileMesh) / 2); n == 0 || fd < n {
@@ -183,9 +234,13 @@ func derivedMaxLinks(l Limits) (int, string) {
 }
 
 // Warnings are the problems of l worth saying at start and in check: a
-// descriptor limit below what max_links needs.
+// descriptor limit below what max_links needs, a max_links whose mesh
+// streams' windows the memory does not hold (meshMemoryWarning).
 func (l Limits) Warnings() []string {
 	var w []string
+	if m := l.meshMemoryWarning(); m != "" {
+		w = append(w, m)
+	}
 	switch {
 	case l.NoFileHard == 0 || l.NoFileHard >= l.NoFileNeeded:
 	case l.NoFileMesh == 0:
@@ -199,6 +254,19 @@ func (l Limits) Warnings() []string {
 		w = append(w, fmt.Sprintf("memory budget %d is not below the memory %d (%s): the runtime has no room beside the links' buffers", l.Budget, l.Memory, l.MemorySource))
 	}
 	return w
+}
+
+// meshMemoryWarning says when, with the mesh in use, max_links links at
+// linkMemory each need more than the memory beside the budget: a
+// limits.max_links set above what the memory holds, or the derived
+// minimum. Empty otherwise, and always without the mesh (planned as
+// before it was counted).
+func (l Limits) meshMemoryWarning() string {
+	if l.MeshWindow == 0 || l.Memory <= 0 || int64(l.MaxLinks)*l.linkMemory() <= l.linkRoom() {
+		return ""
+	}
+	return fmt.Sprintf("max_links %d at %d KiB a link (with %d times the largest mesh.stream_window, %d KiB, for a mesh stream's receive buffer) needs %d MiB beside the memory budget, and the memory %d MiB (%s) leaves %d MiB: lower limits.max_links or mesh.stream_window, or raise the memory",
+		l.MaxLinks, l.linkMemory()>>10, meshWindowGrowth, l.MeshWindow>>10, int64(l.MaxLinks)*l.linkMemory()>>20, l.Memory>>20, l.MemorySource, l.linkRoom()>>20)
 }
 
 // ApplyRuntime raises the soft RLIMIT_NOFILE to the hard limit and, unless

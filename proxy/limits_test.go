@@ -234,3 +234,66 @@ func TestReloadAppliesProcs(t *testing.T) {
 	defer c.Close()
 	roundTrip(t, c, []byte("after the reloads"))
 }
+
+// With the mesh in use (an ingress listener, or a listener whose links
+// may go through one: mesh.port, or a transparent match entry's), each
+// link is planned with twice the largest mesh.stream_window beside its
+// 144 KiB: a mesh stream's receive buffer, outside the budget, grows to
+// that. At 256 MiB and the default 256 KiB window, 109 links, not 500;
+// check and the start log say why. A config without the mesh plans as
+// before; a max_links the memory does not hold at that is warned about.
+func TestPlanLimitsCountsMeshStreamWindows(t *testing.T) {
+	t.Setenv(goMemLimitEnv, "")
+	t.Setenv(MemoryLimitEnv, "268435456")
+	room := int64(256<<20/10*9 - 128<<20 - runtimeReserve)
+	fdLinks := func(l Limits) int { return int((l.NoFileHard - fdReserve - l.NoFileMesh) / 2) }
+
+	plain := PlanLimits(meshLimitsConfig(policy.Limits{}, false))
+	if plain.MeshWindow != 0 || strings.Contains(plain.MaxLinksSource, "mesh") || len(plain.Warnings()) != 0 {
+		t.Fatalf("without the mesh: window %d, max_links %d (%s), warnings %q", plain.MeshWindow, plain.MaxLinks, plain.MaxLinksSource, plain.Warnings())
+	}
+	if want := min(int(room/linkOverhead), fdLinks(plain)); plain.MaxLinks != want {
+		t.Fatalf("without the mesh: max_links %d, want %d as before", plain.MaxLinks, want)
+	}
+
+	in := PlanLimits(meshLimitsConfig(policy.Limits{}, true))
+	perLink := int64(linkOverhead + 2*256<<10)
+	if in.MeshWindow != 256<<10 {
+		t.Fatalf("with an ingress at the default window: planned window %d, want 256 KiB", in.MeshWindow)
+	}
+	if want := min(int(room/perLink), fdLinks(in)); in.MaxLinks != want || want == fdLinks(in) {
+		t.Fatalf("with an ingress: max_links %d (%s), want %d from the memory", in.MaxLinks, in.MaxLinksSource, want)
+	}
+	if !strings.Contains(in.MaxLinksSource, "at 656 KiB a link (144 KiB, and 2 times the largest mesh.stream_window, 256 KiB") || len(in.Warnings()) != 0 {
+		t.Fatalf("with an ingress: source %q, warnings %q", in.MaxLinksSource, in.Warnings())
+	}
+
+	// Egress listeners: the largest window among those that use the
+	// mesh; a plain listener's window counts for nothing.
+	cfg := meshLimitsConfig(policy.Limits{}, false)
+	cfg.Listeners[0].Mesh.StreamWindow = 4 * policy.MiB // no mesh.port: not used
+	egress := policy.Listener{Name: "egress", Listen: "127.0.0.1:0", Upstream: "127.0.0.1:4"}
+	egress.Mesh = policy.Mesh{Port: 7000, StreamWindow: 384 * policy.KiB}
+	transparent := policy.Listener{Name: "tp", Listen: "127.0.0.1:0", Transparent: policy.Transparent{Match: []policy.Match{{CIDR: "10.0.0.0/8", Mesh: policy.MatchMesh{Port: 7000}}}}}
+	transparent.Mesh.StreamWindow = policy.MiB
+	cfg.Listeners = append(cfg.Listeners, egress)
+	if l := PlanLimits(cfg); l.MeshWindow != 384<<10 || l.MaxLinks != min(int(room/(linkOverhead+768<<10)), fdLinks(l)) {
+		t.Fatalf("an egress listener at 384 KiB: window %d, max_links %d (%s)", l.MeshWindow, l.MaxLinks, l.MaxLinksSource)
+	}
+	// At 1 MiB (a match entry's mesh.port), what the memory holds (32) is
+	// below the minimum, 64, which it does not hold: said.
+	cfg.Listeners = append(cfg.Listeners, transparent)
+	l := PlanLimits(cfg)
+	if w := l.Warnings(); l.MeshWindow != 1<<20 || l.MaxLinks != minDerivedLinks || len(w) != 1 || !strings.Contains(w[0], "max_links 64 at 2192 KiB a link") {
+		t.Fatalf("and a transparent listener at 1 MiB: window %d, max_links %d (%s), warnings %q", l.MeshWindow, l.MaxLinks, l.MaxLinksSource, w)
+	}
+
+	// limits.max_links above what the memory holds at that: said.
+	over := PlanLimits(meshLimitsConfig(policy.Limits{MaxLinks: 500}, true))
+	if w := over.Warnings(); len(w) != 1 || !strings.Contains(w[0], "max_links 500 at 656 KiB a link") || !strings.Contains(w[0], "needs 320 MiB beside the memory budget") {
+		t.Fatalf("max_links 500 with the mesh in 256 MiB: warnings %q", w)
+	}
+	if w := PlanLimits(meshLimitsConfig(policy.Limits{MaxLinks: 500}, false)).Warnings(); len(w) != 0 {
+		t.Fatalf("max_links 500 without the mesh: warnings %q, want none as before", w)
+	}
+}

@@ -128,11 +128,7 @@ func (p *Proxy) precreateMeshFallbacks(cfg policy.Listener) {
 	if cfg.IsIngress() || cfg.Settings.Mesh.OrDefaults().Fallback != policy.MeshFallbackDirect {
 		return
 	}
-	meshed := cfg.Settings.Mesh.Port != 0
-	for _, m := range cfg.Transparent.Match {
-		meshed = meshed || m.Mesh.Port != 0
-	}
-	if meshed {
+	if cfg.ReachesThroughMesh() {
 		p.metrics.MeshFallbacks(cfg.Name)
 	}
 }

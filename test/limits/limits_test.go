@@ -224,9 +224,18 @@ func (pp *proxyProc) metrics() prometheus.Gatherer {
 // runtime's), counter or gauge, whose labels include the given pairs.
 func value(t *testing.T, g prometheus.Gatherer, name string, labels ...string) float64 {
 	t.Helper()
-	mfs, err := g.Gather()
+	v, err := valueOf(g, name, labels...)
 	if err != nil {
 		t.Fatalf("scraping the proxy: %v", err)
+	}
+	return v
+}
+
+// valueOf is value, with the scrape's failure returned.
+func valueOf(g prometheus.Gatherer, name string, labels ...string) (float64, error) {
+	mfs, err := g.Gather()
+	if err != nil {
+		return 0, err
 	}
 	sum := 0.0
 	for _, mf := range mfs {
@@ -244,7 +253,7 @@ func value(t *testing.T, g prometheus.Gatherer, name string, labels ...string) f
 			}
 		}
 	}
-	return sum
+	return sum, nil
 }
 
 func has(m *dto.Metric, labels []string) bool {
@@ -328,11 +337,17 @@ func onEachLink(t *testing.T, addr string, f func(*net.TCPConn)) *sync.WaitGroup
 // every 20 ms until stop closes, each within 5 s; it returns how many
 // were made and the first failure.
 func healthyLoop(addr string, stop <-chan struct{}) (done chan struct{}, trips *atomic.Int64, failed *atomic.Pointer[error]) {
+	return roundTripLoop(func() (net.Conn, error) { return net.Dial("tcp", addr) }, stop)
+}
+
+// roundTripLoop is healthyLoop on the connection dial returns (a TCP
+// link's, or a mesh stream's).
+func roundTripLoop(dial func() (net.Conn, error), stop <-chan struct{}) (done chan struct{}, trips *atomic.Int64, failed *atomic.Pointer[error]) {
 	done = make(chan struct{})
 	trips, failed = &atomic.Int64{}, &atomic.Pointer[error]{}
 	go func() {
 		defer close(done)
-		c, err := net.Dial("tcp", addr)
+		c, err := dial()
 		if err != nil {
 			failed.Store(&err)
 			return
