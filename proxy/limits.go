@@ -194,7 +194,8 @@ func meshStreamWindow(ls []policy.Listener) int64 {
 
 // linkMemory is the memory l plans for each link beside the budget:
 // linkOverhead, and with the mesh in use meshWindowGrowth windows of
-// receive buffer (a link through the mesh holds one stream).
+// receive buffer (a link through the mesh holds one stream; a stream
+// waiting for its header holds a slot too, see ingress.serveStream).
 func (l Limits) linkMemory() int64 {
 	return linkOverhead + meshWindowGrowth*l.MeshWindow
 }

@@ -8,9 +8,9 @@ import "sync"
 // wait in the kernel's accept queue (as HAProxy's maxconn does) instead
 // of being accepted and reset, or taking descriptors until EMFILE. A link
 // gives its slot back when it ends. A mesh ingress's sessions take no
-// slot (they are bounded by ingress.max_sessions); each stream that
-// becomes a link takes one without waiting (take), and is refused when
-// none is free (see ingress.serveStream).
+// slot (they are bounded by ingress.max_sessions); each stream takes one
+// from its accept, before its header is read, without waiting (take),
+// and is refused when none is free (see ingress.serveStream).
 type linkSlots struct {
 	mu    sync.Mutex
 	total int // slots taken, all listeners

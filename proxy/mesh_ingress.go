@@ -51,7 +51,10 @@ type ingress struct {
 	memo *ingressMemo // what every ingress on this local host shares
 
 	handshakes atomic.Int64 // connections waiting for their handshake
-	streams    atomic.Int64 // streams served, over all sessions
+	// refusing: streams refused at max_links that wait for their header
+	// before their reset (takeSlot), at most maxRefusingStreams.
+	refusing atomic.Int64
+	streams  atomic.Int64 // streams served, over all sessions
 	// refusals: sessions refused at the handshake, logged at warn at most
 	// once a second (see refusedLog).
 	refusals logGate
@@ -873,22 +876,32 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 	}
 }
 
-// serveStream reads a stream's header and proxies it to the local port it
-// names, as a link of the listener. A port the ingress does not serve is
-// refused: it is not an open relay.
+// serveStream takes a max_links slot for a stream the peer opened, reads
+// its header and proxies it to the local port it names, as a link of the
+// listener. A port the ingress does not serve is refused: it is not an
+// open relay.
 //
 // The stream counts against ingress.max_streams from its accept (this
-// goroutine starts at it) until it ends: a stream waiting for its header
-// holds yamux's buffers as much as a link's. A stream refused (past the limit, a bad header, a port not
-// served) is reset, which frees it in yamux at once: closed, it would
-// stay half-open for half_close_timeout with what the peer pushed into
-// its window.
+// goroutine starts at it) until it ends. A stream refused (past a limit,
+// a bad header, a port not served) is reset, which frees it in yamux at
+// once: closed, it would stay half-open for half_close_timeout with what
+// the peer pushed into its window.
 //
-// Once its header names a served port, the stream is a link and takes a
-// max_links slot (the process's and the listener's) before it dials the
-// local server, given back when the link ends (linkEnded). At the limit
-// it is refused at once (takeSlot), not made to wait as a TCP listener's
-// connection waits in the accept queue: see takeSlot.
+// The slot (the process's and the listener's) is taken at the accept,
+// before the header is read, and given back at once if the stream does
+// not become a link, else when the link ends (linkEnded). yamux grants
+// the peer the stream's whole window (mesh.stream_window) at the accept
+// and buffers what arrives, up to twice the window (meshWindowGrowth),
+// whether or not anything reads it; the derived max_links plans each
+// slot for that (Limits.linkMemory). A stream waiting for its header
+// holds less than the header (it comes first), but its goroutine and
+// yamux's state for it (about 8 KiB) all the same: counted from the
+// header on, streams that never send one were bounded only by
+// ingress.max_streams (9,900 of them measured 75 MiB). One that never
+// sends it holds its slot for mesh.HeaderTimeout at most, and while a
+// listener waits for a slot of the process's new streams are refused
+// (linkSlots.take). At the limit a stream is refused (takeSlot), not
+// made to wait as a TCP listener's connection waits in the accept queue.
 func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	defer in.wg.Done()
 	l := in.l
@@ -905,26 +918,13 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	// release ends the stream's count: here if no link takes the stream,
 	// else at its client's Close.
 	release := func() { in.streams.Add(-1) }
-	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
-	port, err := mesh.ReadHeader(st)
-	_ = st.SetReadDeadline(time.Time{})
-	if err != nil || !in.serves(port) {
-		// At debug: a peer could flood the log. link_closes_total counts it.
-		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.Conn.RemoteAddr().String()).
-			Msg("mesh stream refused: bad header or a port this ingress does not serve")
-		is.RefuseStream(st)
-		release()
-		l.m.Closed(string(CloseNoMatch))
-		return
-	}
-	ep := l.p.lookupEndpoint(in.addr(port))
-	if ep == nil {
-		is.RefuseStream(st)
-		release()
-		l.m.Closed(string(CloseRefused))
-		return
-	}
 	if !in.takeSlot(is, st) {
+		release()
+		return
+	}
+	ep := in.streamEndpoint(is, st)
+	if ep == nil {
+		l.p.slots.release(l)
 		release()
 		return
 	}
@@ -939,21 +939,59 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	l.serveLink(lk)
 }
 
-// takeSlot takes a max_links slot for the link of st, or refuses st (a
-// reset, counted as a capacity close and in mesh_limits_total{limit=
-// "links"}) when the process or the listener is at its max_links, or
-// another listener waits for a slot of the process's (linkSlots.take).
+// streamEndpoint reads st's header (within mesh.HeaderTimeout) and
+// returns the endpoint of the local port it names; a bad header, a port
+// the ingress does not serve or one without an endpoint refuses st (a
+// reset, counted in link_closes_total): nil then.
+func (in *ingress) streamEndpoint(is *ingressSession, st *yamux.Stream) *endpoint {
+	l := in.l
+	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
+	port, err := mesh.ReadHeader(st)
+	_ = st.SetReadDeadline(time.Time{})
+	if err != nil || !in.serves(port) {
+		// At debug: a peer could flood the log. link_closes_total counts it.
+		l.log.Debug().AnErr("cause", err).Int("port", int(port)).Str("mesh_peer", is.Conn.RemoteAddr().String()).
+			Msg("mesh stream refused: bad header or a port this ingress does not serve")
+		is.RefuseStream(st)
+		l.m.Closed(string(CloseNoMatch))
+		return nil
+	}
+	ep := l.p.lookupEndpoint(in.addr(port))
+	if ep == nil {
+		is.RefuseStream(st)
+		l.m.Closed(string(CloseRefused))
+	}
+	return ep
+}
+
+// maxRefusingStreams bounds the streams refused at max_links that wait
+// for their header before their reset (takeSlot), on one ingress: one
+// more is reset at once.
+const maxRefusingStreams = 128
+
+// takeSlot takes a max_links slot for st, or refuses st (a reset,
+// counted as a capacity close and in mesh_limits_total{limit="links"})
+// when the process or the listener is at its max_links, or another
+// listener waits for a slot of the process's (linkSlots.take).
 //
-// Refused at once rather than waiting for a slot: the egress reads a
-// reset before its acknowledgement as the peer sidecar not reaching its
+// A refused stream is reset once its header has arrived (within
+// mesh.HeaderTimeout), as when the slot was taken after it: a reset that
+// overtook the egress's write of the header would fail the write, which
+// the egress takes for a session that cannot open streams and retires
+// (seen in TestMeshIngressStreamsTakeMaxLinksSlots: a fifth attempt, on
+// a new session). What the stream holds meanwhile is less than its
+// header; at most maxRefusingStreams wait so, one more is reset at once.
+//
+// Refused rather than waiting for a slot: the egress reads a reset
+// before its acknowledgement as the peer sidecar not reaching its
 // server (errMeshRefused), tries its next endpoint (this one again when
 // it has no other) after its connect backoff and holds nothing against
-// the server, as for a stream past max_streams; a sidecar
-// full of links sends the link to a replica with room instead of queuing
-// it behind this one. A waiting stream would hold a goroutine and its
-// yamux stream for a time the ingress cannot tie to the egress's own
-// connect budget (it cannot see the egress give up and reset the stream
-// meanwhile, and would then dial the server for a link already gone).
+// the server, as for a stream past max_streams; a sidecar full of links
+// sends the link to a replica with room instead of queuing it behind
+// this one. A waiting stream would hold a goroutine and its yamux stream
+// for a time the ingress cannot tie to the egress's own connect budget
+// (it cannot see the egress give up and reset the stream meanwhile, and
+// would then dial the server for a link already gone).
 func (in *ingress) takeSlot(is *ingressSession, st *yamux.Stream) bool {
 	l := in.l
 	if l.p.slots.take(l) {
@@ -962,6 +1000,11 @@ func (in *ingress) takeSlot(is *ingressSession, st *yamux.Stream) bool {
 	l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitLinks).Inc()
 	l.log.Debug().Int("listener_max_links", l.spec().cfg.MaxLinks).Str("mesh_peer", is.Conn.RemoteAddr().String()).
 		Msg("mesh stream refused: the process or the listener holds max_links links, or another listener waits for a slot")
+	if in.refusing.Add(1) <= maxRefusingStreams {
+		_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
+		_, _ = mesh.ReadHeader(st)
+	}
+	in.refusing.Add(-1)
 	l.m.Closed(string(CloseCapacity)) // counted first: whoever sees the reset finds it counted
 	is.RefuseStream(st)
 	return false

@@ -5,6 +5,8 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -245,4 +247,117 @@ func roundTripStream(t *testing.T, st *yamux.Stream, msg string) {
 		t.Fatalf("echo %q, %v; want %q", got, err, msg)
 	}
 	_ = st.SetReadDeadline(time.Time{})
+}
+
+// A mesh stream takes its max_links slot when the ingress accepts it,
+// before its header: yamux grants the peer the stream's window then, and
+// the stream's state is held whether or not the header ever comes. With
+// max_links 1, a stream that sent half its header holds the slot and a
+// second stream is refused; once the first sends the rest it is a link
+// like any other, and its end gives the slot back; a stream with a bad
+// header gives its slot back at once. Before, a stream took its slot
+// only after its header: the one waiting held none, and streams waiting
+// for their headers were bounded only by ingress.max_streams (10000).
+func TestMeshStreamWaitingForHeaderHoldsASlot(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressMaxLinks(t, srv.Addr(), 1, 0)
+	port := portOf(t, srv.Addr())
+	sess, _ := rawSession(t, in)
+	waiting, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := mesh.Header(port)
+	if _, err := waiting.Write(h[:3]); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "the stream waiting for its header to hold a slot", func() bool {
+		total, _, own := in.slotsHeld()
+		return total == 1 && own == 1
+	})
+	if _, ok := openRaw(sess, port); ok {
+		t.Fatal("a stream was acknowledged past max_links 1 while another waited for its header")
+	}
+	if _, err := waiting.Write(h[3:]); err != nil {
+		t.Fatal(err)
+	}
+	var ack [1]byte
+	_ = waiting.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := io.ReadFull(waiting, ack[:]); err != nil || ack[0] != mesh.Ack {
+		t.Fatalf("the stream's header, completed: %v (%d), want its acknowledgement", err, ack[0])
+	}
+	_ = waiting.SetReadDeadline(time.Time{})
+	roundTripStream(t, waiting, "a link once its header came")
+	_ = waiting.Close()
+	waitFor(t, 5*time.Second, "the link's slot given back", func() bool { total, _, _ := in.slotsHeld(); return total == 0 })
+
+	bad, err := sess.OpenStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = bad.Write([]byte("not a mesh header"))
+	_ = bad.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := bad.Read(ack[:]); !errors.Is(err, yamux.ErrConnectionReset) {
+		t.Fatalf("a stream with a bad header: %v, want it reset", err)
+	}
+	waitFor(t, 5*time.Second, "the bad header's slot given back", func() bool { total, _, _ := in.slotsHeld(); return total == 0 })
+	if _, peak, _ := in.slotsHeld(); peak != 1 {
+		t.Fatalf("at most %d slots taken at once, want 1", peak)
+	}
+	if st, ok := openRaw(sess, port); !ok {
+		t.Fatal("a stream was refused with every slot given back")
+	} else {
+		roundTripStream(t, st, "the slot taken again")
+	}
+}
+
+// A stream refused at max_links is reset once its header has come (an
+// egress writing its header must not see the reset first), and at most
+// maxRefusingStreams wait so: with the one slot held by a link, that many
+// streams that send no header wait, the next is reset at once, and all
+// of them are reset by mesh.HeaderTimeout; the link is served meanwhile.
+func TestMeshStreamsRefusedWaitingForHeadersAreBounded(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressMaxLinks(t, srv.Addr(), 1, 0)
+	port := portOf(t, srv.Addr())
+	sess, _ := rawSession(t, in)
+	link, ok := openRaw(sess, port)
+	if !ok {
+		t.Fatal("the link within max_links was refused")
+	}
+	others, _ := rawSession(t, in)
+	var resets atomic.Int64
+	var wg sync.WaitGroup
+	for range maxRefusingStreams + 1 {
+		st, err := others.OpenStream()
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = st.Write([]byte("LP")) // half a header
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout + 5*time.Second))
+			if _, err := st.Read(make([]byte, 1)); errors.Is(err, yamux.ErrConnectionReset) {
+				resets.Add(1)
+			}
+		}()
+	}
+	// Before the header timeout (5 s after the streams opened): the
+	// accounting at its bound, and the one stream past it reset.
+	waitFor(t, 4*time.Second, "128 refused streams waiting for their headers and one reset", func() bool {
+		return in.p.listeners[0].ingress.refusing.Load() == maxRefusingStreams && resets.Load() == 1
+	})
+	roundTripStream(t, link, "served while the refused streams wait")
+	wg.Wait()
+	if n := resets.Load(); n != maxRefusingStreams+1 {
+		t.Fatalf("%d of %d refused streams reset, want all", n, maxRefusingStreams+1)
+	}
+	if n := in.p.listeners[0].ingress.refusing.Load(); n != 0 {
+		t.Fatalf("%d refused streams still counted as waiting", n)
+	}
+	if total, _, _ := in.slotsHeld(); total != 1 {
+		t.Fatalf("%d slots taken, want the link's alone", total)
+	}
+	roundTripStream(t, link, "after the refusals")
 }

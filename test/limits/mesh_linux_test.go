@@ -142,8 +142,8 @@ func (m *meshLoad) pushLinks(wg *sync.WaitGroup, sess *yamux.Session, port uint1
 }
 
 // holdHeaderless runs streams that send half a header and never the
-// rest, each again once the ingress resets it (mesh.HeaderTimeout),
-// until until.
+// rest, each again (100 ms after) once the ingress resets it (at once,
+// or after mesh.HeaderTimeout), until until.
 func (m *meshLoad) holdHeaderless(wg *sync.WaitGroup, sess *yamux.Session, port uint16, streams int, until time.Time) {
 	half := mesh.Header(port)[:3]
 	for range streams {
@@ -161,6 +161,7 @@ func (m *meshLoad) holdHeaderless(wg *sync.WaitGroup, sess *yamux.Session, port 
 				_ = st.SetReadDeadline(until)
 				_, _ = st.Read(make([]byte, 1)) // the reset, or until
 				_ = st.Close()
+				time.Sleep(100 * time.Millisecond)
 			}
 		}()
 	}
