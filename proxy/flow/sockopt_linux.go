@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -199,17 +200,38 @@ func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 // A kernel that does not fill tcpi_bytes_received (before Linux 4.1)
 // leaves the question open: a FIN, as before.
 func ResetNotFin(rc syscall.RawConn, read int64) bool {
-	var ti unix.TCPInfo
-	var n uint32
-	var err error
-	if cerr := rc.Control(func(fd uintptr) {
-		n, err = getsockoptLen(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti)))
-	}); cerr != nil {
+	c := tcpInfoCalls.Get().(*tcpInfoCall)
+	defer tcpInfoCalls.Put(c)
+	c.ti, c.n, c.err = unix.TCPInfo{}, 0, nil
+	if cerr := rc.Control(c.fn); cerr != nil {
 		return true
 	}
-	filled := n >= uint32(unsafe.Offsetof(ti.Bytes_received)+unsafe.Sizeof(ti.Bytes_received))
-	return err == nil && filled && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
+	ti := &c.ti
+	filled := c.n >= uint32(unsafe.Offsetof(ti.Bytes_received)+unsafe.Sizeof(ti.Bytes_received))
+	return c.err == nil && filled && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
 }
+
+// tcpInfoCall is ResetNotFin's RawConn.Control callback and what it
+// fills, pooled. A closure over ResetNotFin's locals was four heap
+// allocations per call (the closure, and the TCP_INFO, its length and
+// the error it captures: rc is an interface, so all of them escape), two
+// calls per link.
+type tcpInfoCall struct {
+	ti  unix.TCPInfo
+	n   uint32
+	err error
+	fn  func(fd uintptr) // call, bound once
+}
+
+func (c *tcpInfoCall) call(fd uintptr) {
+	c.n, c.err = getsockoptLen(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&c.ti), uint32(unsafe.Sizeof(c.ti)))
+}
+
+var tcpInfoCalls = sync.Pool{New: func() any {
+	c := new(tcpInfoCall)
+	c.fn = c.call
+	return c
+}}
 
 // receivedSlack is how much earlier than the kernel's figure Received
 // puts an arrival: a jiffy at HZ=100, and the millisecond the conversion

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"sync"
 	"syscall"
 	"unsafe"
 
@@ -270,11 +271,11 @@ func getsockoptLen(fd, level, opt int, p unsafe.Pointer, size uint32) (uint32, e
 // made as SysRead is: what net.TCPConn.CloseWrite does, and fails as it
 // fails.
 func ShutdownWrite(rc syscall.RawConn) error {
-	var e syscall.Errno
-	err := rc.Control(func(fd uintptr) {
-		raceReleaseIO()
-		_, _, e = syscall.RawSyscall(syscall.SYS_SHUTDOWN, fd, syscall.SHUT_WR, 0)
-	})
+	c := shutdownCalls.Get().(*shutdownCall)
+	c.e = 0
+	err := rc.Control(c.fn)
+	e := c.e
+	shutdownCalls.Put(c)
 	if err == nil && e != 0 {
 		err = os.NewSyscallError("shutdown", e)
 	}
@@ -286,6 +287,26 @@ func ShutdownWrite(rc syscall.RawConn) error {
 	}
 	return nil
 }
+
+// shutdownCall is ShutdownWrite's RawConn.Control callback and its
+// result, pooled: a closure over a local errno was two heap allocations
+// per call (rc is an interface: the closure escapes, and the errno with
+// it).
+type shutdownCall struct {
+	e  syscall.Errno
+	fn func(fd uintptr) // call, bound once
+}
+
+func (c *shutdownCall) call(fd uintptr) {
+	raceReleaseIO()
+	_, _, c.e = syscall.RawSyscall(syscall.SYS_SHUTDOWN, fd, syscall.SHUT_WR, 0)
+}
+
+var shutdownCalls = sync.Pool{New: func() any {
+	c := new(shutdownCall)
+	c.fn = c.call
+	return c
+}}
 
 // LocalAddr is the local address of the socket behind rc (getsockname,
 // made as SysRead is), as net's TCPConn.LocalAddr gives it; nil when the
