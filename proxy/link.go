@@ -794,11 +794,13 @@ func (lk *link) resetClient() {
 }
 
 func (lk *link) setReason(reason CloseReason, err error) bool {
-	if !lk.reason.CompareAndSwap(nil, &reason) {
+	if !lk.reason.CompareAndSwap(nil, reasonPtr(reason)) {
 		return false
 	}
 	if err != nil {
-		lk.endErr.Store(&err)
+		e := new(error)
+		*e = err
+		lk.endErr.Store(e)
 	}
 	return true
 }

@@ -47,6 +47,31 @@ var closeReasons = []struct {
 	{r: CloseMeshDead}, {r: CloseBudget},
 }
 
+// reasonValues is every reason of closeReasons once, for reasonPtr.
+var reasonValues = func() []CloseReason {
+	rs := make([]CloseReason, len(closeReasons))
+	for i, c := range closeReasons {
+		rs[i] = c.r
+	}
+	return rs
+}()
+
+// reasonPtr is a pointer to r, as a link's reason holds it: r's entry in
+// reasonValues, which nothing writes, so that a link's end allocates
+// none (a pointer to setReason's own copy moved the copy to the heap,
+// and its error with it, at every call). A reason not listed gets a copy
+// of its own.
+func reasonPtr(r CloseReason) *CloseReason {
+	for i := range reasonValues {
+		if reasonValues[i] == r {
+			return &reasonValues[i]
+		}
+	}
+	p := new(CloseReason)
+	*p = r
+	return p
+}
+
 // closeLabels returns the close reasons a listener of kind (metrics.Kind*,
 // "": any) can produce, as label values.
 func closeLabels(kind string) []string {

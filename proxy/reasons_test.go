@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -144,5 +145,32 @@ func TestCloseReasonTableIsComplete(t *testing.T) {
 	}
 	for r := range listed {
 		t.Errorf("README.md's close-reason table lists %q, which is no close reason", r)
+	}
+}
+
+// A link's end records its reason without an allocation, whichever the
+// reason; an error is kept as given.
+func TestSetReasonAllocatesNothing(t *testing.T) {
+	lk := new(link)
+	for _, c := range closeReasons {
+		if n := testing.AllocsPerRun(10, func() {
+			lk.reason.Store(nil)
+			if !lk.setReason(c.r, nil) || *lk.reason.Load() != c.r {
+				t.Fatalf("reason %q not recorded", c.r)
+			}
+		}); n != 0 {
+			t.Errorf("setReason(%q): %v allocations, want 0", c.r, n)
+		}
+	}
+	lk = new(link)
+	err := errors.New("cause")
+	if !lk.setReason(CloseUpstreamError, err) || lk.setReason(CloseClientError, nil) {
+		t.Fatal("the first reason is not the one kept")
+	}
+	if *lk.reason.Load() != CloseUpstreamError || *lk.endErr.Load() != err {
+		t.Fatalf("recorded %q, %v", *lk.reason.Load(), *lk.endErr.Load())
+	}
+	if r := CloseReason("unlisted"); *reasonPtr(r) != r {
+		t.Fatal("an unlisted reason is not kept")
 	}
 }
