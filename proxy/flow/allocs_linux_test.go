@@ -1,6 +1,13 @@
 package flow
 
-import "testing"
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/policy"
+)
 
 // The calls made once per socket at a link's end allocate nothing: each
 // was a closure over its locals handed to RawConn.Control (an interface,
@@ -30,5 +37,29 @@ func TestLinkEndCallsAllocateNothing(t *testing.T) {
 	// The shutdown passed a FIN: the peer reads the end of the stream.
 	if n, err := b.Read(make([]byte, 1)); n != 0 || err == nil {
 		t.Fatalf("peer read %d, %v after the shutdown, want the end", n, err)
+	}
+}
+
+// A dial that connects at once allocates only what the runtime's os.File
+// costs (the file, its inner file, its RawConn): its address on the stack,
+// its wait's state pooled, the error's address made only for an error.
+// Nothing accepts: the connects complete in the listener's backlog.
+func TestDialAllocatesOnlyTheFile(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	ap := ln.Addr().(*net.TCPAddr).AddrPort()
+	s := policy.Settings{}
+	ctx := context.Background()
+	if n := testing.AllocsPerRun(50, func() {
+		f, err := DialRaw(ctx, ap, &s, time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = f.Close()
+	}); n != 3 {
+		t.Errorf("DialRaw: %v allocations per dial, want 3 (os.NewFile's 2, SyscallConn's 1)", n)
 	}
 }

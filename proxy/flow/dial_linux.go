@@ -64,7 +64,6 @@ func DialRaw(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout
 // DialRawGuarded is DialRaw with g told of each connect(2) as it is made
 // (see ConnectGuard); g nil is DialRaw.
 func DialRawGuarded(ctx context.Context, ap netip.AddrPort, s *policy.Settings, timeout time.Duration, g ConnectGuard) (*os.File, error) {
-	addr := net.TCPAddrFromAddrPort(ap)
 	var deadline time.Time
 	if timeout > 0 {
 		deadline = time.Now().Add(timeout)
@@ -79,7 +78,7 @@ func DialRawGuarded(ctx context.Context, ap netip.AddrPort, s *policy.Settings, 
 			if retries < 2 && errors.Is(err, syscall.EADDRNOTAVAIL) && ctx.Err() == nil {
 				continue
 			}
-			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: addr, Err: err}
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ap), Err: err}
 		}
 		if !selfConnected(f, ap) {
 			return f, nil
@@ -91,7 +90,7 @@ func DialRawGuarded(ctx context.Context, ap netip.AddrPort, s *policy.Settings, 
 		if retries == 2 {
 			// net would hand the socket over by now; but nothing listens
 			// at ap, or the connect could not have met itself: refused.
-			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: addr,
+			return nil, &net.OpError{Op: "dial", Net: "tcp", Addr: net.TCPAddrFromAddrPort(ap),
 				Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)}
 		}
 	}
@@ -106,7 +105,8 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	family, sa, salen := sockaddr(ap)
+	var sas sockaddrs // on the stack: connect(2) reads it and keeps nothing
+	family, sa, salen := sas.of(ap)
 	r, _, e := syscall.RawSyscall(syscall.SYS_SOCKET, uintptr(family), syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
 	if e != 0 {
 		return nil, os.NewSyscallError("socket", e)
@@ -191,30 +191,12 @@ func dialOnce(ctx context.Context, ap netip.AddrPort, s *policy.Settings, deadli
 // completed, or the connect was refused, meanwhile. The kernel went on
 // while the proxy did not: what it did is the dial's result.
 func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline time.Time) error {
-	var stop func() bool
-	var cerr error
-	err := rc.Write(func(fd uintptr) bool {
-		// The wait is the poller's: RawConn.Write resets the socket's
-		// readiness before the first call, and a connect that completes
-		// after it raises a new edge (EPOLLOUT, or EPOLLERR and EPOLLHUP
-		// for a refused one); a wake with the connect still under way (a
-		// readiness from before the connect went out) waits on.
-		var done bool
-		if done, cerr = connectLook(int(fd)); done {
-			return true
-		}
-		if stop == nil {
-			if !deadline.IsZero() {
-				_ = f.SetWriteDeadline(deadline)
-			}
-			// The dial's context (the proxy's shutdown) ends the wait at once.
-			stop = context.AfterFunc(ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
-			if hook := testHookConnectPending.Load(); hook != nil {
-				(*hook)(int(fd))
-			}
-		}
-		return false
-	})
+	w := connectWaits.Get().(*connectWait)
+	w.ctx, w.f, w.deadline = ctx, f, deadline
+	err := rc.Write(w.fn)
+	stop, cerr := w.stop, w.cerr
+	*w = connectWait{fn: w.fn}
+	connectWaits.Put(w)
 	if stop == nil {
 		if err == nil && cerr == nil {
 			return ctx.Err() // as when the wait ends: ctx ended first (an atomic load)
@@ -230,9 +212,10 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline 
 		// The deadline's, since ctx's watch never ran: look once more.
 		// (Control, not Write, which fails on the deadline before its
 		// call.)
-		done := false
-		if rc.Control(func(fd uintptr) { done, cerr = connectLook(int(fd)) }) == nil && done {
-			err = nil
+		var done bool
+		var lerr error
+		if rc.Control(func(fd uintptr) { done, lerr = connectLook(int(fd)) }) == nil && done {
+			err, cerr = nil, lerr
 		}
 	}
 	if err != nil {
@@ -242,6 +225,49 @@ func awaitConnect(ctx context.Context, f *os.File, rc syscall.RawConn, deadline 
 		_ = f.SetWriteDeadline(time.Time{})
 	}
 	return cerr
+}
+
+// connectWait is awaitConnect's RawConn.Write callback and its state,
+// pooled: a closure over awaitConnect's locals was three heap allocations
+// per dial (the closure, and the stop and the error it sets: rc is an
+// interface, so all of them escape).
+type connectWait struct {
+	ctx      context.Context
+	f        *os.File
+	deadline time.Time
+	stop     func() bool           // the watch on ctx, once the connect is found under way
+	cerr     error                 // the last look's
+	fn       func(fd uintptr) bool // call, bound once
+}
+
+var connectWaits = sync.Pool{New: func() any {
+	w := new(connectWait)
+	w.fn = w.call
+	return w
+}}
+
+// call looks at the connect. The wait is the poller's: RawConn.Write
+// resets the socket's readiness before the first call, and a connect that
+// completes after it raises a new edge (EPOLLOUT, or EPOLLERR and
+// EPOLLHUP for a refused one); a wake with the connect still under way (a
+// readiness from before the connect went out) waits on.
+func (w *connectWait) call(fd uintptr) bool {
+	var done bool
+	if done, w.cerr = connectLook(int(fd)); done {
+		return true
+	}
+	if w.stop == nil {
+		if !w.deadline.IsZero() {
+			_ = w.f.SetWriteDeadline(w.deadline)
+		}
+		// The dial's context (the proxy's shutdown) ends the wait at once.
+		f := w.f
+		w.stop = context.AfterFunc(w.ctx, func() { _ = f.SetWriteDeadline(time.Unix(1, 0)) })
+		if hook := testHookConnectPending.Load(); hook != nil {
+			(*hook)(int(fd))
+		}
+	}
+	return false
 }
 
 // connectLook looks at the socket fd whose connect went out: done once
@@ -318,16 +344,22 @@ func LocalPortRange() (lo, hi uint16) {
 	return portRange.lo, portRange.hi
 }
 
-// sockaddr is ap as the kernel takes it (its family, the address, its
+// sockaddrs is the room for a connect's address, either family.
+type sockaddrs struct {
+	v4 unix.RawSockaddrInet4
+	v6 unix.RawSockaddrInet6
+}
+
+// of is ap as the kernel takes it (its family, the address in s, its
 // size); an IPv4-mapped IPv6 address is IPv4.
-func sockaddr(ap netip.AddrPort) (family int, sa unsafe.Pointer, size int) {
+func (s *sockaddrs) of(ap netip.AddrPort) (family int, sa unsafe.Pointer, size int) {
 	ip, port := ap.Addr().Unmap(), ap.Port()
 	if ip.Is4() {
-		s := &unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: ip.As4(), Port: netOrder(port)}
-		return unix.AF_INET, unsafe.Pointer(s), unix.SizeofSockaddrInet4
+		s.v4 = unix.RawSockaddrInet4{Family: unix.AF_INET, Addr: ip.As4(), Port: netOrder(port)}
+		return unix.AF_INET, unsafe.Pointer(&s.v4), unix.SizeofSockaddrInet4
 	}
-	s := &unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: ip.As16(), Port: netOrder(port)}
-	return unix.AF_INET6, unsafe.Pointer(s), unix.SizeofSockaddrInet6
+	s.v6 = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: ip.As16(), Port: netOrder(port)}
+	return unix.AF_INET6, unsafe.Pointer(&s.v6), unix.SizeofSockaddrInet6
 }
 
 // getpeername reports whether the socket is connected (nil) or the
