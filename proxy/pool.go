@@ -378,9 +378,15 @@ func compareAddr(a, b string) int {
 	return 0
 }
 
-// candidates returns the members as the selector sees them; pl.mu held.
-func (pl *pool) candidatesLocked() []policy.Candidate {
-	cs := make([]policy.Candidate, len(pl.members))
+// smallPool is how many members the callers of candidatesLocked make room
+// for on their stacks; a larger pool's candidates go to the heap.
+const smallPool = 8
+
+// candidatesLocked returns the members as the selector sees them, in cs
+// (the caller's room, on its stack for a pool of ordinary size: a pick
+// per new link allocated a slice, twice); pl.mu held.
+func (pl *pool) candidatesLocked(cs []policy.Candidate) []policy.Candidate {
+	cs = slices.Grow(cs[:0], len(pl.members))[:len(pl.members)]
 	for i, ep := range pl.members {
 		c := policy.Candidate{Addr: ep.addr, Links: ep.liveLinks()}
 		switch pl.l.p.routingState(ep) { // a drained member is out as a disabled one is
@@ -419,7 +425,8 @@ func (pl *pool) pick(tried []string, lk *link) (*endpoint, bool) {
 	t := pl.l.spec()
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
-	ch := policy.Select(pl.candidatesLocked(), t.balance, pl.l.failOpen(), &pl.cursor, tried)
+	var room [smallPool]policy.Candidate
+	ch := policy.Select(pl.candidatesLocked(room[:0]), t.balance, pl.l.failOpen(), &pl.cursor, tried)
 	if ch.Index < 0 {
 		return nil, false
 	}
@@ -441,7 +448,8 @@ func (pl *pool) routing() (routable, failingOpen bool) {
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
 	var cursor uint64
-	ch := policy.Select(pl.candidatesLocked(), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, nil)
+	var room [smallPool]policy.Candidate
+	ch := policy.Select(pl.candidatesLocked(room[:0]), policy.BalanceRoundRobin, pl.l.failOpen(), &cursor, nil)
 	return ch.Index >= 0, ch.FailOpen
 }
 

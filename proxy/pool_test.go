@@ -555,3 +555,23 @@ func TestLeastLinksSpreadsABurst(t *testing.T) {
 		t.Fatalf("links per member %v, want %d each", a, n/3)
 	}
 }
+
+// A pool's look at its members for a new link (routing, and pick's the
+// same) allocates nothing: the candidates are in room on the caller's
+// stack. (AllocsPerRun counts the process's allocations and rounds down:
+// the proxy's background work in the meantime does not reach one per
+// call.)
+func TestPoolRoutingAllocatesNothing(t *testing.T) {
+	_, addrs := peersOn(t, faultpeer.Echo, "127.0.0.2", "127.0.0.3", "127.0.0.4")
+	h := startPool(t, policy.Pool{Endpoints: addrs}, nil, nil)
+	h.p.mu.Lock()
+	pl := h.p.listeners[0].pool
+	h.p.mu.Unlock()
+	if n := testing.AllocsPerRun(1000, func() {
+		if ok, _ := pl.routing(); !ok {
+			t.Fatal("no member routable")
+		}
+	}); n != 0 {
+		t.Errorf("routing: %v allocations per call, want 0", n)
+	}
+}
