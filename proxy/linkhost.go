@@ -49,7 +49,7 @@ type linkHost interface {
 	// proxy dialled while a transparent listener is open (one refuses it
 	// if it comes back: an interception loop) and reports whether it did.
 	// local is asked only then: it may cost a getsockname.
-	ownConn(local func() net.Addr) bool
+	ownConn(local localAddrer) bool
 	// connectGuard is the loop guard's guard of a raw dial (see ownDial)
 	// while a transparent listener is open, nil otherwise.
 	connectGuard() *ownDial
@@ -117,17 +117,22 @@ func (l *listener) countUnanswered(ep *endpoint, n, thr int, since int64) {
 
 func (l *listener) sawTLS(ep *endpoint) { l.p.sawTLS(ep) }
 
-func (l *listener) ownConn(local func() net.Addr) bool {
+func (l *listener) ownConn(local localAddrer) bool {
 	if !l.p.transparent.Load() {
 		return false
 	}
-	a := local()
+	a := local.localAddr()
 	if a == nil { // the kernel did not say: nothing to guard
 		return false
 	}
 	l.p.ownUp.add(a.String())
 	return true
 }
+
+// localAddrer is a socket whose local address ownConn asks for (a
+// *tcpEnd). An interface and not a func: a method value is a closure
+// made, on the heap, at each call, transparent listener or not.
+type localAddrer interface{ localAddr() net.Addr }
 
 func (l *listener) connectGuard() *ownDial {
 	if !l.p.transparent.Load() {

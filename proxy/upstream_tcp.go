@@ -130,7 +130,7 @@ func (*responses) Limit() int { return flow.ChunkSize }
 func (e *tcpEnd) attach(ep *endpoint) bool {
 	lk := e.lk
 	if !e.owned { // a raw dial's guard registered it at the connect (directDialer)
-		e.owned = lk.host.ownConn(e.localAddr)
+		e.owned = lk.host.ownConn(e)
 	}
 	lk.ackedAt.Store(flow.Mono()) // progress is measured from the connect on
 	lk.attach(ep)

@@ -203,6 +203,11 @@ func TestLoopGuardFollowsTheTransparentListeners(t *testing.T) {
 	roundTrip(t, third, []byte("the link from between the reloads still works"))
 }
 
+// addrFunc is a func as ownConn's localAddrer.
+type addrFunc func() net.Addr
+
+func (f addrFunc) localAddr() net.Addr { return f() }
+
 // Two upstream sockets may share a local address (the kernel gives
 // connections to different destinations the same local port when it
 // can): the guard holds it until both have ended.
@@ -210,7 +215,7 @@ func TestLoopGuardCountsASharedAddress(t *testing.T) {
 	p, l := transparentProxy(t, nil)
 	a := &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 40000}
 	dst := netip.MustParseAddrPort("10.9.0.1:8098")
-	local := func() net.Addr { return a }
+	local := addrFunc(func() net.Addr { return a })
 	if !l.ownConn(local) || !l.ownConn(local) {
 		t.Fatal("an upstream address was not registered with a transparent listener open")
 	}
@@ -221,5 +226,25 @@ func TestLoopGuardCountsASharedAddress(t *testing.T) {
 	l.forgetConn(a)
 	if own, _ := p.isOwn(dst, a); own {
 		t.Fatal("both sockets ended; the address is still guarded")
+	}
+}
+
+// Without a transparent listener, a new link's ask of the loop guard
+// (attach) allocates nothing: the socket goes as an interface, where a
+// method value was a closure made on the heap at every link.
+func TestOwnConnAllocatesNothingWithoutTransparent(t *testing.T) {
+	cfg := policy.DefaultConfig()
+	cfg.Listeners = []policy.Listener{{Name: "plain", Listen: "127.0.0.1:0", Upstream: "127.0.0.1:9", Settings: cfg.Defaults}}
+	p := startProxy(t, cfg, Options{})
+	p.mu.Lock()
+	var host linkHost = p.listeners[0]
+	p.mu.Unlock()
+	e := &tcpEnd{}
+	if n := testing.AllocsPerRun(1000, func() {
+		if host.ownConn(e) {
+			t.Fatal("registered without a transparent listener")
+		}
+	}); n != 0 {
+		t.Errorf("ownConn: %v allocations per call, want 0", n)
 	}
 }
