@@ -90,7 +90,7 @@ func (c *tcpClient) raw() error {
 		c.rc, c.err = c.sock.SyscallConn()
 		if c.err == nil {
 			c.r.InitRaw(c.rc)
-			c.w.Init(c.rc)
+			c.w.InitWrite(c.rc) // the response pump's Write alone writes to the client
 		}
 	})
 	return c.err

@@ -112,7 +112,7 @@ func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
 		return true
 	}
-	e.w.Init(raw)
+	e.w.InitWriteBuffers(raw) // the writer's batches; tryWrite has its own callback
 	return e, nil
 }
 

@@ -158,3 +158,34 @@ func TestSysWriteNeedsASocket(t *testing.T) {
 		t.Fatalf("SysRead of a pipe: %d, %v; want -1, ENOTSOCK", n, err)
 	}
 }
+
+// InitWrite and InitWriteBuffers bind one callback each, an allocation
+// each where Init makes two; the other method still writes, binding its
+// own at its first call.
+func TestWriterInitBindsOnlyWhatItWrites(t *testing.T) {
+	c, s := tcpPair(t)
+	raw, err := c.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		init func(*Writer, syscall.RawConn)
+		want float64
+	}{{"Init", (*Writer).Init, 2}, {"InitWrite", (*Writer).InitWrite, 1}, {"InitWriteBuffers", (*Writer).InitWriteBuffers, 1}} {
+		w := new(Writer)
+		if n := testing.AllocsPerRun(100, func() { *w = Writer{}; tc.init(w, raw) }); n != tc.want {
+			t.Errorf("%s: %v allocations, want %v", tc.name, n, tc.want)
+		}
+		if n, err := w.Write([]byte("ab")); n != 2 || err != nil {
+			t.Fatalf("%s, then Write: %d, %v", tc.name, n, err)
+		}
+		if n, err := w.WriteBuffers([][]byte{[]byte("c"), []byte("d")}); n != 2 || err != nil {
+			t.Fatalf("%s, then WriteBuffers: %d, %v", tc.name, n, err)
+		}
+	}
+	got := make([]byte, 12)
+	if _, err := io.ReadFull(s, got); err != nil || string(got) != "abcdabcdabcd" {
+		t.Fatalf("the peer read %q, %v", got, err)
+	}
+}

@@ -128,6 +128,16 @@ type Writer struct {
 // Init has w write to rc's socket.
 func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn, w.fn1 = rc, w.call, w.call1 }
 
+// InitWrite and InitWriteBuffers are Init for a writer that only Writes
+// (a link's client) or only WritesBuffers (its upstream, which tryWrite
+// also writes): each binds the one callback it needs, where Init binds
+// both, an allocation each, per socket. The other method still works,
+// binding its callback at its first call.
+func (w *Writer) InitWrite(rc syscall.RawConn) { w.rc, w.fn1 = rc, w.call1 }
+
+// InitWriteBuffers: see InitWrite.
+func (w *Writer) InitWriteBuffers(rc syscall.RawConn) { w.rc, w.fn = rc, w.call }
+
 // Write writes all of p, as WriteBuffers does, with SysWrite's send(2).
 //
 // It is WriteBuffers without the vector, and for a reason: the response
@@ -142,6 +152,9 @@ func (w *Writer) Init(rc syscall.RawConn) { w.rc, w.fn, w.fn1 = rc, w.call, w.ca
 func (w *Writer) Write(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, nil
+	}
+	if w.fn1 == nil {
+		w.fn1 = w.call1 // InitWriteBuffers's writer
 	}
 	w.p, w.n, w.err = p, 0, nil
 	err := w.rc.Write(w.fn1)
@@ -183,6 +196,9 @@ func (w *Writer) call1(fd uintptr) bool {
 // os.SyscallError; a closed socket's or a passed deadline's as
 // RawConn.Write gives it). bufs's elements are consumed.
 func (w *Writer) WriteBuffers(bufs net.Buffers) (int64, error) {
+	if w.fn == nil {
+		w.fn = w.call // InitWrite's writer
+	}
 	w.bufs, w.n, w.err = bufs, 0, nil
 	err := w.rc.Write(w.fn)
 	n, werr := w.n, w.err
