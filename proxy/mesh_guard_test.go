@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -867,5 +868,57 @@ func TestMeshRefusalsWarnOncePerSecond(t *testing.T) {
 	}
 	if got := in.limitHits(mesh.LimitPeerNotAllowed); got != peers {
 		t.Fatalf("%v refusals counted, want %d", got, peers)
+	}
+}
+
+// The status stream carries statuses from the ingress to the egress and
+// nothing the other way: a session whose peer sends bytes on it is
+// closed. Before, the ingress never read the stream, and what a peer
+// pushed into it sat in yamux's buffer for the session's life, up to
+// the stream's window (twice that in memory) a session, outside every
+// bound (1,024 sessions: about 512 MiB).
+//
+// The twin: a peer that reads the statuses and closes its side of the
+// stream, as an egress does at its end, keeps its session, which serves
+// a link afterwards.
+func TestMeshStatusStreamCarriesNothingFromThePeer(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	port := portOf(t, srv.Addr())
+	acceptStatus := func(sess *yamux.Session) *yamux.Stream {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		st, err := sess.AcceptStreamWithContext(ctx)
+		if err != nil {
+			t.Fatalf("the ingress's status stream: %v", err)
+		}
+		_ = st.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if _, err := mesh.ReadStatus(st); err != nil {
+			t.Fatalf("the first status: %v", err)
+		}
+		return st
+	}
+
+	pushing, _ := rawSession(t, in)
+	st := acceptStatus(pushing)
+	if _, err := st.Write(bytes.Repeat([]byte("x"), 64<<10)); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-pushing.CloseChan():
+	case <-time.After(5 * time.Second):
+		t.Fatal("a session whose peer pushed 64 KiB into the status stream is still open after 5s")
+	}
+
+	polite, _ := rawSession(t, in)
+	st = acceptStatus(polite)
+	_ = st.Close() // a FIN: the peer's side is done
+	link, ok := openRaw(polite, port)
+	if !ok {
+		t.Fatal("after the peer closed its side of the status stream, a link stream was not acknowledged")
+	}
+	roundTripStream(t, link, "the session goes on")
+	if polite.IsClosed() {
+		t.Fatal("the session of a peer that sent nothing on the status stream was closed")
 	}
 }

@@ -828,6 +828,8 @@ func (in *ingress) writeStatus(is *ingressSession) {
 	}
 	is.statusOpen.Store(1)
 	defer st.Close()
+	in.wg.Add(1)
+	go in.guardStatus(is, st)
 	select {
 	case <-in.checked: // no status before the ports were checked once
 	case <-is.Sess.CloseChan():
@@ -843,6 +845,22 @@ func (in *ingress) writeStatus(is *ingressSession) {
 		case <-is.Sess.CloseChan():
 			return
 		}
+	}
+}
+
+// guardStatus reads the status stream the ingress opened, on which the
+// egress sends nothing (it closes its side at the session's end). Unread,
+// what a peer pushed into it anyway would sit in yamux's buffer, up to
+// the stream's window and twice that in memory, for the session's life
+// and outside every bound: a session that sends a byte on it does not
+// speak this protocol and is closed.
+func (in *ingress) guardStatus(is *ingressSession, st *yamux.Stream) {
+	defer in.wg.Done()
+	var b [1]byte
+	if n, _ := st.Read(b[:]); n > 0 {
+		in.l.log.Warn().Str("mesh_peer", is.Conn.RemoteAddr().String()).
+			Msg("mesh peer sent bytes on the status stream, which carries none its way: session closed")
+		_ = is.Sess.Close()
 	}
 }
 
