@@ -2,6 +2,7 @@ package flow
 
 import (
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -178,6 +179,12 @@ func (t *Tracker) Sent(r PendingRequest) {
 				t.armLocked(l.Due)
 			}
 			return
+		case t.perBurst:
+			// l was answered: a new burst begins. A burst answered is
+			// done with (opaque mode checks no staleness), and kept it
+			// would hold a record per request a fast request/response
+			// client made within request_timeout, unbounded.
+			t.pending = slices.DeleteFunc(t.pending, func(r PendingRequest) bool { return t.Covered(&r) })
 		case !t.perBurst && l.Thr == r.Thr && (!l.judged && within(r.Held, l.Held, t.slack) &&
 			within(r.Due, l.Due, t.slack) && !t.Covered(l) || last+1 >= maxPending):
 			// No answer since l's hold ended: any later answer covers all
