@@ -89,8 +89,9 @@ const maxPending = 1024
 // entry's hold ended: an answer then covers all of them or none, give or
 // take the slack, and the verdict at the earliest deadline is that
 // request's own, with the bias toward not counting. Past maxPending
-// entries, new requests join the newest entry whatever came in between;
-// that can only delay a verdict.
+// entries, new requests join the newest entry waiting for its verdict
+// whatever came in between, with the later deadline and the earlier hold
+// (joinLocked); that can only delay a verdict.
 //
 // A link's tracker judges the link's requests; when the link ends, its
 // unjudged requests are handed to the endpoint's tracker (adopt), so a
@@ -185,8 +186,17 @@ func (t *Tracker) Sent(r PendingRequest) {
 			// would hold a record per request a fast request/response
 			// client made within request_timeout, unbounded.
 			t.pending = slices.DeleteFunc(t.pending, func(r PendingRequest) bool { return t.Covered(&r) })
-		case !t.perBurst && l.Thr == r.Thr && (!l.judged && within(r.Held, l.Held, t.slack) &&
-			within(r.Due, l.Due, t.slack) && !t.Covered(l) || last+1 >= maxPending):
+		case !t.perBurst && last+1 >= maxPending:
+			// Full: r joins the newest entry waiting for its verdict, in
+			// the way that can only put a verdict off (see joinLocked).
+			// With none, it keeps the newest's staleness check.
+			if !t.joinLocked(r) {
+				l.N += r.N
+				l.End, l.last = max(l.End, r.End), max(l.last, r.last)
+			}
+			return
+		case !t.perBurst && l.Thr == r.Thr && !l.judged && within(r.Held, l.Held, t.slack) &&
+			within(r.Due, l.Due, t.slack) && !t.Covered(l):
 			// No answer since l's hold ended: any later answer covers all
 			// of them or none (within the slack), so sharing an entry
 			// changes no verdict but by the slack, toward not counting.
@@ -235,21 +245,34 @@ func (t *Tracker) Adopt(rs []PendingRequest) {
 			t.armLocked(r.Due)
 			continue
 		}
-		for i := len(t.pending) - 1; i >= 0; i-- {
-			if l := &t.pending[i]; !l.judged && l.Thr == r.Thr {
-				l.N += r.N
-				l.At, l.Held, l.End = min(l.At, r.At), min(l.Held, r.Held), max(l.End, r.End)
-				l.Due, l.last = max(l.Due, r.Due), max(l.last, r.last)
-				if l.Abandoned == 0 || r.Abandoned == 0 {
-					l.Abandoned = 0
-				} else {
-					l.Abandoned = max(l.Abandoned, r.Abandoned)
-				}
-				t.armLocked(l.next())
-				break
+		t.joinLocked(r)
+	}
+}
+
+// joinLocked adds r to the newest entry not yet judged with r's threshold
+// (an endpoint's record holds the requests of every listener routing to
+// it, and a threshold of 0 is never to count), in the way that can only
+// put a verdict off: the later deadline, the earlier hold and send. The
+// entry then counts only if r would have counted on its own, and no
+// sooner: a request the server may hold longer than the newest entry's
+// is not judged by that one's deadline. It reports false when there is
+// none. t.mu is held.
+func (t *Tracker) joinLocked(r PendingRequest) bool {
+	for i := len(t.pending) - 1; i >= 0; i-- {
+		if l := &t.pending[i]; !l.judged && l.Thr == r.Thr {
+			l.N += r.N
+			l.At, l.Held, l.End = min(l.At, r.At), min(l.Held, r.Held), max(l.End, r.End)
+			l.Due, l.last = max(l.Due, r.Due), max(l.last, r.last)
+			if l.Abandoned == 0 || r.Abandoned == 0 {
+				l.Abandoned = 0
+			} else {
+				l.Abandoned = max(l.Abandoned, r.Abandoned)
 			}
+			t.armLocked(l.next())
+			return true
 		}
 	}
+	return false
 }
 
 // Defer gives the requests of entries just given their verdict another
