@@ -5,6 +5,10 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 )
 
 // Past the bound of a link's records (linkRecordBound), a new request
@@ -44,11 +48,16 @@ func fillRecords(t *testing.T, h *harness, c net.Conn) {
 			t.Fatalf("response %d, want %d", got, i)
 		}
 	}
-	// The proxy's own count: the records wait for their verdicts (a
-	// machine too slow to make the round trips within their lifetime
-	// would not have reached the bound).
-	if p := h.onlyLink(time.Second).trk.Pending(); p < linkRecordBound {
-		t.Fatalf("%d records wait for a verdict after %d round trips, want at least %d", p, n, linkRecordBound)
+	recordsFull(t, h, n)
+}
+
+// recordsFull fails the test unless the link keeps as many records as it
+// may, after n round trips (the proxy's own count: a machine too slow to
+// make them within the records' lifetime would not have reached it).
+func recordsFull(t *testing.T, h *harness, n int) {
+	t.Helper()
+	if r := h.onlyLink(time.Second).trk.Records(); r < linkRecordBound {
+		t.Fatalf("%d records kept after %d round trips, want %d", r, n, linkRecordBound)
 	}
 }
 
@@ -85,4 +94,55 @@ func TestRequestPastTheRecordBoundToADeadBrokerIsJudged(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.excludedUnanswered(sent, boundFetchHold+boundRT, boundFetchHold+boundRT+3*time.Second)
+}
+
+// framedPingPong makes n framed round trips on c, each answered before
+// the next is sent: each request its own record.
+func framedPingPong(t *testing.T, c net.Conn, n int) {
+	t.Helper()
+	for range n {
+		roundTripFrame(t, c, "q")
+	}
+}
+
+// A client that makes request after request on one connection, each
+// answered before the next (a Pinot broker's queries, any RPC client in a
+// loop), fills the link's records: each is kept until its deadline for
+// the staleness check, answered or not (here 1,124 within request_timeout).
+// Past the bound a new request joined the newest record, answered
+// already: a server that stopped then was never judged by the request
+// left waiting on it, the client's last. The README: a dead upstream is
+// out "within the earliest deadline of the requests outstanding to it
+// plus the judging slack ... whether its clients keep one request in
+// flight on one connection or hundreds on many".
+func TestRequestPastTheRecordBoundToASilentServerIsJudged(t *testing.T) {
+	const rt = 4 * time.Second
+	const fill = linkRecordBound + 100
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(n int64) (time.Duration, bool) { return 0, n <= fill })
+	h := start(t, peer.Addr(), framed(rt, 1, nil))
+	c := h.dial()
+	framedPingPong(t, c, fill)
+	recordsFull(t, h, fill)
+	sent := time.Now()
+	sendFrame(t, c, "unanswered")
+	h.excludedUnanswered(sent, rt, rt+3*time.Second)
+}
+
+// The twin: the same client with a server that answers every request,
+// for longer than the records live, is never judged, and no request is
+// taken for stale.
+func TestRequestsPastTheRecordBoundToALiveServer(t *testing.T) {
+	const rt = 2 * time.Second
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	h := start(t, peer.Addr(), framed(rt, 1, nil))
+	c := h.dial()
+	for end := time.Now().Add(rt + time.Second); time.Now().Before(end); {
+		framedPingPong(t, c, linkRecordBound/4)
+	}
+	h.nothingCounted()
+	if m := testutil.ToFloat64(h.m.ForListener("test").StaleFramesDropped); m != 0 {
+		t.Fatalf("stale_frames_dropped_total = %v, want 0", m)
+	}
+	h.noLinkEnded("a link to a live server")
 }

@@ -186,6 +186,18 @@ func (t *Tracker) Sent(r PendingRequest) {
 			// would hold a record per request a fast request/response
 			// client made within request_timeout, unbounded.
 			t.pending = slices.DeleteFunc(t.pending, func(r PendingRequest) bool { return t.Covered(&r) })
+		case !t.perBurst && last+1 >= maxPending && last > 0 && t.doneWith(l) && t.doneWith(&t.pending[last-1]):
+			// Full, and the two newest have had their verdict or their
+			// answer: they are kept for the staleness check alone, which
+			// one entry does for both (the later deadline, toward not
+			// dropping), and r takes the room with a verdict of its own.
+			// Joined to an answered one, it had none: a server that
+			// stopped while a client made request after request, each
+			// answered, was never judged by the request left waiting.
+			p := &t.pending[last-1]
+			p.N += l.N
+			p.End, p.last, p.judged = max(p.End, l.End), max(p.last, l.last), true
+			t.pending = t.pending[:last]
 		case !t.perBurst && last+1 >= maxPending:
 			// Full: r joins the newest entry waiting for its verdict, in
 			// the way that can only put a verdict off (see joinLocked).
@@ -217,6 +229,10 @@ func (t *Tracker) Sent(r PendingRequest) {
 	t.pending = append(t.pending, r)
 	t.armLocked(r.Due)
 }
+
+// doneWith reports whether r needs no verdict any more: it had one, or
+// an answer covers it.
+func (t *Tracker) doneWith(r *PendingRequest) bool { return r.judged || t.Covered(r) }
 
 // within reports whether a and b are less than d apart.
 func within(a, b, d int64) bool { return a-b < d && b-a < d }
@@ -431,6 +447,14 @@ func (t *Tracker) Recorded() int64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.recorded
+}
+
+// Records is how many entries the tracker keeps (at most maxPending in
+// framed mode), for tests and diagnostics.
+func (t *Tracker) Records() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.pending)
 }
 
 // Pending is how many requests wait for their verdict.

@@ -337,3 +337,54 @@ func TestTrackerStopAndAdopt(t *testing.T) {
 		}
 	})
 }
+
+// Past maxPending, requests each answered before the next (records kept
+// for the staleness check only) leave room for the next request's own
+// record: a request left unanswered after them is judged at its own
+// deadline. Before, it joined the newest record, answered already, and
+// was never judged.
+func TestTrackerFullOfAnsweredRecordsJudgesTheNext(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(time.Millisecond, false)
+		defer r.t.Stop()
+		for i := range 3 * maxPending {
+			r.send(time.Hour, int64(i+1))
+			time.Sleep(time.Millisecond)
+			r.answer.Store(Mono())
+			time.Sleep(time.Millisecond)
+		}
+		if n := r.t.Records(); n != maxPending {
+			t.Fatalf("%d records, want %d", n, maxPending)
+		}
+		r.send(time.Second, int64(3*maxPending+1))
+		if _, _, counted := r.after(time.Second + 2*time.Millisecond); counted != 1 {
+			t.Fatalf("%d unanswered at the last request's deadline, want 1", counted)
+		}
+	})
+}
+
+// Past maxPending, a request that joins the newest record waiting for
+// its verdict keeps its own deadline when it is the later one: a
+// request the server may hold longer than the newest record's is not
+// judged by that one's deadline.
+func TestTrackerJoinPastTheBoundKeepsTheLaterDeadline(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(time.Millisecond, false)
+		defer r.t.Stop()
+		for i := range maxPending {
+			r.send(time.Hour, int64(i+1))
+			time.Sleep(2 * time.Millisecond)
+		}
+		now := Mono()
+		r.t.Sent(PendingRequest{At: now, Held: now + int64(2*time.Hour), Due: now + int64(3*time.Hour), End: maxPending + 1, N: 1, Thr: 3})
+		r.t.mu.Lock()
+		n, newest := len(r.t.pending), r.t.pending[len(r.t.pending)-1]
+		r.t.mu.Unlock()
+		if n != maxPending || newest.N != 2 {
+			t.Fatalf("%d records, the newest holding %d; want %d and 2", n, newest.N, maxPending)
+		}
+		if want := now + int64(3*time.Hour); newest.Due != want {
+			t.Fatalf("the newest record is due at %d, want %d: the later deadline", newest.Due, want)
+		}
+	})
+}
