@@ -186,18 +186,8 @@ func (t *Tracker) Sent(r PendingRequest) {
 			// would hold a record per request a fast request/response
 			// client made within request_timeout, unbounded.
 			t.pending = slices.DeleteFunc(t.pending, func(r PendingRequest) bool { return t.Covered(&r) })
-		case !t.perBurst && last+1 >= maxPending && last > 0 && t.doneWith(l) && t.doneWith(&t.pending[last-1]):
-			// Full, and the two newest have had their verdict or their
-			// answer: they are kept for the staleness check alone, which
-			// one entry does for both (the later deadline, toward not
-			// dropping), and r takes the room with a verdict of its own.
-			// Joined to an answered one, it had none: a server that
-			// stopped while a client made request after request, each
-			// answered, was never judged by the request left waiting.
-			p := &t.pending[last-1]
-			p.N += l.N
-			p.End, p.last, p.judged = max(p.End, l.End), max(p.last, l.last), true
-			t.pending = t.pending[:last]
+		case !t.perBurst && last+1 >= maxPending && t.roomLocked():
+			// r takes the room with a verdict of its own.
 		case !t.perBurst && last+1 >= maxPending:
 			// Full: r joins the newest entry waiting for its verdict, in
 			// the way that can only put a verdict off (see joinLocked).
@@ -256,13 +246,34 @@ func (t *Tracker) Adopt(rs []PendingRequest) {
 	}
 	for _, r := range rs {
 		r.last = r.Due // the link is gone: nothing can be stale
-		if len(t.pending) < maxPending {
+		if len(t.pending) < maxPending || t.roomLocked() {
 			t.pending = append(t.pending, r)
 			t.armLocked(r.Due)
 			continue
 		}
 		t.joinLocked(r)
 	}
+}
+
+// roomLocked makes room for one entry in a full list when the two newest
+// need no verdict any more (doneWith): they are kept for the staleness
+// check alone, which one entry does for both (the later deadline, toward
+// not dropping). A request joined to an answered entry had no verdict of
+// its own: a server that stopped while a client made request after
+// request, each answered (or, at an endpoint, while clients gave up on
+// requests it answered after), was never judged by the request left
+// waiting. It reports false when the two newest are not both done with.
+// t.mu is held.
+func (t *Tracker) roomLocked() bool {
+	last := len(t.pending) - 1
+	if last < 1 || !t.doneWith(&t.pending[last]) || !t.doneWith(&t.pending[last-1]) {
+		return false
+	}
+	p, l := &t.pending[last-1], &t.pending[last]
+	p.N += l.N
+	p.End, p.last, p.judged = max(p.End, l.End), max(p.last, l.last), true
+	t.pending = t.pending[:last]
+	return true
 }
 
 // joinLocked adds r to the newest entry not yet judged with r's threshold

@@ -388,3 +388,30 @@ func TestTrackerJoinPastTheBoundKeepsTheLaterDeadline(t *testing.T) {
 		}
 	})
 }
+
+// An endpoint's tracker full of adopted requests that were answered
+// since (clients that gave up on a slow server, which then answered)
+// leaves room for the next adopted request's own record: a server that
+// stopped then is judged by it. Before, it joined the newest record,
+// answered already, and was never judged.
+func TestTrackerAdoptFullOfAnsweredJudgesTheNext(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		r := newTrackerRig(time.Millisecond, false)
+		defer r.t.Stop()
+		for range 3 * maxPending {
+			at := Mono()
+			r.t.Adopt([]PendingRequest{{At: at, Held: at, Due: at + int64(time.Hour), N: 1, Thr: 3}})
+			time.Sleep(time.Millisecond)
+			r.answer.Store(Mono())
+			time.Sleep(time.Millisecond)
+		}
+		if n := r.t.Records(); n != maxPending {
+			t.Fatalf("%d records, want %d", n, maxPending)
+		}
+		at := Mono()
+		r.t.Adopt([]PendingRequest{{At: at, Held: at, Due: at + int64(time.Second), N: 1, Thr: 3}})
+		if _, _, counted := r.after(time.Second + 2*time.Millisecond); counted != 1 {
+			t.Fatalf("%d unanswered at the last request's deadline, want 1", counted)
+		}
+	})
+}
