@@ -9,6 +9,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
 )
 
 // Past the bound of a link's records (linkRecordBound), a new request
@@ -145,4 +148,70 @@ func TestRequestsPastTheRecordBoundToALiveServer(t *testing.T) {
 		t.Fatalf("stale_frames_dropped_total = %v, want 0", m)
 	}
 	h.noLinkEnded("a link to a live server")
+}
+
+// The same with the incident's own client: a Pinot broker's queries on its
+// one connection to a server, each answered, fill the link's records
+// (each kept until its timeoutMs and a second), and then the server
+// stops answering (it still reads: wedged). The query left waiting is
+// the evidence at its own deadline. Before, it joined an answered record
+// and was never judged.
+func TestPinotQueryPastTheRecordBoundToAStoppedServerIsJudged(t *testing.T) {
+	srv, h, query := pinotQueries(t)
+	const fill = linkRecordBound + 100
+	for i := range fill {
+		query(int64(i+1), true)
+	}
+	recordsFull(t, h, fill)
+	srv.SetSilent(true)
+	sent := time.Now()
+	query(fill+1, false)
+	h.excludedUnanswered(sent, pinotBoundTimeout+time.Second, pinotBoundTimeout+time.Second+3*time.Second)
+}
+
+// The twin: queries answered past the bound, for longer than the records
+// live, are never judged.
+func TestPinotQueriesPastTheRecordBoundToALiveServer(t *testing.T) {
+	_, h, query := pinotQueries(t)
+	id := int64(0)
+	for end := time.Now().Add(pinotBoundTimeout + 2*time.Second); time.Now().Before(end); {
+		id++
+		query(id, true)
+	}
+	if id <= linkRecordBound {
+		t.Logf("only %d queries: the bound was not reached", id)
+	}
+	h.nothingCounted()
+	h.noLinkEnded("a link to a live Pinot server")
+}
+
+// pinotBoundTimeout is the queries' timeoutMs: due a second later.
+const pinotBoundTimeout = 3 * time.Second
+
+// pinotQueries starts a Pinot server and a proxy with the pinot profile in
+// front of it, and returns a function that sends a query on one client
+// connection and, if wait, reads its answer.
+func pinotQueries(t *testing.T) (*pinotsim.Server, *harness, func(id int64, wait bool)) {
+	t.Helper()
+	srv, err := pinotsim.NewServer(pinotsim.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = srv.Close() })
+	h := start(t, srv.Addr(), func(s *policy.Settings) {
+		s.Framing.Type = policy.FramingPinot
+		s.Detector.Probe = policy.ProbeKindConnect
+		s.Detector.InitialDelay = policy.Duration(10 * time.Second)
+	})
+	c := h.dial()
+	return srv, h, func(id int64, wait bool) {
+		t.Helper()
+		q := pinotsim.AppendRequest(nil, &pinotsim.Request{ID: id, Table: "t_OFFLINE", TimeoutMs: pinotBoundTimeout.Milliseconds()})
+		if _, err := c.Write(lptestutil.LengthPrefixed(q)); err != nil {
+			t.Fatal(err)
+		}
+		if wait {
+			readFrame(t, c, 5*time.Second)
+		}
+	}
 }
