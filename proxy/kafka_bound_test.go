@@ -215,3 +215,74 @@ func pinotQueries(t *testing.T) (*pinotsim.Server, *harness, func(id int64, wait
 		}
 	}
 }
+
+// The endpoint's record of requests whose links ended (clients that gave
+// up) makes room the same way. Clients send a request each and reset
+// their connection at once, while the server answers nothing; then the
+// server answers (on a link that stayed), which covers all of them, and
+// stops. The request of the next client that gives up is the evidence at
+// its own deadline. Before, it joined an answered record and was never
+// judged.
+func TestAbandonedRequestPastTheRecordBoundIsJudged(t *testing.T) {
+	abandonedPastTheBound(t, true)
+}
+
+// The twin: the server goes on answering; the next client that gives up
+// has its answer on the link that stayed, and nothing is counted, though
+// every abandoned request's deadline passes.
+func TestAbandonedRequestsPastTheRecordBoundToALiveServer(t *testing.T) {
+	abandonedPastTheBound(t, false)
+}
+
+// abandonedPastTheBound: see its two tests; stops says whether the server
+// stops answering after the answer that covers the abandoned requests.
+func abandonedPastTheBound(t *testing.T, stops bool) {
+	const rt = 8 * time.Second
+	var answer atomic.Bool
+	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	peer.SetAnswer(func(int64) (time.Duration, bool) { return 0, answer.Load() })
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop) }) // after the proxy's close: cleanups run last first
+	h := start(t, peer.Addr(), framed(rt, 1, nil))
+	go func() { // more links end than the harness keeps
+		for {
+			select {
+			case <-h.ended:
+			case <-stop:
+				return
+			}
+		}
+	}()
+	stays := h.dial()
+	giveUp := func() {
+		c := h.dial()
+		sendFrame(t, c, "given up")
+		_ = c.SetLinger(0)
+		_ = c.Close()
+	}
+	const churn = linkRecordBound + 100
+	for range churn {
+		giveUp()
+	}
+	ep := h.p.lookupEndpoint(peer.Addr())
+	waitFor(t, 5*time.Second, "every abandoned request adopted", func() bool {
+		return ep.orphans.Pending() >= churn
+	})
+	answer.Store(true)
+	roundTripFrame(t, stays, "an answer after them all")
+	answer.Store(!stops)
+	if r := ep.orphans.Records(); r < linkRecordBound {
+		t.Fatalf("%d records of abandoned requests, want %d", r, linkRecordBound)
+	}
+	sent := time.Now()
+	giveUp()
+	if stops {
+		h.excludedUnanswered(sent, rt, rt+3*time.Second)
+		return
+	}
+	for end := time.Now().Add(rt + time.Second); time.Now().Before(end); {
+		roundTripFrame(t, stays, "answered")
+		time.Sleep(10 * time.Millisecond)
+	}
+	h.nothingCounted()
+}
