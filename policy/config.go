@@ -343,8 +343,9 @@ type Settings struct {
 	Keepalive Keepalive `yaml:"keepalive"`
 	// WriteBuffer bounds the bytes queued toward the upstream per link.
 	WriteBuffer WriteBuffer `yaml:"write_buffer"`
-	// HalfCloseTimeout bounds how long the other direction may keep flowing
-	// after one side sent FIN. 0: unbounded; negative is invalid.
+	// HalfCloseTimeout bounds how long, after one side sent FIN, the other
+	// direction may move no byte (an inactivity bound: it is kept while
+	// bytes move). 0: unbounded; negative is invalid.
 	HalfCloseTimeout Duration `yaml:"half_close_timeout"`
 	// UpstreamMark sets SO_MARK on upstream sockets so that interception
 	// rules can exempt the proxy's own traffic (needs NET_ADMIN). 0: no

@@ -58,12 +58,7 @@ func TestLastFINAfterAllBytesClientFirst(t *testing.T) {
 	})
 	h := start(t, addr, nil)
 	c := h.dial()
-	if _, err := c.Write([]byte("request")); err != nil {
-		t.Fatal(err)
-	}
-	if err := c.CloseWrite(); err != nil {
-		t.Fatal(err)
-	}
+	sendAndHalfClose(t, c, []byte("request"))
 	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
 	time.Sleep(100 * time.Millisecond) // let the proxy's send queue to the client fill
 	got, err := io.ReadAll(c)

@@ -143,6 +143,7 @@ type link struct {
 	fins      int         // directions whose FIN has been passed on
 	firstFin  CloseReason // reason if the link ends cleanly
 	halfTimer *time.Timer
+	halfMoved int64 // halfProgress when halfTimer was last armed
 }
 
 // newLink returns a link for a client connection. ep is the endpoint of a
@@ -242,6 +243,7 @@ func (lk *link) finish() {
 	lk.finMu.Lock()
 	if lk.halfTimer != nil {
 		lk.halfTimer.Stop()
+		lk.halfTimer = nil // a run already under way ends the link no more
 	}
 	lk.finMu.Unlock()
 }
@@ -754,14 +756,55 @@ func (lk *link) passedFin() {
 	lk.fins++
 	if lk.fins == 1 {
 		if hc := lk.settings.HalfCloseTimeout.D(); hc > 0 {
-			lk.halfTimer = time.AfterFunc(hc, func() {
-				lk.abort(CloseHalfCloseTimeout, nil)
-			})
+			lk.halfMoved = lk.halfProgress()
+			lk.halfTimer = time.AfterFunc(hc, func() { lk.halfClosedIdle(hc) })
 		}
 		return
 	}
 	// Both directions done: the pumps are ending on their own.
 	lk.setReason(lk.firstFin, nil)
+}
+
+// halfClosedIdle runs half_close_timeout (hc) after the first FIN, and
+// again hc after each run that found bytes moved: the direction still
+// open is ended (both sides reset) once it has moved no byte for hc.
+// An inactivity bound, as HAProxy's client-fin and server-fin: a client
+// that half-closes after its request while a long answer streams in, or
+// an upload that goes on after the server's answer, is healthy and kept
+// for as long as bytes move; one that stopped is cut.
+func (lk *link) halfClosedIdle(hc time.Duration) {
+	moved := lk.halfProgress()
+	lk.finMu.Lock()
+	if lk.fins != 1 || lk.halfTimer == nil {
+		// The other direction ended cleanly meanwhile, or the link did.
+		lk.finMu.Unlock()
+		return
+	}
+	if moved != lk.halfMoved {
+		lk.halfMoved = moved
+		lk.halfTimer.Reset(hc)
+		lk.finMu.Unlock()
+		return
+	}
+	lk.finMu.Unlock()
+	lk.abort(CloseHalfCloseTimeout, nil)
+}
+
+// halfProgress is a count that grows while the link moves bytes: read
+// from either side, or acknowledged by either peer's kernel (what a
+// slow reader takes of a write the pump is waiting in: the pump reads
+// nothing meanwhile). A mesh stream's side counts by its reads alone.
+func (lk *link) halfProgress() int64 {
+	n := lk.bytesUp.Load() + lk.bytesDown.Load()
+	if a, ok := lk.ackedBytes(); ok {
+		n += a
+	}
+	if c, ok := lk.client.(*tcpClient); ok && c.rc != nil {
+		if a, ok := flow.BytesAcked(c.rc); ok {
+			n += a
+		}
+	}
+	return n
 }
 
 // abort ends the link with reason, resetting both sides at once. It

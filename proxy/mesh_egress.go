@@ -92,8 +92,8 @@ type egressSession struct {
 // the half-close timeout, printed (mesh.tls.peers is a slice).
 type sessionKey string
 
-func newSessionKey(m policy.Mesh, hc time.Duration) sessionKey {
-	return sessionKey(fmt.Sprintf("%+v %v", m, hc))
+func newSessionKey(m policy.Mesh) sessionKey {
+	return sessionKey(fmt.Sprintf("%+v", m))
 }
 
 // idle reports whether the session carries no link.
@@ -211,8 +211,8 @@ func (p *Proxy) closeMesh() {
 // session returns a live session to the peer, dialled with the same
 // settings, with the fewest streams; it dials one when there is none, or
 // when every one carries streams and fewer than mesh.sessions exist.
-func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration, dialer *net.Dialer) (*egressSession, error) {
-	key := newSessionKey(m, hc)
+func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dialer) (*egressSession, error) {
+	key := newSessionKey(m)
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
@@ -261,7 +261,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 		}
 		return best, nil
 	}
-	es, err := pr.dial(ctx, m, hc, key, dialer)
+	es, err := pr.dial(ctx, m, key, dialer)
 	if err != nil {
 		if best != nil {
 			return best, nil
@@ -273,7 +273,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, hc time.Duration
 
 // dial opens a session to the peer: the connection, the handshake, then
 // yamux.
-func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
+func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
 	c, tc, err := pr.connect(ctx, m, dialer)
 	if err != nil {
 		return nil, err
@@ -326,7 +326,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, hc time.Duration, k
 	// opens is refused.
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
-	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, hc, log, pr.p.metrics,
+	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, log, pr.p.metrics,
 		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams, Idle: es.unused}, mesh.Admission{Admit: admit, Streams: 1})
 	if err != nil {
 		_ = c.Close()
@@ -503,8 +503,8 @@ func (pr *meshPeer) epochOf(port uint16) uint64 {
 
 // probe proves an endpoint behind the peer: a session answers a ping and
 // the peer announces the port ready.
-func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, hc time.Duration, dialer *net.Dialer) error {
-	es, err := pr.session(ctx, m, hc, dialer)
+func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, dialer *net.Dialer) error {
+	es, err := pr.session(ctx, m, dialer)
 	if err != nil {
 		return err
 	}
@@ -626,7 +626,7 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 	}
 	n, _ := strconv.Atoi(eport)
 	pr := ep.p.meshPeer(host, port)
-	err = pr.probe(ctx, uint16(n), m, s.HalfCloseTimeout.D(), &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)})
+	err = pr.probe(ctx, uint16(n), m, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)})
 	if errors.Is(err, mesh.ErrNoIngress) && m.Fallback == policy.MeshFallbackDirect {
 		return false, nil
 	}

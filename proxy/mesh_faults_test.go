@@ -378,8 +378,8 @@ func TestMeshHalfCloseTimeoutResetsClient(t *testing.T) {
 }
 
 // The same race on the ingress, the other way: the server answered and
-// half-closed (its FIN passed on), the client is still uploading when the
-// ingress's half_close_timeout comes. The link must reset the server
+// half-closed (its FIN passed on), the client's upload stalled (no FIN)
+// when the ingress's half_close_timeout comes. The link must reset the server
 // (a truncated upload is never passed on as a whole one). When yamux's
 // close timer on the ingress wins, the ingress's request pump reads the
 // force-closed stream's io.EOF as the client's FIN (streamClient.read:
@@ -408,7 +408,7 @@ func TestMeshIngressHalfCloseTimeoutResetsServer(t *testing.T) {
 		c := eg.dial()
 		stop := make(chan struct{})
 		up := make(chan struct{})
-		go trickleUpload(c, stop, up)
+		go stalledUpload(c, stop, up)
 		select {
 		case err := <-ends:
 			if err == nil {
@@ -601,18 +601,13 @@ func TestMeshReplacedIngressNewEpochAfterARefusal(t *testing.T) {
 	roundTrip(t, eg.dialWhenReadmitted(5*time.Second), []byte("after"))
 }
 
-// trickleUpload writes a little to c every 20 ms until stop is closed or
-// a write fails, then closes up.
-func trickleUpload(c net.Conn, stop <-chan struct{}, up chan<- struct{}) {
+// stalledUpload writes a little to c, then nothing more (and no FIN)
+// until stop is closed, then closes up: an upload that stopped moving,
+// which half_close_timeout ends once the other side has sent its FIN.
+func stalledUpload(c net.Conn, stop <-chan struct{}, up chan<- struct{}) {
 	defer close(up)
-	for {
-		if _, err := c.Write([]byte("upload chunk ")); err != nil {
-			return
-		}
-		select {
-		case <-stop:
-			return
-		case <-time.After(20 * time.Millisecond):
-		}
+	if _, err := c.Write([]byte("upload chunk ")); err != nil {
+		return
 	}
+	<-stop
 }

@@ -777,7 +777,7 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 	// change the listener's half_close_timeout, which its links follow,
 	// and a timer armed from the old one could end a stream first,
 	// passing a clean end on. The links' own timers reset the streams.
-	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, 0, h.log, in.l.p.metrics, mesh.Hooks{},
+	ms, err := mesh.NewSession(h.tc, h.c, false, metrics.MeshIngress, h.m, h.log, in.l.p.metrics, mesh.Hooks{},
 		mesh.Admission{Admit: admit, Streams: perSession})
 	if err != nil {
 		in.forgetPeer(host)

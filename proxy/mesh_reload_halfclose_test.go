@@ -45,7 +45,7 @@ func TestMeshIngressReloadedHalfCloseResetsTheServer(t *testing.T) {
 		stop := make(chan struct{})
 		up := make(chan struct{})
 		t0 := time.Now()
-		go trickleUpload(c, stop, up)
+		go stalledUpload(c, stop, up)
 		var e end
 		select {
 		case e = <-ends:

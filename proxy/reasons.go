@@ -16,7 +16,7 @@ const (
 	CloseUpstreamTimeout  CloseReason = "upstream_timeout"   // ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up
 	CloseWriteTimeout     CloseReason = "write_timeout"      // the upstream acknowledged nothing for write_timeout
 	CloseWatermark        CloseReason = "watermark"          // past the high watermark with on_overflow: reject
-	CloseHalfCloseTimeout CloseReason = "half_close_timeout" // the other direction still open half_close_timeout after a FIN
+	CloseHalfCloseTimeout CloseReason = "half_close_timeout" // after a FIN, the other direction moved no byte for half_close_timeout
 	CloseDialError        CloseReason = "dial_error"         // every upstream dial failed (refused, unreachable, timeout)
 	CloseLocalError       CloseReason = "local_error"        // the proxy's own failure: descriptors, memory, a refused socket option
 	CloseShutdown         CloseReason = "shutdown"           // still open when the drain timeout ran out

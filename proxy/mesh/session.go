@@ -223,9 +223,9 @@ func ReadStatus(r io.Reader) (StatusMsg, error) {
 }
 
 // yamuxConfig is the session configuration for mesh settings m (with
-// defaults applied) and half-close timeout hc. yamux's own keepalive is
-// off: the session's heartbeat judges it (see Session).
-func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Config {
+// defaults applied). yamux's own keepalive is off: the session's
+// heartbeat judges it (see Session).
+func yamuxConfig(m policy.Mesh, log zerolog.Logger) *yamux.Config {
 	c := yamux.DefaultConfig()
 	c.EnableKeepAlive = false
 	c.KeepAliveInterval = m.PingInterval.D() // unused with keepalive off; must be positive
@@ -238,15 +238,12 @@ func yamuxConfig(m policy.Mesh, hc time.Duration, log zerolog.Logger) *yamux.Con
 	c.MaxStreamWindowSize = uint32(m.StreamWindow)
 	// The link's own half-close timer ends a stream one side closed and
 	// the other did not, with a reset both ways (Session.ResetStream),
-	// never a clean end: yamux's timer, which closes the stream as if the
-	// peer had ended it, is only the backstop, armed past the link's
-	// (yamux arms it a moment earlier, in Stream.Close), and off with the
-	// link's (0 keeps the stream until the other side closes, as a plain
-	// link does).
+	// never a clean end, once the direction still open has moved no byte
+	// for half_close_timeout. yamux's timer is off: it is fixed from
+	// the close, and would end a stream whose other direction still
+	// streams (an answer that goes on after the client's FIN), closing it
+	// as if the peer had ended it.
 	c.StreamCloseTimeout = 0
-	if hc > 0 {
-		c.StreamCloseTimeout = hc + m.PingTimeout.D() + time.Second
-	}
 	// The heartbeat alone judges the session: yamux would close it when a
 	// stream's open is not acknowledged in time, which a busy peer may be
 	// slow to do while it answers every ping.
@@ -337,11 +334,11 @@ type Admission struct {
 // NewSession wraps conn in a yamux session (client: the egress side)
 // and starts its heartbeat. rw is what the session reads and writes:
 // conn, or TLS over it. adm says which streams the peer opens are taken.
-func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, hc time.Duration, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, adm Admission) (*Session, error) {
+func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, adm Admission) (*Session, error) {
 	ms := &Session{Conn: conn, role: role, Interval: m.PingInterval.D(), Timeout: m.PingTimeout.D(), Log: log, m: mt, hooks: hooks}
 	ms.lastRead.Store(flow.Mono())
 	ms.Guard = newMeshGuard(rw, conn, &ms.lastRead, adm, func(limit string) { mt.MeshLimits(role, limit).Inc() })
-	cfg := yamuxConfig(m, hc, log)
+	cfg := yamuxConfig(m, log)
 	var err error
 	if client {
 		ms.Sess, err = yamux.Client(ms.Guard, cfg)
