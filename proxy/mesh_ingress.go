@@ -995,9 +995,10 @@ const maxRefusingStreams = 128
 // A refused stream is reset once its header has arrived (within
 // mesh.HeaderTimeout), as when the slot was taken after it: a reset that
 // overtook the egress's write of the header would fail the write, which
-// the egress takes for a session that cannot open streams and retires
-// (seen in TestMeshIngressStreamsTakeMaxLinksSlots: a fifth attempt, on
-// a new session). What the stream holds meanwhile is less than its
+// an egress before refusedAtHeader took for a session that cannot open
+// streams and retired (seen in TestMeshIngressStreamsTakeMaxLinksSlots:
+// a fifth attempt, on a new session); one since takes it for the
+// refusal it is. What the stream holds meanwhile is less than its
 // header; at most maxRefusingStreams wait so, one more is reset at once.
 //
 // Refused rather than waiting for a slot: the egress reads a reset

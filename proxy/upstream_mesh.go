@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"strconv"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -100,10 +101,16 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 			if st.StreamID() > mesh.RetireAfterStreams {
 				es.Retire("stream ids running out")
 			}
+			if hook := testHookMeshStreamOpened.Load(); hook != nil {
+				(*hook)(es, st)
+			}
 			if _, err = st.Write(mesh.Header(uint16(n))); err == nil {
 				return es.awaitAck(ctx, lk, st, uint16(n))
 			}
 			es.ResetStream(st)
+			if refused := es.refusedAtHeader(err); refused != nil {
+				return nil, refused
+			}
 		}
 		// A stream that cannot open on a live session is no evidence
 		// against the server: the session is retired, another takes the
@@ -117,11 +124,32 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	}
 }
 
+// testHookMeshStreamOpened, when set (by a test), runs between a link's
+// stream open and the write of its header: a test holds the write until
+// the peer's reset of the stream has arrived (or its session died), an
+// order nothing on a loopback socket can be made to take.
+var testHookMeshStreamOpened atomic.Pointer[func(*egressSession, *yamux.Stream)]
+
 // errMeshRefused: the peer sidecar could not connect the stream to its
 // server (refused, not served, out of routing there). The peer sidecar
 // judges its own server and announces it; the egress tries the next
 // endpoint without reporting this one.
 var errMeshRefused = errors.New("mesh: the peer sidecar could not reach the server")
+
+// refusedAtHeader is errMeshRefused when err, the failed write of a
+// stream's header, is the peer's reset of the stream while the session
+// lives (the ingress refused the stream before its header arrived: at
+// a limit, say), else nil. A reset is that stream's refusal by the peer
+// sidecar, as one after the header is (awaitAck), not a session that
+// cannot open streams: the link tries its next endpoint, the session,
+// which its heartbeat judges, is kept. A session dead or closed is not
+// the peer refusing: the write's failure is handled as any other's.
+func (es *egressSession) refusedAtHeader(err error) error {
+	if !errors.Is(err, yamux.ErrConnectionReset) || es.Dead.Load() || es.Closed() {
+		return nil
+	}
+	return fmt.Errorf("%w (the stream was reset as its header was written: %v)", errMeshRefused, err)
+}
 
 // awaitAck waits for the ingress's acknowledgement that it reached the
 // server (port, on the peer), within the link's connect budget (ctx) plus
