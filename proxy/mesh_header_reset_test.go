@@ -84,7 +84,7 @@ func (ri *rawIngress) accept() {
 		}
 		_ = tc.SetDeadline(time.Time{})
 		fc := &freezeConn{Conn: tc, thaw: ri.thaw}
-		ms, err := mesh.NewSession(tc, fc, false, metrics.MeshIngress, m, 0, zerolog.Nop(), metrics.New(), mesh.Hooks{}, mesh.Admission{Streams: 16})
+		ms, err := mesh.NewSession(tc, fc, false, metrics.MeshIngress, m, zerolog.Nop(), metrics.New(), mesh.Hooks{}, mesh.Admission{Streams: 16})
 		if err != nil {
 			_ = tc.Close()
 			continue
