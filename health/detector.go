@@ -510,7 +510,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		// A probe due while every slot is taken waits its turn: no
 		// verdict, and its time starts when it runs. Clients turned
 		// away put it ahead of the probes nobody waits on.
-		if !d.slots.acquire(ctx, e.name, plan.wanted) {
+		if !d.slots.acquire(ctx, e.name, plan.wanted, pc.Waiting) {
 			return
 		}
 		d.mu.Lock()

@@ -382,3 +382,135 @@ func TestUnwantedProbeIsOvertakenAtMostOneRound(t *testing.T) {
 		}
 	}
 }
+
+// slotPlace is endpoint's place among the probes waiting for a slot (-1
+// if its probe does not wait) and how many wait, by the slots' own
+// accounting.
+func (d *Detector) slotPlace(endpoint string) (place, queued int) {
+	d.slots.mu.Lock()
+	defer d.slots.mu.Unlock()
+	return slices.IndexFunc(d.slots.waiters, func(w slotWaiter) bool { return w.endpoint == endpoint }), len(d.slots.waiters)
+}
+
+// waitForSlots waits until d's slots hold inFlight probes and queue
+// waiting ones.
+func waitForSlots(t *testing.T, d *Detector, inFlight, waiting int) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if f, w := d.ProbeSlots(); f == inFlight && w == waiting {
+			return
+		}
+		if time.Now().After(deadline) {
+			f, w := d.ProbeSlots()
+			t.Fatalf("premise: %d probes in flight and %d waiting, not reached in 30s (%d, %d)", inFlight, waiting, f, w)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A probe that queued for a slot while nobody waited on its endpoint
+// goes ahead of the probes nobody waits on once clients are turned away
+// for it: a pool's member whose probe queued while the pool still routed
+// to other members, in a zone outage that then takes the last one. Its
+// clients wait from then on; before, its probe kept its place behind
+// the whole queue (one probe_timeout for every MaxProbes of it) because
+// Waiting was asked only before it queued. The slot is held for the test
+// (a minute's probe of a black hole), so the places are the slots' own.
+// The twin: a queued probe whose clients do not wait, asked again as
+// often, keeps its place behind the others.
+func TestQueuedProbeGoesAheadOnceClientsWait(t *testing.T) {
+	const unwanted = 4
+	addrs := blackHoles(t, 1+unwanted+2)
+	hold, dead, member, other := addrs[0], addrs[1:1+unwanted], addrs[1+unwanted], addrs[2+unwanted]
+	d := New(Options{MaxProbes: 1})
+	defer d.Close()
+	pc := ProbeConfig{Kind: ProbeKafka, Timeout: time.Minute, InitialDelay: 10 * time.Millisecond, Factor: 1e6, MaxDelay: time.Hour}
+	d.Register(hold, pc)
+	d.Report(hold, "write_timeout")
+	waitForSlots(t, d, 1, 0)
+	for i, a := range dead {
+		d.Register(a, pc)
+		d.Report(a, "write_timeout")
+		waitForSlots(t, d, 1, i+1)
+	}
+	var memberWaits atomic.Bool
+	var otherAsked atomic.Int32
+	mpc, opc := pc, pc
+	mpc.Waiting = memberWaits.Load
+	opc.Waiting = func() bool { otherAsked.Add(1); return false }
+	d.Register(member, mpc)
+	d.Report(member, "write_timeout")
+	waitForSlots(t, d, 1, unwanted+1)
+	d.Register(other, opc)
+	d.Report(other, "write_timeout")
+	waitForSlots(t, d, 1, unwanted+2)
+	if place, queued := d.slotPlace(member); place != unwanted {
+		t.Fatalf("premise: the member's probe queued at place %d of %d, want %d (behind the others)", place, queued, unwanted)
+	}
+
+	memberWaits.Store(true) // the pool's last member is out: its clients wait
+	asked := otherAsked.Load()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		place, queued := d.slotPlace(member)
+		if place == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the probe clients now wait for is at place %d of %d after 20s, want first (Waiting is asked every %v)", place, queued, WaitingInterval/2)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	// The twin: asked twice more since, still behind every probe that
+	// queued before it.
+	for otherAsked.Load() < asked+2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the queued probe nobody waits on was asked %d times in 20s", otherAsked.Load()-asked)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if place, queued := d.slotPlace(other); place != queued-1 || queued != unwanted+2 {
+		t.Fatalf("the probe nobody waits on is at place %d of %d, want last of %d", place, queued, unwanted+2)
+	}
+	d.slots.mu.Lock()
+	defer d.slots.mu.Unlock()
+	// Those it went ahead of count it (once each, of MaxProbes 1: no
+	// further wanted probe may overtake them); the one behind it already
+	// does not.
+	for _, w := range d.slots.waiters[1:] {
+		want := 1
+		if w.endpoint == other {
+			want = 0
+		}
+		if w.overtaken != want {
+			t.Fatalf("%s overtaken %d times, want %d", w.endpoint, w.overtaken, want)
+		}
+	}
+}
+
+// A probe promoted while it waits goes ahead of the probes nobody waits
+// on that may still be overtaken, never behind its place, nor ahead of a
+// wanted one queued before it.
+func TestPromotedProbeKeepsTheBound(t *testing.T) {
+	s := &probeSlots{max: 2}
+	s.waiters = []slotWaiter{
+		{endpoint: "w0", wanted: true},
+		{endpoint: "u1", overtaken: 2},
+		{endpoint: "u2", overtaken: 1},
+		{endpoint: "x"},
+		{endpoint: "u3"},
+	}
+	s.promoteLocked(3)
+	var got []string
+	for _, w := range s.waiters {
+		got = append(got, fmt.Sprintf("%s:%d", w.endpoint, w.overtaken))
+	}
+	if want := []string{"w0:0", "u1:2", "x:0", "u2:2", "u3:0"}; !slices.Equal(got, want) || !s.waiters[2].wanted {
+		t.Fatalf("queue %v (x wanted %v), want %v, x wanted", got, s.waiters[2].wanted, want)
+	}
+	s.promoteLocked(1) // u1 may not be overtaken again, nor go ahead of w0
+	if s.waiters[1].endpoint != "u1" || s.waiters[0].endpoint != "w0" {
+		t.Fatalf("promoted u1 moved: %v", s.waiters)
+	}
+}
