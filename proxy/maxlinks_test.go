@@ -270,3 +270,32 @@ func TestWaitingListenerGoesBeforeAMeshStream(t *testing.T) {
 	second := r.openEchoers(1)
 	served(t, map[*echoer]bool{second[0]: true}, 1, 10*time.Second)
 }
+
+// A reload that changes max_links or the budget says so in the log, and
+// says the warnings its limits have that the old ones had not: the start
+// log says them once, and before a reload left them unsaid (a reload
+// that adds a mesh listener lowers a derived max_links to a third).
+func TestReloadLogsChangedLimitsAndNewWarnings(t *testing.T) {
+	r := startLimited(t, policy.Limits{}, 0)
+	was := r.p.Limits().MaxLinks
+	retuned := r.cfg
+	retuned.Limits = policy.Limits{MaxLinks: 2, Memory: 64 << 20, MemoryBudget: 64 << 20}
+	if err := r.p.Reload(retuned); err != nil {
+		t.Fatal(err)
+	}
+	log := r.log.String()
+	if !strings.Contains(log, `"message":"limits changed"`) || !strings.Contains(log, `"max_links":2,"max_links_was":`+strconv.Itoa(was)) {
+		t.Fatalf("no limits change logged for max_links %d -> 2:\n%s", was, log)
+	}
+	if !strings.Contains(log, `"level":"warn","message":"memory budget`) {
+		t.Fatalf("the new limits' warning (budget not below the memory) not logged at the reload:\n%s", log)
+	}
+	// The twin: a reload that changes neither logs neither.
+	before := strings.Count(r.log.String(), `"limits changed"`)
+	if err := r.p.Reload(retuned); err != nil {
+		t.Fatal(err)
+	}
+	if after := strings.Count(r.log.String(), `"limits changed"`); after != before {
+		t.Fatalf("a reload with the same limits logged a change")
+	}
+}

@@ -240,10 +240,30 @@ func (p *Proxy) setLimits(cfg policy.Config) Limits {
 	if p.manageRuntime && was.ProcsSource != "" && was.Procs != l.Procs {
 		p.log.Info().Int("gomaxprocs", l.Procs).Int("was", was.Procs).Str("gomaxprocs_source", l.ProcsSource).Msg("GOMAXPROCS changed")
 	}
+	if was.MaxLinksSource != "" {
+		p.logRetunedLimits(was, l)
+	}
 	p.budget.SetLimit(l.Budget)
 	p.slots.setMax(l.MaxLinks)
 	p.parkAfter.Store(int64(l.ParkIdleAfter))
 	return l
+}
+
+// logRetunedLimits says, at a reload, what changed from was to l in
+// max_links and the budget (a reload that adds a mesh listener lowers a
+// derived max_links, say), and the warnings l has that was had not: the
+// start log says them once, a reload would leave them unsaid.
+func (p *Proxy) logRetunedLimits(was, l Limits) {
+	if was.MaxLinks != l.MaxLinks || was.Budget != l.Budget {
+		p.log.Info().Int("max_links", l.MaxLinks).Int("max_links_was", was.MaxLinks).Str("max_links_source", l.MaxLinksSource).
+			Int64("memory_budget", l.Budget).Int64("memory_budget_was", was.Budget).Msg("limits changed")
+	}
+	old := was.Warnings()
+	for _, w := range l.Warnings() {
+		if !slices.Contains(old, w) {
+			p.log.Warn().Msg(w)
+		}
+	}
 }
 
 // Limits returns the process limits in force: the memory budget, max_links,
