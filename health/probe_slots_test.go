@@ -221,11 +221,7 @@ func TestRecoveredEndpointIsProbedInItsTurn(t *testing.T) {
 		d.Register(a, long)
 		d.Report(a, "write_timeout")
 	}
-	select {
-	case <-readmitted:
-	case <-time.After(time.Minute):
-		t.Fatal("the recovered endpoint was not readmitted within a minute")
-	}
+	awaitReadmitted(t, readmitted)
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	t.Logf("recovered endpoint readmitted %v after its exclusion, behind %d dead endpoints' probes of 100 ms on %d slots; %d later probes dialled before it",
@@ -250,6 +246,17 @@ func recoveryRig(t *testing.T, slots int) (alive string, sc *socketCounter, d *D
 	}})
 	t.Cleanup(d.Close)
 	return alive, sc, d, readmitted
+}
+
+// awaitReadmitted waits for recoveryRig's live peer to be readmitted,
+// a minute at most.
+func awaitReadmitted(t *testing.T, readmitted <-chan struct{}) {
+	t.Helper()
+	select {
+	case <-readmitted:
+	case <-time.After(time.Minute):
+		t.Fatal("the recovered endpoint was not readmitted within a minute")
+	}
 }
 
 func (s *socketCounter) dials(addr string) int {
@@ -348,11 +355,7 @@ func TestWantedProbeGoesAheadOfTheQueue(t *testing.T) {
 	if place > 0 || place < 0 && sc.dials(alive) == 0 {
 		t.Fatalf("the probe clients wait for is at place %d of %d waiting for a slot (dialled %d times), want first", place, queued, sc.dials(alive))
 	}
-	select {
-	case <-readmitted:
-	case <-time.After(time.Minute):
-		t.Fatal("the recovered endpoint was not readmitted within a minute")
-	}
+	awaitReadmitted(t, readmitted)
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	t.Logf("queued at place %d of %d; %d dead endpoints' probes had dialled when it did", place, queued, deadBefore)
