@@ -14,6 +14,7 @@ package policy
 
 import (
 	"cmp"
+	"math"
 	"strings"
 	"time"
 )
@@ -336,8 +337,10 @@ type Settings struct {
 	// TCPUserTimeout is TCP_USER_TIMEOUT on the upstream socket: data left
 	// unacknowledged this long makes the kernel fail the socket. The proxy
 	// lifts it while the peer's window is zero and its kernel answers the
-	// probes (a peer not reading: write_timeout judges it). 0 leaves the kernel default (tcp_retries2, ~15 min); negative is
-	// invalid.
+	// probes (a peer not reading: write_timeout judges it), and raises it
+	// to IdleUserTimeout while nothing is unacknowledged (keepalive's
+	// count holds). 0 leaves the kernel default (tcp_retries2, ~15 min);
+	// negative is invalid.
 	TCPUserTimeout Duration `yaml:"tcp_user_timeout"`
 	// Keepalive sets TCP keepalive on the upstream socket.
 	Keepalive Keepalive `yaml:"keepalive"`
@@ -538,9 +541,45 @@ type Keepalive struct {
 	// positive when Idle is; never negative.
 	Interval Duration `yaml:"interval"`
 	// Count is the number of unanswered probes before the socket fails
-	// (TCP_KEEPCNT).
+	// (TCP_KEEPCNT): DeadAfter after the last segment received, whatever
+	// TCPUserTimeout is (see Settings.IdleUserTimeout).
 	Count int `yaml:"count"`
 }
+
+// DeadAfter is how long after the last segment received from a silent
+// peer keepalive fails the socket: idle + interval x count, idle and
+// interval in the kernel's whole seconds (rounded up, as they are set);
+// 0 when keepalive is off.
+func (k Keepalive) DeadAfter() time.Duration {
+	if k.Idle <= 0 {
+		return 0
+	}
+	sec := func(d Duration) time.Duration {
+		return max(time.Second, (d.D() + time.Second - 1).Truncate(time.Second))
+	}
+	return sec(k.Idle) + sec(k.Interval)*time.Duration(max(k.Count, 0))
+}
+
+// IdleUserTimeout is the TCP_USER_TIMEOUT the proxy keeps on an upstream
+// socket with nothing unacknowledged: max(tcp_user_timeout, keepalive's
+// DeadAfter), at most the kernel's limit; tcp_user_timeout itself when
+// either is off. Linux's keepalive timer, with TCP_USER_TIMEOUT set,
+// fails the socket at its first run with a probe unanswered once that
+// much has passed since the last segment received, not after count
+// unanswered probes (tcp_keepalive_timer): with tcp_user_timeout below
+// DeadAfter, one lost probe would end a healthy link. Raised to DeadAfter,
+// the count holds, and a dead peer is cut at DeadAfter either way.
+func (s *Settings) IdleUserTimeout() time.Duration {
+	ut := s.TCPUserTimeout.D()
+	if ut <= 0 {
+		return ut
+	}
+	return min(max(ut, s.Keepalive.DeadAfter()), maxUserTimeout)
+}
+
+// maxUserTimeout is the most TCP_USER_TIMEOUT the kernel takes (an int of
+// milliseconds).
+const maxUserTimeout = time.Duration(math.MaxInt32) * time.Millisecond
 
 // Overflow policies for WriteBuffer.OnOverflow.
 const (

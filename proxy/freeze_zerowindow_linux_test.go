@@ -27,6 +27,10 @@ func frozenZeroWindow(t *testing.T, freeze bool) {
 	h := start(t, peer.Addr(), func(s *policy.Settings) {
 		s.TCPUserTimeout = policy.Duration(time.Second)
 		s.WriteTimeout = policy.Duration(30 * time.Second) // the peer stops reading for less than this
+		// Keepalive off: the bound stays tcp_user_timeout while the link
+		// idles (the guard raises it to keepalive's), so the freeze finds
+		// it at the bound the guard would lift.
+		s.Keepalive = policy.Keepalive{Idle: -1}
 	})
 	c := h.dial()
 	if _, err := c.Write([]byte{1}); err != nil {

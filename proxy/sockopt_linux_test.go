@@ -22,8 +22,9 @@ import (
 // Socket options read back from the upstream socket match the config;
 // disabled values leave the kernel's defaults. tcp_user_timeout and
 // keepalive are set by the window guard's first sample, liveDelay after
-// the connect (flow.DialRaw leaves them): unset before, set after; with
-// no tcp_user_timeout (no guard) keepalive is set at the connect.
+// the connect (flow.DialRaw leaves them): unset before, set after, the
+// bound raised to keepalive's on the idle link; with no tcp_user_timeout
+// (no guard) keepalive is set at the connect.
 func TestUpstreamSocketOptions(t *testing.T) {
 	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	kernelIdle := readSysctl(t, "/proc/sys/net/ipv4/tcp_keepalive_time")
@@ -36,7 +37,7 @@ func TestUpstreamSocketOptions(t *testing.T) {
 		{"configured", func(s *policy.Settings) {
 			s.TCPUserTimeout = policy.Duration(2500 * time.Millisecond)
 			s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(3 * time.Second), Count: 4}
-		}, map[string]int{"user_timeout": 2500, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}, true},
+		}, map[string]int{"user_timeout": 19000, "keepalive": 1, "idle": 7, "interval": 3, "count": 4, "nodelay": 1}, true},
 		{"keepalive alone", func(s *policy.Settings) {
 			s.TCPUserTimeout = 0
 			s.Keepalive = policy.Keepalive{Idle: policy.Duration(7 * time.Second), Interval: policy.Duration(3 * time.Second), Count: 4}
@@ -63,9 +64,12 @@ func TestUpstreamSocketOptions(t *testing.T) {
 				t.Logf("first read %v after the connect, not before %v: the options may be set already", early, delay)
 			}
 			if tc.later {
+				// The link idles: the bound is keepalive's idle +
+				// interval x count (19s), not tcp_user_timeout (2.5s),
+				// so that a lost probe is not a dead upstream.
 				waitFor(t, 10*time.Second, "tcp_user_timeout and keepalive set by the window guard", func() bool {
 					got = upstreamOptions(t, h.p)
-					return got["keepalive"] == 1
+					return got["keepalive"] == 1 && got["user_timeout"] == tc.want["user_timeout"]
 				})
 				roundTrip(t, c, []byte("still there"))
 			}

@@ -141,9 +141,7 @@ func (e *tcpEnd) attach(ep *endpoint) bool {
 		_ = e.conn.Close()
 		return false
 	}
-	if e.livePending {
-		e.win.setLivenessLater(liveDelay(lk.settings))
-	}
+	e.win.setLivenessLater(liveDelay(lk.settings), e.livePending)
 	return true
 }
 
@@ -152,7 +150,13 @@ func (e *tcpEnd) run() {
 	go e.pumpRequestsOwned()
 }
 
-func (e *tcpEnd) closeWrite() error { return flow.ShutdownWrite(e.raw) }
+// closeWrite passes the client's FIN on; the window guard watches it as it
+// watches a send (TCP_USER_TIMEOUT bounds its retransmissions too).
+func (e *tcpEnd) closeWrite() error {
+	err := flow.ShutdownWrite(e.raw)
+	e.win.arm()
+	return err
+}
 
 func (*tcpEnd) finByClose() bool { return true }
 

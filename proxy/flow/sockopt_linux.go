@@ -39,13 +39,14 @@ func setUpstreamOptions(fd int, s *policy.Settings, lowat, live bool) error {
 		}
 	}
 	if live {
-		return setLiveness(fd, s)
+		return setLiveness(fd, s, s.TCPUserTimeout.D())
 	}
 	return nil
 }
 
-// setLiveness sets tcp_user_timeout and keepalive. A disabled
-// (non-positive) setting leaves the kernel's default untouched. Keepalive
+// setLiveness sets TCP_USER_TIMEOUT to ut (tcp_user_timeout, or the
+// bound the window guard keeps on an idle socket) and keepalive. A
+// disabled (non-positive) setting leaves the kernel's default untouched. Keepalive
 // times have one-second granularity in the kernel; shorter values round up
 // to one second.
 //
@@ -54,8 +55,8 @@ func setUpstreamOptions(fd int, s *policy.Settings, lowat, live bool) error {
 // last segment received (tcp_sock_set_keepidle_locked re-arms the timer
 // for idle less the time since then), so the first probe goes out when it
 // would have had keepalive been on since the connect.
-func setLiveness(fd int, s *policy.Settings) error {
-	if ut := s.TCPUserTimeout.D(); ut > 0 {
+func setLiveness(fd int, s *policy.Settings, ut time.Duration) error {
+	if ut > 0 {
 		if err := setsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(ut.Milliseconds())); err != nil {
 			return os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
 		}
@@ -110,8 +111,15 @@ func UpstreamControl(s policy.Settings) func(network, address string, c syscall.
 // is an *os.SyscallError; any other error is rc's own (the socket was
 // closed).
 func SetLiveness(rc syscall.RawConn, s *policy.Settings) error {
+	return SetLivenessBound(rc, s, s.TCPUserTimeout.D())
+}
+
+// SetLivenessBound is SetLiveness with TCP_USER_TIMEOUT ut instead of
+// tcp_user_timeout: the window guard sets the bound it keeps on an idle
+// socket (see policy.Settings.IdleUserTimeout).
+func SetLivenessBound(rc syscall.RawConn, s *policy.Settings, ut time.Duration) error {
 	var serr error
-	if err := rc.Control(func(fd uintptr) { serr = setLiveness(int(fd), s) }); err != nil {
+	if err := rc.Control(func(fd uintptr) { serr = setLiveness(int(fd), s, ut) }); err != nil {
 		return err
 	}
 	return serr

@@ -62,6 +62,9 @@ func ZeroWindowAckedSince(syscall.RawConn, int64) bool { return false }
 // SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
 func SetLiveness(syscall.RawConn, *policy.Settings) error { return nil }
 
+// SetLivenessBound is Linux's, as SetLiveness.
+func SetLivenessBound(syscall.RawConn, *policy.Settings, time.Duration) error { return nil }
+
 // SetNotsentLowat is Linux's (DialRaw, which leaves it to the caller, too).
 func SetNotsentLowat(syscall.RawConn, int64) error { return nil }
 

@@ -142,10 +142,12 @@ func TestBlackholedUpstreamClosesWithinUserTimeout(t *testing.T) {
 // a goroutine on its sockets. When its upstream's path dies while it idles,
 // keepalive still finds it, and the socket's error wakes the parked pump,
 // which ends the link as upstream_timeout within keepalive's own bound, as
-// it would unparked: idle + count x interval = 5 s alone; with
-// tcp_user_timeout (2 s) the kernel ends it at the first probe past that
-// bound, 2 s after the last byte (and 5 s if the bound were not set). With tcp_user_timeout the window guard
-// sets both a quarter of the shorter after the connect (flow.DialRaw
+// it would unparked: idle + count x interval = 5 s, with tcp_user_timeout
+// (2 s) too: the window guard raises the bound of an idle link to
+// keepalive's, so that the kernel does not end it at its first probe
+// unanswered past tcp_user_timeout, 2 s after the last byte (one lost
+// probe would end a healthy link so). With tcp_user_timeout the window
+// guard sets both a quarter of the shorter after the connect (flow.DialRaw
 // leaves them): the verdict is the same as with them set at the connect.
 // The healthy twin is TestIdleLinkToALiveUpstreamStaysOpen (proxy), whose
 // link parks for the second half of its idle time.
@@ -159,7 +161,7 @@ func TestBlackholedParkedLinkEndsByKeepalive(t *testing.T) {
 		bound time.Duration // keepalive's, from the last byte
 	}{
 		{"keepalive alone", 0, 5 * time.Second},
-		{"with tcp_user_timeout", 2 * time.Second, 2 * time.Second},
+		{"with tcp_user_timeout", 2 * time.Second, 5 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			parkedEndsByKeepalive(t, tc.ut, tc.bound)

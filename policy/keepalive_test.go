@@ -1,0 +1,38 @@
+package policy
+
+import (
+	"math"
+	"testing"
+	"time"
+)
+
+// IdleUserTimeout is the bound the window guard keeps on an idle upstream
+// socket: keepalive's idle + interval x count (in the kernel's whole
+// seconds) where that is above tcp_user_timeout, so that the kernel's
+// keepalive timer, which with TCP_USER_TIMEOUT set gives up at its first
+// probe unanswered past that bound, waits for count probes.
+func TestIdleUserTimeout(t *testing.T) {
+	ka := func(idle, interval time.Duration, count int) Keepalive {
+		return Keepalive{Idle: Duration(idle), Interval: Duration(interval), Count: count}
+	}
+	d := DefaultConfig().Defaults
+	for _, c := range []struct {
+		name string
+		ut   time.Duration
+		ka   Keepalive
+		want time.Duration
+	}{
+		{"defaults", d.TCPUserTimeout.D(), d.Keepalive, 25 * time.Second},
+		{"tcp_user_timeout the longer", time.Minute, d.Keepalive, time.Minute},
+		{"keepalive off", 2 * time.Second, Keepalive{}, 2 * time.Second},
+		{"keepalive disabled", 2 * time.Second, ka(-1, 0, 0), 2 * time.Second},
+		{"no tcp_user_timeout", 0, d.Keepalive, 0},
+		{"the kernel's seconds", time.Second, ka(1500*time.Millisecond, 200*time.Millisecond, 3), 5 * time.Second},
+		{"the kernel's limit", time.Second, ka(32767*time.Second, 32767*time.Second, 127), time.Duration(math.MaxInt32) * time.Millisecond},
+	} {
+		s := Settings{TCPUserTimeout: Duration(c.ut), Keepalive: c.ka}
+		if got := s.IdleUserTimeout(); got != c.want {
+			t.Errorf("%s: IdleUserTimeout %v, want %v", c.name, got, c.want)
+		}
+	}
+}

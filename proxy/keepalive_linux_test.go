@@ -1,0 +1,273 @@
+//go:build linux
+
+package proxy
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"regexp"
+	"strconv"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// Short liveness settings for the keepalive tests: an idle upstream whose
+// peer is gone is cut keepalive's idle + interval x count (4s) after the
+// last segment it sent; data it leaves unacknowledged, tcp_user_timeout
+// (1s) after it was sent.
+const (
+	kaIdle, kaInterval, kaCount = time.Second, time.Second, 3
+	kaUserTimeout               = time.Second
+	kaDeadAfter                 = kaIdle + kaInterval*kaCount
+)
+
+func keepaliveSettings(s *policy.Settings) {
+	s.TCPUserTimeout = policy.Duration(kaUserTimeout)
+	s.Keepalive = policy.Keepalive{Idle: policy.Duration(kaIdle), Interval: policy.Duration(kaInterval), Count: kaCount}
+}
+
+// idleLinkOverVeth starts, in the test's own network namespace, a proxy
+// (keepaliveSettings) in front of an echo server in a peer namespace
+// joined by a veth, and makes one link through it with one round trip.
+// It returns the harness, the client's connection, the peer namespace,
+// the proxy's local port on the upstream connection and the times just
+// before the request was written and just after its echo was read (the
+// upstream's last segment arrived between them).
+func idleLinkOverVeth(t *testing.T) (h *harness, c *net.TCPConn, peer *netns.NS, port int, before, after time.Time) {
+	t.Helper()
+	peer = netns.NewNS(t)
+	netns.Veth(t, peer, "10.251.0.1/24", "10.251.0.2/24")
+	ln, err := peer.Listen("tcp", "10.251.0.2:9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	netns.ServeEcho(t, ln)
+	waitFor(t, 5*time.Second, "the echo server reachable over the veth", func() bool {
+		c, err := net.DialTimeout("tcp", "10.251.0.2:9000", time.Second)
+		if err == nil {
+			_ = c.Close()
+		}
+		return err == nil
+	})
+	h = start(t, "10.251.0.2:9000", keepaliveSettings)
+	c = h.dial()
+	before = time.Now()
+	roundTrip(t, c, []byte("hello over the veth"))
+	after = time.Now()
+	lk := h.onlyLink(5 * time.Second)
+	lk.connMu.Lock()
+	raw := lk.upRaw()
+	lk.connMu.Unlock()
+	if err := raw.Control(func(fd uintptr) {
+		sa, err := unix.Getsockname(int(fd))
+		if err == nil {
+			port = sa.(*unix.SockaddrInet4).Port
+		}
+	}); err != nil || port == 0 {
+		t.Fatalf("the upstream socket's local port: %v", err)
+	}
+	return h, c, peer, port, before, after
+}
+
+var droppedPackets = regexp.MustCompile(`counter packets (\d+)`)
+
+// dropped is what the counter of the peer's table lpka counted.
+func dropped(t *testing.T, peer *netns.NS) int {
+	t.Helper()
+	out, err := peer.Run("", "nft", "list", "table", "inet", "lpka")
+	if err != nil {
+		t.Fatalf("nft list: %v: %s", err, out)
+	}
+	m := droppedPackets.FindSubmatch(out)
+	if m == nil {
+		t.Fatalf("no counter in\n%s", out)
+	}
+	n, _ := strconv.Atoi(string(m[1]))
+	return n
+}
+
+// One keepalive probe lost on a healthy path is not a dead upstream:
+// with keepalive.count 3, the next probe, answered, keeps the link, and
+// the endpoint stays in. The peer's namespace drops the first segment the
+// idle link's socket sends it after the round trip (an nft quota of one
+// segment: the link sends nothing but keepalive probes then), whenever
+// it goes; its counter says it dropped it. Before, with tcp_user_timeout
+// (1s) set below idle + interval x count, the kernel failed the socket at
+// its first keepalive timer after the lost probe, interval (1s) after it
+// (tcp_keepalive_timer: with TCP_USER_TIMEOUT set, it gives up once that
+// much has passed since the last segment received with a probe
+// unanswered, instead of after count probes): upstream_timeout, and the
+// endpoint excluded.
+func TestLostKeepaliveProbeKeepsTheLink(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	h, c, peer, port, _, _ := idleLinkOverVeth(t)
+	// A segment without data is 52 bytes here (timestamps): the quota
+	// lets through every segment after the first.
+	if err := peer.NFT(fmt.Sprintf(`table inet lpka {
+		chain in { type filter hook input priority 0; policy accept;
+			tcp dport 9000 tcp sport %d quota until 80 bytes counter drop; }
+	}`, port)); err != nil {
+		t.Fatal(err)
+	}
+	var lost time.Time
+	waitFor(t, 10*time.Second, "the first keepalive probe dropped", func() bool {
+		lost = time.Now()
+		return dropped(t, peer) == 1
+	})
+	// The next probe goes interval after the lost one; before, the link
+	// ended then. Count probes and a second more have passed by now:
+	// judged by then, the link would have ended.
+	for time.Since(lost) < kaInterval*kaCount+time.Second {
+		select {
+		case s := <-h.ended:
+			t.Fatalf("the link ended (%s, %v) %v after its one keepalive probe was lost (count %d)",
+				s.Reason, s.Err, time.Since(lost).Round(time.Millisecond), kaCount)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	if n := dropped(t, peer); n != 1 {
+		t.Fatalf("the peer dropped %d segments, want the one", n)
+	}
+	if ep := h.endpoint(); ep.State != "healthy" || ep.LiveLinks != 1 {
+		t.Fatalf("endpoint %s (%s), %d live links; want healthy with its link", ep.State, ep.Reason, ep.LiveLinks)
+	}
+	roundTrip(t, c, []byte("still here"))
+}
+
+// The dead twin: a peer gone for good while its link idles (every segment
+// dropped both ways, kept dropped) is cut by keepalive idle + interval x
+// count after the last segment it sent, and not before (count probes
+// unanswered), within a second more; upstream_timeout, and the endpoint
+// excluded.
+func TestIdleDeadPeerCutAfterKeepaliveCount(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	h, _, peer, _, before, after := idleLinkOverVeth(t)
+	if err := peer.NFT(`table inet lpka {
+		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter drop; }
+		chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
+	}`); err != nil {
+		t.Fatal(err)
+	}
+	end := h.linkEnd(kaDeadAfter + 20*time.Second)
+	ep := h.waitState("excluded", 10*time.Second)
+	t.Logf("link ended (%s) and endpoint excluded %v after the last byte; the peer dropped %d segments",
+		end.Reason, ep.Since.Sub(after).Round(time.Millisecond), dropped(t, peer))
+	if end.Reason != CloseUpstreamTimeout || ep.Reason != string(CloseUpstreamTimeout) {
+		t.Fatalf("link ended for %s, endpoint excluded for %s; want %s", end.Reason, ep.Reason, CloseUpstreamTimeout)
+	}
+	// The kernel's timers do not fire early: count probes went
+	// unanswered, interval apart, the first idle after the last byte.
+	if d := ep.Since.Sub(before); d < kaDeadAfter-500*time.Millisecond {
+		t.Fatalf("excluded %v after the last byte, before keepalive's %d probes (%v)", d, kaCount, kaDeadAfter)
+	}
+	if d := ep.Since.Sub(after); d > kaDeadAfter+time.Second {
+		t.Fatalf("excluded %v after the last byte, want within %v", d, kaDeadAfter+time.Second)
+	}
+	if n := dropped(t, peer); n < kaCount {
+		t.Fatalf("the peer dropped %d segments, want at least keepalive's %d probes", n, kaCount)
+	}
+}
+
+// TCP_USER_TIMEOUT still bounds data on a link that idled: while it idled
+// the bound was raised to idle + interval x count (so that keepalive's
+// count holds), and the window guard's sample after the send sets it back
+// to tcp_user_timeout; the kernel counts it from the send and clamps its
+// retransmission timer to what is left, so the blackholed link is cut
+// within tcp_user_timeout and a second of the send, as on a link that
+// never idled (1.43-1.45s here either way), and its endpoint excluded.
+// Without the set-back: 4.4s.
+func TestDataBlackholeAfterIdleCutByUserTimeout(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	blackholeAfterIdle(t, func(c *net.TCPConn) error {
+		_, err := c.Write([]byte("into the blackhole"))
+		return err
+	})
+}
+
+// The same for the client's FIN passed on (its retransmissions are
+// bounded by TCP_USER_TIMEOUT too): the half-close arms the guard as a
+// send does.
+func TestFinBlackholeAfterIdleCutByUserTimeout(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	blackholeAfterIdle(t, (*net.TCPConn).CloseWrite)
+}
+
+// blackholeAfterIdle: an idle link over a veth whose bound the guard
+// raised; the peer blackholed, send makes the proxy send it something,
+// which must cut the link within tcp_user_timeout and a second.
+func blackholeAfterIdle(t *testing.T, send func(*net.TCPConn) error) {
+	h, c, peer, _, _, _ := idleLinkOverVeth(t)
+	waitFor(t, 10*time.Second, "the idle link's bound raised to keepalive's", func() bool {
+		return userTimeout(h) == int(kaDeadAfter.Milliseconds())
+	})
+	if err := peer.NFT(`table inet lpka {
+		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter drop; }
+		chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
+	}`); err != nil {
+		t.Fatal(err)
+	}
+	sent := time.Now()
+	if err := send(c); err != nil {
+		t.Fatal(err)
+	}
+	end := h.linkEnd(kaDeadAfter + 20*time.Second)
+	ep := h.waitState("excluded", 10*time.Second)
+	took := ep.Since.Sub(sent)
+	t.Logf("link ended (%s) %v and endpoint excluded %v after the send",
+		end.Reason, end.Opened.Add(end.Duration).Sub(sent).Round(time.Millisecond), took.Round(time.Millisecond))
+	if end.Reason != CloseUpstreamTimeout || ep.Reason != string(CloseUpstreamTimeout) {
+		t.Fatalf("link ended for %s, endpoint excluded for %s; want %s", end.Reason, ep.Reason, CloseUpstreamTimeout)
+	}
+	if took > kaUserTimeout+time.Second {
+		t.Fatalf("excluded %v after the send, want within tcp_user_timeout %v and a second", took, kaUserTimeout)
+	}
+}
+
+// A link that idles from its connect on (nothing sent either way) has its
+// bound raised too, by the guard's first sample: on a socket flow.DialRaw
+// made (an address), which sets the liveness options then, and on one net
+// dialled (an address with a zone), whose options were set at the
+// connect. Without that first sample the second kept tcp_user_timeout
+// while it idled, and one lost keepalive probe ended it.
+func TestLinkIdleFromTheConnectHasTheRaisedBound(t *testing.T) {
+	ln, err := net.Listen("tcp", "[::1]:0")
+	if err != nil {
+		lptestutil.SkipOrFail(t, "no IPv6 loopback: %v", err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	netns.ServeEcho(t, ln)
+	for _, c := range []struct{ upstream, dial string }{
+		{fmt.Sprintf("[::1]:%d", port), "raw"},
+		{fmt.Sprintf("[::1%%lo]:%d", port), "net"},
+	} {
+		t.Run(c.dial, func(t *testing.T) {
+			h := start(t, c.upstream, keepaliveSettings)
+			_ = h.dial()
+			lk := h.onlyLink(5 * time.Second)
+			lk.connMu.Lock()
+			_, raw := lk.up.(*tcpEnd).conn.(*os.File)
+			lk.connMu.Unlock()
+			if raw != (c.dial == "raw") {
+				t.Fatalf("premise: %s dialled raw %v", c.upstream, raw)
+			}
+			waitFor(t, 10*time.Second, "the idle link's bound raised to keepalive's", func() bool {
+				return userTimeout(h) == int(kaDeadAfter.Milliseconds())
+			})
+		})
+	}
+}
