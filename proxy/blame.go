@@ -115,17 +115,39 @@ func frozenDial(err error, began int64, timeout time.Duration) error {
 	return err
 }
 
-// closeReasonFor maps an error on an upstream socket to a close reason:
-// upstream_timeout (ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up),
+// closeReasonFor maps an error on a connected upstream socket to a close
+// reason: upstream_timeout (the kernel gave up, kernelGaveUp),
 // upstream_error (any other failure of the upstream), or local_error.
 func closeReasonFor(err error) CloseReason {
 	switch {
-	case errors.Is(err, syscall.ETIMEDOUT):
+	case kernelGaveUp(err):
 		return CloseUpstreamTimeout
 	case upstreamFault(err):
 		return CloseUpstreamError
 	}
 	return CloseLocalError
+}
+
+// kernelGaveUp reports whether err, from a connected upstream socket, is
+// the kernel giving up on the connection: TCP_USER_TIMEOUT of
+// unacknowledged data, unanswered window probes, or keepalive. The
+// kernel reports it as the ICMP error it saw on the connection since
+// the peer's last acknowledgement, if any, and as ETIMEDOUT only
+// without one (tcp_write_err: sk_err_soft, else ETIMEDOUT): an upstream
+// host gone from its network, whose address no longer answers ARP, ends
+// its links with EHOSTUNREACH at tcp_user_timeout. On a connected socket
+// (no IP_RECVERR) an ICMP error is never reported otherwise, so these
+// say the same as ETIMEDOUT.
+func kernelGaveUp(err error) bool {
+	var errno syscall.Errno
+	if !errors.As(err, &errno) {
+		return false
+	}
+	switch errno {
+	case syscall.ETIMEDOUT, syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.EHOSTDOWN:
+		return true
+	}
+	return false
 }
 
 // logEvery bounds the log lines of a kind that a flood can repeat: when

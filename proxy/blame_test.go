@@ -53,6 +53,9 @@ func TestUpstreamFaultClassification(t *testing.T) {
 		{"connection refused", refused, true, CloseUpstreamError},
 		{"connect timeout", timedOut, true, CloseUpstreamError},
 		{"ETIMEDOUT", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ETIMEDOUT)}, true, CloseUpstreamTimeout},
+		// The kernel's timeout reports the ICMP error it saw meanwhile
+		// (TestUnreachableAtUserTimeoutIsUpstreamTimeout).
+		{"EHOSTUNREACH on a connection", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.EHOSTUNREACH)}, true, CloseUpstreamTimeout},
 		{"reset", &net.OpError{Op: "read", Err: os.NewSyscallError("read", syscall.ECONNRESET)}, true, CloseUpstreamError},
 		{"EMFILE", &net.OpError{Op: "dial", Err: os.NewSyscallError("socket", syscall.EMFILE)}, false, CloseLocalError},
 		{"ENOBUFS", &net.OpError{Op: "write", Err: os.NewSyscallError("write", syscall.ENOBUFS)}, false, CloseLocalError},

@@ -943,9 +943,9 @@ func (lk *link) abandonedByItsClient() bool {
 // upstreamEndedAfterAnswers reports whether the upstream closed the link
 // (its FIN, or its reset) after it had sent something on it. One that
 // accepts and closes without a byte is not taken at its word: its
-// requests stay evidence. Nor is an upstream error that is no close of
-// the peer's (a host or network unreachable once the retransmissions
-// ran out: a path gone).
+// requests stay evidence. Nor is an end that is no close of the peer's
+// (upstream_timeout, the kernel giving up: a path gone, whether it says
+// ETIMEDOUT or the host unreachable it saw meanwhile).
 func (lk *link) upstreamEndedAfterAnswers() bool {
 	r := lk.reason.Load()
 	if r == nil || lk.bytesDown.Load() == 0 {

@@ -13,7 +13,7 @@ const (
 	CloseUpstreamClosed   CloseReason = "upstream_closed"    // the upstream sent FIN first, both directions finished
 	CloseClientError      CloseReason = "client_error"       // a reset or error on the client socket
 	CloseUpstreamError    CloseReason = "upstream_error"     // a reset or error on the upstream socket
-	CloseUpstreamTimeout  CloseReason = "upstream_timeout"   // ETIMEDOUT: TCP_USER_TIMEOUT or keepalive gave up
+	CloseUpstreamTimeout  CloseReason = "upstream_timeout"   // the kernel gave up (ETIMEDOUT, or the ICMP error it saw): TCP_USER_TIMEOUT or keepalive
 	CloseWriteTimeout     CloseReason = "write_timeout"      // the upstream acknowledged nothing for write_timeout
 	CloseWatermark        CloseReason = "watermark"          // past the high watermark with on_overflow: reject
 	CloseHalfCloseTimeout CloseReason = "half_close_timeout" // after a FIN, the other direction moved no byte for half_close_timeout

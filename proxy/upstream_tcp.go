@@ -665,15 +665,15 @@ func (s *responses) Handle(bp *[]byte, n int) (flow.Handled, error) {
 }
 
 // fail ends the link on an error of its upstream socket (see link.fail).
-// An ETIMEDOUT on a zero window, when the window guard could not sample
-// while due (it samples every quarter of tcp_user_timeout while bytes
+// The kernel's verdict (kernelGaveUp: ETIMEDOUT) on a zero window, when
+// the window guard could not sample while due (it samples every quarter of tcp_user_timeout while bytes
 // wait; the proxy could not run: CPU throttling, a frozen host) and the
 // upstream's kernel answered after that began, is the kernel applying
 // the bound the guard lifts for such a window and could not lift in
 // time. No evidence against the upstream: the link ends as the proxy's
 // own failure (local_error).
 func (e *tcpEnd) fail(err error) {
-	if g := e.win; g != nil && errors.Is(err, syscall.ETIMEDOUT) {
+	if g := e.win; g != nil && kernelGaveUp(err) {
 		if from, blind := g.blindSince(); blind && flow.ZeroWindowAckedSince(e.raw, from) {
 			err = errZeroWindowAbort{err}
 		}
