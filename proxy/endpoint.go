@@ -495,9 +495,10 @@ func keepsLinks(reason CloseReason) bool {
 }
 
 // dialTimeoutsToReport is how many connects in a row must time out before
-// a timeout is held against the endpoint: Linux sends a SYN again 1s and
-// 3s after the first, so one timeout can be one lost SYN (or two); two in
-// a row, each spanning a retransmission, are not.
+// a timeout is held against the endpoint: Linux sends a SYN again 1s
+// after the first (and 2s after it since 6.5, tcp_syn_linear_timeouts;
+// 3s before), so one timeout can be one lost SYN (or two); two in a row,
+// each spanning a retransmission, are not.
 const dialTimeoutsToReport = 2
 
 // dialFailed decides whether a connect to the endpoint that failed with

@@ -10,7 +10,8 @@ const ChunkSize = 64 << 10
 
 // NotsentLowat is TCP_NOTSENT_LOWAT for an upstream socket with high
 // water mark high: the kernel takes a write only while fewer bytes than
-// this wait unsent in its send queue. Without it the kernel's send buffer
+// this wait unsent in its send queue (a write taken just below it may add
+// up to one segment buffer, 64 KiB, beyond). Without it the kernel's send buffer
 // (up to tcp_wmem's 4 MiB) would fill before the proxy's queue, so the
 // high water mark would not bound what a stalled upstream holds, and a
 // write_timeout could not see bytes stuck there. A quarter of the high

@@ -145,10 +145,14 @@ func SetNotsentLowat(rc syscall.RawConn, high int64) error {
 }
 
 // BytesAcked is the stream offset the peer has acknowledged: TCP_INFO's
-// tcpi_bytes_acked less the one the SYN takes (the kernel counts every
-// sequence number acknowledged, the SYN's included, so a connection that
-// has sent nothing reads 1). On a connection whose FIN was acknowledged it
-// is one too many, which no caller looks at.
+// tcpi_bytes_acked less the one the SYN takes (on a socket that
+// connected, the kernel counts every sequence number acknowledged, its
+// SYN's included, so a connection that has sent nothing reads 1). On a
+// connection whose FIN was acknowledged it is one too many, which no
+// caller looks at. An accepted socket's count starts at 0 (its SYN-ACK
+// is acknowledged before the socket exists: measured, 0 then 10 after
+// 10 bytes), so there it is one short, never below 0: the one caller on
+// a client's socket (link.halfProgress) looks only at whether it moves.
 func BytesAcked(raw syscall.RawConn) (int64, bool) {
 	ti, ok := tcpInfo(raw)
 	if !ok {

@@ -5,5 +5,5 @@ package flow
 import "syscall"
 
 // sendFlags are SysWrite's and SysWritev's: no SIGPIPE on a connection the
-// peer reset (EPIPE says it).
+// peer reset (ECONNRESET or EPIPE says it).
 const sendFlags = syscall.MSG_NOSIGNAL

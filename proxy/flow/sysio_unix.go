@@ -51,7 +51,8 @@ func SysRead(fd int, p []byte) (int, error) {
 // position lock and checks; about 4% of the proxy's CPU on rr64, see
 // docs/performance.md, "send, not write"), and send(2) takes flags: with
 // MSG_NOSIGNAL (all but darwin) a write to a connection the peer
-// reset fails with EPIPE without a SIGPIPE for the runtime to field.
+// reset fails (ECONNRESET, the reset's error, if no other call took it;
+// else EPIPE) without a SIGPIPE for the runtime to field.
 // Sockets only, as SysRead: on any other descriptor they fail with
 // ENOTSOCK.
 func SysWrite(fd int, p []byte) (int, error) {
