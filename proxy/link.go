@@ -987,7 +987,33 @@ func (lk *link) proxyCut() bool {
 // closeReasonFor gives it; a local error is logged as the proxy's own.
 func (lk *link) fail(err error) {
 	reason := closeReasonFor(err)
-	if lk.abort(reason, err) && reason == CloseLocalError {
+	first := lk.abort(reason, err)
+	switch {
+	case first && reason == CloseLocalError:
 		lk.host.localError(lk.ep, err)
+	case !first && reason == CloseUpstreamTimeout:
+		lk.replaceInferredReset(err)
+	}
+}
+
+// replaceInferredReset makes err, the kernel giving up on the upstream
+// socket, the link's end where the response pump got there first with a
+// reset it inferred (errResetInferred) because this error had been taken
+// by the write now reporting it: the kernel reports a socket's error to
+// one call only, and the read after it sees the stream end as after a
+// reset. The write's goroutine is one of the link's, so the link's end is
+// not yet accounted (exit). Before, whichever failed first decided: a
+// dead path under an upload ended upstream_error, blaming nothing, in 3
+// runs of 20 (netns, GOMAXPROCS 2).
+func (lk *link) replaceInferredReset(err error) {
+	cur := lk.reason.Load()
+	e := lk.endErr.Load()
+	if cur == nil || *cur != CloseUpstreamError || e == nil || !errors.As(*e, new(errResetInferred)) {
+		return
+	}
+	if lk.reason.CompareAndSwap(cur, reasonPtr(CloseUpstreamTimeout)) {
+		ne := new(error)
+		*ne = err
+		lk.endErr.Store(ne)
 	}
 }

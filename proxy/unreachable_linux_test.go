@@ -7,9 +7,11 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
@@ -145,4 +147,46 @@ func icmpDestUnreachs(t *testing.T) int {
 	}
 	t.Fatal("no Icmp InDestUnreachs in /proc/net/snmp")
 	return 0
+}
+
+// The kernel reports a socket's error to one call: when the request
+// side's write takes the kernel's verdict (ETIMEDOUT: the upstream's path
+// died under an upload), the response pump's read sees the stream end
+// with no FIN and takes it for a reset (flow.ResetNotFin), and whichever
+// of the two failed the link first decided its reason. The read first
+// ended it upstream_error, which blames nothing: a dead upstream kept
+// (measured in a netns, an upload into a path dropped at the peer with
+// tcp_user_timeout 2 s: 3 runs of 20). The write's verdict now replaces the
+// inferred reset. Driven here in that order (the write's goroutine holds
+// the link open, as the writer does, until it has reported). The twin: an
+// inferred reset with no verdict after it stays upstream_error, and the
+// endpoint healthy.
+func TestKernelVerdictTakenByAWriteOutranksTheInferredReset(t *testing.T) {
+	t.Run("verdict after the inferred reset", func(t *testing.T) { inferredReset(t, true) })
+	t.Run("twin: inferred reset alone", func(t *testing.T) { inferredReset(t, false) })
+}
+
+func inferredReset(t *testing.T, verdict bool) {
+	peer := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := start(t, peer.Addr(), nil)
+	c := h.dial()
+	roundTrip(t, c, []byte("hello"))
+	lk := h.onlyLink(5 * time.Second)
+	e := lk.upEnd().(*tcpEnd)
+	lk.live.Add(1) // the goroutine whose write took the socket's error
+	e.fail(errResetInferred{})
+	if verdict {
+		e.fail(&net.OpError{Op: "writev", Net: "tcp", Err: os.NewSyscallError("writev", syscall.ETIMEDOUT)})
+	}
+	lk.exit()
+	s := h.linkEnd(5 * time.Second)
+	ep := h.endpoint()
+	t.Logf("link ended %s (%v); endpoint %s (%s)", s.Reason, s.Err, ep.State, ep.Reason)
+	want, state := CloseUpstreamError, "healthy"
+	if verdict {
+		want, state = CloseUpstreamTimeout, "excluded"
+	}
+	if s.Reason != want || ep.State != state {
+		t.Fatalf("link ended %s, endpoint %s; want %s, %s", s.Reason, ep.State, want, state)
+	}
 }

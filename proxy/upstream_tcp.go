@@ -633,7 +633,7 @@ func (e *tcpEnd) pumpResponses() (parked bool) {
 			continue
 		}
 		if errors.Is(err, io.EOF) && flow.ResetNotFin(e.raw, lk.bytesDown.Load()) {
-			err = syscall.ECONNRESET // a write took the reset's error (see ResetNotFin)
+			err = errResetInferred{} // a write took the socket's error (see ResetNotFin)
 		}
 		if errors.Is(err, io.EOF) {
 			if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.MidFrame() {
@@ -680,6 +680,21 @@ func (e *tcpEnd) fail(err error) {
 	}
 	e.lk.fail(err)
 }
+
+// errResetInferred is the end of the upstream's stream that the response
+// pump's read takes for a reset (flow.ResetNotFin): the socket is closed
+// with no FIN from the peer, and a write took its error. That error may
+// have been the kernel giving up (ETIMEDOUT, or the ICMP error it saw)
+// rather than a reset: the write that took it reports it, and
+// link.fail lets it replace this inference (see replaceInferredReset).
+// It unwraps to ECONNRESET.
+type errResetInferred struct{}
+
+func (errResetInferred) Error() string {
+	return "connection reset by peer (inferred: another call on the socket took its error)"
+}
+
+func (errResetInferred) Unwrap() error { return syscall.ECONNRESET }
 
 // errZeroWindowAbort is such an ETIMEDOUT; it does not unwrap to it, so
 // that nothing takes it for the upstream's.
