@@ -810,8 +810,9 @@ func (lk *link) halfProgress() int64 {
 // abort ends the link with reason, resetting both sides at once. It
 // reports whether this call was the one that decided the reason.
 //
-// Reset, not FIN, on both sides: the upstream's kernel drops what it still
-// holds for this connection instead of retransmitting it for minutes, and
+// Reset, not FIN, on both sides: the proxy's kernel drops what it still
+// holds for the upstream instead of retransmitting it for minutes (and
+// the upstream's kernel, at the reset, what it holds for the proxy), and
 // the client sees a reset where a direct connection would have given one
 // (the upstream reset it, or timed out), or where the proxy cut it: a FIN
 // would tell the client that a cut-short response was complete. A clean
