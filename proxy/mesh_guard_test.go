@@ -901,7 +901,10 @@ func TestMeshStatusStreamCarriesNothingFromThePeer(t *testing.T) {
 
 	pushing, _ := rawSession(t, in)
 	st := acceptStatus(pushing)
-	if _, err := st.Write(bytes.Repeat([]byte("x"), 64<<10)); err != nil {
+	// The ingress closes the session on the first byte it reads there: the
+	// write may see the session shut down before its last frame is sent.
+	if _, err := st.Write(bytes.Repeat([]byte("x"), 64<<10)); err != nil &&
+		!errors.Is(err, yamux.ErrSessionShutdown) && !errors.Is(err, yamux.ErrConnectionReset) {
 		t.Fatal(err)
 	}
 	select {
