@@ -99,3 +99,36 @@ func (l *Link) LocalIP() netip.Addr { return l.LocalAddrs[0].Addr() }
 
 // PeerIP returns the first peer address.
 func (l *Link) PeerIP() netip.Addr { return l.PeerAddrs[0].Addr() }
+
+// Both runs the command name (ip or tc) with args in the current namespace
+// and in the peer's, each time with that end's interface name in place of
+// every "DEV" argument: a path degraded the same way in both directions,
+// e.g. Both(t, "ip", "link", "set", "dev", "DEV", "mtu", "1000") or
+// Both(t, "tc", "qdisc", "add", "dev", "DEV", "root", "tbf", ...). Any
+// failure is fatal.
+func (l *Link) Both(t testing.TB, name string, args ...string) {
+	t.Helper()
+	for _, end := range []struct {
+		dev string
+		run func(stdin, name string, args ...string) ([]byte, error)
+	}{{l.Local, LocalRun}, {l.Peer, l.peer.Run}} {
+		a := make([]string, len(args))
+		for i, s := range args {
+			if s == "DEV" {
+				s = end.dev
+			}
+			a[i] = s
+		}
+		if _, err := end.run("", name, a...); err != nil {
+			t.Fatalf("netns: %v", err)
+		}
+	}
+}
+
+// LocalRun runs the command name with args in the current process's
+// namespace, as NS.Run does in another (30 s at most, its combined output
+// returned). It refuses to run outside a Reexec child, so that it never
+// changes the host's network.
+func LocalRun(stdin string, name string, args ...string) ([]byte, error) {
+	return runLocal(stdin, name, args...)
+}

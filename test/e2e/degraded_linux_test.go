@@ -1,0 +1,530 @@
+//go:build linux
+
+package e2e
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"regexp"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// Degraded but alive paths: real per-segment loss (nftables numgen) and a
+// real bandwidth limit (tc tbf) between the proxy and a healthy server.
+// Every detection rule has its twin here: a path that is slow or lossy,
+// with a server that answers everything, must neither close a link nor
+// exclude the endpoint, and every request must get its answer. (netem is
+// missing on this kind of machine: FAULTS.md, "Substitutes for the missing
+// netem".)
+
+// degradedPort is the server's port in the peer namespace.
+const degradedPort = 9000
+
+// degradedPath is a peer namespace joined to this one by a veth pair whose
+// two ends have a small MTU and carry one segment per packet (gso_max_segs
+// 1): a drop loses one segment, not a 64 KB GSO super-packet, which would
+// hide the loss (FAULTS.md).
+type degradedPath struct {
+	peer *netns.NS
+	link *netns.Link
+}
+
+// newDegradedPath builds the path on 10.231.<subnet>.0/24 (.1 here, .2
+// there) with the given MTU on both ends.
+func newDegradedPath(t *testing.T, subnet, mtu int) *degradedPath {
+	t.Helper()
+	testutil.RequireCommand(t, "ip")
+	testutil.RequireCommand(t, "nft")
+	d := &degradedPath{peer: netns.NewNS(t)}
+	d.link = netns.Veth(t, d.peer, fmt.Sprintf("10.231.%d.1/24", subnet), fmt.Sprintf("10.231.%d.2/24", subnet))
+	d.link.Both(t, "ip", "link", "set", "dev", "DEV", "mtu", strconv.Itoa(mtu), "gso_max_segs", "1")
+	return d
+}
+
+// addr is the server's address in the peer namespace.
+func (d *degradedPath) addr() string {
+	return net.JoinHostPort(d.link.PeerIP().String(), strconv.Itoa(degradedPort))
+}
+
+// lose drops permille/1000 of the segments of the server's port at
+// random, in both directions, where they arrive: toward the server in the
+// peer's input hook, from it in this namespace's (a drop where a segment
+// is sent keeps it unsent, which is not a loss on the path).
+func (d *degradedPath) lose(t *testing.T, permille int) {
+	t.Helper()
+	rule := func(match string) string {
+		return fmt.Sprintf(`table inet lploss {
+	chain in { type filter hook input priority 0; policy accept; %s numgen random mod 1000 < %d counter drop; }
+}
+`, match, permille)
+	}
+	if err := d.peer.NFT(rule(fmt.Sprintf("tcp dport %d", degradedPort))); err != nil {
+		t.Fatalf("installing the loss toward the server: %v", err)
+	}
+	if err := netns.LocalNFT(rule(fmt.Sprintf("ip saddr %s tcp sport %d", d.link.PeerIP(), degradedPort))); err != nil {
+		t.Fatalf("installing the loss from the server: %v", err)
+	}
+}
+
+var nftDropped = regexp.MustCompile(`counter packets (\d+)`)
+
+// dropped returns how many segments lose has dropped toward the server and
+// from it.
+func (d *degradedPath) dropped(t *testing.T) (toServer, fromServer int) {
+	t.Helper()
+	count := func(out []byte, err error) int {
+		if err != nil {
+			t.Fatalf("reading the loss counters: %v", err)
+		}
+		m := nftDropped.FindSubmatch(out)
+		if m == nil {
+			t.Fatalf("no counter in %q", out)
+		}
+		n, _ := strconv.Atoi(string(m[1]))
+		return n
+	}
+	return count(d.peer.Run("", "nft", "list", "table", "inet", "lploss")),
+		count(netns.LocalRun("", "nft", "list", "table", "inet", "lploss"))
+}
+
+// limit shapes both ends of the path to rate (tc tbf, as FAULTS.md: a
+// burst of 32 kbit and 50 ms of queue).
+func (d *degradedPath) limit(t *testing.T, rate string) {
+	t.Helper()
+	testutil.RequireCommand(t, "tc")
+	d.link.Both(t, "tc", "qdisc", "add", "dev", "DEV", "root", "tbf", "rate", rate, "burst", "32kbit", "latency", "50ms")
+}
+
+// degradedServer builds a path (newDegradedPath), shapes it to rate
+// unless rate is empty, and serves a framedServer reading at readRate
+// behind it, reachable.
+func degradedServer(t *testing.T, subnet, mtu int, rate string, readRate int64) (*degradedPath, *framedServer) {
+	t.Helper()
+	d := newDegradedPath(t, subnet, mtu)
+	if rate != "" {
+		d.limit(t, rate)
+	}
+	srv := serveFramed(t, d.peer, d.addr(), readRate)
+	waitReachable(t, d.addr())
+	return d, srv
+}
+
+// framedServer is a healthy request/response server for length_field
+// framing (4-byte big-endian length): each request frame is a sequence
+// number (8 bytes), the size of the answer it asks for (4 bytes) and
+// padding; the answer is a frame of the sequence number and that many
+// bytes. It answers every request, in order, as fast as it can, reading
+// at readRate bytes a second when that is positive (a slow reader).
+type framedServer struct {
+	ln       net.Listener
+	readRate int64
+	answered atomic.Int64
+
+	wg    sync.WaitGroup
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+// serveFramed starts a framedServer in ns on addr; t.Cleanup stops it and
+// waits for its goroutines.
+func serveFramed(t *testing.T, ns *netns.NS, addr string, readRate int64) *framedServer {
+	t.Helper()
+	ln, err := ns.Listen("tcp", addr)
+	if err != nil {
+		t.Fatalf("framed server on %s: %v", addr, err)
+	}
+	s := &framedServer{ln: ln, readRate: readRate}
+	s.wg.Add(1)
+	go s.accept()
+	t.Cleanup(s.close)
+	return s
+}
+
+func (s *framedServer) accept() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			return
+		}
+		s.mu.Lock()
+		s.conns = append(s.conns, c)
+		s.mu.Unlock()
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.serve(c)
+		}()
+	}
+}
+
+func (s *framedServer) close() {
+	_ = s.ln.Close()
+	s.mu.Lock()
+	for _, c := range s.conns {
+		_ = c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+}
+
+// pacedReader reads at most rate bytes a second, 4 KiB at a time.
+type pacedReader struct {
+	r    io.Reader
+	rate int64
+}
+
+func (p pacedReader) Read(b []byte) (int, error) {
+	if p.rate <= 0 {
+		return p.r.Read(b)
+	}
+	if len(b) > 4096 {
+		b = b[:4096]
+	}
+	n, err := p.r.Read(b)
+	time.Sleep(time.Duration(int64(n) * int64(time.Second) / p.rate))
+	return n, err
+}
+
+func (s *framedServer) serve(c net.Conn) {
+	r := pacedReader{r: c, rate: s.readRate}
+	head := make([]byte, 16)
+	zeros := make([]byte, 64<<10)
+	for {
+		if _, err := io.ReadFull(r, head); err != nil {
+			return
+		}
+		n := int64(binary.BigEndian.Uint32(head)) - 12
+		want := int64(binary.BigEndian.Uint32(head[12:]))
+		if _, err := io.CopyN(io.Discard, r, n); err != nil {
+			return
+		}
+		out := make([]byte, 12)
+		binary.BigEndian.PutUint32(out, uint32(8+want))
+		copy(out[4:], head[4:12])
+		if _, err := c.Write(out); err != nil {
+			return
+		}
+		for left := want; left > 0; {
+			k := min(left, int64(len(zeros)))
+			if _, err := c.Write(zeros[:k]); err != nil {
+				return
+			}
+			left -= k
+		}
+		s.answered.Add(1)
+	}
+}
+
+// exchange is one client's load: n requests on c, request i of reqSize(i)
+// bytes (at least 16) asking for an answer of respSize(i) bytes, at most
+// depth of them outstanding (1: one at a time; more: pipelined). It
+// returns how many were answered, each checked for its sequence number and
+// length, and the first error; it gives up after timeout.
+func exchange(c net.Conn, n, depth int, reqSize, respSize func(i int) int, timeout time.Duration) (int, error) {
+	_ = c.SetDeadline(time.Now().Add(timeout))
+	defer func() { _ = c.SetDeadline(time.Time{}) }()
+	slots := make(chan struct{}, depth)
+	werr := make(chan error, 1)
+	stop := make(chan struct{})
+	go func() {
+		werr <- writeRequests(c, n, slots, stop, reqSize, respSize)
+	}()
+	answered, err := readAnswers(c, n, slots, respSize)
+	close(stop)
+	if e := <-werr; err == nil {
+		err = e
+	}
+	return answered, err
+}
+
+func writeRequests(c net.Conn, n int, slots chan struct{}, stop chan struct{}, reqSize, respSize func(i int) int) error {
+	for i := range n {
+		select {
+		case slots <- struct{}{}:
+		case <-stop:
+			return nil
+		}
+		size := max(reqSize(i), 16)
+		req := make([]byte, size)
+		binary.BigEndian.PutUint32(req, uint32(size-4))
+		binary.BigEndian.PutUint64(req[4:], uint64(i))
+		binary.BigEndian.PutUint32(req[12:], uint32(respSize(i)))
+		if _, err := c.Write(req); err != nil {
+			return fmt.Errorf("writing request %d: %w", i, err)
+		}
+	}
+	return nil
+}
+
+func readAnswers(c net.Conn, n int, slots chan struct{}, respSize func(i int) int) (int, error) {
+	head := make([]byte, 12)
+	for i := range n {
+		if _, err := io.ReadFull(c, head); err != nil {
+			return i, fmt.Errorf("reading answer %d: %w", i, err)
+		}
+		length := int64(binary.BigEndian.Uint32(head)) - 8
+		if seq := binary.BigEndian.Uint64(head[4:]); seq != uint64(i) || length != int64(respSize(i)) {
+			return i, fmt.Errorf("answer %d: sequence %d, %d bytes; want %d bytes", i, seq, length, respSize(i))
+		}
+		if _, err := io.CopyN(io.Discard, c, length); err != nil {
+			return i, fmt.Errorf("reading answer %d: %w", i, err)
+		}
+		<-slots
+	}
+	return n, nil
+}
+
+// lengthFieldSettings are the defaults with length_field framing (4-byte
+// big-endian length) and unanswered tracking on: every request judged by
+// the unanswered rule and the staleness check.
+func lengthFieldSettings() policy.Settings {
+	s := policy.DefaultSettings()
+	s.Framing = pinotSettings(0, 0, 0).Framing
+	s.Framing.MaxFrameLength = 64 * policy.MiB // the 20 MB frames below
+	s.Unanswered.Track = policy.TrackOn
+	return s
+}
+
+// runClients runs load on links clients through pp at once and fails the
+// test unless every request of every link was answered. The links stay
+// open until the test ends (their ends would be link ends to tell apart).
+func runClients(t *testing.T, pp *pinotProxy, links int, load func(c net.Conn) (int, error)) int {
+	t.Helper()
+	type result struct {
+		answered int
+		err      error
+	}
+	results := make(chan result, links)
+	for range links {
+		c, err := net.Dial("tcp", pp.addr)
+		if err != nil {
+			t.Fatalf("dialling the proxy: %v", err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		go func() {
+			n, err := load(c)
+			results <- result{n, err}
+		}()
+	}
+	total := 0
+	var errs []error
+	for range links {
+		r := <-results
+		total += r.answered
+		if r.err != nil {
+			errs = append(errs, r.err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		t.Errorf("%d requests answered; %d links failed: %v (endpoint %+v)", total, len(errs), err, pp.state())
+	}
+	return total
+}
+
+// assertCutNothing is what every twin here asserts of the proxy once its
+// load is done, its clients still connected: no link ended, nothing
+// counted unanswered or stale, and the endpoint healthy throughout.
+func assertCutNothing(t *testing.T, pp *pinotProxy, w *stateWatcher, start time.Time) {
+	t.Helper()
+	assertNoLinkEnds(t, pp, time.Now(), start)
+	for _, name := range []string{"unanswered_timeouts_total", "stale_frames_dropped_total"} {
+		if n := pp.counter(t, name, "", ""); n != 0 {
+			t.Errorf("%s = %v on a healthy server, want 0", name, n)
+		}
+	}
+	w.Stop()
+	assertAlwaysHealthy(t, pp, w, start)
+}
+
+// startDegradedProxy starts a proxy with settings s (admin off, one
+// listener) in front of upstream and a watcher on its endpoint.
+func startDegradedProxy(t *testing.T, upstream string, s policy.Settings, watchFor time.Duration) (*pinotProxy, *stateWatcher) {
+	t.Helper()
+	pp := startPinotProxy(t, upstream, s)
+	return pp, watchEndpoint(t, pp, watchFor)
+}
+
+// A lossy path under framed request/response load: 5% of the segments
+// lost at random in each direction, one segment per packet. TCP recovers
+// every loss (fast retransmits, and timeouts of 200 ms and more when a
+// retransmission is lost too); a server that answers everything is never
+// excluded, no link is cut (no write_timeout, no upstream_timeout, no
+// stale request, no unanswered one), and every request gets its answer.
+func TestLossyPathCutsNothingLengthField(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	d, srv := degradedServer(t, 41, 1000, "", 0)
+	start := time.Now()
+	pp, w := startDegradedProxy(t, d.addr(), lengthFieldSettings(), 2*time.Minute)
+	d.lose(t, 50)
+	const links, each = 8, 150
+	total := runClients(t, pp, links, func(c net.Conn) (int, error) {
+		return exchange(c, each, 1,
+			func(i int) int { return 200 + (i*977)%6000 },
+			func(i int) int { return 100 + (i*7919)%40000 }, time.Minute)
+	})
+	toServer, fromServer := d.dropped(t)
+	t.Logf("%d requests answered in %v; %d segments lost toward the server, %d from it (server answered %d)",
+		total, ms(time.Since(start)), toServer, fromServer, srv.answered.Load())
+	if toServer < 20 || fromServer < 20 {
+		t.Fatalf("only %d and %d segments dropped: the path was not lossy", toServer, fromServer)
+	}
+	assertCutNothing(t, pp, w, start)
+}
+
+// narrowLoad runs, through pp, one link whose single request is of
+// bigReq bytes and asks for bigResp, beside another that makes small
+// requests one after another on the same narrow path for as long; it
+// fails the test unless every request was answered, and returns how many
+// the small link made.
+func narrowLoad(t *testing.T, pp *pinotProxy, bigReq, bigResp int) int {
+	t.Helper()
+	c, err := net.Dial("tcp", pp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	done := make(chan error, 1)
+	go func() {
+		_, err := exchange(c, 1, 1, func(int) int { return bigReq }, func(int) int { return bigResp }, 2*time.Minute)
+		done <- err
+	}()
+	small := 0
+	runClients(t, pp, 1, func(c net.Conn) (int, error) {
+		for {
+			select {
+			case err := <-done:
+				done <- err
+				return small, nil
+			default:
+			}
+			n, err := exchange(c, 1, 1, func(int) int { return 100 }, func(int) int { return 100 }, time.Minute)
+			small += n
+			if err != nil || small >= 10000 {
+				return small, err
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	if err := <-done; err != nil {
+		t.Errorf("the large exchange (%d bytes up, %d down): %v", bigReq, bigResp, err)
+	}
+	return small
+}
+
+// A 20 MB answer across a 16 Mbit/s path takes about 10 s, three times
+// request_timeout and as long as write_timeout: the server answers at
+// once and keeps sending, so nothing may end the link or exclude the
+// endpoint, nor the small requests another link makes meanwhile.
+func TestNarrowPathLargeAnswerCutsNothing(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft", "tc") {
+		return
+	}
+	d, _ := degradedServer(t, 42, 1500, "16mbit", 0)
+	start := time.Now()
+	pp, w := startDegradedProxy(t, d.addr(), lengthFieldSettings(), 2*time.Minute)
+	small := narrowLoad(t, pp, 100, 20<<20)
+	took := time.Since(start)
+	t.Logf("20 MiB answered in %v, %d small requests beside it", ms(took), small)
+	if took < 2*lengthFieldSettings().Unanswered.RequestTimeout.D() {
+		t.Fatalf("the answer crossed in %v: the path was not narrow", took)
+	}
+	assertCutNothing(t, pp, w, start)
+}
+
+// A 20 MB upload across a 16 Mbit/s path takes about 10 s: five times
+// write_timeout (2 s here) and ten times request_timeout (1 s), and the
+// server answers only once it has all of it. write_timeout judges
+// progress, not completion, and a request the upstream is still taking in
+// is neither stale nor unanswered: nothing ends the link or excludes the
+// endpoint.
+func TestNarrowPathLargeUploadCutsNothing(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft", "tc") {
+		return
+	}
+	d, _ := degradedServer(t, 43, 1500, "16mbit", 0)
+	s := lengthFieldSettings()
+	s.WriteTimeout = policy.Duration(2 * time.Second)
+	s.Unanswered.RequestTimeout = policy.Duration(time.Second)
+	start := time.Now()
+	pp, w := startDegradedProxy(t, d.addr(), s, 2*time.Minute)
+	small := narrowLoad(t, pp, 20<<20, 100)
+	took := time.Since(start)
+	t.Logf("20 MiB uploaded and answered in %v, %d small requests beside it", ms(took), small)
+	if took < 2*s.WriteTimeout.D() {
+		t.Fatalf("the upload crossed in %v: the path was not narrow", took)
+	}
+	assertCutNothing(t, pp, w, start)
+}
+
+// The pinot profile on a lossy path (5% of the segments each way): a
+// broker's steady queries, each with Pinot's default 10 s budget, to a
+// server that answers them all. None may be lost to the proxy, no link
+// cut, the server never excluded.
+func TestLossyPathCutsNothingPinot(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	d := newDegradedPath(t, 46, 1000)
+	startPinotIn(t, d.peer, pinotsim.ServerConfig{Addr: d.addr()})
+	waitReachable(t, d.addr())
+	start := time.Now()
+	pp, w := startDegradedProxy(t, d.addr(), defaultsWith(policy.FramingPinot), 2*time.Minute)
+	d.lose(t, 50)
+	b := pinotsim.NewBroker(pinotsim.BrokerConfig{Timeout: pinotQueryTimeout, RequestSize: 3000})
+	t.Cleanup(func() { _ = b.Close() })
+	const queries = 600
+	l := startLoad(t, b, pp.addr, 10*time.Millisecond, queries)
+	l.WaitSent(queries, 10*time.Second) // the load's own bound: a query every 10 ms for 6 s
+	l.Finish(pinotQueryTimeout + time.Second)
+	rs := l.Records()
+	got := outcomes(rs, time.Time{}, time.Now())
+	toServer, fromServer := d.dropped(t)
+	t.Logf("%d queries in %v: %s; %d segments lost toward the server, %d from it",
+		len(rs), ms(time.Since(start)), fmtOutcomes(got), toServer, fromServer)
+	if len(rs) < queries/2 || got[pinotsim.OK] != len(rs) {
+		t.Errorf("%s of %d queries, want at least %d, all OK", fmtOutcomes(got), len(rs), queries/2)
+	}
+	if toServer < 20 || fromServer < 20 {
+		t.Fatalf("only %d and %d segments dropped: the path was not lossy", toServer, fromServer)
+	}
+	assertCutNothing(t, pp, w, start)
+}
+
+// A slow reader behind a narrow path (2 Mbit/s), two clients pipelining:
+// each keeps 8 requests of 32 KiB outstanding to a server that reads
+// 96 KB a second, so the server's window closes and opens again all the
+// time, and a request waits about as long as request_timeout (3 s) for
+// the ones ahead of it, some longer. The server takes everything in at
+// its own pace and answers it all: no write_timeout (it acknowledges as
+// it reads), no stale request (it is still taking the stream in), nothing
+// unanswered (answers keep coming), no exclusion.
+func TestSlowReaderBehindNarrowPathCutsNothing(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft", "tc") {
+		return
+	}
+	d, srv := degradedServer(t, 47, 1500, "2mbit", 96_000)
+	start := time.Now()
+	pp, w := startDegradedProxy(t, d.addr(), lengthFieldSettings(), 2*time.Minute)
+	const links, each = 2, 24
+	total := runClients(t, pp, links, func(c net.Conn) (int, error) {
+		return exchange(c, each, 8, func(int) int { return 32 << 10 }, func(int) int { return 200 }, time.Minute)
+	})
+	t.Logf("%d pipelined requests answered in %v (server answered %d); %v verdicts put off",
+		total, ms(time.Since(start)), srv.answered.Load(), pp.counter(t, "unanswered_deferred_total", "", ""))
+	assertCutNothing(t, pp, w, start)
+}
