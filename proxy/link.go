@@ -687,14 +687,17 @@ func (lk *link) noteAcked(acked, now int64) bool {
 // that died before at sent none), and it was seen to acknowledge more of
 // the stream within the last flow.DeliveryQuiet (a peer whose window
 // closed, a process that stopped reading, answers window probes but
-// acknowledges no byte more).
+// acknowledges no byte more), or the kernel still awaits the answer to
+// bytes in flight (d.Awaiting: a lossy path, its retransmissions backing
+// off, is silent longer than that with the peer alive; a dead one is
+// judged once two retransmissions in a row went unanswered).
 func (lk *link) takenSince(d flow.Delivery, at int64) bool {
 	if d.AckAt <= at {
 		return false
 	}
 	now := flow.Mono()
 	lk.noteAcked(d.Acked, now)
-	return lk.ackedAt.Load() > max(at, now-int64(flow.DeliveryQuiet))
+	return d.Awaiting || lk.ackedAt.Load() > max(at, now-int64(flow.DeliveryQuiet))
 }
 
 // stalled reports whether the upstream has acknowledged nothing of this

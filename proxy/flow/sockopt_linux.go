@@ -443,6 +443,9 @@ func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
 		Acked:  max(int64(ti.Bytes_acked)-1, 0),
 		Queued: int64(outq),
 		AckAt:  now - int64(ti.Last_ack_recv)*int64(time.Millisecond) - receivedSlack,
+		// Unacked counts segments sent and not acknowledged: none while
+		// the kernel only probes a zero window.
+		Awaiting: ti.Unacked > 0 && ti.Retransmits < AwaitedRetransmits,
 	}, true
 }
 

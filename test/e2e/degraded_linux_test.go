@@ -471,6 +471,92 @@ func TestNarrowPathLargeUploadCutsNothing(t *testing.T) {
 	assertCutNothing(t, pp, w, start)
 }
 
+// A large upload across a lossy path (10% of the segments lost each way):
+// each 3 MiB request takes seconds to cross, often past request_timeout (3 s),
+// and a lost retransmission keeps the live server silent for one
+// retransmission timeout and then another twice as long (the kernel's
+// timeout grows on such a path: 0.7 s and 1.4 s were seen). It is still
+// being taken in: neither stale nor unanswered. Before, a request not
+// acknowledged further for 0.8 s was taken to have stopped, whatever the
+// kernel was doing: the healthy server was excluded (unanswered) in
+// every run (3 of 3 with 3 MiB uploads, 5 of 5 with 4 MiB). At this loss the kernel's backoff now and
+// then leaves 10 s without an acknowledgement (4 losses in a row of one
+// segment, on a grown timeout): write_timeout and tcp_user_timeout are
+// the operator's to set for such a path, and are 30 s here, out of the
+// way of the rules this test is for.
+func TestLossyPathLargeUploadCutsNothing(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	d, _ := degradedServer(t, 44, 1000, "", 0)
+	s := lengthFieldSettings()
+	s.WriteTimeout = policy.Duration(30 * time.Second)
+	s.TCPUserTimeout = policy.Duration(30 * time.Second)
+	start := time.Now()
+	pp, w := startDegradedProxy(t, d.addr(), s, 2*time.Minute)
+	d.lose(t, 100)
+	const uploads = 3
+	runClients(t, pp, 1, func(c net.Conn) (int, error) {
+		for i := range uploads {
+			if _, err := exchange(c, 1, 1, func(int) int { return 3 << 20 }, func(int) int { return 100 }, time.Minute); err != nil {
+				return i, err
+			}
+			t.Logf("upload %d answered at +%v", i, ms(time.Since(start)))
+		}
+		return uploads, nil
+	})
+	toServer, fromServer := d.dropped(t)
+	t.Logf("%d uploads of 3 MiB answered in %v; %d segments lost toward the server, %d from it; %v verdicts put off",
+		uploads, ms(time.Since(start)), toServer, fromServer, pp.counter(t, "unanswered_deferred_total", "", ""))
+	assertCutNothing(t, pp, w, start)
+}
+
+// The twin: the path of a large upload dies in the middle, past the
+// request's deadline (1 s; the 16 MiB take 8 s at 16 Mbit/s). The kernel
+// retransmits into the silence; once two of its retransmissions in a row
+// went unanswered (1.4 s on a LAN), the server is no longer taken to be
+// taking the request in, and is excluded (unanswered), long before
+// tcp_user_timeout (10 s) would have ended the link.
+func TestLargeUploadOnADyingPathIsJudged(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft", "tc") {
+		return
+	}
+	d, _ := degradedServer(t, 45, 1500, "16mbit", 0)
+	s := lengthFieldSettings()
+	s.Unanswered.RequestTimeout = policy.Duration(time.Second)
+	s.Detector.InitialDelay = policy.Duration(30 * time.Second) // no readmission within the test
+	pp, w := startDegradedProxy(t, d.addr(), s, time.Minute)
+	c, err := net.Dial("tcp", pp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	done := make(chan error, 1)
+	go func() {
+		_, err := exchange(c, 1, 1, func(int) int { return 16 << 20 }, func(int) int { return 100 }, time.Minute)
+		done <- err
+	}()
+	// Past the request's deadline, while it is still being taken in: its
+	// verdict put off.
+	for deadline := time.Now().Add(6 * time.Second); pp.counter(t, "unanswered_deferred_total", "", "") == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("6 s into the upload, past its 1 s deadline, no verdict was put off (endpoint %+v)", pp.state())
+		}
+	}
+	if err := d.peer.NFT(blackhole9000); err != nil {
+		t.Fatalf("installing the blackhole: %v", err)
+	}
+	cut := time.Now()
+	ex := waitExcluded(t, pp, w, cut, 8*time.Second, "the path died")
+	t.Logf("excluded (%s) %v after the path died, in the middle of the upload", ex.Reason, ms(ex.At.Sub(cut)))
+	if ex.Reason != "unanswered" {
+		t.Fatalf("excluded for %s, want unanswered (the request's silence, before tcp_user_timeout)", ex.Reason)
+	}
+	if err := <-done; err == nil {
+		t.Fatal("the upload was answered across a dead path")
+	}
+}
+
 // The pinot profile on a lossy path (5% of the segments each way): a
 // broker's steady queries, each with Pinot's default 10 s budget, to a
 // server that answers them all. None may be lost to the proxy, no link
