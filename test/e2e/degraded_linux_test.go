@@ -3,10 +3,12 @@
 package e2e
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"regexp"
 	"strconv"
@@ -14,6 +16,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/pinotsim"
@@ -613,4 +617,75 @@ func TestSlowReaderBehindNarrowPathCutsNothing(t *testing.T) {
 	t.Logf("%d pipelined requests answered in %v (server answered %d); %v verdicts put off",
 		total, ms(time.Since(start)), srv.answered.Load(), pp.counter(t, "unanswered_deferred_total", "", ""))
 	assertCutNothing(t, pp, w, start)
+}
+
+// The kafka profile on a lossy path (5% of the segments each way): a
+// producer (acks=all, one 3 KB record every 20 ms) and a consumer of the same
+// topic through the proxy, to a kfake broker in the peer namespace. Every
+// record is acknowledged and consumed, no client connects again, no link
+// ends, nothing counts unanswered, the broker is never excluded.
+func TestLossyPathCutsNothingKafka(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	const topic = "lossy"
+	d := newDegradedPath(t, 48, 1000)
+	t.Setenv(kafkaListenEnv, d.addr())
+	r := &kafkaRun{mode: kafkaProfileMode, start: time.Now()}
+	r.kb = startKafkaBrokerIn(t, d.peer, topic)
+	r.cfg = kafkaConfig(t, r.mode, r.kb.addr, "")
+	r.pp = startKafkaProxy(t, r.kb, r.cfg)
+	r.w = watchEndpoint(t, r.pp, 2*time.Minute)
+	c := startKafkaConsumer(t, "lossy-consumer", r.pp.addr, kgo.ConsumeTopics(topic), kgo.FetchMaxWait(500*time.Millisecond))
+	p := newKafkaClient(t, "lossy-producer", r.pp.addr, kgo.DefaultProduceTopic(topic), kgo.ProducerLinger(0))
+	produceValues(t, p, topic, []string{"warm"}, 30*time.Second)
+	if !c.waitValues([]string{"warm"}, 30*time.Second) {
+		t.Fatal("the consumer got no record within 30 s")
+	}
+	warm := time.Now()
+	d.lose(t, 50)
+	rng := rand.New(rand.NewPCG(1, 2))
+	var values []string
+	for i := range 300 {
+		pad := make([]byte, 1500) // random: the producer compresses its batches
+		for j := range pad {
+			pad[j] = byte(rng.Uint32())
+		}
+		values = append(values, fmt.Sprintf("r%d.%x", i, pad)) // a few segments each
+	}
+	var (
+		mu     sync.Mutex
+		failed []error
+		wg     sync.WaitGroup
+	)
+	for _, v := range values {
+		wg.Add(1)
+		p.Produce(context.Background(), &kgo.Record{Value: []byte(v)}, func(_ *kgo.Record, err error) {
+			defer wg.Done()
+			if err != nil {
+				mu.Lock()
+				failed = append(failed, err)
+				mu.Unlock()
+			}
+		})
+		time.Sleep(20 * time.Millisecond)
+	}
+	wg.Wait()
+	if len(failed) > 0 {
+		t.Errorf("%d of %d records failed, the first: %v", len(failed), len(values), failed[0])
+	}
+	if !c.waitValues(values, 30*time.Second) {
+		t.Errorf("consumed: %s", compareValues(append([]string{"warm"}, values...), c.got()))
+	}
+	end := time.Now()
+	toServer, fromServer := d.dropped(t)
+	t.Logf("%d records produced and consumed in %v; %d segments lost toward the broker, %d from it",
+		len(values), ms(end.Sub(warm)), toServer, fromServer)
+	if toServer < 20 || fromServer < 20 {
+		t.Fatalf("only %d and %d segments dropped: the path was not lossy", toServer, fromServer)
+	}
+	for _, h := range []*clientHooks{c.hooks, p.hooks} {
+		h.assertNoRedials(t, warm, end, r.start)
+	}
+	r.assertProxyStayedOut(t, end)
 }

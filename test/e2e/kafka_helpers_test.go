@@ -22,6 +22,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/livenessproxy/livenessproxy/internal/harness"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -51,6 +52,11 @@ import (
 // exits when its stdin is closed (or when it is killed). Handled in init,
 // before TestMain, like pinotServerEnv.
 const kafkaBrokerEnv = "LIVENESSPROXY_E2E_KFAKE_BROKER"
+
+// kafkaListenEnv, when set for the child, is the address its broker
+// listens on instead of kfake's own (a loopback port): a broker in a peer
+// namespace listens on the namespace's address.
+const kafkaListenEnv = "LIVENESSPROXY_E2E_KFAKE_LISTEN"
 
 func init() {
 	if spec, ok := os.LookupEnv(kafkaBrokerEnv); ok {
@@ -92,6 +98,9 @@ func runKafkaBrokerProcess(spec string) int {
 	}
 	var ln *advertisingListener
 	opts = append(opts, kfake.NumBrokers(1), kfake.ListenFn(func(network, addr string) (net.Listener, error) {
+		if a := os.Getenv(kafkaListenEnv); a != "" {
+			addr = a
+		}
 		l, err := net.Listen(network, addr)
 		if err != nil {
 			return nil, err
@@ -176,8 +185,16 @@ type kafkaBroker struct {
 // as startServerProcess does; t.Cleanup continues, kills and reaps it.
 func startKafkaBroker(t *testing.T, topics string) *kafkaBroker {
 	t.Helper()
+	return startKafkaBrokerIn(t, nil, topics)
+}
+
+// startKafkaBrokerIn is startKafkaBroker with the broker in network
+// namespace ns when ns is not nil (listening where kafkaListenEnv, set
+// in this process's environment, says).
+func startKafkaBrokerIn(t *testing.T, ns *netns.NS, topics string) *kafkaBroker {
+	t.Helper()
 	kb := &kafkaBroker{lines: make(chan string, 16)}
-	kb.serverProcess = startChild(t, kafkaBrokerEnv+"="+topics, "the kfake broker process", func(line string) {
+	kb.serverProcess = startChildIn(t, ns, kafkaBrokerEnv+"="+topics, "the kfake broker process", func(line string) {
 		select {
 		case kb.lines <- line:
 		default:
