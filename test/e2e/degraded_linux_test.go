@@ -68,16 +68,22 @@ func (d *degradedPath) addr() string {
 // is sent keeps it unsent, which is not a loss on the path).
 func (d *degradedPath) lose(t *testing.T, permille int) {
 	t.Helper()
+	d.loseOn(t, degradedPort, permille)
+}
+
+// loseOn is lose for the server's port port.
+func (d *degradedPath) loseOn(t *testing.T, port, permille int) {
+	t.Helper()
 	rule := func(match string) string {
 		return fmt.Sprintf(`table inet lploss {
 	chain in { type filter hook input priority 0; policy accept; %s numgen random mod 1000 < %d counter drop; }
 }
 `, match, permille)
 	}
-	if err := d.peer.NFT(rule(fmt.Sprintf("tcp dport %d", degradedPort))); err != nil {
+	if err := d.peer.NFT(rule(fmt.Sprintf("tcp dport %d", port))); err != nil {
 		t.Fatalf("installing the loss toward the server: %v", err)
 	}
-	if err := netns.LocalNFT(rule(fmt.Sprintf("ip saddr %s tcp sport %d", d.link.PeerIP(), degradedPort))); err != nil {
+	if err := netns.LocalNFT(rule(fmt.Sprintf("ip saddr %s tcp sport %d", d.link.PeerIP(), port))); err != nil {
 		t.Fatalf("installing the loss from the server: %v", err)
 	}
 }
@@ -688,4 +694,60 @@ func TestLossyPathCutsNothingKafka(t *testing.T) {
 		h.assertNoRedials(t, warm, end, r.start)
 	}
 	r.assertProxyStayedOut(t, end)
+}
+
+// The mesh on a lossy path (10% of the segments each way between the two
+// sidecars): the heartbeat (a ping every second, dead after 3 s of
+// silence) rides the same TCP connection as the streams, so a lost segment
+// holds every frame behind it until the kernel's retransmission gets
+// through. Two idle links and one echoing every 100 ms, for 15 s: no link
+// may end mesh_dead while the ingress answers, and the endpoint stays
+// healthy.
+func TestLossyPathMeshIsNotDead(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	d := newDegradedPath(t, 49, 1000)
+	srv := echoIn(t, d.peer, d.addr())
+	waitReachable(t, srv)
+	const meshPort = 17400
+	if _, port := startIngressProcess(t, d.peer, ingressConfig(net.JoinHostPort(d.link.PeerIP().String(), strconv.Itoa(meshPort)), srv, nil)); port != meshPort {
+		t.Fatalf("ingress on port %d", port)
+	}
+	p, ended := meshEgress(t, srv, meshPort, nil)
+	idle := []net.Conn{meshDial(t, p, "idle 1"), meshDial(t, p, "idle 2")}
+	busy := meshDial(t, p, "busy")
+	d.loseOn(t, meshPort, 100)
+	start := time.Now()
+	echoes := 0
+	for time.Since(start) < 15*time.Second {
+		msg := fmt.Sprintf("echo %d", echoes)
+		if _, err := busy.Write([]byte(msg)); err != nil {
+			t.Fatalf("echo %d through the lossy mesh: %v", echoes, err)
+		}
+		_ = busy.SetReadDeadline(time.Now().Add(30 * time.Second))
+		if _, err := io.ReadFull(busy, make([]byte, len(msg))); err != nil {
+			t.Fatalf("echo %d through the lossy mesh, at +%v: %v", echoes, ms(time.Since(start)), err)
+		}
+		echoes++
+		time.Sleep(100 * time.Millisecond)
+	}
+	for i, c := range idle {
+		meshEcho(t, c, fmt.Sprintf("idle %d, still there", i))
+	}
+	toIngress, fromIngress := d.dropped(t)
+	t.Logf("%d echoes in %v; %d segments lost toward the ingress, %d from it", echoes, ms(time.Since(start)), toIngress, fromIngress)
+	select {
+	case s := <-ended:
+		t.Fatalf("a link ended on a lossy but live mesh: %s (%v) after %v", s.Reason, s.Err, ms(s.Duration))
+	default:
+	}
+	for _, st := range p.Endpoints() {
+		if st.State != "healthy" {
+			t.Fatalf("endpoint %s %s (%s), want healthy", st.Endpoint, st.State, st.Reason)
+		}
+	}
+	if toIngress < 10 || fromIngress < 10 {
+		t.Fatalf("only %d and %d segments dropped: the path was not lossy", toIngress, fromIngress)
+	}
 }
