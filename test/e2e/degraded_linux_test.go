@@ -751,3 +751,89 @@ func TestLossyPathMeshIsNotDead(t *testing.T) {
 		t.Fatalf("only %d and %d segments dropped: the path was not lossy", toIngress, fromIngress)
 	}
 }
+
+// Probes across a lossy path (10% of the segments each way, and the first
+// SYN after the server came back): a probe whose SYN or SYN-ACK is lost
+// gets no second SYN within probe_timeout (1 s; the kernel sends it again
+// at 1 s) and fails. That only delays the
+// readmission of a server that came back, a probe a second while its
+// clients are turned away; it excludes nothing, and once readmitted the
+// server is kept while links to it carry traffic across the same loss.
+func TestLossyPathProbesDelayReadmissionOnly(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	d := newDegradedPath(t, 50, 1000)
+	ln, err := d.peer.Listen("tcp", d.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := netns.ServeEcho(t, ln)
+	waitReachable(t, d.addr())
+	s := policy.DefaultSettings()
+	s.Detector.Probe = policy.ProbeKindConnect
+	pp, w := startDegradedProxy(t, d.addr(), s, 2*time.Minute)
+	d.lose(t, 100)
+	stop() // the server goes away: its port refuses
+	if c, err := net.Dial("tcp", pp.addr); err == nil {
+		_, _ = c.Read(make([]byte, 1)) // reset once the connects are refused
+		_ = c.Close()
+	}
+	ex, ok := pp.waitStatus("excluded", 20*time.Second)
+	if !ok || ex.Reason != "dial_error" {
+		t.Fatalf("endpoint %+v after its port refused, want excluded for dial_error", pp.state())
+	}
+	// Besides the random loss, the first SYN to reach the server's
+	// namespace from now on is lost: the next probe fails on it.
+	if err := d.peer.NFT(dropOneSYN); err != nil {
+		t.Fatalf("installing the SYN drop: %v", err)
+	}
+	failedBefore := pp.counter(t, "probes_total", "result", "fail")
+	ln, err = d.peer.Listen("tcp", d.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	netns.ServeEcho(t, ln)
+	back := time.Now()
+	if !pp.waitState("healthy", 30*time.Second) {
+		t.Fatalf("endpoint %+v 30 s after the server came back", pp.state())
+	}
+	failed := pp.counter(t, "probes_total", "result", "fail") - failedBefore
+	t.Logf("readmitted %v after the server came back; %v probes failed meanwhile", ms(time.Since(back)), failed)
+	if failed < 1 {
+		t.Fatalf("no probe failed after the server came back: the lost SYN was not a probe's")
+	}
+	readmitted := time.Now()
+	runClients(t, pp, 4, func(c net.Conn) (int, error) {
+		for i := range 100 {
+			msg := fmt.Sprintf("echo %d", i)
+			if _, err := c.Write([]byte(msg)); err != nil {
+				return i, err
+			}
+			_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
+			if _, err := io.ReadFull(c, make([]byte, len(msg))); err != nil {
+				return i, err
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		return 100, nil
+	})
+	toServer, fromServer := d.dropped(t)
+	t.Logf("400 echoes after the readmission; %d segments lost toward the server, %d from it", toServer, fromServer)
+	w.Stop()
+	for _, c := range w.After(readmitted) {
+		if c.State != "healthy" {
+			t.Errorf("endpoint %s at %v after the readmission (%s), want healthy", c.State, ms(c.At.Sub(readmitted)), c.Reason)
+		}
+	}
+	if st := pp.state(); st.State != "healthy" {
+		t.Errorf("endpoint %s (%s) after the echoes, want healthy", st.State, st.Reason)
+	}
+	if _, ends := pp.links.Before(time.Now()); len(ends) > 0 {
+		for _, e := range ends {
+			if e.At.After(readmitted) {
+				t.Errorf("link %s ended after the readmission: %s (%v)", e.Client, e.Reason, e.Err)
+			}
+		}
+	}
+}
