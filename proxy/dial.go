@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"errors"
 	"net"
-	"net/netip"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/mesh"
@@ -35,7 +34,7 @@ func (directDialer) dial(lk *link, ep *endpoint) (upstreamEnd, error) {
 	var c upstreamSocket
 	var guard *ownDial
 	began := flow.Mono()
-	if ap, err := netip.ParseAddrPort(ep.dial); err == nil && flow.RawDialSupported && ap.Addr().Zone() == "" {
+	if ap := ep.dialAP; ap.IsValid() && flow.RawDialSupported && ap.Addr().Zone() == "" {
 		// An address: the socket outside net (flow.DialRaw), with the
 		// options lk.dialer's Control would set; the loop guard knows
 		// its local address from the connect on.

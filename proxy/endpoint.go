@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -22,9 +23,10 @@ import (
 // to it (the registry, so that eviction is one call) and the consecutive
 // unanswered count across all of them (a dead server answers none).
 type endpoint struct {
-	addr         string // normalized host:port: the detector's and the API's key
-	dial         string // what links dial (the configured spelling)
-	name         string // the host:port name it was resolved from; "" for an address
+	addr         string         // normalized host:port: the detector's and the API's key
+	dial         string         // what links dial (the configured spelling)
+	dialAP       netip.AddrPort // dial parsed, once: invalid when dial is a name (see directDialer)
+	name         string         // the host:port name it was resolved from; "" for an address
 	consecutive  atomic.Int64
 	lastAnswer   atomic.Int64                    // mono time of the last answer on any link
 	silentSince  atomic.Int64                    // mono send time of the earliest unanswered request counted; 0: none
@@ -76,6 +78,7 @@ func (p *Proxy) endpointForLocked(dial string, s policy.Settings, from *listener
 	if !ok {
 		created = true
 		ep = &endpoint{addr: addr, dial: dial, links: make(map[*link]struct{}), p: p}
+		ep.dialAP, _ = netip.ParseAddrPort(dial)
 		ep.lastAnswer.Store(flow.NoAnswer)
 		ep.orphans = flow.NewTracker(flow.JudgingSlack(time.Second), false, &ep.lastAnswer, func(judged []flow.PendingRequest, _ int) {
 			// Each request keeps the threshold of the listener that sent it.
