@@ -162,7 +162,7 @@ func (t *Tracker) Sent(r PendingRequest) {
 	if r.Held == 0 || r.Held < r.At {
 		r.Held = r.At
 	}
-	r.judged = false
+	r.judged, r.Verdict, r.Expired = false, false, false // expireLocked's marks
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.stopped {
@@ -246,6 +246,7 @@ func (t *Tracker) Adopt(rs []PendingRequest) {
 	}
 	for _, r := range rs {
 		r.last = r.Due // the link is gone: nothing can be stale
+		r.Verdict, r.Expired = false, false
 		if len(t.pending) < maxPending || t.roomLocked() {
 			t.pending = append(t.pending, r)
 			t.armLocked(r.Due)
@@ -370,34 +371,78 @@ func (t *Tracker) expire() {
 	}
 	t.judging.Add(1)
 	defer t.judging.Done()
-	now := Mono()
-	var judged []PendingRequest
-	keep := t.pending[:0]
-	next := int64(Never)
-	left := 0
-	for _, r := range t.pending {
-		if !r.judged && r.Due <= now {
-			r.judged, r.Verdict = true, true
-		}
-		r.Expired = r.last <= now
-		if r.Verdict || r.Expired {
-			judged = append(judged, r)
-		}
-		if r.Expired {
-			continue
-		}
-		r.Verdict = false
-		keep = append(keep, r)
-		next = min(next, r.next())
-		left += int(r.N)
-	}
-	t.pending = keep
+	judged, left, next := t.expireLocked(Mono())
 	t.armed = 0
 	t.armLocked(next)
 	t.mu.Unlock()
 	if len(judged) > 0 {
 		t.judge(judged, left)
 	}
+}
+
+// expireLocked gives a verdict to every entry whose first deadline has
+// passed at now, drops those whose last deadline has, and returns copies
+// of both for judge (Verdict, Expired), how many requests are left and
+// the earliest time an entry left must be looked at again. t.mu is held.
+//
+// It works in place, in two passes over the list: it is looked at every
+// slack on a live link, and a link whose requests are answered keeps
+// about one entry per request for request_timeout (up to maxPending), so
+// the first pass touches each entry only to read its times, and the
+// second moves the entries left in runs (one copy each) once they are
+// counted, into a judged slice made once, at its size.
+func (t *Tracker) expireLocked(now int64) (judged []PendingRequest, left int, next int64) {
+	next = Never
+	n := 0
+	for i := range t.pending {
+		r := &t.pending[i]
+		// An entry in the list has Verdict and Expired false; they are set
+		// here for the second pass and the copies.
+		if !r.judged && r.Due <= now {
+			r.judged, r.Verdict = true, true
+		}
+		if r.last <= now {
+			r.Expired = true
+		}
+		if r.Verdict || r.Expired {
+			n++
+		}
+		if !r.Expired {
+			next = min(next, r.next())
+			left += int(r.N)
+		}
+	}
+	if n == 0 {
+		return nil, left, next
+	}
+	judged = make([]PendingRequest, 0, n)
+	w := 0
+	for i := 0; i < len(t.pending); {
+		r := &t.pending[i]
+		if r.Verdict || r.Expired {
+			judged = append(judged, *r)
+			r.Verdict = false
+		}
+		if r.Expired {
+			i++
+			continue
+		}
+		j := i + 1 // a run of entries kept
+		for j < len(t.pending) && !t.pending[j].Expired {
+			if p := &t.pending[j]; p.Verdict {
+				judged = append(judged, *p)
+				p.Verdict = false
+			}
+			j++
+		}
+		if w != i {
+			copy(t.pending[w:], t.pending[i:j])
+		}
+		w += j - i
+		i = j
+	}
+	t.pending = t.pending[:w]
+	return judged, left, next
 }
 
 // Unanswered returns how many requests of the entries just given their

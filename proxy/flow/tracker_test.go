@@ -1,6 +1,8 @@
 package flow
 
 import (
+	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -414,4 +416,54 @@ func TestTrackerAdoptFullOfAnsweredJudgesTheNext(t *testing.T) {
 			t.Fatalf("%d unanswered at the last request's deadline, want 1", counted)
 		}
 	})
+}
+
+// TestExpireLockedIsTheOneCopyPass checks expireLocked, the two passes in
+// place, against the pass it replaced (a copy of each entry, kept ones
+// appended to a new list), on lists of entries mixed at random: due,
+// judged already, expired or not, in any order. The list left, the
+// judged copies and their order, left and next must be the same.
+func TestExpireLockedIsTheOneCopyPass(t *testing.T) {
+	reference := func(pending []PendingRequest, now int64) (kept, judged []PendingRequest, left int, next int64) {
+		next = Never
+		for _, r := range pending {
+			if !r.judged && r.Due <= now {
+				r.judged, r.Verdict = true, true
+			}
+			r.Expired = r.last <= now
+			if r.Verdict || r.Expired {
+				judged = append(judged, r)
+			}
+			if r.Expired {
+				continue
+			}
+			r.Verdict = false
+			kept = append(kept, r)
+			next = min(next, r.next())
+			left += int(r.N)
+		}
+		return kept, judged, left, next
+	}
+	rnd := rand.New(rand.NewPCG(25, 1))
+	for round := range 2000 {
+		const now = 1000
+		pending := make([]PendingRequest, rnd.IntN(40))
+		for i := range pending {
+			due := now + int64(rnd.IntN(7)) - 3
+			pending[i] = PendingRequest{At: int64(i), Due: due, last: due + int64(rnd.IntN(5)),
+				End: int64(10 * i), N: int32(1 + rnd.IntN(3)), judged: rnd.IntN(3) == 0}
+		}
+		wantKept, wantJudged, wantLeft, wantNext := reference(slices.Clone(pending), now)
+		tr := &Tracker{pending: slices.Clone(pending)}
+		judged, left, next := tr.expireLocked(now)
+		if !slices.Equal(tr.pending, wantKept) && len(tr.pending)+len(wantKept) > 0 {
+			t.Fatalf("round %d: kept %+v, want %+v", round, tr.pending, wantKept)
+		}
+		if !slices.Equal(judged, wantJudged) && len(judged)+len(wantJudged) > 0 {
+			t.Fatalf("round %d: judged %+v, want %+v", round, judged, wantJudged)
+		}
+		if left != wantLeft || next != wantNext {
+			t.Fatalf("round %d: left %d next %d, want %d and %d", round, left, next, wantLeft, wantNext)
+		}
+	}
 }
