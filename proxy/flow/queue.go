@@ -3,6 +3,7 @@ package flow
 import (
 	"net"
 	"sync"
+	"sync/atomic"
 )
 
 // ChunkSize is the unit of queue memory and the size of read buffers.
@@ -75,6 +76,12 @@ type Queue struct {
 	writer    bool  // a writer runs (from the push that started it to its Drained)
 	eof       bool  // the client sent FIN: flush, then CloseWrite
 	closed    bool  // the link is ending: nothing more is written
+
+	// queuedNow and closedNow are queued and closed as last written
+	// (under mu), for Idle and Room, which the request pump asks at every
+	// read: without the lock, which was two of them per request.
+	queuedNow atomic.Int64
+	closedNow atomic.Bool
 }
 
 func (q *Queue) Init(b *Budget) {
@@ -101,10 +108,13 @@ func (q *Queue) Peak() int64 {
 // writing (so the request pump may write to the kernel directly: only it
 // appends, so the queue stays empty until it pushes), and whether the
 // queue is still open.
+//
+// Without the lock: queued is read before closed, and a queue once closed
+// stays closed, so an open queue's answer is both as they were at the
+// first read (a closed one's count is nobody's business).
 func (q *Queue) Idle() (empty, open bool) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return q.queued == 0, !q.closed
+	empty = q.queuedNow.Load() == 0
+	return empty, !q.closedNow.Load()
 }
 
 // PushResult is what push did with the bytes.
@@ -158,11 +168,10 @@ func (q *Queue) EndOfInput() bool {
 
 // Room is how many bytes may be pushed now without passing high (0 at
 // or above it), and whether the queue is open: WaitForRoom's answer
-// without the wait.
+// without the wait. Without the lock, as Idle.
 func (q *Queue) Room(high int64) (int64, bool) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return max(high-q.queued, 0), !q.closed
+	room := max(high-q.queuedNow.Load(), 0)
+	return room, !q.closedNow.Load()
 }
 
 // WaitForRoom blocks while the queue holds high bytes or more, until it
@@ -239,6 +248,7 @@ func (q *Queue) Close() {
 		close(q.Done)
 	}
 	q.closed = true
+	q.closedNow.Store(true)
 	q.drained.Broadcast()
 }
 
@@ -284,6 +294,7 @@ func (q *Queue) appendLocked(p []byte) {
 		q.since = Mono()
 	}
 	q.queued += int64(len(p))
+	q.queuedNow.Store(q.queued)
 	if q.queued > q.maxQueued {
 		q.maxQueued = q.queued
 	}
@@ -336,6 +347,7 @@ func (q *Queue) batchLocked(bufs net.Buffers) net.Buffers {
 func (q *Queue) consumeLocked(n, handed int) {
 	q.inFlight -= handed
 	q.queued -= int64(n)
+	q.queuedNow.Store(q.queued)
 	for n > 0 {
 		avail := q.lens[0] - q.head
 		if n < avail {

@@ -157,3 +157,40 @@ func TestQueueWaitForRoom(t *testing.T) {
 		}
 	})
 }
+
+// TestIdleAndRoomFollowPushesWritesAndClose checks the answers the request
+// pump reads without the queue's lock (Idle, Room) at each step that
+// changes them: a push, a partial and a full write, the close.
+func TestIdleAndRoomFollowPushesWritesAndClose(t *testing.T) {
+	var q Queue
+	q.Init(nil)
+	const high = 10000
+	check := func(step string, wantEmpty, wantOpen bool, wantRoom int64) {
+		t.Helper()
+		empty, open := q.Idle()
+		room, open2 := q.Room(high)
+		if empty != wantEmpty || open != wantOpen || open2 != wantOpen || room != wantRoom {
+			t.Fatalf("%s: Idle (empty %v, open %v), Room (%d, open %v); want empty %v, open %v, room %d",
+				step, empty, open, room, open2, wantEmpty, wantOpen, wantRoom)
+		}
+	}
+	check("new", true, true, high)
+	q.Push(make([]byte, 4000), high)
+	check("after a push of 4000", false, true, high-4000)
+	q.Push(make([]byte, 7000), 0)
+	check("after 7000 more (past high)", false, true, 0)
+	_, handed := q.Batch(nil)
+	q.Consume(5000, handed, 0)
+	check("after a write of 5000", false, true, high-6000)
+	_, handed = q.Batch(nil)
+	q.Consume(handed, handed, 0)
+	check("drained", true, true, high)
+	q.Push(make([]byte, 100), high)
+	q.Close()
+	if _, open := q.Idle(); open {
+		t.Fatal("Idle says open after Close")
+	}
+	if _, open := q.Room(high); open {
+		t.Fatal("Room says open after Close")
+	}
+}
