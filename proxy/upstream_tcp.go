@@ -44,7 +44,7 @@ type tcpEnd struct {
 	rawP       []byte
 	rawN       int
 	rawErr     error
-	rawWriteFn func(fd uintptr) bool
+	rawWriteFn func(fd uintptr)
 
 	// livePending: flow.DialRaw left tcp_user_timeout and keepalive
 	// unset, for the window guard to set (windowGuard.setLivenessLater).
@@ -108,9 +108,8 @@ func newTCPEnd(lk *link, c upstreamSocket) (*tcpEnd, error) {
 	e.livePending = dialRaw && e.win != nil
 	e.r.InitRaw(raw) // the reader, the writer and tryWrite share one raw connection
 	e.r.SetResetWatch(lk.host.resetWatch(), e.conn)
-	e.rawWriteFn = func(fd uintptr) bool {
+	e.rawWriteFn = func(fd uintptr) {
 		e.rawN, e.rawErr = flow.SysWrite(int(fd), e.rawP)
-		return true
 	}
 	e.w.InitWriteBuffers(raw) // the writer's batches; tryWrite has its own callback
 	return e, nil
@@ -510,19 +509,25 @@ func (e *tcpEnd) queue(p []byte, high int64) bool {
 
 // tryWrite writes p to the upstream without waiting: it returns what the
 // kernel accepted at once (possibly 0).
+//
+// Through RawConn.Control, not RawConn.Write: a write that never waits
+// needs no more than the descriptor held open (Control's reference), and
+// Write's lock, its deadline check and the poller's reset cost about 120
+// instructions per request more (docs/performance.md, "The proxy's own
+// instructions per request"). Nothing else writes the socket meanwhile:
+// tryWrite runs only while the queue is empty, so no writer is writing
+// (Queue.Idle). The one write deadline set on the socket is the
+// writer's, for a batch; in the moment after that batch drained the
+// queue and before the writer clears it, Write failed with
+// os.ErrDeadlineExceeded and the bytes queued, where now the kernel
+// takes them: either way they go out in order, and a writer's deadline
+// covers the ones that queue.
 func (e *tcpEnd) tryWrite(p []byte) (int, error) {
 	e.rawP = p
-	werr := e.raw.Write(e.rawWriteFn)
+	werr := e.raw.Control(e.rawWriteFn)
 	n, err := e.rawN, e.rawErr
 	e.rawP, e.rawErr = nil, nil
 	if werr != nil {
-		if errors.Is(werr, os.ErrDeadlineExceeded) {
-			// The writer's deadline for the batch that just drained the
-			// queue, in the moment before it clears it: not this write's.
-			// The bytes queue, and a writer judges them by a deadline of
-			// its own.
-			return 0, nil
-		}
 		return 0, werr
 	}
 	if err == syscall.EAGAIN || err == syscall.EINTR {
