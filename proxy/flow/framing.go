@@ -1,6 +1,7 @@
 package flow
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -57,11 +58,14 @@ var ErrTruncated = fmt.Errorf("%w: stream ended inside a frame", errBadFrame)
 func (f *FrameSpec) frameLength(hdr []byte) (int64, error) {
 	field := hdr[f.offset : f.offset+f.length]
 	var v uint64
-	if f.bigEndian {
+	switch {
+	case f.length == 4 && f.bigEndian:
+		v = uint64(binary.BigEndian.Uint32(field)) // the profiles' and the usual length_field's
+	case f.bigEndian:
 		for _, b := range field {
 			v = v<<8 | uint64(b)
 		}
-	} else {
+	default:
 		for i := len(field) - 1; i >= 0; i-- {
 			v = v<<8 | uint64(field[i])
 		}
