@@ -47,8 +47,10 @@ func unreachableUpstream(t *testing.T, heals bool) {
 	if heals {
 		ut = 10 * time.Second // room for a slow machine to heal the path
 	}
+	var idleBound time.Duration
 	h := start(t, addr.String(), func(s *policy.Settings) {
 		s.TCPUserTimeout = policy.Duration(ut)
+		idleBound = s.IdleUserTimeout()
 	})
 	// The first connect over a fresh veth may lose its SYN: the path is
 	// up once one completes at once.
@@ -65,10 +67,12 @@ func unreachableUpstream(t *testing.T, heals bool) {
 	c := h.dial()
 	roundTrip(t, c, []byte("hello"))
 	// The window guard sets tcp_user_timeout a quarter of it (or of
-	// keepalive's idle time) after the connect.
-	for deadline := time.Now().Add(10 * time.Second); userTimeout(h) != int(ut.Milliseconds()); time.Sleep(20 * time.Millisecond) {
+	// keepalive's idle time) after the connect: on the idle link, raised to
+	// keepalive's idle + interval x count; set back to tcp_user_timeout at
+	// the guard's first sample after the send below (see windowGuard).
+	for deadline := time.Now().Add(10 * time.Second); userTimeout(h) != int(idleBound.Milliseconds()); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("TCP_USER_TIMEOUT %d on the upstream socket, want %d", userTimeout(h), ut.Milliseconds())
+			t.Fatalf("TCP_USER_TIMEOUT %d on the idle upstream socket, want %d", userTimeout(h), idleBound.Milliseconds())
 		}
 	}
 	// The peer's address now routes through a neighbour that does not
