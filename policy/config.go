@@ -541,8 +541,8 @@ type Keepalive struct {
 	// positive when Idle is; never negative.
 	Interval Duration `yaml:"interval"`
 	// Count is the number of unanswered probes before the socket fails
-	// (TCP_KEEPCNT): DeadAfter after the last segment received, whatever
-	// TCPUserTimeout is (see Settings.IdleUserTimeout).
+	// (TCP_KEEPCNT): DeadAfter after the last segment received, or
+	// TCPUserTimeout where that is longer (see Settings.IdleUserTimeout).
 	Count int `yaml:"count"`
 }
 
@@ -568,7 +568,10 @@ func (k Keepalive) DeadAfter() time.Duration {
 // much has passed since the last segment received, not after count
 // unanswered probes (tcp_keepalive_timer): with tcp_user_timeout below
 // DeadAfter, one lost probe would end a healthy link. Raised to DeadAfter,
-// the count holds, and a dead peer is cut at DeadAfter either way.
+// the count holds, and a dead peer is cut at DeadAfter. Where
+// tcp_user_timeout is the longer, the kernel probes on past count and
+// cuts a dead peer at the first probe timer tcp_user_timeout after the
+// last segment received: IdleUserTimeout, rounded up to a probe.
 func (s *Settings) IdleUserTimeout() time.Duration {
 	ut := s.TCPUserTimeout.D()
 	if ut <= 0 {

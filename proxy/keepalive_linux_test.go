@@ -40,7 +40,7 @@ func keepaliveSettings(s *policy.Settings) {
 // the proxy's local port on the upstream connection and the times just
 // before the request was written and just after its echo was read (the
 // upstream's last segment arrived between them).
-func idleLinkOverVeth(t *testing.T) (h *harness, c *net.TCPConn, peer *netns.NS, port int, before, after time.Time) {
+func idleLinkOverVeth(t *testing.T, set func(*policy.Settings)) (h *harness, c *net.TCPConn, peer *netns.NS, port int, before, after time.Time) {
 	t.Helper()
 	peer = netns.NewNS(t)
 	netns.Veth(t, peer, "10.251.0.1/24", "10.251.0.2/24")
@@ -56,7 +56,7 @@ func idleLinkOverVeth(t *testing.T) (h *harness, c *net.TCPConn, peer *netns.NS,
 		}
 		return err == nil
 	})
-	h = start(t, "10.251.0.2:9000", keepaliveSettings)
+	h = start(t, "10.251.0.2:9000", set)
 	c = h.dial()
 	before = time.Now()
 	roundTrip(t, c, []byte("hello over the veth"))
@@ -109,7 +109,7 @@ func TestLostKeepaliveProbeKeepsTheLink(t *testing.T) {
 	if !netns.Reexec(t, "nft") {
 		return
 	}
-	h, c, peer, port, _, _ := idleLinkOverVeth(t)
+	h, c, peer, port, _, _ := idleLinkOverVeth(t, keepaliveSettings)
 	// A segment without data is 52 bytes here (timestamps): the quota
 	// lets through every segment after the first.
 	if err := peer.NFT(fmt.Sprintf(`table inet lpka {
@@ -147,19 +147,39 @@ func TestLostKeepaliveProbeKeepsTheLink(t *testing.T) {
 // dropped both ways, kept dropped) is cut by keepalive idle + interval x
 // count after the last segment it sent, and not before (count probes
 // unanswered), within a second more; upstream_timeout, and the endpoint
-// excluded.
+// excluded. Where tcp_user_timeout is the longer, the kernel probes on
+// past count and cuts it at tcp_user_timeout (its keepalive timer gives
+// up at its first run with a probe unanswered that long after the last
+// segment received): 6s here, not keepalive's 4s.
 func TestIdleDeadPeerCutAfterKeepaliveCount(t *testing.T) {
-	if !netns.Reexec(t, "nft") {
-		return
+	for _, c := range []struct {
+		name     string
+		ut, want time.Duration
+	}{
+		{"tcp_user_timeout below keepalive's", kaUserTimeout, kaDeadAfter},
+		{"tcp_user_timeout above keepalive's", kaDeadAfter + 2*time.Second, kaDeadAfter + 2*time.Second},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if !netns.Reexec(t, "nft") {
+				return
+			}
+			idleDeadPeerCut(t, c.ut, c.want)
+		})
 	}
-	h, _, peer, _, before, after := idleLinkOverVeth(t)
+}
+
+func idleDeadPeerCut(t *testing.T, ut, want time.Duration) {
+	h, _, peer, _, before, after := idleLinkOverVeth(t, func(s *policy.Settings) {
+		keepaliveSettings(s)
+		s.TCPUserTimeout = policy.Duration(ut)
+	})
 	if err := peer.NFT(`table inet lpka {
 		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter drop; }
 		chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
 	}`); err != nil {
 		t.Fatal(err)
 	}
-	end := h.linkEnd(kaDeadAfter + 20*time.Second)
+	end := h.linkEnd(want + 20*time.Second)
 	ep := h.waitState("excluded", 10*time.Second)
 	t.Logf("link ended (%s) and endpoint excluded %v after the last byte; the peer dropped %d segments",
 		end.Reason, ep.Since.Sub(after).Round(time.Millisecond), dropped(t, peer))
@@ -168,11 +188,11 @@ func TestIdleDeadPeerCutAfterKeepaliveCount(t *testing.T) {
 	}
 	// The kernel's timers do not fire early: count probes went
 	// unanswered, interval apart, the first idle after the last byte.
-	if d := ep.Since.Sub(before); d < kaDeadAfter-500*time.Millisecond {
-		t.Fatalf("excluded %v after the last byte, before keepalive's %d probes (%v)", d, kaCount, kaDeadAfter)
+	if d := ep.Since.Sub(before); d < want-500*time.Millisecond {
+		t.Fatalf("excluded %v after the last byte, before %v", d, want)
 	}
-	if d := ep.Since.Sub(after); d > kaDeadAfter+time.Second {
-		t.Fatalf("excluded %v after the last byte, want within %v", d, kaDeadAfter+time.Second)
+	if d := ep.Since.Sub(after); d > want+time.Second {
+		t.Fatalf("excluded %v after the last byte, want within %v", d, want+time.Second)
 	}
 	if n := dropped(t, peer); n < kaCount {
 		t.Fatalf("the peer dropped %d segments, want at least keepalive's %d probes", n, kaCount)
@@ -211,7 +231,7 @@ func TestFinBlackholeAfterIdleCutByUserTimeout(t *testing.T) {
 // raised; the peer blackholed, send makes the proxy send it something,
 // which must cut the link within tcp_user_timeout and a second.
 func blackholeAfterIdle(t *testing.T, send func(*net.TCPConn) error) {
-	h, c, peer, _, _, _ := idleLinkOverVeth(t)
+	h, c, peer, _, _, _ := idleLinkOverVeth(t, keepaliveSettings)
 	waitFor(t, 10*time.Second, "the idle link's bound raised to keepalive's", func() bool {
 		return userTimeout(h) == int(kaDeadAfter.Milliseconds())
 	})
