@@ -3,11 +3,16 @@
 package proxy
 
 import (
+	"cmp"
+	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"regexp"
 	"strconv"
+	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -16,6 +21,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // Short liveness settings for the keepalive tests: an idle upstream whose
@@ -74,6 +80,18 @@ func idleLinkOverVeth(t *testing.T, set func(*policy.Settings)) (h *harness, c *
 		t.Fatalf("the upstream socket's local port: %v", err)
 	}
 	return h, c, peer, port, before, after
+}
+
+// blackholePeer drops every segment of the peer's server (port 9000)
+// both ways, and counts those that arrive (see dropped).
+func blackholePeer(t *testing.T, peer *netns.NS) {
+	t.Helper()
+	if err := peer.NFT(`table inet lpka {
+		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter drop; }
+		chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
+	}`); err != nil {
+		t.Fatal(err)
+	}
 }
 
 var droppedPackets = regexp.MustCompile(`counter packets (\d+)`)
@@ -173,12 +191,7 @@ func idleDeadPeerCut(t *testing.T, ut, want time.Duration) {
 		keepaliveSettings(s)
 		s.TCPUserTimeout = policy.Duration(ut)
 	})
-	if err := peer.NFT(`table inet lpka {
-		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter drop; }
-		chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
-	}`); err != nil {
-		t.Fatal(err)
-	}
+	blackholePeer(t, peer)
 	end := h.linkEnd(want + 20*time.Second)
 	ep := h.waitState("excluded", 10*time.Second)
 	t.Logf("link ended (%s) and endpoint excluded %v after the last byte; the peer dropped %d segments",
@@ -235,12 +248,7 @@ func blackholeAfterIdle(t *testing.T, send func(*net.TCPConn) error) {
 	waitFor(t, 10*time.Second, "the idle link's bound raised to keepalive's", func() bool {
 		return userTimeout(h) == int(kaDeadAfter.Milliseconds())
 	})
-	if err := peer.NFT(`table inet lpka {
-		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter drop; }
-		chain out { type filter hook output priority 0; policy accept; tcp sport 9000 drop; }
-	}`); err != nil {
-		t.Fatal(err)
-	}
+	blackholePeer(t, peer)
 	sent := time.Now()
 	if err := send(c); err != nil {
 		t.Fatal(err)
@@ -289,5 +297,98 @@ func TestLinkIdleFromTheConnectHasTheRaisedBound(t *testing.T) {
 				return userTimeout(h) == int(kaDeadAfter.Milliseconds())
 			})
 		})
+	}
+}
+
+// Bytes the writer sends after the guard's sample found the socket idle
+// and raised its bound are under tcp_user_timeout again: the writer arms
+// the guard for each batch, as the request pump does for its direct
+// writes. Here the kernel takes a part of a request (the
+// upstream's window is small, its receive buffer 4 KiB;
+// TCP_NOTSENT_LOWAT 16 KiB) and the pump
+// queues the rest, which waits for the memory budget (a reload lowered it
+// to nothing). The kernel sends its part and the peer acknowledges it:
+// the guard's sample finds the socket idle, raises the bound and stops.
+// The peer is then blackholed and the budget given back: the writer sends
+// the rest, and the link is cut upstream_timeout with tcp_user_timeout
+// on the socket (here 1.22-1.25s after the rest was let go). Without the
+// writer's arm nothing sampled the socket after it: the raised bound
+// (keepalive's 4s) stayed on it and cut the link 4.2s after. Asserted on
+// the bound the guard left on the socket, not on the time (the kernel's
+// first retransmission timeout is not clamped to the bound, and a loaded
+// machine inflates it).
+func TestQueuedBytesAfterIdleUnderUserTimeout(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	peer := netns.NewNS(t)
+	netns.Veth(t, peer, "10.251.0.1/24", "10.251.0.2/24")
+	lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		err := c.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_RCVBUF, 4096) })
+		return cmp.Or(err, serr)
+	}}
+	ln, err := peer.ListenConfig(context.Background(), &lc, "tcp", "10.251.0.2:9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	accepted := make(chan net.Conn, 1)
+	wg.Go(func() { // a server that reads everything
+		if c, err := ln.Accept(); err == nil {
+			accepted <- c
+			_, _ = io.Copy(io.Discard, c)
+		}
+	})
+	t.Cleanup(func() {
+		_ = ln.Close()
+		select {
+		case c := <-accepted:
+			_ = c.Close() // the proxy's close was blackholed
+		default:
+		}
+		wg.Wait()
+	})
+	h := start(t, "10.251.0.2:9000", func(s *policy.Settings) {
+		keepaliveSettings(s)
+		// TCP_NOTSENT_LOWAT 16 KiB: the kernel takes a part of a
+		// request of 60 KiB.
+		s.WriteBuffer.HighWaterMark, s.WriteBuffer.LowWaterMark = 64<<10, 32<<10
+	})
+	c := h.dial()
+	lk := h.onlyLink(5 * time.Second)
+	lk.connMu.Lock()
+	e := lk.up.(*tcpEnd)
+	lk.connMu.Unlock()
+	h.p.budget.SetLimit(1) // no chunk fits: a queue's push waits
+	t.Cleanup(func() { h.p.budget.SetLimit(0) })
+	if _, err := c.Write(make([]byte, 60<<10)); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "the rest of the request waiting for the budget", func() bool {
+		return h.p.budget.Nwait.Load() == 1
+	})
+	raised := int(kaDeadAfter.Milliseconds())
+	waitFor(t, 10*time.Second, "the socket idle, its bound raised and the guard stopped", func() bool {
+		w, ok := flow.SampleSendWindow(e.raw)
+		return ok && w.Idle && userTimeout(h) == raised && !e.win.armed.Load()
+	})
+	blackholePeer(t, peer)
+	sent := time.Now()
+	h.p.budget.SetLimit(0) // the writer sends the rest into the blackhole
+	end := h.linkEnd(kaDeadAfter + 20*time.Second)
+	took := end.Opened.Add(end.Duration).Sub(sent)
+	t.Logf("link ended (%s) %v after the queued rest was let go; the peer dropped %d segments",
+		end.Reason, took.Round(time.Millisecond), dropped(t, peer))
+	// ETIMEDOUT, or, where the writer's write took the socket's error
+	// first, the response pump's end of stream taken for a reset.
+	if end.Reason != CloseUpstreamTimeout && end.Reason != CloseUpstreamError {
+		t.Fatalf("link ended for %s (%v), want %s", end.Reason, end.Err, CloseUpstreamTimeout)
+	}
+	e.win.mu.Lock()
+	bound := e.win.bound
+	e.win.mu.Unlock()
+	if bound != kaUserTimeout {
+		t.Fatalf("the link ended with TCP_USER_TIMEOUT %v on its socket under the queued bytes, want tcp_user_timeout %v", bound, kaUserTimeout)
 	}
 }

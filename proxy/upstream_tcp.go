@@ -421,8 +421,13 @@ func (s *requests) Handle(bp *[]byte, n int) (flow.Handled, error) {
 	buf := (*bp)[:n]
 	lk.budget.Reading(int64(cap(*bp)))
 	lk.countRequest(buf)
-	e.win.arm() // bytes may wait for the upstream in the kernel: watch its window (see send)
 	w, err := e.tryWrite(buf)
+	// Bytes may wait for the upstream in the kernel: the window guard
+	// watches them. Armed after the write: an arm before it that found a
+	// sample pending could have that sample find the socket idle (the
+	// write not made yet), raise its bound and stop, leaving these bytes
+	// to the raised bound.
+	e.win.arm()
 	if err == nil && w < n {
 		e.reqBegun, e.reqSent = true, int32(w) // the rest is queued by pumpRequests
 		return flow.HandledKeep, nil
@@ -441,12 +446,12 @@ func (e *tcpEnd) send(p []byte, high int64) bool {
 	if !open {
 		return false
 	}
-	e.win.arm() // bytes will wait for the upstream: watch its window
 	if empty {
 		// Nothing queued and nothing being written: try the kernel directly
 		// and queue only what it does not take. This keeps the common case
 		// free of a goroutine hand-off.
 		n, err := e.tryWrite(p)
+		e.win.arm() // after the write, as in Handle; the writer arms for what it writes
 		if err != nil {
 			e.fail(err)
 			return false
@@ -576,8 +581,16 @@ func (e *tcpEnd) writeUpstream() {
 			lk.progressed()
 			_ = e.conn.SetWriteDeadline(time.Now().Add(wt))
 		}
+		// The window guard watches the batch as it watches the pump's
+		// sends: a sample since the send that queued these bytes may
+		// have found the socket idle and stopped. Armed before the write,
+		// which may wait for room, and again after (see Handle).
+		e.win.arm()
 		n, err := e.w.WriteBuffers(e.batch)
 		clear(e.batch) // the views go back with Consume
+		if n > 0 {
+			e.win.arm()
+		}
 
 		lk.q.Consume(int(n), handed, low)
 		if err != nil && !e.writeFailed(err, n) {

@@ -60,7 +60,10 @@ import (
 // ends as before.
 //
 // Its timer runs only while bytes wait: the request pump arms it on a send
-// when it is not armed (and the half-close on the FIN), and it stops once
+// when it is not armed, the queue's writer on each batch, and the
+// half-close on the FIN, each after the bytes reach the kernel (a sample
+// between an arm and the write would find the socket idle, raise its
+// bound and stop, the bytes then left to the raised bound); it stops once
 // the socket is idle, its bound raised. It costs no goroutine; the timer's
 // callback is the only one to touch the socket option. It sets the option
 // only when a sample finds the state changed: at most once a sample (a
