@@ -17,9 +17,11 @@ type Delivery struct {
 	// off). An ACK answering a window probe counts: it says the peer's
 	// kernel is there, not that the peer takes anything in.
 	AckAt int64
-	// Awaiting: bytes are in flight and the kernel still waits for their
-	// acknowledgement, not yet having seen two retransmissions of them in a
-	// row go unanswered (tcpi_retransmits below AwaitedRetransmits). On a
+	// Awaiting: bytes are in flight, the peer's window open, and the kernel
+	// still waits for their acknowledgement, not yet having seen two
+	// retransmissions of them in a row go unanswered (tcpi_retransmits
+	// below AwaitedRetransmits; the kernel does not count those it sends
+	// into a zero window, a peer that dropped them for want of memory). On a
 	// lossy path a lost segment keeps a live peer silent for a
 	// retransmission timeout, and each lost retransmission of it for one
 	// twice as long (200 ms, 400 ms, 800 ms on a LAN; more on a path whose

@@ -459,8 +459,12 @@ func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
 		Queued: int64(outq),
 		AckAt:  now - int64(ti.Last_ack_recv)*int64(time.Millisecond) - receivedSlack,
 		// Unacked counts segments sent and not acknowledged: none while
-		// the kernel only probes a zero window.
-		Awaiting: ti.Unacked > 0 && ti.Retransmits < AwaitedRetransmits,
+		// the kernel only probes a zero window. A zero window with
+		// segments in flight (a peer out of receive memory drops them and
+		// says so) is no lossy path: the kernel's retransmissions into it
+		// are not counted in tcpi_retransmits, which would never end
+		// Awaiting (tcpi_snd_wnd: Linux 5.4; before, 0, and never Awaiting).
+		Awaiting: ti.Unacked > 0 && ti.Snd_wnd > 0 && ti.Retransmits < AwaitedRetransmits,
 	}, true
 }
 

@@ -521,6 +521,23 @@ func TestLossyPathLargeUploadCutsNothing(t *testing.T) {
 	assertCutNothing(t, pp, w, start)
 }
 
+// startJudgingProxy starts a proxy in front of upstream with the
+// unanswered rule at a 1 s request_timeout and no readmission within a
+// test, a watcher on its endpoint, and one client connected through it.
+func startJudgingProxy(t *testing.T, upstream string) (*pinotProxy, *stateWatcher, net.Conn) {
+	t.Helper()
+	s := lengthFieldSettings()
+	s.Unanswered.RequestTimeout = policy.Duration(time.Second)
+	s.Detector.InitialDelay = policy.Duration(30 * time.Second)
+	pp, w := startDegradedProxy(t, upstream, s, time.Minute)
+	c, err := net.Dial("tcp", pp.addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return pp, w, c
+}
+
 // The twin: the path of a large upload dies in the middle, past the
 // request's deadline (1 s; the 16 MiB take 8 s at 16 Mbit/s). The kernel
 // retransmits into the silence; once two of its retransmissions in a row
@@ -532,15 +549,7 @@ func TestLargeUploadOnADyingPathIsJudged(t *testing.T) {
 		return
 	}
 	d, _ := degradedServer(t, 45, 1500, "16mbit", 0)
-	s := lengthFieldSettings()
-	s.Unanswered.RequestTimeout = policy.Duration(time.Second)
-	s.Detector.InitialDelay = policy.Duration(30 * time.Second) // no readmission within the test
-	pp, w := startDegradedProxy(t, d.addr(), s, time.Minute)
-	c, err := net.Dial("tcp", pp.addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = c.Close() })
+	pp, w, c := startJudgingProxy(t, d.addr())
 	done := make(chan error, 1)
 	go func() {
 		_, err := exchange(c, 1, 1, func(int) int { return 16 << 20 }, func(int) int { return 100 }, time.Minute)
@@ -564,6 +573,77 @@ func TestLargeUploadOnADyingPathIsJudged(t *testing.T) {
 	}
 	if err := <-done; err == nil {
 		t.Fatal("the upload was answered across a dead path")
+	}
+}
+
+// Another twin: a server that stops reading in the middle of a large
+// upload while bytes of it are in flight (queued on the narrow path), and
+// whose kernel drops them and answers with a zero window: what Linux does
+// when the socket's memory runs out (ICSK_ACK_NOMEM; here its receive
+// buffer is cut to 4 KiB once it stopped). The kernel retransmits those
+// bytes into the zero window without counting the retransmissions
+// (tcp_retransmit_timer's "shrunk window" branch leaves tcpi_retransmits
+// at 0): that is no lossy path awaiting an answer, and the server is judged
+// as one whose window closed, flow.DeliveryQuiet (and the judging slack)
+// after it stopped, within a second of the request's deadline.
+func TestLargeUploadToAServerThatDropsWhatIsInFlightIsJudged(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft", "tc") {
+		return
+	}
+	d := newDegradedPath(t, 48, 1500)
+	d.limit(t, "16mbit")
+	ln, err := d.peer.Listen("tcp", d.addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopped := make(chan time.Time, 1)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		b := make([]byte, 16<<10)
+		for read := 0; read < 256<<10; {
+			n, err := c.Read(b)
+			if err != nil {
+				return
+			}
+			read += n
+		}
+		_ = c.(*net.TCPConn).SetReadBuffer(4 << 10)
+		stopped <- time.Now()
+		<-done
+	}()
+	t.Cleanup(func() { close(done); _ = ln.Close(); wg.Wait() })
+	pp, w, c := startJudgingProxy(t, d.addr())
+	sent := time.Now()
+	go func() {
+		_, _ = exchange(c, 1, 1, func(int) int { return 4 << 20 }, func(int) int { return 100 }, time.Minute)
+	}()
+	var stop time.Time
+	select {
+	case stop = <-stopped:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the server did not take in 256 KiB within 30 s")
+	}
+	ex := waitExcluded(t, pp, w, sent, 20*time.Second, "the server stopped reading")
+	t.Logf("excluded (%s) %v after the request was sent, %v after the server stopped reading", ex.Reason, ms(ex.At.Sub(sent)), ms(ex.At.Sub(stop)))
+	if ex.Reason != "unanswered" {
+		t.Fatalf("excluded for %s, want unanswered", ex.Reason)
+	}
+	// At the request's deadline, or flow.DeliveryQuiet (0.8 s) after the
+	// proxy last saw the stream acknowledged further, which its first look
+	// at the deadline may be; 3 s of margin for a loaded machine, as
+	// TestLargeRequestToAServerThatStopsReadingIsJudged has. The kernel's
+	// own bound is tcp_user_timeout, 10 s.
+	if limit := sent.Add(time.Second + 800*time.Millisecond + 3*time.Second); ex.At.After(limit) {
+		t.Fatalf("excluded %v after the request was sent (%v after the server stopped reading), want by %v",
+			ms(ex.At.Sub(sent)), ms(ex.At.Sub(stop)), ms(limit.Sub(sent)))
 	}
 }
 
