@@ -504,7 +504,7 @@ func TestLossyPathLargeUploadCutsNothing(t *testing.T) {
 	s.TCPUserTimeout = policy.Duration(30 * time.Second)
 	start := time.Now()
 	pp, w := startDegradedProxy(t, d.addr(), s, 2*time.Minute)
-	d.lose(t, 100)
+	d.lose(t, 30)
 	const uploads = 3
 	runClients(t, pp, 1, func(c net.Conn) (int, error) {
 		for i := range uploads {
@@ -566,7 +566,7 @@ func TestLargeUploadOnADyingPathIsJudged(t *testing.T) {
 		t.Fatalf("installing the blackhole: %v", err)
 	}
 	cut := time.Now()
-	ex := waitExcluded(t, pp, w, cut, 8*time.Second, "the path died")
+	ex := waitExcluded(t, pp, w, cut, 3*time.Second, "the path died")
 	t.Logf("excluded (%s) %v after the path died, in the middle of the upload", ex.Reason, ms(ex.At.Sub(cut)))
 	if ex.Reason != "unanswered" {
 		t.Fatalf("excluded for %s, want unanswered (the request's silence, before tcp_user_timeout)", ex.Reason)
