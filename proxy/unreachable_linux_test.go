@@ -47,34 +47,13 @@ func unreachableUpstream(t *testing.T, heals bool) {
 	if heals {
 		ut = 10 * time.Second // room for a slow machine to heal the path
 	}
-	var idleBound time.Duration
 	h := start(t, addr.String(), func(s *policy.Settings) {
 		s.TCPUserTimeout = policy.Duration(ut)
-		idleBound = s.IdleUserTimeout()
+		// Keepalive off: the window guard keeps tcp_user_timeout itself on
+		// the idle socket, not keepalive's deadline (IdleUserTimeout).
+		s.Keepalive = policy.Keepalive{Idle: -1}
 	})
-	// The first connect over a fresh veth may lose its SYN: the path is
-	// up once one completes at once.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		d, err := net.DialTimeout("tcp", addr.String(), 500*time.Millisecond)
-		if err == nil {
-			_ = d.Close()
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not reachable over the veth: %v", addr, err)
-		}
-	}
-	c := h.dial()
-	roundTrip(t, c, []byte("hello"))
-	// The window guard sets tcp_user_timeout a quarter of it (or of
-	// keepalive's idle time) after the connect: on the idle link, raised to
-	// keepalive's idle + interval x count; set back to tcp_user_timeout at
-	// the guard's first sample after the send below (see windowGuard).
-	for deadline := time.Now().Add(10 * time.Second); userTimeout(h) != int(idleBound.Milliseconds()); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("TCP_USER_TIMEOUT %d on the idle upstream socket, want %d", userTimeout(h), idleBound.Milliseconds())
-		}
-	}
+	c := linkOverVeth(t, h, addr, ut)
 	// The peer's address now routes through a neighbour that does not
 	// answer ARP: the host is gone from the network.
 	route := []string{"route", "add", link.PeerIP().String() + "/32", "via", "10.231.29.77", "dev", link.Local}
@@ -109,6 +88,35 @@ func unreachableUpstream(t *testing.T, heals bool) {
 	if s.Reason != CloseUpstreamTimeout || ep.State != "excluded" {
 		t.Fatalf("the kernel gave up on the upstream at tcp_user_timeout (%v), but the link ended %s and the endpoint is %s: a dead upstream kept", s.Err, s.Reason, ep.State)
 	}
+}
+
+// linkOverVeth is a link of h's to addr, over a veth, once the path is up,
+// a round trip made, and the window guard has set tcp_user_timeout ut on
+// the upstream socket (keepalive off: ut itself on the idle socket).
+func linkOverVeth(t *testing.T, h *harness, addr net.Addr, ut time.Duration) *net.TCPConn {
+	t.Helper()
+	// The first connect over a fresh veth may lose its SYN: the path is
+	// up once one completes at once.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		d, err := net.DialTimeout("tcp", addr.String(), 500*time.Millisecond)
+		if err == nil {
+			_ = d.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not reachable over the veth: %v", addr, err)
+		}
+	}
+	c := h.dial()
+	roundTrip(t, c, []byte("hello"))
+	// The window guard sets tcp_user_timeout a quarter of it (or of
+	// keepalive's idle time) after the connect.
+	for deadline := time.Now().Add(10 * time.Second); userTimeout(h) != int(ut.Milliseconds()); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("TCP_USER_TIMEOUT %d on the upstream socket, want %d", userTimeout(h), ut.Milliseconds())
+		}
+	}
+	return c
 }
 
 func ip(t *testing.T, args ...string) {

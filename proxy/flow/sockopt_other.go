@@ -59,6 +59,9 @@ func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
 
 func ZeroWindowAckedSince(syscall.RawConn, int64) bool { return false }
 
+// RouteTo is unknown here.
+func RouteTo(netip.Addr, int) (route, known bool) { return false, false }
+
 // SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
 func SetLiveness(syscall.RawConn, *policy.Settings) error { return nil }
 
