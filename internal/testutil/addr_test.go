@@ -1,30 +1,35 @@
 package testutil
 
-import (
-	"errors"
-	"net"
-	"net/netip"
-	"syscall"
-	"testing"
-)
+import "testing"
 
-// ClosedAddr is a loopback address whose dial is refused, and one a test
-// can then listen on itself.
-func TestClosedAddr(t *testing.T) {
-	addr := ClosedAddr(t)
-	ap, err := netip.ParseAddrPort(addr)
-	if err != nil || !ap.Addr().IsLoopback() || ap.Port() == 0 {
-		t.Fatalf("ClosedAddr() = %q (%v), want a loopback address with a port", addr, err)
-	}
-	if c, err := net.Dial("tcp", addr); !errors.Is(err, syscall.ECONNREFUSED) {
-		if c != nil {
-			c.Close()
+// Two picks never return the same address, though the kernel may hand a
+// closed port out again at once.
+func TestPickClosedAddrNeverRepeats(t *testing.T) {
+	seen := map[string]bool{}
+	for range 2000 {
+		addr, err := PickClosedAddr()
+		if err != nil {
+			t.Fatal(err)
 		}
-		t.Fatalf("dial %s: %v, want connection refused", addr, err)
+		if seen[addr] {
+			t.Fatalf("%s handed out twice", addr)
+		}
+		seen[addr] = true
 	}
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatalf("listen on %s: %v", addr, err)
+}
+
+// The record of picks is bounded, oldest forgotten first.
+func TestPickedSetIsBounded(t *testing.T) {
+	p := pickedSet{seen: map[string]bool{}}
+	for i := range pickedMax + 10 {
+		if !p.take(string(rune('a'+i%26)) + string(rune(i))) {
+			t.Fatalf("pick %d refused", i)
+		}
 	}
-	ln.Close()
+	if len(p.order) != pickedMax || len(p.seen) != pickedMax {
+		t.Fatalf("%d in order, %d seen; want %d", len(p.order), len(p.seen), pickedMax)
+	}
+	if !p.take(string(rune('a')) + string(rune(0))) {
+		t.Fatal("the oldest pick was not forgotten")
+	}
 }
