@@ -4,7 +4,6 @@ import (
 	"errors"
 	"io"
 	"net"
-	"net/netip"
 	"os"
 	"sync/atomic"
 	"syscall"
@@ -709,8 +708,8 @@ func (e *tcpEnd) fail(err error) {
 // now, with the upstream's mark (flow.RouteTo); false when it cannot
 // tell.
 func (e *tcpEnd) routed() bool {
-	ap, err := netip.ParseAddrPort(e.lk.ep.dial)
-	if tc, ok := e.conn.(*net.TCPConn); err != nil && ok {
+	ap := e.lk.ep.dialAP
+	if tc, ok := e.conn.(*net.TCPConn); !ap.IsValid() && ok {
 		if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok {
 			ap = ra.AddrPort()
 		}
