@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -112,6 +113,34 @@ func (h *harness) linkEnd(within time.Duration) LinkStats {
 		h.t.Fatalf("no link ended within %v", within)
 		return LinkStats{}
 	}
+}
+
+// story says, for a failure message, how the links that ended so far
+// ended (without waiting), the listener's write and unanswered timeouts,
+// and each endpoint's state: what a test that waited in vain for a state
+// needs to tell the proxy's doing from its own premise.
+func (h *harness) story() string {
+	var b strings.Builder
+	for more := true; more; {
+		select {
+		case s := <-h.ended:
+			fmt.Fprintf(&b, "link ended %q (%v) after %v: %d bytes up, %d down, at most %d queued; ",
+				s.Reason, s.Err, s.Duration, s.BytesUp, s.BytesDown, s.MaxQueued)
+		default:
+			more = false
+		}
+	}
+	if b.Len() == 0 {
+		b.WriteString("no link ended; ")
+	}
+	m := h.m.ForListener("test")
+	fmt.Fprintf(&b, "write_timeouts_total %v, unanswered_timeouts_total %v",
+		testutil.ToFloat64(m.WriteTimeouts), testutil.ToFloat64(m.UnansweredTimeouts))
+	for _, ep := range h.p.Endpoints() {
+		fmt.Fprintf(&b, "; endpoint %s %s (%s) since %v, evidence %q",
+			ep.Endpoint, ep.State, ep.Reason, ep.Since.Format("15:04:05.000"), ep.Evidence)
+	}
+	return b.String()
 }
 
 // linkEndOf waits for the link of client c to end, passing over the ends of

@@ -43,11 +43,13 @@ func slowClient(t *testing.T, h *harness) *net.TCPConn {
 
 // bigFrames is n frames of a mebibyte less their length fields: within
 // framed()'s max_frame_length, and echoed back by a Framed fault peer.
+// One allocation: grown by append, 60 of them took 23 s under -race on a
+// loaded 2-core machine (2 s without), time a test's wait then spent
+// before the client had sent a byte.
 func bigFrames(n int) []byte {
-	var b []byte
-	for range n {
-		b = binary.BigEndian.AppendUint32(b, 1<<20-4)
-		b = append(b, make([]byte, 1<<20-4)...)
+	b := make([]byte, n<<20)
+	for i := range n {
+		binary.BigEndian.PutUint32(b[i<<20:], 1<<20-4)
 	}
 	return b
 }
@@ -70,7 +72,7 @@ func behindAStalledClient(t *testing.T, answerAll bool) (*harness, *net.TCPConn,
 	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
 	c := slowClient(t, h)
 	if _, err := c.Write(bigFrames(backlogFrames)); err != nil {
-		t.Fatal(err)
+		t.Fatalf("sending the big requests: %v; %s", err, h.story())
 	}
 	stalledByClient(t, h)
 	return h, c, peer
@@ -103,7 +105,7 @@ func stalledByClient(t *testing.T, h *harness) {
 			still = 0
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the upstream's bytes did not stop arriving with some unread within 10s (received %d, read %d)", got, e.lk.bytesDown.Load())
+			t.Fatalf("the upstream's bytes did not stop arriving with some unread within 10s (received %d, read %d); %s", got, e.lk.bytesDown.Load(), h.story())
 		}
 		last = got
 	}
@@ -271,8 +273,9 @@ func TestClientThatDoesNotReadIsNoWriteStall(t *testing.T) {
 	h := start(t, peer.Addr(), func(s *policy.Settings) { s.WriteTimeout = policy.Duration(wt) })
 	c := slowClient(t, h)
 	const frames = 3 * backlogFrames // more than the buffers between hold
+	reqs := bigFrames(frames)        // before the wait's clock starts
 	wrote := make(chan error, 1)
-	go func() { _, err := c.Write(bigFrames(frames)); wrote <- err }()
+	go func() { _, err := c.Write(reqs); wrote <- err }()
 	e := h.onlyEnd()
 	lk := e.lk
 	// Stalled by the client: requests wait in the proxy's queue for a
@@ -283,17 +286,17 @@ func TestClientThatDoesNotReadIsNoWriteStall(t *testing.T) {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("the link never held requests for a server with answers unread (queued %d, received %d ok %v, read %d)", lk.q.Bytes(), got, ok, lk.bytesDown.Load())
+			t.Fatalf("the link never held requests for a server with answers unread (sent up %d, queued %d, received %d ok %v, read %d); %s", lk.bytesUp.Load(), lk.q.Bytes(), got, ok, lk.bytesDown.Load(), h.story())
 		}
 	}
 	stalledByClient(t, h) // the server's bytes stopped arriving: it waits
 	time.Sleep(3 * wt)
 	m := h.m.ForListener("test")
 	if got := testutil.ToFloat64(m.WriteTimeouts); got != 0 {
-		t.Fatalf("write_timeouts_total = %v behind a client that does not read, want 0", got)
+		t.Fatalf("write_timeouts_total = %v behind a client that does not read, want 0; %s", got, h.story())
 	}
 	if st := h.endpoint(); st.State != "healthy" {
-		t.Fatalf("endpoint %s (%s) behind a client that does not read, want healthy", st.State, st.Reason)
+		t.Fatalf("endpoint %s (%s) behind a client that does not read, want healthy; %s", st.State, st.Reason, h.story())
 	}
 	_ = c.SetReadDeadline(time.Now().Add(30 * time.Second))
 	if _, err := io.CopyN(io.Discard, c, int64(frames)<<20); err != nil {
@@ -321,7 +324,8 @@ func TestBudgetCloseOfAClientStalledLinkBlamesNoUpstream(t *testing.T) {
 		s.Detector.InitialDelay = policy.Duration(30 * time.Second)
 	})
 	c := r.dial(r.test)
-	go func() { _, _ = c.Write(bigFrames(3 * backlogFrames)) }() // ends with the close
+	reqs := bigFrames(3 * backlogFrames) // before the wait's clock starts
+	go func() { _, _ = c.Write(reqs) }() // ends with the close
 	select {
 	case s := <-r.ended:
 		if s.Reason != CloseBudget {
