@@ -116,8 +116,8 @@ func (h *harness) linkEnd(within time.Duration) LinkStats {
 }
 
 // story says, for a failure message, how the links that ended so far
-// ended (without waiting), the listener's write and unanswered timeouts,
-// and each endpoint's state: what a test that waited in vain for a state
+// ended (without waiting), the listener's write and unanswered timeouts
+// and stale frames, and each endpoint's state: what a test that waited in vain for a state
 // needs to tell the proxy's doing from its own premise.
 func (h *harness) story() string {
 	var b strings.Builder
@@ -134,8 +134,8 @@ func (h *harness) story() string {
 		b.WriteString("no link ended; ")
 	}
 	m := h.m.ForListener("test")
-	fmt.Fprintf(&b, "write_timeouts_total %v, unanswered_timeouts_total %v",
-		testutil.ToFloat64(m.WriteTimeouts), testutil.ToFloat64(m.UnansweredTimeouts))
+	fmt.Fprintf(&b, "write_timeouts_total %v, unanswered_timeouts_total %v, stale_frames_dropped_total %v",
+		testutil.ToFloat64(m.WriteTimeouts), testutil.ToFloat64(m.UnansweredTimeouts), testutil.ToFloat64(m.StaleFramesDropped))
 	for _, ep := range h.p.Endpoints() {
 		fmt.Fprintf(&b, "; endpoint %s %s (%s) since %v, evidence %q",
 			ep.Endpoint, ep.State, ep.Reason, ep.Since.Format("15:04:05.000"), ep.Evidence)

@@ -62,20 +62,62 @@ const backlogFrames = 20
 // 1) in front of a Framed peer that answers the big requests (and, when
 // answerAll, every later one too), and a client that sent backlogFrames
 // big requests and reads nothing; it returns once the upstream is stalled
-// by the client (stalledByClient).
+// by the client (stalledByClient). A setup that a loaded machine spoiled
+// is started over, at most setupAttempts times: the peer, short of CPU,
+// echoed a big request later than request_timeout before the stall, and
+// the proxy counted it by that bound (no answer for 384-724ms, the
+// endpoint excluded, in 9 of 13 runs with two CPU hogs, -race -cpu 1,2),
+// or took in nothing while one waited past it in the proxy (dropped,
+// stale). That is the rule applied to a slow peer, not what the tests
+// are about: a request sent once the stall began.
 func behindAStalledClient(t *testing.T, answerAll bool) (*harness, *net.TCPConn, *faultpeer.Server) {
 	t.Helper()
-	peer := faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
+	reqs := bigFrames(backlogFrames)
+	for attempt := 1; ; attempt++ {
+		h, c, peer, spoiled := stallByClient(t, answerAll, reqs)
+		if spoiled == "" {
+			return h, c, peer
+		}
+		if attempt == setupAttempts {
+			t.Fatalf("the peer answered a big request later than request_timeout in each of %d setups, the last: %s", attempt, spoiled)
+		}
+		t.Logf("setup %d spoiled, started over: %s", attempt, spoiled)
+		_ = c.Close()
+	}
+}
+
+// setupAttempts bounds behindAStalledClient's setups.
+const setupAttempts = 5
+
+// stallByClient is one setup of behindAStalledClient; spoiled says how
+// the proxy counted a big request unanswered or dropped one as stale
+// during it ("": none).
+func stallByClient(t *testing.T, answerAll bool, reqs []byte) (h *harness, c *net.TCPConn, peer *faultpeer.Server, spoiled string) {
+	t.Helper()
+	peer = faultpeer.New(t, faultpeer.Framed, faultpeer.Options{})
 	if !answerAll {
 		peer.SetAnswer(func(seq int64) (time.Duration, bool) { return 0, seq <= backlogFrames })
 	}
-	h := start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
-	c := slowClient(t, h)
-	if _, err := c.Write(bigFrames(backlogFrames)); err != nil {
-		t.Fatalf("sending the big requests: %v; %s", err, h.story())
+	h = start(t, peer.Addr(), framed(300*time.Millisecond, 1, nil))
+	c = slowClient(t, h)
+	m := h.m.ForListener("test")
+	counted := func() bool {
+		return testutil.ToFloat64(m.UnansweredTimeouts)+testutil.ToFloat64(m.StaleFramesDropped) != 0
+	}
+	if _, err := c.Write(reqs); err != nil {
+		if !counted() {
+			t.Fatalf("sending the big requests: %v; %s", err, h.story())
+		}
+		return h, c, peer, fmt.Sprintf("sending the big requests: %v; %s", err, h.story())
+	}
+	if counted() {
+		return h, c, peer, h.story()
 	}
 	stalledByClient(t, h)
-	return h, c, peer
+	if counted() {
+		return h, c, peer, h.story()
+	}
+	return h, c, peer, ""
 }
 
 // readBacklog reads the answers to behindAStalledClient's big requests.
@@ -85,6 +127,30 @@ func readBacklog(t *testing.T, c *net.TCPConn) {
 	if _, err := io.CopyN(io.Discard, c, int64(backlogFrames)<<20); err != nil {
 		t.Fatalf("reading the big answers: %v", err)
 	}
+}
+
+// answersHold reads n answers from c, each a big one (bigFrames) or
+// payload, and reports whether payload was one of them.
+func answersHold(t *testing.T, c *net.TCPConn, n int, payload string) bool {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(20 * time.Second))
+	found := false
+	for i := range n {
+		var hdr [4]byte
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			t.Fatalf("answer %d of %d: %v", i+1, n, err)
+		}
+		size := binary.BigEndian.Uint32(hdr[:])
+		if size != 1<<20-4 && size != uint32(len(payload)) {
+			t.Fatalf("answer %d of %d has %d bytes, want a big one (%d) or %q", i+1, n, size, 1<<20-4, payload)
+		}
+		p := make([]byte, size)
+		if _, err := io.ReadFull(c, p); err != nil {
+			t.Fatalf("answer %d of %d: %v", i+1, n, err)
+		}
+		found = found || string(p) == payload
+	}
+	return found
 }
 
 // stalledByClient waits until the link's upstream has sent what it can:
@@ -164,10 +230,10 @@ func TestUnreadAnswersAreNotSilence(t *testing.T) {
 	if st := h.endpoint(); st.State != "healthy" {
 		t.Fatalf("endpoint %s (%s) behind a client that does not read, want healthy", st.State, st.Reason)
 	}
-	// The client reads at last: every answer comes, q2's too.
-	readBacklog(t, c)
-	if got := readFrame(t, c, 10*time.Second); got != "q2" {
-		t.Fatalf("answer %q, want q2", got)
+	// The client reads at last: every answer comes, q2's too (the peer
+	// answers in completion order: q2's may pass the last big ones).
+	if !answersHold(t, c, backlogFrames+1, "q2") {
+		t.Fatalf("no answer q2 among the %d; %s", backlogFrames+1, h.story())
 	}
 	if got := testutil.ToFloat64(m.UnansweredTimeouts); got != 0 {
 		t.Fatalf("unanswered_timeouts_total = %v, want 0", got)
