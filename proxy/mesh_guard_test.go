@@ -355,8 +355,12 @@ func TestMeshStreamsAwaitingTheirHeaderCount(t *testing.T) {
 		}
 		writers.Wait()
 	}()
+	// The streams past the bound are reset as the ingress gets to them:
+	// 570 of them take a while on a loaded machine (34 still held after
+	// 3 s once, under -race with other tests), so the wait is generous;
+	// what is asserted is the ingress's own count and its end state.
 	held := in.heldStreams()
-	for end := time.Now().Add(3 * time.Second); held > 30 && time.Now().Before(end); held = in.heldStreams() {
+	for end := time.Now().Add(20 * time.Second); held > 30 && time.Now().Before(end); held = in.heldStreams() {
 		time.Sleep(10 * time.Millisecond)
 	}
 	if n := in.counted(); held > 30 || n > 30 {

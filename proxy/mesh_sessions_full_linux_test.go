@@ -99,8 +99,10 @@ func TestMeshSessionRefusedWithALiveSessionKeepsTheMesh(t *testing.T) {
 	}
 	c2 := eg.dial()
 	echo(c2, "c2, its session refused") // the one session is full: a second is refused
-	if got := in.limitHits(mesh.LimitSessionsPerPeer); got != 1 {
-		t.Fatalf("premise: the ingress refused %v sessions for max_sessions_per_peer, want 1", got)
+	// At least one: the refused link may dial again (its retry), and how
+	// often is not what this test is about (2 seen once under -race).
+	if got := in.limitHits(mesh.LimitSessionsPerPeer); got < 1 {
+		t.Fatalf("premise: the ingress refused %v sessions for max_sessions_per_peer, want at least 1", got)
 	}
 	_ = c1.Close()
 	eg.linkEndOf(c1, 5*time.Second)
