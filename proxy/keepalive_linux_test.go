@@ -392,3 +392,58 @@ func TestQueuedBytesAfterIdleUnderUserTimeout(t *testing.T) {
 		t.Fatalf("the link ended with TCP_USER_TIMEOUT %v on its socket under the queued bytes, want tcp_user_timeout %v", bound, kaUserTimeout)
 	}
 }
+
+// Bytes in the link's queue are bytes in flight for the window guard: a
+// sample that finds the kernel idle while the writer holds a batch (after
+// its arm, before its write) keeps tcp_user_timeout on the socket and
+// samples on. Before, it raised the bound to keepalive's and stopped, and
+// a write that then blocked (its send buffer full) sent its batch under
+// the raised bound until it returned, the guard armed only after it: a
+// path that died then was cut at keepalive's bound (or write_timeout),
+// not tcp_user_timeout. Here the state is made as that interleaving
+// leaves it: an idle link whose bound was raised, bytes pushed onto its
+// queue with no writer yet, and the guard's pending sample run. Before:
+// "a sample with 8192 bytes queued for the upstream left TCP_USER_TIMEOUT
+// 4000 ms on the socket". The twin: once the writer sends the batch and
+// the upstream acknowledges it, the idle link's bound is raised again
+// (keepalive's count holds) and the guard stops.
+func TestQueuedBatchKeepsUserTimeout(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	h, c, _, _, _, _ := idleLinkOverVeth(t, keepaliveSettings)
+	lk := h.onlyLink(5 * time.Second)
+	lk.connMu.Lock()
+	e := lk.up.(*tcpEnd)
+	lk.connMu.Unlock()
+	raised, ut := int(kaDeadAfter.Milliseconds()), int(kaUserTimeout.Milliseconds())
+	stopped := func() bool {
+		w, ok := flow.SampleSendWindow(e.raw)
+		return ok && w.Idle && userTimeout(h) == raised && !e.win.armed.Load()
+	}
+	waitFor(t, 10*time.Second, "the idle link's bound raised and the guard stopped", stopped)
+	batch := make([]byte, 8<<10)
+	if r := lk.q.Push(batch, 0); r != flow.PushedStartWriter {
+		t.Fatalf("premise: push %v, want the writer to start", r)
+	}
+	e.win.arm()
+	due := e.win.due.Load()
+	waitFor(t, 10*time.Second, "the guard's sample with the batch queued", func() bool {
+		e.win.mu.Lock()
+		defer e.win.mu.Unlock()
+		return e.win.due.Load() != due // run: stopped (0), or re-armed for the next
+	})
+	e.win.mu.Lock()
+	bound, armed := e.win.bound, e.win.armed.Load()
+	e.win.mu.Unlock()
+	if got := userTimeout(h); got != ut || bound != kaUserTimeout || !armed {
+		t.Fatalf("a sample with %d bytes queued for the upstream left TCP_USER_TIMEOUT %d ms on the socket (guard's %v, armed %v); want tcp_user_timeout %d ms, sampling on",
+			len(batch), got, bound, armed, ut)
+	}
+	lk.live.Add(1) // as the pump does when it starts the writer
+	go e.writeUpstreamOwned()
+	if _, err := io.ReadFull(c, batch); err != nil {
+		t.Fatalf("the batch's echo: %v", err)
+	}
+	waitFor(t, 10*time.Second, "the bound raised again once the batch was acknowledged, the guard stopped", stopped)
+}

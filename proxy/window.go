@@ -26,7 +26,8 @@ import (
 // defaults (idle 10s, interval 5s, count 3, tcp_user_timeout 10s) one
 // lost probe or its lost ACK ended a healthy idle link 15s after its last
 // segment, upstream_timeout, and excluded its endpoint. So while a sample
-// finds nothing unsent and nothing unacknowledged the guard sets the
+// finds nothing queued (the link's queue: bytes its writer holds count as
+// in flight), nothing unsent and nothing unacknowledged the guard sets the
 // bound to policy.Settings.IdleUserTimeout (keepalive's idle + interval x
 // count, when that is longer): keepalive's count holds, and a dead idle
 // peer is cut at idle + interval x count as without the option. The first
@@ -235,10 +236,19 @@ func (g *windowGuard) check() {
 	// its Reset, blindSince reads no stale due. A send after the sample
 	// arms the guard again (armed is false): its next sample sets the
 	// bound that send calls for.
+	// The queue first: its bytes leave it only once the kernel has them
+	// (the writer's Consume), so a batch is seen in one place or the
+	// other, never in neither. Bytes queued are bytes in flight: a
+	// sample that ran between the writer's arm and its write found the
+	// kernel idle and raised the bound, and a write that then blocked
+	// (the send buffer full) left its bytes under the raised bound until
+	// it returned.
+	empty, _ := g.lk.q.Idle()
 	w, ok := flow.SampleSendWindow(g.raw)
 	if !ok {
 		return // closed
 	}
+	w.Idle = w.Idle && empty
 	if s := g.live; s != nil {
 		// Before any lift: this is the guard's first sample.
 		g.live = nil

@@ -34,7 +34,7 @@ func TestIdleGuardIsNotBlind(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := &windowGuard{raw: raw, ut: time.Second, raised: time.Second, bound: time.Second, period: 250 * time.Millisecond}
+	g := &windowGuard{lk: new(link), raw: raw, ut: time.Second, raised: time.Second, bound: time.Second, period: 250 * time.Millisecond}
 	g.timer = time.AfterFunc(time.Hour, func() {})
 	defer g.timer.Stop()
 	// The last sample was due a minute ago and ran on time (the socket is
