@@ -339,7 +339,8 @@ type Settings struct {
 	// lifts it while the peer's window is zero and its kernel answers the
 	// probes (a peer not reading: write_timeout judges it), and raises it
 	// to IdleUserTimeout while nothing is unacknowledged (keepalive's
-	// count holds). 0 leaves the kernel default (tcp_retries2, ~15 min);
+	// count holds; on a mesh session, see MeshSessionUserTimeout). 0
+	// leaves the kernel default (tcp_retries2, ~15 min);
 	// negative is invalid.
 	TCPUserTimeout Duration `yaml:"tcp_user_timeout"`
 	// Keepalive sets TCP keepalive on the upstream socket.
@@ -578,6 +579,33 @@ func (s *Settings) IdleUserTimeout() time.Duration {
 		return ut
 	}
 	return min(max(ut, s.Keepalive.DeadAfter()), maxUserTimeout)
+}
+
+// MeshSessionUserTimeout is the TCP_USER_TIMEOUT of the connection an
+// egress mesh session runs on where it is not tcp_user_timeout, and 0
+// where it is. Keepalive probes a session only between the heartbeat's
+// pings (a ping in flight holds it off, an answer or its ACK restarts its
+// idle time), and with TCP_USER_TIMEOUT set the kernel cuts the
+// connection after one lost probe at its first probe timer
+// max(tcp_user_timeout, idle + interval) after the last segment received
+// (see IdleUserTimeout). Where ping_timeout is below half that, the
+// heartbeat has declared such a silence dead first, and the bound stays
+// tcp_user_timeout. Where it is not (a heartbeat slower than keepalive),
+// one lost probe would end a live session and every link on it: the
+// bound is IdleUserTimeout then, keepalive's count holds, and data left
+// unacknowledged on the session is cut at that bound, or by the
+// heartbeat at ping_timeout.
+func (s *Settings) MeshSessionUserTimeout() time.Duration {
+	ut, raised := s.TCPUserTimeout.D(), s.IdleUserTimeout()
+	if raised == ut {
+		return 0
+	}
+	k := s.Keepalive
+	oneProbe := max(ut, Keepalive{Idle: k.Idle, Interval: k.Interval, Count: 1}.DeadAfter())
+	if 2*s.Mesh.OrDefaults().PingTimeout.D() <= oneProbe {
+		return 0
+	}
+	return raised
 }
 
 // maxUserTimeout is the most TCP_USER_TIMEOUT the kernel takes (an int of

@@ -36,3 +36,33 @@ func TestIdleUserTimeout(t *testing.T) {
 		}
 	}
 }
+
+// A mesh session's connection keeps tcp_user_timeout (0) where the
+// heartbeat declares a silence dead well before the kernel could cut it
+// after one lost keepalive probe (the defaults: ping_timeout 3s against
+// 15s), and gets keepalive's bound where it does not.
+func TestMeshSessionUserTimeout(t *testing.T) {
+	d := DefaultConfig().Defaults
+	heartbeat := func(interval, timeout time.Duration) Mesh {
+		return Mesh{PingInterval: Duration(interval), PingTimeout: Duration(timeout), WriteTimeout: Duration(time.Second)}
+	}
+	for _, c := range []struct {
+		name string
+		ut   time.Duration
+		ka   Keepalive
+		mesh Mesh
+		want time.Duration
+	}{
+		{"defaults", d.TCPUserTimeout.D(), d.Keepalive, Mesh{}, 0},
+		{"a heartbeat slower than keepalive", d.TCPUserTimeout.D(), d.Keepalive, heartbeat(10*time.Second, 30*time.Second), 25 * time.Second},
+		{"ping_timeout half the one-probe cut", d.TCPUserTimeout.D(), d.Keepalive, heartbeat(5*time.Second, 7500*time.Millisecond), 0},
+		{"just above half", d.TCPUserTimeout.D(), d.Keepalive, heartbeat(5*time.Second, 7501*time.Millisecond), 25 * time.Second},
+		{"tcp_user_timeout the longer", time.Minute, d.Keepalive, heartbeat(10*time.Second, time.Hour), 0},
+		{"keepalive off", d.TCPUserTimeout.D(), Keepalive{}, heartbeat(10*time.Second, time.Hour), 0},
+	} {
+		s := Settings{TCPUserTimeout: Duration(c.ut), Keepalive: c.ka, Mesh: c.mesh}
+		if got := s.MeshSessionUserTimeout(); got != c.want {
+			t.Errorf("%s: MeshSessionUserTimeout %v, want %v", c.name, got, c.want)
+		}
+	}
+}

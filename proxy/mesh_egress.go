@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -210,8 +211,10 @@ func (p *Proxy) closeMesh() {
 
 // session returns a live session to the peer, dialled with the same
 // settings, with the fewest streams; it dials one when there is none, or
-// when every one carries streams and fewer than mesh.sessions exist.
-func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dialer) (*egressSession, error) {
+// when every one carries streams and fewer than mesh.sessions exist. ut,
+// when not 0, is the TCP_USER_TIMEOUT a session it dials gets after its
+// connect (policy.Settings.MeshSessionUserTimeout).
+func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dialer, ut time.Duration) (*egressSession, error) {
 	key := newSessionKey(m)
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
@@ -261,7 +264,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dial
 		}
 		return best, nil
 	}
-	es, err := pr.dial(ctx, m, key, dialer)
+	es, err := pr.dial(ctx, m, key, dialer, ut)
 	if err != nil {
 		if best != nil {
 			return best, nil
@@ -273,8 +276,8 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dial
 
 // dial opens a session to the peer: the connection, the handshake, then
 // yamux.
-func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dialer *net.Dialer) (*egressSession, error) {
-	c, tc, err := pr.connect(ctx, m, dialer)
+func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dialer *net.Dialer, ut time.Duration) (*egressSession, error) {
+	c, tc, err := pr.connect(ctx, m, dialer, ut)
 	if err != nil {
 		return nil, err
 	}
@@ -349,8 +352,9 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 }
 
 // connect opens the connection a session to the peer runs on: c, over
-// the TCP connection tc (c is tc but for testHookMeshHandshake).
-func (pr *meshPeer) connect(ctx context.Context, m policy.Mesh, dialer *net.Dialer) (c net.Conn, tc *net.TCPConn, err error) {
+// the TCP connection tc (c is tc but for testHookMeshHandshake), with
+// TCP_USER_TIMEOUT ut where that is not 0.
+func (pr *meshPeer) connect(ctx context.Context, m policy.Mesh, dialer *net.Dialer, ut time.Duration) (c net.Conn, tc *net.TCPConn, err error) {
 	if m.TLS.Enabled() {
 		// This sidecar's own certificate, key or CA not usable is its own
 		// failure (mesh.ErrOwnTLS, an ownFailure): the link ends
@@ -368,6 +372,21 @@ func (pr *meshPeer) connect(ctx context.Context, m policy.Mesh, dialer *net.Dial
 		return nil, nil, err
 	}
 	tc = c.(*net.TCPConn)
+	if ut != 0 {
+		// Keepalive's count holds on a session the heartbeat lets idle
+		// (see policy.Settings.MeshSessionUserTimeout). A refusal is
+		// this process's own failure, never the peer's.
+		raw, err := tc.SyscallConn()
+		if err == nil {
+			if err = flow.SetUserTimeout(raw, ut); err != nil {
+				err = os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
+			}
+		}
+		if err != nil {
+			_ = tc.Close()
+			return nil, nil, err
+		}
+	}
 	if hook := testHookMeshHandshake.Load(); hook != nil {
 		c = (*hook)(c)
 	}
@@ -503,8 +522,8 @@ func (pr *meshPeer) epochOf(port uint16) uint64 {
 
 // probe proves an endpoint behind the peer: a session answers a ping and
 // the peer announces the port ready.
-func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, dialer *net.Dialer) error {
-	es, err := pr.session(ctx, m, dialer)
+func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, dialer *net.Dialer, ut time.Duration) error {
+	es, err := pr.session(ctx, m, dialer, ut)
 	if err != nil {
 		return err
 	}
@@ -626,7 +645,7 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 	}
 	n, _ := strconv.Atoi(eport)
 	pr := ep.p.meshPeer(host, port)
-	err = pr.probe(ctx, uint16(n), m, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)})
+	err = pr.probe(ctx, uint16(n), m, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)}, s.MeshSessionUserTimeout())
 	if errors.Is(err, mesh.ErrNoIngress) && m.Fallback == policy.MeshFallbackDirect {
 		return false, nil
 	}
