@@ -596,13 +596,32 @@ func (s *Settings) IdleUserTimeout() time.Duration {
 // unacknowledged on the session is cut at that bound, or by the
 // heartbeat at ping_timeout.
 func (s *Settings) MeshSessionUserTimeout() time.Duration {
+	return s.heldUserTimeout(2 * s.Mesh.OrDefaults().PingTimeout.D())
+}
+
+// ProbeUserTimeout is the TCP_USER_TIMEOUT of the connection of a probe
+// that waits for an answer (http, kafka; a connect probe closes its
+// connection at once) where it is not tcp_user_timeout, and 0 where it
+// is: IdleUserTimeout where
+// detector.probe_timeout lets a probe wait for its answer longer than the
+// kernel's cut after one lost keepalive probe (see
+// MeshSessionUserTimeout), so that a lost probe does not fail a probe
+// whose server answers within probe_timeout.
+func (s *Settings) ProbeUserTimeout() time.Duration {
+	return s.heldUserTimeout(s.Detector.ProbeTimeout.D())
+}
+
+// heldUserTimeout is IdleUserTimeout for a connection that may stay
+// silent for up to held, where the kernel would otherwise cut it after
+// one lost keepalive probe within that time; 0 where tcp_user_timeout is
+// the bound (held within that cut, or nothing to raise).
+func (s *Settings) heldUserTimeout(held time.Duration) time.Duration {
 	ut, raised := s.TCPUserTimeout.D(), s.IdleUserTimeout()
 	if raised == ut {
 		return 0
 	}
 	k := s.Keepalive
-	oneProbe := max(ut, Keepalive{Idle: k.Idle, Interval: k.Interval, Count: 1}.DeadAfter())
-	if 2*s.Mesh.OrDefaults().PingTimeout.D() <= oneProbe {
+	if held <= max(ut, Keepalive{Idle: k.Idle, Interval: k.Interval, Count: 1}.DeadAfter()) {
 		return 0
 	}
 	return raised

@@ -66,3 +66,25 @@ func TestMeshSessionUserTimeout(t *testing.T) {
 		}
 	}
 }
+
+// A probe's connection keeps tcp_user_timeout (0) with the default
+// probe_timeout (1s), and gets keepalive's bound where probe_timeout
+// outlasts the kernel's cut after one lost probe.
+func TestProbeUserTimeout(t *testing.T) {
+	d := DefaultConfig().Defaults
+	for _, c := range []struct {
+		name    string
+		timeout time.Duration
+		want    time.Duration
+	}{
+		{"defaults", d.Detector.ProbeTimeout.D(), 0},
+		{"at the one-probe cut", 15 * time.Second, 0},
+		{"past it", 16 * time.Second, 25 * time.Second},
+	} {
+		s := d
+		s.Detector.ProbeTimeout = Duration(c.timeout)
+		if got := s.ProbeUserTimeout(); got != c.want {
+			t.Errorf("%s: ProbeUserTimeout %v, want %v", c.name, got, c.want)
+		}
+	}
+}

@@ -251,6 +251,13 @@ func (p *Proxy) sawTLS(ep *endpoint) {
 func probeConfig(s policy.Settings) health.ProbeConfig {
 	d := s.Detector
 	kind, port := s.Probe()
+	if ut := s.ProbeUserTimeout(); ut != 0 && kind != policy.ProbeKindConnect {
+		// A probe waiting for its answer is an idle link: keepalive's
+		// count holds (see policy.Settings.ProbeUserTimeout). A connect
+		// probe closes its connection at once: its SYN keeps
+		// tcp_user_timeout.
+		s.TCPUserTimeout = policy.Duration(ut)
+	}
 	return health.ProbeConfig{
 		Dialer:       &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)},
 		Kind:         healthProbeKind(kind),

@@ -5,6 +5,7 @@ package proxy
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -446,4 +447,127 @@ func TestQueuedBatchKeepsUserTimeout(t *testing.T) {
 		t.Fatalf("the batch's echo: %v", err)
 	}
 	waitFor(t, 10*time.Second, "the bound raised again once the batch was acknowledged, the guard stopped", stopped)
+}
+
+// A probe's connection waiting for a slow answer within probe_timeout
+// (10s here) survives one lost keepalive probe: probeConfig's dialer
+// gives it keepalive's bound (policy.Settings.ProbeUserTimeout), as the
+// window guard gives an idle link. The test's namespace drops the first
+// segment the probe's connection sends after its request was
+// acknowledged (the keepalive probe); the server answers count
+// intervals later. Before, the kernel failed the connection a keepalive
+// interval after the lost probe (ETIMEDOUT): a failed probe of a server
+// that answered in time.
+func TestProbeSurvivesALostKeepaliveProbe(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	ln, c := probeConnection(t)
+	got, answer, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	go func() { // a server slow to answer
+		defer close(done)
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		if _, err := c.Read(make([]byte, 64)); err != nil {
+			return
+		}
+		close(got)
+		<-answer
+		_, _ = c.Write([]byte("answered"))
+	}()
+	defer func() { <-done }()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second)) // the probe's own deadline
+	if _, err := c.Write([]byte("are you there?")); err != nil {
+		t.Fatal(err)
+	}
+	<-got
+	time.Sleep(100 * time.Millisecond) // the request's ACK
+	localNFT(t, `table inet lpka {
+		chain in { type filter hook input priority 0; policy accept;
+			tcp sport %d tcp dport %d quota until 80 bytes counter drop; }
+	}`, c.LocalAddr().(*net.TCPAddr).Port, ln.Addr().(*net.TCPAddr).Port)
+	var lost time.Time
+	waitFor(t, 5*time.Second, "the first keepalive probe dropped", func() bool {
+		lost = time.Now()
+		return localDropped(t) == 1
+	})
+	// The answer comes when, before, the connection was long failed.
+	time.AfterFunc(time.Until(lost.Add(2*kaInterval+500*time.Millisecond)), func() { close(answer) })
+	b := make([]byte, 16)
+	n, err := c.Read(b)
+	if err != nil {
+		t.Fatalf("the probe's connection failed (%v) %v after its one keepalive probe was lost (count %d), before its answer",
+			err, time.Since(lost).Round(time.Millisecond), kaCount)
+	}
+	if string(b[:n]) != "answered" {
+		t.Fatalf("read %q", b[:n])
+	}
+}
+
+// probeConnection is a listener and a connection to it dialled as an
+// HTTP probe's (probeConfig) with keepaliveSettings and probe_timeout
+// 10s.
+func probeConnection(t *testing.T) (net.Listener, net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ln.Close() })
+	s := policy.DefaultSettings()
+	keepaliveSettings(&s)
+	s.Detector.ProbeTimeout = policy.Duration(10 * time.Second)
+	s.Detector.Probe = policy.ProbeKindHTTP // one that waits for an answer
+	c, err := probeConfig(s).Dialer.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return ln, c
+}
+
+// The dead twin: a probe's connection whose server is gone while it
+// waits for the answer (every segment dropped both ways) fails
+// keepalive idle + interval x count (4s) after the last segment, within a
+// second more, before probe_timeout (10s): the probe still fails on a
+// dead server, later than after one lost probe (2s before) but sooner
+// than its own deadline.
+func TestProbeOfADeadServerCutAfterKeepaliveCount(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	ln, c := probeConnection(t)
+	sc, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sc.Close()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	before := time.Now()
+	if _, err := c.Write([]byte("are you there?")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sc.Read(make([]byte, 64)); err != nil {
+		t.Fatal(err)
+	}
+	after := time.Now()
+	localNFT(t, `table inet lpka {
+		chain in { type filter hook input priority 0; policy accept;
+			tcp sport %d tcp dport %d counter drop;
+			tcp sport %[2]d tcp dport %[1]d drop; }
+	}`, c.LocalAddr().(*net.TCPAddr).Port, ln.Addr().(*net.TCPAddr).Port)
+	_, err = c.Read(make([]byte, 16))
+	t.Logf("the probe's connection failed (%v) %v after the last segment; %d dropped", err, time.Since(after).Round(time.Millisecond), localDropped(t))
+	if !errors.Is(err, syscall.ETIMEDOUT) {
+		t.Fatalf("read %v, want ETIMEDOUT", err)
+	}
+	if d := time.Since(before); d < kaDeadAfter-500*time.Millisecond {
+		t.Fatalf("failed %v after the last segment, before keepalive's %v", d, kaDeadAfter)
+	}
+	if d := time.Since(after); d > kaDeadAfter+time.Second {
+		t.Fatalf("failed %v after the last segment, want within %v", d, kaDeadAfter+time.Second)
+	}
 }
