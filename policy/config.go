@@ -588,7 +588,7 @@ func (s *Settings) IdleUserTimeout() time.Duration {
 // idle time), and with TCP_USER_TIMEOUT set the kernel cuts the
 // connection after one lost probe at its first probe timer
 // max(tcp_user_timeout, idle + interval) after the last segment received
-// (see IdleUserTimeout). Where ping_timeout is below half that, the
+// (see IdleUserTimeout). Where ping_timeout is at most half that, the
 // heartbeat has declared such a silence dead first, and the bound stays
 // tcp_user_timeout. Where it is not (a heartbeat slower than keepalive),
 // one lost probe would end a live session and every link on it: the
@@ -602,11 +602,10 @@ func (s *Settings) MeshSessionUserTimeout() time.Duration {
 // ProbeUserTimeout is the TCP_USER_TIMEOUT of the connection of a probe
 // that waits for an answer (http, kafka; a connect probe closes its
 // connection at once) where it is not tcp_user_timeout, and 0 where it
-// is: IdleUserTimeout where
-// detector.probe_timeout lets a probe wait for its answer longer than the
-// kernel's cut after one lost keepalive probe (see
-// MeshSessionUserTimeout), so that a lost probe does not fail a probe
-// whose server answers within probe_timeout.
+// is: IdleUserTimeout where detector.probe_timeout lets a probe wait for
+// its answer longer than the kernel's cut after one lost keepalive probe
+// (see MeshSessionUserTimeout), so that a lost probe does not fail a
+// probe whose server answers within probe_timeout.
 func (s *Settings) ProbeUserTimeout() time.Duration {
 	return s.heldUserTimeout(s.Detector.ProbeTimeout.D())
 }
