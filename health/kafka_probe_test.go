@@ -195,3 +195,35 @@ func TestProbeUsesItsDialer(t *testing.T) {
 		t.Fatalf("http probe: %v after %d dials through its dialer, want nil after 1", err, dials.Load())
 	}
 }
+
+// A probe runs its Connected on the connection its Dialer opened, once
+// connected, whatever the kind (the data plane raises a waiting probe's
+// TCP_USER_TIMEOUT there): an error it returns fails the probe, and the
+// HTTP probe's shared transport goes through it too.
+func TestProbeRunsConnected(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {}))
+	defer srv.Close()
+	d := New(Options{})
+	defer d.Close()
+	for _, kind := range []string{ProbeConnect, ProbeHTTP, ProbeKafka} {
+		pc := ProbeConfig{Kind: kind, Timeout: time.Second, HTTPPath: "/"}.normalized()
+		pc.Dialer = &net.Dialer{}
+		pc.Connected = func(net.Conn) error { return syscall.EINVAL }
+		if _, err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); !errors.Is(err, syscall.EINVAL) {
+			t.Errorf("%s probe whose Connected fails: %v, want EINVAL", kind, err)
+		}
+	}
+	var ran atomic.Int32
+	pc := ProbeConfig{Kind: ProbeHTTP, Timeout: time.Second, HTTPPath: "/"}.normalized()
+	pc.Dialer = &net.Dialer{}
+	pc.Connected = func(c net.Conn) error {
+		if c.RemoteAddr().String() != srv.Listener.Addr().String() {
+			t.Errorf("Connected ran on a connection to %v", c.RemoteAddr())
+		}
+		ran.Add(1)
+		return nil
+	}
+	if _, err := d.probe(context.Background(), srv.Listener.Addr().String(), pc); err != nil || ran.Load() != 1 {
+		t.Fatalf("http probe: %v after Connected ran %d times, want nil after 1", err, ran.Load())
+	}
+}

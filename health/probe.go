@@ -81,6 +81,13 @@ type ProbeConfig struct {
 	// its own connections to the endpoint, so that a probe cannot pass
 	// where a connection would fail.
 	Dialer *net.Dialer
+	// Connected, when set, runs on each connection Dialer opened, once it
+	// is connected and before the probe writes: the data plane sets there
+	// the socket options that must not bound the connect (a waiting
+	// probe's TCP_USER_TIMEOUT raised to keepalive's, its SYN left to
+	// tcp_user_timeout). Its error fails the probe; the connection is
+	// closed.
+	Connected func(net.Conn) error
 	// Override, when set, runs first: if it reports handled, its error is
 	// the probe's result and the probe of Kind does not run. The data
 	// plane sets it for an endpoint reached through a mesh sidecar, whose
@@ -167,7 +174,7 @@ func (d *Detector) probe(ctx context.Context, endpoint string, pc ProbeConfig) (
 	ctx, cancel := context.WithTimeout(ctx, pc.Timeout)
 	defer cancel()
 	if pc.Dialer != nil {
-		ctx = context.WithValue(ctx, dialerKey{}, pc.Dialer)
+		ctx = context.WithValue(ctx, dialerKey{}, &pc)
 	}
 	if pc.Override != nil {
 		if handled, err := pc.Override(ctx, endpoint); handled {
@@ -310,17 +317,31 @@ func (d *Detector) probeKafka(ctx context.Context, endpoint string) error {
 // would otherwise never be readmitted.
 func tlsAlert(b []byte) bool { return len(b) >= 2 && b[0] == 0x15 && b[1] == 0x03 }
 
-// dialerKey carries a probe's ProbeConfig.Dialer in its context, so that
-// the HTTP probe's shared transport dials with it too.
+// dialerKey carries a probe's ProbeConfig (one with a Dialer) in its
+// context, so that the HTTP probe's shared transport dials with it too.
 type dialerKey struct{}
 
 // dialContext opens a probe connection: with the probe's own Dialer when
-// it has one, else with Options.Dial.
+// it has one (ProbeConfig.Dial), else with Options.Dial.
 func (d *Detector) dialContext(ctx context.Context, network, addr string) (net.Conn, error) {
-	if dl, ok := ctx.Value(dialerKey{}).(*net.Dialer); ok {
-		return dl.DialContext(ctx, network, addr)
+	if pc, ok := ctx.Value(dialerKey{}).(*ProbeConfig); ok {
+		return pc.Dial(ctx, network, addr)
 	}
 	return d.dial(ctx, network, addr)
+}
+
+// Dial opens a probe connection with pc.Dialer, then runs pc.Connected
+// on it.
+func (pc *ProbeConfig) Dial(ctx context.Context, network, addr string) (net.Conn, error) {
+	c, err := pc.Dialer.DialContext(ctx, network, addr)
+	if err != nil || pc.Connected == nil {
+		return c, err
+	}
+	if err := pc.Connected(c); err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	return c, nil
 }
 
 // newHTTPClient returns the client of the HTTP probes: no keep-alives, no

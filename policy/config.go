@@ -601,7 +601,8 @@ func (s *Settings) MeshSessionUserTimeout() time.Duration {
 
 // ProbeUserTimeout is the TCP_USER_TIMEOUT of the connection of a probe
 // that waits for an answer (http, kafka; a connect probe closes its
-// connection at once) where it is not tcp_user_timeout, and 0 where it
+// connection at once), set once it is connected (its SYN keeps
+// tcp_user_timeout), where it is not tcp_user_timeout, and 0 where it
 // is: IdleUserTimeout where detector.probe_timeout lets a probe wait for
 // its answer longer than the kernel's cut after one lost keepalive probe
 // (see MeshSessionUserTimeout), so that a lost probe does not fail a

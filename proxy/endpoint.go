@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -201,6 +202,7 @@ func (ep *endpoint) probeConfig() health.ProbeConfig {
 	pc.Waiting = ep.clientsWaiting
 	if pc.Kind == health.ProbeKafka && ep.kafkaProbeIsConnect(s) {
 		pc.Kind = health.ProbeConnect
+		pc.Connected = nil // nothing to wait for (see probeConfig)
 	}
 	return pc
 }
@@ -251,15 +253,18 @@ func (p *Proxy) sawTLS(ep *endpoint) {
 func probeConfig(s policy.Settings) health.ProbeConfig {
 	d := s.Detector
 	kind, port := s.Probe()
+	var connected func(net.Conn) error
 	if ut := s.ProbeUserTimeout(); ut != 0 && kind != policy.ProbeKindConnect {
 		// A probe waiting for its answer is an idle link: keepalive's
-		// count holds (see policy.Settings.ProbeUserTimeout). A connect
-		// probe closes its connection at once: its SYN keeps
-		// tcp_user_timeout.
-		s.TCPUserTimeout = policy.Duration(ut)
+		// count holds (see policy.Settings.ProbeUserTimeout). Raised once
+		// connected: the SYN keeps tcp_user_timeout, as a connect probe's
+		// does (it closes its connection at once), so that a probe of an
+		// endpoint still unreachable ends then and the next one comes.
+		connected = func(c net.Conn) error { return setConnUserTimeout(c, ut) }
 	}
 	return health.ProbeConfig{
 		Dialer:       &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)},
+		Connected:    connected,
 		Kind:         healthProbeKind(kind),
 		Timeout:      d.ProbeTimeout.D(),
 		InitialDelay: d.InitialDelay.D(),
@@ -269,6 +274,23 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 		HTTPPort:     port,
 		HTTPPath:     d.HTTP.Path,
 	}
+}
+
+// setConnUserTimeout sets TCP_USER_TIMEOUT ut on a connection the proxy
+// dialled (a probe's, a mesh session's). A refusal is this process's own
+// failure (an os.SyscallError, ownFailure), never the peer's.
+func setConnUserTimeout(c net.Conn, ut time.Duration) error {
+	tc, ok := c.(*net.TCPConn)
+	if !ok {
+		return nil
+	}
+	raw, err := tc.SyscallConn()
+	if err == nil {
+		if err = flow.SetUserTimeout(raw, ut); err != nil {
+			err = os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
+		}
+	}
+	return err
 }
 
 // healthProbeKind translates a probe kind of the configuration into the

@@ -19,6 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	lptestutil "github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -508,8 +509,8 @@ func TestProbeSurvivesALostKeepaliveProbe(t *testing.T) {
 }
 
 // probeConnection is a listener and a connection to it dialled as an
-// HTTP probe's (probeConfig) with keepaliveSettings and probe_timeout
-// 10s.
+// HTTP probe's (probeConfig, through health.ProbeConfig.Dial as the
+// detector dials) with waitingProbeSettings.
 func probeConnection(t *testing.T) (net.Listener, net.Conn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -517,16 +518,79 @@ func probeConnection(t *testing.T) (net.Listener, net.Conn) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = ln.Close() })
-	s := policy.DefaultSettings()
-	keepaliveSettings(&s)
-	s.Detector.ProbeTimeout = policy.Duration(10 * time.Second)
-	s.Detector.Probe = policy.ProbeKindHTTP // one that waits for an answer
-	c, err := probeConfig(s).Dialer.Dial("tcp", ln.Addr().String())
+	pc := probeConfig(waitingProbeSettings(policy.ProbeKindHTTP)) // one that waits for an answer
+	c, err := pc.Dial(t.Context(), "tcp", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	return ln, c
+}
+
+// waitingProbeSettings are keepaliveSettings with probe_timeout 10s,
+// longer than the kernel's cut after one lost keepalive probe (2s): a
+// probe of kind that waits for its answer gets keepalive's bound
+// (policy.Settings.ProbeUserTimeout).
+func waitingProbeSettings(kind string) policy.Settings {
+	s := policy.DefaultSettings()
+	keepaliveSettings(&s)
+	s.Detector.ProbeTimeout = policy.Duration(10 * time.Second)
+	s.Detector.Probe = kind
+	return s
+}
+
+// A probe's connect keeps tcp_user_timeout: keepalive's bound, given to
+// a probe that waits for its answer, is set once it is connected, and
+// never on a connect probe (one a Kafka probe became because the
+// endpoint's clients speak TLS). The kernel bounds a SYN by
+// TCP_USER_TIMEOUT: a probe of an endpoint whose SYNs are lost (still
+// down, or its path) ends at tcp_user_timeout and the detector's next
+// probe comes, as before keepalive's bound. Before (the bound set at the
+// socket's creation), both failed at keepalive's 4s: "the http probe's
+// connect to an unreachable endpoint failed (... connection timed out)
+// 4.0s after it began, want within tcp_user_timeout 1s + 1s".
+func TestProbeConnectKeepsUserTimeout(t *testing.T) {
+	if !netns.Reexec(t, "nft") {
+		return
+	}
+	addr, err := lptestutil.PickClosedAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(addr)
+	localNFT(t, `table inet lpka {
+		chain in { type filter hook input priority 0; policy accept;
+			tcp dport %s tcp flags syn counter drop; }
+	}`, port)
+	kafka := waitingProbeSettings(policy.ProbeKindAuto)
+	kafka.Framing.Type = policy.FramingKafka
+	tlsClients := &endpoint{}
+	tlsClients.settings.Store(&kafka)
+	tlsClients.tls.Store(true)
+	for _, c := range []struct {
+		name string
+		pc   health.ProbeConfig
+		kind string
+	}{
+		{"http", probeConfig(waitingProbeSettings(policy.ProbeKindHTTP)), health.ProbeHTTP},
+		{"kafka, a connect under TLS", tlsClients.probeConfig(), health.ProbeConnect},
+	} {
+		if c.pc.Kind != c.kind {
+			t.Fatalf("premise: the %s probe is of kind %q, want %q", c.name, c.pc.Kind, c.kind)
+		}
+		began := time.Now()
+		conn, err := c.pc.Dial(t.Context(), "tcp", addr)
+		took := time.Since(began)
+		if err == nil {
+			_ = conn.Close()
+			t.Fatalf("premise: the %s probe connected through the blackhole", c.name)
+		}
+		t.Logf("the %s probe's connect failed (%v) %v after it began; %d SYNs dropped", c.name, err, took.Round(time.Millisecond), localDropped(t))
+		if !errors.Is(err, syscall.ETIMEDOUT) || took > kaUserTimeout+time.Second {
+			t.Errorf("the %s probe's connect to an unreachable endpoint failed (%v) %v after it began, want ETIMEDOUT within tcp_user_timeout %v + 1s",
+				c.name, err, took.Round(100*time.Millisecond), kaUserTimeout)
+		}
+	}
 }
 
 // The dead twin: a probe's connection whose server is gone while it

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -376,13 +375,7 @@ func (pr *meshPeer) connect(ctx context.Context, m policy.Mesh, dialer *net.Dial
 		// Keepalive's count holds on a session the heartbeat lets idle
 		// (see policy.Settings.MeshSessionUserTimeout). A refusal is
 		// this process's own failure, never the peer's.
-		raw, err := tc.SyscallConn()
-		if err == nil {
-			if err = flow.SetUserTimeout(raw, ut); err != nil {
-				err = os.NewSyscallError("setsockopt TCP_USER_TIMEOUT", err)
-			}
-		}
-		if err != nil {
+		if err := setConnUserTimeout(tc, ut); err != nil {
 			_ = tc.Close()
 			return nil, nil, err
 		}
