@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rs/zerolog"
+
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/internal/testutil"
 	"github.com/livenessproxy/livenessproxy/policy"
@@ -32,6 +34,9 @@ import (
 const meshIngressEnv = "LIVENESSPROXY_E2E_MESH_INGRESS"
 
 func init() {
+	// Sidecar logs to the microsecond: a failed mesh test prints them,
+	// and the order of a session's end and a link's matters.
+	zerolog.TimeFieldFormat = sidecarLogTime
 	if conf := os.Getenv(meshIngressEnv); conf != "" {
 		os.Exit(runIngressProcess(conf))
 	}
@@ -43,7 +48,10 @@ func runIngressProcess(conf string) int {
 		fmt.Fprintf(os.Stderr, "ingress config: %v\n", err)
 		return 1
 	}
-	p := proxy.New(cfg, proxy.Options{})
+	// Its log goes to stderr, which the test prints when it fails: the
+	// sessions' and links' ends, with their reasons (the access log).
+	log := sidecarLog(os.Stderr)
+	p := proxy.New(cfg, proxy.Options{Logger: &log, AccessLog: true})
 	if err := p.Start(); err != nil {
 		fmt.Fprintf(os.Stderr, "ingress: %v\n", err)
 		return 1
@@ -89,7 +97,15 @@ func newMeshTLS(t *testing.T) *meshTLS {
 func startIngressProcess(t *testing.T, ns *netns.NS, conf string) (*serverProcess, int) {
 	t.Helper()
 	listening := make(chan string, 1)
-	sp := startChildIn(t, ns, meshIngressEnv+"="+conf, "the ingress process", func(line string) {
+	var sp *serverProcess
+	// Registered first, so run last: after the child is killed and its
+	// stderr read to the end.
+	t.Cleanup(func() {
+		if t.Failed() && sp != nil {
+			t.Logf("the ingress sidecar's log (pid %d):\n%s", sp.pid, sp.stderr.String())
+		}
+	})
+	sp = startChildIn(t, ns, meshIngressEnv+"="+conf, "the ingress process", func(line string) {
 		if a, ok := strings.CutPrefix(line, "ingress listening "); ok {
 			listening <- a
 		}
@@ -124,12 +140,32 @@ func meshEgress(t *testing.T, upstream string, meshPort int, tls *meshTLS) (*pro
 		t.Fatal(err)
 	}
 	ended := make(chan proxy.LinkStats, 64)
-	p := proxy.New(cfg, proxy.Options{OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
+	logBuf := &testutil.SyncBuffer{Keep: sidecarLogKeep}
+	t.Cleanup(func() { // run after the Close below: the whole log
+		if t.Failed() {
+			t.Logf("the egress sidecar's log:\n%s", logBuf.String())
+		}
+	})
+	log := sidecarLog(logBuf)
+	p := proxy.New(cfg, proxy.Options{Logger: &log, AccessLog: true, OnLinkEnd: func(s proxy.LinkStats) { ended <- s }})
 	if err := p.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = p.Close() })
 	return p, ended
+}
+
+// sidecarLogTime is the sidecars' log time format; sidecarLogKeep bounds
+// what the test keeps of a log (its beginning).
+const (
+	sidecarLogTime = "15:04:05.000000"
+	sidecarLogKeep = 1 << 20
+)
+
+// sidecarLog is a sidecar's logger, at debug: a mesh session's opening is
+// logged at debug, its end and a link's (the access log) at info and up.
+func sidecarLog(w io.Writer) zerolog.Logger {
+	return zerolog.New(w).Level(zerolog.DebugLevel).With().Timestamp().Logger()
 }
 
 // meshDial connects a client to the egress listener and checks a round
