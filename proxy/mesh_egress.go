@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"maps"
@@ -286,7 +285,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	_ = c.SetDeadline(time.Now().Add(m.PingTimeout.D()))
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
 	if m.TLS.Enabled() {
-		t := tls.Client(c, pr.p.meshCertsFor(m.TLS).ClientConfig(m.TLS.Peers.List()))
+		t := mesh.TLSClient(c, pr.p.meshCertsFor(m.TLS).ClientConfig(m.TLS.Peers.List()))
 		if err = t.Handshake(); err != nil {
 			var ne net.Error
 			if (!errors.As(err, &ne) || !ne.Timeout()) && !ownFailure(err) {

@@ -257,34 +257,47 @@ func closeEgressSessionConns(p *Proxy) {
 // second in 4 KiB steps: a path congested one way, on which bytes keep
 // moving.
 func throttleDown(rate int) relay.Handler {
-	return func(down, up net.Conn) {
-		_ = down.(*net.TCPConn).SetReadBuffer(32 << 10)
-		_ = up.(*net.TCPConn).SetReadBuffer(32 << 10)
-		var wg sync.WaitGroup
-		move := func(dst, src net.Conn, slow bool) {
-			defer wg.Done()
-			defer func() { _ = dst.Close(); _ = src.Close() }()
-			buf := make([]byte, 4096)
-			for {
-				n, err := src.Read(buf)
-				if n > 0 {
-					if _, werr := dst.Write(buf[:n]); werr != nil {
-						return
-					}
-					if slow {
-						time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
-					}
-				}
-				if err != nil {
+	pc := &pathCtl{}
+	pc.rate.Store(int64(rate))
+	return pc.handler
+}
+
+// pathCtl is a relayed mesh path a test changes as it goes: the
+// ingress-to-egress direction moves about rate bytes a second in 4 KiB
+// steps (0: at full speed); once dark is set nothing passes either way
+// any more (what arrives is dropped, as on a path that went dark).
+type pathCtl struct {
+	rate atomic.Int64
+	dark atomic.Bool
+}
+
+func (pc *pathCtl) handler(down, up net.Conn) {
+	_ = down.(*net.TCPConn).SetReadBuffer(32 << 10)
+	_ = up.(*net.TCPConn).SetReadBuffer(32 << 10)
+	var wg sync.WaitGroup
+	move := func(dst, src net.Conn, slow bool) {
+		defer wg.Done()
+		defer func() { _ = dst.Close(); _ = src.Close() }()
+		buf := make([]byte, 4096)
+		for {
+			n, err := src.Read(buf)
+			if n > 0 && !pc.dark.Load() {
+				if _, werr := dst.Write(buf[:n]); werr != nil {
 					return
 				}
+				if rate := pc.rate.Load(); slow && rate > 0 {
+					time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
+				}
+			}
+			if err != nil {
+				return
 			}
 		}
-		wg.Add(2)
-		go move(up, down, false)
-		go move(down, up, true)
-		wg.Wait()
 	}
+	wg.Add(2)
+	go move(up, down, false)
+	go move(down, up, true)
+	wg.Wait()
 }
 
 // On a path congested one way (a download from the ingress, its bytes

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"io"
 	"maps"
@@ -642,7 +641,7 @@ func (in *ingress) readPreface(h *ingressHandshake) (b [mesh.PrefaceLen]byte, ok
 	tc := h.tc
 	_ = tc.SetDeadline(time.Now().Add(mesh.HeaderTimeout))
 	if h.m.TLS.Enabled() {
-		t := tls.Server(tc, in.l.p.meshCertsFor(h.m.TLS).ServerConfig(h.m.TLS.Peers.List()))
+		t := mesh.TLSServer(tc, in.l.p.meshCertsFor(h.m.TLS).ServerConfig(h.m.TLS.Peers.List()))
 		if err := t.Handshake(); err != nil {
 			if errors.Is(err, mesh.ErrOwnTLS) {
 				// This sidecar's own files are not usable (logged at

@@ -285,7 +285,7 @@ type Session struct {
 	Timeout  time.Duration
 	Log      zerolog.Logger
 	m        *metrics.Metrics
-	lastRead atomic.Int64 // mono
+	lastRead *atomic.Int64 // mono: when the peer's bytes last arrived (arrivalClock)
 	Dead     atomic.Bool
 	hooks    Hooks
 	// retired: no new stream goes on the session (a stream open failed on
@@ -333,11 +333,13 @@ type Admission struct {
 
 // NewSession wraps conn in a yamux session (client: the egress side)
 // and starts its heartbeat. rw is what the session reads and writes:
-// conn, or TLS over it. adm says which streams the peer opens are taken.
+// conn, or TLS over it (made by TLSClient or TLSServer, so that the
+// heartbeat counts the peer's bytes as they arrive). adm says which streams the peer opens are taken.
 func NewSession(conn *net.TCPConn, rw net.Conn, client bool, role string, m policy.Mesh, log zerolog.Logger, mt *metrics.Metrics, hooks Hooks, adm Admission) (*Session, error) {
-	ms := &Session{Conn: conn, role: role, Interval: m.PingInterval.D(), Timeout: m.PingTimeout.D(), Log: log, m: mt, hooks: hooks}
+	ms := &Session{Conn: conn, role: role, Interval: m.PingInterval.D(), Timeout: m.PingTimeout.D(), Log: log, m: mt, hooks: hooks,
+		lastRead: arrivalClock(rw)}
 	ms.lastRead.Store(flow.Mono())
-	ms.Guard = newMeshGuard(rw, conn, &ms.lastRead, adm, func(limit string) { mt.MeshLimits(role, limit).Inc() })
+	ms.Guard = newMeshGuard(rw, conn, ms.lastRead, adm, func(limit string) { mt.MeshLimits(role, limit).Inc() })
 	cfg := yamuxConfig(m, log)
 	var err error
 	if client {
