@@ -275,8 +275,8 @@ func (l yamuxLogger) Println(v ...any)               { l.log.Debug().Msg(fmt.Spr
 // congested one way, the other way carries the pings that prove the
 // peer alive, while the congested way carries data that does. Two guards keep the proxy's own stalls from
 // being blamed on the peer: bytes waiting unread in the socket are life,
-// and a check that itself ran late (this process was descheduled) is not
-// trusted; the next one decides.
+// and the silence counts only the time this process could run (see
+// silence).
 type Session struct {
 	Sess     *yamux.Session
 	Conn     *net.TCPConn
@@ -415,6 +415,7 @@ func (ms *Session) heartbeat() {
 	t := time.NewTicker(step)
 	defer t.Stop()
 	nextPing, nextTick := int64(0), int64(0)
+	var sil silence
 	prev := flow.Mono()
 	for {
 		select {
@@ -423,10 +424,12 @@ func (ms *Session) heartbeat() {
 		case <-t.C:
 		}
 		now := flow.Mono()
-		late := now-prev > int64(ms.Timeout/2)
+		// A tick later than its step: this process (or the heartbeat)
+		// could not run meanwhile.
+		stalled := max(now-prev-int64(step), 0)
 		prev = now
-		if !late && now-ms.lastRead.Load() > int64(ms.Timeout) && flow.UnreadBytes(ms.Conn) == 0 {
-			ms.DeclareDead(time.Duration(now - ms.lastRead.Load()))
+		if silent := sil.update(now, ms.lastRead.Load(), stalled); silent > int64(ms.Timeout) && flow.UnreadBytes(ms.Conn) == 0 {
+			ms.DeclareDead(time.Duration(silent))
 			return
 		}
 		if ms.retired.Load() && (ms.Sess.NumStreams() == 0 || ms.hooks.Idle != nil && ms.hooks.Idle()) {
@@ -445,6 +448,30 @@ func (ms *Session) heartbeat() {
 			ms.Guard.ping()
 		}
 	}
+}
+
+// silence is the heartbeat's measure of the peer's silence: the time
+// since its bytes last arrived during which this process could run. Time
+// this process could not run (its heartbeat's ticks came late: a CPU
+// throttled or starved, a host or VM stalled) is not held against the
+// peer: a peer stalled with it (sidecars on one host) had no chance to
+// speak, and its bytes may wait for this process's reader, which has not
+// run yet either (and under TLS, TLS's buffer). The peer gets a whole
+// ping_timeout of this process's running time; one that stays silent
+// through it is dead.
+type silence struct {
+	heard   int64 // the peer's last arrival seen (mono)
+	stalled int64 // time since heard this process could not run
+}
+
+// update takes a tick at now: the peer's last arrival and how late the
+// tick came, and returns the silence.
+func (s *silence) update(now, heard, stalled int64) int64 {
+	if heard != s.heard {
+		s.heard, s.stalled = heard, 0
+	}
+	s.stalled += max(min(stalled, now-heard), 0) // only what came after the peer was heard
+	return now - heard - s.stalled
 }
 
 // DeclareDead has the owner exclude what the session served, closes the

@@ -29,8 +29,9 @@ import (
 // livenessproxy whose configuration is the variable's value (YAML) instead
 // of running tests: the ingress sidecar beside a server, in a process of
 // its own so that it can be stopped, or in a namespace of its own so that
-// the path to it can be black-holed. It prints "ingress listening ADDR"
-// and serves until its stdin is closed.
+// the path to it can be black-holed (or an egress sidecar, stopped with
+// its peer). It prints "NAME listening ADDR" for each listener and serves
+// until its stdin is closed.
 const meshIngressEnv = "LIVENESSPROXY_E2E_MESH_INGRESS"
 
 func init() {
@@ -56,7 +57,9 @@ func runIngressProcess(conf string) int {
 		fmt.Fprintf(os.Stderr, "ingress: %v\n", err)
 		return 1
 	}
-	fmt.Printf("ingress listening %s\n", p.Addr("ingress"))
+	for _, l := range cfg.Listeners {
+		fmt.Printf("%s listening %s\n", l.Name, p.Addr(l.Name))
+	}
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	_ = p.Close()
 	return 0
@@ -96,29 +99,38 @@ func newMeshTLS(t *testing.T) *meshTLS {
 // when it is not nil, and returns it with its mesh port.
 func startIngressProcess(t *testing.T, ns *netns.NS, conf string) (*serverProcess, int) {
 	t.Helper()
+	sp, a := startSidecarProcess(t, ns, conf, "ingress")
+	_, port, _ := net.SplitHostPort(a)
+	n, _ := strconv.Atoi(port)
+	return sp, n
+}
+
+// startSidecarProcess starts a sidecar of configuration conf as a child
+// process, in ns when it is not nil, and returns it with the address of
+// its listener name. When the test fails, it prints the sidecar's log.
+func startSidecarProcess(t *testing.T, ns *netns.NS, conf, name string) (*serverProcess, string) {
+	t.Helper()
 	listening := make(chan string, 1)
 	var sp *serverProcess
 	// Registered first, so run last: after the child is killed and its
 	// stderr read to the end.
 	t.Cleanup(func() {
 		if t.Failed() && sp != nil {
-			t.Logf("the ingress sidecar's log (pid %d):\n%s", sp.pid, sp.stderr.String())
+			t.Logf("the %s sidecar's log (pid %d):\n%s", name, sp.pid, sp.stderr.String())
 		}
 	})
-	sp = startChildIn(t, ns, meshIngressEnv+"="+conf, "the ingress process", func(line string) {
-		if a, ok := strings.CutPrefix(line, "ingress listening "); ok {
+	sp = startChildIn(t, ns, meshIngressEnv+"="+conf, "the "+name+" process", func(line string) {
+		if a, ok := strings.CutPrefix(line, name+" listening "); ok {
 			listening <- a
 		}
 	})
 	select {
 	case a := <-listening:
-		_, port, _ := net.SplitHostPort(a)
-		n, _ := strconv.Atoi(port)
-		return sp, n
+		return sp, a
 	case <-time.After(10 * time.Second):
 		sp.kill()
-		t.Fatalf("the ingress process did not start: %s", sp.stderr.String())
-		return nil, 0
+		t.Fatalf("the %s process did not start: %s", name, sp.stderr.String())
+		return nil, ""
 	}
 }
 
@@ -397,6 +409,55 @@ func meshStoppedIngress(t *testing.T, tls *meshTLS) {
 	ing.signal(t, syscall.SIGCONT)
 	c := dialUntil(t, p.Addr("egress").String(), 10*time.Second)
 	meshEcho(t, c, "after SIGCONT")
+}
+
+// egressConfig is an egress sidecar on loopback whose listener "egress"
+// reaches upstream through the ingress sidecar at meshPort, with the mesh
+// defaults.
+func egressConfig(upstream string, meshPort int) string {
+	return fmt.Sprintf(`admin: {listen: "", control_listen: ""}
+listeners:
+  - name: egress
+    listen: "127.0.0.1:0"
+    upstream: %q
+    mesh: {port: %d}
+`, upstream, meshPort)
+}
+
+// TestMeshStalledHostKeepsLinks stalls both sidecars together, as a host
+// (a VM, a node starved of CPU) stalls the sidecars on it, for longer than
+// ping_timeout: both stopped (SIGSTOP), the egress continued first, the
+// ingress a second later. Neither could speak meanwhile, and the egress
+// must not judge the ingress by the time it could not run itself: the
+// idle link lives on. Before, the egress's first tick after the stall
+// came late and was passed over, and the next one, within a quarter ping
+// interval, found the ingress silent for longer than ping_timeout and no
+// bytes waiting (the ingress had not run yet): the link ended mesh_dead.
+// The twin, an ingress stopped while the egress runs, is
+// TestMeshStoppedIngressClosesLinks: closed within ping_timeout + 1 s.
+func TestMeshStalledHostKeepsLinks(t *testing.T) {
+	srvLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := serveEcho(t, srvLn)
+	ing, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv, nil))
+	eg, addr := startSidecarProcess(t, nil, egressConfig(srv, port), "egress")
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	meshEcho(t, c, "before the stall")
+
+	ing.sigstop(t, "ingress")
+	eg.sigstop(t, "egress")
+	time.Sleep(pingTimeout + time.Second)
+	eg.signal(t, syscall.SIGCONT)
+	time.Sleep(time.Second) // the egress runs alone: four heartbeat steps
+	ing.signal(t, syscall.SIGCONT)
+	time.Sleep(time.Second)
+	meshEcho(t, c, "after the stall")
 }
 
 // dialUntil dials addr until it accepts.
