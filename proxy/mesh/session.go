@@ -410,7 +410,8 @@ func (ms *Session) heartbeat() {
 	defer ms.Wg.Done()
 	defer ms.m.MeshSessions(ms.role).Dec()
 	// A quarter of the ping interval: a dead session is found within
-	// ping_timeout plus this step (250 ms at the defaults).
+	// ping_timeout plus this step (250 ms at the defaults), and the time
+	// this process could not run (see silence).
 	step := min(ms.Interval/4, ms.Timeout/8)
 	t := time.NewTicker(step)
 	defer t.Stop()
@@ -424,9 +425,14 @@ func (ms *Session) heartbeat() {
 		case <-t.C:
 		}
 		now := flow.Mono()
-		// A tick later than its step: this process (or the heartbeat)
-		// could not run meanwhile.
-		stalled := max(now-prev-int64(step), 0)
+		// A tick more than a step late: this process (or the heartbeat)
+		// could not run meanwhile, for the time past the step. A tick late
+		// by less is scheduling noise on a busy machine, not counted: it
+		// would put off a dead peer's verdict, tick by tick.
+		stalled := int64(0)
+		if gap := now - prev; gap > 2*int64(step) {
+			stalled = gap - int64(step)
+		}
 		prev = now
 		if silent := sil.update(now, ms.lastRead.Load(), stalled); silent > int64(ms.Timeout) && flow.UnreadBytes(ms.Conn) == 0 {
 			ms.DeclareDead(time.Duration(silent))
