@@ -427,7 +427,7 @@ listeners:
 // TestMeshStalledHostKeepsLinks stalls both sidecars together, as a host
 // (a VM, a node starved of CPU) stalls the sidecars on it, for longer than
 // ping_timeout: both stopped (SIGSTOP), the egress continued first, the
-// ingress a second later. Neither could speak meanwhile, and the egress
+// ingress 0.6 s later. Neither could speak meanwhile, and the egress
 // must not judge the ingress by the time it could not run itself: the
 // idle link lives on. Before, the egress's first tick after the stall
 // came late and was passed over, and the next one, within a quarter ping
@@ -454,7 +454,11 @@ func TestMeshStalledHostKeepsLinks(t *testing.T) {
 	eg.sigstop(t, "egress")
 	time.Sleep(pingTimeout + time.Second)
 	eg.signal(t, syscall.SIGCONT)
-	time.Sleep(time.Second) // the egress runs alone: four heartbeat steps
+	// The egress runs alone for more than two heartbeat steps: its first
+	// tick after the stall comes late, the next on time. Not much more:
+	// its own running time counts, and with what the ingress's last bytes
+	// were old at the stop it must stay under ping_timeout.
+	time.Sleep(600 * time.Millisecond)
 	ing.signal(t, syscall.SIGCONT)
 	time.Sleep(time.Second)
 	meshEcho(t, c, "after the stall")
