@@ -263,12 +263,15 @@ func throttleDown(rate int) relay.Handler {
 }
 
 // pathCtl is a relayed mesh path a test changes as it goes: the
-// ingress-to-egress direction moves about rate bytes a second in 4 KiB
-// steps (0: at full speed); once dark is set nothing passes either way
-// any more (what arrives is dropped, as on a path that went dark).
+// ingress-to-egress direction moves about rate bytes a second in steps
+// of chunk bytes (0: 4 KiB) (rate 0: at full speed); once dark is set
+// nothing passes either way any more: what arrives is dropped, and a
+// side's close or reset is not passed on either (a path that went dark
+// carries no FIN). The relay's Close ends it then.
 type pathCtl struct {
-	rate atomic.Int64
-	dark atomic.Bool
+	rate  atomic.Int64
+	dark  atomic.Bool
+	chunk int
 }
 
 func (pc *pathCtl) handler(down, up net.Conn) {
@@ -277,21 +280,27 @@ func (pc *pathCtl) handler(down, up net.Conn) {
 	var wg sync.WaitGroup
 	move := func(dst, src net.Conn, slow bool) {
 		defer wg.Done()
-		defer func() { _ = dst.Close(); _ = src.Close() }()
 		buf := make([]byte, 4096)
+		if slow && pc.chunk > 0 {
+			buf = make([]byte, pc.chunk)
+		}
 		for {
 			n, err := src.Read(buf)
 			if n > 0 && !pc.dark.Load() {
 				if _, werr := dst.Write(buf[:n]); werr != nil {
-					return
+					break
 				}
 				if rate := pc.rate.Load(); slow && rate > 0 {
 					time.Sleep(time.Duration(n) * time.Second / time.Duration(rate))
 				}
 			}
 			if err != nil {
-				return
+				break
 			}
+		}
+		if !pc.dark.Load() {
+			_ = dst.Close()
+			_ = src.Close()
 		}
 	}
 	wg.Add(2)

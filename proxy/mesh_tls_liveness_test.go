@@ -21,7 +21,9 @@ import (
 // ingress-to-egress direction starts at full speed. It returns the
 // egress and the client, once the client has received its first bytes
 // (the link is connected); got counts what the client receives, read
-// until the link ends.
+// until the link ends. The slow direction moves 1 KiB steps: at
+// 16 KiB/s a step comes every 62 ms, well within ping_timeout (300 ms)
+// on a loaded machine too, while a 16 KiB record still takes a second.
 func tlsDownload(t *testing.T, pc *pathCtl) (eg *harness, c net.Conn, got *atomic.Int64) {
 	t.Helper()
 	ca := lptestutil.NewCA(t)
@@ -75,7 +77,7 @@ func tlsDownload(t *testing.T, pc *pathCtl) (eg *harness, c net.Conn, got *atomi
 // empty) and declared the live peer dead within about 300 ms: the link
 // was reset, the endpoint excluded.
 func TestMeshTLSSlowRecordsAreLife(t *testing.T) {
-	pc := &pathCtl{}
+	pc := &pathCtl{chunk: 1 << 10}
 	eg, _, got := tlsDownload(t, pc)
 	pc.rate.Store(16 << 10)
 	before := got.Load()
@@ -101,7 +103,7 @@ func TestMeshTLSSlowRecordsAreLife(t *testing.T) {
 // dead within ping_timeout and a second: the bytes of a record that never
 // completes count when they came, not after.
 func TestMeshTLSPathDarkMidRecordIsDetected(t *testing.T) {
-	pc := &pathCtl{}
+	pc := &pathCtl{chunk: 1 << 10}
 	eg, c, _ := tlsDownload(t, pc)
 	pc.rate.Store(16 << 10)
 	select {
