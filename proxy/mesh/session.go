@@ -275,8 +275,8 @@ func (l yamuxLogger) Println(v ...any)               { l.log.Debug().Msg(fmt.Spr
 // congested one way, the other way carries the pings that prove the
 // peer alive, while the congested way carries data that does. Two guards keep the proxy's own stalls from
 // being blamed on the peer: bytes waiting unread in the socket are life,
-// and the silence counts only the time this process could run (see
-// silence).
+// and after a stall of this process the peer has a ping interval of its
+// running time to be heard (see silence).
 type Session struct {
 	Sess     *yamux.Session
 	Conn     *net.TCPConn
@@ -410,13 +410,14 @@ func (ms *Session) heartbeat() {
 	defer ms.Wg.Done()
 	defer ms.m.MeshSessions(ms.role).Dec()
 	// A quarter of the ping interval: a dead session is found within
-	// ping_timeout plus this step (250 ms at the defaults), and the time
-	// this process could not run (see silence).
+	// ping_timeout plus this step (250 ms at the defaults), or, when this
+	// process could not run meanwhile, a ping interval after it ran again
+	// (see silence).
 	step := min(ms.Interval/4, ms.Timeout/8)
 	t := time.NewTicker(step)
 	defer t.Stop()
 	nextPing, nextTick := int64(0), int64(0)
-	var sil silence
+	sil := silence{grace: int64(ms.Interval)}
 	prev := flow.Mono()
 	for {
 		select {
@@ -456,18 +457,25 @@ func (ms *Session) heartbeat() {
 	}
 }
 
-// silence is the heartbeat's measure of the peer's silence: the time
-// since its bytes last arrived during which this process could run. Time
-// this process could not run (its heartbeat's ticks came late: a CPU
-// throttled or starved, a host or VM stalled) is not held against the
-// peer: a peer stalled with it (sidecars on one host) had no chance to
-// speak, and its bytes may wait for this process's reader, which has not
-// run yet either (and under TLS, TLS's buffer). The peer gets a whole
-// ping_timeout of this process's running time; one that stays silent
-// through it is dead.
+// silence is the heartbeat's measure of the peer's silence. Time this
+// process could not run (its heartbeat's ticks came late: a CPU throttled
+// or starved, a host or VM stalled) is not held against the peer at once:
+// a peer stalled with it (sidecars on one host) had no chance to speak,
+// and its bytes may wait for this process's reader, which has not run yet
+// either (and under TLS, TLS's buffer). After such a stall the silence
+// counts only the time this process ran, until it has run for grace (a
+// ping interval: a peer that runs is heard within one, its own ping or
+// its answer to this side's); from then on the time since the peer was
+// last heard counts again. So a peer stalled with this process gets a
+// ping interval once both run again, and a dead one is judged no later
+// than that after the stall, not a whole ping_timeout of running time
+// later; one that stays silent for ping_timeout of this process's running
+// time is dead however often it stalls.
 type silence struct {
+	grace   int64 // mono duration
 	heard   int64 // the peer's last arrival seen (mono)
 	stalled int64 // time since heard this process could not run
+	ran     int64 // when this process ran again after its last stall (mono)
 }
 
 // update takes a tick at now: the peer's last arrival and how late the
@@ -476,7 +484,13 @@ func (s *silence) update(now, heard, stalled int64) int64 {
 	if heard != s.heard {
 		s.heard, s.stalled = heard, 0
 	}
+	if stalled > 0 {
+		s.ran = now
+	}
 	s.stalled += max(min(stalled, now-heard), 0) // only what came after the peer was heard
+	if now-s.ran >= s.grace {
+		return now - heard
+	}
 	return now - heard - s.stalled
 }
 

@@ -424,18 +424,12 @@ listeners:
 `, upstream, meshPort)
 }
 
-// TestMeshStalledHostKeepsLinks stalls both sidecars together, as a host
-// (a VM, a node starved of CPU) stalls the sidecars on it, for longer than
-// ping_timeout: both stopped (SIGSTOP), the egress continued first, the
-// ingress 0.6 s later. Neither could speak meanwhile, and the egress
-// must not judge the ingress by the time it could not run itself: the
-// idle link lives on. Before, the egress's first tick after the stall
-// came late and was passed over, and the next one, within a quarter ping
-// interval, found the ingress silent for longer than ping_timeout and no
-// bytes waiting (the ingress had not run yet): the link ended mesh_dead.
-// The twin, an ingress stopped while the egress runs, is
-// TestMeshStoppedIngressClosesLinks: closed within ping_timeout + 1 s.
-func TestMeshStalledHostKeepsLinks(t *testing.T) {
+// sidecarPair starts an ingress and an egress sidecar, each a process of
+// its own (so that either can be stopped), on loopback with the mesh
+// defaults, and returns them with a client's link through both, one round
+// trip done.
+func sidecarPair(t *testing.T) (ing, eg *serverProcess, c net.Conn) {
+	t.Helper()
 	srvLn, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -443,25 +437,73 @@ func TestMeshStalledHostKeepsLinks(t *testing.T) {
 	srv, _ := serveEcho(t, srvLn)
 	ing, port := startIngressProcess(t, nil, ingressConfig("127.0.0.1:0", srv, nil))
 	eg, addr := startSidecarProcess(t, nil, egressConfig(srv, port), "egress")
-	c, err := net.Dial("tcp", addr)
+	c, err = net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = c.Close() })
 	meshEcho(t, c, "before the stall")
+	return ing, eg, c
+}
+
+// TestMeshStalledHostKeepsLinks stalls both sidecars together, as a host
+// (a VM, a node starved of CPU) stalls the sidecars on it, for longer than
+// ping_timeout: both stopped (SIGSTOP), the egress continued first, the
+// ingress 0.4 s later. Neither could speak meanwhile, and the egress
+// must not judge the ingress by the time it could not run itself: the
+// idle link lives on. Before, the egress's first tick after the stall
+// came late and was passed over, and the next one, within a quarter ping
+// interval, found the ingress silent for longer than ping_timeout and no
+// bytes waiting (the ingress had not run yet): the link ended mesh_dead.
+// The twins, an ingress stopped while the egress runs, and one stopped
+// while the egress stalls, are TestMeshStoppedIngressClosesLinks and
+// TestMeshDeadPeerJudgedSoonAfterOwnStall: closed within ping_timeout +
+// 1 s.
+func TestMeshStalledHostKeepsLinks(t *testing.T) {
+	ing, eg, c := sidecarPair(t)
 
 	ing.sigstop(t, "ingress")
 	eg.sigstop(t, "egress")
 	time.Sleep(pingTimeout + time.Second)
 	eg.signal(t, syscall.SIGCONT)
-	// The egress runs alone for more than two heartbeat steps: its first
-	// tick after the stall comes late, the next on time. Not much more:
-	// its own running time counts, and with what the ingress's last bytes
-	// were old at the stop it must stay under ping_timeout.
-	time.Sleep(600 * time.Millisecond)
+	// The egress runs alone for more than a heartbeat step: its first
+	// tick after the stall comes late, the next on time (the one that
+	// judged before). Not much more: the ingress must then be heard
+	// within a ping interval (1 s) of the egress's running again.
+	time.Sleep(400 * time.Millisecond)
 	ing.signal(t, syscall.SIGCONT)
 	time.Sleep(time.Second)
 	meshEcho(t, c, "after the stall")
+}
+
+// TestMeshDeadPeerJudgedSoonAfterOwnStall is the twin of
+// TestMeshStalledHostKeepsLinks: the ingress stops (SIGSTOP: dead, as far
+// as the mesh can tell) and, 0.3 s later, the egress itself cannot run
+// for 1.5 s. The egress must still close the idle link within
+// ping_timeout + 1 s of the ingress's stop, as when it runs throughout
+// (TestMeshStoppedIngressClosesLinks): its own stall earns the peer a
+// ping interval of its running time to be heard, no more. When the whole
+// silence had to be the egress's running time (252942e), the verdict came
+// 4.5 s after the stop, the egress's own 1.5 s stall later.
+func TestMeshDeadPeerJudgedSoonAfterOwnStall(t *testing.T) {
+	ing, eg, c := sidecarPair(t)
+
+	ing.sigstop(t, "ingress")
+	stopped := time.Now()
+	time.Sleep(300 * time.Millisecond)
+	eg.sigstop(t, "egress")
+	time.Sleep(1500 * time.Millisecond)
+	eg.signal(t, syscall.SIGCONT)
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err := c.Read(make([]byte, 1))
+	took := time.Since(stopped)
+	t.Logf("the idle link ended %v after the ingress stopped: %v", took.Round(time.Millisecond), err)
+	if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("the idle link to a stopped ingress still open %v after the stop", took.Round(time.Millisecond))
+	}
+	if bound := pingTimeout + time.Second; took > bound {
+		t.Fatalf("the idle link ended %v after the ingress stopped, want within %v", took.Round(time.Millisecond), bound)
+	}
 }
 
 // dialUntil dials addr until it accepts.
