@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"sync/atomic"
 	"syscall"
@@ -148,6 +149,46 @@ func kernelGaveUp(err error) bool {
 		return true
 	}
 	return false
+}
+
+// ownNetwork reports whether err, the kernel giving up on a socket to dst
+// with mark (a connected upstream's verdict, kernelGaveUp, or a failed
+// connect), is the proxy's own network's: its host has no route to dst
+// now (flow.RouteTo, the lookup the socket's segments make). A route
+// removed, an interface down or an unreachable route of the proxy's own
+// fails a connect at once (ENETUNREACH, EHOSTUNREACH), and every
+// retransmission at the same lookup: the kernel then reports ETIMEDOUT
+// (nothing was ever sent, or no lookup error was kept) or that lookup's
+// error (EHOSTUNREACH, ENETUNREACH), the errors a dead upstream leaves
+// too. When it cannot tell (no descriptor for the lookup, the mark
+// refused, a zoned address): the ICMP errors are taken for its own, as
+// before; ETIMEDOUT and a connect timeout stay the upstream's, the
+// kernel's verdict on nearly every dead upstream, which would otherwise
+// go unjudged while the proxy is short of descriptors, as it is when
+// links pile up to a dead upstream.
+func ownNetwork(err error, dst netip.Addr, mark int) bool {
+	var errno syscall.Errno
+	errors.As(err, &errno)
+	switch {
+	case errno == syscall.EHOSTUNREACH || errno == syscall.ENETUNREACH || errno == syscall.EHOSTDOWN:
+		route, known := flow.RouteTo(dst, mark)
+		return !route || !known
+	case errno == syscall.ETIMEDOUT || errno == 0 && deadlinePassed(err):
+		route, known := flow.RouteTo(dst, mark)
+		return known && !route
+	}
+	return false
+}
+
+// errOwnNetwork is an upstream socket's failure that ownNetwork found the
+// proxy's own: no route of its host to the upstream. It does not unwrap,
+// so that nothing takes it for the upstream's: the link ends local_error,
+// the upstream not blamed (neither excluded nor its connect failures
+// counted). Before, such a link or connect excluded its endpoint.
+type errOwnNetwork struct{ cause error }
+
+func (x errOwnNetwork) Error() string {
+	return x.cause.Error() + " (the proxy's host has no route to the upstream: its own network)"
 }
 
 // logEvery bounds the log lines of a kind that a flood can repeat: when

@@ -95,18 +95,7 @@ func unreachableUpstream(t *testing.T, heals bool) {
 // the upstream socket (keepalive off: ut itself on the idle socket).
 func linkOverVeth(t *testing.T, h *harness, addr net.Addr, ut time.Duration) *net.TCPConn {
 	t.Helper()
-	// The first connect over a fresh veth may lose its SYN: the path is
-	// up once one completes at once.
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		d, err := net.DialTimeout("tcp", addr.String(), 500*time.Millisecond)
-		if err == nil {
-			_ = d.Close()
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not reachable over the veth: %v", addr, err)
-		}
-	}
+	pathUp(t, addr)
 	c := h.dial()
 	roundTrip(t, c, []byte("hello"))
 	// The window guard sets tcp_user_timeout a quarter of it (or of
@@ -117,6 +106,22 @@ func linkOverVeth(t *testing.T, h *harness, addr net.Addr, ut time.Duration) *ne
 		}
 	}
 	return c
+}
+
+// pathUp returns once addr, over a fresh veth, takes a connect at once:
+// the first over it may lose its SYN.
+func pathUp(t *testing.T, addr net.Addr) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		d, err := net.DialTimeout("tcp", addr.String(), 500*time.Millisecond)
+		if err == nil {
+			_ = d.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not reachable over the veth: %v", addr, err)
+		}
+	}
 }
 
 func ip(t *testing.T, args ...string) {

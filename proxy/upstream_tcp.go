@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"sync/atomic"
 	"syscall"
@@ -689,48 +690,30 @@ func (s *responses) Handle(bp *[]byte, n int) (flow.Handled, error) {
 // upstream's kernel answered after that began, is the kernel applying
 // the bound the guard lifts for such a window and could not lift in
 // time. No evidence against the upstream: the link ends as the proxy's
-// own failure (local_error). So is the verdict reported as an ICMP
-// error when the proxy's host has no route to the upstream (see
-// errOwnNetwork).
+// own failure (local_error). So is the verdict when the proxy's host has
+// no route to the upstream (ownNetwork, errOwnNetwork).
 func (e *tcpEnd) fail(err error) {
 	if g := e.win; g != nil && kernelGaveUp(err) {
 		if from, blind := g.blindSince(); blind && flow.ZeroWindowAckedSince(e.raw, from) {
 			err = errZeroWindowAbort{err}
 		}
 	}
-	if kernelGaveUp(err) && !errors.Is(err, syscall.ETIMEDOUT) && !e.routed() {
+	if kernelGaveUp(err) && ownNetwork(err, e.peer(), e.lk.settings.UpstreamMark) {
 		err = errOwnNetwork{err}
 	}
 	e.lk.fail(err)
 }
 
-// routed reports whether the proxy's host has a route to the upstream
-// now, with the upstream's mark (flow.RouteTo); false when it cannot
-// tell.
-func (e *tcpEnd) routed() bool {
+// peer is the upstream's address: the endpoint's, or the socket's peer
+// when the endpoint dials a name.
+func (e *tcpEnd) peer() netip.Addr {
 	ap := e.lk.ep.dialAP
 	if tc, ok := e.conn.(*net.TCPConn); !ap.IsValid() && ok {
 		if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok {
 			ap = ra.AddrPort()
 		}
 	}
-	route, known := flow.RouteTo(ap.Addr(), e.lk.settings.UpstreamMark)
-	return route && known
-}
-
-// errOwnNetwork is the kernel giving up on the upstream socket, reported
-// as the ICMP error it saw (EHOSTUNREACH, ENETUNREACH), when the proxy's
-// host has no route to the upstream at that moment (or cannot tell): its
-// own route removed, its interface down, an unreachable route of its
-// own. The retransmissions failed at the proxy's own route lookup
-// (inet_sk_rebuild_header keeps it as the error to report), not for
-// want of the upstream. It does not unwrap, so that nothing takes it for
-// the upstream's: the link ends local_error, the upstream not blamed.
-// Before, such a link excluded its endpoint.
-type errOwnNetwork struct{ cause error }
-
-func (x errOwnNetwork) Error() string {
-	return x.cause.Error() + " (the proxy's host has no route to the upstream: its own network)"
+	return ap.Addr()
 }
 
 // errResetInferred is the end of the upstream's stream that the response
