@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"errors"
 	"net"
+	"net/netip"
 	"time"
 
 	"github.com/livenessproxy/livenessproxy/proxy/mesh"
@@ -143,16 +144,21 @@ func (lk *link) dial() bool {
 			lk.fail(l.error)
 			return false
 		}
-		if !lk.dialFailed(ep, began, err) {
+		next, why := lk.dialFailed(ep, began, err)
+		if !next {
 			return false
 		}
-		tried, lastErr = append(tried, ep.addr), err
+		tried, lastErr = append(tried, ep.addr), why
 	}
 	// Reset rather than close: to a client whose own failure detector
 	// treats a completed close as a live server, a reset looks like the
 	// refused connection it stands for.
 	if lastErr != nil {
-		lk.setReason(CloseDialError, lastErr)
+		reason := CloseDialError
+		if errors.As(lastErr, new(errOwnNetwork)) {
+			reason = CloseLocalError // the last connect found no route of the proxy's own
+		}
+		lk.setReason(reason, lastErr)
 	} else {
 		lk.setReason(CloseRefused, nil)
 	}
@@ -175,13 +181,14 @@ func (lk *link) target(tried []string) (ep *endpoint, failOpen bool) {
 }
 
 // dialFailed judges a failed attempt to ep (started at mono time began):
-// it reports true when the next endpoint may be tried, and otherwise ends
-// the link with the reason the failure gives it.
-func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
-	end := func(reason CloseReason) bool {
+// it reports true when the next endpoint may be tried, with the failure
+// as the link would end on it, and otherwise ends the link with the
+// reason the failure gives it.
+func (lk *link) dialFailed(ep *endpoint, began int64, err error) (bool, error) {
+	end := func(reason CloseReason) (bool, error) {
 		lk.setReason(reason, err)
 		lk.resetClient()
-		return false
+		return false, err
 	}
 	switch {
 	case errors.Is(err, mesh.ErrNoIngress):
@@ -190,7 +197,7 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 		// The peer sidecar judges its server and says so in its status;
 		// this endpoint is not reported, the next is tried.
 		lk.m.DialErrors.Inc()
-		return true
+		return true, err
 	case errors.Is(err, errMeshDead):
 		return end(CloseMeshDead)
 	case errors.Is(err, mesh.ErrStream):
@@ -200,10 +207,15 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 	case !upstreamFault(err):
 		// Out of descriptors, a socket option refused: the proxy's own
 		// failure, never the upstream's; another endpoint would not help.
-		lk.setReason(CloseLocalError, err)
 		lk.host.localError(ep, err)
-		lk.resetClient()
-		return false
+		return end(CloseLocalError)
+	case ownNetwork(err, dialedAddr(ep, err), lk.settings.UpstreamMark):
+		// No route of the proxy's own to ep (its route removed, its
+		// interface down): its own failure, neither counted against ep
+		// nor reported; another endpoint may be routed.
+		err = errOwnNetwork{cause: err}
+		lk.host.localError(ep, err)
+		return true, err
 	}
 	lk.m.DialErrors.Inc()
 	if ep.dialFailed(began, cmp.Or(lk.settings.ConnectTimeout.D(), time.Second), err) {
@@ -212,7 +224,19 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) bool {
 		lk.log.Debug().Err(err).Str("endpoint", ep.addr).
 			Msg("connect failed; not held against the endpoint (it answers on other links, one timeout a lost SYN explains, or a timeout the proxy noticed late)")
 	}
-	return true
+	return true, err
+}
+
+// dialedAddr is the address a failed connect to ep went to: the error's
+// (the one a name resolved to), else the endpoint's.
+func dialedAddr(ep *endpoint, err error) netip.Addr {
+	var oe *net.OpError
+	if errors.As(err, &oe) {
+		if ta, ok := oe.Addr.(*net.TCPAddr); ok {
+			return ta.AddrPort().Addr()
+		}
+	}
+	return ep.dialAP.Addr()
 }
 
 // countDial counts a successful dial that started at start, and a link

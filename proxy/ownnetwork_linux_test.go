@@ -6,8 +6,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/internal/netns"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
 // When the proxy's own network fails under a link (its route to the
@@ -136,5 +138,144 @@ func cutOwnRoute(t *testing.T, cut string, link *netns.Link) {
 		ip(t, "route", "add", "unreachable", link.PeerIP().String()+"/32")
 	default:
 		t.Fatalf("no such cut: %s", cut)
+	}
+}
+
+// A connect that fails at the proxy's own route lookup is the proxy's
+// own failure: with its route removed, its interface down or an
+// unreachable route of its own, the connect fails at once (ENETUNREACH,
+// EHOSTUNREACH, what an ICMP error from the upstream's side leaves), and
+// a route gone while the SYN waits for an answer ends the connect at
+// connect_timeout. Neither is held against the endpoint: the link ends
+// local_error (the client reset), no dial error is counted, the endpoint
+// stays healthy. Before, each was a dial_error: the one at once excluded
+// the endpoint, two timeouts in a row did. The twins: the upstream's
+// host unreachable (an ICMP host unreachable from its side) and an
+// upstream that answers no SYN, behind a route the proxy has: dial_error,
+// excluded.
+func TestOwnRouteGoneAtTheConnectIsNotTheUpstreams(t *testing.T) {
+	eachCut(t, append(ownCuts, "twin: upstream unreachable", "route gone under the SYN", "twin: SYN unanswered, route kept"), ownRouteGoneAtConnect)
+}
+
+func ownRouteGoneAtConnect(t *testing.T, cut string) {
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.37.1/24", "10.231.37.2/24")
+	addr := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	pathUp(t, addr)
+	h := start(t, addr.String(), func(s *policy.Settings) {
+		s.ConnectTimeout = policy.Duration(time.Second)
+		s.ConnectAttempts = 1 // a link, a connect
+	})
+	twin := strings.HasPrefix(cut, "twin")
+	var s LinkStats
+	switch cut {
+	case "twin: upstream unreachable":
+		unreachableAtPeer(t, peer)
+		s = h.dialEnd()
+	case "route gone under the SYN", "twin: SYN unanswered, route kept":
+		// Two connects in a row time out: the second would exclude.
+		blackholePeer(t, peer)
+		for i := range 2 {
+			c := h.dial()
+			for deadline := time.Now().Add(5 * time.Second); dropped(t, peer) <= i; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatal("the connect's SYN never reached the peer")
+				}
+			}
+			if !twin {
+				cutOwnRoute(t, "route removed", link)
+			}
+			s = h.linkEnd(10 * time.Second)
+			t.Logf("connect %d: link ended %s (%v)", i+1, s.Reason, s.Err)
+			_ = c.Close()
+			if !twin {
+				ip(t, "route", "add", link.LocalAddrs[0].Masked().String(), "dev", link.Local)
+			}
+		}
+	default:
+		cutOwnRoute(t, cut, link)
+		s = h.dialEnd()
+	}
+	ep := h.endpoint()
+	dialErrors := testutil.ToFloat64(h.m.ForListener("test").DialErrors)
+	t.Logf("%s: link ended %s (%v); endpoint %s (%s); dial errors counted %v", cut, s.Reason, s.Err, ep.State, ep.Reason, dialErrors)
+	if twin {
+		if s.Reason != CloseDialError || ep.State != "excluded" {
+			t.Fatalf("an upstream that takes no connect behind a route the proxy has: link ended %s, endpoint %s; want dial_error, excluded", s.Reason, ep.State)
+		}
+		return
+	}
+	if s.Reason != CloseLocalError || ep.State != "healthy" || dialErrors != 0 {
+		t.Fatalf("the proxy's own route failed the connect (%s), but the link ended %s, the endpoint is %s, %v dial errors counted: the upstream blamed for the proxy's own failure", cut, s.Reason, ep.State, dialErrors)
+	}
+}
+
+// dialEnd is the end of a link whose connect fails at once. The proxy may
+// reset the client before its own connect returns.
+func (h *harness) dialEnd() LinkStats {
+	h.t.Helper()
+	if c, err := net.Dial("tcp", h.addr); err == nil {
+		h.t.Cleanup(func() { _ = c.Close() })
+	}
+	return h.linkEnd(10 * time.Second)
+}
+
+// A pool's link whose connect to one member fails at the proxy's own
+// route lookup tries the next member, as it would after that member's
+// failure, and the member is not blamed: the client is served, the member
+// stays healthy, no dial error is counted. The twin: the member's host
+// unreachable from its side (an ICMP host unreachable) is its failure:
+// the client is served by the next member and the member is excluded.
+func TestOwnRouteGoneAtTheConnectTriesTheNextMember(t *testing.T) {
+	eachCut(t, []string{"route removed", "twin: member unreachable"}, ownRouteGoneInPool)
+}
+
+func ownRouteGoneInPool(t *testing.T, cut string) {
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.38.1/24", "10.231.38.2/24")
+	far := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	pathUp(t, far)
+	near := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := startPool(t, policy.Pool{Endpoints: []string{far.String(), near.Addr()}}, nil, func(s *policy.Settings) {
+		s.ConnectAttempts = 2
+	})
+	twin := strings.HasPrefix(cut, "twin")
+	if twin {
+		unreachableAtPeer(t, peer)
+	} else {
+		cutOwnRoute(t, cut, link)
+	}
+	attempts := 0
+	for i := range 2 { // round robin: one of the two picks the far member first
+		c := h.dial()
+		roundTrip(t, c, []byte{byte(i)})
+		_ = c.Close()
+		attempts += h.linkEnd(5 * time.Second).ConnectAttempts
+	}
+	if attempts < 3 || near.Accepted() != 2 {
+		t.Fatalf("%d connects for two links, %d to the near member; want 3 or more, 2: the far one tried", attempts, near.Accepted())
+	}
+	var state string
+	for _, ep := range h.p.Endpoints() {
+		if ep.Endpoint == far.String() {
+			state = ep.State
+		}
+	}
+	dialErrors := testutil.ToFloat64(h.m.ForListener("test").DialErrors)
+	t.Logf("%s: both clients served, %d connects; far member %s; dial errors counted %v", cut, attempts, state, dialErrors)
+	if twin && state != "excluded" || !twin && (state != "healthy" || dialErrors != 0) {
+		t.Fatalf("%s: far member %s, %v dial errors counted", cut, state, dialErrors)
+	}
+}
+
+// unreachableAtPeer has the peer's host answer every segment to its server
+// (port 9000) with an ICMP host unreachable: the upstream's side says it
+// is gone.
+func unreachableAtPeer(t *testing.T, peer *netns.NS) {
+	t.Helper()
+	if err := peer.NFT(`table inet lpka {
+		chain in { type filter hook input priority 0; policy accept; tcp dport 9000 counter reject with icmpx host-unreachable; }
+	}`); err != nil {
+		t.Fatal(err)
 	}
 }
