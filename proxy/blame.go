@@ -180,14 +180,22 @@ func ownNetwork(err error, dst netip.Addr, mark int) bool {
 	return false
 }
 
-// errOwnNetwork is an upstream socket's failure that ownNetwork found the
-// proxy's own: no route of its host to the upstream. It does not unwrap,
-// so that nothing takes it for the upstream's: the link ends local_error,
+// errOwnNetwork is an upstream socket's failure found the proxy's own:
+// no route of its host to the upstream (ownNetwork), or, neverSent, the
+// kernel's verdict on bytes that never left the proxy's host while the
+// upstream's window was open (flow.NeverSent). It does not unwrap, so
+// that nothing takes it for the upstream's: the link ends local_error,
 // the upstream not blamed (neither excluded nor its connect failures
 // counted). Before, such a link or connect excluded its endpoint.
-type errOwnNetwork struct{ cause error }
+type errOwnNetwork struct {
+	cause     error
+	neverSent bool
+}
 
 func (x errOwnNetwork) Error() string {
+	if x.neverSent {
+		return x.cause.Error() + " (the bytes never left the proxy's host, the upstream's window open: its own network, a drop rule of its own or its egress queue)"
+	}
 	return x.cause.Error() + " (the proxy's host has no route to the upstream: its own network)"
 }
 

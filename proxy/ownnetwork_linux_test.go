@@ -95,6 +95,20 @@ func ownRouteGoneBeforeSend(t *testing.T, cut string) {
 	}
 }
 
+// A rule of the proxy's own host that drops or rejects what its upstream
+// socket sends, in place before a link's bytes are first sent (an
+// operator's, a mesh CNI's in the pod's own namespace): the bytes never
+// leave, the kernel keeps probing an open window, and gives up at
+// tcp_user_timeout with ETIMEDOUT (a drop) or EHOSTUNREACH (a reject
+// answered by the host's own ICMP), while the route is there. The
+// upstream is not blamed: the bytes never left (flow.NeverSent), the link
+// ends local_error, the endpoint stays healthy. Before, upstream_timeout,
+// excluded. The twin is TestOwnRouteGoneBeforeTheSendIsNotTheUpstreams's:
+// an upstream that stops answering with the bytes in flight is excluded.
+func TestOwnDropRuleBeforeTheSendIsNotTheUpstreams(t *testing.T) {
+	eachCut(t, []string{"own drop rule", "own reject rule"}, ownRouteGoneBeforeSend)
+}
+
 // ownNetworkLink is a proxy in front of an echo server in a peer
 // namespace, over a veth on net (three octets: net.1 here, net.2 there),
 // with tcp_user_timeout ut (keepalive off: ut itself on the idle socket),
@@ -126,7 +140,8 @@ func eachCut(t *testing.T, cuts []string, f func(t *testing.T, cut string)) {
 }
 
 // cutOwnRoute takes the proxy's own route to link's peer away: the route
-// removed, the interface down, or an unreachable route of its own.
+// removed, the interface down, or an unreachable route of its own; or
+// has a rule of its own netfilter output drop or reject what goes there.
 func cutOwnRoute(t *testing.T, cut string, link *netns.Link) {
 	t.Helper()
 	switch cut {
@@ -136,6 +151,13 @@ func cutOwnRoute(t *testing.T, cut string, link *netns.Link) {
 		ip(t, "link", "set", link.Local, "down")
 	case "unreachable route":
 		ip(t, "route", "add", "unreachable", link.PeerIP().String()+"/32")
+	case "own drop rule", "own reject rule":
+		verdict := map[string]string{"own drop rule": "drop", "own reject rule": "reject with icmpx host-unreachable"}[cut]
+		if out, err := netns.LocalRun(`table inet own {
+			chain out { type filter hook output priority 0; policy accept; tcp dport 9000 counter `+verdict+`; }
+		}`, "nft", "-f", "-"); err != nil {
+			t.Fatalf("nft: %v: %s", err, out)
+		}
 	default:
 		t.Fatalf("no such cut: %s", cut)
 	}

@@ -691,15 +691,21 @@ func (s *responses) Handle(bp *[]byte, n int) (flow.Handled, error) {
 // the bound the guard lifts for such a window and could not lift in
 // time. No evidence against the upstream: the link ends as the proxy's
 // own failure (local_error). So is the verdict when the proxy's host has
-// no route to the upstream (ownNetwork, errOwnNetwork).
+// no route to the upstream (ownNetwork), or its bytes never left the
+// proxy's host while the upstream's window was open (flow.NeverSent: a
+// drop rule of the proxy's own, its egress queue): errOwnNetwork.
 func (e *tcpEnd) fail(err error) {
 	if g := e.win; g != nil && kernelGaveUp(err) {
 		if from, blind := g.blindSince(); blind && flow.ZeroWindowAckedSince(e.raw, from) {
 			err = errZeroWindowAbort{err}
 		}
 	}
-	if kernelGaveUp(err) && ownNetwork(err, e.peer(), e.lk.settings.UpstreamMark) {
-		err = errOwnNetwork{err}
+	switch {
+	case !kernelGaveUp(err):
+	case ownNetwork(err, e.peer(), e.lk.settings.UpstreamMark):
+		err = errOwnNetwork{cause: err}
+	case flow.NeverSent(e.raw):
+		err = errOwnNetwork{cause: err, neverSent: true}
 	}
 	e.lk.fail(err)
 }

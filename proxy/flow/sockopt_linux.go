@@ -510,6 +510,32 @@ func ZeroWindowAckedSince(raw syscall.RawConn, t int64) bool {
 	return ok && ti.Snd_wnd == 0 && Mono()-int64(time.Duration(ti.Last_ack_recv)*time.Millisecond) >= t
 }
 
+// NeverSent reports whether a socket the kernel failed held bytes it had
+// never sent while the peer's window was open: some waiting, none in
+// flight (SIOCOUTQ, write_seq - snd_una, equals SIOCOUTQNSD, write_seq -
+// snd_nxt), and a send window above zero (tcpi_snd_wnd: Linux 5.4;
+// before, 0, and never so). The kernel then tried to send them (its
+// window probes) and every attempt failed at the proxy's own host: its
+// route, a drop rule of its own netfilter output, its egress queue. A
+// peer that went silent after bytes were sent leaves them in flight, and
+// a zero window a send window of 0. Both queues are sequence numbers and
+// stay readable after the kernel's verdict, until the socket is closed.
+func NeverSent(raw syscall.RawConn) bool {
+	outq, notSent, ok := 0, 0, false
+	_ = raw.Control(func(fd uintptr) {
+		var err, nerr error
+		outq, err = unix.IoctlGetInt(int(fd), unix.SIOCOUTQ)
+		notSent, nerr = unix.IoctlGetInt(int(fd), unix.SIOCOUTQNSD)
+		ok = err == nil && nerr == nil
+	})
+	if !ok || outq <= 0 || outq != notSent {
+		return false
+	}
+	c, ok := tcpInfo(raw)
+	defer c.put()
+	return ok && c.ti.Snd_wnd > 0
+}
+
 // RouteTo reports whether this host has a route to dst now for an
 // upstream socket with mark (SO_MARK, 0 for none): a datagram socket's
 // connect makes the route lookup a segment would, and sends nothing.

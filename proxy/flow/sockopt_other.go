@@ -59,6 +59,9 @@ func SetUserTimeout(syscall.RawConn, time.Duration) error { return nil }
 
 func ZeroWindowAckedSince(syscall.RawConn, int64) bool { return false }
 
+// NeverSent is unknown here: false.
+func NeverSent(syscall.RawConn) bool { return false }
+
 // RouteTo is unknown here.
 func RouteTo(netip.Addr, int) (route, known bool) { return false, false }
 
