@@ -161,23 +161,24 @@ func kernelGaveUp(err error) bool {
 // (nothing was ever sent, or no lookup error was kept) or that lookup's
 // error (EHOSTUNREACH, ENETUNREACH), the errors a dead upstream leaves
 // too. When it cannot tell (no descriptor for the lookup, the mark
-// refused, a zoned address): the ICMP errors are taken for its own, as
-// before; ETIMEDOUT and a connect timeout stay the upstream's, the
-// kernel's verdict on nearly every dead upstream, which would otherwise
-// go unjudged while the proxy is short of descriptors, as it is when
-// links pile up to a dead upstream.
+// refused, a zoned address), the kernel's word stands: the verdict is the
+// upstream's, as it was before the proxy looked. A dead upstream would
+// otherwise go unjudged while the proxy is short of descriptors, as it is
+// when links pile up to one, and a zoned one for good.
 func ownNetwork(err error, dst netip.Addr, mark int) bool {
 	var errno syscall.Errno
 	errors.As(err, &errno)
-	switch {
-	case errno == syscall.EHOSTUNREACH || errno == syscall.ENETUNREACH || errno == syscall.EHOSTDOWN:
-		route, known := flow.RouteTo(dst, mark)
-		return !route || !known
-	case errno == syscall.ETIMEDOUT || errno == 0 && deadlinePassed(err):
-		route, known := flow.RouteTo(dst, mark)
-		return known && !route
+	switch errno {
+	case syscall.EHOSTUNREACH, syscall.ENETUNREACH, syscall.EHOSTDOWN, syscall.ETIMEDOUT:
+	case 0:
+		if !deadlinePassed(err) {
+			return false
+		}
+	default:
+		return false
 	}
-	return false
+	route, known := flow.RouteTo(dst, mark)
+	return known && !route
 }
 
 // errOwnNetwork is an upstream socket's failure found the proxy's own:

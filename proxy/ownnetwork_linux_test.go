@@ -301,3 +301,28 @@ func unreachableAtPeer(t *testing.T, peer *netns.NS) {
 		t.Fatal(err)
 	}
 }
+
+// An upstream the route check cannot ask about (a link-local address
+// with a zone) is judged on the kernel's word, as before the check: its
+// host unreachable from its side (an ICMP address unreachable, EHOSTUNREACH
+// at the connect) is a dial_error, and it is excluded. Only a lookup that
+// finds no route makes a failure the proxy's own.
+func TestUnaskedRouteLeavesTheVerdictTheUpstreams(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.39.1/24", "10.231.39.2/24")
+	link.AddAddr(t, "fe80::39:1/64", "fe80::39:2/64")
+	addr := netns.Echo(t, peer, "[fe80::39:2%"+link.Peer+"]:9000")
+	upstream := "[fe80::39:2%" + link.Local + "]:9000"
+	pathUp(t, &net.TCPAddr{IP: net.ParseIP("fe80::39:2"), Port: 9000, Zone: link.Local})
+	h := start(t, upstream, func(s *policy.Settings) { s.ConnectAttempts = 1 })
+	unreachableAtPeer(t, peer)
+	s := h.dialEnd()
+	ep := h.endpoint()
+	t.Logf("%s (peer %s) unreachable from its side: link ended %s (%v); endpoint %s (%s)", upstream, addr, s.Reason, s.Err, ep.State, ep.Reason)
+	if s.Reason != CloseDialError || ep.State != "excluded" {
+		t.Fatalf("an upstream whose host is unreachable, its route not asked (a zone): link ended %s, endpoint %s; want dial_error, excluded", s.Reason, ep.State)
+	}
+}
