@@ -154,18 +154,20 @@ func kernelGaveUp(err error) bool {
 // ownNetwork reports whether err, the kernel giving up on a socket to dst
 // with mark (a connected upstream's verdict, kernelGaveUp, or a failed
 // connect), is the proxy's own network's: its host has no route to dst
-// now (flow.RouteTo, the lookup the socket's segments make). A route
+// now (flow.RouteTo, the lookup the socket's segments make: TCP, to
+// dst's port, with mark, so that a policy rule by protocol, port or mark
+// routes it as it routes them). A route
 // removed, an interface down or an unreachable route of the proxy's own
 // fails a connect at once (ENETUNREACH, EHOSTUNREACH), and every
 // retransmission at the same lookup: the kernel then reports ETIMEDOUT
 // (nothing was ever sent, or no lookup error was kept) or that lookup's
 // error (EHOSTUNREACH, ENETUNREACH), the errors a dead upstream leaves
-// too. When it cannot tell (no descriptor for the lookup, the mark
-// refused, a zoned address), the kernel's word stands: the verdict is the
+// too. When it cannot tell (no descriptor for the lookup, no answer, a
+// zoned address), the kernel's word stands: the verdict is the
 // upstream's, as it was before the proxy looked. A dead upstream would
 // otherwise go unjudged while the proxy is short of descriptors, as it is
 // when links pile up to one, and a zoned one for good.
-func ownNetwork(err error, dst netip.Addr, mark int) bool {
+func ownNetwork(err error, dst netip.AddrPort, mark int) bool {
 	var errno syscall.Errno
 	errors.As(err, &errno)
 	switch errno {

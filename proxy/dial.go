@@ -229,14 +229,14 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) (bool, error) {
 
 // dialedAddr is the address a failed connect to ep went to: the error's
 // (the one a name resolved to), else the endpoint's.
-func dialedAddr(ep *endpoint, err error) netip.Addr {
+func dialedAddr(ep *endpoint, err error) netip.AddrPort {
 	var oe *net.OpError
 	if errors.As(err, &oe) {
 		if ta, ok := oe.Addr.(*net.TCPAddr); ok {
-			return ta.AddrPort().Addr()
+			return ta.AddrPort()
 		}
 	}
-	return ep.dialAP.Addr()
+	return ep.dialAP
 }
 
 // countDial counts a successful dial that started at start, and a link

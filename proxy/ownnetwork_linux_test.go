@@ -326,3 +326,57 @@ func TestUnaskedRouteLeavesTheVerdictTheUpstreams(t *testing.T) {
 		t.Fatalf("an upstream whose host is unreachable, its route not asked (a zone): link ended %s, endpoint %s; want dial_error, excluded", s.Reason, ep.State)
 	}
 }
+
+// An upstream the proxy's host routes to only by a policy rule that
+// matches what its upstream sockets are (TCP, to the upstream's port, as
+// `ip rule add ipproto tcp lookup T` or `dport N lookup T` do, with no
+// route in the main table) is routed: when it dies, its verdict is its
+// own. A link's bytes unanswered for tcp_user_timeout end it
+// upstream_timeout and exclude the endpoint within tcp_user_timeout and
+// a second of the send; a connect its host answers with an ICMP host
+// unreachable is a dial_error that excludes it. The route check must make
+// the lookup the upstream's segments make: a datagram to another port
+// finds no route here, and took each of these for the proxy's own
+// network (local_error, the dead upstream never judged).
+func TestPolicyRoutedDeadUpstreamIsJudged(t *testing.T) {
+	eachCut(t, []string{"ipproto tcp rule: link", "dport rule: link", "ipproto tcp rule: connect", "dport rule: connect"}, policyRoutedDeadUpstream)
+}
+
+func policyRoutedDeadUpstream(t *testing.T, cut string) {
+	rule, at, _ := strings.Cut(cut, ": ")
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.40.1/24", "10.231.40.2/24")
+	addr := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	selector := map[string][]string{"ipproto tcp rule": {"ipproto", "tcp"}, "dport rule": {"dport", "9000"}}[rule]
+	ip(t, append(append([]string{"rule", "add"}, selector...), "lookup", "140", "pref", "140")...)
+	ip(t, "route", "add", "10.231.40.0/24", "dev", link.Local, "table", "140")
+	ip(t, "route", "del", "10.231.40.0/24", "dev", link.Local) // the main table has none
+	ut := 3 * time.Second
+	h := start(t, addr.String(), func(s *policy.Settings) {
+		s.TCPUserTimeout = policy.Duration(ut)
+		s.Keepalive = policy.Keepalive{Idle: -1}
+		s.ConnectAttempts = 1
+	})
+	var s LinkStats
+	var took time.Duration
+	want := CloseUpstreamTimeout
+	if at == "connect" {
+		pathUp(t, addr)
+		unreachableAtPeer(t, peer)
+		s, want = h.dialEnd(), CloseDialError
+	} else {
+		c := linkOverVeth(t, h, addr, ut)
+		blackholePeer(t, peer)
+		sent := time.Now()
+		if _, err := c.Write([]byte("lost")); err != nil {
+			t.Fatal(err)
+		}
+		s = h.linkEnd(ut + 5*time.Second)
+		took = s.Opened.Add(s.Duration).Sub(sent)
+	}
+	ep := h.endpoint()
+	t.Logf("%s, upstream dead: link ended %s (%v), %v after the send (0 for a connect); endpoint %s (%s)", cut, s.Reason, s.Err, took.Round(time.Millisecond), ep.State, ep.Reason)
+	if s.Reason != want || ep.State != "excluded" || took > ut+time.Second {
+		t.Fatalf("a dead upstream the proxy routes to by a %s: link ended %s %v after the send, endpoint %s; want %s within %v, excluded: the dead upstream escaped its verdict", rule, s.Reason, took, ep.State, want, ut+time.Second)
+	}
+}

@@ -712,14 +712,14 @@ func (e *tcpEnd) fail(err error) {
 
 // peer is the upstream's address: the endpoint's, or the socket's peer
 // when the endpoint dials a name.
-func (e *tcpEnd) peer() netip.Addr {
+func (e *tcpEnd) peer() netip.AddrPort {
 	ap := e.lk.ep.dialAP
 	if tc, ok := e.conn.(*net.TCPConn); !ap.IsValid() && ok {
 		if ra, ok := tc.RemoteAddr().(*net.TCPAddr); ok {
 			ap = ra.AddrPort()
 		}
 	}
-	return ap.Addr()
+	return ap
 }
 
 // errResetInferred is the end of the upstream's stream that the response

@@ -536,36 +536,6 @@ func NeverSent(raw syscall.RawConn) bool {
 	return ok && c.ti.Snd_wnd > 0
 }
 
-// RouteTo reports whether this host has a route to dst now for an
-// upstream socket with mark (SO_MARK, 0 for none): a datagram socket's
-// connect makes the route lookup a segment would, and sends nothing.
-// known is false when it could not look (no descriptor, the mark
-// refused, an address with a zone).
-func RouteTo(dst netip.Addr, mark int) (route, known bool) {
-	if !dst.IsValid() || dst.Zone() != "" {
-		return false, false
-	}
-	af, sa := unix.AF_INET6, unix.Sockaddr(&unix.SockaddrInet6{Port: 9, Addr: dst.As16()})
-	if dst.Unmap().Is4() {
-		af, sa = unix.AF_INET, &unix.SockaddrInet4{Port: 9, Addr: dst.Unmap().As4()}
-	}
-	s, err := unix.Socket(af, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return false, false
-	}
-	defer unix.Close(s)
-	if mark != 0 && unix.SetsockoptInt(s, unix.SOL_SOCKET, unix.SO_MARK, mark) != nil {
-		return false, false
-	}
-	switch unix.Connect(s, sa) {
-	case nil:
-		return true, true
-	case unix.ENETUNREACH, unix.EHOSTUNREACH, unix.EINVAL, unix.EACCES: // no route, an unreachable, blackhole or prohibit one
-		return false, true
-	}
-	return false, false
-}
-
 // SetUserTimeout sets TCP_USER_TIMEOUT on an open socket (0: the kernel's
 // default, no bound of its own).
 func SetUserTimeout(raw syscall.RawConn, d time.Duration) error {

@@ -63,7 +63,7 @@ func ZeroWindowAckedSince(syscall.RawConn, int64) bool { return false }
 func NeverSent(syscall.RawConn) bool { return false }
 
 // RouteTo is unknown here.
-func RouteTo(netip.Addr, int) (route, known bool) { return false, false }
+func RouteTo(netip.AddrPort, int) (route, known bool) { return false, false }
 
 // SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
 func SetLiveness(syscall.RawConn, *policy.Settings) error { return nil }
