@@ -62,7 +62,10 @@ func ownRouteGone(t *testing.T, cut string) {
 // endpoint stays healthy. Before, the link ended upstream_timeout and
 // excluded its endpoint. The twin, an upstream that stops answering
 // behind a route the proxy still has: upstream_timeout, excluded, within
-// tcp_user_timeout and a second of the send.
+// tcp_user_timeout and a second of the send. The bytes never left, so
+// the never-sent check (flow.NeverSent) alone keeps these local_error;
+// the route check's ETIMEDOUT is guarded by
+// TestOwnRouteGoneUnderAnIdleLinkIsNotTheUpstreams, where no byte waits.
 func TestOwnRouteGoneBeforeTheSendIsNotTheUpstreams(t *testing.T) {
 	eachCut(t, append(ownCuts, "twin: upstream gone, route kept"), ownRouteGoneBeforeSend)
 }
@@ -80,18 +83,26 @@ func ownRouteGoneBeforeSend(t *testing.T, cut string) {
 	if _, err := c.Write([]byte("lost")); err != nil {
 		t.Fatal(err)
 	}
-	s := h.linkEnd(ut + 5*time.Second)
+	ownVerdict(t, h, cut+" before the send", twin, h.linkEnd(ut+5*time.Second), sent, ut+time.Second)
+}
+
+// ownVerdict checks the end s of a link whose upstream died (twin) or
+// whose proxy's own network failed (what says how): upstream_timeout
+// within bound of since and the endpoint excluded, or local_error and the
+// endpoint healthy.
+func ownVerdict(t *testing.T, h *harness, what string, twin bool, s LinkStats, since time.Time, bound time.Duration) {
+	t.Helper()
 	ep := h.endpoint()
-	took := s.Opened.Add(s.Duration).Sub(sent)
-	t.Logf("%s before the send: link ended %s %v after it (%v); endpoint %s (%s)", cut, s.Reason, took.Round(time.Millisecond), s.Err, ep.State, ep.Reason)
+	took := s.Opened.Add(s.Duration).Sub(since)
+	t.Logf("%s: link ended %s %v after it (%v); endpoint %s (%s)", what, s.Reason, took.Round(time.Millisecond), s.Err, ep.State, ep.Reason)
 	if twin {
-		if s.Reason != CloseUpstreamTimeout || ep.State != "excluded" || took > ut+time.Second {
-			t.Fatalf("a dead upstream behind a working route: link ended %s %v after the send, endpoint %s; want upstream_timeout within %v, excluded", s.Reason, took, ep.State, ut+time.Second)
+		if s.Reason != CloseUpstreamTimeout || ep.State != "excluded" || took > bound {
+			t.Fatalf("a dead upstream behind a working route (%s): link ended %s %v after it, endpoint %s; want upstream_timeout within %v, excluded", what, s.Reason, took, ep.State, bound)
 		}
 		return
 	}
 	if s.Reason != CloseLocalError || ep.State != "healthy" {
-		t.Fatalf("the proxy's own network failed before the send (%s), but the link ended %s and the endpoint is %s: the upstream blamed for the proxy's own failure", cut, s.Reason, ep.State)
+		t.Fatalf("the proxy's own network failed (%s), but the link ended %s and the endpoint is %s: the upstream blamed for the proxy's own failure", what, s.Reason, ep.State)
 	}
 }
 
@@ -379,4 +390,36 @@ func policyRoutedDeadUpstream(t *testing.T, cut string) {
 	if s.Reason != want || ep.State != "excluded" || took > ut+time.Second {
 		t.Fatalf("a dead upstream the proxy routes to by a %s: link ended %s %v after the send, endpoint %s; want %s within %v, excluded: the dead upstream escaped its verdict", rule, s.Reason, took, ep.State, want, ut+time.Second)
 	}
+}
+
+// When the proxy's own route goes under an idle link with keepalive on
+// (its route removed, its interface down, an unreachable route of its
+// own), every keepalive probe fails at the proxy's own route lookup,
+// which leaves no error on the socket, and no byte waits: the kernel
+// gives up with ETIMEDOUT, a dead upstream's verdict, and only the route
+// check can tell it from one (the never-sent check needs waiting bytes).
+// The upstream is not blamed: local_error, endpoint healthy. The twin, an
+// upstream that stops answering behind a route the proxy keeps:
+// upstream_timeout, excluded, within keepalive's idle + interval x count
+// and a second of the last segment.
+func TestOwnRouteGoneUnderAnIdleLinkIsNotTheUpstreams(t *testing.T) {
+	eachCut(t, append(ownCuts, "twin: upstream gone, route kept"), ownRouteGoneUnderIdleLink)
+}
+
+func ownRouteGoneUnderIdleLink(t *testing.T, cut string) {
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.44.1/24", "10.231.44.2/24")
+	addr := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	pathUp(t, addr)
+	h := start(t, addr.String(), keepaliveSettings)
+	c := h.dial()
+	roundTrip(t, c, []byte("hello"))
+	after := time.Now() // the upstream's last segment came before
+	twin := strings.HasPrefix(cut, "twin")
+	if twin {
+		blackholePeer(t, peer)
+	} else {
+		cutOwnRoute(t, cut, link)
+	}
+	ownVerdict(t, h, cut+" under an idle link, since its last round trip", twin, h.linkEnd(kaDeadAfter+10*time.Second), after, kaDeadAfter+time.Second)
 }
