@@ -215,6 +215,7 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) (bool, error) {
 		// nor reported; another endpoint may be routed.
 		err = errOwnNetwork{cause: err}
 		lk.host.localError(ep, err)
+		ep.noRouteUntil.Store(flow.Mono() + int64(noRouteFor))
 		return true, err
 	}
 	lk.m.DialErrors.Inc()
@@ -226,6 +227,13 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) (bool, error) {
 	}
 	return true, err
 }
+
+// noRouteFor is how long a pool passes over a member whose connect found
+// no route of the proxy's own while another member can serve (pool.pick):
+// the member is not blamed, and new links neither fail a connect to it
+// nor wait connectBackoff each; within it of the route's return the
+// member takes links again.
+const noRouteFor = time.Second
 
 // dialedAddr is the address a failed connect to ep went to: the error's
 // (the one a name resolved to), else the endpoint's.

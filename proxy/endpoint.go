@@ -40,6 +40,7 @@ type endpoint struct {
 	linksKept    atomic.Bool                     // excluded for a reason that is no evidence against open links (keepsLinks): they were kept
 	dialTimeouts atomic.Int32                    // connects in a row that timed out (see dialFailed)
 	timeoutAt    atomic.Int64                    // mono time the last connect counted in dialTimeouts ended
+	noRouteUntil atomic.Int64                    // mono time until which a pool passes it over: a connect found no route of the proxy's own (see pool.pick)
 	suspects     logGate                         // the suspect verdict's log line (see suspect)
 	p            *Proxy
 	// orphans judges unanswered requests whose link ended first (a client

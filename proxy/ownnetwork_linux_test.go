@@ -264,14 +264,7 @@ func TestOwnRouteGoneAtTheConnectTriesTheNextMember(t *testing.T) {
 }
 
 func ownRouteGoneInPool(t *testing.T, cut string) {
-	peer := netns.NewNS(t)
-	link := netns.Veth(t, peer, "10.231.38.1/24", "10.231.38.2/24")
-	far := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
-	pathUp(t, far)
-	near := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
-	h := startPool(t, policy.Pool{Endpoints: []string{far.String(), near.Addr()}}, nil, func(s *policy.Settings) {
-		s.ConnectAttempts = 2
-	})
+	peer, link, far, near, h := farNearPool(t, "10.231.38")
 	twin := strings.HasPrefix(cut, "twin")
 	if twin {
 		unreachableAtPeer(t, peer)
@@ -299,6 +292,22 @@ func ownRouteGoneInPool(t *testing.T, cut string) {
 	if twin && state != "excluded" || !twin && (state != "healthy" || dialErrors != 0) {
 		t.Fatalf("%s: far member %s, %v dial errors counted", cut, state, dialErrors)
 	}
+}
+
+// farNearPool is a round-robin pool (connect_attempts 2) of a far member,
+// an echo server in a peer namespace over a veth on net3 (.1 here, .2
+// there), and a near one, an echo server on loopback.
+func farNearPool(t *testing.T, net3 string) (*netns.NS, *netns.Link, net.Addr, *faultpeer.Server, *harness) {
+	t.Helper()
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, net3+".1/24", net3+".2/24")
+	far := netns.Echo(t, peer, net.JoinHostPort(link.PeerIP().String(), "9000"))
+	pathUp(t, far)
+	near := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
+	h := startPool(t, policy.Pool{Endpoints: []string{far.String(), near.Addr()}}, nil, func(s *policy.Settings) {
+		s.ConnectAttempts = 2
+	})
+	return peer, link, far, near, h
 }
 
 // unreachableAtPeer has the peer's host answer every segment to its server
@@ -422,4 +431,51 @@ func ownRouteGoneUnderIdleLink(t *testing.T, cut string) {
 		cutOwnRoute(t, cut, link)
 	}
 	ownVerdict(t, h, cut+" under an idle link, since its last round trip", twin, h.linkEnd(kaDeadAfter+10*time.Second), after, kaDeadAfter+time.Second)
+}
+
+// A pool member whose connect found no route of the proxy's own is not
+// blamed, and not dialled again by every new link either: for a second
+// the pool passes it over while another member can serve, so new links
+// neither fail a connect to it nor wait the retry's pause. Counted by the
+// links' own connect attempts: at most one more than the links per
+// second that passed. Before, every link made two (the unroutable member
+// first, 40 for 20 links, each also waiting connectBackoff, 25 ms). Its
+// twin: once the route is back, the member takes links again.
+func TestOwnRouteGoneMemberIsPassedOver(t *testing.T) {
+	if !netns.Reexec(t, "ip", "nft") {
+		return
+	}
+	_, link, far, _, h := farNearPool(t, "10.231.46")
+	cutOwnRoute(t, "route removed", link)
+	links, attempts, began := 20, 0, time.Now()
+	for i := range links {
+		c := h.dial()
+		roundTrip(t, c, []byte{byte(i)})
+		_ = c.Close()
+		attempts += h.linkEnd(5 * time.Second).ConnectAttempts
+	}
+	seconds := int(time.Since(began) / noRouteFor)
+	state := h.endpointAt(far.String()).State
+	t.Logf("route gone: %d links, %d connects in %d whole seconds; far member %s", links, attempts, seconds, state)
+	if attempts > links+1+seconds || state != "healthy" {
+		t.Fatalf("%d connects for %d links in %d s (want at most %d), far member %s: the unroutable member dialled by every link", attempts, links, seconds, links+1+seconds, state)
+	}
+	ip(t, "route", "add", link.LocalAddrs[0].Masked().String(), "dev", link.Local)
+	back := time.Now()
+	for i := 0; ; i++ {
+		if time.Since(back) > 10*time.Second {
+			t.Fatal("the route is back, but no link went to the far member within 10 s")
+		}
+		c := h.dial()
+		roundTrip(t, c, []byte{byte(i)})
+		// The far member's echo keeps a half-closed link open: its link
+		// is counted, a near one ends.
+		if h.endpointAt(far.String()).LiveLinks > 0 {
+			t.Logf("route back: the far member took link %d, %v after it", i+1, time.Since(back).Round(time.Millisecond))
+			return
+		}
+		_ = c.Close()
+		h.linkEnd(5 * time.Second)
+		time.Sleep(50 * time.Millisecond)
+	}
 }

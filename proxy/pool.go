@@ -426,7 +426,7 @@ func (pl *pool) pick(tried []string, lk *link) (*endpoint, bool) {
 	pl.mu.Lock()
 	defer pl.mu.Unlock()
 	var room [smallPool]policy.Candidate
-	ch := policy.Select(pl.candidatesLocked(room[:0]), t.balance, pl.l.failOpen(), &pl.cursor, tried)
+	ch := policy.Select(pl.candidatesLocked(room[:0]), t.balance, pl.l.failOpen(), &pl.cursor, pl.noRouteLocked(tried))
 	if ch.Index < 0 {
 		return nil, false
 	}
@@ -439,6 +439,36 @@ func (pl *pool) pick(tried []string, lk *link) (*endpoint, bool) {
 	lk.bound.Store(flow.Mono())
 	ep.add(lk)
 	return ep, ch.FailOpen
+}
+
+// noRouteLocked is tried with, ahead of it, the members a connect found
+// no route of the proxy's own to within noRouteFor: Select passes them
+// over as tried while a member it has not tried can serve, and takes
+// them when none can (never fewer picks than without them). tried itself
+// when there are none: no allocation then.
+func (pl *pool) noRouteLocked(tried []string) []string {
+	var now int64
+	var out []string
+	for _, ep := range pl.members {
+		until := ep.noRouteUntil.Load()
+		if until == 0 {
+			continue
+		}
+		if now == 0 {
+			now = flow.Mono()
+		}
+		if until <= now {
+			ep.noRouteUntil.CompareAndSwap(until, 0) // over: no look at the clock for it again
+			continue
+		}
+		if !slices.Contains(tried, ep.addr) {
+			out = append(out, ep.addr)
+		}
+	}
+	if out == nil {
+		return tried
+	}
+	return append(out, tried...)
 }
 
 // routing reports whether a new link could be routed now (some member is
