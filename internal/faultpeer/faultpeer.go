@@ -52,7 +52,9 @@ const (
 	// time and answers each with the same frame before it reads the
 	// next: a server that handles one request per connection at a time
 	// (a thread per connection, a Kafka broker's muted channel), which
-	// stops reading while it cannot send.
+	// stops reading while it cannot send. It writes each answer at
+	// SetRate's bytes per second (unpaced at 0), and stops mid-answer,
+	// neither sending nor reading any more, once Freeze is called.
 	Serial
 )
 
@@ -73,6 +75,8 @@ type Server struct {
 	requests  atomic.Int64
 	answers   atomic.Int64
 	policy    atomic.Pointer[AnswerPolicy]
+	frozen    atomic.Bool  // Serial connections stop mid-answer (Freeze)
+	lastWrite atomic.Int64 // when a Serial answer's latest bytes were written, Unix nanoseconds
 
 	mu    sync.Mutex
 	conns map[net.Conn]struct{}
@@ -132,6 +136,20 @@ func (s *Server) Addr() string { return s.ln.Addr().String() }
 // Set changes the behaviour for connections accepted from now on.
 func (s *Server) Set(b Behavior) { s.behavior.Store(int32(b)) }
 
+// Freeze makes Serial connections stop where they are in an answer:
+// they send no more of it and read nothing, until the peer closes (a
+// server whose process hangs mid-answer).
+func (s *Server) Freeze() { s.frozen.Store(true) }
+
+// LastWrite is when a Serial connection last handed answer bytes to its
+// socket (the zero time: never).
+func (s *Server) LastWrite() time.Time {
+	if n := s.lastWrite.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
 // SetReadDelay makes HashOnEOF connections pause before the first read
 // (hold) and between reads (each).
 func (s *Server) SetReadDelay(hold, each time.Duration) {
@@ -144,7 +162,8 @@ func (s *Server) SetReadDelay(hold, each time.Duration) {
 func (s *Server) SetAnswer(p AnswerPolicy) { s.policy.Store(&p) }
 
 // SetRate sets the rate, in bytes per second, at which Paced connections
-// accepted from now on read; 0: as fast as they can.
+// accepted from now on read, and Serial ones write the rest of their
+// answers; 0: as fast as they can.
 func (s *Server) SetRate(bytesPerSecond int64) { s.rate.Store(bytesPerSecond) }
 
 // HoldReads makes Paced connections wait before their first read until
@@ -360,11 +379,38 @@ func (s *Server) serveSerial(c *net.TCPConn) {
 			return
 		}
 		s.requests.Add(1)
-		if _, err := c.Write(frame); err != nil {
+		if !s.writePaced(c, frame) {
 			return
 		}
 		s.answers.Add(1)
 	}
+}
+
+// writePaced writes b to c at SetRate's bytes per second (at once at 0),
+// in pieces a twentieth of a second apart, until Freeze; it reports
+// whether all of b was written.
+func (s *Server) writePaced(c *net.TCPConn, b []byte) bool {
+	began := time.Now()
+	for off := 0; off < len(b); {
+		rate := s.rate.Load()
+		n := len(b) - off
+		if rate > 0 {
+			n = min(n, max(int(rate/20), 1))
+		}
+		if s.frozen.Load() {
+			<-s.stop
+			return false
+		}
+		if _, err := c.Write(b[off : off+n]); err != nil {
+			return false
+		}
+		s.lastWrite.Store(time.Now().UnixNano())
+		off += n
+		if rate > 0 && off < len(b) {
+			s.sleep(time.Until(began.Add(time.Duration(float64(off) / float64(rate) * float64(time.Second)))))
+		}
+	}
+	return true
 }
 
 func (s *Server) sleep(d time.Duration) {
