@@ -103,7 +103,8 @@ func (p *Proxy) reap() {
 // holdsForNothing reports whether the link holds queue chunks toward an
 // upstream that acknowledged nothing for write_timeout while they waited:
 // bytes queued for at least write_timeout (so an idle spell before them
-// is not counted), and no progress for that long.
+// is not counted), and no progress for that long: nothing acknowledged,
+// nor sent (stalled).
 func (lk *link) holdsForNothing(now int64) bool {
 	wt := lk.settings.WriteTimeout.D()
 	since, held := lk.q.HeldSince()

@@ -701,8 +701,9 @@ func (lk *link) takenSince(d flow.Delivery, at int64) bool {
 }
 
 // stalled reports whether the upstream has acknowledged nothing of this
-// link's stream for at least d, as far as the samples tell: the evidence a
-// watermark overflow needs before it is held against the upstream.
+// link's stream for at least d, as far as the samples tell, nor sent a
+// byte (heardWithin): the evidence a watermark overflow needs before it is
+// held against the upstream, and the budget before it closes a link.
 func (lk *link) stalled(d time.Duration) bool {
 	if d <= 0 {
 		return false
@@ -712,7 +713,30 @@ func (lk *link) stalled(d time.Duration) bool {
 	if lk.conv != nil && lk.conv.holding(now) {
 		return false // a Kafka broker holding a request reads nothing meanwhile
 	}
-	return known && !moved && now-lk.ackedAt.Load() >= int64(d)
+	if !known || moved || now-lk.ackedAt.Load() < int64(d) {
+		return false
+	}
+	_, sending := lk.heardWithin(d) // sending a long answer: not stalled
+	return !sending
+}
+
+// heardWithin reports whether the latest of the upstream's bytes arrived
+// within d (at: when, as a mono time no later than the arrival). An
+// upstream that acknowledges nothing while it sends is one that reads its
+// next request only once its answer is sent (a thread per connection, a
+// Kafka broker's muted channel), sending a long one to a client that
+// reads it: it makes progress, the pump keeping up with it. Only data
+// taken in counts: the kernel's clock (tcpi_last_data_recv) moves for no
+// window probe, pure ACK or retransmission of bytes already in, so a
+// dead path or an upstream that stopped sending as well as reading is
+// judged d after its last byte. One TCP_INFO, asked at a verdict.
+func (lk *link) heardWithin(d time.Duration) (at int64, ok bool) {
+	up := lk.upEnd()
+	if up == nil || d <= 0 {
+		return 0, false
+	}
+	_, at, ok = up.received()
+	return at, ok && flow.Mono()-at < int64(d)
 }
 
 // answersWaiting reports whether bytes the upstream sent wait unread in

@@ -14,7 +14,7 @@ const (
 	CloseClientError      CloseReason = "client_error"       // a reset or error on the client socket
 	CloseUpstreamError    CloseReason = "upstream_error"     // a reset or error on the upstream socket
 	CloseUpstreamTimeout  CloseReason = "upstream_timeout"   // the kernel gave up (ETIMEDOUT, or the ICMP error it saw): TCP_USER_TIMEOUT or keepalive
-	CloseWriteTimeout     CloseReason = "write_timeout"      // the upstream acknowledged nothing for write_timeout
+	CloseWriteTimeout     CloseReason = "write_timeout"      // the upstream acknowledged nothing, nor sent, for write_timeout
 	CloseWatermark        CloseReason = "watermark"          // past the high watermark with on_overflow: reject
 	CloseHalfCloseTimeout CloseReason = "half_close_timeout" // after a FIN, the other direction moved no byte for half_close_timeout
 	CloseDialError        CloseReason = "dial_error"         // every upstream dial failed (refused, unreachable, timeout)
@@ -29,7 +29,7 @@ const (
 	CloseLoop             CloseReason = "loop"               // transparent: the connection is the proxy's own
 	CloseCapacity         CloseReason = "capacity"           // transparent: a new destination past max_destinations; mesh ingress: a stream past ingress.max_streams
 	CloseMeshDead         CloseReason = "mesh_dead"          // the mesh session the link ran on missed its heartbeats
-	CloseBudget           CloseReason = "budget"             // the memory budget was full and the upstream acknowledged nothing for write_timeout
+	CloseBudget           CloseReason = "budget"             // the memory budget was full and the upstream acknowledged nothing, nor sent, for write_timeout
 )
 
 // closeReasons lists every reason once, for the series the metrics create

@@ -46,6 +46,12 @@ type tcpEnd struct {
 	rawN       int
 	rawErr     error
 	rawWriteFn func(fd uintptr)
+	// heardBy (mono time, 0: none) is when the excuse of the write
+	// deadline that passed last lapses, where it rests on the upstream's
+	// bytes arriving (writeFailed): the writer's next deadline is no
+	// later, so that an upstream that stopped sending as well as reading
+	// is judged write_timeout after its last byte. The writer's alone.
+	heardBy int64
 
 	// livePending: flow.DialRaw left tcp_user_timeout and keepalive
 	// unset, for the window guard to set (windowGuard.setLivenessLater).
@@ -500,7 +506,8 @@ func (e *tcpEnd) queue(p []byte, high int64) bool {
 		// Only reachable with on_overflow: reject; backpressure never reads
 		// more than the room left. The link is closed: it cannot keep its
 		// memory bound otherwise. The upstream is blamed only with evidence
-		// that it stopped: nothing acknowledged for write_timeout. A client
+		// that it stopped: nothing acknowledged, nor sent, for
+		// write_timeout (stalled). A client
 		// that writes faster than a live server reads is not a dead server.
 		lk.m.WatermarkRejections.Inc()
 		lk.overflowStalled.Store(lk.stalled(lk.settings.WriteTimeout.D()) && !lk.answersWaiting())
@@ -580,7 +587,7 @@ func (e *tcpEnd) writeUpstream() {
 		e.batch, handed = lk.q.Batch(e.batch[:0])
 		if wt > 0 {
 			lk.progressed()
-			_ = e.conn.SetWriteDeadline(time.Now().Add(wt))
+			_ = e.conn.SetWriteDeadline(e.nextDeadline(wt))
 		}
 		// The window guard watches the batch as it watches the pump's
 		// sends: a sample since the send that queued these bytes may
@@ -616,6 +623,7 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 		e.fail(err)
 		return false
 	}
+	wt := lk.settings.WriteTimeout.D()
 	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) || lk.answersWaiting() {
 		// The upstream acknowledged bytes within write_timeout:
 		// a slow reader, not a stall (the kernel wakes a writer
@@ -629,10 +637,35 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 		// not reading them (answersWaiting).
 		return true
 	}
+	if at, ok := lk.heardWithin(wt); ok {
+		// Nor is one whose bytes arrived within write_timeout: one that
+		// reads its next request only once its answer is sent, sending
+		// a long answer (heardWithin). Judged again once the excuse
+		// lapses: write_timeout after its last byte.
+		e.heardBy = at + int64(wt)
+		return true
+	}
 	if lk.abort(CloseWriteTimeout, err) {
 		lk.m.WriteTimeouts.Inc()
 	}
 	return false
+}
+
+// nextDeadline is the write deadline of the writer's next batch:
+// write_timeout from now, or sooner when the last one's excuse lapses
+// sooner (heardBy), though never sooner than write_timeout after the
+// upstream was last seen to acknowledge more (ackedAt, sampled before).
+func (e *tcpEnd) nextDeadline(wt time.Duration) time.Time {
+	now := time.Now()
+	d := now.Add(wt)
+	if e.heardBy != 0 {
+		by := max(e.heardBy, e.lk.ackedAt.Load()+int64(wt))
+		if at := now.Add(time.Duration(by - flow.MonoOf(now))); at.Before(d) {
+			d = at
+		}
+		e.heardBy = 0
+	}
+	return d
 }
 
 // pumpResponses copies the upstream to the client (responses.Handle,
