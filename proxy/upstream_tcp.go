@@ -624,7 +624,15 @@ func (e *tcpEnd) writeFailed(err error, n int64) bool {
 		return false
 	}
 	wt := lk.settings.WriteTimeout.D()
-	if p, known := lk.progressed(); p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) || lk.answersWaiting() {
+	p, known := lk.progressed()
+	// Another sampler (the budget's reaper, an overflow, a tracked
+	// request's delivery check) may have seen the count move first and
+	// left this sample nothing to see: a move any sample saw within
+	// write_timeout (ackedAt) is the same evidence. The deadline is at
+	// least write_timeout after the writer's own last sample
+	// (nextDeadline), so only a move since then counts.
+	p = p || flow.Mono()-lk.ackedAt.Load() < int64(wt)
+	if p || !known && n > 0 || lk.conv != nil && lk.conv.holding(flow.Mono()) || lk.answersWaiting() {
 		// The upstream acknowledged bytes within write_timeout:
 		// a slow reader, not a stall (the kernel wakes a writer
 		// only once a good part of its send buffer is free, so
