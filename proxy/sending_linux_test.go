@@ -142,7 +142,7 @@ func TestServerThatStopsMidAnswerIsJudged(t *testing.T) {
 // would blame it, so the twin is TestServerThatStopsMidAnswerIsJudged.)
 func TestOverflowWhileTheServerSendsBlamesNoUpstream(t *testing.T) {
 	const wt = time.Second
-	h, c, peer, _ := streamBehindRequests(t, wt, 256<<10, 2, func(s *policy.Settings) {
+	h, c, peer, _ := streamBehindRequests(t, wt, 128<<10, 2, func(s *policy.Settings) { // 8 s of answer
 		s.WriteBuffer = policy.WriteBuffer{HighWaterMark: 4 << 20, LowWaterMark: 2 << 20, OnOverflow: policy.OverflowReject}
 	})
 	e := h.onlyEnd()
@@ -159,6 +159,11 @@ func TestOverflowWhileTheServerSendsBlamesNoUpstream(t *testing.T) {
 	s := h.linkEnd(10 * time.Second)
 	if s.Reason != CloseWatermark {
 		t.Fatalf("link ended %q (%v), want watermark; %s", s.Reason, s.Err, h.story())
+	}
+	if peer.Answers() > 0 {
+		// The server read again: it acknowledged the queue, and the
+		// overflow found progress without its bytes to tell.
+		t.Fatalf("the first answer was sent before the overflow closed the link: the test's premise; %s", h.story())
 	}
 	if st := h.endpoint(); st.State != "healthy" {
 		t.Fatalf("endpoint %s (%s) after an overflow while it sent its answer, want healthy; %s", st.State, st.Reason, h.story())
