@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"maps"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync"
@@ -81,6 +82,13 @@ type egressSession struct {
 	// maxStreams is what the ingress lets a session carry (its
 	// handshake said).
 	maxStreams int
+	// mark is the SO_MARK the session's connection was dialled with (0:
+	// none): its route lookup's (see excludePeer).
+	mark int
+	// ownNetwork is set, before the session is closed, when the heartbeat
+	// declared it dead while the proxy's host had no route to the peer
+	// sidecar: its links end local_error (see deathOf).
+	ownNetwork atomic.Bool
 	// statusOpen is 1 while the ingress's status stream is open here.
 	statusOpen atomic.Int32
 	mu         sync.Mutex
@@ -211,8 +219,9 @@ func (p *Proxy) closeMesh() {
 // settings, with the fewest streams; it dials one when there is none, or
 // when every one carries streams and fewer than mesh.sessions exist. ut,
 // when not 0, is the TCP_USER_TIMEOUT a session it dials gets after its
-// connect (policy.Settings.MeshSessionUserTimeout).
-func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dialer, ut time.Duration) (*egressSession, error) {
+// connect (policy.Settings.MeshSessionUserTimeout); mark is the SO_MARK
+// dialer's Control sets (0: none).
+func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dialer, mark int, ut time.Duration) (*egressSession, error) {
 	key := newSessionKey(m)
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
@@ -262,7 +271,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dial
 		}
 		return best, nil
 	}
-	es, err := pr.dial(ctx, m, key, dialer, ut)
+	es, err := pr.dial(ctx, m, key, dialer, mark, ut)
 	if err != nil {
 		if best != nil {
 			return best, nil
@@ -274,7 +283,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dial
 
 // dial opens a session to the peer: the connection, the handshake, then
 // yamux.
-func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dialer *net.Dialer, ut time.Duration) (*egressSession, error) {
+func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dialer *net.Dialer, mark int, ut time.Duration) (*egressSession, error) {
 	c, tc, err := pr.connect(ctx, m, dialer, ut)
 	if err != nil {
 		return nil, err
@@ -321,7 +330,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 		_ = tc.Close()
 		return nil, pr.handshakeFailed(ctx, m, began, err)
 	}
-	es := &egressSession{peer: pr, key: key, maxStreams: streams, links: make(map[*link]struct{})}
+	es := &egressSession{peer: pr, key: key, maxStreams: streams, mark: mark, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
 	// The ingress opens one stream, the status stream; any other it
 	// opens is refused.
@@ -514,8 +523,8 @@ func (pr *meshPeer) epochOf(port uint16) uint64 {
 
 // probe proves an endpoint behind the peer: a session answers a ping and
 // the peer announces the port ready.
-func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, dialer *net.Dialer, ut time.Duration) error {
-	es, err := pr.session(ctx, m, dialer, ut)
+func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, dialer *net.Dialer, mark int, ut time.Duration) error {
+	es, err := pr.session(ctx, m, dialer, mark, ut)
 	if err != nil {
 		return err
 	}
@@ -543,19 +552,43 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, diale
 
 // excludePeer runs when the heartbeat declares the session dead, before
 // it is closed: the status it brought is forgotten, and every endpoint
-// reached through the peer is excluded; probes dial a new session.
-func (es *egressSession) excludePeer() { es.peer.excludeEndpoints() }
+// reached through the peer is excluded; probes dial a new session. Not
+// when the proxy's host has no route now for the session's segments to
+// the peer sidecar (flow.RouteTo with the session's mark: its route
+// removed, its interface down, an unreachable route of its own): the
+// heartbeat heard nothing for the proxy's own failure. The links still
+// end, they cannot go on, but local_error (ownNetwork), and no endpoint
+// is excluded. A lookup that cannot be made leaves the verdict the
+// peer's. One lookup per verdict, none per tick.
+func (es *egressSession) excludePeer() {
+	var dst netip.AddrPort
+	if ra, ok := es.Conn.RemoteAddr().(*net.TCPAddr); ok {
+		dst = ra.AddrPort()
+	}
+	if route, known := flow.RouteTo(dst, es.mark); known && !route {
+		es.ownNetwork.Store(true)
+		es.Log.Warn().Str("peer", dst.String()).Msg("mesh session dead, but the proxy's host has no route to the peer sidecar: its own network; no endpoint behind it is excluded, its links end local_error")
+		es.peer.forgetStatus()
+		return
+	}
+	es.peer.excludeEndpoints()
+}
 
 // excludeEndpoints forgets the peer's status and excludes every endpoint
 // reached through it.
 func (pr *meshPeer) excludeEndpoints() {
-	pr.mu.Lock()
-	pr.status = nil
-	eps := slices.Collect(maps.Keys(pr.endpoints))
-	pr.mu.Unlock()
-	for _, ep := range eps {
+	for _, ep := range pr.forgetStatus() {
 		pr.p.report(ep, reasonMeshDead)
 	}
+}
+
+// forgetStatus forgets the peer's status; it returns the endpoints
+// reached through the peer.
+func (pr *meshPeer) forgetStatus() []*endpoint {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	pr.status = nil
+	return slices.Collect(maps.Keys(pr.endpoints))
 }
 
 // shrinkStreams drops the empty receive buffers of the session's streams
@@ -581,17 +614,27 @@ func (es *egressSession) shrinkStreams() {
 	}
 }
 
-// endLinks ends the dead session's links (mesh_dead), once it is closed.
+// endLinks ends the dead session's links, once it is closed (deathOf).
 func (es *egressSession) endLinks() {
 	es.mu.Lock()
 	links := slices.Collect(maps.Keys(es.links))
 	es.mu.Unlock()
 	for _, lk := range links {
-		lk.abort(CloseMeshDead, errMeshDead)
+		lk.abort(es.deathOf(errMeshDead))
 	}
 }
 
 var errMeshDead = errors.New("mesh: the session to the peer sidecar missed its heartbeats")
+
+// deathOf is how a link on the dead session ends with err: mesh_dead, or
+// local_error (errOwnNetwork: it does not unwrap to err) when the proxy's
+// host had no route to the peer sidecar at the verdict (see excludePeer).
+func (es *egressSession) deathOf(err error) (CloseReason, error) {
+	if es.ownNetwork.Load() {
+		return CloseLocalError, errOwnNetwork{cause: err}
+	}
+	return CloseMeshDead, err
+}
 
 func (es *egressSession) add(lk *link) bool {
 	es.mu.Lock()
@@ -637,7 +680,7 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 	}
 	n, _ := strconv.Atoi(eport)
 	pr := ep.p.meshPeer(host, port)
-	err = pr.probe(ctx, uint16(n), m, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)}, s.MeshSessionUserTimeout())
+	err = pr.probe(ctx, uint16(n), m, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)}, s.UpstreamMark, s.MeshSessionUserTimeout())
 	if errors.Is(err, mesh.ErrNoIngress) && m.Fallback == policy.MeshFallbackDirect {
 		return false, nil
 	}

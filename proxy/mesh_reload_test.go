@@ -164,20 +164,20 @@ func TestMeshSessionsKeyedBySettings(t *testing.T) {
 	pr := eg.p.meshPeer("127.0.0.2", in.port)
 	m := eg.p.listeners[0].spec().settings.Mesh.OrDefaults()
 	ctx := t.Context()
-	a, err := pr.session(ctx, m, &net.Dialer{}, 0)
+	a, err := pr.session(ctx, m, &net.Dialer{}, 0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	m2 := m
 	m2.PingInterval = policy.Duration(70 * time.Millisecond)
-	b, err := pr.session(ctx, m2, &net.Dialer{}, 0)
+	b, err := pr.session(ctx, m2, &net.Dialer{}, 0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if a == b || b.Interval != 70*time.Millisecond || a.Interval != m.PingInterval.D() {
 		t.Fatalf("sessions %p (%v) and %p (%v), want two, each with its own ping interval", a, a.Interval, b, b.Interval)
 	}
-	if c, _ := pr.session(ctx, m2, &net.Dialer{}, 0); c == nil || c.key != b.key {
+	if c, _ := pr.session(ctx, m2, &net.Dialer{}, 0, 0); c == nil || c.key != b.key {
 		t.Fatalf("a session of other settings was taken")
 	}
 }

@@ -82,7 +82,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
 	pr.mu.Unlock()
 	for try := 0; ; try++ {
-		es, err := pr.session(ctx, m, lk.dialer, lk.settings.MeshSessionUserTimeout())
+		es, err := pr.session(ctx, m, lk.dialer, lk.settings.UpstreamMark, lk.settings.MeshSessionUserTimeout())
 		if errors.Is(err, mesh.ErrNoIngress) {
 			if direct && !pr.holdsSession() {
 				// A session refused while another lives (full, say)
@@ -169,6 +169,9 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	es.ResetStream(st)
 	_ = st.SetDeadline(pastDeadline)
 	if es.Dead.Load() {
+		if es.ownNetwork.Load() {
+			return nil, errOwnNetwork{cause: errMeshDead} // local_error (link.dialFailed)
+		}
 		return nil, errMeshDead
 	}
 	if es.Closed() {
@@ -338,7 +341,7 @@ func (e *meshEnd) fail(err error) {
 		err = errors.New("mesh: the session to the peer sidecar closed")
 	}
 	if e.sess.Dead.Load() {
-		e.lk.abort(CloseMeshDead, err)
+		e.lk.abort(e.sess.deathOf(err))
 		return
 	}
 	e.lk.abort(CloseUpstreamError, err)

@@ -1,0 +1,106 @@
+package proxy
+
+import (
+	"net"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// When the proxy's own route to a peer sidecar goes under a mesh session
+// (its route removed, its interface down, an unreachable route of its
+// own), the heartbeat hears nothing and declares the session dead: its
+// links end, as they cannot go on, but local_error, and no endpoint
+// reached through the peer is excluded: the proxy's own failure is not
+// held against them. Before, every one of them was excluded mesh_dead.
+// The twin, the peer sidecar gone silent behind a route the proxy still
+// has (a drop at its side): the link ends mesh_dead and the endpoint is
+// excluded mesh_dead, both within ping_timeout and a second of the cut.
+func TestMeshOwnRouteGoneIsNotThePeers(t *testing.T) {
+	eachCut(t, append(ownCuts, "twin: peer sidecar blackholed, route kept"), meshOwnRouteGone)
+}
+
+func meshOwnRouteGone(t *testing.T, cut string) {
+	pingTimeout := time.Second
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, "10.231.38.1/24", "10.231.38.2/24")
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressIn(t, peer, link.PeerIP().String(), srv.Addr(), pingTimeout)
+	pathUp(t, &net.TCPAddr{IP: link.PeerIP().AsSlice(), Port: in.port})
+	_, srvPort, _ := net.SplitHostPort(srv.Addr())
+	eg := startEgress(t, net.JoinHostPort(link.PeerIP().String(), srvPort), in.port, func(s *policy.Settings) {
+		s.Mesh.PingTimeout = policy.Duration(pingTimeout)
+	})
+	c := eg.dial()
+	roundTrip(t, c, []byte("hello"))
+	twin := strings.HasPrefix(cut, "twin")
+	cutAt := time.Now()
+	if twin {
+		// The peer sidecar's host drops what comes to and goes from its
+		// mesh port; the proxy's route stays.
+		port := strconv.Itoa(in.port)
+		if err := peer.NFT(`table inet meshdrop {
+			chain in { type filter hook input priority 0; policy accept; tcp dport ` + port + ` drop; }
+			chain out { type filter hook output priority 0; policy accept; tcp sport ` + port + ` drop; }
+		}`); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		cutOwnRoute(t, cut, link)
+	}
+	s := eg.linkEnd(pingTimeout + 5*time.Second)
+	ep := eg.endpoint()
+	took := s.Opened.Add(s.Duration).Sub(cutAt)
+	t.Logf("%s: link ended %s %v after it (%v); endpoint %s (%s)", cut, s.Reason, took.Round(time.Millisecond), s.Err, ep.State, ep.Reason)
+	// The heartbeat counts its verdict after the session's close, which
+	// may end the link first.
+	for deadline := time.Now().Add(5 * time.Second); testutil.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)) != 1; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v mesh session deaths, want 1: the heartbeat's verdict is what this tests", cut, testutil.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress)))
+		}
+	}
+	if took > pingTimeout+time.Second {
+		t.Fatalf("%s: the link ended %v after it, want within ping_timeout %v and a second", cut, took, pingTimeout)
+	}
+	if twin {
+		if s.Reason != CloseMeshDead || ep.State != "excluded" || ep.Reason != string(reasonMeshDead) {
+			t.Fatalf("a peer sidecar gone silent behind a working route: link ended %s, endpoint %s (%s); want mesh_dead, excluded mesh_dead", s.Reason, ep.State, ep.Reason)
+		}
+		return
+	}
+	if s.Reason != CloseLocalError || ep.State != "healthy" {
+		t.Fatalf("the proxy's own route to the peer sidecar failed (%s), but the link ended %s and the endpoint is %s (%s): the endpoints behind the peer blamed for the proxy's own failure", cut, s.Reason, ep.State, ep.Reason)
+	}
+}
+
+// startIngressIn is an ingress sidecar whose mesh port listens on host in
+// ns (its listener bound there; everything else of it, its connects to
+// local included, in the test's own namespace), with the mesh's
+// ping_timeout pingTimeout.
+func startIngressIn(t *testing.T, ns *netns.NS, host, local string, pingTimeout time.Duration) *ingressProxy {
+	t.Helper()
+	cfg := policy.DefaultConfig()
+	s := cfg.Defaults
+	fastMesh(&s)
+	s.Mesh.PingTimeout = policy.Duration(pingTimeout)
+	cfg.Listeners = []policy.Listener{{Name: "ingress", Listen: net.JoinHostPort(host, "0"),
+		Ingress: policy.Ingress{Local: local, CheckInterval: policy.Duration(50 * time.Millisecond)}, Settings: s}}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	in := &ingressProxy{m: metrics.New(), cfg: cfg}
+	in.p = New(cfg, Options{metrics: in.m, Logger: testLogger()})
+	if err := ns.Do(in.p.Start); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = in.p.Close() })
+	in.port = in.p.Addr("ingress").(*net.TCPAddr).Port
+	return in
+}
