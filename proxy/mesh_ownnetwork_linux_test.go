@@ -43,20 +43,15 @@ func meshOwnRouteGone(t *testing.T, cut string) {
 	roundTrip(t, c, []byte("hello"))
 	twin := strings.HasPrefix(cut, "twin")
 	stalls := meterStalls(t)
-	cutAt := time.Now()
 	if twin {
-		// The peer sidecar's host drops what comes to and goes from its
-		// mesh port; the proxy's route stays.
-		port := strconv.Itoa(in.port)
-		if err := peer.NFT(`table inet meshdrop {
-			chain in { type filter hook input priority 0; policy accept; tcp dport ` + port + ` drop; }
-			chain out { type filter hook output priority 0; policy accept; tcp sport ` + port + ` drop; }
-		}`); err != nil {
-			t.Fatal(err)
-		}
+		dropMeshPort(t, peer, in.port) // the proxy's route stays
 	} else {
 		cutOwnRoute(t, cut, link)
 	}
+	// The path died here (the rule or the route change applied): the
+	// peer was last heard then or before; an nft or ip run slow on a
+	// loaded machine is no part of the heartbeat's time.
+	cutAt := time.Now()
 	s := eg.linkEnd(pingTimeout + 5*time.Second)
 	ep := eg.endpoint()
 	took := s.Opened.Add(s.Duration).Sub(cutAt)
@@ -82,6 +77,19 @@ func meshOwnRouteGone(t *testing.T, cut string) {
 	}
 	if s.Reason != CloseLocalError || ep.State != "healthy" {
 		t.Fatalf("the proxy's own route to the peer sidecar failed (%s), but the link ended %s and the endpoint is %s (%s): the endpoints behind the peer blamed for the proxy's own failure", cut, s.Reason, ep.State, ep.Reason)
+	}
+}
+
+// dropMeshPort has the peer sidecar's host drop what comes to and goes
+// from its mesh port.
+func dropMeshPort(t *testing.T, peer *netns.NS, port int) {
+	t.Helper()
+	p := strconv.Itoa(port)
+	if err := peer.NFT(`table inet meshdrop {
+		chain in { type filter hook input priority 0; policy accept; tcp dport ` + p + ` drop; }
+		chain out { type filter hook output priority 0; policy accept; tcp sport ` + p + ` drop; }
+	}`); err != nil {
+		t.Fatal(err)
 	}
 }
 
