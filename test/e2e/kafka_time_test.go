@@ -136,10 +136,13 @@ func TestKafkaStoppedBrokerExcludedByTheClock(t *testing.T) {
 			bound := hold + rt + judgingInterval
 			stopAt := time.Now()
 			r.kb.sigstop(t, "broker")
+			stoppedAt := time.Now() // the broker is in state T from here (a loaded machine may take a while)
 			ex := waitExcluded(t, r.pp, r.w, stopAt, bound+20*time.Second, "SIGSTOP")
 			after := ex.At.Sub(stopAt)
 			st := r.pp.state()
-			from, what := stopAt, "SIGSTOP"
+			// The upper bound counts from when the broker was seen stopped
+			// (it answered until then), the lower one from the signal.
+			from, what := stoppedAt, "the broker was stopped"
 			if first != nil {
 				from, what = first(stopAt), "the first request outstanding at the stop"
 			}
