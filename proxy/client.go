@@ -117,10 +117,12 @@ func (c *tcpClient) Write(p []byte) (int, error) {
 
 // clientReset reports whether the client's socket, whose read just
 // returned the end of the stream, was reset rather than half-closed (see
-// flow.ResetNotFin); false for a mesh stream.
+// flow.ResetNotFin); false for a mesh stream. Nothing peeks at a client's
+// socket: its reader and its one writer (the response pump) are the only
+// calls on it that can take a reset's error (see link.finOnly).
 func (lk *link) clientReset() bool {
 	c, ok := lk.client.(*tcpClient)
-	return ok && c.rc != nil && flow.ResetNotFin(c.rc, lk.bytesUp.Load())
+	return ok && c.rc != nil && !lk.finOnly(nil) && flow.ResetNotFin(c.rc, lk.bytesUp.Load())
 }
 
 // CloseWrite passes the FIN on, as net.TCPConn.CloseWrite does

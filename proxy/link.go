@@ -775,6 +775,29 @@ func (lk *link) sawFin(reason CloseReason) {
 	}
 }
 
+// finOnly reports whether the end of the stream a pump just read from
+// one of the link's sockets can only be the peer's FIN, so that
+// flow.ResetNotFin need not ask the kernel. The kernel reports a reset's
+// error once, to the first call on the socket that looks: a write, a
+// peek (peeked, set before it; nil for a socket nothing peeks at), or
+// the read, which would then have returned it. Once the other direction
+// has passed its FIN on to this socket, every write to it has returned
+// without an error (a failed write ends the link: no FIN is passed after
+// it) and none comes after. So with no peek begun and the link not
+// ending (an abort may close the socket under the read, which
+// ResetNotFin counts as a reset), only the read itself can have taken
+// an error. That is the second FIN of every link that ends cleanly:
+// one getsockopt fewer per link.
+func (lk *link) finOnly(peeked *atomic.Bool) bool {
+	if peeked != nil && peeked.Load() || lk.reason.Load() != nil {
+		return false
+	}
+	lk.finMu.Lock()
+	other := lk.fins == 1 // this direction passes its FIN once, after this
+	lk.finMu.Unlock()
+	return other
+}
+
 // passedFin records that one direction finished cleanly. The first FIN
 // arms half_close_timeout on the other direction.
 func (lk *link) passedFin() {

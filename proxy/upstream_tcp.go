@@ -78,6 +78,10 @@ type tcpEnd struct {
 	parkReq atomic.Uint32
 	parked  atomic.Uint32
 	parkKey [2]uint64
+
+	// peeked: a peek at the socket (flow.UnreadInBand) has begun, which
+	// may have taken a reset's error (see link.finOnly).
+	peeked atomic.Bool
 }
 
 // upstreamSocket is what a TCP end needs of its socket; *os.File and
@@ -195,11 +199,11 @@ func (e *tcpEnd) acked() (int64, bool) { return flow.BytesAcked(e.raw) }
 
 func (e *tcpEnd) received() (n, at int64, ok bool) { return flow.Received(e.raw) }
 
-func (e *tcpEnd) unread() int { return flow.UnreadInBand(e.raw) }
+func (e *tcpEnd) unread() int { return flow.UnreadInBand(e.raw, &e.peeked) }
 
 func (e *tcpEnd) delivery() (flow.Delivery, bool) { return flow.SampleDelivery(e.raw) }
 
-func (e *tcpEnd) answersUnread() bool { return flow.UnreadFromALivePeer(e.raw) }
+func (e *tcpEnd) answersUnread() bool { return flow.UnreadFromALivePeer(e.raw, &e.peeked) }
 
 func (e *tcpEnd) release() {
 	e.r.Forget()
@@ -692,7 +696,7 @@ func (e *tcpEnd) pumpResponses() (parked bool) {
 		case parkContinue:
 			continue
 		}
-		if errors.Is(err, io.EOF) && flow.ResetNotFin(e.raw, lk.bytesDown.Load()) {
+		if errors.Is(err, io.EOF) && !lk.finOnly(&e.peeked) && flow.ResetNotFin(e.raw, lk.bytesDown.Load()) {
 			err = errResetInferred{} // a write took the socket's error (see ResetNotFin)
 		}
 		if errors.Is(err, io.EOF) {

@@ -2,6 +2,7 @@ package flow
 
 import (
 	"io"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -121,7 +122,9 @@ func tcpState(raw syscall.RawConn) uint8 {
 // SIOCINQ says 0) one for the bytes behind it, then nothing once they are
 // read. An urgent byte that came last leaves nothing to read, though the
 // kernel's count of bytes taken in (Received) stays one ahead of what was
-// read for good: that count cannot say whether bytes wait.
+// read for good: that count cannot say whether bytes wait. Its peek, at
+// the mark alone, is marked (peeked) before it is made: a peek takes a
+// reset's error, which the socket's reader must then not count on.
 func TestUnreadInBandSkipsUrgentBytes(t *testing.T) {
 	c, s := tcpPair(t)
 	raw, err := c.SyscallConn()
@@ -147,29 +150,36 @@ func TestUnreadInBandSkipsUrgentBytes(t *testing.T) {
 			t.Fatalf("read %q, %v; want %q", b[:n], err, want)
 		}
 	}
-	if n := UnreadInBand(raw); n != 0 {
+	var peeked atomic.Bool
+	if n := UnreadInBand(raw, &peeked); n != 0 {
 		t.Fatalf("UnreadInBand = %d before anything came", n)
 	}
 	testutil.SendUrgent(t, s, "ab", 'X', "def")
 	waitReceived(6)
-	if n := UnreadInBand(raw); n != 2 {
+	if n := UnreadInBand(raw, &peeked); n != 2 {
 		t.Fatalf("UnreadInBand = %d with \"ab\" before the mark, want 2", n)
 	}
+	if peeked.Load() {
+		t.Fatal("peeked before the read reached the urgent mark")
+	}
 	read("ab") // stops short at the mark
-	if n := UnreadInBand(raw); n != 1 {
+	if n := UnreadInBand(raw, &peeked); n != 1 {
 		t.Fatalf("UnreadInBand = %d at the mark with \"def\" behind it, want 1", n)
 	}
+	if !peeked.Load() {
+		t.Fatal("a peek at the urgent mark left peeked unset")
+	}
 	read("def") // past the urgent byte, which is not read inline
-	if n := UnreadInBand(raw); n != 0 {
+	if n := UnreadInBand(raw, &peeked); n != 0 {
 		t.Fatalf("UnreadInBand = %d with everything read, want 0", n)
 	}
 	testutil.SendUrgent(t, s, "gh", 'Y', "")
 	waitReceived(9)
-	if n := UnreadInBand(raw); n != 2 {
+	if n := UnreadInBand(raw, &peeked); n != 2 {
 		t.Fatalf("UnreadInBand = %d with \"gh\" before the last byte's mark, want 2", n)
 	}
 	read("gh")
-	if n := UnreadInBand(raw); n != 0 {
+	if n := UnreadInBand(raw, &peeked); n != 0 {
 		t.Fatalf("UnreadInBand = %d at a mark with nothing behind it, want 0", n)
 	}
 	if n, _, _ := Received(raw); n != 9 {

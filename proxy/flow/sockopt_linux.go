@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -389,8 +390,8 @@ func UnreadBytes(c *net.TCPConn) int {
 // A peer that stopped reading because the proxy does not read its bytes
 // waits on the proxy, unless it is gone. False when the kernel does not
 // say.
-func UnreadFromALivePeer(raw syscall.RawConn) bool {
-	if UnreadInBand(raw) <= 0 {
+func UnreadFromALivePeer(raw syscall.RawConn, peeked *atomic.Bool) bool {
+	if UnreadInBand(raw, peeked) <= 0 {
 		return false
 	}
 	c, ok := tcpInfo(raw)
@@ -407,7 +408,12 @@ func UnreadFromALivePeer(raw syscall.RawConn) bool {
 // it, and 1 stands for any. The count of bytes taken in (TCP_INFO
 // tcpi_bytes_received) is no measure: it counts every urgent byte, which
 // no read returns, so it stays ahead of what was read for good.
-func UnreadInBand(raw syscall.RawConn) int {
+//
+// A peek takes a reset's error as a read would (see ResetNotFin), and
+// says nothing of it: peeked is set before the first, so that the
+// socket's reader, finding the end of the stream, knows a peek may have
+// taken the error (see the proxy's link.finOnly).
+func UnreadInBand(raw syscall.RawConn, peeked *atomic.Bool) int {
 	n := 0
 	_ = raw.Control(func(fd uintptr) {
 		v, err := unix.IoctlGetInt(int(fd), unix.SIOCINQ)
@@ -420,6 +426,7 @@ func UnreadInBand(raw syscall.RawConn) int {
 			// preemption) finds nothing, as a read does (see
 			// SockReader.ReadEach): asked again a few times.
 			var b [1]byte
+			peeked.Store(true)
 			for range 4 {
 				k, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
 				if err == nil && k > 0 {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -41,13 +42,13 @@ func OriginalDst(syscall.Conn, net.Addr) (netip.AddrPort, error) {
 func UnreadBytes(*net.TCPConn) int { return 0 }
 
 // UnreadFromALivePeer is unknown outside Linux.
-func UnreadFromALivePeer(syscall.RawConn) bool { return false }
+func UnreadFromALivePeer(syscall.RawConn, *atomic.Bool) bool { return false }
 
 // SampleDelivery is unknown outside Linux.
 func SampleDelivery(syscall.RawConn) (Delivery, bool) { return Delivery{}, false }
 
 // UnreadInBand is unknown outside Linux.
-func UnreadInBand(syscall.RawConn) int { return 0 }
+func UnreadInBand(syscall.RawConn, *atomic.Bool) int { return 0 }
 
 // SendWindow is unknown outside Linux (and TCP_USER_TIMEOUT is not set
 // there): the Window guard Never starts.
