@@ -119,10 +119,17 @@ func (c *tcpClient) Write(p []byte) (int, error) {
 // returned the end of the stream, was reset rather than half-closed (see
 // flow.ResetNotFin); false for a mesh stream. Nothing peeks at a client's
 // socket: its reader and its one writer (the response pump) are the only
-// calls on it that can take a reset's error (see link.finOnly).
-func (lk *link) clientReset() bool {
+// calls on it that can take a reset's error (see link.finOnly). fa is
+// what the same TCP_INFO said of what the client acknowledged, for
+// half_close_timeout's snapshot if the FIN is passed on at once.
+func (lk *link) clientReset() (reset bool, fa finAck) {
 	c, ok := lk.client.(*tcpClient)
-	return ok && c.rc != nil && !lk.finOnly(nil) && flow.ResetNotFin(c.rc, lk.bytesUp.Load())
+	if !ok || c.rc == nil || lk.finOnly(nil) {
+		return false, finAck{}
+	}
+	reset, fa.n, fa.ok = flow.ResetNotFin(c.rc, lk.bytesUp.Load())
+	fa.client = true
+	return reset, fa
 }
 
 // CloseWrite passes the FIN on, as net.TCPConn.CloseWrite does

@@ -387,8 +387,9 @@ func (lk *link) recordRequests(p []byte, at, end int64, first bool) {
 	}
 }
 
-// passFinToClient passes the upstream's FIN on to the client.
-func (lk *link) passFinToClient() {
+// passFinToClient passes the upstream's FIN on to the client; fa is what
+// the upstream had acknowledged when its FIN was read, if known.
+func (lk *link) passFinToClient(fa finAck) {
 	if lk.trk != nil && lk.conv != nil && lk.conv.profile && lk.bytesDown.Load() > 0 {
 		// A server that answered on the link and then ends it will answer
 		// nothing more here: a broker closes instead of answering a
@@ -398,7 +399,7 @@ func (lk *link) passFinToClient() {
 		lk.trk.Stop()
 	}
 	lk.sawFin(CloseUpstreamClosed)
-	if cerr := lk.passFin(lk.client.CloseWrite); cerr != nil {
+	if cerr := lk.passFin(lk.client.CloseWrite, fa); cerr != nil {
 		lk.abort(CloseClientError, cerr)
 	}
 }
@@ -408,20 +409,20 @@ func (lk *link) passFinToClient() {
 // link, and closing both sockets passes the FIN instead of a shutdown
 // before the close: the socket it goes to has delivered its own FIN, so
 // nothing is left in its receive queue and the close is a FIN, not a
-// reset, after whatever the kernel still has to send.
-func (lk *link) passFin(closeWrite func() error) error {
+// reset, after whatever the kernel still has to send. fa: see passedFin.
+func (lk *link) passFin(closeWrite func() error, fa finAck) error {
 	lk.finMu.Lock()
 	last := lk.fins == 1 && lk.up.finByClose()
 	lk.finMu.Unlock()
 	if last {
-		lk.passedFin()
+		lk.passedFin(fa)
 		lk.closeBoth()
 		return nil
 	}
 	if err := closeWrite(); err != nil {
 		return err
 	}
-	lk.passedFin()
+	lk.passedFin(fa)
 	return nil
 }
 
@@ -799,14 +800,17 @@ func (lk *link) finOnly(peeked *atomic.Bool) bool {
 }
 
 // passedFin records that one direction finished cleanly. The first FIN
-// arms half_close_timeout on the other direction.
-func (lk *link) passedFin() {
+// arms half_close_timeout on the other direction. fa is what the socket
+// the FIN came from had acknowledged when it was read (flow.ResetNotFin's
+// TCP_INFO), where the FIN is passed on at once, in the same pump: the
+// snapshot takes it instead of asking the kernel again.
+func (lk *link) passedFin(fa finAck) {
 	lk.finMu.Lock()
 	defer lk.finMu.Unlock()
 	lk.fins++
 	if lk.fins == 1 {
 		if hc := lk.settings.HalfCloseTimeout.D(); hc > 0 {
-			lk.halfMoved = lk.halfProgress()
+			lk.halfMoved = lk.halfProgress(fa)
 			lk.halfTimer = time.AfterFunc(hc, func() { lk.halfClosedIdle(hc) })
 		}
 		return
@@ -823,7 +827,7 @@ func (lk *link) passedFin() {
 // an upload that goes on after the server's answer, is healthy and kept
 // for as long as bytes move; one that stopped is cut.
 func (lk *link) halfClosedIdle(hc time.Duration) {
-	moved := lk.halfProgress()
+	moved := lk.halfProgress(finAck{})
 	lk.finMu.Lock()
 	if lk.fins != 1 || lk.halfTimer == nil {
 		// The other direction ended cleanly meanwhile, or the link did.
@@ -844,17 +848,36 @@ func (lk *link) halfClosedIdle(hc time.Duration) {
 // from either side, or acknowledged by either peer's kernel (what a
 // slow reader takes of a write the pump is waiting in: the pump reads
 // nothing meanwhile). A mesh stream's side counts by its reads alone.
-func (lk *link) halfProgress() int64 {
+// fa, when ok, is one socket's acknowledged count read a moment before
+// (at its FIN), taken instead of asking its TCP_INFO again.
+func (lk *link) halfProgress(fa finAck) int64 {
 	n := lk.bytesUp.Load() + lk.bytesDown.Load()
-	if a, ok := lk.ackedBytes(); ok {
+	if fa.ok && !fa.client {
+		n += fa.n
+	} else if a, ok := lk.ackedBytes(); ok {
 		n += a
 	}
 	if c, ok := lk.client.(*tcpClient); ok && c.rc != nil {
-		if a, ok := flow.BytesAcked(c.rc); ok {
+		if fa.ok && fa.client {
+			n += fa.n
+		} else if a, ok := flow.BytesAcked(c.rc); ok {
 			n += a
 		}
 	}
 	return n
+}
+
+// finAck is what one of the link's sockets had acknowledged (n,
+// flow.BytesAcked's count) when the pump read its FIN, from the TCP_INFO
+// flow.ResetNotFin read then: client says which socket; ok false when
+// not known. The pump that read the FIN passes it on at once (passFin),
+// and half_close_timeout's snapshot there takes it, one getsockopt fewer
+// at every link's first FIN. Taken the one shutdown before, it can only
+// count as moved an acknowledgement that came in that moment, never miss
+// one.
+type finAck struct {
+	n          int64
+	client, ok bool
 }
 
 // abort ends the link with reason, resetting both sides at once. It

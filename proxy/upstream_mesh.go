@@ -289,13 +289,17 @@ func (e *meshEnd) requests() {
 			}
 			continue
 		}
-		if errors.Is(err, io.EOF) && lk.clientReset() {
-			err = syscall.ECONNRESET // a write took the reset's error (see flow.ResetNotFin)
+		var fa finAck
+		if errors.Is(err, io.EOF) {
+			var reset bool
+			if reset, fa = lk.clientReset(); reset {
+				err = syscall.ECONNRESET // a write took the reset's error (see flow.ResetNotFin)
+			}
 		}
 		if errors.Is(err, io.EOF) {
 			lk.sawFin(CloseClientClosed)
 			_ = e.closeWrite()
-			lk.passedFin()
+			lk.passedFin(fa)
 		} else {
 			lk.abort(CloseClientError, err)
 		}
@@ -325,7 +329,7 @@ func (e *meshEnd) responses() {
 			continue
 		}
 		if errors.Is(err, io.EOF) && !e.sess.Closed() {
-			lk.passFinToClient()
+			lk.passFinToClient(finAck{})
 			return
 		}
 		e.fail(err)

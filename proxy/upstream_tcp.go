@@ -389,8 +389,12 @@ func (e *tcpEnd) sendRead(bp *[]byte, n int, high int64) bool {
 // a FIN is passed on after whatever is queued, anything else aborts.
 func (e *tcpEnd) requestsEnded(err error) {
 	lk := e.lk
-	if errors.Is(err, io.EOF) && lk.clientReset() {
-		err = syscall.ECONNRESET // a write took the reset's error (see flow.ResetNotFin)
+	var fa finAck
+	if errors.Is(err, io.EOF) {
+		var reset bool
+		if reset, fa = lk.clientReset(); reset {
+			err = syscall.ECONNRESET // a write took the reset's error (see flow.ResetNotFin)
+		}
 	}
 	if !errors.Is(err, io.EOF) {
 		lk.abort(CloseClientError, err)
@@ -405,7 +409,7 @@ func (e *tcpEnd) requestsEnded(err error) {
 		return // the writer passes the FIN on after the queued bytes
 	}
 	// No writer means nothing was ever queued: pass it on now.
-	if cerr := lk.passFin(e.closeWrite); cerr != nil {
+	if cerr := lk.passFin(e.closeWrite, fa); cerr != nil {
 		e.fail(cerr)
 	}
 }
@@ -567,7 +571,7 @@ func (e *tcpEnd) writeUpstream() {
 		case flow.StopWriting, flow.Drained:
 			return
 		case flow.PassFin:
-			if err := lk.passFin(e.closeWrite); err != nil {
+			if err := lk.passFin(e.closeWrite, finAck{}); err != nil {
 				e.fail(err)
 			}
 			return
@@ -696,15 +700,19 @@ func (e *tcpEnd) pumpResponses() (parked bool) {
 		case parkContinue:
 			continue
 		}
-		if errors.Is(err, io.EOF) && !lk.finOnly(&e.peeked) && flow.ResetNotFin(e.raw, lk.bytesDown.Load()) {
-			err = errResetInferred{} // a write took the socket's error (see ResetNotFin)
+		var fa finAck // what the upstream acknowledged, read with its end
+		if errors.Is(err, io.EOF) && !lk.finOnly(&e.peeked) {
+			var reset bool
+			if reset, fa.n, fa.ok = flow.ResetNotFin(e.raw, lk.bytesDown.Load()); reset {
+				err = errResetInferred{} // a write took the socket's error (see ResetNotFin)
+			}
 		}
 		if errors.Is(err, io.EOF) {
 			if lk.respScan != nil && !lk.conv.off.Load() && lk.respScan.MidFrame() {
 				lk.badFrame("response", flow.ErrTruncated)
 				return false
 			}
-			lk.passFinToClient()
+			lk.passFinToClient(fa)
 			return false
 		}
 		e.fail(err)

@@ -2,6 +2,7 @@ package flow
 
 import (
 	"context"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -21,7 +22,7 @@ func TestLinkEndCallsAllocateNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	if n := testing.AllocsPerRun(100, func() {
-		if ResetNotFin(rc, 0) {
+		if reset, _, _ := ResetNotFin(rc, 0); reset {
 			t.Fatal("an open socket taken as reset")
 		}
 	}); n != 0 {
@@ -99,5 +100,54 @@ func TestDialAllocatesOnlyTheFile(t *testing.T) {
 		_ = f.Close()
 	}); n != 3 {
 		t.Errorf("DialRaw: %v allocations per dial, want 3 (os.NewFile's 2, SyscallConn's 1)", n)
+	}
+}
+
+// ResetNotFin says what the peer acknowledged as BytesAcked does, from
+// the same TCP_INFO: half_close_timeout's snapshot at a link's first FIN
+// takes its count, and compares it later with BytesAcked's. Both ends:
+// the connecting socket's count leaves out its SYN, the accepted one's
+// starts at 0; and after the peer's FIN, when the read has returned the
+// end of the stream.
+func TestResetNotFinAckedIsBytesAcked(t *testing.T) {
+	c, s := tcpPair(t)
+	for _, tc := range []struct {
+		name     string
+		from, to *net.TCPConn
+	}{{"connected", c, s}, {"accepted", s, c}} {
+		rc := rawOf(t, tc.from)
+		if _, err := tc.from.Write(make([]byte, 1000)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(tc.to, make([]byte, 1000)); err != nil {
+			t.Fatal(err)
+		}
+		want := int64(1000)
+		if tc.name == "accepted" {
+			want-- // its count starts at 0, one short (BytesAcked)
+		}
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+			if a, ok := BytesAcked(rc); ok && a == want {
+				break
+			} else if time.Now().After(deadline) {
+				t.Fatalf("%s: BytesAcked = %d, %v after 5s, want %d", tc.name, a, ok, want)
+			}
+		}
+		reset, acked, ok := ResetNotFin(rc, 0)
+		if reset || !ok || acked != want {
+			t.Fatalf("%s: ResetNotFin = %v, %d, %v; want false, %d (BytesAcked's), true", tc.name, reset, acked, ok, want)
+		}
+	}
+	// The client's FIN read at the server: what the pump asks then.
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := s.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("server read %d, %v; want the end of the stream", n, err)
+	}
+	rs := rawOf(t, s)
+	reset, acked, ok := ResetNotFin(rs, 1000)
+	if a, aok := BytesAcked(rs); reset || !ok || !aok || acked != a {
+		t.Fatalf("at the FIN: ResetNotFin = %v, %d, %v; BytesAcked = %d, %v", reset, acked, ok, a, aok)
 	}
 }

@@ -215,16 +215,25 @@ func Received(raw syscall.RawConn) (n, at int64, ok bool) {
 //
 // A kernel that does not fill tcpi_bytes_received (before Linux 4.1)
 // leaves the question open: a FIN, as before.
-func ResetNotFin(rc syscall.RawConn, read int64) bool {
+//
+// The same TCP_INFO says what the peer has acknowledged: acked is what
+// BytesAcked would have read then (ackedOK as its ok), so that a caller
+// that wants both asks the kernel once (half_close_timeout's snapshot at
+// a link's first FIN).
+func ResetNotFin(rc syscall.RawConn, read int64) (reset bool, acked int64, ackedOK bool) {
 	c := tcpInfoCalls.Get().(*tcpInfoCall)
 	defer tcpInfoCalls.Put(c)
 	c.ti, c.n, c.err = unix.TCPInfo{}, 0, nil
 	if cerr := rc.Control(c.fn); cerr != nil {
-		return true
+		return true, 0, false
+	}
+	if c.err != nil {
+		return false, 0, false
 	}
 	ti := &c.ti
 	filled := c.n >= uint32(unsafe.Offsetof(ti.Bytes_received)+unsafe.Sizeof(ti.Bytes_received))
-	return c.err == nil && filled && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
+	reset = filled && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
+	return reset, max(int64(ti.Bytes_acked)-1, 0), true
 }
 
 // tcpInfoCall is ResetNotFin's RawConn.Control callback and what it

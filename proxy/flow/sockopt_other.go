@@ -29,8 +29,11 @@ func BytesAcked(syscall.RawConn) (int64, bool) { return 0, false }
 // Received is unknown outside Linux.
 func Received(syscall.RawConn) (n, at int64, ok bool) { return 0, 0, false }
 
-// ResetNotFin is false: the kernel's TCP state is not read here.
-func ResetNotFin(syscall.RawConn, int64) bool { return false }
+// ResetNotFin is false, and says nothing of what was acknowledged: the
+// kernel's TCP state is not read here.
+func ResetNotFin(syscall.RawConn, int64) (reset bool, acked int64, ackedOK bool) {
+	return false, 0, false
+}
 
 // OriginalDst needs Linux's SO_ORIGINAL_DST: transparent listeners work
 // only there.
