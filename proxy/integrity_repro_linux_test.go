@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -118,14 +119,8 @@ func acceptOne(t *testing.T) (net.Listener, <-chan *net.TCPConn) {
 // client resets, and the server reads to the end: EOF is a FIN that came
 // before the reset.
 func clientResetSeenAsFin(t *testing.T) bool {
-	ln, accepted := acceptOne(t)
-	defer ln.Close()
-	h := start(t, ln.Addr().String(), nil)
-	defer h.p.Close()
-	c := h.dial()
-	defer c.Close()
-	srv := <-accepted
-	defer srv.Close()
+	h, _, c, srv, done := proxiedConn(t)
+	defer done()
 	// Until the write stalls: the proxy's response pump then waits in its
 	// write to the client. No write of the server's is left pending.
 	_ = srv.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
@@ -192,4 +187,108 @@ func TestBudgetWaitersAreNotStarvedByTheirOwnReadBuffers(t *testing.T) {
 				i, links, b.Limit.Load(), b.Queued.Load(), b.Reads.Load(), b.Nwait.Load())
 		}
 	}
+}
+
+// After the other direction has passed its FIN on to a socket, the end of
+// that socket's stream is taken for its peer's FIN without asking the
+// kernel (link.finOnly), unless a peek at the socket began (it may have
+// taken a reset's error) or the link is ending: then flow.ResetNotFin
+// asks, as at every first FIN. The client half-closes here; once the
+// proxy has passed that FIN to the server, the server's end needs no
+// TCP_INFO, a peek flag set or the link's end brings the check back, and
+// the server's FIN reaches the client as a FIN.
+func TestSecondFinIsTakenWithoutAskingTheKernel(t *testing.T) {
+	h, ln, c, srv, done := proxiedConn(t)
+	defer done()
+	lk := h.onlyLink(2 * time.Second)
+	if lk.finOnly(nil) {
+		t.Fatal("finOnly before any FIN was passed: the first FIN must be checked")
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	_ = srv.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := srv.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("server read %d, %v; want the client's FIN", n, err)
+	}
+	waitFor(t, 2*time.Second, "the client's FIN counted as passed", func() bool {
+		lk.finMu.Lock()
+		defer lk.finMu.Unlock()
+		return lk.fins == 1
+	})
+	if !lk.finOnly(nil) {
+		t.Fatal("finOnly false with the other direction's FIN passed, nothing peeked and the link not ending")
+	}
+	var peeked atomic.Bool
+	peeked.Store(true)
+	if lk.finOnly(&peeked) {
+		t.Fatal("finOnly true after a peek began: the peek may have taken a reset's error")
+	}
+	_ = srv.Close() // the server's FIN
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if n, err := c.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+		t.Fatalf("client read %d, %v; want the server's FIN", n, err)
+	}
+	if s := h.linkEnd(5 * time.Second); s.Reason != CloseClientClosed {
+		t.Fatalf("reason %q, want %q", s.Reason, CloseClientClosed)
+	}
+	if lk.finOnly(nil) {
+		t.Fatal("finOnly true on a link that has ended")
+	}
+
+	// A link cut with one FIN passed (here as half_close_timeout cuts
+	// it): its sockets may be closed under the reads, which ResetNotFin
+	// counts as resets.
+	c2 := h.dial()
+	defer c2.Close()
+	srv2, ok := <-acceptNext(ln)
+	if !ok {
+		t.Fatal("the proxy did not connect the second link")
+	}
+	defer srv2.Close()
+	if err := c2.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	lk2 := h.onlyLink(2 * time.Second)
+	waitFor(t, 2*time.Second, "the second client's FIN counted as passed", func() bool {
+		lk2.finMu.Lock()
+		defer lk2.finMu.Unlock()
+		return lk2.fins == 1
+	})
+	lk2.abort(CloseHalfCloseTimeout, nil)
+	if lk2.finOnly(nil) {
+		t.Fatal("finOnly true on a link being cut")
+	}
+}
+
+// proxiedConn starts a proxy in front of a listener of its own and
+// connects a client through it: the proxy, the listener (for more
+// connections), the client, the server's end of the connection, and
+// done, which closes them all.
+func proxiedConn(t *testing.T) (h *harness, ln net.Listener, c, srv *net.TCPConn, done func()) {
+	ln, accepted := acceptOne(t)
+	h = start(t, ln.Addr().String(), nil)
+	c = h.dial()
+	srv = <-accepted
+	return h, ln, c, srv, func() {
+		if srv != nil {
+			_ = srv.Close()
+		}
+		_ = c.Close()
+		h.p.Close()
+		_ = ln.Close()
+	}
+}
+
+// acceptNext hands over the next connection ln accepts (the channel
+// closes without one when ln is closed first).
+func acceptNext(ln net.Listener) <-chan *net.TCPConn {
+	ch := make(chan *net.TCPConn, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			ch <- c.(*net.TCPConn)
+		}
+		close(ch)
+	}()
+	return ch
 }
