@@ -328,7 +328,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	}
 	if err != nil {
 		_ = tc.Close()
-		return nil, pr.handshakeFailed(ctx, m, began, err)
+		return nil, pr.handshakeFailed(ctx, m, began, err, tc, mark)
 	}
 	es := &egressSession{peer: pr, key: key, maxStreams: streams, mark: mark, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
@@ -409,8 +409,11 @@ var testHookMeshHandshake atomic.Pointer[func(net.Conn) net.Conn]
 // while it could not read it. That is no evidence against the peer: the
 // link fails, as a connect noticed late does (see errFrozenDial), and the
 // next dial asks again. Nor is a timeout while another session to the
-// peer has read from it since the handshake began.
-func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began int64, err error) error {
+// peer has read from it since the handshake began. Nor one while the
+// proxy's host has no route to the peer sidecar (flow.RouteTo with the
+// session's mark, as the heartbeat's verdict asks, see excludePeer): the
+// link ends local_error (errOwnNetwork), nothing is excluded.
+func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began int64, err error, tc *net.TCPConn, mark int) error {
 	var ne net.Error
 	timedOut := errors.As(err, &ne) && ne.Timeout()
 	if timedOut && !errors.Is(ctx.Err(), context.Canceled) && pr.heardSince(began) {
@@ -428,10 +431,27 @@ func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began in
 	if late := time.Duration(flow.Mono()-began) - m.PingTimeout.D(); late >= m.PingTimeout.D() {
 		return errFrozenDial{fmt.Errorf("%s: no answer to the session handshake: %w", pr.addr, err), late}
 	}
+	dead := fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
+	if noRouteToPeer(tc, mark) {
+		pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session handshake unanswered for ping_timeout, but the proxy's host has no route to the peer sidecar: its own network; no endpoint behind it is excluded")
+		return errOwnNetwork{cause: dead}
+	}
 	pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
 	pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
 	pr.excludeEndpoints()
-	return fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
+	return dead
+}
+
+// noRouteToPeer reports whether the proxy's host has no route now for the
+// segments of c, a session's connection dialled with mark, to the peer
+// sidecar (flow.RouteTo). A lookup that cannot be made says no.
+func noRouteToPeer(c *net.TCPConn, mark int) bool {
+	var dst netip.AddrPort
+	if ra, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		dst = ra.AddrPort()
+	}
+	route, known := flow.RouteTo(dst, mark)
+	return known && !route
 }
 
 // heardSince reports whether a session to the peer has read from it since
@@ -561,13 +581,9 @@ func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, diale
 // is excluded. A lookup that cannot be made leaves the verdict the
 // peer's. One lookup per verdict, none per tick.
 func (es *egressSession) excludePeer() {
-	var dst netip.AddrPort
-	if ra, ok := es.Conn.RemoteAddr().(*net.TCPAddr); ok {
-		dst = ra.AddrPort()
-	}
-	if route, known := flow.RouteTo(dst, es.mark); known && !route {
+	if noRouteToPeer(es.Conn, es.mark) {
 		es.ownNetwork.Store(true)
-		es.Log.Warn().Str("peer", dst.String()).Msg("mesh session dead, but the proxy's host has no route to the peer sidecar: its own network; no endpoint behind it is excluded, its links end local_error")
+		es.Log.Warn().Str("peer", es.Conn.RemoteAddr().String()).Msg("mesh session dead, but the proxy's host has no route to the peer sidecar: its own network; no endpoint behind it is excluded, its links end local_error")
 		es.peer.forgetStatus()
 		return
 	}

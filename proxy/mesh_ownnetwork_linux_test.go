@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -150,4 +151,76 @@ func meterStalls(t *testing.T) (stop func() time.Duration) {
 	}
 	t.Cleanup(func() { stop() })
 	return stop
+}
+
+// When the proxy's own route to a peer sidecar goes while a session's
+// handshake waits for its answer (the connect done, the preface sent),
+// the handshake hears nothing for ping_timeout, as from a dead sidecar;
+// but that is the proxy's own failure: the link ends local_error, no
+// endpoint reached through the peer is excluded and no session death is
+// counted. Before, every one of them was excluded mesh_dead. The twin,
+// the same silent sidecar behind a route the proxy keeps: the link ends
+// mesh_dead, the endpoint is excluded mesh_dead, both within
+// ping_timeout and a second of the handshake's start.
+func TestMeshOwnRouteGoneUnderTheHandshakeIsNotThePeers(t *testing.T) {
+	eachCut(t, append(ownCuts, "twin: peer sidecar silent, route kept"), meshOwnRouteGoneUnderHandshake)
+}
+
+func meshOwnRouteGoneUnderHandshake(t *testing.T, cut string) {
+	const pingTimeout = time.Second
+	ns := netns.NewNS(t)
+	link := netns.Veth(t, ns, "10.231.39.1/24", "10.231.39.2/24")
+	silent, accepted := silentListenerIn(t, ns, net.JoinHostPort(link.PeerIP().String(), "0"))
+	pathUp(t, silent)
+	waitFor(t, 5*time.Second, "pathUp's connection accepted", func() bool { return accepted() >= 1 })
+	eg := startEgress(t, net.JoinHostPort(link.PeerIP().String(), "9000"), silent.(*net.TCPAddr).Port, func(s *policy.Settings) {
+		s.Mesh.PingTimeout = policy.Duration(pingTimeout)
+		// The link's connect budget outlasts ping_timeout: the
+		// handshake's own deadline judges.
+		s.ConnectTimeout = policy.Duration(3 * pingTimeout)
+		s.ConnectAttempts = 1
+	})
+	stalls := meterStalls(t)
+	began := time.Now()
+	eg.dial()
+	waitFor(t, 5*time.Second, "the session's connection accepted", func() bool { return accepted() >= 2 })
+	twin := strings.HasPrefix(cut, "twin")
+	if !twin {
+		cutOwnRoute(t, cut, link)
+	}
+	s := eg.linkEnd(3*pingTimeout + 5*time.Second)
+	ep := eg.endpoint()
+	took := s.Opened.Add(s.Duration).Sub(began)
+	bound := pingTimeout + time.Second + stalls()
+	deaths := testutil.ToFloat64(eg.m.MeshSessionDeaths(metrics.MeshEgress))
+	t.Logf("%s: link ended %s %v after the dial (bound %v) (%v); endpoint %s (%s); %v session deaths", cut, s.Reason, took.Round(time.Millisecond), bound.Round(time.Millisecond), s.Err, ep.State, ep.Reason, deaths)
+	if took > bound {
+		t.Fatalf("%s: the link ended %v after the dial, want within ping_timeout %v, a second and the time this process could not run (%v)", cut, took, pingTimeout, bound)
+	}
+	if twin {
+		if s.Reason != CloseMeshDead || ep.State != "excluded" || ep.Reason != string(reasonMeshDead) || deaths != 1 {
+			t.Fatalf("a silent peer sidecar behind a working route: link ended %s, endpoint %s (%s), %v session deaths; want mesh_dead, excluded mesh_dead, 1", s.Reason, ep.State, ep.Reason, deaths)
+		}
+		return
+	}
+	if s.Reason != CloseLocalError || ep.State != "healthy" || deaths != 0 {
+		t.Fatalf("the proxy's own route to the peer sidecar failed under the handshake (%s), but the link ended %s, the endpoint is %s (%s), %v session deaths: the endpoints behind the peer blamed for the proxy's own failure", cut, s.Reason, ep.State, ep.Reason, deaths)
+	}
+}
+
+// silentListenerIn listens on address in ns, accepts and holds every
+// connection without reading or writing: a sidecar that answers no
+// handshake. accepted counts the connections accepted.
+func silentListenerIn(t *testing.T, ns *netns.NS, address string) (addr net.Addr, accepted func() int) {
+	t.Helper()
+	ln, err := ns.Listen("tcp", address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n atomic.Int32
+	serveConns(t, ln, func(_ net.Conn, done <-chan struct{}) {
+		n.Add(1)
+		<-done
+	})
+	return ln.Addr(), func() int { return int(n.Load()) }
 }
