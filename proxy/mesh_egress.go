@@ -288,47 +288,9 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	if err != nil {
 		return nil, err
 	}
-	// The handshake's answer is judged as the heartbeat judges a session:
-	// nothing for ping_timeout is a dead peer sidecar.
-	began := flow.Mono()
-	_ = c.SetDeadline(time.Now().Add(m.PingTimeout.D()))
-	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
-	if m.TLS.Enabled() {
-		t := mesh.TLSClient(c, pr.p.meshCertsFor(m.TLS).ClientConfig(m.TLS.Peers.List()))
-		if err = t.Handshake(); err != nil {
-			var ne net.Error
-			if (!errors.As(err, &ne) || !ne.Timeout()) && !ownFailure(err) {
-				// Not an ingress of this mesh (or one that refused this
-				// sidecar's certificate): as a peer without one. Not this
-				// sidecar's own files failing since the check above
-				// (mesh.ErrOwnTLS, an ownFailure).
-				err = fmt.Errorf("%w: TLS handshake: %v", mesh.ErrForeignPeer, err)
-			}
-		}
-		c = t
-	}
-	streams := 0
-	if err == nil {
-		if _, err = c.Write(mesh.Preface()); err == nil {
-			streams, err = mesh.ReadReply(c)
-		}
-	}
-	stop()
-	_ = c.SetDeadline(time.Time{})
-	var ne net.Error
-	if err != nil && !errors.Is(err, mesh.ErrNoIngress) && !errors.Is(err, mesh.ErrStream) && !(errors.As(err, &ne) && ne.Timeout()) && !ownFailure(err) {
-		// The connection broke in the handshake (reset, closed, a TLS
-		// alert: under TLS 1.3 the ingress judges this sidecar's
-		// certificate after the client's handshake): whatever listens on
-		// the mesh port is no ingress that takes this sidecar. Nothing
-		// here involved the server. (A write that failed for this
-		// process's own want, ENOBUFS say, is its own failure: the link
-		// ends local_error, the peer keeps its standing.)
-		err = fmt.Errorf("%w: %v", mesh.ErrForeignPeer, err)
-	}
+	c, streams, err := pr.handshake(ctx, m, c, tc, mark)
 	if err != nil {
-		_ = tc.Close()
-		return nil, pr.handshakeFailed(ctx, m, began, err, tc, mark)
+		return nil, err
 	}
 	es := &egressSession{peer: pr, key: key, maxStreams: streams, mark: mark, links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
@@ -356,6 +318,58 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	pr.mu.Unlock()
 	log.Debug().Msg("mesh session opened")
 	return es, nil
+}
+
+// handshake runs the session's handshake on c (over tc): TLS if set,
+// then the preface and the ingress's reply. It returns the connection the
+// session runs on and the streams the ingress lets it carry; on a failure
+// tc is closed. The answer is judged as the heartbeat judges a session:
+// nothing for ping_timeout of this process's running time (a
+// mesh.HandshakeWatch) is a dead peer sidecar (see handshakeFailed).
+func (pr *meshPeer) handshake(ctx context.Context, m policy.Mesh, c net.Conn, tc *net.TCPConn, mark int) (net.Conn, int, error) {
+	began := flow.Mono()
+	watch := mesh.WatchHandshake(tc, m.PingInterval.D(), m.PingTimeout.D())
+	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(pastDeadline) })
+	var err error
+	if m.TLS.Enabled() {
+		t := mesh.TLSClient(c, pr.p.meshCertsFor(m.TLS).ClientConfig(m.TLS.Peers.List()))
+		if err = t.Handshake(); err != nil {
+			var ne net.Error
+			if (!errors.As(err, &ne) || !ne.Timeout()) && !ownFailure(err) {
+				// Not an ingress of this mesh (or one that refused this
+				// sidecar's certificate): as a peer without one. Not this
+				// sidecar's own files failing since the check above
+				// (mesh.ErrOwnTLS, an ownFailure).
+				err = fmt.Errorf("%w: TLS handshake: %v", mesh.ErrForeignPeer, err)
+			}
+		}
+		c = t
+	}
+	streams := 0
+	if err == nil {
+		if _, err = c.Write(mesh.Preface()); err == nil {
+			streams, err = mesh.ReadReply(c)
+		}
+	}
+	stop()
+	silent := watch.Stop()
+	_ = c.SetDeadline(time.Time{})
+	var ne net.Error
+	if err != nil && !errors.Is(err, mesh.ErrNoIngress) && !errors.Is(err, mesh.ErrStream) && !(errors.As(err, &ne) && ne.Timeout()) && !ownFailure(err) {
+		// The connection broke in the handshake (reset, closed, a TLS
+		// alert: under TLS 1.3 the ingress judges this sidecar's
+		// certificate after the client's handshake): whatever listens on
+		// the mesh port is no ingress that takes this sidecar. Nothing
+		// here involved the server. (A write that failed for this
+		// process's own want, ENOBUFS say, is its own failure: the link
+		// ends local_error, the peer keeps its standing.)
+		err = fmt.Errorf("%w: %v", mesh.ErrForeignPeer, err)
+	}
+	if err != nil {
+		_ = tc.Close()
+		return nil, 0, pr.handshakeFailed(ctx, began, silent, err, tc, mark)
+	}
+	return c, streams, nil
 }
 
 // connect opens the connection a session to the peer runs on: c, over
@@ -401,19 +415,20 @@ func (pr *meshPeer) connect(ctx context.Context, m policy.Mesh, dialer *net.Dial
 var testHookMeshHandshake atomic.Pointer[func(net.Conn) net.Conn]
 
 // handshakeFailed is the error of a session handshake begun at mono time
-// began that failed with err. No answer for ping_timeout, while the
-// link's connect budget (ctx) lasts, is a dead peer sidecar: its
-// endpoints are excluded. Unless the proxy noticed the timeout a
-// ping_timeout or more after its deadline: this process could not run
-// meanwhile (CPU throttling, a frozen host), and the answer may have come
-// while it could not read it. That is no evidence against the peer: the
-// link fails, as a connect noticed late does (see errFrozenDial), and the
-// next dial asks again. Nor is a timeout while another session to the
-// peer has read from it since the handshake began. Nor one while the
+// began that failed with err, tc its connection, dialled with mark.
+// silent: its mesh.HandshakeWatch found no answer for ping_timeout, which,
+// while the link's connect budget (ctx) lasts, is a dead peer sidecar:
+// its endpoints are excluded. That silence is counted in this process's
+// running time, as the heartbeat counts it: a stall of this process (CPU
+// throttling, a frozen host) that spans the handshake's time is not held
+// against the peer, whose answer may have come while this process could
+// not read it; after it, the peer has a ping interval of the process's
+// running time to be heard. Not a silence either while another session
+// to the peer has read from it since the handshake began, nor while the
 // proxy's host has no route to the peer sidecar (flow.RouteTo with the
 // session's mark, as the heartbeat's verdict asks, see excludePeer): the
 // link ends local_error (errOwnNetwork), nothing is excluded.
-func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began int64, err error, tc *net.TCPConn, mark int) error {
+func (pr *meshPeer) handshakeFailed(ctx context.Context, began int64, silent bool, err error, tc *net.TCPConn, mark int) error {
 	var ne net.Error
 	timedOut := errors.As(err, &ne) && ne.Timeout()
 	if timedOut && !errors.Is(ctx.Err(), context.Canceled) && pr.heardSince(began) {
@@ -425,11 +440,8 @@ func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began in
 		// session if it can take it (see session), else fails.
 		return fmt.Errorf("%w: %s: no answer to the session handshake, while another session to the peer sidecar carries its bytes", mesh.ErrStream, pr.addr)
 	}
-	if ctx.Err() != nil || !timedOut {
+	if ctx.Err() != nil || !timedOut || !silent {
 		return fmt.Errorf("%s: %w", pr.addr, err)
-	}
-	if late := time.Duration(flow.Mono()-began) - m.PingTimeout.D(); late >= m.PingTimeout.D() {
-		return errFrozenDial{fmt.Errorf("%s: no answer to the session handshake: %w", pr.addr, err), late}
 	}
 	dead := fmt.Errorf("%w (%s: no answer to the session handshake)", errMeshDead, pr.addr)
 	if noRouteToPeer(tc, mark) {

@@ -409,16 +409,12 @@ func (ms *Session) Close() {
 func (ms *Session) heartbeat() {
 	defer ms.Wg.Done()
 	defer ms.m.MeshSessions(ms.role).Dec()
-	// A quarter of the ping interval: a dead session is found within
-	// ping_timeout plus this step (250 ms at the defaults), or, when this
-	// process could not run meanwhile, a ping interval after it ran again
-	// (see silence).
-	step := min(ms.Interval/4, ms.Timeout/8)
+	step := heartbeatStep(ms.Interval, ms.Timeout)
 	t := time.NewTicker(step)
 	defer t.Stop()
 	nextPing, nextTick := int64(0), int64(0)
 	sil := silence{grace: int64(ms.Interval)}
-	prev := flow.Mono()
+	clk := stallClock{step: int64(step), prev: flow.Mono()}
 	for {
 		select {
 		case <-ms.Sess.CloseChan():
@@ -426,16 +422,7 @@ func (ms *Session) heartbeat() {
 		case <-t.C:
 		}
 		now := flow.Mono()
-		// A tick more than a step late: this process (or the heartbeat)
-		// could not run meanwhile, for the time past the step. A tick late
-		// by less is scheduling noise on a busy machine, not counted: it
-		// would put off a dead peer's verdict, tick by tick.
-		stalled := int64(0)
-		if gap := now - prev; gap > 2*int64(step) {
-			stalled = gap - int64(step)
-		}
-		prev = now
-		if silent := sil.update(now, ms.lastRead.Load(), stalled); silent > int64(ms.Timeout) && flow.UnreadBytes(ms.Conn) == 0 {
+		if silent := sil.update(now, ms.lastRead.Load(), clk.tick(now)); silent > int64(ms.Timeout) && flow.UnreadBytes(ms.Conn) == 0 {
 			ms.DeclareDead(time.Duration(silent))
 			return
 		}
@@ -455,6 +442,87 @@ func (ms *Session) heartbeat() {
 			ms.Guard.ping()
 		}
 	}
+}
+
+// heartbeatStep is the heartbeat's tick: a quarter of the ping interval
+// (an eighth of ping_timeout if shorter). A dead session is found within
+// ping_timeout plus this step (250 ms at the defaults), or, when this
+// process could not run meanwhile, a ping interval after it ran again
+// (see silence).
+func heartbeatStep(interval, timeout time.Duration) time.Duration {
+	return min(interval/4, timeout/8)
+}
+
+// stallClock tells, tick by tick of a ticker of step, the time this
+// process could not run: a tick more than a step late comes after a
+// stall (of this process, or of the ticking goroutine) of the time past
+// the step. A tick late by less is scheduling noise on a busy machine,
+// not counted: it would put off a dead peer's verdict, tick by tick.
+type stallClock struct{ step, prev int64 } // mono
+
+// tick takes a tick at now and returns the stall before it.
+func (c *stallClock) tick(now int64) (stalled int64) {
+	if gap := now - c.prev; gap > 2*c.step {
+		stalled = gap - c.step
+	}
+	c.prev = now
+	return stalled
+}
+
+// HandshakeWatch judges a session handshake's silence as the heartbeat
+// judges a session's (see silence): the peer, of which nothing counts
+// until its answer is whole, is silent once timeout of this process's
+// running time has passed since the watch began, or, after a stall of
+// this process, once it has run for interval since (a peer stalled with
+// it gets that long to answer) and the whole time since the watch began
+// is past timeout; and no byte of the peer's waits unread in the socket.
+// Then the watch sets a past deadline on the connection, which ends the
+// handshake's read or write with a timeout. A wall-clock deadline would
+// end it at once after a stall that spans it, before the handshake could
+// read the answer that came meanwhile (the runtime runs expired timers
+// before it polls the network).
+type HandshakeWatch struct {
+	silent     atomic.Bool
+	quit, done chan struct{}
+}
+
+// WatchHandshake starts watching the handshake on tc from now. The caller
+// must Stop it.
+func WatchHandshake(tc *net.TCPConn, interval, timeout time.Duration) *HandshakeWatch {
+	w := &HandshakeWatch{quit: make(chan struct{}), done: make(chan struct{})}
+	go w.run(tc, interval, timeout)
+	return w
+}
+
+func (w *HandshakeWatch) run(tc *net.TCPConn, interval, timeout time.Duration) {
+	defer close(w.done)
+	step := heartbeatStep(interval, timeout)
+	t := time.NewTicker(step)
+	defer t.Stop()
+	began := flow.Mono()
+	sil := silence{grace: int64(interval)}
+	clk := stallClock{step: int64(step), prev: began}
+	for {
+		select {
+		case <-w.quit:
+			return
+		case <-t.C:
+		}
+		now := flow.Mono()
+		if sil.update(now, began, clk.tick(now)) > int64(timeout) && flow.UnreadBytes(tc) == 0 {
+			w.silent.Store(true)
+			_ = tc.SetDeadline(time.Unix(1, 0))
+			return
+		}
+	}
+}
+
+// Stop ends the watch and reports whether it found the peer silent (and
+// set the past deadline).
+func (w *HandshakeWatch) Stop() (silent bool) {
+	close(w.quit)
+	<-w.done
+	return w.silent.Load()
 }
 
 // silence is the heartbeat's measure of the peer's silence. Time this
