@@ -180,3 +180,37 @@ func startProxy(t *testing.T, cfg policy.Config, opts Options) *Proxy {
 	t.Cleanup(func() { _ = p.Close() })
 	return p
 }
+
+// meterStalls measures, until the function it returns is called, the time
+// this process could not run: a tick of its own more than a step late
+// counts the time past the step, as the heartbeat's does (mesh.silence).
+func meterStalls(t *testing.T) (stop func() time.Duration) {
+	const step = 10 * time.Millisecond
+	quit, done := make(chan struct{}), make(chan struct{})
+	var stalled time.Duration
+	go func() {
+		defer close(done)
+		tk := time.NewTicker(step)
+		defer tk.Stop()
+		prev := time.Now()
+		for {
+			select {
+			case <-quit:
+				return
+			case <-tk.C:
+			}
+			now := time.Now()
+			if gap := now.Sub(prev); gap > 2*step {
+				stalled += gap - step
+			}
+			prev = now
+		}
+	}()
+	var once sync.Once
+	stop = func() time.Duration {
+		once.Do(func() { close(quit); <-done })
+		return stalled
+	}
+	t.Cleanup(func() { stop() })
+	return stop
+}

@@ -367,7 +367,7 @@ func (pr *meshPeer) handshake(ctx context.Context, m policy.Mesh, c net.Conn, tc
 	}
 	if err != nil {
 		_ = tc.Close()
-		return nil, 0, pr.handshakeFailed(ctx, began, silent, err, tc, mark)
+		return nil, 0, pr.handshakeFailed(ctx, m, began, silent, err, tc, mark)
 	}
 	return c, streams, nil
 }
@@ -427,8 +427,11 @@ var testHookMeshHandshake atomic.Pointer[func(net.Conn) net.Conn]
 // to the peer has read from it since the handshake began, nor while the
 // proxy's host has no route to the peer sidecar (flow.RouteTo with the
 // session's mark, as the heartbeat's verdict asks, see excludePeer): the
-// link ends local_error (errOwnNetwork), nothing is excluded.
-func (pr *meshPeer) handshakeFailed(ctx context.Context, began int64, silent bool, err error, tc *net.TCPConn, mark int) error {
+// link ends local_error (errOwnNetwork), nothing is excluded. Nor while
+// another session to the peer, pinged then, answers within ping_timeout
+// or a second, whichever is shorter (sessions of other settings may ping
+// further apart than this handshake waits).
+func (pr *meshPeer) handshakeFailed(ctx context.Context, m policy.Mesh, began int64, silent bool, err error, tc *net.TCPConn, mark int) error {
 	var ne net.Error
 	timedOut := errors.As(err, &ne) && ne.Timeout()
 	if timedOut && !errors.Is(ctx.Err(), context.Canceled) && pr.heardSince(began) {
@@ -448,6 +451,12 @@ func (pr *meshPeer) handshakeFailed(ctx context.Context, began int64, silent boo
 		pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session handshake unanswered for ping_timeout, but the proxy's host has no route to the peer sidecar: its own network; no endpoint behind it is excluded")
 		return errOwnNetwork{cause: dead}
 	}
+	if others := pr.liveSessions(); len(others) > 0 && mesh.AnyAnswers(others, min(m.PingTimeout.D(), time.Second)) {
+		// Another session to the peer, quiet since the handshake began
+		// (its pings further apart: a session of other settings), answers
+		// now: the sidecar runs. As above.
+		return fmt.Errorf("%w: %s: no answer to the session handshake, while another session to the peer sidecar answers its ping", mesh.ErrStream, pr.addr)
+	}
 	pr.p.metrics.MeshSessionDeaths(metrics.MeshEgress).Inc()
 	pr.p.log.Warn().Str("mesh_peer", pr.addr).Msg("mesh session dead: the peer sidecar did not answer the session handshake for ping_timeout")
 	pr.excludeEndpoints()
@@ -464,6 +473,20 @@ func noRouteToPeer(c *net.TCPConn, mark int) bool {
 	}
 	route, known := flow.RouteTo(dst, mark)
 	return known && !route
+}
+
+// liveSessions are the sessions to the peer its heartbeat has not found
+// dead, and still open.
+func (pr *meshPeer) liveSessions() []*mesh.Session {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	var ss []*mesh.Session
+	for _, es := range pr.sessions {
+		if !es.Dead.Load() && !es.Closed() {
+			ss = append(ss, es.Session)
+		}
+	}
+	return ss
 }
 
 // heardSince reports whether a session to the peer has read from it since

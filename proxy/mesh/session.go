@@ -596,6 +596,34 @@ func (ms *Session) HeardSince(t int64) bool {
 	return !ms.Dead.Load() && !ms.Sess.IsClosed() && ms.lastRead.Load() >= t
 }
 
+// AnyAnswers pings the peer on each of ss (ahead of its send queue, as
+// the heartbeat does) and reports whether any of them hears from it
+// within d: its answer, or anything else, arriving, or waiting unread in
+// the socket. Time this process could not run meanwhile (a tick of its
+// poll more than a step late) is added to d: the answer may wait for it.
+func AnyAnswers(ss []*Session, d time.Duration) bool {
+	asked := flow.Mono()
+	for _, ms := range ss {
+		ms.Guard.ping()
+	}
+	const step = 5 * time.Millisecond
+	t := time.NewTicker(step)
+	defer t.Stop()
+	clk := stallClock{step: int64(step), prev: asked}
+	for deadline := asked + int64(d); ; {
+		for _, ms := range ss {
+			if ms.HeardSince(asked) || !ms.Dead.Load() && !ms.Sess.IsClosed() && flow.UnreadBytes(ms.Conn) > 0 {
+				return true
+			}
+		}
+		now := flow.Mono()
+		if deadline += clk.tick(now); now >= deadline {
+			return false
+		}
+		<-t.C
+	}
+}
+
 // Usable reports whether new streams may go on the session.
 func (ms *Session) Usable() bool {
 	return !ms.Dead.Load() && !ms.retired.Load() && !ms.Sess.IsClosed()
