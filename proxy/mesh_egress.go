@@ -95,12 +95,17 @@ type egressSession struct {
 	links      map[*link]struct{}
 }
 
-// sessionKey is what a session is dialled with: the mesh settings and
-// the half-close timeout, printed (mesh.tls.peers is a slice).
+// sessionKey is what a session is dialled with, printed (mesh.tls.peers
+// is a slice): the mesh settings, and the options its connection's socket
+// gets (flow.UpstreamControl, then MeshSessionUserTimeout): the mark,
+// tcp_user_timeout, keepalive, the high-water mark TCP_NOTSENT_LOWAT
+// follows. After a reload that changes any, new links go on sessions
+// dialled with the new ones; the old ones keep theirs.
 type sessionKey string
 
-func newSessionKey(m policy.Mesh) sessionKey {
-	return sessionKey(fmt.Sprintf("%+v", m))
+func newSessionKey(s *policy.Settings) sessionKey {
+	return sessionKey(fmt.Sprintf("%+v|mark %d|ut %v|ka %+v|hwm %d|session ut %v", s.Mesh.OrDefaults(), s.UpstreamMark,
+		s.TCPUserTimeout, s.Keepalive, s.WriteBuffer.HighWaterMark, s.MeshSessionUserTimeout()))
 }
 
 // idle reports whether the session carries no link.
@@ -216,13 +221,11 @@ func (p *Proxy) closeMesh() {
 }
 
 // session returns a live session to the peer, dialled with the same
-// settings, with the fewest streams; it dials one when there is none, or
-// when every one carries streams and fewer than mesh.sessions exist. ut,
-// when not 0, is the TCP_USER_TIMEOUT a session it dials gets after its
-// connect (policy.Settings.MeshSessionUserTimeout); mark is the SO_MARK
-// dialer's Control sets (0: none).
-func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dialer, mark int, ut time.Duration) (*egressSession, error) {
-	key := newSessionKey(m)
+// settings s (sessionKey), with the fewest streams; it dials one, with
+// dialer (whose Control sets s's socket options), when there is none, or
+// when every one carries streams and fewer than mesh.sessions exist.
+func (pr *meshPeer) session(ctx context.Context, s *policy.Settings, dialer *net.Dialer) (*egressSession, error) {
+	key, m := newSessionKey(s), s.Mesh.OrDefaults()
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
@@ -271,7 +274,7 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dial
 		}
 		return best, nil
 	}
-	es, err := pr.dial(ctx, m, key, dialer, mark, ut)
+	es, err := pr.dial(ctx, m, key, dialer, s.UpstreamMark, s.MeshSessionUserTimeout())
 	if err != nil {
 		if best != nil {
 			return best, nil
@@ -282,7 +285,9 @@ func (pr *meshPeer) session(ctx context.Context, m policy.Mesh, dialer *net.Dial
 }
 
 // dial opens a session to the peer: the connection, the handshake, then
-// yamux.
+// yamux. ut, when not 0, is the TCP_USER_TIMEOUT the session gets after
+// its connect (policy.Settings.MeshSessionUserTimeout); mark is the
+// SO_MARK dialer's Control sets (0: none).
 func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dialer *net.Dialer, mark int, ut time.Duration) (*egressSession, error) {
 	c, tc, err := pr.connect(ctx, m, dialer, ut)
 	if err != nil {
@@ -578,8 +583,8 @@ func (pr *meshPeer) epochOf(port uint16) uint64 {
 
 // probe proves an endpoint behind the peer: a session answers a ping and
 // the peer announces the port ready.
-func (pr *meshPeer) probe(ctx context.Context, port uint16, m policy.Mesh, dialer *net.Dialer, mark int, ut time.Duration) error {
-	es, err := pr.session(ctx, m, dialer, mark, ut)
+func (pr *meshPeer) probe(ctx context.Context, port uint16, s *policy.Settings, dialer *net.Dialer) error {
+	es, err := pr.session(ctx, s, dialer)
 	if err != nil {
 		return err
 	}
@@ -731,7 +736,7 @@ func (ep *endpoint) meshProbe(ctx context.Context, _ string) (bool, error) {
 	}
 	n, _ := strconv.Atoi(eport)
 	pr := ep.p.meshPeer(host, port)
-	err = pr.probe(ctx, uint16(n), m, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)}, s.UpstreamMark, s.MeshSessionUserTimeout())
+	err = pr.probe(ctx, uint16(n), &s, &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)})
 	if errors.Is(err, mesh.ErrNoIngress) && m.Fallback == policy.MeshFallbackDirect {
 		return false, nil
 	}

@@ -162,22 +162,23 @@ func TestMeshSessionsKeyedBySettings(t *testing.T) {
 	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
 	eg := startEgress(t, srv.Addr(), in.port, nil)
 	pr := eg.p.meshPeer("127.0.0.2", in.port)
-	m := eg.p.listeners[0].spec().settings.Mesh.OrDefaults()
+	st := eg.p.listeners[0].spec().settings
+	m := st.Mesh.OrDefaults()
 	ctx := t.Context()
-	a, err := pr.session(ctx, m, &net.Dialer{}, 0, 0)
+	a, err := pr.session(ctx, &st, &net.Dialer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	m2 := m
-	m2.PingInterval = policy.Duration(70 * time.Millisecond)
-	b, err := pr.session(ctx, m2, &net.Dialer{}, 0, 0)
+	st2 := st
+	st2.Mesh.PingInterval = policy.Duration(70 * time.Millisecond)
+	b, err := pr.session(ctx, &st2, &net.Dialer{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if a == b || b.Interval != 70*time.Millisecond || a.Interval != m.PingInterval.D() {
 		t.Fatalf("sessions %p (%v) and %p (%v), want two, each with its own ping interval", a, a.Interval, b, b.Interval)
 	}
-	if c, _ := pr.session(ctx, m2, &net.Dialer{}, 0, 0); c == nil || c.key != b.key {
+	if c, _ := pr.session(ctx, &st2, &net.Dialer{}); c == nil || c.key != b.key {
 		t.Fatalf("a session of other settings was taken")
 	}
 }

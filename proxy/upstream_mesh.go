@@ -82,7 +82,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 	pr.endpoints[ep] = struct{}{} // reached through the peer: excluded with it
 	pr.mu.Unlock()
 	for try := 0; ; try++ {
-		es, err := pr.session(ctx, m, lk.dialer, lk.settings.UpstreamMark, lk.settings.MeshSessionUserTimeout())
+		es, err := pr.session(ctx, lk.settings, lk.dialer)
 		if errors.Is(err, mesh.ErrNoIngress) {
 			if direct && !pr.holdsSession() {
 				// A session refused while another lives (full, say)
