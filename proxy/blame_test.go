@@ -79,23 +79,6 @@ func TestUpstreamFaultClassification(t *testing.T) {
 	}
 }
 
-// openFDs returns the descriptors this process has open.
-func openFDs(t *testing.T) map[int]bool {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	fds := map[int]bool{}
-	for _, e := range ents {
-		var fd int
-		if _, err := fmt.Sscan(e.Name(), &fd); err == nil {
-			fds[fd] = true
-		}
-	}
-	return fds
-}
-
 // The proxy runs out of file descriptors (EMFILE) when it dials: that is
 // its own failure. The client is reset, the link ends as local_error, the
 // endpoint stays healthy and a link that was already open keeps working.
@@ -104,50 +87,7 @@ func TestOutOfDescriptorsIsALocalError(t *testing.T) {
 
 	// Leave exactly two free descriptor numbers: the test's own client
 	// socket and the proxy's accept take them, the proxy's dial finds none.
-	// Lower the limit a little above what is open, fill every free number
-	// below it, then free two.
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		t.Fatal(err)
-	}
-	top := 0
-	for fd := range openFDs(t) {
-		top = max(top, fd)
-	}
-	low := lim
-	low.Cur = uint64(top + 16)
-	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
-		t.Fatal(err)
-	}
-	var fillers []*os.File
-	defer func() {
-		for _, f := range fillers {
-			f.Close()
-		}
-	}()
-	for {
-		f, err := os.Open(os.DevNull)
-		if errors.Is(err, syscall.EMFILE) {
-			break
-		}
-		if err != nil || len(fillers) > top+16 {
-			_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
-			t.Fatalf("filling descriptors: %v after %d", err, len(fillers))
-		}
-		fillers = append(fillers, f)
-	}
-	for range 2 {
-		fillers[len(fillers)-1].Close()
-		fillers = fillers[:len(fillers)-1]
-	}
-	restored := false
-	restore := func() {
-		if !restored {
-			restored = true
-			_ = unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
-		}
-	}
-	defer restore()
+	restore := lptestutil.FillDescriptors(t, 2)
 
 	// The reset can reach the client before its own connect completes.
 	c, rerr := net.Dial("tcp", h.addr)

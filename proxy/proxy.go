@@ -295,6 +295,9 @@ func (p *Proxy) Start() error {
 		lns = append(lns, ln)
 	}
 	p.started = true
+	// The route lookups of its verdicts (ownNetwork) ask on a socket
+	// kept from now on: at its descriptor limit the proxy opens none.
+	flow.KeepRouteLookup()
 	pk, err := newParker(&p.log, p.metrics.ParkedPumps)
 	if err != nil {
 		p.log.Warn().Err(err).Msg("idle links cannot be parked: each keeps its goroutines (limits.park_idle_after has no effect)")

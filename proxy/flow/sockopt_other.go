@@ -69,6 +69,9 @@ func NeverSent(syscall.RawConn) bool { return false }
 // RouteTo is unknown here.
 func RouteTo(netip.AddrPort, int) (route, known bool) { return false, false }
 
+// KeepRouteLookup has nothing to keep here.
+func KeepRouteLookup() {}
+
 // SetLiveness is Linux's (DialRaw, which leaves it to the caller, too).
 func SetLiveness(syscall.RawConn, *policy.Settings) error { return nil }
 

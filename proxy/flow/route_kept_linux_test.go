@@ -1,0 +1,117 @@
+package flow
+
+import (
+	"errors"
+	"net/netip"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/livenessproxy/livenessproxy/internal/netns"
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
+)
+
+// routeFixture adds, in the test's own namespace, a route to
+// 10.231.44.0/24 and an unreachable one to 10.231.45.2: the lookups of
+// the tests below, one with a route and one without.
+func routeFixture(t *testing.T) {
+	t.Helper()
+	for _, args := range [][]string{
+		{"route", "add", "10.231.44.0/24", "dev", "lo"},
+		{"route", "add", "unreachable", "10.231.45.2/32"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %s: %v: %s", strings.Join(args, " "), err, out)
+		}
+	}
+}
+
+var (
+	routed   = netip.MustParseAddrPort("10.231.44.2:9000")
+	unrouted = netip.MustParseAddrPort("10.231.45.2:9000")
+)
+
+// A process with no descriptor to spare still looks its route up: the
+// lookup asks on the socket KeepRouteLookup opened, and needs no new
+// one. Before, each lookup opened a netlink socket of its own, and at
+// the descriptor limit every lookup was unknown: a route gone was taken
+// for the upstream's death.
+func TestRouteToAtTheDescriptorLimit(t *testing.T) {
+	if !netns.Reexec(t, "ip") {
+		return
+	}
+	routeFixture(t)
+	KeepRouteLookup()
+	restore := testutil.FillDescriptors(t, 0)
+	_, sockErr := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	r1, k1 := RouteTo(routed, 0)
+	r2, k2 := RouteTo(unrouted, 0)
+	restore()
+	t.Logf("at the descriptor limit (a new socket: %v): %s route %v known %v; %s route %v known %v", sockErr, routed, r1, k1, unrouted, r2, k2)
+	if !errors.Is(sockErr, unix.EMFILE) {
+		t.Fatalf("a new socket opened (%v): the process was not at its descriptor limit", sockErr)
+	}
+	if !r1 || !k1 || r2 || !k2 {
+		t.Fatalf("at the descriptor limit: %s route %v known %v, %s route %v known %v; want a route and none, both known", routed, r1, k1, unrouted, r2, k2)
+	}
+}
+
+// The kept socket's answers go to their own lookups: one an earlier
+// request left on the socket (its reader gone) is skipped, not read as
+// the next lookup's; a socket that fails is replaced and the lookup
+// answered; a lookup from a thread in another network namespace is
+// that namespace's, not the process's.
+func TestRouteToKeptSocket(t *testing.T) {
+	if !netns.Reexec(t, "ip") {
+		return
+	}
+	routeFixture(t)
+	KeepRouteLookup()
+
+	// A stale answer (a route) waits on the socket; the lookup that
+	// comes next has none.
+	routeSock.mu.Lock()
+	a := routed.Addr()
+	err := unix.Sendto(routeSock.fd, routeRequest(a, routed.Port(), 0), 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK})
+	routeSock.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, k := RouteTo(unrouted, 0); r || !k {
+		t.Fatalf("with an earlier answer waiting: %s route %v known %v; want none, known: the stale answer read as this one", unrouted, r, k)
+	}
+
+	// The socket breaks (another file in its place: sends fail).
+	null, err := unix.Open(os.DevNull, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	routeSock.mu.Lock()
+	broken := routeSock.fd
+	err = unix.Dup3(null, broken, unix.O_CLOEXEC)
+	routeSock.mu.Unlock()
+	unix.Close(null)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, k := RouteTo(routed, 0); !r || !k {
+		t.Fatalf("after the socket broke: %s route %v known %v; want a route, known", routed, r, k)
+	}
+
+	// Another namespace (a thread of its own) has neither route.
+	ns := netns.NewNS(t)
+	var r, k bool
+	if err := ns.Do(func() error { r, k = RouteTo(routed, 0); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("from another namespace: %s route %v known %v", routed, r, k)
+	if r || !k {
+		t.Fatalf("from another namespace: %s route %v known %v; want that namespace's: none, known", routed, r, k)
+	}
+	if r, k := RouteTo(routed, 0); !r || !k {
+		t.Fatalf("back in the process's namespace: %s route %v known %v; want a route, known", routed, r, k)
+	}
+}
