@@ -43,7 +43,12 @@ type Options struct {
 	// OwnFailure reports whether a probe's error is the prober's own
 	// failure (no descriptors, no buffers, a socket option the kernel
 	// refused, a name that did not resolve): such a probe reaches no
-	// verdict, as one that timed out while the process could not run.
+	// verdict, as one that timed out while the process could not run,
+	// and the next comes at ProbeConfig.InitialDelay, whatever the
+	// backoff has grown to: the failure said nothing of the endpoint,
+	// and an endpoint back while the prober's own failure lasted is
+	// readmitted within InitialDelay of its end (a probe that fails so
+	// asks nothing of the endpoint, its host or the network).
 	// Nil: every error is the endpoint's.
 	OwnFailure func(error) bool
 	// MaxProbes bounds the probes in flight at once, over every endpoint:
@@ -497,8 +502,9 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 	// back to back if a probe takes that long).
 	last := time.Now()
 	lastStart := last
+	own := false // the last probe failed for the prober's own reason
 	for {
-		pc, plan, ok := d.schedule(e, gen, last, lastStart)
+		pc, plan, ok := d.schedule(e, gen, last, lastStart, own)
 		if !ok {
 			return
 		}
@@ -534,11 +540,12 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 		if err != nil && !overridden && noticedLate(err, last.Sub(started), pc.Timeout) {
 			d.log.Debug().Err(err).Str("endpoint", e.name).Dur("took_ms", last.Sub(started)).
 				Msg("probe timed out while the proxy could not run: no verdict")
+			own = false
 			continue
 		}
-		if err != nil && d.own != nil && d.own(err) {
+		if own = err != nil && d.ownFailure(err, overridden, pc); own {
 			d.log.Debug().Err(err).Str("endpoint", e.name).
-				Msg("probe failed for the proxy's own reason (descriptors, buffers, a socket option, a name): no verdict")
+				Msg("probe failed for the proxy's own reason (descriptors, buffers, a socket option, a name, no route of its own): no verdict; the next at the initial delay")
 			continue
 		}
 
@@ -546,6 +553,12 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			return
 		}
 	}
+}
+
+// ownFailure reports whether a probe's error err is the prober's own
+// (Options.OwnFailure, ProbeConfig.OwnNetwork), not the endpoint's.
+func (d *Detector) ownFailure(err error, overridden bool, pc ProbeConfig) bool {
+	return d.own != nil && d.own(err) || !overridden && pc.OwnNetwork != nil && pc.OwnNetwork(err)
 }
 
 // probePlan is when a probe loop probes next: at, the backoff's time, or
@@ -559,10 +572,11 @@ type probePlan struct {
 // schedule plans the next probe of e by the loop of generation gen: at
 // soon if clients wait or e is on probation, else at the backoff's time;
 // sleepUntil may bring it to soon later. last is the end of the last
-// probe (or the exclusion), lastStart its start. It records the plan's
-// at as e's next probe and returns e's probe configuration; ok is false
-// if the loop no longer owns e.
-func (d *Detector) schedule(e *epState, gen uint64, last, lastStart time.Time) (pc ProbeConfig, plan probePlan, ok bool) {
+// probe (or the exclusion), lastStart its start; own: it failed for the
+// prober's own reason, and the backoff's time is InitialDelay after it.
+// It records the plan's at as e's next probe and returns e's probe
+// configuration; ok is false if the loop no longer owns e.
+func (d *Detector) schedule(e *epState, gen uint64, last, lastStart time.Time, own bool) (pc ProbeConfig, plan probePlan, ok bool) {
 	d.mu.Lock()
 	if !d.claimedLocked(e, gen) {
 		d.mu.Unlock()
@@ -576,7 +590,11 @@ func (d *Detector) schedule(e *epState, gen uint64, last, lastStart time.Time) (
 	if !d.claimedLocked(e, gen) {
 		return pc, plan, false
 	}
-	plan.at = last.Add(probeDelay(pc, e.probes+e.flaps))
+	step := e.probes + e.flaps
+	if own {
+		step = 0
+	}
+	plan.at = last.Add(probeDelay(pc, step))
 	plan.soon = lastStart.Add(waitingDelay(pc.Jitter, rand.Float64()))
 	if plan.wanted || !e.passingSince.IsZero() {
 		// Clients wait, or on probation: probe often enough to see

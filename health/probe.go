@@ -95,6 +95,13 @@ type ProbeConfig struct {
 	// direct probe; it reports not handled where it falls back to a
 	// direct connection (no sidecar there).
 	Override func(ctx context.Context, endpoint string) (handled bool, err error)
+	// OwnNetwork, when set, reports whether a failed probe's error is
+	// the prober's own network's (its host has no route of its own to
+	// where the probe dialed): such a probe reaches no verdict, as one
+	// Options.OwnFailure finds the prober's own, and the next comes at
+	// InitialDelay (see Options.OwnFailure). Not asked of an Override's
+	// error.
+	OwnNetwork func(error) bool
 	// Waiting, when set, reports whether clients are being turned away
 	// for want of this endpoint (its listener paused, links refused).
 	// While it does, the endpoint is probed every WaitingInterval at

@@ -6,10 +6,13 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/livenessproxy/livenessproxy/internal/testutil"
 )
 
 // A probe that fails for the prober's own reason (no descriptors:
@@ -51,6 +54,72 @@ func TestProbeOutOfDescriptorsIsNoFailedProbe(t *testing.T) {
 	if st.FailedProbes != 0 || fails.Load() != 0 {
 		t.Fatalf("a probe that failed for want of the proxy's own descriptors counted as %d failed probes of the endpoint (backoff grown to %v): the proxy's own failure was held against the upstream",
 			st.FailedProbes, time.Until(st.NextProbe).Round(time.Millisecond))
+	}
+}
+
+// A probe that fails for the prober's own reason after the endpoint's
+// failed probes grew the backoff is retried at InitialDelay, not at the
+// grown delay: it asked nothing of the endpoint, and an endpoint back
+// while the prober's own failure lasted is readmitted within InitialDelay
+// of its end. Two such probes in a row are the initial delay apart, not
+// the backoff's (a probe comes its delay or more after the last one
+// ended, so a gap shorter than the backoff's delay shows the backoff did
+// not apply). Before, the next came at the backoff's delay.
+func TestProbeOwnFailureIsRetriedAtTheInitialDelay(t *testing.T) {
+	ep := testutil.ClosedAddr(t) // refused: the endpoint's failures
+	var own atomic.Bool
+	var mu sync.Mutex
+	var owned []time.Time
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		if own.Load() {
+			mu.Lock()
+			owned = append(owned, time.Now())
+			mu.Unlock()
+			return nil, &net.OpError{Op: "dial", Net: network, Err: os.NewSyscallError("socket", syscall.EMFILE)}
+		}
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}
+	d := New(Options{Dial: dial, OwnFailure: func(err error) bool { return errors.Is(err, syscall.EMFILE) }})
+	defer d.Close()
+	const initial, factor = 20 * time.Millisecond, 4
+	d.Register(ep, ProbeConfig{Kind: ProbeConnect, InitialDelay: initial, Factor: factor, MaxDelay: time.Minute, Timeout: time.Second})
+	d.Report(ep, "write_timeout")
+	status := func() Status {
+		for _, s := range d.Statuses() {
+			if s.Endpoint == ep {
+				return s
+			}
+		}
+		return Status{}
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for status().FailedProbes < 3 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the refused endpoint's probes never failed three times: %+v", status())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	own.Store(true) // the prober runs out of descriptors
+	backoff := initial * factor * factor * factor
+	for {
+		mu.Lock()
+		n := len(owned)
+		mu.Unlock()
+		if n >= 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d probes failed for the prober's own reason in 20 s", n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	mu.Lock()
+	gap := owned[1].Sub(owned[0])
+	mu.Unlock()
+	st := status()
+	t.Logf("failed probes %d; two probes out of descriptors %v apart (the initial delay %v, the backoff's %v)", st.FailedProbes, gap.Round(time.Millisecond), initial, backoff)
+	if st.FailedProbes != 3 || gap >= backoff {
+		t.Fatalf("failed probes %d (want 3), probes failing for the prober's own reason %v apart: the backoff's delay %v applied to them, not the initial %v", st.FailedProbes, gap, backoff, initial)
 	}
 }
 

@@ -18,9 +18,11 @@
 // to ProbeConfig.MaxDelay, each delay jittered by ProbeConfig.Jitter; while
 // ProbeConfig.Waiting reports clients turned away, a probe starts at least
 // every WaitingInterval whatever the backoff, and an endpoint that flapped
-// is readmitted only after its probes passed for a hold-down. Every
-// probe gives a verdict: an error of any kind is a failure, and there is no
-// path on which "nothing to check" counts as healthy. Only a successful probe
+// is readmitted only after its probes passed for a hold-down. A probe's
+// error is a failure, save one that says nothing of the endpoint (the
+// prober's own: Options.OwnFailure, ProbeConfig.OwnNetwork; a timeout
+// noticed late): that one is no verdict, neither failure nor pass, and
+// there is no path on which "nothing to check" counts as healthy. Only a successful probe
 // or the operator readmits an endpoint. A Disabled endpoint is never probed.
 //
 // Transitions are edge-triggered: each mutating call is a compare-and-swap

@@ -266,6 +266,7 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 	return health.ProbeConfig{
 		Dialer:       &net.Dialer{KeepAlive: -1, Control: flow.UpstreamControl(s)},
 		Connected:    connected,
+		OwnNetwork:   probeOwnNetwork(s.UpstreamMark),
 		Kind:         healthProbeKind(kind),
 		Timeout:      d.ProbeTimeout.D(),
 		InitialDelay: d.InitialDelay.D(),
@@ -274,6 +275,24 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 		Jitter:       d.Jitter,
 		HTTPPort:     port,
 		HTTPPath:     d.HTTP.Path,
+	}
+}
+
+// probeOwnNetwork is the ProbeConfig.OwnNetwork of probes with the
+// upstream's mark: a probe whose connect failed while the proxy's host
+// has no route of its own to where it dialed (ownNetwork, as a link's
+// connect) asked nothing of the endpoint: no verdict, and the next probe
+// comes at the initial delay, so that the endpoint is readmitted within
+// it of the route's return, not after a backoff grown meanwhile. Only the
+// connect's failure: an answer's is the endpoint's.
+func probeOwnNetwork(mark int) func(error) bool {
+	return func(err error) bool {
+		var oe *net.OpError
+		if !errors.As(err, &oe) || oe.Op != "dial" {
+			return false
+		}
+		ta, ok := oe.Addr.(*net.TCPAddr)
+		return ok && ownNetwork(err, ta.AddrPort(), mark)
 	}
 }
 

@@ -264,7 +264,7 @@ func TestOwnRouteGoneAtTheConnectTriesTheNextMember(t *testing.T) {
 }
 
 func ownRouteGoneInPool(t *testing.T, cut string) {
-	peer, link, far, near, h := farNearPool(t, "10.231.38")
+	peer, link, far, near, h := farNearPool(t, "10.231.38", nil)
 	twin := strings.HasPrefix(cut, "twin")
 	if twin {
 		unreachableAtPeer(t, peer)
@@ -296,8 +296,9 @@ func ownRouteGoneInPool(t *testing.T, cut string) {
 
 // farNearPool is a round-robin pool (connect_attempts 2) of a far member,
 // an echo server in a peer namespace over a veth on net3 (.1 here, .2
-// there), and a near one, an echo server on loopback.
-func farNearPool(t *testing.T, net3 string) (*netns.NS, *netns.Link, net.Addr, *faultpeer.Server, *harness) {
+// there), and a near one, an echo server on loopback; tune, if not nil,
+// changes its settings further.
+func farNearPool(t *testing.T, net3 string, tune func(*policy.Settings)) (*netns.NS, *netns.Link, net.Addr, *faultpeer.Server, *harness) {
 	t.Helper()
 	peer := netns.NewNS(t)
 	link := netns.Veth(t, peer, net3+".1/24", net3+".2/24")
@@ -306,6 +307,9 @@ func farNearPool(t *testing.T, net3 string) (*netns.NS, *netns.Link, net.Addr, *
 	near := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{})
 	h := startPool(t, policy.Pool{Endpoints: []string{far.String(), near.Addr()}}, nil, func(s *policy.Settings) {
 		s.ConnectAttempts = 2
+		if tune != nil {
+			tune(s)
+		}
 	})
 	return peer, link, far, near, h
 }
@@ -449,7 +453,7 @@ func TestOwnRouteGoneMemberIsPassedOver(t *testing.T) {
 	if !netns.Reexec(t, "ip", "nft") {
 		return
 	}
-	_, link, far, _, h := farNearPool(t, "10.231.46")
+	_, link, far, _, h := farNearPool(t, "10.231.46", nil)
 	cutOwnRoute(t, "route removed", link)
 	links, attempts, began := 20, 0, time.Now()
 	for i := range links {
