@@ -543,7 +543,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			own = false
 			continue
 		}
-		if own = err != nil && d.ownFailure(err, overridden, pc); own {
+		if own = err != nil && d.ownFailure(err, pc); own {
 			d.log.Debug().Err(err).Str("endpoint", e.name).
 				Msg("probe failed for the proxy's own reason (descriptors, buffers, a socket option, a name, no route of its own): no verdict; the next at the initial delay")
 			continue
@@ -557,8 +557,8 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 
 // ownFailure reports whether a probe's error err is the prober's own
 // (Options.OwnFailure, ProbeConfig.OwnNetwork), not the endpoint's.
-func (d *Detector) ownFailure(err error, overridden bool, pc ProbeConfig) bool {
-	return d.own != nil && d.own(err) || !overridden && pc.OwnNetwork != nil && pc.OwnNetwork(err)
+func (d *Detector) ownFailure(err error, pc ProbeConfig) bool {
+	return d.own != nil && d.own(err) || pc.OwnNetwork != nil && pc.OwnNetwork(err)
 }
 
 // probePlan is when a probe loop probes next: at, the backoff's time, or

@@ -99,8 +99,9 @@ type ProbeConfig struct {
 	// the prober's own network's (its host has no route of its own to
 	// where the probe dialed): such a probe reaches no verdict, as one
 	// Options.OwnFailure finds the prober's own, and the next comes at
-	// InitialDelay (see Options.OwnFailure). Not asked of an Override's
-	// error.
+	// InitialDelay (see Options.OwnFailure). An Override's error is
+	// asked too: the data plane's dials a mesh session to the peer
+	// sidecar with the endpoint's own socket options.
 	OwnNetwork func(error) bool
 	// Waiting, when set, reports whether clients are being turned away
 	// for want of this endpoint (its listener paused, links refused).

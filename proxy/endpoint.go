@@ -284,7 +284,9 @@ func probeConfig(s policy.Settings) health.ProbeConfig {
 // connect) asked nothing of the endpoint: no verdict, and the next probe
 // comes at the initial delay, so that the endpoint is readmitted within
 // it of the route's return, not after a backoff grown meanwhile. Only the
-// connect's failure: an answer's is the endpoint's.
+// connect's failure: an answer's is the endpoint's. A probe through the
+// mesh (meshProbe) is judged so too: its session's connect goes to the
+// peer sidecar with the same mark, and its error names where it went.
 func probeOwnNetwork(mark int) func(error) bool {
 	return func(err error) bool {
 		var oe *net.OpError

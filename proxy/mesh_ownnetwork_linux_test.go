@@ -30,15 +30,7 @@ func TestMeshOwnRouteGoneIsNotThePeers(t *testing.T) {
 
 func meshOwnRouteGone(t *testing.T, cut string) {
 	pingTimeout := time.Second
-	peer := netns.NewNS(t)
-	link := netns.Veth(t, peer, "10.231.38.1/24", "10.231.38.2/24")
-	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
-	in := startIngressIn(t, peer, link.PeerIP().String(), srv.Addr(), pingTimeout)
-	pathUp(t, &net.TCPAddr{IP: link.PeerIP().AsSlice(), Port: in.port})
-	_, srvPort, _ := net.SplitHostPort(srv.Addr())
-	eg := startEgress(t, net.JoinHostPort(link.PeerIP().String(), srvPort), in.port, func(s *policy.Settings) {
-		s.Mesh.PingTimeout = policy.Duration(pingTimeout)
-	})
+	peer, link, in, eg := meshOverVeth(t, "10.231.38", pingTimeout, nil)
 	c := eg.dial()
 	roundTrip(t, c, []byte("hello"))
 	twin := strings.HasPrefix(cut, "twin")
@@ -80,8 +72,29 @@ func meshOwnRouteGone(t *testing.T, cut string) {
 	}
 }
 
+// meshOverVeth is an egress proxy (a harness, its mesh's ping_timeout
+// pingTimeout, tune changing its settings further if not nil) whose
+// upstream, an echo server on 127.0.0.2, it reaches through an ingress
+// sidecar in a peer namespace over a veth on net3 (.1 here, .2 there).
+func meshOverVeth(t *testing.T, net3 string, pingTimeout time.Duration, tune func(*policy.Settings)) (*netns.NS, *netns.Link, *ingressProxy, *harness) {
+	t.Helper()
+	peer := netns.NewNS(t)
+	link := netns.Veth(t, peer, net3+".1/24", net3+".2/24")
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngressIn(t, peer, link.PeerIP().String(), srv.Addr(), pingTimeout)
+	pathUp(t, &net.TCPAddr{IP: link.PeerIP().AsSlice(), Port: in.port})
+	_, srvPort, _ := net.SplitHostPort(srv.Addr())
+	eg := startEgress(t, net.JoinHostPort(link.PeerIP().String(), srvPort), in.port, func(s *policy.Settings) {
+		s.Mesh.PingTimeout = policy.Duration(pingTimeout)
+		if tune != nil {
+			tune(s)
+		}
+	})
+	return peer, link, in, eg
+}
+
 // dropMeshPort has the peer sidecar's host drop what comes to and goes
-// from its mesh port.
+// from its mesh port (table inet meshdrop).
 func dropMeshPort(t *testing.T, peer *netns.NS, port int) {
 	t.Helper()
 	p := strconv.Itoa(port)

@@ -125,3 +125,61 @@ func probesAtOwnRouteGone(t *testing.T, cut string) {
 		t.Fatalf("readmitted with %d failed probes, %d before the route went: a probe failed after its return", st.FailedProbes, before.FailedProbes)
 	}
 }
+
+// So are the probes through the mesh of an endpoint behind a peer
+// sidecar: one whose session dial fails at the proxy's own route to the
+// peer sidecar (the session is dialled with the upstream's mark, as a
+// link's) asks nothing of the endpoint and does not count as its failed
+// probe. Before, each counted and grew its backoff. The endpoint is
+// excluded first by the peer sidecar gone silent behind a route the proxy
+// keeps (mesh_dead), whose probes time out and count.
+func TestMeshProbesAtTheProxysOwnRouteDoNotCount(t *testing.T) {
+	eachCut(t, []string{"route removed"}, meshProbesAtOwnRouteGone)
+}
+
+func meshProbesAtOwnRouteGone(t *testing.T, cut string) {
+	pingTimeout := time.Second
+	peer, link, in, eg := meshOverVeth(t, "10.231.50", pingTimeout, func(s *policy.Settings) {
+		s.Detector.ProbeTimeout = policy.Duration(500 * time.Millisecond) // shorter than the second between probes while clients wait
+		s.Detector.InitialDelay = policy.Duration(200 * time.Millisecond)
+		s.Detector.BackoffFactor = 2
+		s.Detector.MaxDelay = policy.Duration(time.Minute)
+		s.Detector.Jitter = 0
+	})
+	c := eg.dial()
+	roundTrip(t, c, []byte("hello"))
+	dropMeshPort(t, peer, in.port)
+	eg.linkEnd(pingTimeout + 10*time.Second)
+	asleep := func(what string, cond func(EndpointStatus) bool) EndpointStatus {
+		t.Helper()
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+			if st := eg.endpoint(); st.State == "excluded" && !st.NextProbe.IsZero() && cond(st) {
+				return st
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: never; the endpoint %+v", what, eg.endpoint())
+			}
+		}
+	}
+	asleep("a failed probe through the silent peer sidecar", func(st EndpointStatus) bool { return st.FailedProbes >= 1 })
+	cutOwnRoute(t, cut, link)
+	if _, err := peer.Run("", "nft", "delete", "table", "inet", "meshdrop"); err != nil {
+		t.Fatal(err) // the peer sidecar answers again, unseen
+	}
+	before := asleep("the probe loop waiting", func(EndpointStatus) bool { return true })
+	time.Sleep(3 * time.Second) // probes every 0.2 to 1 s meanwhile
+	after := asleep("the probe loop waiting", func(EndpointStatus) bool { return true })
+	t.Logf("%s to the peer sidecar for 3 s: failed probes %d before, %d after (last error %q)", cut, before.FailedProbes, after.FailedProbes, after.LastProbeError)
+	if after.FailedProbes != before.FailedProbes {
+		t.Fatalf("the proxy's own route to the peer sidecar gone: failed probes %d before, %d after 3 s: its own failure held against the endpoint", before.FailedProbes, after.FailedProbes)
+	}
+	ip(t, "route", "add", link.LocalAddrs[0].Masked().String(), "dev", link.Local)
+	for deadline := time.Now().Add(15 * time.Second); eg.endpoint().State != "healthy"; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the route back and the peer sidecar answering, the endpoint is still %+v after 15 s", eg.endpoint())
+		}
+	}
+	if st := eg.endpoint(); st.FailedProbes != before.FailedProbes {
+		t.Fatalf("readmitted with %d failed probes, %d before the route went", st.FailedProbes, before.FailedProbes)
+	}
+}
