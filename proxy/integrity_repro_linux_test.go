@@ -37,7 +37,12 @@ func TestUpstreamResetNeverReachesTheClientAsAFin(t *testing.T) {
 // server that reads none of it, the proxy queues what the kernel does not
 // take, the server resets, and the client, which writes nothing more,
 // reads to the end: EOF is a FIN that came before the reset.
-func upstreamResetSeenAsFin(t *testing.T) bool {
+func upstreamResetSeenAsFin(t *testing.T) bool { return upstreamResetUnderUpload(t, false) }
+
+// upstreamResetUnderUpload is upstreamResetSeenAsFin's attempt; with
+// halfClose the client half-closes after its 2 MiB, and the server resets
+// once the proxy has read that FIN with bytes still queued.
+func upstreamResetUnderUpload(t *testing.T, halfClose bool) bool {
 	ln, accepted := acceptOne(t)
 	defer ln.Close()
 	h := start(t, ln.Addr().String(), func(s *policy.Settings) { s.WriteTimeout = 0 })
@@ -47,9 +52,19 @@ func upstreamResetSeenAsFin(t *testing.T) bool {
 	if _, err := c.Write(make([]byte, 2<<20)); err != nil {
 		t.Fatal(err)
 	}
+	if halfClose {
+		if err := c.CloseWrite(); err != nil {
+			t.Fatal(err)
+		}
+	}
 	srv := <-accepted
 	lk := h.onlyLink(2 * time.Second)
-	waitFor(t, 2*time.Second, "bytes queued in the proxy", func() bool { return lk.q.Bytes() > 0 })
+	waitFor(t, 5*time.Second, "bytes queued in the proxy (and the client's FIN read)", func() bool {
+		lk.finMu.Lock()
+		read := lk.firstFin == CloseClientClosed
+		lk.finMu.Unlock()
+		return (read || !halfClose) && lk.q.Bytes() > 0
+	})
 	_ = srv.SetLinger(0)
 	_ = srv.Close()
 	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
