@@ -108,6 +108,20 @@ func newSessionKey(s *policy.Settings) sessionKey {
 		s.TCPUserTimeout, s.Keepalive, s.WriteBuffer.HighWaterMark, s.MeshSessionUserTimeout()))
 }
 
+// noteMeshKeysLocked records the session keys of the settings p's
+// listeners give new links now. A session of one of them is kept while
+// idle: another listener's links, of other settings, do not retire it
+// (they would, in turn, each dial a session for a link). One of settings
+// that no listener has now (a reload changed them) is retired once idle.
+// p.mu is held.
+func (p *Proxy) noteMeshKeysLocked() {
+	keys := make(map[sessionKey]bool, len(p.listeners))
+	for _, l := range p.listeners {
+		keys[newSessionKey(&l.spec().settings)] = true
+	}
+	p.meshKeys.Store(&keys)
+}
+
 // idle reports whether the session carries no link.
 func (es *egressSession) idle() bool {
 	es.mu.Lock()
@@ -226,6 +240,10 @@ func (p *Proxy) closeMesh() {
 // when every one carries streams and fewer than mesh.sessions exist.
 func (pr *meshPeer) session(ctx context.Context, s *policy.Settings, dialer *net.Dialer) (*egressSession, error) {
 	key, m := newSessionKey(s), s.Mesh.OrDefaults()
+	current := pr.p.meshKeys.Load()
+	if current == nil {
+		current = new(map[sessionKey]bool) // none known: every other key is retired
+	}
 	pick := func() (best *egressSession, grow bool) {
 		pr.mu.Lock()
 		defer pr.mu.Unlock()
@@ -240,8 +258,8 @@ func (pr *meshPeer) session(ctx context.Context, s *policy.Settings, dialer *net
 		usable := 0
 		for _, es := range live {
 			if es.key != key {
-				if es.Usable() && es.idle() {
-					es.Retire("dialled with other settings, and idle") // a reload changed them
+				if es.Usable() && es.idle() && !(*current)[es.key] {
+					es.Retire("dialled with settings no listener has now, and idle") // a reload changed them
 				}
 				continue
 			}

@@ -8,7 +8,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/livenessproxy/livenessproxy/internal/faultpeer"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -41,13 +40,7 @@ func sessionUserTimeouts(t *testing.T, pr *meshPeer) []int {
 // new link went on the old session, under the old options, for as long
 // as that session lived.
 func TestMeshSessionsKeyedBySocketOptions(t *testing.T) {
-	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
-	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
-	eg, cfg := egressWithConfig(t, srv.Addr(), in.port, func(s *policy.Settings) {
-		s.TCPUserTimeout = policy.Duration(2 * time.Second)
-		s.Mesh.Sessions = 1
-	})
-	pr := eg.p.meshPeer("127.0.0.2", in.port)
+	eg, cfg, pr := egressOfOneSession(t)
 	want := func() int {
 		s := eg.p.listeners[0].spec().settings
 		return int(cmp.Or(s.MeshSessionUserTimeout(), s.TCPUserTimeout.D()).Milliseconds())

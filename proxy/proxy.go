@@ -128,6 +128,10 @@ type Proxy struct {
 	peersSwept int64                  // mono: the last sweep of idle peers
 	certs      map[string]*mesh.Certs // mesh.tls file sets, by their paths
 	meshClosed atomic.Bool            // Shutdown closed the mesh: no session opens
+	// meshKeys are the session keys of the settings the listeners give
+	// new links (noteMeshKeysLocked): a session of another key is retired
+	// once idle, one of these is kept.
+	meshKeys atomic.Pointer[map[sessionKey]bool]
 
 	mu        sync.Mutex
 	listeners []*listener
@@ -298,6 +302,7 @@ func (p *Proxy) Start() error {
 	// The route lookups of its verdicts (ownNetwork) ask on a socket
 	// kept from now on: at its descriptor limit the proxy opens none.
 	flow.KeepRouteLookup()
+	p.noteMeshKeysLocked()
 	pk, err := newParker(&p.log, p.metrics.ParkedPumps)
 	if err != nil {
 		p.log.Warn().Err(err).Msg("idle links cannot be parked: each keeps its goroutines (limits.park_idle_after has no effect)")

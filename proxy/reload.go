@@ -121,6 +121,7 @@ func (p *Proxy) Apply(cfg policy.Config) (Changes, error) {
 	errs := p.bindAdded(&set, &ch)
 	p.mu.Lock()
 	p.listeners = set.keep
+	p.noteMeshKeysLocked()
 	// The loop guard (ownConn) is kept while a transparent listener
 	// accepts; the removed ones accept no more. Links that registered
 	// still forget their addresses when they end.
