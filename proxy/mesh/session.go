@@ -599,29 +599,50 @@ func (ms *Session) HeardSince(t int64) bool {
 // AnyAnswers pings the peer on each of ss (ahead of its send queue, as
 // the heartbeat does) and reports whether any of them hears from it
 // within d: its answer, or anything else, arriving, or waiting unread in
-// the socket. Time this process could not run meanwhile (a tick of its
-// poll more than a step late) is added to d: the answer may wait for it.
+// the socket. Time this process could not run meanwhile is added to d
+// (see answerWait): the answer may wait for it.
 func AnyAnswers(ss []*Session, d time.Duration) bool {
 	asked := flow.Mono()
 	for _, ms := range ss {
 		ms.Guard.ping()
 	}
-	const step = 5 * time.Millisecond
-	t := time.NewTicker(step)
+	t := time.NewTicker(answerPoll)
 	defer t.Stop()
-	clk := stallClock{step: int64(step), prev: asked}
-	for deadline := asked + int64(d); ; {
+	w := newAnswerWait(asked, d)
+	for {
 		for _, ms := range ss {
 			if ms.HeardSince(asked) || !ms.Dead.Load() && !ms.Sess.IsClosed() && flow.UnreadBytes(ms.Conn) > 0 {
 				return true
 			}
 		}
-		now := flow.Mono()
-		if deadline += clk.tick(now); now >= deadline {
+		if w.over(flow.Mono()) {
 			return false
 		}
 		<-t.C
 	}
+}
+
+// answerPoll is how often AnyAnswers looks for an answer.
+const answerPoll = 5 * time.Millisecond
+
+// answerWait is AnyAnswers' clock: d of this process's running time from
+// when it asked. A poll late by less than a quarter of d is scheduling
+// noise on a busy machine (a 5 ms poll is often 10 to 30 ms late there),
+// not counted as a stall: counted, it would put off a dead peer's verdict
+// poll by poll (as stallClock says of the heartbeat's ticks).
+type answerWait struct {
+	deadline int64 // mono
+	clk      stallClock
+}
+
+func newAnswerWait(asked int64, d time.Duration) answerWait {
+	return answerWait{deadline: asked + int64(d), clk: stallClock{step: int64(max(d/8, answerPoll)), prev: asked}}
+}
+
+// over takes a poll at now and reports whether the wait is over.
+func (w *answerWait) over(now int64) bool {
+	w.deadline += w.clk.tick(now)
+	return now >= w.deadline
 }
 
 // Usable reports whether new streams may go on the session.
