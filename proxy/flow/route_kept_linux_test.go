@@ -2,9 +2,11 @@ package flow
 
 import (
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -114,4 +116,72 @@ func TestRouteToKeptSocket(t *testing.T) {
 	if r, k := RouteTo(routed, 0); !r || !k {
 		t.Fatalf("back in the process's namespace: %s route %v known %v; want a route, known", routed, r, k)
 	}
+}
+
+// Without /proc (none mounted in the process's mount namespace, or a
+// kernel without /proc/thread-self) a thread's network namespace cannot
+// be read: the lookup is taken to be the process's and asks on the kept
+// socket, so a process at its descriptor limit still looks its route up.
+// Here one thread of its own mount namespace has an empty /proc. Before,
+// such a caller asked on a socket of its own, and at the limit every
+// lookup was unknown: a route gone taken for the upstream's death.
+func TestRouteToWithoutProc(t *testing.T) {
+	if !netns.Reexec(t, "ip") {
+		return
+	}
+	routeFixture(t)
+	KeepRouteLookup()
+	type result struct {
+		sockErr        error
+		r1, k1, r2, k2 bool
+	}
+	ready, ask, done := make(chan error, 1), make(chan struct{}), make(chan result, 1)
+	go func() {
+		// Never unlocked: the thread ends with this goroutine, its mount
+		// namespace with it.
+		runtime.LockOSThread()
+		ready <- procHidden()
+		if _, ok := <-ask; !ok {
+			return
+		}
+		var res result
+		_, res.sockErr = unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+		res.r1, res.k1 = RouteTo(routed, 0)
+		res.r2, res.k2 = RouteTo(unrouted, 0)
+		done <- res
+	}()
+	if err := <-ready; err != nil {
+		close(ask)
+		t.Fatal(err)
+	}
+	restore := testutil.FillDescriptors(t, 0)
+	ask <- struct{}{}
+	res := <-done
+	restore()
+	t.Logf("no /proc, at the descriptor limit (a new socket: %v): %s route %v known %v; %s route %v known %v", res.sockErr, routed, res.r1, res.k1, unrouted, res.r2, res.k2)
+	if !errors.Is(res.sockErr, unix.EMFILE) {
+		t.Fatalf("a new socket opened (%v): the process was not at its descriptor limit", res.sockErr)
+	}
+	if !res.r1 || !res.k1 || res.r2 || !res.k2 {
+		t.Fatalf("no /proc, at the descriptor limit: %s route %v known %v, %s route %v known %v; want a route and none, both known", routed, res.r1, res.k1, unrouted, res.r2, res.k2)
+	}
+}
+
+// procHidden gives the calling thread (locked to its goroutine, never to
+// be unlocked) a mount namespace of its own with an empty /proc.
+func procHidden() error {
+	if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+		return fmt.Errorf("unshare(CLONE_NEWNS): %w", err)
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("mount --make-rprivate /: %w", err)
+	}
+	if err := unix.Mount("none", "/proc", "tmpfs", 0, ""); err != nil {
+		return fmt.Errorf("mount tmpfs on /proc: %w", err)
+	}
+	var st unix.Stat_t
+	if unix.Stat("/proc/thread-self/ns/net", &st) == nil || unix.Stat("/proc/self/ns/net", &st) == nil {
+		return errors.New("/proc still readable")
+	}
+	return nil
 }

@@ -24,17 +24,19 @@ import (
 // new descriptor: a proxy at its descriptor limit, when its own failures
 // pile up, still tells its own network from an upstream's death. A
 // caller on a thread in another network namespace than the process's (a
-// goroutine locked to it) asks on a socket of its own, opened there.
+// goroutine locked to it) asks on a socket of its own, opened there. A
+// caller whose thread's namespace cannot be read (no /proc mounted, a
+// kernel without /proc/thread-self) is taken to be in the process's: only
+// tests move a thread to another.
 func RouteTo(dst netip.AddrPort, mark int) (route, known bool) {
 	a := dst.Addr().Unmap()
 	if !a.IsValid() || a.Zone() != "" {
 		return false, false
 	}
 	req := routeRequest(a, dst.Port(), mark)
-	if ns, ok := netnsOf("/proc/thread-self/ns/net"); ok {
-		if route, known, asked := routeSock.ask(ns, req); asked {
-			return route, known
-		}
+	ns, nsKnown := netnsOf("/proc/thread-self/ns/net")
+	if route, known, asked := routeSock.ask(ns, nsKnown, req); asked {
+		return route, known
 	}
 	s, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
 	if err != nil {
@@ -51,11 +53,10 @@ func RouteTo(dst netip.AddrPort, mark int) (route, known bool) {
 // proxy calls it as it starts, so that its first lookup, which may come
 // when no descriptor is left, needs none.
 func KeepRouteLookup() {
-	if ns, ok := netnsOf("/proc/thread-self/ns/net"); ok {
-		routeSock.mu.Lock()
-		routeSock.openLocked(ns)
-		routeSock.mu.Unlock()
-	}
+	ns, nsKnown := netnsOf("/proc/thread-self/ns/net")
+	routeSock.mu.Lock()
+	routeSock.openLocked(ns, nsKnown)
+	routeSock.mu.Unlock()
 }
 
 // routeSock is the netlink socket of RouteTo's lookups: one for the
@@ -102,32 +103,37 @@ func netnsOf(path string) (id netnsID, ok bool) {
 
 // openLocked opens the kept socket if it is not open and ns, the
 // caller's thread's namespace, is the process's (the socket is opened in
-// the caller's). It reports whether the socket is open for ns.
-func (r *routeSockT) openLocked(ns netnsID) bool {
+// the caller's). It reports whether the socket is open for ns. A caller
+// whose namespace is not known (nsKnown false: no /proc to read it from)
+// is taken to be in the process's, which no thread but a test's leaves:
+// without /proc, every lookup would otherwise need a descriptor of its
+// own, and at the descriptor limit tell nothing.
+func (r *routeSockT) openLocked(ns netnsID, nsKnown bool) bool {
 	if r.open {
-		return r.ns == ns
+		return !nsKnown || r.ns == ns
 	}
-	if main, ok := netnsOf("/proc/self/ns/net"); !ok || main != ns {
+	main, ok := netnsOf("/proc/self/ns/net")
+	if nsKnown && (!ok || main != ns) {
 		return false
 	}
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
 	if err != nil {
 		return false
 	}
-	r.fd, r.open, r.ns = fd, true, ns
+	r.fd, r.open, r.ns = fd, true, main
 	return true
 }
 
-// ask makes the lookup req on the kept socket for a caller in ns; asked
-// is false when it has none for ns (another namespace's caller, or none
-// could be opened), and the caller asks on a socket of its own. A socket
-// whose send or receive failed for another reason than a dropped answer
-// is replaced, if a new one can be opened, and the lookup asked again
-// once.
-func (r *routeSockT) ask(ns netnsID, req []byte) (route, known, asked bool) {
+// ask makes the lookup req on the kept socket for a caller in ns (if
+// nsKnown, see openLocked); asked is false when it has none for ns
+// (another namespace's caller, or none could be opened), and the caller
+// asks on a socket of its own. A socket whose send or receive failed for
+// another reason than a dropped answer is replaced, if a new one can be
+// opened, and the lookup asked again once.
+func (r *routeSockT) ask(ns netnsID, nsKnown bool, req []byte) (route, known, asked bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if !r.openLocked(ns) {
+	if !r.openLocked(ns, nsKnown) {
 		return false, false, false
 	}
 	for range 2 {
