@@ -68,14 +68,22 @@ func probesAtOwnRouteGone(t *testing.T, cut string) {
 	}
 	asleep("two failed probes of the excluded member", func(st EndpointStatus) bool { return st.FailedProbes >= 2 })
 
+	// The member answers again only after the proxy's route is gone, and
+	// its reject becomes a drop in one nft transaction: a probe between
+	// two steps (the next comes 0.8 s after the last, and each step is a
+	// command a loaded machine may take that long to run) never finds the
+	// member answering and readmits it.
 	twin := strings.HasPrefix(cut, "twin")
-	if _, err := peer.Run("", "nft", "delete", "table", "inet", "lpka"); err != nil {
-		t.Fatal(err)
-	}
 	if twin {
-		blackholePeer(t, peer) // the member's host drops what comes to it; the route stays
+		// The member's host drops what comes to it; the route stays.
+		if err := peer.NFT("flush chain inet lpka in\nadd rule inet lpka in tcp dport 9000 drop\n"); err != nil {
+			t.Fatal(err)
+		}
 	} else {
-		cutOwnRoute(t, cut, link) // and the member answers again, unseen
+		cutOwnRoute(t, cut, link)
+		if _, err := peer.Run("", "nft", "delete", "table", "inet", "lpka"); err != nil {
+			t.Fatal(err) // and the member answers again, unseen
+		}
 	}
 	before := asleep("the probe loop waiting", func(EndpointStatus) bool { return true })
 
