@@ -544,6 +544,7 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 			continue
 		}
 		if own = err != nil && d.ownFailure(err, pc); own {
+			d.noteOwnFailure(e, gen, err)
 			d.log.Debug().Err(err).Str("endpoint", e.name).
 				Msg("probe failed for the proxy's own reason (descriptors, buffers, a socket option, a name, no route of its own): no verdict; the next at the initial delay")
 			continue
@@ -560,6 +561,22 @@ func (d *Detector) probeLoop(ctx context.Context, e *epState, gen uint64, prev <
 func (d *Detector) ownFailure(err error, pc ProbeConfig) bool {
 	return d.own != nil && d.own(err) || pc.OwnNetwork != nil && pc.OwnNetwork(err)
 }
+
+// noteOwnFailure shows err, a probe's failure for the prober's own
+// reason, as e's last probe error, marked so: it is no verdict and not
+// counted, but an operator reading /v1/endpoints sees why e is not
+// readmitted (the proxy's own route, descriptors, a name).
+func (d *Detector) noteOwnFailure(e *epState, gen uint64, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.claimedLocked(e, gen) {
+		e.lastErr = OwnFailurePrefix + err.Error()
+	}
+}
+
+// OwnFailurePrefix begins a last probe error that was the prober's own
+// failure, not counted against the endpoint (see noteOwnFailure).
+const OwnFailurePrefix = "not counted, the proxy's own failure: "
 
 // probePlan is when a probe loop probes next: at, the backoff's time, or
 // soon, one WaitingInterval after the last probe's start, once clients

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/livenessproxy/livenessproxy/health"
 	"github.com/livenessproxy/livenessproxy/policy"
 )
 
@@ -112,6 +113,9 @@ func probesAtOwnRouteGone(t *testing.T, cut string) {
 		if after.FailedProbes <= before.FailedProbes || gap < backoff {
 			t.Fatalf("a dead member behind a route the proxy keeps: failed probes %d before, %d after 4 s, probes %v apart or more (the backoff's delay %v): its probes no longer count, or the backoff did not hold", before.FailedProbes, after.FailedProbes, gap, backoff)
 		}
+		if strings.HasPrefix(after.LastProbeError, health.OwnFailurePrefix) {
+			t.Fatalf("a dead member behind a route the proxy keeps: last_probe_error %q calls its failure the proxy's own", after.LastProbeError)
+		}
 		return
 	}
 	if after.FailedProbes != before.FailedProbes || len(plans) < 2 {
@@ -119,6 +123,9 @@ func probesAtOwnRouteGone(t *testing.T, cut string) {
 	}
 	if gap >= backoff {
 		t.Fatalf("the proxy's own route gone for 4 s: its probes came %v or more apart, the backoff's delay %v: not retried at the initial delay %v, the member readmitted only that long after the route's return", gap, backoff, initial)
+	}
+	if !strings.HasPrefix(after.LastProbeError, health.OwnFailurePrefix) {
+		t.Fatalf("the proxy's own route gone for 4 s: last_probe_error %q, want it to say the failure is the proxy's own, not counted (an operator reads there why the member is not readmitted)", after.LastProbeError)
 	}
 	restored := time.Now()
 	ip(t, "route", "add", link.LocalAddrs[0].Masked().String(), "dev", link.Local)
@@ -180,6 +187,9 @@ func meshProbesAtOwnRouteGone(t *testing.T, cut string) {
 	t.Logf("%s to the peer sidecar for 3 s: failed probes %d before, %d after (last error %q)", cut, before.FailedProbes, after.FailedProbes, after.LastProbeError)
 	if after.FailedProbes != before.FailedProbes {
 		t.Fatalf("the proxy's own route to the peer sidecar gone: failed probes %d before, %d after 3 s: its own failure held against the endpoint", before.FailedProbes, after.FailedProbes)
+	}
+	if !strings.HasPrefix(after.LastProbeError, health.OwnFailurePrefix) {
+		t.Fatalf("the proxy's own route to the peer sidecar gone: last_probe_error %q, want it to say the failure is the proxy's own, not counted", after.LastProbeError)
 	}
 	ip(t, "route", "add", link.LocalAddrs[0].Masked().String(), "dev", link.Local)
 	for deadline := time.Now().Add(15 * time.Second); eg.endpoint().State != "healthy"; time.Sleep(10 * time.Millisecond) {
