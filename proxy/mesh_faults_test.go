@@ -133,11 +133,6 @@ func blackholeMidFrame(armed *atomic.Bool, holed, stop chan struct{}) relay.Hand
 	}
 }
 
-func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout()
-}
-
 // streamingServer writes 64 KiB chunks to every connection until it fails
 // (an ingress's readiness check just closes).
 func streamingServer(t *testing.T, addr string) string {

@@ -11,6 +11,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -571,7 +572,12 @@ func TestMeshServerResetReachesClient(t *testing.T) {
 // steps: a congested path on which bytes keep moving. Its receive buffers
 // are small (no autotuning to tens of MiB), so what the path cannot carry
 // waits in the sender, as on a real bottleneck.
-func throttle(rate int) relay.Handler {
+func throttle(rate int) relay.Handler { return darkThrottle(rate, new(atomic.Bool), nil) }
+
+// darkThrottle is throttle(rate) that, once dark is set, moves nothing
+// more either way (a path gone dark: the bytes wait unread) until stop
+// is closed.
+func darkThrottle(rate int, dark *atomic.Bool, stop <-chan struct{}) relay.Handler {
 	return func(down, up net.Conn) {
 		_ = down.(*net.TCPConn).SetReadBuffer(32 << 10)
 		_ = up.(*net.TCPConn).SetReadBuffer(32 << 10)
@@ -581,8 +587,12 @@ func throttle(rate int) relay.Handler {
 			defer func() { _ = dst.Close(); _ = src.Close() }()
 			buf := make([]byte, 4096)
 			for {
+				if dark.Load() {
+					<-stop
+					return
+				}
 				n, err := src.Read(buf)
-				if n > 0 {
+				if n > 0 && !dark.Load() {
 					if _, werr := dst.Write(buf[:n]); werr != nil {
 						return
 					}

@@ -96,6 +96,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 			return nil, err // the session dial: evidence as any dial's
 		}
 		pr.noIngressUntil.Store(0)
+		queuing := flow.Mono()
 		st, err := es.Sess.OpenStream()
 		if err == nil {
 			if st.StreamID() > mesh.RetireAfterStreams {
@@ -105,7 +106,7 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 				(*hook)(es, st)
 			}
 			if _, err = st.Write(mesh.Header(uint16(n))); err == nil {
-				return es.awaitAck(ctx, lk, st, uint16(n))
+				return es.awaitAck(ctx, lk, st, uint16(n), time.Duration(flow.Mono()-queuing))
 			}
 			es.ResetStream(st)
 			if refused := es.refusedAtHeader(err); refused != nil {
@@ -119,6 +120,11 @@ func (lk *link) openMesh(ep *endpoint, port int) (*meshEnd, error) {
 			es.Retire("stream open failed: " + err.Error())
 		}
 		if try == 1 || ctx.Err() != nil {
+			if es.Dead.Load() {
+				// The session died while the stream waited in its send
+				// queue: the link ends for that, as under awaitAck.
+				return nil, es.deathErr()
+			}
 			return nil, fmt.Errorf("%w: %v", mesh.ErrStream, err)
 		}
 	}
@@ -153,12 +159,23 @@ func (es *egressSession) refusedAtHeader(err error) error {
 
 // awaitAck waits for the ingress's acknowledgement that it reached the
 // server (port, on the peer), within the link's connect budget (ctx) plus
-// a ping_timeout for the way there and back.
-func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Stream, port uint16) (*meshEnd, error) {
+// a ping_timeout for the way there and back, not counting the time the
+// stream's open and header spent in this proxy's own send queue: queued,
+// the wait in yamux's queue (the SYN and the header are frames behind
+// the session's queued bytes; the guard's pings go ahead of them), and
+// the wait in the socket's (see sendQueue.restart). That wait is the
+// proxy's own on a live session, not the peer's: a peer that dies
+// meanwhile is found by the heartbeat, which closes the session and ends
+// the wait.
+func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Stream, port uint16, queued time.Duration) (*meshEnd, error) {
 	deadline, _ := ctx.Deadline()
-	_ = st.SetReadDeadline(deadline.Add(es.Timeout))
+	_ = st.SetReadDeadline(deadline.Add(queued + es.Timeout))
+	sq := es.sendQueue()
 	var ack [1]byte
 	_, err := io.ReadFull(st, ack[:])
+	for ; isTimeout(err) && sq.restart(); _, err = io.ReadFull(st, ack[:]) {
+		_ = st.SetReadDeadline(time.Now().Add(lk.meshDialTimeout() + es.Timeout))
+	}
 	_ = st.SetReadDeadline(time.Time{})
 	if err == nil && ack[0] == mesh.Ack {
 		return &meshEnd{lk: lk, st: st, sess: es, port: port}, nil
@@ -169,10 +186,7 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	es.ResetStream(st)
 	_ = st.SetDeadline(pastDeadline)
 	if es.Dead.Load() {
-		if es.ownNetwork.Load() {
-			return nil, errOwnNetwork{cause: errMeshDead} // local_error (link.dialFailed)
-		}
-		return nil, errMeshDead
+		return nil, es.deathErr()
 	}
 	if es.Closed() {
 		return nil, fmt.Errorf("%w: the session closed", mesh.ErrStream)
@@ -181,6 +195,70 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 		err = fmt.Errorf("acknowledgement %d", ack[0])
 	}
 	return nil, fmt.Errorf("%w (%v)", errMeshRefused, err)
+}
+
+// sendQueue is where a stream's header stands in its session's socket:
+// it was handed to the kernel when the stream's Write returned, and is
+// out once the peer has acknowledged end bytes of the session's stream.
+type sendQueue struct {
+	raw        syscall.RawConn
+	end, acked int64 // acked: at the last look
+	known      bool  // the kernel says (Linux); else the header is out at once
+	waited     bool  // a look found the header waiting behind bytes that moved
+	out        bool  // a look found it out
+}
+
+func (es *egressSession) sendQueue() *sendQueue {
+	sq := &sendQueue{}
+	if raw, err := es.Conn.SyscallConn(); err == nil {
+		if d, ok := flow.SampleDelivery(raw); ok {
+			*sq = sendQueue{raw: raw, end: d.Acked + d.Queued, acked: d.Acked, known: true}
+		}
+	}
+	return sq
+}
+
+// restart looks at the socket when the ack's wait has run out and
+// reports whether it starts again: the header still waits behind bytes
+// the peer has taken in since the last look (the queue is the proxy's,
+// and it moves), or this is the first look to find it out after one
+// found it waiting (the ingress has a whole wait from then). A queue
+// that did not move for a whole wait is not excused (a peer that sends
+// but takes nothing in): the link gives the stream up, as before; so
+// does one whose header was out at the first look. A dead peer's
+// session is closed by the heartbeat first.
+func (sq *sendQueue) restart() bool {
+	if !sq.known {
+		return false
+	}
+	d, ok := flow.SampleDelivery(sq.raw)
+	switch {
+	case !ok:
+		return false
+	case d.Acked >= sq.end:
+		first := sq.waited && !sq.out
+		sq.out = true
+		return first
+	case d.Acked <= sq.acked:
+		return false
+	}
+	sq.acked, sq.waited = d.Acked, true
+	return true
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// deathErr is the dial error of a link whose stream was opening when its
+// session was declared dead: mesh_dead, or local_error when the proxy's
+// host had no route to the peer sidecar (link.dialFailed).
+func (es *egressSession) deathErr() error {
+	if es.ownNetwork.Load() {
+		return errOwnNetwork{cause: errMeshDead}
+	}
+	return errMeshDead
 }
 
 // meshFallback counts a link of l that reaches ep directly because its

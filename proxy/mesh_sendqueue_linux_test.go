@@ -1,0 +1,171 @@
+package proxy
+
+import (
+	"bytes"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/livenessproxy/livenessproxy/internal/metrics"
+	"github.com/livenessproxy/livenessproxy/internal/relay"
+	"github.com/livenessproxy/livenessproxy/policy"
+)
+
+// queueSetup is one egress session congested by uploads through a path
+// throttled to queueRate: a new link's stream open (its SYN, then its
+// header) waits behind what the session queued, longer than the link's
+// connect budget (connect_timeout plus ping_timeout).
+type queueSetup struct {
+	srv   *readAll
+	eg    *harness
+	dark  atomic.Bool // the path carries nothing more, either way
+	ups   []*net.TCPConn
+	wg    sync.WaitGroup
+	stop  chan struct{}
+	limit time.Duration // connect_timeout + ping_timeout
+}
+
+const (
+	queueRate    = 512 << 10
+	queueUploads = 8
+	queueSize    = 512 << 10 // 4 MiB in all: 8 s at queueRate
+)
+
+func queueBeat(s *policy.Settings) {
+	s.Mesh.PingInterval = policy.Duration(250 * time.Millisecond)
+	s.Mesh.PingTimeout = policy.Duration(time.Second)
+}
+
+// startQueue opens queueUploads links on one session, has the egress
+// attach them all, and starts their uploads.
+func startQueue(t *testing.T) *queueSetup {
+	q := &queueSetup{stop: make(chan struct{})}
+	q.srv = startReadAll(t, "127.0.0.1:0")
+	in := startIngress(t, "127.0.0.2", q.srv.ln.Addr().String(), queueBeat)
+	rl, err := relay.Start(in.addr(), time.Second, darkThrottle(queueRate, &q.dark, q.stop))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(rl.Close)
+	t.Cleanup(func() { close(q.stop) }) // first: the dark movers end, then the relay closes
+	q.eg = startEgress(t, q.srv.ln.Addr().String(), portOfInt(t, rl.Addr()), func(s *policy.Settings) {
+		queueBeat(s)
+		s.Mesh.Sessions = 1
+		s.ConnectTimeout = policy.Duration(300 * time.Millisecond)
+		// The session's socket holds 256 KiB unsent (TCP_NOTSENT_LOWAT),
+		// yamux's queue a frame (64 KiB at most) of each upload: the
+		// SYN, then the header, each waits about 1.5 s at queueRate,
+		// well within the ingress's wait for a header after the SYN
+		// (mesh.HeaderTimeout, 5 s).
+		s.WriteBuffer.HighWaterMark = 1 << 20
+		s.WriteBuffer.LowWaterMark = 512 << 10
+	})
+	q.limit = 300*time.Millisecond + time.Second
+	for range queueUploads {
+		q.ups = append(q.ups, q.eg.dial())
+	}
+	q.eg.waitLinksAttached(queueUploads, 30*time.Second)
+	for _, c := range q.ups {
+		q.wg.Add(1)
+		go func() {
+			defer q.wg.Done()
+			_, _ = c.Write(bytes.Repeat([]byte("u"), queueSize))
+			_ = c.CloseWrite()
+		}()
+	}
+	t.Cleanup(func() {
+		for _, c := range q.ups {
+			_ = c.Close()
+		}
+		q.wg.Wait()
+	})
+	// The uploads fill the session's send queue: half a MiB of them has
+	// gone out by then, the rest (3.5 MiB, 7 s at queueRate) waits.
+	time.Sleep(time.Second)
+	return q
+}
+
+// A link opened on a session whose send queue holds more than its
+// connect budget's worth (uploads to a live peer that reads slowly)
+// connects once its header goes out: the time its stream's open and
+// header waited in this proxy's own queue is not spent from the budget
+// (the heartbeat judges the peer meanwhile). Before, its ack was awaited
+// until connect_timeout plus ping_timeout from the dial's start, which
+// the queue had spent: the link gave up, its abandoned attempt reached
+// the server as a connection that was reset, and it tried again.
+// (Linux: the kernel tells where the header stands in the socket's send
+// queue, TCP_INFO and SIOCOUTQ.)
+func TestMeshLinkOpenBehindTheSendQueue(t *testing.T) {
+	q := startQueue(t)
+	c := q.eg.dial()
+	if _, err := c.Write([]byte("late")); err != nil {
+		t.Fatal(err)
+	}
+	_ = c.CloseWrite()
+	s := q.eg.linkEndOf(c, 60*time.Second)
+	t.Logf("the link made %d connect attempts, the last took %v (connect budget %v); it ended %s (%v)",
+		s.ConnectAttempts, s.ConnectTime.Round(time.Millisecond), q.limit, s.Reason, s.Err)
+	if s.ConnectAttempts != 1 {
+		t.Fatalf("the link made %d connect attempts, want 1: it gave up its stream and tried again", s.ConnectAttempts)
+	}
+	if got := testutil.ToFloat64(q.eg.m.ForListener("test").DialErrors); got != 0 {
+		t.Fatalf("%v dial errors, want none", got)
+	}
+	if s.Reason != CloseClientClosed && s.Reason != CloseUpstreamClosed {
+		t.Fatalf("the link ended %s (%v), want a clean end", s.Reason, s.Err)
+	}
+	if s.ConnectTime <= q.limit {
+		t.Fatalf("the link's connect took %v, within its connect budget (%v): the queue did not hold it, the test proves nothing", s.ConnectTime, q.limit)
+	}
+	total := 0
+	for i := range queueUploads + 1 {
+		select {
+		case err := <-q.srv.ended:
+			if err != nil {
+				t.Fatalf("connection %d ended %v at the server, want a clean end", i, err)
+			}
+			total += <-q.srv.n
+		case <-time.After(60 * time.Second):
+			t.Fatalf("%d of %d connections ended at the server in 60 s", i, queueUploads+1)
+		}
+	}
+	if want := queueUploads*queueSize + len("late"); total != want {
+		t.Fatalf("the server got %d bytes, want %d", total, want)
+	}
+	if got := testutil.ToFloat64(q.eg.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
+		t.Fatalf("%v session deaths on a congested path, want none", got)
+	}
+}
+
+// The twin: the same queue, then the path goes dark while the new link's
+// stream waits in it. The heartbeat declares the session dead within
+// ping_timeout and a second of the dark (nothing arrives), the endpoint
+// is excluded mesh_dead, and the waiting link ends mesh_dead with it:
+// the queue's wait is bounded by the session's life, not by a clock.
+func TestMeshLinkOpenBehindTheSendQueueOfADeadPeer(t *testing.T) {
+	q := startQueue(t)
+	c := q.eg.dial()
+	time.Sleep(300 * time.Millisecond) // its stream waits in the queue
+	q.dark.Store(true)
+	darkAt := time.Now()
+	s := q.eg.linkEndOf(c, 30*time.Second)
+	ended := time.Since(darkAt)
+	t.Logf("the waiting link ended %s (%v) %v after the path went dark", s.Reason, s.Err, ended.Round(time.Millisecond))
+	if s.Reason != CloseMeshDead {
+		t.Fatalf("the waiting link ended %s (%v), want mesh_dead", s.Reason, s.Err)
+	}
+	if limit := time.Second + time.Second; ended > limit {
+		t.Fatalf("the waiting link ended %v after the path went dark, want within ping_timeout + 1 s (%v)", ended, limit)
+	}
+	waitFor(t, 5*time.Second, "the session's death counted", func() bool {
+		return testutil.ToFloat64(q.eg.m.MeshSessionDeaths(metrics.MeshEgress)) == 1
+	})
+	ep := q.eg.waitState("excluded", 5*time.Second)
+	if ep.Reason != string(CloseMeshDead) {
+		t.Fatalf("endpoint excluded for %q, want mesh_dead", ep.Reason)
+	}
+}
