@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"bytes"
+	"maps"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +15,7 @@ import (
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
 	"github.com/livenessproxy/livenessproxy/internal/relay"
 	"github.com/livenessproxy/livenessproxy/policy"
+	"github.com/livenessproxy/livenessproxy/proxy/flow"
 )
 
 // queueSetup is one egress session congested by uploads through a path
@@ -42,7 +45,12 @@ func queueBeat(s *policy.Settings) {
 
 // startQueue opens queueUploads links on one session, has the egress
 // attach them all, and starts their uploads.
-func startQueue(t *testing.T) *queueSetup {
+func startQueue(t *testing.T) *queueSetup { return startQueueOf(t, 1<<20, queueSize, time.Second) }
+
+// startQueueOf is startQueue with the egress's high_water_mark hwm (its
+// session's TCP_NOTSENT_LOWAT a quarter of it), uploads of size each, and
+// settle the wait after they start.
+func startQueueOf(t *testing.T, hwm int64, size int, settle time.Duration) *queueSetup {
 	q := &queueSetup{stop: make(chan struct{})}
 	q.srv = startReadAll(t, "127.0.0.1:0")
 	in := startIngress(t, "127.0.0.2", q.srv.ln.Addr().String(), queueBeat)
@@ -56,13 +64,13 @@ func startQueue(t *testing.T) *queueSetup {
 		queueBeat(s)
 		s.Mesh.Sessions = 1
 		s.ConnectTimeout = policy.Duration(300 * time.Millisecond)
-		// The session's socket holds 256 KiB unsent (TCP_NOTSENT_LOWAT),
-		// yamux's queue a frame (64 KiB at most) of each upload: the
-		// SYN, then the header, each waits about 1.5 s at queueRate,
-		// well within the ingress's wait for a header after the SYN
-		// (mesh.HeaderTimeout, 5 s).
-		s.WriteBuffer.HighWaterMark = 1 << 20
-		s.WriteBuffer.LowWaterMark = 512 << 10
+		// The session's socket holds hwm/4 unsent (TCP_NOTSENT_LOWAT;
+		// startQueue: 256 KiB), yamux's queue a frame (64 KiB at most)
+		// of each upload: the SYN, then the header, each waits about
+		// 1.5 s at queueRate (startQueue), well within the ingress's
+		// wait for a header after the SYN (mesh.HeaderTimeout, 5 s).
+		s.WriteBuffer.HighWaterMark = policy.Size(hwm)
+		s.WriteBuffer.LowWaterMark = policy.Size(hwm / 2)
 	})
 	q.limit = 300*time.Millisecond + time.Second
 	for range queueUploads {
@@ -73,7 +81,7 @@ func startQueue(t *testing.T) *queueSetup {
 		q.wg.Add(1)
 		go func() {
 			defer q.wg.Done()
-			_, _ = c.Write(bytes.Repeat([]byte("u"), queueSize))
+			_, _ = c.Write(bytes.Repeat([]byte("u"), size))
 			_ = c.CloseWrite()
 		}()
 	}
@@ -83,9 +91,10 @@ func startQueue(t *testing.T) *queueSetup {
 		}
 		q.wg.Wait()
 	})
-	// The uploads fill the session's send queue: half a MiB of them has
-	// gone out by then, the rest (3.5 MiB, 7 s at queueRate) waits.
-	time.Sleep(time.Second)
+	// startQueue: the uploads fill the session's send queue, half a MiB
+	// of them has gone out by then, the rest (3.5 MiB, 7 s at queueRate)
+	// waits.
+	time.Sleep(settle)
 	return q
 }
 
@@ -97,10 +106,57 @@ func startQueue(t *testing.T) *queueSetup {
 // until connect_timeout plus ping_timeout from the dial's start, which
 // the queue had spent: the link gave up, its abandoned attempt reached
 // the server as a connection that was reset, and it tried again.
-// (Linux: the kernel tells where the header stands in the socket's send
-// queue, TCP_INFO and SIOCOUTQ.)
+// Here the wait is mostly in yamux's queue (the socket's is 256 KiB,
+// 0.5 s): it passes without sendQueue.restart, see
+// TestMeshLinkOpenBehindTheSocketsSendQueue for that.
 func TestMeshLinkOpenBehindTheSendQueue(t *testing.T) {
-	q := startQueue(t)
+	connectsBehind(t, startQueue(t), queueSize)
+}
+
+// The same with the queue in the session's socket alone: uploads (1 MiB
+// in all) that its unsent backlog (TCP_NOTSENT_LOWAT 1 MiB, at
+// high_water_mark 4 MiB) takes in whole, so that the new link's stream
+// open and header pass yamux's queue at once (no time discounted there)
+// and wait behind them in the socket for longer than the link's budget.
+// The look at the wait's end finds the peer's kernel has taken more of
+// the bytes ahead of the header, and the wait starts again
+// (sendQueue.restart). Without that look the link gave up and tried
+// again (2 attempts). The link is dialled once the socket holds 3/4 MiB
+// (1.5 s at queueRate): its own count, not a sleep.
+func TestMeshLinkOpenBehindTheSocketsSendQueue(t *testing.T) {
+	const size = 128 << 10
+	q := startQueueOf(t, 4<<20, size, 0)
+	waitFor(t, 10*time.Second, "the session's socket holding 3/4 MiB", func() bool {
+		return sessionQueued(q.eg) >= 768<<10
+	})
+	connectsBehind(t, q, size)
+}
+
+// sessionQueued is what the kernel holds of h's one egress session's
+// bytes (SIOCOUTQ), 0 if none.
+func sessionQueued(h *harness) int64 {
+	h.p.meshMu.Lock()
+	peers := slices.Collect(maps.Values(h.p.peers))
+	h.p.meshMu.Unlock()
+	for _, pr := range peers {
+		pr.mu.Lock()
+		ss := slices.Clone(pr.sessions)
+		pr.mu.Unlock()
+		for _, es := range ss {
+			if raw, err := es.Conn.SyscallConn(); err == nil {
+				if d, ok := flow.SampleDelivery(raw); ok {
+					return d.Queued
+				}
+			}
+		}
+	}
+	return 0
+}
+
+// connectsBehind dials a link on q's congested session and asserts it
+// connects on its first attempt, and every upload of size reaches the
+// server whole.
+func connectsBehind(t *testing.T, q *queueSetup, size int) {
 	c := q.eg.dial()
 	if _, err := c.Write([]byte("late")); err != nil {
 		t.Fatal(err)
@@ -133,7 +189,7 @@ func TestMeshLinkOpenBehindTheSendQueue(t *testing.T) {
 			t.Fatalf("%d of %d connections ended at the server in 60 s", i, queueUploads+1)
 		}
 	}
-	if want := queueUploads*queueSize + len("late"); total != want {
+	if want := queueUploads*size + len("late"); total != want {
 		t.Fatalf("the server got %d bytes, want %d", total, want)
 	}
 	if got := testutil.ToFloat64(q.eg.m.MeshSessionDeaths(metrics.MeshEgress)); got != 0 {
@@ -147,9 +203,28 @@ func TestMeshLinkOpenBehindTheSendQueue(t *testing.T) {
 // is excluded mesh_dead, and the waiting link ends mesh_dead with it:
 // the queue's wait is bounded by the session's life, not by a clock.
 func TestMeshLinkOpenBehindTheSendQueueOfADeadPeer(t *testing.T) {
-	q := startQueue(t)
+	endsWithTheSession(t, startQueue(t), 300*time.Millisecond) // its stream waits in yamux's queue
+}
+
+// The twin of TestMeshLinkOpenBehindTheSocketsSendQueue: the path goes
+// dark 1.5 s after the dial, once the wait for the ack has run out and
+// started again (the socket's queue moved), the header still behind the
+// socket's bytes. The restarted wait does not outlive the session: the
+// link ends mesh_dead with it, within ping_timeout and a second.
+func TestMeshLinkOpenBehindTheSocketsSendQueueOfADeadPeer(t *testing.T) {
+	q := startQueueOf(t, 4<<20, 128<<10, 0)
+	waitFor(t, 10*time.Second, "the session's socket holding 3/4 MiB", func() bool {
+		return sessionQueued(q.eg) >= 768<<10
+	})
+	endsWithTheSession(t, q, 1500*time.Millisecond)
+}
+
+// endsWithTheSession dials a link on q's congested session, has the
+// path go dark after, and asserts the link, the session and the
+// endpoint end mesh_dead within ping_timeout and a second of the dark.
+func endsWithTheSession(t *testing.T, q *queueSetup, after time.Duration) {
 	c := q.eg.dial()
-	time.Sleep(300 * time.Millisecond) // its stream waits in the queue
+	time.Sleep(after)
 	q.dark.Store(true)
 	darkAt := time.Now()
 	s := q.eg.linkEndOf(c, 30*time.Second)
