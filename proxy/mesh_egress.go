@@ -91,8 +91,11 @@ type egressSession struct {
 	ownNetwork atomic.Bool
 	// statusOpen is 1 while the ingress's status stream is open here.
 	statusOpen atomic.Int32
-	mu         sync.Mutex
-	links      map[*link]struct{}
+	// ready is closed once the status stream is open here, or the
+	// session ended without one: dial gives links no session before.
+	ready chan struct{}
+	mu    sync.Mutex
+	links map[*link]struct{}
 }
 
 // sessionKey is what a session is dialled with, printed (mesh.tls.peers
@@ -134,12 +137,22 @@ func (es *egressSession) idle() bool {
 // counts from OpenStream, before the ingress's ack and the attach), none
 // that a link gave up. A retired session closes then (mesh.Hooks.Idle).
 func (es *egressSession) unused() bool {
-	return es.idle() && es.Sess.NumStreams() <= int(es.statusOpen.Load())
+	return es.idle() && es.linkStreams() <= 0
 }
 
-// full reports whether the session carries as many streams as the
-// ingress takes (the status stream besides).
-func (es *egressSession) full() bool { return es.Sess.NumStreams() > es.maxStreams }
+// linkStreams is the streams the session carries for links: the ones
+// this side opened. yamux's NumStreams counts the ingress's status stream
+// too, from when its open arrives; a session is given to links only once
+// its status stream is open here (dial waits for it), and statusOpen
+// counts it until the session ends, so the count is exact whenever the
+// status stream and the links' streams came. (Before that, the status
+// stream is in NumStreams a moment before statusOpen is set: counted
+// once more then, stricter, never laxer.)
+func (es *egressSession) linkStreams() int { return es.Sess.NumStreams() - int(es.statusOpen.Load()) }
+
+// full reports whether the session carries as many link streams as the
+// ingress takes (its handshake said; the status stream besides).
+func (es *egressSession) full() bool { return es.linkStreams() >= es.maxStreams }
 
 // holdsSession reports whether a session to the peer lives (usable, full
 // or not): its ingress is there and took this sidecar.
@@ -237,7 +250,8 @@ func (p *Proxy) closeMesh() {
 // session returns a live session to the peer, dialled with the same
 // settings s (sessionKey), with the fewest streams; it dials one, with
 // dialer (whose Control sets s's socket options), when there is none, or
-// when every one carries streams and fewer than mesh.sessions exist.
+// when every one carries link streams (the status stream is not one) and
+// fewer than mesh.sessions exist.
 func (pr *meshPeer) session(ctx context.Context, s *policy.Settings, dialer *net.Dialer) (*egressSession, error) {
 	key, m := newSessionKey(s), s.Mesh.OrDefaults()
 	current := pr.p.meshKeys.Load()
@@ -267,11 +281,11 @@ func (pr *meshPeer) session(ctx context.Context, s *policy.Settings, dialer *net
 				continue
 			}
 			usable++
-			if !es.full() && (best == nil || es.Sess.NumStreams() < best.Sess.NumStreams()) {
+			if !es.full() && (best == nil || es.linkStreams() < best.linkStreams()) {
 				best = es
 			}
 		}
-		return best, usable < m.Sessions && (best == nil || best.Sess.NumStreams() > 0)
+		return best, usable < m.Sessions && (best == nil || best.linkStreams() > 0)
 	}
 	best, grow := pick()
 	if !grow {
@@ -315,7 +329,7 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	if err != nil {
 		return nil, err
 	}
-	es := &egressSession{peer: pr, key: key, maxStreams: streams, mark: mark, links: make(map[*link]struct{})}
+	es := &egressSession{peer: pr, key: key, maxStreams: streams, mark: mark, ready: make(chan struct{}), links: make(map[*link]struct{})}
 	log := pr.p.log.With().Str("mesh_peer", pr.addr).Logger()
 	// The ingress opens one stream, the status stream; any other it
 	// opens is refused.
@@ -330,6 +344,10 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	es.Session = ms
 	ms.Wg.Add(1)
 	go es.readStatus()
+	if err := es.awaitStatus(ctx); err != nil {
+		ms.Close()
+		return nil, err
+	}
 	pr.mu.Lock()
 	if pr.p.meshClosed.Load() {
 		// Shutdown closed the mesh while this one was dialled (a probe's).
@@ -341,6 +359,24 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	pr.mu.Unlock()
 	log.Debug().Msg("mesh session opened")
 	return es, nil
+}
+
+// awaitStatus waits, within the link's connect budget (ctx), for the
+// ingress's status stream to open on the new session: it opens it at
+// once after its reply, but until it has arrived here NumStreams does not
+// count it, and a link's stream could go on a session its ingress holds
+// full (see linkStreams). An ingress that opened none in the budget (the
+// session ended, or the budget ran out) is ErrStream: no evidence against
+// the server, as a stream that could not open.
+func (es *egressSession) awaitStatus(ctx context.Context) error {
+	select {
+	case <-es.ready:
+	case <-ctx.Done():
+	}
+	if es.statusOpen.Load() == 0 {
+		return fmt.Errorf("%w: %s: the peer sidecar opened no status stream on the new session within the connect budget", mesh.ErrStream, es.peer.addr)
+	}
+	return nil
 }
 
 // handshake runs the session's handshake on c (over tc): TLS if set,
@@ -531,9 +567,11 @@ func (es *egressSession) readStatus() {
 	defer es.Wg.Done()
 	st, err := es.Sess.AcceptStream()
 	if err != nil {
+		close(es.ready)
 		return
 	}
 	es.statusOpen.Store(1)
+	close(es.ready)
 	defer st.Close()
 	defer es.statusOpen.Store(0) // before the close: until it, not unused
 	for {

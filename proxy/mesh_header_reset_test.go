@@ -89,6 +89,12 @@ func (ri *rawIngress) accept() {
 			_ = tc.Close()
 			continue
 		}
+		// The status stream, as an ingress opens it (no message on it):
+		// the egress gives a session to links once it has arrived.
+		if _, err := ms.Sess.OpenStream(); err != nil {
+			ms.Close()
+			continue
+		}
 		ri.mu.Lock()
 		ri.sessions = append(ri.sessions, ms)
 		ri.conns = append(ri.conns, fc)

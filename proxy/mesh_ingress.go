@@ -87,8 +87,11 @@ type ingressSession struct {
 	*mesh.Session
 	changed chan struct{} // the status changed: send it
 	host    string        // the peer's address
-	// statusOpen is 1 once the status stream is open.
+	// statusOpen is 1 once the status stream is open. Set under statusMu
+	// with the open itself, which the admission of the peer's streams
+	// takes too: they count the status stream exactly when yamux does.
 	statusOpen atomic.Int32
+	statusMu   sync.Mutex
 }
 
 func newIngress(l *listener, cfg policy.Listener) *ingress {
@@ -764,8 +767,14 @@ func (in *ingress) startSession(h *ingressHandshake, host string, perSession int
 	is := &ingressSession{changed: make(chan struct{}, 1), host: host}
 	var sess atomic.Pointer[yamux.Session]
 	admit := func() bool {
-		// NumStreams counts the status stream too once it is open (a
-		// moment early, the check is one stream stricter).
+		// NumStreams counts the status stream too once it is open:
+		// statusOpen is set with the open, under statusMu (writeStatus),
+		// so the count of the peer's streams is exact whichever came
+		// first. (The egress opens none before the status stream has
+		// reached it; an egress that does finds them counted all the
+		// same.)
+		is.statusMu.Lock()
+		defer is.statusMu.Unlock()
 		if se := sess.Load(); se != nil && se.NumStreams()-int(is.statusOpen.Load()) >= perSession {
 			in.l.p.metrics.MeshLimits(metrics.MeshIngress, mesh.LimitStreamsPerSession).Inc()
 			return false
@@ -821,11 +830,13 @@ func (in *ingress) forgetPeer(host string) {
 // on every change, until the session ends.
 func (in *ingress) writeStatus(is *ingressSession) {
 	defer in.wg.Done()
-	st, err := is.Sess.OpenStream()
+	if hook := testHookIngressStatus.Load(); hook != nil {
+		(*hook)()
+	}
+	st, err := in.openStatus(is)
 	if err != nil {
 		return
 	}
-	is.statusOpen.Store(1)
 	defer st.Close()
 	in.wg.Add(1)
 	go in.guardStatus(is, st)
@@ -846,6 +857,27 @@ func (in *ingress) writeStatus(is *ingressSession) {
 		}
 	}
 }
+
+// openStatus opens the session's status stream and counts it open
+// (statusOpen), as one step for the admission of the peer's streams
+// (startSession's admit waits for it): a stream of the peer's that
+// arrives meanwhile is judged with the status stream counted or not, as
+// yamux counts it. The open waits for its frame to be written at most
+// (yamux's write timeout); the admission does not wait otherwise.
+func (in *ingress) openStatus(is *ingressSession) (*yamux.Stream, error) {
+	is.statusMu.Lock()
+	defer is.statusMu.Unlock()
+	st, err := is.Sess.OpenStream()
+	if err == nil {
+		is.statusOpen.Store(1)
+	}
+	return st, err
+}
+
+// testHookIngressStatus, when set (by a test), runs before the ingress
+// opens a session's status stream: a test holds it back, as a busy
+// ingress does, which nothing on a loopback socket can be made to do.
+var testHookIngressStatus atomic.Pointer[func()]
 
 // guardStatus reads the status stream the ingress opened, on which the
 // egress sends nothing (it closes its side at the session's end). Unread,
