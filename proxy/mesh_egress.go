@@ -630,6 +630,24 @@ func (pr *meshPeer) applyStatus(msg mesh.StatusMsg) {
 	}
 }
 
+// liveSessionOf is a usable session to the peer dialled with settings
+// key, full or not, nil if none: a probe opens no stream, and a full
+// session's ping and the status it brought are the peer's as well, when
+// no session with room can be had (its ingress refused another: under
+// mesh.fallback refuse a failed probe, the server excluded for the
+// proxy's own accounting). A probe otherwise takes a session as a link
+// does (a new one reaches a replaced ingress).
+func (pr *meshPeer) liveSessionOf(key sessionKey) *egressSession {
+	pr.mu.Lock()
+	defer pr.mu.Unlock()
+	for _, es := range pr.sessions {
+		if es.key == key && es.Usable() {
+			return es
+		}
+	}
+	return nil
+}
+
 // epochOf is the epoch the peer announced for port, 0 if none yet.
 func (pr *meshPeer) epochOf(port uint16) uint64 {
 	pr.mu.Lock()
@@ -641,6 +659,13 @@ func (pr *meshPeer) epochOf(port uint16) uint64 {
 // the peer announces the port ready.
 func (pr *meshPeer) probe(ctx context.Context, port uint16, s *policy.Settings, dialer *net.Dialer) error {
 	es, err := pr.session(ctx, s, dialer)
+	if errors.Is(err, mesh.ErrNoIngress) || errors.Is(err, mesh.ErrStream) {
+		// Every session full and none more taken (refused, or
+		// mesh.sessions reached): a full one serves a probe.
+		if full := pr.liveSessionOf(newSessionKey(s)); full != nil {
+			es, err = full, nil
+		}
+	}
 	if err != nil {
 		return err
 	}

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"context"
 	"io"
 	"net"
 	"testing"
@@ -95,6 +96,25 @@ func TestMeshLateStatusStreamPutsNoLinkOnAFullSession(t *testing.T) {
 	fullSessionKept(t, in, eg, c1)
 }
 
+// refusedLink connects a client to eg, expects it not to be served, and
+// returns how its link ended. The proxy may reset it before the client's
+// connect has returned (its refusal is that quick): the connect fails
+// then, and the link's end is the next one eg reports (the others' links
+// live on).
+func refusedLink(t *testing.T, eg *harness) LinkStats {
+	t.Helper()
+	c, err := net.Dial("tcp", eg.addr)
+	if err != nil {
+		t.Logf("the connect failed: %v", err)
+		return eg.linkEnd(5 * time.Second)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	if err := echoed(c, "c2"); err == nil {
+		t.Fatal("c2 was served by a peer whose ingress is full and takes no second session")
+	}
+	return eg.linkEndOf(c, 5*time.Second)
+}
+
 // The twin: a peer whose ingress is really full (its one session at
 // max_streams_per_session, max_sessions_per_peer reached), status stream
 // late or not, refuses the next link at once under mesh.fallback refuse:
@@ -110,11 +130,7 @@ func TestMeshReallyFullPeerRefusesALinkPromptly(t *testing.T) {
 			in, eg, c1 := oneFullSession(t, func(s *policy.Settings) {
 				s.Mesh.Fallback, s.ConnectTimeout = policy.MeshFallbackRefuse, policy.Duration(budget)
 			})
-			c2 := eg.dial()
-			if err := echoed(c2, "c2"); err == nil {
-				t.Fatal("c2 was served by a peer whose ingress is full and takes no second session")
-			}
-			s := eg.linkEndOf(c2, 5*time.Second)
+			s := refusedLink(t, eg)
 			if s.Reason != CloseRefused || s.ConnectAttempts != 1 {
 				t.Fatalf("c2 ended %s (%v) after %d connect attempts, want refused after 1", s.Reason, s.Err, s.ConnectAttempts)
 			}
@@ -158,5 +174,24 @@ func TestMeshIdleSessionTakesTheNextLinkWithoutADial(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(eg.m.MeshFallbacks("test")); got != 0 {
 		t.Fatalf("%v links went directly, want 0", got)
+	}
+}
+
+// A probe through the mesh opens no stream: a peer whose one session is
+// full (max_streams_per_session) and that takes no second one
+// (max_sessions_per_peer) is proved through the full session once its
+// ingress refused the second. Before, the probe asked for a session with
+// room as a link does and failed with the refusal, "no ingress": under
+// mesh.fallback refuse a probe failure, the healthy server kept excluded
+// (or excluded) for the proxy's own accounting.
+func TestMeshProbeThroughAFullSession(t *testing.T) {
+	in, eg, _ := oneFullSession(t, func(s *policy.Settings) { s.Mesh.Fallback = policy.MeshFallbackRefuse })
+	before := in.limitHits(mesh.LimitSessionsPerPeer)
+	ep := eg.p.lookupEndpoint(eg.endpoint().Endpoint)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if handled, err := ep.meshProbe(ctx, ""); !handled || err != nil {
+		t.Fatalf("probe through the mesh: handled %v, %v; the ingress refused %v sessions for max_sessions_per_peer (%v before)",
+			handled, err, in.limitHits(mesh.LimitSessionsPerPeer), before)
 	}
 }
