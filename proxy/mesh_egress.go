@@ -335,13 +335,15 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	// opens is refused.
 	opened := 0
 	admit := func() bool { opened++; return opened == 1 }
+	set := make(chan struct{})
 	ms, err := mesh.NewSession(tc, c, true, metrics.MeshEgress, m, log, pr.p.metrics,
-		mesh.Hooks{BeforeClose: es.excludePeer, AfterClose: es.endLinks, Tick: es.shrinkStreams, Idle: es.unused}, mesh.Admission{Admit: admit, Streams: 1})
+		es.sessionHooks(set), mesh.Admission{Admit: admit, Streams: 1})
 	if err != nil {
 		_ = c.Close()
 		return nil, err
 	}
 	es.Session = ms
+	close(set)
 	ms.Wg.Add(1)
 	go es.readStatus()
 	if err := es.awaitStatus(ctx); err != nil {
@@ -361,22 +363,56 @@ func (pr *meshPeer) dial(ctx context.Context, m policy.Mesh, key sessionKey, dia
 	return es, nil
 }
 
-// awaitStatus waits, within the link's connect budget (ctx), for the
-// ingress's status stream to open on the new session: it opens it at
-// once after its reply, but until it has arrived here NumStreams does not
-// count it, and a link's stream could go on a session its ingress holds
-// full (see linkStreams). An ingress that opened none in the budget (the
-// session ended, or the budget ran out) is ErrStream: no evidence against
-// the server, as a stream that could not open.
+// sessionHooks are es's mesh.Hooks. They run on the session's own
+// goroutines, which mesh.NewSession starts before dial sets es.Session,
+// which they read: each waits for set, closed once it is set (the
+// heartbeat's verdict may come while dial waits for the status stream).
+func (es *egressSession) sessionHooks(set <-chan struct{}) mesh.Hooks {
+	after := func(f func()) func() { return func() { <-set; f() } }
+	return mesh.Hooks{BeforeClose: after(es.excludePeer), AfterClose: after(es.endLinks), Tick: after(es.shrinkStreams),
+		Idle: func() bool { <-set; return es.unused() }}
+}
+
+// awaitStatus waits for the ingress's status stream to open on the new
+// session: it opens it at once after its reply, but until it has arrived
+// here NumStreams does not count it, and a link's stream could go on a
+// session its ingress holds full (see linkStreams). The wait is the
+// link's connect budget (ctx) plus a ping_timeout, as a stream's wait for
+// its acknowledgement (awaitAck): a busy ingress that answers its pings
+// is waited for, a dead one is found by the heartbeat, which closes the
+// session (mesh_dead, its endpoints excluded). A session that closed
+// otherwise, or no status stream in that time, is ErrStream: no evidence
+// against the server, as a stream that could not open.
 func (es *egressSession) awaitStatus(ctx context.Context) error {
-	select {
-	case <-es.ready:
-	case <-ctx.Done():
+	wait := es.Timeout
+	if deadline, ok := ctx.Deadline(); ok {
+		wait += time.Until(deadline)
 	}
-	if es.statusOpen.Load() == 0 {
-		return fmt.Errorf("%w: %s: the peer sidecar opened no status stream on the new session within the connect budget", mesh.ErrStream, es.peer.addr)
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	stop := ctx.Done()
+	for done := false; !done; {
+		select {
+		case <-es.ready:
+			done = true
+		case <-t.C:
+			done = true
+		case <-stop:
+			if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				return ctx.Err() // the proxy is shutting down
+			}
+			stop = nil // the budget is out: a ping_timeout is left
+		}
 	}
-	return nil
+	switch {
+	case es.statusOpen.Load() != 0:
+		return nil
+	case es.Dead.Load() && es.ownNetwork.Load():
+		return errOwnNetwork{cause: errMeshDead} // local_error (link.dialFailed)
+	case es.Dead.Load():
+		return errMeshDead
+	}
+	return fmt.Errorf("%w: %s: the peer sidecar opened no status stream on the new session within the connect budget and a ping_timeout", mesh.ErrStream, es.peer.addr)
 }
 
 // handshake runs the session's handshake on c (over tc): TLS if set,

@@ -862,8 +862,11 @@ func (in *ingress) writeStatus(is *ingressSession) {
 // (statusOpen), as one step for the admission of the peer's streams
 // (startSession's admit waits for it): a stream of the peer's that
 // arrives meanwhile is judged with the status stream counted or not, as
-// yamux counts it. The open waits for its frame to be written at most
-// (yamux's write timeout); the admission does not wait otherwise.
+// yamux counts it. The open waits for its frame to be written: the
+// session's send queue, empty this early (an egress opens no stream
+// before the status stream has reached it); yamux's write timeout does
+// not bound it (noWriteTimeout), the session's end does. The admission
+// does not wait otherwise.
 func (in *ingress) openStatus(is *ingressSession) (*yamux.Stream, error) {
 	is.statusMu.Lock()
 	defer is.statusMu.Unlock()

@@ -195,3 +195,93 @@ func TestMeshProbeThroughAFullSession(t *testing.T) {
 			handled, err, in.limitHits(mesh.LimitSessionsPerPeer), before)
 	}
 }
+
+// A new session whose status stream comes after the link's connect
+// budget, while its ingress answers every ping (a busy ingress), is given
+// to the link: the wait for it is the budget plus a ping_timeout, as the
+// wait for a stream's acknowledgement (awaitAck) is; the heartbeat judges
+// the peer meanwhile. Before, the wait was the budget alone: the link
+// ended upstream_error ("opened no status stream ... within the connect
+// budget") and the healthy session was closed, where without the wait the
+// link, its stream acknowledged, was served.
+func TestMeshStatusStreamLaterThanTheBudgetServesTheLink(t *testing.T) {
+	lateStatus(t, 700*time.Millisecond)
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	in := startIngress(t, "127.0.0.2", srv.Addr(), nil)
+	eg := startEgress(t, srv.Addr(), in.port, func(s *policy.Settings) {
+		s.ConnectTimeout = policy.Duration(200 * time.Millisecond)
+		s.Mesh.PingTimeout = policy.Duration(5 * time.Second)
+	})
+	c := eg.dial()
+	if err := echoed(c, "status late, the session alive"); err != nil {
+		s := eg.linkEndOf(c, 5*time.Second)
+		t.Fatalf("link to a healthy server over a live session: %v; link ended %s (%v)", err, s.Reason, s.Err)
+	}
+	if ep := eg.endpoint(); ep.State != "healthy" {
+		t.Fatalf("endpoint %s (%s), want healthy", ep.State, ep.Reason)
+	}
+}
+
+// silentAfterReply plays a peer sidecar's ingress that answers the
+// session handshake and then stops (its host frozen): it reads and
+// writes nothing more, opens no status stream. Its connections are held
+// until the test ends.
+func silentAfterReply(t *testing.T, host string) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan struct{})
+	var conns []net.Conn
+	go func() {
+		defer close(done)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c)
+			var pre [mesh.PrefaceLen]byte
+			if _, err := io.ReadFull(c, pre[:]); err == nil {
+				_, _ = c.Write(mesh.Reply(mesh.OK, 16))
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		<-done
+		for _, c := range conns {
+			_ = c.Close()
+		}
+	})
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// The twin: a peer sidecar that stops right after its handshake reply is
+// dead, and judged so by the session's heartbeat within ping_timeout
+// (and a second) of the dial, though the link's connect budget is
+// shorter: the link ends mesh_dead and the endpoint is excluded. Before,
+// the wait for the status stream gave up at the budget and closed the
+// session: the link ended upstream_error, "no evidence", and the dead
+// peer's endpoint stayed in.
+func TestMeshPeerSilentAfterTheReplyIsDead(t *testing.T) {
+	srv := faultpeer.New(t, faultpeer.Echo, faultpeer.Options{Addr: "127.0.0.2:0"})
+	port := silentAfterReply(t, "127.0.0.2")
+	const pingTimeout = time.Second
+	eg := startEgress(t, srv.Addr(), port, func(s *policy.Settings) {
+		s.ConnectTimeout = policy.Duration(200 * time.Millisecond)
+		s.Mesh.PingTimeout = policy.Duration(pingTimeout)
+		s.Mesh.Fallback = policy.MeshFallbackRefuse
+	})
+	began := time.Now()
+	c := eg.dial()
+	s := eg.linkEndOf(c, 10*time.Second)
+	if s.Reason != CloseMeshDead {
+		t.Fatalf("link to a dead peer sidecar ended %s (%v) after %v, want mesh_dead", s.Reason, s.Err, time.Since(began))
+	}
+	ep := eg.waitState("excluded", pingTimeout+time.Second)
+	if ep.Reason != string(CloseMeshDead) {
+		t.Fatalf("endpoint excluded for %s, want mesh_dead", ep.Reason)
+	}
+}
