@@ -407,10 +407,8 @@ func (es *egressSession) awaitStatus(ctx context.Context) error {
 	switch {
 	case es.statusOpen.Load() != 0:
 		return nil
-	case es.Dead.Load() && es.ownNetwork.Load():
-		return errOwnNetwork{cause: errMeshDead} // local_error (link.dialFailed)
 	case es.Dead.Load():
-		return errMeshDead
+		return es.deathErr() // mesh_dead, or local_error (the proxy's own network)
 	}
 	return fmt.Errorf("%w: %s: the peer sidecar opened no status stream on the new session within the connect budget and a ping_timeout", mesh.ErrStream, es.peer.addr)
 }
