@@ -255,10 +255,8 @@ func isTimeout(err error) bool {
 // session was declared dead: mesh_dead, or local_error when the proxy's
 // host had no route to the peer sidecar (link.dialFailed).
 func (es *egressSession) deathErr() error {
-	if es.ownNetwork.Load() {
-		return errOwnNetwork{cause: errMeshDead}
-	}
-	return errMeshDead
+	_, err := es.deathOf(errMeshDead) // the dial's failure carries its reason (link.dialFailed)
+	return err
 }
 
 // meshFallback counts a link of l that reaches ep directly because its
