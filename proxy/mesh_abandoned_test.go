@@ -14,11 +14,16 @@ import (
 // listenBacklog0 listens on 127.0.0.2 with an accept queue of one: a
 // second connect's SYN is dropped until the first is accepted.
 func listenBacklog0(t *testing.T) (net.Listener, string) {
+	return listenBacklog0On(t, [4]byte{127, 0, 0, 2})
+}
+
+// listenBacklog0On is listenBacklog0 on the address ip.
+func listenBacklog0On(t *testing.T, ip [4]byte) (net.Listener, string) {
 	fd, err := syscall.Socket(syscall.AF_INET, syscall.SOCK_STREAM, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+	if err := syscall.Bind(fd, &syscall.SockaddrInet4{Addr: ip}); err != nil {
 		t.Fatal(err)
 	}
 	if err := syscall.Listen(fd, 0); err != nil {

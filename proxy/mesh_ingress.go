@@ -991,14 +991,13 @@ func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	l.serveLink(lk)
 }
 
-// streamEndpoint reads st's header (within mesh.HeaderTimeout) and
-// returns the endpoint of the local port it names; a bad header, a port
-// the ingress does not serve or one without an endpoint refuses st (a
-// reset, counted in link_closes_total): nil then.
+// streamEndpoint reads st's header (see headerReader) and returns the
+// endpoint of the local port it names; a bad header, a port the ingress
+// does not serve or one without an endpoint refuses st (a reset, counted
+// in link_closes_total): nil then.
 func (in *ingress) streamEndpoint(is *ingressSession, st *yamux.Stream) *endpoint {
 	l := in.l
-	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
-	port, err := mesh.ReadHeader(st)
+	port, err := mesh.ReadHeader(newHeaderReader(is, st))
 	_ = st.SetReadDeadline(time.Time{})
 	if err != nil || !in.serves(port) {
 		// At debug: a peer could flood the log. link_closes_total counts it.
@@ -1014,6 +1013,40 @@ func (in *ingress) streamEndpoint(is *ingressSession, st *yamux.Stream) *endpoin
 		l.m.Closed(string(CloseRefused))
 	}
 	return ep
+}
+
+// headerReader reads a new stream's header within mesh.HeaderTimeout,
+// a wait that starts again when it runs out while the links' data has
+// kept arriving on the session since the last look (peerQueue): the
+// stream's open (its SYN) and its header are two frames, each waiting
+// its turn in the egress's send queue, and on a session congested by
+// uploads the header comes a round of that queue after the open (which
+// the egress's own wait does not count against the link, sendQueue).
+// The renewals end headerWaits waits after the stream's accept: a peer
+// that keeps sending data and never the header does not hold the
+// stream's slot for ever.
+type headerReader struct {
+	st *yamux.Stream
+	pq *peerQueue
+}
+
+// headerWaits bounds an ingress's wait for a stream's header: at most
+// this many mesh.HeaderTimeout in all.
+const headerWaits = 5
+
+func newHeaderReader(is *ingressSession, st *yamux.Stream) *headerReader {
+	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
+	return &headerReader{st: st, pq: newPeerQueue(is.Session, headerWaits*mesh.HeaderTimeout)}
+}
+
+func (r *headerReader) Read(p []byte) (int, error) {
+	for {
+		n, err := r.st.Read(p)
+		if n > 0 || !isTimeout(err) || !r.pq.restart() {
+			return n, err
+		}
+		_ = r.st.SetReadDeadline(time.Now().Add(min(mesh.HeaderTimeout, time.Duration(r.pq.until-flow.Mono()))))
+	}
 }
 
 // maxRefusingStreams bounds the streams refused at max_links that wait

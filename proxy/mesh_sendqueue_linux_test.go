@@ -51,10 +51,16 @@ func startQueue(t *testing.T) *queueSetup { return startQueueOf(t, 1<<20, queueS
 // session's TCP_NOTSENT_LOWAT a quarter of it), uploads of size each, and
 // settle the wait after they start.
 func startQueueOf(t *testing.T, hwm int64, size int, settle time.Duration) *queueSetup {
+	return startQueueAt(t, queueRate, hwm, size, settle, nil)
+}
+
+// startQueueAt is startQueueOf through a path throttled to rate, the
+// egress's settings tuned by tune (nil: none).
+func startQueueAt(t *testing.T, rate int, hwm int64, size int, settle time.Duration, tune func(*policy.Settings)) *queueSetup {
 	q := &queueSetup{stop: make(chan struct{})}
 	q.srv = startReadAll(t, "127.0.0.1:0")
 	in := startIngress(t, "127.0.0.2", q.srv.ln.Addr().String(), queueBeat)
-	rl, err := relay.Start(in.addr(), time.Second, darkThrottle(queueRate, &q.dark, q.stop))
+	rl, err := relay.Start(in.addr(), time.Second, darkThrottle(rate, &q.dark, q.stop))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,6 +77,9 @@ func startQueueOf(t *testing.T, hwm int64, size int, settle time.Duration) *queu
 		// wait for a header after the SYN (mesh.HeaderTimeout, 5 s).
 		s.WriteBuffer.HighWaterMark = policy.Size(hwm)
 		s.WriteBuffer.LowWaterMark = policy.Size(hwm / 2)
+		if tune != nil {
+			tune(s)
+		}
 	})
 	q.limit = 300*time.Millisecond + time.Second
 	for range queueUploads {
@@ -225,6 +234,13 @@ func TestMeshLinkOpenBehindTheSocketsSendQueueOfADeadPeer(t *testing.T) {
 func endsWithTheSession(t *testing.T, q *queueSetup, after time.Duration) {
 	c := q.eg.dial()
 	time.Sleep(after)
+	darkEnds(t, q, c)
+}
+
+// darkEnds has q's path go dark while c's link waits to connect, and
+// asserts the link, the session and the endpoint end mesh_dead within
+// ping_timeout and a second of the dark.
+func darkEnds(t *testing.T, q *queueSetup, c *net.TCPConn) {
 	q.dark.Store(true)
 	darkAt := time.Now()
 	s := q.eg.linkEndOf(c, 30*time.Second)

@@ -169,12 +169,19 @@ func (es *egressSession) refusedAtHeader(err error) error {
 // the wait.
 func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Stream, port uint16, queued time.Duration) (*meshEnd, error) {
 	deadline, _ := ctx.Deadline()
-	_ = st.SetReadDeadline(deadline.Add(queued + es.Timeout))
-	sq := es.sendQueue()
+	first := deadline.Add(queued + es.Timeout)
+	_ = st.SetReadDeadline(first)
+	wait := lk.meshDialTimeout() + es.Timeout
+	sq, pq := es.sendQueue(), newPeerQueue(es.Session, time.Until(first)+maxPeerQueueWaits*wait)
 	var ack [1]byte
 	_, err := io.ReadFull(st, ack[:])
-	for ; isTimeout(err) && sq.restart(); _, err = io.ReadFull(st, ack[:]) {
-		_ = st.SetReadDeadline(time.Now().Add(lk.meshDialTimeout() + es.Timeout))
+	for isTimeout(err) {
+		next, again := restartAck(sq, pq, wait)
+		if !again {
+			break
+		}
+		_ = st.SetReadDeadline(time.Now().Add(next))
+		_, err = io.ReadFull(st, ack[:])
 	}
 	_ = st.SetReadDeadline(time.Time{})
 	if err == nil && ack[0] == mesh.Ack {
@@ -244,6 +251,69 @@ func (sq *sendQueue) restart() bool {
 	}
 	sq.acked, sq.waited = d.Acked, true
 	return true
+}
+
+// restartAck reports whether an ack's wait that ran out starts again,
+// and for how long: a whole wait when the stream's frames wait in this
+// proxy's send queue (sq), else, when the ack may wait in the peer's
+// (pq), a whole wait at most, up to the end of pq's bound. Both look,
+// each from its last look.
+func restartAck(sq *sendQueue, pq *peerQueue, wait time.Duration) (time.Duration, bool) {
+	own, peer := sq.restart(), pq.restart()
+	if hook := testHookAckRenewed.Load(); hook != nil && (own || peer) {
+		(*hook)(own, peer)
+	}
+	if !own && peer {
+		wait = min(wait, time.Duration(pq.until-flow.Mono()))
+	}
+	return wait, own || peer
+}
+
+// testHookAckRenewed, when set (by a test), runs whenever a link's ack
+// wait starts again: own when its frames wait in this proxy's send
+// queue, peer when the peer's moves.
+var testHookAckRenewed atomic.Pointer[func(own, peer bool)]
+
+// peerQueue is what an ack's wait sees of the peer sidecar's send queue,
+// in which the ack, one byte of stream data, waits behind the frames the
+// peer queued before it (downloads toward this sidecar): not where the
+// ack stands, only whether that queue moves, the links' data arriving
+// (mesh.Session.LinkBytesIn: not the pings, whose answers go ahead of
+// the queue, nor the status stream). A peer that
+// sends no data has no queue the ack could wait in: its ack is judged
+// by the old rule. The renewals for it end maxPeerQueueWaits whole
+// waits (connect budget plus ping_timeout) after the first wait ran
+// out: a peer whose data keeps arriving while its ingress never answers
+// (a session busy with downloads, an ingress that cannot reach the
+// server and does not say so) is not waited on for ever.
+type peerQueue struct {
+	in    func() int64
+	seen  int64 // at the last look
+	until int64 // mono: no renewal from then on
+}
+
+// maxPeerQueueWaits bounds the renewals of an ack's wait for the peer's
+// send queue: the ack is given up at most this many whole waits after
+// the first ran out (unless its own frames still wait in this proxy's
+// queue, see sendQueue).
+const maxPeerQueueWaits = 3
+
+// newPeerQueue starts watching the peer's queue on ms; no renewal for
+// it from within on.
+func newPeerQueue(ms *mesh.Session, within time.Duration) *peerQueue {
+	return &peerQueue{in: ms.LinkBytesIn, seen: ms.LinkBytesIn(), until: flow.Mono() + int64(within)}
+}
+
+// restart looks at the session's inbound data when a wait for the peer
+// (an ack, at the ingress a header) has run out and reports whether it
+// starts again: data arrived since the last look (the peer's queue
+// moves, what is awaited may be behind it), within the bound. A dead
+// peer's session is closed by the heartbeat first.
+func (pq *peerQueue) restart() bool {
+	n := pq.in()
+	moved := n > pq.seen
+	pq.seen = n
+	return moved && flow.Mono() < pq.until
 }
 
 func isTimeout(err error) bool {

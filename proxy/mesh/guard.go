@@ -62,6 +62,10 @@ type meshGuard struct {
 	pendBuf        [YamuxHeaderLen]byte
 	body           uint32 // body bytes of the current frame still to pass (or drop)
 	dropBody       bool
+	linkBody       bool // the current frame is data of a link's stream
+	// linkIn counts the bytes of data of the links' streams as they
+	// arrive (Session.LinkBytesIn).
+	linkIn atomic.Int64
 
 	mu          sync.Mutex
 	inQ         []byte // frames for the local yamux
@@ -315,6 +319,7 @@ func (g *meshGuard) Read(p []byte) (int, error) {
 				if n > 0 {
 					g.last.Store(flow.Mono())
 					g.body -= uint32(n)
+					g.passed(n)
 				}
 				if n > 0 || err != nil {
 					return n, err
@@ -356,6 +361,7 @@ func (g *meshGuard) filter(p []byte) (int, error) {
 			if !g.dropBody {
 				k = uint32(copy(p[out:], avail[:k]))
 				out += int(k)
+				g.passed(int(k))
 			}
 			g.body -= k
 			g.rawOff += int(k)
@@ -380,6 +386,13 @@ func (g *meshGuard) filter(p []byte) (int, error) {
 	return out, nil
 }
 
+// passed counts n body bytes passed on to yamux.
+func (g *meshGuard) passed(n int) {
+	if g.linkBody {
+		g.linkIn.Add(int64(n))
+	}
+}
+
 // inbound judges a frame header from the peer: whether it is passed on.
 func (g *meshGuard) inbound() (bool, error) {
 	h := g.hdr[:]
@@ -391,6 +404,9 @@ func (g *meshGuard) inbound() (bool, error) {
 	g.dropBody = false
 	if typ == yamuxTypeData {
 		g.body = length
+		// The egress (yamux's client: odd ids) opens the links' streams,
+		// the ingress only its status stream.
+		g.linkBody = id%2 == 1
 	}
 	switch {
 	case typ == YamuxTypePing && flags&YamuxFlagSYN != 0:

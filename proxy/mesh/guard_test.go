@@ -143,3 +143,35 @@ func TestGuardRefusalsOfAReadingPeerAreNoFlood(t *testing.T) {
 		t.Errorf("limits counted %q, want none", got)
 	}
 }
+
+// LinkBytesIn counts the data that arrives on the links' streams (odd
+// ids: the egress opens them), as the guard passes it on, and nothing
+// else: not the data of the status stream (even: the ingress's), nor the
+// pings and their answers, nor window updates. The waits for a stream's
+// first bytes go on while it grows (the peer's queue moves), so a quiet
+// session whose status or heartbeat alone arrives must leave it still.
+func TestGuardCountsLinkData(t *testing.T) {
+	local, peer := tcpPair(t)
+	var last atomic.Int64
+	g := newMeshGuard(local, local, &last, Admission{}, func(string) {})
+	var in []byte
+	in = append(in, yamuxFrame(yamuxTypeData, 0, 2, 100)...) // the status stream's
+	in = append(in, make([]byte, 100)...)
+	in = append(in, yamuxFrame(YamuxTypePing, YamuxFlagSYN, 0, 7)...)
+	in = append(in, yamuxFrame(YamuxTypePing, yamuxFlagACK, 0, guardPingID|1)...)
+	in = append(in, yamuxFrame(yamuxTypeWindowUpdate, 0, 3, 1<<20)...)
+	in = append(in, yamuxFrame(yamuxTypeData, 0, 3, 50)...) // a link's
+	in = append(in, make([]byte, 50)...)
+	in = append(in, yamuxFrame(yamuxTypeData, 0, 4, 10)...)
+	in = append(in, make([]byte, 10)...)
+	if _, err := peer.Write(in); err != nil {
+		t.Fatal(err)
+	}
+	_ = peer.CloseWrite()
+	if _, err := io.Copy(io.Discard, g); err != nil {
+		t.Fatal(err)
+	}
+	if n := g.linkIn.Load(); n != 50 {
+		t.Fatalf("%d bytes counted as the links' data, want 50 (stream 3's)", n)
+	}
+}

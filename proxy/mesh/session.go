@@ -397,6 +397,14 @@ func (ms *Session) RefuseStream(st *yamux.Stream) {
 	}
 }
 
+// LinkBytesIn is the count of data bytes that have arrived from the peer
+// on the links' streams (not on the status stream, nor the heartbeat's
+// pings and their answers, which go ahead of the send queue): it grows
+// while the peer's send queue, in which a stream's first bytes (the
+// egress's header, the ingress's ack) may wait behind other links' data,
+// moves.
+func (ms *Session) LinkBytesIn() int64 { return ms.Guard.linkIn.Load() }
+
 // Closed reports whether the session has ended.
 func (ms *Session) Closed() bool { return ms.Sess.IsClosed() }
 
