@@ -191,6 +191,8 @@ func (lk *link) dialFailed(ep *endpoint, began int64, err error) (bool, error) {
 		return false, err
 	}
 	switch {
+	case errors.Is(err, errClientLeft):
+		return end(CloseClientError) // not the endpoint's: nothing reported
 	case errors.Is(err, mesh.ErrNoIngress):
 		return end(CloseRefused) // mesh.fallback: refuse
 	case errors.Is(err, errMeshRefused):

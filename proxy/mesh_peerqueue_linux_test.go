@@ -184,12 +184,17 @@ func startDownloads(t *testing.T, settle time.Duration, tune func(*policy.Settin
 // Before, the egress gave the stream up after its connect budget plus
 // ping_timeout, the ingress's connect to the server was reset, and after
 // 3 attempts the link ended dial_error with everything healthy.
+//
+// The client half-closes as soon as it has sent its byte, while the link
+// waits for the ack: a FIN is no client leaving (the twin of
+// TestMeshLinkWaitingForItsAckEndsWithItsClient), the link goes on.
 func TestMeshLinkOpenBehindThePeersSendQueue(t *testing.T) {
 	d := startDownloads(t, 2*time.Second, nil)
 	c := d.q.eg.dial()
 	if _, err := c.Write([]byte("g")); err != nil {
 		t.Fatal(err)
 	}
+	_ = c.CloseWrite()
 	_ = c.SetReadDeadline(time.Now().Add(40 * time.Second))
 	_, rerr := io.ReadFull(c, make([]byte, 1000))
 	_ = c.Close()
@@ -313,4 +318,33 @@ func TestMeshHeaderBehindTheSendQueueReachesTheIngress(t *testing.T) {
 	const size = 256 << 10
 	q := startQueueAt(t, 96<<10, 1<<20, size, time.Second, func(s *policy.Settings) { s.TCPUserTimeout = 0 })
 	connectsBehind(t, q, size)
+}
+
+// A client that resets while its link waits for the ack (here a wait
+// renewed for the peer's queue, for an ingress that never answers) ends
+// the link at once: client_error, its stream reset, nothing counted
+// against the endpoint. Before, the link waited on for its ack until the
+// renewals ran out, holding its stream and its goroutine, and ended
+// dial_error.
+func TestMeshLinkWaitingForItsAckEndsWithItsClient(t *testing.T) {
+	d := startDownloads(t, time.Second, func(s *policy.Settings) { s.ConnectAttempts = 1 })
+	d.srv.gate(t)
+	d.renewed.peer.Store(0)
+	c := d.q.eg.dial()
+	if _, err := c.Write([]byte("g")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 20*time.Second, "the new link's wait renewed for the peer's queue", func() bool { return d.renewed.peer.Load() > 0 })
+	_ = c.SetLinger(0)
+	_ = c.Close()
+	reset := time.Now()
+	s := d.q.eg.linkEndOf(c, 30*time.Second)
+	t.Logf("the link ended %s (%v) %v after its client's reset; its wait renewed %d times",
+		s.Reason, s.Err, time.Since(reset).Round(time.Millisecond), d.renewed.peer.Load())
+	if s.Reason != CloseClientError || !errors.Is(s.Err, errClientLeft) {
+		t.Fatalf("the link ended %s (%v), want client_error (%v)", s.Reason, s.Err, errClientLeft)
+	}
+	if got := testutil.ToFloat64(d.q.eg.m.ForListener("test").DialErrors); got != 0 {
+		t.Fatalf("%v dial errors, want none", got)
+	}
 }

@@ -173,16 +173,21 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	_ = st.SetReadDeadline(first)
 	wait := lk.meshDialTimeout() + es.Timeout
 	sq, pq := es.sendQueue(), newPeerQueue(es.Session, time.Until(first)+maxPeerQueueWaits*wait)
+	cw := lk.watchClient(st)
 	var ack [1]byte
 	_, err := io.ReadFull(st, ack[:])
-	for isTimeout(err) {
+	for isTimeout(err) && !cw.gone() {
 		next, again := restartAck(sq, pq, wait)
 		if !again {
 			break
 		}
 		_ = st.SetReadDeadline(time.Now().Add(next))
+		if cw.gone() { // its wake-up may have come before this deadline
+			_ = st.SetReadDeadline(pastDeadline)
+		}
 		_, err = io.ReadFull(st, ack[:])
 	}
+	cw.stop()
 	_ = st.SetReadDeadline(time.Time{})
 	if err == nil && ack[0] == mesh.Ack {
 		return &meshEnd{lk: lk, st: st, sess: es, port: port}, nil
@@ -198,10 +203,68 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	if es.Closed() {
 		return nil, fmt.Errorf("%w: the session closed", mesh.ErrStream)
 	}
+	if cw.gone() {
+		return nil, errClientLeft
+	}
 	if err == nil {
 		err = fmt.Errorf("acknowledgement %d", ack[0])
 	}
 	return nil, fmt.Errorf("%w (%v)", errMeshRefused, err)
+}
+
+// errClientLeft ends a link whose client reset while its stream waited
+// for the ack: client_error, nothing held against the endpoint.
+var errClientLeft = errors.New("mesh: the client reset the connection while its stream waited for the peer sidecar's acknowledgement")
+
+// clientWatch watches a link's client while its stream waits for the
+// ack, which may take several waits on a congested session (restartAck):
+// a client that resets meanwhile (its socket closed, flow.PeerReset; a
+// FIN is a half-close, after which the link goes on) wakes the wait,
+// which ends at once, the stream reset and the ingress's slot given back
+// with it. It reads nothing: the client's bytes and its reset's error
+// stay for the link's reader.
+type clientWatch struct {
+	sock clientSocket
+	left atomic.Bool
+	done chan struct{} // the watch's goroutine ended
+}
+
+// watchClient starts the watch of lk's client for st's wait; nil (no
+// watch) when the client is no socket of the proxy's (an ingress's
+// stream).
+func (lk *link) watchClient(st *yamux.Stream) *clientWatch {
+	c, ok := lk.client.(*tcpClient)
+	if !ok || c.raw() != nil {
+		return nil
+	}
+	w := &clientWatch{sock: c.sock, done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		// Woken by the socket's every edge (bytes, a FIN, a reset) until
+		// stop's past deadline.
+		_ = c.rc.Read(func(fd uintptr) bool {
+			if !flow.PeerReset(fd) {
+				return false
+			}
+			w.left.Store(true)
+			_ = st.SetReadDeadline(pastDeadline)
+			return true
+		})
+	}()
+	return w
+}
+
+func (w *clientWatch) gone() bool { return w != nil && w.left.Load() }
+
+// stop ends the watch and waits for its goroutine: the link's own reader
+// may read the client from then on.
+func (w *clientWatch) stop() {
+	if w == nil {
+		return
+	}
+	_ = w.sock.SetReadDeadline(pastDeadline)
+	<-w.done
+	_ = w.sock.SetReadDeadline(time.Time{})
 }
 
 // sendQueue is where a stream's header stands in its session's socket:

@@ -375,6 +375,16 @@ func UrgentByteIn(fd int) bool {
 	return err == nil && n == 1 && pfd[0].Revents&unix.POLLPRI != 0
 }
 
+// PeerReset reports whether the socket fd was ended by its peer's reset
+// (or an error of its own: TCP_INFO's state closed), never by its FIN (a
+// half-close leaves it in CLOSE_WAIT). It takes nothing from the socket:
+// a reset's error stays for the call that reads or writes it.
+func PeerReset(fd uintptr) bool {
+	var ti unix.TCPInfo
+	err := getsockopt(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO, unsafe.Pointer(&ti), uint32(unsafe.Sizeof(ti)))
+	return err == nil && ti.State == unix.BPF_TCP_CLOSE
+}
+
 // UnreadBytes is how many bytes wait in c's receive queue (SIOCINQ): a
 // mesh session's heartbeat counts them as life, so that its own process
 // being slow to read is never blamed on the peer.

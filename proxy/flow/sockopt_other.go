@@ -44,6 +44,9 @@ func OriginalDst(syscall.Conn, net.Addr) (netip.AddrPort, error) {
 // UnreadBytes is unknown outside Linux.
 func UnreadBytes(*net.TCPConn) int { return 0 }
 
+// PeerReset reports false: only Linux's TCP_INFO says.
+func PeerReset(uintptr) bool { return false }
+
 // UnreadFromALivePeer is unknown outside Linux.
 func UnreadFromALivePeer(syscall.RawConn, *atomic.Bool) bool { return false }
 
