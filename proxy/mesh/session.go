@@ -405,6 +405,11 @@ func (ms *Session) RefuseStream(st *yamux.Stream) {
 // moves.
 func (ms *Session) LinkBytesIn() int64 { return ms.Guard.linkIn.Load() }
 
+// LastHeard is the mono time the peer's bytes last arrived: the
+// heartbeat's silence counts from it (a fault on the path takes effect
+// here once the bytes already on their way have arrived).
+func (ms *Session) LastHeard() int64 { return ms.lastRead.Load() }
+
 // Closed reports whether the session has ended.
 func (ms *Session) Closed() bool { return ms.Sess.IsClosed() }
 
