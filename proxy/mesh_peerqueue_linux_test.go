@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/hashicorp/yamux"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/livenessproxy/livenessproxy/internal/metrics"
@@ -345,6 +346,62 @@ func TestMeshLinkWaitingForItsAckEndsWithItsClient(t *testing.T) {
 		t.Fatalf("the link ended %s (%v), want client_error (%v)", s.Reason, s.Err, errClientLeft)
 	}
 	if got := testutil.ToFloat64(d.q.eg.m.ForListener("test").DialErrors); got != 0 {
+		t.Fatalf("%v dial errors, want none", got)
+	}
+}
+
+// A link waiting for its ack when the proxy shuts down (Close: no drain,
+// every link aborted, its client closed) ends then, not when its wait
+// runs out: the client watch sees its socket closed under it as it sees
+// a reset. Before, the wait went on to its end, and Close with it: here
+// one wait of connect budget plus ping_timeout (10.3 s), on a session
+// whose peer's queue moves up to maxPeerQueueWaits more (peerQueue),
+// and a link evicted while it dials the same.
+func TestMeshLinkWaitingForItsAckEndsWithTheProxy(t *testing.T) {
+	srv := startGatedServer(t)
+	in := startIngressL(t, "127.0.0.1", srv.addr(), func(l *policy.Listener) {
+		queueBeat(&l.Settings)
+		l.Ingress.CheckInterval = policy.Duration(time.Hour)
+		l.Settings.ConnectTimeout = policy.Duration(time.Minute)
+	})
+	waitFor(t, 10*time.Second, "the ingress's first check of its server", func() bool { return srv.accepted.Load() >= 1 })
+	srv.gate(t)
+	const pingTimeout = 10 * time.Second
+	eg := startEgress(t, srv.addr(), in.port, func(s *policy.Settings) {
+		s.Mesh.Sessions = 1
+		s.Mesh.PingInterval = policy.Duration(time.Second)
+		s.Mesh.PingTimeout = policy.Duration(pingTimeout)
+		s.ConnectTimeout = policy.Duration(300 * time.Millisecond)
+		s.ConnectAttempts = 1
+	})
+	opened := make(chan struct{}, 1)
+	hook := func(*egressSession, *yamux.Stream) {
+		select {
+		case opened <- struct{}{}:
+		default:
+		}
+	}
+	testHookMeshStreamOpened.Store(&hook)
+	t.Cleanup(func() { testHookMeshStreamOpened.Store(nil) })
+	c := eg.dial()
+	select {
+	case <-opened:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the link opened no stream in 20 s")
+	}
+	time.Sleep(300 * time.Millisecond) // in its ack's wait (the test holds either way)
+	began := time.Now()
+	_ = eg.p.Close()
+	s := eg.linkEndOf(c, 30*time.Second)
+	ended := s.Opened.Add(s.Duration).Sub(began)
+	t.Logf("the link ended %s (%v) %v after the proxy's Close began (its wait: %v)", s.Reason, s.Err, ended.Round(time.Millisecond), 300*time.Millisecond+pingTimeout)
+	if s.Reason != CloseShutdown {
+		t.Fatalf("the link ended %s (%v), want shutdown", s.Reason, s.Err)
+	}
+	if ended > pingTimeout/2 {
+		t.Fatalf("the link ended %v after the proxy's Close began, want at once (its wait, %v, ran out first)", ended, 300*time.Millisecond+pingTimeout)
+	}
+	if got := testutil.ToFloat64(eg.m.ForListener("test").DialErrors); got != 0 {
 		t.Fatalf("%v dial errors, want none", got)
 	}
 }

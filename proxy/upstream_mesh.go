@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strconv"
 	"sync/atomic"
 	"syscall"
@@ -221,8 +222,9 @@ var errClientLeft = errors.New("mesh: the client reset the connection while its 
 // a client that resets meanwhile (its socket closed, flow.PeerReset; a
 // FIN is a half-close, after which the link goes on) wakes the wait,
 // which ends at once, the stream reset and the ingress's slot given back
-// with it. It reads nothing: the client's bytes and its reset's error
-// stay for the link's reader.
+// with it; so does the link's abort, which closes the client's socket
+// (a shutdown without a drain). It reads nothing: the client's bytes and
+// its reset's error stay for the link's reader.
 type clientWatch struct {
 	sock clientSocket
 	left atomic.Bool
@@ -242,16 +244,28 @@ func (lk *link) watchClient(st *yamux.Stream) *clientWatch {
 		defer close(w.done)
 		// Woken by the socket's every edge (bytes, a FIN, a reset) until
 		// stop's past deadline.
-		_ = c.rc.Read(func(fd uintptr) bool {
+		err := c.rc.Read(func(fd uintptr) bool {
 			if !flow.PeerReset(fd) {
 				return false
 			}
-			w.left.Store(true)
-			_ = st.SetReadDeadline(pastDeadline)
+			w.wake(st)
 			return true
 		})
+		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			// Not stop's: the proxy closed the client's socket under
+			// the watch, the link aborted (the proxy shutting down
+			// without a drain, or its drain's time up): the wait ends
+			// as for a reset (the abort's reason stays the link's).
+			w.wake(st)
+		}
 	}()
 	return w
+}
+
+// wake marks the client gone and wakes st's wait.
+func (w *clientWatch) wake(st *yamux.Stream) {
+	w.left.Store(true)
+	_ = st.SetReadDeadline(pastDeadline)
 }
 
 func (w *clientWatch) gone() bool { return w != nil && w.left.Load() }
