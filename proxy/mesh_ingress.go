@@ -950,9 +950,10 @@ func (in *ingress) acceptStreams(is *ingressSession) {
 // yamux's state for it (about 8 KiB) all the same: counted from the
 // header on, streams that never send one were bounded only by
 // ingress.max_streams (9,900 of them measured 75 MiB). One that never
-// sends it holds its slot for mesh.HeaderTimeout at most, and while a
-// listener waits for a slot of the process's new streams are refused
-// (linkSlots.take). At the limit a stream is refused (takeSlot), not
+// sends it holds its slot for mesh.HeaderTimeout at most (headerWaits
+// of them while the links' data keeps arriving: headerReader), and
+// while a listener waits for a slot of the process's new streams are
+// refused (linkSlots.take). At the limit a stream is refused (takeSlot), not
 // made to wait as a TCP listener's connection waits in the accept queue.
 func (in *ingress) serveStream(is *ingressSession, st *yamux.Stream) {
 	defer in.wg.Done()

@@ -62,8 +62,9 @@ const (
 	// maxStatusPorts bounds a status message (a peer's message is read
 	// into memory).
 	maxStatusPorts = 1024
-	// HeaderTimeout bounds how long an ingress waits for a new
-	// stream's header.
+	// HeaderTimeout bounds each wait of an ingress for a new stream's
+	// header (the ingress starts it again, a bounded number of times,
+	// while the links' data keeps arriving on the session).
 	HeaderTimeout = 5 * time.Second
 )
 
