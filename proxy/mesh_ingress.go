@@ -1027,8 +1027,9 @@ func (in *ingress) streamEndpoint(is *ingressSession, st *yamux.Stream) *endpoin
 // that keeps sending data and never the header does not hold the
 // stream's slot for ever.
 type headerReader struct {
-	st *yamux.Stream
-	pq *peerQueue
+	st  *yamux.Stream
+	pq  *peerQueue
+	got int64 // the header's bytes read: the stream's own, no other link's
 }
 
 // headerWaits bounds an ingress's wait for a stream's header: at most
@@ -1037,12 +1038,16 @@ const headerWaits = 5
 
 func newHeaderReader(is *ingressSession, st *yamux.Stream) *headerReader {
 	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
-	return &headerReader{st: st, pq: newPeerQueue(is.Session, headerWaits*mesh.HeaderTimeout)}
+	r := &headerReader{st: st, pq: newPeerQueue(is.Session, headerWaits*mesh.HeaderTimeout)}
+	r.pq.in = func() int64 { return is.LinkBytesIn() - r.got } // a part of the header is not the queue moving
+	r.pq.seen = r.pq.in()
+	return r
 }
 
 func (r *headerReader) Read(p []byte) (int, error) {
 	for {
 		n, err := r.st.Read(p)
+		r.got += int64(n)
 		if n > 0 || !isTimeout(err) || !r.pq.restart() {
 			return n, err
 		}
