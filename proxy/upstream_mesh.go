@@ -167,7 +167,9 @@ func (es *egressSession) refusedAtHeader(err error) error {
 // the wait in the socket's (see sendQueue.restart). That wait is the
 // proxy's own on a live session, not the peer's: a peer that dies
 // meanwhile is found by the heartbeat, which closes the session and ends
-// the wait.
+// the wait. The wait also goes on, within a bound, while the ack may
+// wait in the peer's send queue (see peerQueue), and ends at once when
+// the link's client resets (see clientWatch).
 func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Stream, port uint16, queued time.Duration) (*meshEnd, error) {
 	deadline, _ := ctx.Deadline()
 	first := deadline.Add(queued + es.Timeout)
