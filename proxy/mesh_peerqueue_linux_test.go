@@ -355,8 +355,8 @@ func TestMeshLinkWaitingForItsAckEndsWithItsClient(t *testing.T) {
 // runs out: the client watch sees its socket closed under it as it sees
 // a reset. Before, the wait went on to its end, and Close with it: here
 // one wait of connect budget plus ping_timeout (10.3 s), on a session
-// whose peer's queue moves up to maxPeerQueueWaits more (peerQueue),
-// and a link evicted while it dials the same.
+// whose peer's queue moves up to maxPeerQueueWaits more (peerQueue);
+// a drain whose time runs out aborts its links the same way.
 func TestMeshLinkWaitingForItsAckEndsWithTheProxy(t *testing.T) {
 	srv := startGatedServer(t)
 	in := startIngressL(t, "127.0.0.1", srv.addr(), func(l *policy.Listener) {
