@@ -100,7 +100,7 @@ func blackholeMidFrame(armed *atomic.Bool, holed, stop chan struct{}) relay.Hand
 						return
 					}
 				}
-				if err != nil && !isTimeout(err) {
+				if err != nil && !deadlinePassed(err) {
 					return
 				}
 			}

@@ -1048,7 +1048,7 @@ func (r *headerReader) Read(p []byte) (int, error) {
 	for {
 		n, err := r.st.Read(p)
 		r.got += int64(n)
-		if n > 0 || !isTimeout(err) || !r.pq.restart() {
+		if n > 0 || !deadlinePassed(err) || !r.pq.restart() {
 			return n, err
 		}
 		_ = r.st.SetReadDeadline(time.Now().Add(min(mesh.HeaderTimeout, time.Duration(r.pq.until-flow.Mono()))))

@@ -179,7 +179,7 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	cw := lk.watchClient(st)
 	var ack [1]byte
 	_, err := io.ReadFull(st, ack[:])
-	for isTimeout(err) && !cw.gone() {
+	for deadlinePassed(err) && !cw.gone() {
 		next, again := restartAck(sq, pq, wait)
 		if !again {
 			break
@@ -393,11 +393,6 @@ func (pq *peerQueue) restart() bool {
 	moved := n > pq.seen
 	pq.seen = n
 	return moved && flow.Mono() < pq.until
-}
-
-func isTimeout(err error) bool {
-	var ne net.Error
-	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // deathErr is the dial error of a link whose stream was opening when its
