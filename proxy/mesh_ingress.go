@@ -1038,9 +1038,9 @@ const headerWaits = 5
 
 func newHeaderReader(is *ingressSession, st *yamux.Stream) *headerReader {
 	_ = st.SetReadDeadline(time.Now().Add(mesh.HeaderTimeout))
-	r := &headerReader{st: st, pq: newPeerQueue(is.Session, headerWaits*mesh.HeaderTimeout)}
-	r.pq.in = func() int64 { return is.LinkBytesIn() - r.got } // a part of the header is not the queue moving
-	r.pq.seen = r.pq.in()
+	r := &headerReader{st: st}
+	// A part of the header is not the queue moving.
+	r.pq = newPeerQueue(func() int64 { return is.LinkBytesIn() - r.got }, headerWaits*mesh.HeaderTimeout)
 	return r
 }
 

@@ -175,7 +175,7 @@ func (es *egressSession) awaitAck(ctx context.Context, lk *link, st *yamux.Strea
 	first := deadline.Add(queued + es.Timeout)
 	_ = st.SetReadDeadline(first)
 	wait := lk.meshDialTimeout() + es.Timeout
-	sq, pq := es.sendQueue(), newPeerQueue(es.Session, time.Until(first)+maxPeerQueueWaits*wait)
+	sq, pq := es.sendQueue(), newPeerQueue(es.LinkBytesIn, time.Until(first)+maxPeerQueueWaits*wait)
 	cw := lk.watchClient(st)
 	var ack [1]byte
 	_, err := io.ReadFull(st, ack[:])
@@ -377,10 +377,10 @@ type peerQueue struct {
 // queue, see sendQueue).
 const maxPeerQueueWaits = 3
 
-// newPeerQueue starts watching the peer's queue on ms; no renewal for
-// it from within on.
-func newPeerQueue(ms *mesh.Session, within time.Duration) *peerQueue {
-	return &peerQueue{in: ms.LinkBytesIn, seen: ms.LinkBytesIn(), until: flow.Mono() + int64(within)}
+// newPeerQueue starts watching the peer's queue, whose moving in counts
+// (a session's LinkBytesIn); no renewal for it from within on.
+func newPeerQueue(in func() int64, within time.Duration) *peerQueue {
+	return &peerQueue{in: in, seen: in(), until: flow.Mono() + int64(within)}
 }
 
 // restart looks at the session's inbound data when a wait for the peer
