@@ -212,28 +212,33 @@ func connectsBehind(t *testing.T, q *queueSetup, size int) {
 // is excluded mesh_dead, and the waiting link ends mesh_dead with it:
 // the queue's wait is bounded by the session's life, not by a clock.
 func TestMeshLinkOpenBehindTheSendQueueOfADeadPeer(t *testing.T) {
-	endsWithTheSession(t, startQueue(t), 300*time.Millisecond) // its stream waits in yamux's queue
+	q := startQueue(t)
+	c := q.eg.dial()
+	time.Sleep(300 * time.Millisecond) // its stream waits in yamux's queue
+	darkEnds(t, q, c)
 }
 
 // The twin of TestMeshLinkOpenBehindTheSocketsSendQueue: the path goes
-// dark 1.5 s after the dial, once the wait for the ack has run out and
-// started again (the socket's queue moved), the header still behind the
-// socket's bytes. The restarted wait does not outlive the session: the
-// link ends mesh_dead with it, within ping_timeout and a second.
+// dark once the wait for the ack has run out and started again (the
+// socket's queue moved: testHookAckRenewed's own), the header still
+// behind the socket's bytes. The restarted wait does not outlive the
+// session: the link ends mesh_dead with it, within ping_timeout and a
+// second.
 func TestMeshLinkOpenBehindTheSocketsSendQueueOfADeadPeer(t *testing.T) {
 	q := startQueueOf(t, 4<<20, 128<<10, 0)
 	waitFor(t, 10*time.Second, "the session's socket holding 3/4 MiB", func() bool {
 		return sessionQueued(q.eg) >= 768<<10
 	})
-	endsWithTheSession(t, q, 1500*time.Millisecond)
-}
-
-// endsWithTheSession dials a link on q's congested session, has the
-// path go dark after, and asserts the link, the session and the
-// endpoint end mesh_dead within ping_timeout and a second of the dark.
-func endsWithTheSession(t *testing.T, q *queueSetup, after time.Duration) {
+	var renewed atomic.Int32
+	hook := func(own, _ bool) {
+		if own {
+			renewed.Add(1)
+		}
+	}
+	testHookAckRenewed.Store(&hook)
+	t.Cleanup(func() { testHookAckRenewed.Store(nil) })
 	c := q.eg.dial()
-	time.Sleep(after)
+	waitFor(t, 20*time.Second, "the new link's ack wait started again for its own send queue", func() bool { return renewed.Load() > 0 })
 	darkEnds(t, q, c)
 }
 
