@@ -118,15 +118,7 @@ func acceptOne(t *testing.T) (net.Listener, <-chan *net.TCPConn) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	accepted := make(chan *net.TCPConn, 1)
-	go func() {
-		c, err := ln.Accept()
-		if err == nil {
-			accepted <- c.(*net.TCPConn)
-		}
-		close(accepted)
-	}()
-	return ln, accepted
+	return ln, acceptNext(ln)
 }
 
 // clientResetSeenAsFin makes one attempt: the server writes until the
