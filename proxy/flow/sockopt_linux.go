@@ -160,8 +160,12 @@ func BytesAcked(raw syscall.RawConn) (int64, bool) {
 	if !ok {
 		return 0, false
 	}
-	return max(int64(c.ti.Bytes_acked)-1, 0), true
+	return ackedOf(&c.ti), true
 }
+
+// ackedOf is BytesAcked's count from a TCP_INFO read (see BytesAcked):
+// ResetNotFin and SampleDelivery say it as BytesAcked does.
+func ackedOf(ti *unix.TCPInfo) int64 { return max(int64(ti.Bytes_acked)-1, 0) }
 
 // Received is what the kernel says of the bytes the peer sent: how many
 // it has taken in, in order (TCP_INFO's tcpi_bytes_received, less the
@@ -233,7 +237,7 @@ func ResetNotFin(rc syscall.RawConn, read int64) (reset bool, acked int64, acked
 	ti := &c.ti
 	filled := c.n >= uint32(unsafe.Offsetof(ti.Bytes_received)+unsafe.Sizeof(ti.Bytes_received))
 	reset = filled && ti.State == unix.BPF_TCP_CLOSE && int64(ti.Bytes_received) <= read
-	return reset, max(int64(ti.Bytes_acked)-1, 0), true
+	return reset, ackedOf(ti), true
 }
 
 // tcpInfoCall is ResetNotFin's RawConn.Control callback and what it
@@ -481,7 +485,7 @@ func SampleDelivery(raw syscall.RawConn) (Delivery, bool) {
 		return Delivery{}, false
 	}
 	return Delivery{
-		Acked:  max(int64(ti.Bytes_acked)-1, 0),
+		Acked:  ackedOf(&ti),
 		Queued: int64(outq),
 		AckAt:  now - int64(ti.Last_ack_recv)*int64(time.Millisecond) - receivedSlack,
 		// Unacked counts segments sent and not acknowledged: none while
