@@ -48,7 +48,7 @@ func TestRouteToAtTheDescriptorLimit(t *testing.T) {
 	routeFixture(t)
 	KeepRouteLookup()
 	restore := testutil.FillDescriptors(t, 0)
-	_, sockErr := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	_, sockErr := routeSocket()
 	r1, k1 := RouteTo(routed, 0)
 	r2, k2 := RouteTo(unrouted, 0)
 	restore()
@@ -145,7 +145,7 @@ func TestRouteToWithoutProc(t *testing.T) {
 			return
 		}
 		var res result
-		_, res.sockErr = unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+		_, res.sockErr = routeSocket()
 		res.r1, res.k1 = RouteTo(routed, 0)
 		res.r2, res.k2 = RouteTo(unrouted, 0)
 		done <- res

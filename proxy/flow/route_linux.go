@@ -38,7 +38,7 @@ func RouteTo(dst netip.AddrPort, mark int) (route, known bool) {
 	if route, known, asked := routeSock.ask(ns, nsKnown, req); asked {
 		return route, known
 	}
-	s, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	s, err := routeSocket()
 	if err != nil {
 		return false, false
 	}
@@ -116,7 +116,7 @@ func (r *routeSockT) openLocked(ns netnsID, nsKnown bool) bool {
 	if nsKnown && (!ok || main != ns) {
 		return false
 	}
-	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	fd, err := routeSocket()
 	if err != nil {
 		return false
 	}
@@ -150,7 +150,7 @@ func (r *routeSockT) ask(ns netnsID, nsKnown bool, req []byte) (route, known, as
 // reports whether it could: the old one is closed only then, so that a
 // process at its descriptor limit keeps the one it has.
 func (r *routeSockT) replaceLocked() bool {
-	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+	fd, err := routeSocket()
 	if err != nil {
 		return false
 	}
@@ -182,6 +182,12 @@ func routeAsk(s int, req []byte, seq uint32, buf *[routeAnswerMax]byte) (route, 
 		}
 	}
 	return false, false, nil
+}
+
+// routeSocket opens a socket to ask routes of (rtnetlink), as RouteTo's
+// own, the kept one and its replacement are.
+func routeSocket() (int, error) {
+	return unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
 }
 
 // routeStale bounds the answers of earlier requests a lookup skips. The
