@@ -67,11 +67,14 @@ func TestProbeOutOfDescriptorsIsNoFailedProbe(t *testing.T) {
 // not apply). Before, the next came at the backoff's delay.
 func TestProbeOwnFailureIsRetriedAtTheInitialDelay(t *testing.T) {
 	ep := testutil.ClosedAddr(t) // refused: the endpoint's failures
-	var own atomic.Bool
+	var dials atomic.Int32
 	var mu sync.Mutex
 	var owned []time.Time
 	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
-		if own.Load() {
+		// After the endpoint's three failed probes the prober runs out of
+		// descriptors: decided here, at the dial, so that no probe that
+		// began meanwhile is refused and counted as a fourth.
+		if dials.Add(1) > 3 {
 			mu.Lock()
 			owned = append(owned, time.Now())
 			mu.Unlock()
@@ -99,7 +102,6 @@ func TestProbeOwnFailureIsRetriedAtTheInitialDelay(t *testing.T) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	own.Store(true) // the prober runs out of descriptors
 	backoff := initial * factor * factor * factor
 	for {
 		mu.Lock()
